@@ -1,0 +1,224 @@
+"""Everything that talks to MLflow. Explicit run ids through MlflowClient; no fluent active-run stack."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable
+from urllib.parse import urlparse
+
+from replaybisect.errors import RunNotFound, StoreUnreachable
+
+DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"
+DEFAULT_EXPERIMENT = "replaybisect"
+TAG = "replaybisect."  # prefix of every tag we write
+MAX_BATCH = 1000  # MLflow's limit of metrics per log_batch call
+
+
+def resolve_tracking_uri(cli_value: str | None = None) -> str:
+    """`--tracking-uri`, else MLflow's own rule (MLFLOW_TRACKING_URI), else a SQLite file here."""
+    return cli_value or os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_TRACKING_URI
+
+
+def _quiet_mlflow() -> None:
+    # A fresh SQLite store runs alembic migrations that log at INFO; users see only our output.
+    for name in ("alembic", "alembic.runtime.migration", "mlflow.store.db.utils", "mlflow"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    # Fail fast on an unreachable server instead of MLflow's minutes of retries.
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "30")
+
+
+def _check_reachable(uri: str) -> None:
+    parsed = urlparse(uri)
+    if parsed.scheme in ("http", "https"):
+        try:
+            with urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=5) as response:
+                response.read()
+        except (urllib.error.URLError, OSError, ValueError) as error:
+            reason = getattr(error, "reason", error)
+            raise StoreUnreachable(
+                f"tracking server {uri} is unreachable ({reason}); start it (`mlflow server`) or pass --tracking-uri"
+            ) from None
+    elif parsed.scheme == "sqlite":
+        path = uri[len("sqlite:///"):] if uri.startswith("sqlite:///") else ""
+        if path and path != ":memory:":
+            folder = Path(path).expanduser().resolve().parent
+            if not folder.is_dir():
+                raise StoreUnreachable(
+                    f"tracking store {uri}: folder {folder} does not exist; create it or pass another --tracking-uri"
+                )
+            if not os.access(folder, os.W_OK):
+                raise StoreUnreachable(f"tracking store {uri}: folder {folder} is not writable; pass another --tracking-uri")
+    elif parsed.scheme in ("", "file"):
+        folder = Path(parsed.path if parsed.scheme == "file" else uri).expanduser()
+        if folder.exists() and not folder.is_dir():
+            raise StoreUnreachable(f"tracking store {uri} is a file, not a folder; pass another --tracking-uri")
+
+
+@dataclass
+class Store:
+    """A tracking store: the MLflow client plus the handful of operations replaybisect needs."""
+
+    uri: str
+    client: Any  # mlflow.MlflowClient
+
+    # ---- runs ---------------------------------------------------------------------------
+    def experiment_id(self, name: str | None = None) -> str:
+        name = name or os.environ.get("MLFLOW_EXPERIMENT_NAME") or DEFAULT_EXPERIMENT
+        experiment = self.client.get_experiment_by_name(name)
+        if experiment is not None:
+            return experiment.experiment_id
+        try:
+            return self.client.create_experiment(name)
+        except Exception:  # created concurrently by another process
+            return self.client.get_experiment_by_name(name).experiment_id
+
+    def create_run(
+        self,
+        kind: str,
+        *,
+        run_name: str | None = None,
+        parent_run_id: str | None = None,
+        experiment: str | None = None,
+        tags: dict[str, str] | None = None,
+    ) -> str:
+        all_tags = {TAG + "kind": kind, TAG + "status": "running"}
+        if parent_run_id:
+            all_tags["mlflow.parentRunId"] = parent_run_id
+            experiment_id = self.get_run(parent_run_id).info.experiment_id
+        else:
+            experiment_id = self.experiment_id(experiment)
+        all_tags.update(tags or {})
+        run = self.client.create_run(experiment_id, tags=all_tags, run_name=run_name)
+        return run.info.run_id
+
+    def get_run(self, run_id: str):
+        from mlflow.exceptions import MlflowException
+
+        try:
+            return self.client.get_run(run_id)
+        except MlflowException:
+            raise RunNotFound(f"no run {run_id!r} in {self.uri}; list runs with `replay runs`") from None
+
+    def finish_run(self, run_id: str, status: str, mlflow_status: str = "FINISHED") -> None:
+        self.set_tags(run_id, {"status": status})
+        self.client.set_terminated(run_id, mlflow_status)
+
+    def set_tags(self, run_id: str, tags: dict[str, Any], prefix: str = TAG) -> None:
+        from mlflow.entities import RunTag
+
+        self.client.log_batch(run_id, tags=[RunTag(prefix + key, str(value)) for key, value in tags.items()])
+
+    def tags(self, run_id: str) -> dict[str, str]:
+        """The run's replaybisect tags, without the prefix."""
+        return {k[len(TAG):]: v for k, v in self.get_run(run_id).data.tags.items() if k.startswith(TAG)}
+
+    def search_runs(self, filter_string: str = "", max_results: int = 50, experiment: str | None = None) -> list:
+        if experiment:
+            experiment_ids = [self.experiment_id(experiment)]
+        else:
+            experiment_ids = [e.experiment_id for e in self.client.search_experiments()]
+        if not experiment_ids:
+            return []
+        return list(
+            self.client.search_runs(
+                experiment_ids, filter_string=filter_string, max_results=max_results, order_by=["attributes.start_time DESC"]
+            )
+        )
+
+    def child_runs(self, parent_run_id: str, kind: str | None = None) -> list:
+        filter_string = f"tags.mlflow.parentRunId = '{parent_run_id}'"
+        if kind:
+            filter_string += f" and tags.`{TAG}kind` = '{kind}'"
+        return self.search_runs(filter_string, max_results=1000)
+
+    # ---- params and metrics ------------------------------------------------------------
+    def log_params(self, run_id: str, params: dict[str, Any]) -> None:
+        from mlflow.entities import Param
+
+        items = [Param(key, str(value)[:6000]) for key, value in params.items()]
+        for start in range(0, len(items), 100):  # MLflow's limit of params per batch
+            self.client.log_batch(run_id, params=items[start : start + 100])
+
+    def log_metrics(self, run_id: str, points: Iterable[tuple[str, float, int]]) -> None:
+        """Log (key, value, step) points in batches of at most 1000: never one call per value."""
+        from mlflow.entities import Metric
+
+        timestamp = int(time.time() * 1000)
+        batch = [Metric(key, float(value), timestamp, int(step)) for key, value, step in points]
+        for start in range(0, len(batch), MAX_BATCH):
+            self.client.log_batch(run_id, metrics=batch[start : start + MAX_BATCH])
+
+    def metric_history(self, run_id: str, key: str) -> list[tuple[int, float]]:
+        """(step, value) sorted by step; the last value logged wins for a repeated step."""
+        by_step = {}
+        for metric in sorted(self.client.get_metric_history(run_id, key), key=lambda m: (m.step, m.timestamp)):
+            by_step[metric.step] = metric.value
+        return sorted(by_step.items())
+
+    def metric_keys(self, run_id: str) -> list[str]:
+        return sorted(self.get_run(run_id).data.metrics)
+
+    # ---- artifacts -----------------------------------------------------------------------
+    def artifact_uri(self, run_id: str) -> str:
+        return self.get_run(run_id).info.artifact_uri
+
+    def local_artifact_dir(self, run_id: str) -> Path | None:
+        """The run's artifact folder when it is on this file system (write there directly), else None."""
+        uri = self.artifact_uri(run_id)
+        parsed = urlparse(uri)
+        if parsed.scheme == "file":
+            return Path(parsed.path)
+        if parsed.scheme == "" and not uri.startswith("mlflow-artifacts:"):
+            return Path(uri)
+        return None
+
+    def log_artifact(self, run_id: str, local_path: str | Path, artifact_path: str | None = None) -> None:
+        self.client.log_artifact(run_id, str(local_path), artifact_path)
+
+    def log_artifacts(self, run_id: str, local_dir: str | Path, artifact_path: str | None = None) -> None:
+        self.client.log_artifacts(run_id, str(local_dir), artifact_path)
+
+    def log_text(self, run_id: str, text: str, artifact_file: str) -> None:
+        self.client.log_text(run_id, text, artifact_file)
+
+    def log_dict(self, run_id: str, data: dict, artifact_file: str) -> None:
+        self.client.log_dict(run_id, data, artifact_file)
+
+    def log_figure(self, run_id: str, figure, artifact_file: str) -> None:
+        self.client.log_figure(run_id, figure, artifact_file)
+
+    def list_artifacts(self, run_id: str, path: str | None = None) -> list:
+        return list(self.client.list_artifacts(run_id, path))
+
+    def download_artifacts(self, run_id: str, path: str, dst_dir: str | Path) -> Path:
+        return Path(self.client.download_artifacts(run_id, path, str(dst_dir)))
+
+    def read_artifact_text(self, run_id: str, path: str) -> str:
+        import mlflow.artifacts
+
+        return mlflow.artifacts.load_text(f"{self.artifact_uri(run_id).rstrip('/')}/{path}")
+
+
+def open_store(tracking_uri: str | None = None) -> Store:
+    """Open the tracking store named by `--tracking-uri` / MLFLOW_TRACKING_URI / the SQLite default."""
+    uri = resolve_tracking_uri(tracking_uri)
+    _quiet_mlflow()
+    _check_reachable(uri)
+    import mlflow
+    from mlflow import MlflowClient
+
+    mlflow.set_tracking_uri(uri)
+    try:
+        client = MlflowClient(tracking_uri=uri)
+        client.search_experiments(max_results=1)
+    except Exception as error:
+        first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise StoreUnreachable(f"cannot open tracking store {uri}: {first_line}; pass a working --tracking-uri") from None
+    return Store(uri=uri, client=client)
