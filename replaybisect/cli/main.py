@@ -21,6 +21,13 @@ app = typer.Typer(
     rich_markup_mode="rich",
 )
 
+
+
+@app.callback()
+def _root() -> None:
+    """Replay, ablate and bisect failing PyTorch training runs recorded to MLflow."""
+
+
 # verb -> module under replaybisect.cli; each module defines `register(app)`.
 VERBS = ["train", "runs", "nan", "ablate", "bisect", "check", "diagnose", "watch"]
 

@@ -1,0 +1,199 @@
+"""Structured configs: the schema every run is validated against, and composing a run's config.
+
+A run is its resolved config. Everything is built with `hydra.utils.instantiate`, so any process can
+rebuild a run from the YAML that MLflow stores with it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from replaybisect.errors import ConfigError
+
+BUILTIN_CONFIG_DIR = Path(__file__).parent / "conf"
+SCHEMA_NAME = "replaybisect_schema"
+ENTRY_NAME = "replaybisect_entry"
+PRECISIONS = ("fp32", "bf16", "fp16")
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 1000
+    """Number of optimizer steps."""
+    batch_size: int = 64
+    """Samples per step (the last partial batch of an epoch is dropped)."""
+    precision: str = "fp32"
+    """fp32 | bf16 | fp16 (autocast; fp16 uses a GradScaler)."""
+    clip_grad_norm: Optional[float] = None
+    """Max total gradient norm; null = no clipping. The pre-clip norm is always logged."""
+    val_every: int = 100
+    """Steps between validation passes (needs val_data)."""
+    val_batches: int = 4
+    """Batches per validation pass."""
+    device: str = "auto"
+    """auto | cpu | cuda | cuda:N."""
+    num_threads: Optional[int] = None
+    """torch intra-op threads; null = torch's default. Recorded: replay uses the same count."""
+    step_fn: Any = field(default_factory=lambda: {"_target_": "replaybisect.loop.supervised_step", "_partial_": True})
+    """(model, batch, loss_fn) -> scalar loss."""
+
+
+@dataclass
+class SnapshotConfig:
+    every: int = 100
+    """Steps between full snapshots (0 = none)."""
+    keep_batches: bool = True
+    """Store the batches of each snapshot interval so replay needs no data source."""
+    on_nonfinite: str = "stop"
+    """stop | continue."""
+    layer_stats_every: int = 50
+    """Steps between per-layer statistics, param_norm and update_ratio (0 = never)."""
+    metrics_flush_every: int = 50
+    """Steps between batched metric uploads."""
+    enabled: bool = True
+    """Turn the recorder off entirely (benchmarks): no metrics, snapshots or stats."""
+
+
+@dataclass
+class ReplayConfig:
+    seed: int = 0
+    model: Any = None
+    data: Any = None
+    val_data: Any = None
+    loss: Any = field(default_factory=lambda: {"_target_": "torch.nn.CrossEntropyLoss"})
+    optim: Any = None
+    scheduler: Any = None
+    train: TrainConfig = field(default_factory=TrainConfig)
+    snapshot: SnapshotConfig = field(default_factory=SnapshotConfig)
+
+
+def _register_schema() -> None:
+    from hydra.core.config_store import ConfigStore
+
+    store = ConfigStore.instance()
+    store.store(name=SCHEMA_NAME, node=ReplayConfig)
+
+
+def _entry_node(user_config_name: str) -> dict:
+    # The schema first, then the user's primary config on top of it: a user config needs only
+    # model/data/loss/optim, with or without a defaults list of its own.
+    return {"defaults": [SCHEMA_NAME, user_config_name, "_self_"]}
+
+
+def compose(config_dir: str | Path | None = None, config_name: str | None = None, overrides: list[str] | None = None):
+    """Compose and validate a run config. Hydra errors become one-line ConfigErrors."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.config_store import ConfigStore
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.errors import HydraException
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    config_dir = Path(config_dir).expanduser().resolve() if config_dir else BUILTIN_CONFIG_DIR
+    config_name = (config_name or "config").removesuffix(".yaml")
+    if not config_dir.is_dir():
+        raise ConfigError(f"config dir {config_dir} does not exist; pass --config-dir with your Hydra config folder")
+    if not (config_dir / f"{config_name}.yaml").is_file():
+        raise ConfigError(f"no {config_name}.yaml in {config_dir}; pass --config-name with one of its configs")
+    overrides = list(overrides or [])
+    if config_dir != BUILTIN_CONFIG_DIR:
+        # Built-in groups (model=mlp, data=digits, ...) are available to user configs too.
+        overrides.append(f"hydra.searchpath=[file://{BUILTIN_CONFIG_DIR}]")
+
+    _register_schema()
+    ConfigStore.instance().store(name=ENTRY_NAME, node=_entry_node(config_name))
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(config_dir), version_base="1.3"):
+            cfg = hydra_compose(config_name=ENTRY_NAME, overrides=overrides)
+    except (HydraException, OmegaConfBaseException, ValueError) as error:
+        raise ConfigError(_one_line(error) + "; see `replay train --help` for overrides") from None
+    finally:
+        GlobalHydra.instance().clear()
+    OmegaConf.set_struct(cfg, False)
+    cfg.pop("hydra", None)
+    OmegaConf.set_struct(cfg, True)
+    validate(cfg)
+    return cfg
+
+
+def _one_line(error: BaseException) -> str:
+    text = " ".join(str(error).split())
+    for noise in ("\nfull_key:", " full_key:", " object_type="):
+        if noise in text:
+            text = text.split(noise)[0]
+    return text.rstrip(".")
+
+
+def validate(cfg) -> None:
+    """Checks that need no instantiation, all problems in one error."""
+    problems = []
+    for key in ("model", "data", "optim"):
+        if cfg.get(key) is None:
+            problems.append(f"`{key}` is not set (give it a _target_)")
+    if cfg.train.precision not in PRECISIONS:
+        problems.append(f"train.precision={cfg.train.precision!r} is not one of {', '.join(PRECISIONS)}")
+    if cfg.train.steps <= 0:
+        problems.append(f"train.steps={cfg.train.steps} must be positive")
+    if cfg.train.batch_size <= 0:
+        problems.append(f"train.batch_size={cfg.train.batch_size} must be positive")
+    if cfg.train.clip_grad_norm is not None and cfg.train.clip_grad_norm <= 0:
+        problems.append(f"train.clip_grad_norm={cfg.train.clip_grad_norm} must be positive or null")
+    if cfg.train.val_every < 0 or cfg.snapshot.every < 0 or cfg.snapshot.layer_stats_every < 0:
+        problems.append("train.val_every, snapshot.every and snapshot.layer_stats_every must be >= 0")
+    if cfg.snapshot.on_nonfinite not in ("stop", "continue"):
+        problems.append(f"snapshot.on_nonfinite={cfg.snapshot.on_nonfinite!r} is not one of stop, continue")
+    if problems:
+        raise ConfigError("bad config: " + "; ".join(problems))
+
+
+def from_yaml(text: str):
+    """Rebuild a run's config from the config.yaml MLflow stored with it, re-validated by the schema."""
+    from omegaconf import OmegaConf
+
+    cfg = OmegaConf.merge(OmegaConf.structured(ReplayConfig), OmegaConf.create(text))
+    OmegaConf.set_struct(cfg, True)
+    return cfg
+
+
+def to_yaml(cfg) -> str:
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_yaml(cfg, resolve=True)
+
+
+def flatten(cfg) -> dict[str, Any]:
+    """`a.b.c: value` params for MLflow."""
+    from omegaconf import OmegaConf
+
+    flat: dict[str, Any] = {}
+
+    def walk(node, prefix):
+        if isinstance(node, dict):
+            if not node and prefix:
+                flat[prefix] = "{}"
+            for key, value in node.items():
+                walk(value, f"{prefix}.{key}" if prefix else str(key))
+        elif isinstance(node, list):
+            flat[prefix] = str(node)
+        else:
+            flat[prefix] = "null" if node is None else node
+
+    walk(OmegaConf.to_container(cfg, resolve=True), "")
+    return flat
+
+
+def instantiate(node, what: str, **kwargs):
+    """hydra.utils.instantiate with a one-line error naming the config key."""
+    from hydra.errors import InstantiationException
+    from hydra.utils import instantiate as hydra_instantiate
+
+    try:
+        return hydra_instantiate(node, **kwargs)
+    except InstantiationException as error:
+        raise ConfigError(f"cannot build `{what}`: {_one_line(error)}") from None
+    except (ImportError, TypeError, ValueError) as error:
+        raise ConfigError(f"cannot build `{what}`: {_one_line(error)}") from None

@@ -1,0 +1,1 @@
+"""The recorder, the snapshot format, and RNG/determinism state."""

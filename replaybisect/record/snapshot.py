@@ -1,0 +1,197 @@
+"""The snapshot format: safetensors + JSON, a manifest written last, never a pickle.
+
+snapshots/step-000400/
+  tensors.safetensors   model state, optimizer tensors (never downcast)
+  batches.safetensors   the batches of steps 400.. (optional; written when the interval closes)
+  state.json            step, RNG streams, optimizer/scheduler/scaler state, data position, versions
+  MANIFEST.json         written LAST: files, sizes, sha256; no manifest = incomplete
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from replaybisect.errors import SnapshotError
+
+FORMAT = "replaybisect-snapshot/1"
+SNAPSHOTS = "snapshots"
+TENSORS = "tensors.safetensors"
+BATCHES = "batches.safetensors"
+STATE = "state.json"
+MANIFEST = "MANIFEST.json"
+ALLOWED_FILES = {TENSORS, BATCHES, STATE}
+STEP_DIR = re.compile(r"^step-(\d{6,})$")
+PICKLE_MAGIC = (b"\x80\x02", b"\x80\x03", b"\x80\x04", b"\x80\x05", b"PK\x03\x04")  # pickle protocols, torch zip
+
+
+def folder_name(step: int) -> str:
+    return f"step-{step:06d}"
+
+
+def step_of(name: str) -> int | None:
+    match = STEP_DIR.match(name)
+    return int(match.group(1)) if match else None
+
+
+# ---- writing (called from the recorder's background worker) ------------------------------
+def write_atomic(path: Path, payload: bytes) -> dict[str, Any]:
+    """Temp name, fsync, rename: a reader sees the whole file or none of it."""
+    temp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(temp, "wb") as handle:
+        handle.write(payload)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(temp, path)
+    return {"size": len(payload), "sha256": hashlib.sha256(payload).hexdigest()}
+
+
+def fsync_dir(folder: Path) -> None:
+    descriptor = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+def encode_tensors(tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> bytes:
+    from safetensors.torch import save
+
+    return save(tensors, metadata=metadata)
+
+
+def encode_json(data: dict) -> bytes:
+    return json.dumps(data, indent=1, sort_keys=True).encode("utf-8")
+
+
+def write_manifest(folder: Path, step: int, files: dict[str, dict]) -> None:
+    manifest = {"format": FORMAT, "step": step, "files": files}
+    write_atomic(folder / MANIFEST, encode_json(manifest))
+    fsync_dir(folder)
+
+
+def flatten_batch(step: int, batch) -> tuple[dict[str, torch.Tensor], Any]:
+    """A batch (tensor, tuple/list of tensors, or dict of tensors) as named tensors + its structure."""
+    if isinstance(batch, torch.Tensor):
+        return {f"{step}/_": batch}, "tensor"
+    if isinstance(batch, dict):
+        return {f"{step}/{key}": value for key, value in batch.items()}, {"dict": list(batch)}
+    return {f"{step}/{index}": value for index, value in enumerate(batch)}, {"tuple": len(batch)}
+
+
+def unflatten_batch(step: int, tensors: dict[str, torch.Tensor], structure):
+    if structure == "tensor":
+        return tensors[f"{step}/_"]
+    if "dict" in structure:
+        return {key: tensors[f"{step}/{key}"] for key in structure["dict"]}
+    return tuple(tensors[f"{step}/{index}"] for index in range(structure["tuple"]))
+
+
+def encode_batches(batches: dict[int, Any]) -> bytes:
+    tensors: dict[str, torch.Tensor] = {}
+    structure: dict[str, Any] = {}
+    for step, batch in batches.items():
+        named, shape = flatten_batch(step, batch)
+        tensors.update({key: value.detach().cpu().contiguous() for key, value in named.items()})
+        structure[str(step)] = shape
+    return encode_tensors(tensors, {"structure": json.dumps(structure)})
+
+
+# ---- reading ----------------------------------------------------------------------------------
+@dataclass
+class Snapshot:
+    step: int
+    folder: Path
+    tensors: dict[str, torch.Tensor]
+    state: dict[str, Any]
+    batches: dict[int, Any]
+
+
+def _refuse_pickles(folder: Path) -> None:
+    """Only the format's own files may be present; a pickle (or torch.save zip) is never opened."""
+    for path in sorted(folder.iterdir()):
+        if path.name == MANIFEST or path.name.startswith("."):  # dot files: temp names of an interrupted write
+            continue
+        if path.name not in ALLOWED_FILES:
+            raise SnapshotError(
+                f"snapshot {folder.name} holds {path.name}, which is not part of the snapshot format; refusing to load it "
+                "(replaybisect never unpickles); remove the file or use another snapshot"
+            )
+        if path.suffix == ".safetensors":
+            with open(path, "rb") as handle:
+                if handle.read(4).startswith(PICKLE_MAGIC):
+                    raise SnapshotError(
+                        f"snapshot {folder.name}: {path.name} is a pickle, not safetensors; refusing to load it (pickles can run code)"
+                    )
+
+
+def read_manifest(folder: Path) -> dict[str, Any]:
+    path = folder / MANIFEST
+    if not path.is_file():
+        raise SnapshotError(f"snapshot {folder.name} is incomplete (no {MANIFEST}: its write was interrupted)")
+    try:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError):
+        raise SnapshotError(f"snapshot {folder.name}: {MANIFEST} is unreadable (interrupted or corrupt)") from None
+    if manifest.get("format") != FORMAT or not isinstance(manifest.get("files"), dict):
+        raise SnapshotError(f"snapshot {folder.name}: {MANIFEST} is not a {FORMAT} manifest")
+    unknown = set(manifest["files"]) - ALLOWED_FILES
+    if unknown:
+        raise SnapshotError(f"snapshot {folder.name}: manifest lists {sorted(unknown)}, not part of the format; refusing to load")
+    return manifest
+
+
+def read_verified(folder: Path, name: str, manifest: dict[str, Any]) -> bytes:
+    entry = manifest["files"].get(name)
+    if entry is None:
+        raise SnapshotError(f"snapshot {folder.name}: {name} is not in its manifest")
+    path = folder / name
+    if not path.is_file():
+        raise SnapshotError(f"snapshot {folder.name}: {name} is missing")
+    payload = path.read_bytes()
+    if len(payload) != entry["size"] or hashlib.sha256(payload).hexdigest() != entry["sha256"]:
+        raise SnapshotError(f"snapshot {folder.name}: {name} fails verification (checksum mismatch: the file is corrupt)")
+    return payload
+
+
+def verify(folder: Path) -> dict[str, Any]:
+    """Check the manifest and every file's size and sha256; return the manifest."""
+    _refuse_pickles(folder)
+    manifest = read_manifest(folder)
+    for name in manifest["files"]:
+        read_verified(folder, name, manifest)
+    return manifest
+
+
+def load(folder: Path) -> Snapshot:
+    """Verify and load a snapshot folder (safetensors and JSON only)."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load as load_tensors
+
+    _refuse_pickles(folder)
+    manifest = read_manifest(folder)
+    try:
+        state = json.loads(read_verified(folder, STATE, manifest))
+        tensors = load_tensors(read_verified(folder, TENSORS, manifest))
+        batches: dict[int, Any] = {}
+        if BATCHES in manifest["files"]:
+            payload = read_verified(folder, BATCHES, manifest)
+            batch_tensors = load_tensors(payload)
+            structure = json.loads(_safetensors_metadata(payload).get("structure", "{}"))
+            batches = {int(step): unflatten_batch(int(step), batch_tensors, shape) for step, shape in structure.items()}
+    except (SafetensorError, ValueError) as error:
+        raise SnapshotError(f"snapshot {folder.name} is unreadable: {error}") from None
+    return Snapshot(step=int(manifest["step"]), folder=folder, tensors=tensors, state=state, batches=batches)
+
+
+def _safetensors_metadata(payload: bytes) -> dict[str, str]:
+    header_size = int.from_bytes(payload[:8], "little")
+    header = json.loads(payload[8 : 8 + header_size])
+    return header.get("__metadata__", {})

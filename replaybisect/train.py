@@ -1,0 +1,112 @@
+"""`replay train`: build a run from its config and train it with the recorder on."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from replaybisect import config as config_mod
+from replaybisect.store import Store
+
+
+@dataclass
+class TrainResult:
+    run_id: str
+    status: str  # ok | nonfinite
+    steps_completed: int
+    first_nonfinite_step: Optional[int]
+    nonfinite_what: Optional[str]  # "loss" | "grad_norm"
+    final_loss: Optional[float]
+    snapshot_steps: list[int] = field(default_factory=list)
+    tracking_uri: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "run_id": self.run_id,
+            "status": self.status,
+            "steps_completed": self.steps_completed,
+            "first_nonfinite_step": self.first_nonfinite_step,
+            "nonfinite_what": self.nonfinite_what,
+            "final_loss": self.final_loss,
+            "snapshot_steps": self.snapshot_steps,
+            "tracking_uri": self.tracking_uri,
+        }
+
+
+def git_info(folder: Path) -> dict[str, str]:
+    """git_sha / git_dirty of the user's code, read-only (no index refresh: --no-optional-locks)."""
+    def git(*args: str) -> str:
+        return subprocess.run(
+            ["git", "--no-optional-locks", "-C", str(folder), *args], capture_output=True, text=True, timeout=10, check=True
+        ).stdout.strip()
+
+    try:
+        sha = git("rev-parse", "HEAD")
+        dirty = bool(git("status", "--porcelain", "--untracked-files=no"))
+    except (subprocess.CalledProcessError, FileNotFoundError, subprocess.TimeoutExpired):
+        return {}
+    return {"git_sha": sha, "git_dirty": str(dirty).lower()}
+
+
+def train(
+    cfg,
+    store: Store,
+    *,
+    run_name: str | None = None,
+    parent_run_id: str | None = None,
+    kind: str = "train",
+    extra_tags: dict[str, str] | None = None,
+    code_folder: Path | None = None,
+    progress: Callable[[int, int], None] | None = None,
+) -> TrainResult:
+    """Train `cfg` recorded to `store`. A non-finite stop returns status "nonfinite" (the CLI exits 3)."""
+    from replaybisect import loop
+    from replaybisect.record.recorder import NullHooks, Recorder
+
+    # 1. build first: a config that does not build never creates a run
+    state = loop.build_state(cfg)
+    batch_source, val_dataset = loop.build_data(cfg)
+
+    # 2. the run: params, config, tags
+    tags = {f"replaybisect.{key}": value for key, value in git_info(code_folder or Path.cwd()).items()}
+    tags.update(extra_tags or {})
+    run_id = store.create_run(kind, run_name=run_name, parent_run_id=parent_run_id, tags=tags)
+    try:
+        store.log_params(run_id, config_mod.flatten(cfg))
+        store.log_text(run_id, config_mod.to_yaml(cfg), "config.yaml")
+        data_position = {"seed": cfg.seed, "batch_size": cfg.train.batch_size, "dataset_len": len(batch_source.dataset)}
+        hooks = Recorder(store, run_id, cfg, state, data_position) if cfg.snapshot.enabled else NullHooks(cfg.snapshot.on_nonfinite == "stop")
+
+        # 3. train
+        report = (lambda step: progress(step + 1, cfg.train.steps)) if progress else None
+        try:
+            loop.train_loop(state, batch_source.batch, 0, cfg.train.steps, hooks, val_dataset=val_dataset, progress=report)
+        finally:
+            hooks.close()
+    except BaseException:
+        store.finish_run(run_id, "crashed", "KILLED" if _interrupted() else "FAILED")
+        raise
+
+    # 4. the verdict
+    first_nonfinite = hooks.first_nonfinite_step
+    status = "nonfinite" if first_nonfinite is not None else "ok"
+    store.finish_run(run_id, status, "FAILED" if status == "nonfinite" else "FINISHED")
+    return TrainResult(
+        run_id=run_id,
+        status=status,
+        steps_completed=hooks.steps_completed,
+        first_nonfinite_step=first_nonfinite,
+        nonfinite_what=hooks.nonfinite_what,
+        final_loss=hooks.last_loss,
+        snapshot_steps=sorted(set(hooks.snapshot_steps)),
+        tracking_uri=store.uri,
+    )
+
+
+def _interrupted() -> bool:
+    import sys
+
+    return isinstance(sys.exc_info()[1], KeyboardInterrupt)
