@@ -69,6 +69,15 @@ class ReplayConfig:
     snapshot: SnapshotConfig = field(default_factory=SnapshotConfig)
 
 
+def add_code_paths(*folders: str | Path) -> None:
+    """Make the user's own modules importable for `_target_`s, as `python -m` would from their folder."""
+    import sys
+
+    for folder in reversed([str(Path(f).resolve()) for f in folders if f and Path(f).is_dir()]):
+        if folder not in sys.path:
+            sys.path.insert(0, folder)
+
+
 def _register_schema() -> None:
     from hydra.core.config_store import ConfigStore
 
@@ -99,6 +108,7 @@ def compose(config_dir: str | Path | None = None, config_name: str | None = None
     if not (config_dir / f"{config_name}.yaml").is_file():
         raise ConfigError(f"no {config_name}.yaml in {config_dir}; pass --config-name with one of its configs")
     overrides = list(overrides or [])
+    add_code_paths(Path.cwd(), config_dir.parent, config_dir)
     if config_dir != BUILTIN_CONFIG_DIR:
         # Built-in groups (model=mlp, data=digits, ...) are available to user configs too.
         overrides.append(f"hydra.searchpath=[file://{BUILTIN_CONFIG_DIR}]")

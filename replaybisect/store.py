@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import logging
+import math
 import os
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -159,7 +161,7 @@ class Store:
         """(step, value) sorted by step; the last value logged wins for a repeated step."""
         by_step = {}
         for metric in sorted(self.client.get_metric_history(run_id, key), key=lambda m: (m.step, m.timestamp)):
-            by_step[metric.step] = metric.value
+            by_step[metric.step] = _unclamp(metric.value)
         return sorted(by_step.items())
 
     def metric_keys(self, run_id: str) -> list[str]:
@@ -204,6 +206,13 @@ class Store:
         import mlflow.artifacts
 
         return mlflow.artifacts.load_text(f"{self.artifact_uri(run_id).rstrip('/')}/{path}")
+
+
+def _unclamp(value: float) -> float:
+    """MLflow stores +-inf as +-float max; give them back as infinities."""
+    if abs(value) == sys.float_info.max:
+        return math.copysign(math.inf, value)
+    return value
 
 
 def open_store(tracking_uri: str | None = None) -> Store:

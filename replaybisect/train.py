@@ -71,7 +71,9 @@ def train(
     batch_source, val_dataset = loop.build_data(cfg)
 
     # 2. the run: params, config, tags
-    tags = {f"replaybisect.{key}": value for key, value in git_info(code_folder or Path.cwd()).items()}
+    code_folder = code_folder or Path.cwd()
+    tags = {f"replaybisect.{key}": value for key, value in git_info(code_folder).items()}
+    tags["replaybisect.code_dir"] = str(code_folder)  # where `_target_`s import from, for replays elsewhere
     tags.update(extra_tags or {})
     run_id = store.create_run(kind, run_name=run_name, parent_run_id=parent_run_id, tags=tags)
     try:

@@ -1,0 +1,80 @@
+"""Shared fixtures: a real SQLite MLflow store per test, and the installed `replay` command as a user runs it."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+REPLAY = shutil.which("replay") or str(Path(sys.executable).with_name("replay"))
+
+
+@dataclass
+class CliResult:
+    returncode: int
+    stdout: str
+    stderr: str
+
+    def json(self):
+        return json.loads(self.stdout)
+
+
+@dataclass
+class Workspace:
+    """A user's working folder with its own SQLite tracking store."""
+
+    path: Path
+
+    @property
+    def tracking_uri(self) -> str:
+        return f"sqlite:///{self.path / 'mlflow.db'}"
+
+    def env(self, **extra: str) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update(MLFLOW_TRACKING_URI=self.tracking_uri, PYTHONUNBUFFERED="1", REPLAYBISECT_CACHE=str(self.path / ".cache"))
+        env.pop("REPLAYBISECT_FULL_ERROR", None)
+        env.update(extra)
+        return env
+
+    def replay(self, *args: str, timeout: float = 600, env: dict | None = None) -> CliResult:
+        """Run the installed `replay` command in this folder, as a user would."""
+        done = subprocess.run(
+            [REPLAY, *args], cwd=self.path, env=env or self.env(), capture_output=True, text=True, timeout=timeout
+        )
+        return CliResult(done.returncode, done.stdout, done.stderr)
+
+    def train(self, *overrides: str, expect: int = 0, extra: tuple[str, ...] = ()) -> dict:
+        """`replay train --json OVERRIDES`; returns the JSON result (run_id, status, ...)."""
+        result = self.replay("train", "--json", *extra, *overrides)
+        assert result.returncode == expect, f"exit {result.returncode}\n{result.stdout}\n{result.stderr}"
+        return result.json()
+
+    def store(self):
+        from replaybisect.store import open_store
+
+        return open_store(self.tracking_uri)
+
+
+@pytest.fixture
+def workspace(tmp_path) -> Workspace:
+    return Workspace(tmp_path)
+
+
+# Small, fast training settings for end-to-end tests (a few seconds a run on 2 cores).
+FAST = ("train.steps=40", "train.batch_size=32", "snapshot.every=10", "snapshot.layer_stats_every=10", "train.val_every=10", "model.hidden=32")
+
+
+def assert_one_line_error(result: CliResult, *fragments: str) -> None:
+    """Bad input: exit 2, one line on stderr naming the problem, no traceback."""
+    assert result.returncode == 2, f"exit {result.returncode}\n{result.stdout}\n{result.stderr}"
+    lines = [line for line in result.stderr.strip().splitlines() if line.strip()]
+    assert len(lines) == 1, f"expected one line, got:\n{result.stderr}"
+    assert "Traceback" not in result.stderr
+    for fragment in fragments:
+        assert fragment.lower() in lines[0].lower(), f"{fragment!r} not in {lines[0]!r}"
