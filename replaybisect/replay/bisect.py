@@ -8,19 +8,22 @@ How it works
 2. Both endpoints are measured first over the same seeds (FIELD-NOTES "Bisection": verify the range first,
    as mozregression and Chromium's `--verify-range` do). GOOD must pass and BAD must fail.
 3. Verdict per commit (`judge`): a non-finite loss is `bad` at once; a commit that cannot be trained
-   (bad config, `_target_` that does not import, crash) is `skip`. Otherwise the statistical test, stated:
+   (bad config, `_target_` that does not import, crash) is `skip`. Otherwise, with seeds as blocks (the
+   commit runs the endpoints' seeds, so init and data order are shared):
 
-       For seed s, u_s = x_s - (g_s + b_s) / 2: the commit's metric minus the midpoint of GOOD's and BAD's
-       metrics *at the same seed* (seeds are blocks: init and data order are shared, so seed noise cancels).
-       z = mean(u) / (sigma_u / sqrt(n)), with sigma_u = sqrt(3/4) * sd(b_s - g_s) measured on the endpoints
-       (the residual noise a single commit adds; floored at 5% of the endpoint gap). |z| >= 2.576
-       (two-sided p <= 0.01, Chromium Pinpoint's bar for "different") decides: bad if z > 0, good if z < 0.
-       Otherwise the commit gets one more seed, up to --max-seeds; then the nearer side wins, marked
-       `undecided`. With --threshold X the midpoint is X and sigma the endpoints' pooled seed spread.
+   a. Reproduction: a metric equal to GOOD's (or BAD's) at the same seed within 1e-3 relative
+      (FIELD-NOTES: Megatron-Core's replay tolerance) while 10x that far from the other endpoint's means the
+      commit trains like that endpoint: decided on one seed. On CPU most commits land here.
+   b. Otherwise the statistical test, stated: u_s = x_s - (g_s + b_s) / 2 (the commit's metric minus the
+      midpoint of GOOD and BAD at the same seed); z = mean(u) / (sigma_u / sqrt(n)) with
+      sigma_u = sqrt(3/4) * sd(b_s - g_s) from the endpoints (floored at 5% of the endpoint gap).
+      |z| >= 2.576 (two-sided p <= 0.01, Chromium Pinpoint's bar for "different") decides: bad above the
+      midpoint, good below. Otherwise the commit gets one more seed, up to --max-seeds; then the nearer side
+      wins, marked `undecided`. With --threshold X the midpoint is X and sigma the endpoints' pooled seed spread.
 
-   The endpoints pass this bar with a one-sided paired t-test (scipy.stats.ttest_rel, p <= 0.01) of BAD
-   against GOOD; when p is unclear (<= 0.2) both endpoints get more seeds before BAD is declared passing
-   (Pinpoint adds repeats when a comparison is unknown).
+   The endpoints pass with a one-sided paired t-test (scipy.stats.ttest_rel, p <= 0.01) of BAD against
+   GOOD; when p is unclear (<= 0.2) both endpoints get more seeds before BAD is declared passing (Pinpoint
+   adds repeats when a comparison is unknown).
 4. Search over BAD's first-parent history: W workers test W commits per round, at the W points that split
    the unknown range into W+1 equal parts (ceil(log_{W+1} N) rounds, FIELD-NOTES). Skipped commits are
    handled as `git bisect skip` does: the nearest untested commit is tried instead, and when only skipped
@@ -56,6 +59,7 @@ ALPHA = 0.01  # FIELD-NOTES "Bisection": Pinpoint calls two samples different at
 Z_DECIDE = 2.5758293035489  # two-sided normal quantile for ALPHA (scipy.stats.norm.isf(0.005))
 UNCLEAR_P = 0.2  # endpoints with ALPHA < p <= this get more seeds before BAD is called passing
 MIN_NOISE_FRACTION = 0.05  # sigma floor as a fraction of the endpoint gap (deterministic CPU runs have 0 spread)
+REPRODUCE_RTOL = 1e-3  # FIELD-NOTES: Megatron-Core's replay tolerance where kernels are nondeterministic
 MIN_EFFECT_OF_SPREAD = 0.1  # a BAD less than a tenth of GOOD's seed spread worse is "equal within noise"
 TAIL_FRACTION = 0.1  # the metric: mean over the last 10% of logged steps (DESIGN §5)
 OUTPUT_TAIL = 4000  # characters of a trial's output kept with its run
@@ -140,8 +144,9 @@ class Baseline:
         if self.mode == "threshold":
             return (f"{self.metric_name} against --threshold {self.threshold:g}: z-test of the seed mean, sigma {self.sigma:.3g} "
                     f"(endpoints' pooled seed spread), decided at p <= {ALPHA}")
-        return (f"paired z-test per seed against the midpoint of GOOD and BAD at the same seed, sigma {self.sigma:.3g} "
-                f"from the endpoints' paired differences; decided at p <= {ALPHA}, else one more seed")
+        return (f"per seed: reproduces GOOD or BAD (within {REPRODUCE_RTOL:g} relative), else a z-test against the midpoint "
+                f"of GOOD and BAD at the same seed, sigma {self.sigma:.3g} from the endpoints' paired differences; "
+                f"decided at p <= {ALPHA}, else one more seed")
 
 
 @dataclass
@@ -303,6 +308,11 @@ def judge(baseline: Baseline, runs: Sequence[SeedRun], max_seeds: int) -> tuple[
         return "good", None, None, f"finite at seeds {sorted(tested)} where BAD diverges"
 
     if baseline.mode == "paired":
+        same = {_reproduces(run.metric, baseline.good[run.seed], baseline.bad[run.seed]) for run in runs}
+        if len(same) == 1 and None not in same:
+            side = same.pop()
+            endpoint = "GOOD" if side == "good" else "BAD"
+            return side, None, None, f"reproduces {endpoint} at seed{'s' * (len(runs) > 1)} {', '.join(str(run.seed) for run in runs)}"
         deltas = [run.metric - (baseline.good[run.seed] + baseline.bad[run.seed]) / 2 for run in runs]
     else:  # threshold
         deltas = [run.metric - baseline.threshold for run in runs]
@@ -318,6 +328,15 @@ def judge(baseline: Baseline, runs: Sequence[SeedRun], max_seeds: int) -> tuple[
     if n >= max_seeds:
         return side, z, p, f"undecided after {n} seeds (z={z:+.2f}, p={p:.2g}): nearer {side.upper()}"
     return None, z, p, ""
+
+
+def _reproduces(value: float, good: float, bad: float) -> str | None:
+    """"good"/"bad" when `value` equals that endpoint's metric at the same seed (within REPRODUCE_RTOL)."""
+    for side, ref, other in (("good", good, bad), ("bad", bad, good)):
+        tolerance = REPRODUCE_RTOL * max(abs(ref), 1e-12)
+        if abs(value - ref) <= tolerance and abs(value - other) > 10 * tolerance:
+            return side
+    return None
 
 
 def endpoint_baseline(metric_name: str, good: list[SeedRun], bad: list[SeedRun], threshold: float | None,
@@ -924,13 +943,13 @@ def _log_report(store, result: BisectResult) -> None:
     run_id = result.run_id
     store.log_text(run_id, report_bisect.to_markdown(result), "bisect.md")
     store.log_dict(run_id, result.to_dict(), "bisect.json")
+    from replaybisect.report import close_figure
+
     figure = report_bisect.plot(result)
     try:
         store.log_figure(run_id, figure, "bisect.png")
     finally:
-        import matplotlib.pyplot as plt
-
-        plt.close(figure)
+        close_figure(figure)
     tags = {"bisect_first_bad": result.first_bad or "", "bisect_candidates": ",".join(c[:10] for c in result.candidates),
             "bisect_rounds": result.n_rounds, "bisect_runs": result.n_runs, "bisect_cached_runs": result.n_cached}
     store.set_tags(run_id, tags)
