@@ -287,13 +287,14 @@ def train_loop(
         device_batch = to_device(batch, state.device)
         step_started = time.perf_counter()
         outcome = run_step(state, step, device_batch, observer=hooks.observer(step))
+        keep_going = True
         if outcome.nonfinite:
-            if not hooks.on_nonfinite(outcome, batch):
-                return outcome
-            restore_raw(rng_at_start)
-            outcome = run_step(state, step, device_batch, halt_on_nonfinite=False)
+            keep_going = hooks.on_nonfinite(outcome, batch)
+            if keep_going:
+                restore_raw(rng_at_start)
+                outcome = run_step(state, step, device_batch, halt_on_nonfinite=False)
         step_ended = time.perf_counter()
-        keep_going = hooks.after_step(outcome, batch, step_ended - step_started, step_started - data_started)
+        keep_going = hooks.after_step(outcome, batch, step_ended - step_started, step_started - data_started) and keep_going
         if progress:
             progress(step)
         if not keep_going:

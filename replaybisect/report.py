@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import math
+import sys
 from typing import Any, Iterable, Sequence
 
 from rich.console import Console
 from rich.table import Table
 
-console = Console()
+console = Console(width=None if sys.stdout.isatty() else 160)  # piped: wide tables, never cut run ids
 
 
 def fmt_number(value: Any, digits: int = 4) -> str:
@@ -71,3 +72,27 @@ def print_train_result(result) -> None:
             f"  next: [bold]replay nan --run-id {result.run_id}[/bold]   then   replay ablate lr,clip,precision --run-id {result.run_id}"
         )
     console.print(f"  view: {mlflow_ui_hint(result.tracking_uri)}")
+
+
+def print_runs(summaries, tracking_uri: str) -> None:
+    if not summaries:
+        console.print(f"no runs in {tracking_uri} yet; start one with [bold]replay train[/bold]")
+        return
+    rows = []
+    for run in summaries:
+        status = run.status
+        if status == "nonfinite":
+            status = f"[red]nonfinite @ {run.first_nonfinite_step}[/red]"
+        elif status == "ok":
+            status = "[green]ok[/green]"
+        snapshots = ",".join(str(s) for s in run.snapshot_steps[-6:])
+        if len(run.snapshot_steps) > 6:
+            snapshots = "…," + snapshots
+        rows.append((run.run_id, run.kind, status, run.steps, fmt_number(run.last_loss), snapshots, run.started[5:16].replace("T", " "), run.name))
+    table = Table(title=f"runs in {tracking_uri}", title_justify="left")
+    table.add_column("run id", no_wrap=True)
+    for header in ("kind", "status", "steps", "last loss", "snapshots", "started", "name"):
+        table.add_column(header)
+    for row in rows:
+        table.add_row(*(str(cell) if cell is not None else "-" for cell in row))
+    console.print(table)

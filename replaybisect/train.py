@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,6 +21,7 @@ class TrainResult:
     first_nonfinite_step: Optional[int]
     nonfinite_what: Optional[str]  # "loss" | "grad_norm"
     final_loss: Optional[float]
+    stopped: bool = False  # stopped early on a non-finite value (exit 3); false under on_nonfinite=continue
     snapshot_steps: list[int] = field(default_factory=list)
     tracking_uri: str = ""
 
@@ -31,6 +33,7 @@ class TrainResult:
             "first_nonfinite_step": self.first_nonfinite_step,
             "nonfinite_what": self.nonfinite_what,
             "final_loss": self.final_loss,
+            "stopped": self.stopped,
             "snapshot_steps": self.snapshot_steps,
             "tracking_uri": self.tracking_uri,
         }
@@ -65,6 +68,7 @@ def train(
     """Train `cfg` recorded to `store`. A non-finite stop returns status "nonfinite" (the CLI exits 3)."""
     from replaybisect import loop
     from replaybisect.record.recorder import NullHooks, Recorder
+    from replaybisect.record.rng import isolated_rng
 
     # 1. build first: a config that does not build never creates a run
     state = loop.build_state(cfg)
@@ -75,7 +79,9 @@ def train(
     tags = {f"replaybisect.{key}": value for key, value in git_info(code_folder).items()}
     tags["replaybisect.code_dir"] = str(code_folder)  # where `_target_`s import from, for replays elsewhere
     tags.update(extra_tags or {})
-    run_id = store.create_run(kind, run_name=run_name, parent_run_id=parent_run_id, tags=tags)
+    with isolated_rng():  # MLflow names runs with `random`: keep it off the (seeded) training streams
+        random.seed(os.urandom(8))
+        run_id = store.create_run(kind, run_name=run_name, parent_run_id=parent_run_id, tags=tags)
     try:
         store.log_params(run_id, config_mod.flatten(cfg))
         store.log_text(run_id, config_mod.to_yaml(cfg), "config.yaml")
@@ -85,7 +91,7 @@ def train(
         # 3. train
         report = (lambda step: progress(step + 1, cfg.train.steps)) if progress else None
         try:
-            loop.train_loop(state, batch_source.batch, 0, cfg.train.steps, hooks, val_dataset=val_dataset, progress=report)
+            stopped_by = loop.train_loop(state, batch_source.batch, 0, cfg.train.steps, hooks, val_dataset=val_dataset, progress=report)
         finally:
             hooks.close()
     except BaseException:
@@ -103,6 +109,7 @@ def train(
         first_nonfinite_step=first_nonfinite,
         nonfinite_what=hooks.nonfinite_what,
         final_loss=hooks.last_loss,
+        stopped=stopped_by is not None,
         snapshot_steps=sorted(set(hooks.snapshot_steps)),
         tracking_uri=store.uri,
     )

@@ -60,7 +60,7 @@ def train_command(
         print_json(result.to_json())
     else:
         print_train_result(result)
-    if result.status == "nonfinite":
+    if result.stopped:
         raise NonFiniteStop(result.first_nonfinite_step, (result.nonfinite_what or "loss").replace("_", " "), result.run_id)
 
 

@@ -135,10 +135,11 @@ class Recorder:
             self.first_nonfinite_step = outcome.step
             self.nonfinite_what = outcome.nonfinite
             opened = self._open_snapshot
+            self._keep_batch(outcome.step, batch, force=True)  # the open interval ends with the failing batch
             if not (opened and opened["step"] == outcome.step):  # else the periodic snapshot of this step is it
                 self._close_open_snapshot()
                 self._begin_snapshot(outcome.step, self._rng_at_start, reason="nonfinite", keep_open=True)
-            self._keep_batch(outcome.step, batch, force=True)
+                self._keep_batch(outcome.step, batch, force=True)
             self._close_open_snapshot()
             self.store.set_tags(
                 self.run_id,

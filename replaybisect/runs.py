@@ -1,0 +1,60 @@
+"""`replay runs`: recent recorded runs, their status, failing step and snapshot steps."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Optional
+
+from replaybisect.store import TAG, Store
+
+
+@dataclass
+class RunSummary:
+    run_id: str
+    name: str
+    kind: str
+    status: str
+    first_nonfinite_step: Optional[int]
+    steps: Optional[int]  # steps logged (last step + 1)
+    last_loss: Optional[float]
+    snapshot_steps: list[int]
+    started: str
+    parent_run_id: Optional[str]
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def _summary(run) -> RunSummary:
+    import datetime
+
+    tags = run.data.tags
+    snapshot_tag = tags.get(TAG + "snapshot_steps", "")
+    first = tags.get(TAG + "first_nonfinite_step")
+    status = tags.get(TAG + "status", "")
+    if status == "running" and run.info.status in ("FAILED", "KILLED"):
+        status = "crashed"
+    return RunSummary(
+        run_id=run.info.run_id,
+        name=run.info.run_name or "",
+        kind=tags.get(TAG + "kind", ""),
+        status=status,
+        first_nonfinite_step=int(first) if first not in (None, "") else None,
+        steps=None,
+        last_loss=run.data.metrics.get("loss"),
+        snapshot_steps=[int(s) for s in snapshot_tag.split(",") if s],
+        started=datetime.datetime.fromtimestamp(run.info.start_time / 1000).isoformat(timespec="seconds"),
+        parent_run_id=tags.get("mlflow.parentRunId"),
+    )
+
+
+def recent_runs(store: Store, limit: int = 20, kind: str | None = "train", status: str | None = None) -> list[RunSummary]:
+    """Recent runs recorded by replaybisect (default: training runs), newest first."""
+    filters = [f"tags.`{TAG}kind` = '{kind}'"] if kind else [f"tags.`{TAG}kind` != ''"]
+    if status:
+        filters.append(f"tags.`{TAG}status` = '{status}'")
+    summaries = [_summary(run) for run in store.search_runs(" and ".join(filters), max_results=limit)]
+    for summary in summaries:
+        history = store.client.get_metric_history(summary.run_id, "loss") if summary.last_loss is not None else []
+        summary.steps = max((m.step for m in history), default=-1) + 1 if history else 0
+    return summaries

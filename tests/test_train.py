@@ -1,0 +1,247 @@
+"""`replay train` end to end: the real CLI on a real SQLite MLflow store, read back with the plain MLflow client."""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import FAST, assert_one_line_error
+from replaybisect.record import snapshot as fmt
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """One built-in run shared by the read-back tests."""
+    from conftest import Workspace
+
+    workspace = Workspace(tmp_path_factory.mktemp("trained"))
+    result = workspace.train(*FAST, "scheduler=cosine")
+    return workspace, result
+
+
+def test_run_is_readable_with_plain_mlflow(trained):
+    from mlflow import MlflowClient
+
+    workspace, result = trained
+    assert result["status"] == "ok" and result["steps_completed"] == 40
+    client = MlflowClient(tracking_uri=workspace.tracking_uri)
+    run = client.get_run(result["run_id"])
+
+    # the resolved config as params and as an artifact
+    assert run.data.params["train.steps"] == "40"
+    assert run.data.params["model._target_"] == "replaybisect.models.MLP"
+    assert run.data.params["scheduler.T_max"] == "40"  # interpolation resolved
+    config_text = Path(client.download_artifacts(run.info.run_id, "config.yaml", str(workspace.path))).read_text()
+    assert "steps: 40" in config_text
+
+    # per-step metrics, validation, layer statistics
+    losses = client.get_metric_history(run.info.run_id, "loss")
+    assert sorted(m.step for m in losses) == list(range(40))
+    for key in ("grad_norm", "lr", "step_time", "data_time"):
+        assert len(client.get_metric_history(run.info.run_id, key)) == 40, key
+    assert sorted(m.step for m in client.get_metric_history(run.info.run_id, "val_loss")) == [9, 19, 29, 39]
+    for key in ("param_norm", "update_ratio", "grad_norm/net.0", "weight_norm/net.0", "act_zero_frac/net.1"):
+        assert sorted(m.step for m in client.get_metric_history(run.info.run_id, key)) == [0, 10, 20, 30], key
+
+    # tags
+    tags = run.data.tags
+    assert tags["replaybisect.status"] == "ok"
+    assert tags["replaybisect.kind"] == "train"
+    assert tags["replaybisect.snapshot_steps"] == "0,10,20,30"
+    assert run.info.status == "FINISHED"
+
+    # snapshots: every one verifies; the batches of its interval are stored
+    root = Path(run.info.artifact_uri.removeprefix("file://")) / "snapshots"
+    assert sorted(p.name for p in root.iterdir()) == ["step-000000", "step-000010", "step-000020", "step-000030"]
+    snapshot = fmt.load(root / "step-000010")
+    assert sorted(snapshot.batches) == list(range(10, 20))
+    assert snapshot.state["step"] == 10 and snapshot.state["scheduler"]["last_epoch"] == 10
+    assert any(name.startswith("optim/") and name.endswith("exp_avg_sq") for name in snapshot.tensors)
+
+
+def test_runs_lists_the_run(trained):
+    workspace, result = trained
+    listing = workspace.replay("runs", "--json").json()
+    (entry,) = [r for r in listing["runs"] if r["run_id"] == result["run_id"]]
+    assert entry["status"] == "ok" and entry["steps"] == 40 and entry["snapshot_steps"] == [0, 10, 20, 30]
+    table = workspace.replay("runs")
+    assert table.returncode == 0 and result["run_id"] in table.stdout
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+def test_replay_from_every_snapshot_reproduces_every_loss_exactly(workspace, precision):
+    """Dropout, a scheduler and interleaved validation: replaying from any snapshot gives == losses."""
+    from replaybisect.replay.restore import logged_losses, replay, restore
+
+    result = workspace.train(*FAST, f"train.precision={precision}", "scheduler=cosine", "model.dropout=0.2", "train.val_every=7")
+    store = workspace.store()
+    logged = logged_losses(store, result["run_id"])
+    assert len(logged) == 40
+    for step in (0, 10, 30):
+        restored = restore(store, result["run_id"], step)
+        assert restored.step == step
+        replayed = replay(restored, 40, logged=logged)
+        assert replayed.reproduced == "exact", replayed.mismatches[:3]
+        assert replayed.losses == {s: logged[s] for s in range(step, 40)}
+
+
+def test_two_runs_of_one_config_log_identical_losses(workspace):
+    from replaybisect.replay.restore import logged_losses
+
+    first = workspace.train(*FAST, "model.dropout=0.3")
+    second = workspace.train(*FAST, "model.dropout=0.3")
+    store = workspace.store()
+    assert first["run_id"] != second["run_id"]
+    assert logged_losses(store, first["run_id"]) == logged_losses(store, second["run_id"])
+
+
+def test_user_config_with_only_model_data_loss_optim(workspace):
+    user = workspace.path / "myproject"
+    user.mkdir()
+    (user / "mymodel.py").write_text(
+        textwrap.dedent(
+            """
+            import torch
+            class Tiny(torch.nn.Module):
+                def __init__(self, width):
+                    super().__init__()
+                    self.layer = torch.nn.Linear(64, width)
+                def forward(self, x):
+                    return self.layer(x)
+            """
+        )
+    )
+    (user / "exp.yaml").write_text(
+        textwrap.dedent(
+            """
+            model: {_target_: mymodel.Tiny, width: 10}
+            data: {_target_: replaybisect.data.Digits}
+            loss: {_target_: torch.nn.CrossEntropyLoss}
+            optim: {_target_: torch.optim.SGD, _partial_: true, lr: 0.1}
+            """
+        )
+    )
+    result = workspace.train("train.steps=12", "snapshot.every=5", extra=("--config-dir", str(user), "--config-name", "exp"))
+    assert result["status"] == "ok" and result["snapshot_steps"] == [0, 5, 10]
+    # the schema's defaults were applied: batch size 64
+    run = workspace.store().get_run(result["run_id"])
+    assert run.data.params["train.batch_size"] == "64"
+    assert run.data.tags["replaybisect.code_dir"] == str(user)
+
+
+def _poisoned_project(root: Path, nan_index: int) -> Path:
+    project = root / "poisoned"
+    project.mkdir()
+    (project / "poisoned_data.py").write_text(
+        textwrap.dedent(
+            f"""
+            from replaybisect.data import Digits
+            class PoisonedDigits(Digits):
+                def __init__(self, **kwargs):
+                    super().__init__(**kwargs)
+                    self.inputs = self.inputs.clone()
+                    self.inputs[{nan_index}, 5] = float("nan")
+            """
+        )
+    )
+    (project / "config.yaml").write_text(
+        textwrap.dedent(
+            """
+            defaults: [{model: mlp}, _self_]
+            data: {_target_: poisoned_data.PoisonedDigits}
+            optim: {_target_: torch.optim.AdamW, _partial_: true, lr: 0.001}
+            """
+        )
+    )
+    return project
+
+
+def _step_of_sample(index: int, batch_size: int, seed: int = 0) -> int:
+    from replaybisect.data import Digits
+    from replaybisect.loop import BatchSource
+
+    source = BatchSource(Digits(), batch_size, seed)
+    return next(step for step in range(source.steps_per_epoch) if index in source.indices(step).tolist())
+
+
+def test_planted_nan_stops_with_exit_3_tags_and_emergency_snapshot(workspace):
+    nan_index = 700
+    failing = _step_of_sample(nan_index, 32)
+    project = _poisoned_project(workspace.path, nan_index)
+    run = workspace.replay("train", "--json", "--config-dir", str(project), "train.steps=60", "train.batch_size=32", "snapshot.every=10", "model.hidden=32")
+    assert run.returncode == 3, run.stderr
+    assert f"step {failing}" in run.stderr and "replay nan" in run.stdout + run.stderr or f"step {failing}" in run.stderr
+    result = run.json()
+    assert result["status"] == "nonfinite" and result["first_nonfinite_step"] == failing and result["stopped"]
+
+    store = workspace.store()
+    tags = store.tags(result["run_id"])
+    assert tags["status"] == "nonfinite" and tags["first_nonfinite_step"] == str(failing)
+    losses = dict(store.metric_history(result["run_id"], "loss"))
+    assert max(losses) == failing and math.isnan(losses[failing])
+    assert all(math.isfinite(v) for s, v in losses.items() if s < failing)
+
+    # the emergency snapshot: the state before the failing step, with the failing batch
+    root = store.local_artifact_dir(result["run_id"]) / "snapshots"
+    emergency = fmt.load(root / fmt.folder_name(failing))
+    assert emergency.state["step"] == failing
+    assert list(emergency.batches) == [failing]
+    assert torch.isnan(emergency.batches[failing][0]).any()
+    assert all(torch.isfinite(t).all() for name, t in emergency.tensors.items() if name.startswith("model/"))
+    # the periodic snapshot before it holds the batches up to and including the failing one
+    periodic = fmt.load(root / fmt.folder_name(failing - failing % 10))
+    assert max(periodic.batches) == failing
+
+
+def test_on_nonfinite_continue_goes_on(workspace):
+    nan_index = 700
+    failing = _step_of_sample(nan_index, 32)
+    project = _poisoned_project(workspace.path, nan_index)
+    result = workspace.train(
+        "--config-dir", str(project), "train.steps=40", "train.batch_size=32", "snapshot.every=10",
+        "model.hidden=32", "snapshot.on_nonfinite=continue",
+    )
+    assert result["steps_completed"] == 40 and not result["stopped"]
+    assert result["status"] == "nonfinite" and result["first_nonfinite_step"] == failing
+    store = workspace.store()
+    assert sorted(dict(store.metric_history(result["run_id"], "loss"))) == list(range(40))
+    assert (store.local_artifact_dir(result["run_id"]) / "snapshots" / fmt.folder_name(failing) / fmt.MANIFEST).is_file()
+
+
+@pytest.mark.parametrize(
+    "args, fragments",
+    [
+        (["train.stpes=5"], ["train.stpes"]),
+        (["model._target_=nosuchpackage.Model"], ["model", "nosuchpackage"]),
+        (["train.precision=fp8"], ["fp8", "fp32"]),
+        (["train.steps=-5"], ["train.steps=-5"]),
+        (["--tracking-uri", "http://127.0.0.1:9"], ["unreachable", "127.0.0.1:9"]),
+        (["--tracking-uri", "sqlite:////nonexistent/folder/mlflow.db"], ["does not exist"]),
+        (["--config-dir", "/nonexistent/conf"], ["does not exist"]),
+    ],
+)
+def test_bad_input_is_one_line_exit_2(workspace, args, fragments):
+    result = workspace.replay("train", *args)
+    assert_one_line_error(result, *fragments)
+    assert not (workspace.path / "mlruns").exists()  # nothing recorded
+
+
+def test_help_does_not_import_torch_or_mlflow():
+    code = (
+        "import sys\n"
+        "sys.argv = ['replay', '--help']\n"
+        "from replaybisect.cli.main import main\n"
+        "try:\n    main()\nexcept SystemExit:\n    pass\n"
+        "print('HEAVY', sorted(m for m in ('torch', 'mlflow') if m in sys.modules))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert "HEAVY []" in done.stdout, done.stdout + done.stderr
+    assert "train" in done.stdout and "runs" in done.stdout
+    module_help = subprocess.run([sys.executable, "-m", "replaybisect", "train", "--help"], capture_output=True, text=True, timeout=60)
+    assert module_help.returncode == 0 and "Hydra override" in module_help.stdout
