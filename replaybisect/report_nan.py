@@ -1,0 +1,132 @@
+"""Rendering of a `replay nan` report: rich (terminal), markdown (report.md) and the plot (PNG)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from replaybisect.report import fmt_number, mlflow_ui_hint, new_figure
+
+CATEGORY_STYLE = {
+    "data": "yellow", "forward": "red", "loss": "red", "backward": "red", "optimizer": "magenta",
+    "corrupt-state": "magenta", "transient": "cyan",
+}
+
+
+def _headline(report) -> list[tuple[str, Any]]:
+    rows = [
+        ("run", report.run_id),
+        ("failing step", report.failing_step if report.recorded_failing_step in (None, report.failing_step)
+         else f"{report.failing_step} (the run's first non-finite step is {report.recorded_failing_step})"),
+        ("category", report.category),
+        ("phase", report.phase),
+        ("module", report.module or "-"),
+        ("op", report.op or "-"),
+    ]
+    if report.source:
+        rows.append(("source", report.source))
+    if report.origin_step is not None:
+        rows.append(("state corrupted at step", report.origin_step))
+    rows.append(("replay", f"snapshot {report.snapshot_step} -> reproduced {report.reproduced}"))
+    if report.state_match:
+        rows.append(("state at failing step", report.state_match))
+    if report.history is not None:
+        rows.append(("history", report.history.summary))
+    return rows
+
+
+def print_rich(report, tracking_uri: str, console=None) -> None:
+    from rich.console import Console
+    from rich.markup import escape
+    from rich.table import Table
+
+    console = console or Console()
+    style = CATEGORY_STYLE.get(report.category, "bold")
+    console.print(f"[bold]replay nan[/bold]  run {report.run_id}  step {report.failing_step}: [bold {style}]{report.category}[/bold {style}]"
+                  + (f" in [bold]{escape(report.module)}[/bold]" if report.module else ""))
+    table = Table(show_header=False, box=None, pad_edge=False)
+    table.add_column(style="dim")
+    table.add_column()
+    for key, value in _headline(report):
+        table.add_row(key, escape(str(value)))
+    console.print(table)
+    for warning in report.warnings:
+        console.print(f"[yellow]warning:[/yellow] {escape(warning)}")
+    console.print("[bold]evidence[/bold]")
+    for line in report.evidence:
+        console.print(f"  {'' if line.startswith('  ') else '- '}{escape(line)}")
+    console.print(f"[bold]next[/bold]  {escape(report.suggestion)}")
+    if report.replay_run_id:
+        console.print(f"report: child run {report.replay_run_id} (report.md, report.json, nan_report.png); view: {mlflow_ui_hint(tracking_uri)}")
+
+
+def markdown(report) -> str:
+    lines = [f"# replay nan: run {report.run_id}, step {report.failing_step}", ""]
+    lines += [f"**{report.category}**" + (f" in `{report.module}`" if report.module else "")
+              + (f", op `{report.op}`" if report.op else ""), ""]
+    lines += ["| | |", "|---|---|"]
+    for key, value in _headline(report):
+        lines.append(f"| {key} | {str(value).replace('|', '/')} |")
+    lines.append("")
+    if report.warnings:
+        lines += ["## Warnings", ""] + [f"- {w}" for w in report.warnings] + [""]
+    lines += ["## Evidence", ""]
+    for line in report.evidence:
+        lines.append(f"    {line.strip()}" if line.startswith("  ") else f"- {line}")
+    lines += ["", "## Next", "", f"`{report.ablate_command}`" if report.ablate_command else "", "", report.suggestion, ""]
+    if report.layer_grad_norms:
+        lines += ["## Per-layer gradient norms at the failing step", "", "| module | grad norm |", "|---|---|"]
+        lines += [f"| {name} | {fmt_number(value)} |" for name, value in report.layer_grad_norms.items()]
+        lines.append("")
+    if report.isolation:
+        lines += ["## Probe isolation", "", ", ".join(f"{k}: {v}" for k, v in report.isolation.items()), ""]
+    lines += ["![loss and grad norm](nan_report.png)", ""]
+    return "\n".join(lines)
+
+
+def figure(report):
+    """Loss and grad-norm history up to the failure (with the exponential fit), per-layer grad norms at it."""
+    fig, axes = new_figure(1, 3, size=(15, 4))
+    loss_ax, grad_ax, layer_ax = axes[0]
+    t = report.failing_step
+
+    steps = [s for s, v in report.loss_history if math.isfinite(v)]
+    values = [v for s, v in report.loss_history if math.isfinite(v)]
+    loss_ax.plot(steps, values, color="tab:blue", lw=1)
+    loss_ax.axvline(t, color="red", ls="--", lw=1, label=f"non-finite at {t}")
+    loss_ax.set_title("loss")
+    loss_ax.set_xlabel("step")
+    loss_ax.legend(loc="best", fontsize=8)
+
+    points = [(s, v) for s, v in report.grad_norm_history if math.isfinite(v) and v > 0]
+    if points:
+        grad_ax.semilogy([s for s, _ in points], [v for _, v in points], color="tab:orange", lw=1, label="grad norm (pre-clip)")
+    history = report.history
+    if history is not None and history.growth_per_step is not None and history.last_grad_norm:
+        first, last = history.first_step, history.last_step
+        rate = math.log1p(history.growth_per_step)
+        fit_steps = [first, last]
+        fit_values = [history.last_grad_norm * math.exp(rate * (s - last)) for s in fit_steps]
+        grad_ax.semilogy(fit_steps, fit_values, color="black", ls=":", lw=1,
+                         label=f"fit {history.growth_per_step * 100:+.2g}%/step" + (" (exploding)" if history.exploding else ""))
+    grad_ax.axvline(t, color="red", ls="--", lw=1)
+    grad_ax.set_title("gradient norm")
+    grad_ax.set_xlabel("step")
+    grad_ax.legend(loc="best", fontsize=8)
+
+    names = list(report.layer_grad_norms)
+    norms = [report.layer_grad_norms[n] for n in names]
+    finite = [v for v in norms if math.isfinite(v) and v > 0]
+    top = max(finite) * 10 if finite else 1.0
+    heights = [v if (math.isfinite(v) and v > 0) else top for v in norms]
+    colors = ["tab:green" if math.isfinite(v) else "red" for v in norms]
+    if names:
+        layer_ax.barh(range(len(names)), heights, color=colors)
+        layer_ax.set_yticks(range(len(names)))
+        layer_ax.set_yticklabels(names, fontsize=7)
+        layer_ax.set_xscale("log")
+        layer_ax.invert_yaxis()
+    layer_ax.set_title(f"per-layer grad norm at step {t} (red: non-finite)")
+    fig.suptitle(f"run {report.run_id[:12]}  step {t}: {report.category}" + (f" in {report.module}" if report.module else ""))
+    fig.tight_layout()
+    return fig
