@@ -1,0 +1,129 @@
+"""Planted pathologies for `replay check`: each config in this folder plants exactly one.
+
+    replay check --config-dir examples/check_pathologies --config-name softmax_ce
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.utils.data import Dataset
+
+from replaybisect.data import Digits
+from replaybisect.models import MLP
+
+
+# ---- data -----------------------------------------------------------------------------------------
+class DigitsWithNaN(Digits):
+    """Digits with one NaN pixel in every `every`-th image."""
+
+    def __init__(self, every: int = 50, split: str = "train"):
+        super().__init__(split=split)
+        self.inputs = self.inputs.clone()
+        self.inputs[::every, 5] = float("nan")
+
+
+class ShiftedLabels(Digits):
+    """Digits labelled 5..14 (an off-by-`shift` label map) for a 10-way model."""
+
+    def __init__(self, shift: int = 5, split: str = "train"):
+        super().__init__(split=split)
+        self.targets = self.targets + shift
+
+
+class SortedStream(Dataset):
+    """Digits sorted by class, read as a stream: __getitem__ ignores the index it is given and returns the
+    next item in class order, so the shuffled order the loop asks for never reaches the model."""
+
+    def __init__(self, split: str = "train"):
+        digits = Digits(split=split)
+        order = torch.argsort(digits.targets, stable=True)
+        self.inputs, self.targets = digits.inputs[order], digits.targets[order]
+        self.position = 0
+
+    def __len__(self) -> int:
+        return len(self.inputs)
+
+    def __getitem__(self, index: int):
+        item = self.inputs[self.position], self.targets[self.position]
+        self.position = (self.position + 1) % len(self.inputs)
+        return item
+
+
+class ImbalancedDigits(Digits):
+    """Digits keeping every 0 but one image in 40 of the other classes."""
+
+    def __init__(self, split: str = "train"):
+        super().__init__(split=split)
+        keep = (self.targets == 0) | (torch.arange(len(self.targets)) % 40 == 0)
+        self.inputs, self.targets = self.inputs[keep], self.targets[keep]
+
+
+# ---- models ------------------------------------------------------------------------------------------
+class SoftmaxMLP(MLP):
+    """An MLP whose last layer is a Softmax, fed to CrossEntropyLoss (which applies log_softmax itself)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.net.append(nn.Softmax(dim=1))
+
+
+class ConstantInitMLP(MLP):
+    """The first layer initialized to one constant: every unit is the same unit."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        nn.init.constant_(self.net[0].weight, 0.01)
+
+
+class DeadReLUMLP(MLP):
+    """A large negative bias on the first layer: its ReLU never fires."""
+
+    def __init__(self, bias: float = -10.0, **kwargs):
+        super().__init__(**kwargs)
+        nn.init.constant_(self.net[0].bias, bias)
+
+
+class SaturatedTanhMLP(MLP):
+    """A tanh MLP whose first layer's weights are 40x too large: the tanh sits at +-1."""
+
+    def __init__(self, scale: float = 40.0, **kwargs):
+        super().__init__(**{**kwargs, "activation": "tanh"})
+        with torch.no_grad():
+            self.net[0].weight.mul_(scale)
+
+
+class FrozenAndUnusedMLP(MLP):
+    """The first layer frozen (requires_grad=False) and a projection that forward never uses."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.net[0].requires_grad_(False)
+        self.projection = nn.Linear(kwargs.get("out_features", 10), kwargs.get("out_features", 10))
+
+
+class DetachedMLP(MLP):
+    """The network's output is detached: only a per-class bias can learn, so one batch cannot be fitted."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.class_bias = nn.Parameter(torch.zeros(kwargs.get("out_features", 10)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x).detach() + self.class_bias
+
+
+class DeepSigmoid(MLP):
+    """Twelve sigmoid layers: the gradient reaching the first layer all but vanishes."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**{**kwargs, "activation": "sigmoid", "depth": 12})
+
+
+class LoudHead(MLP):
+    """The output layer's weights 50x too large: confident, wrong logits at init."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        with torch.no_grad():
+            self.net[-1].weight.mul_(50.0)

@@ -1,0 +1,180 @@
+"""Rendering for `replay check`: the rich table, check.md, the LR range test and overfit plots, and the
+artifacts and metrics of the check run."""
+
+from __future__ import annotations
+
+import json
+import math
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from replaybisect.report import close_figure, console, fmt_number, markdown_table, mlflow_ui_hint, new_figure
+
+STYLE = {"pass": "green", "warn": "yellow", "fail": "bold red", "skip": "dim"}
+MARK = {"pass": "PASS", "warn": "WARN", "fail": "FAIL", "skip": "skip"}
+
+
+def _value(value: Any) -> str:
+    if isinstance(value, float) and math.isfinite(value) and value != 0 and (abs(value) < 1e-3 or abs(value) >= 1e4):
+        return f"{value:.3g}"
+    return fmt_number(value)
+
+
+def _subject(report) -> str:
+    if report.checked_run_id:
+        return f"run {report.checked_run_id} at snapshot step {report.snapshot_step}" if report.snapshot_step is not None else f"run {report.checked_run_id} (its config, at init)"
+    return "config (at initialization)"
+
+
+def _next_steps(report) -> list[str]:
+    hints = []
+    failing = {c.name for c in report.checks if c.status == "fail"}
+    lr = report.lr_range
+    if "data.finite" in failing:
+        hints.append("fix the non-finite data first: every other check reads it")
+    if failing & {"overfit.one_batch", "grad.missing", "loss.output_mismatch"}:
+        hints.append("fix the model/loss wiring, then re-run `replay check` before training")
+    if lr and lr.suggested_lr and report.configured_lr and not (lr.suggested_lr / 10 <= report.configured_lr <= lr.suggested_lr * 10):
+        hints.append(f"try optim.lr={lr.suggested_lr:.2g} (LR range test suggestion; yours is {report.configured_lr:.2g})")
+    if not failing:
+        hints.append("train: replay train ... ; after a run, `replay diagnose --run-id ID` reads its curves")
+    return hints
+
+
+def print_check_report(report) -> None:
+    from rich.table import Table
+
+    console.print(f"[bold]replay check[/bold] {_subject(report)}")
+    table = Table(show_header=True, header_style="bold", title_justify="left")
+    for header in ("check", "status", "value", "detail"):
+        table.add_column(header, overflow="fold")
+    for check in report.checks:
+        style = STYLE[check.status]
+        table.add_row(check.name, f"[{style}]{MARK[check.status]}[/{style}]", _value(check.value), check.detail)
+    console.print(table)
+    counts = report.counts()
+    style = STYLE[report.status]
+    console.print(
+        f"[{style}]{report.status.upper()}[/{style}]: {counts['pass']} pass, {counts['warn']} warn, {counts['fail']} fail, {counts['skip']} skipped"
+        f"  ({report.seconds:.1f} s)"
+    )
+    lr = report.lr_range
+    if lr and lr.suggested_lr:
+        console.print(f"  LR range test: suggested lr {lr.suggested_lr:.3g}, your lr {report.configured_lr:.3g}")
+    for warning in report.warnings:
+        console.print(f"  [yellow]note:[/yellow] {warning}")
+    for hint in _next_steps(report):
+        console.print(f"  next: {hint}")
+    console.print(f"  check run {report.run_id} (check.md, lr_range.png); view: {mlflow_ui_hint(report.tracking_uri)}")
+
+
+def check_markdown(report) -> str:
+    counts = report.counts()
+    lines = [
+        f"# replay check: {report.status.upper()}",
+        "",
+        f"Checked: {_subject(report)}. {counts['pass']} pass, {counts['warn']} warn, {counts['fail']} fail, {counts['skip']} skipped.",
+        "",
+        markdown_table(["check", "status", "value", "detail"], [(c.name, MARK[c.status], _value(c.value), c.detail) for c in report.checks]),
+        "",
+    ]
+    lr = report.lr_range
+    if lr:
+        lines += [
+            "## LR range test",
+            "",
+            f"Exponential sweep over {len(lr.lrs)} of {lr.planned_steps} steps, smoothing 0.05, stop at 4x the best loss "
+            "(Lightning / fastai / torch-lr-finder).",
+            f"Suggested lr: {fmt_number(lr.suggested_lr)}; lowest loss at lr {fmt_number(lr.best_lr)}; "
+            f"stopped: {lr.stop_reason}{f' at lr {lr.diverged_lr:.3g}' if lr.diverged_lr else ''}; your lr: {fmt_number(report.configured_lr)}.",
+            "",
+            "![LR range test](lr_range.png)",
+            "",
+        ]
+    overfit = report.find("overfit.one_batch")
+    if overfit and overfit.extra.get("losses"):
+        lines += ["## Overfit one batch", "", overfit.detail, "", "![overfit one batch](overfit.png)", ""]
+    if report.warnings:
+        lines += ["## Notes", ""] + [f"- {w}" for w in report.warnings] + [""]
+    hints = _next_steps(report)
+    if hints:
+        lines += ["## Next", ""] + [f"- {h}" for h in hints] + [""]
+    return "\n".join(lines)
+
+
+def lr_range_figure(lr, configured_lr: float | None):
+    figure, axes = new_figure(size=(8, 4.5))
+    ax = axes[0][0]
+    ax.plot(lr.lrs, lr.losses, color="0.75", linewidth=1, label="loss")
+    ax.plot(lr.lrs, lr.smoothed, color="C0", linewidth=2, label="smoothed (0.05)")
+    if lr.suggested_lr:
+        ax.axvline(lr.suggested_lr, color="C2", linestyle="--", label=f"suggested {lr.suggested_lr:.2g}")
+        ax.plot([lr.suggested_lr], [lr.smoothed[lr.suggested_index]], "o", color="C2")
+    if configured_lr:
+        ax.axvline(configured_lr, color="C1", linestyle=":", label=f"your lr {configured_lr:.2g}")
+    if lr.diverged_lr:
+        ax.axvline(lr.diverged_lr, color="C3", linestyle="-.", label=f"stopped ({lr.stop_reason}) {lr.diverged_lr:.2g}")
+    finite = [v for v in lr.smoothed + lr.losses if math.isfinite(v)]
+    if finite:
+        low, high = min(finite), max(v for v in lr.smoothed if math.isfinite(v)) if any(math.isfinite(v) for v in lr.smoothed) else max(finite)
+        span = max(high - low, 1e-6)
+        ax.set_ylim(low - 0.05 * span, high + 0.3 * span)
+    ax.set_xscale("log")
+    ax.set_xlabel("learning rate")
+    ax.set_ylabel("training loss")
+    ax.set_title("LR range test")
+    ax.legend(loc="best", fontsize="small")
+    figure.tight_layout()
+    return figure
+
+
+def overfit_figure(check):
+    figure, axes = new_figure(size=(8, 4))
+    ax = axes[0][0]
+    losses = check.extra["losses"]
+    ax.plot(range(len(losses)), losses, color="C0", label="training loss")
+    floor = check.extra.get("floor")
+    if floor is not None:
+        ax.axhline(floor, color="C2", linestyle="--", label=f"floor {floor:.3g}")
+    if losses and min(losses) > 0 and max(losses) / max(min(losses), 1e-12) > 100:
+        ax.set_yscale("log")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.set_title(f"Overfit one batch ({check.extra.get('samples')} samples): {check.status}")
+    ax.legend(loc="best", fontsize="small")
+    figure.tight_layout()
+    return figure
+
+
+def log_to_run(store, run_id: str, report) -> list[str]:
+    """check.md, check.json, the plots and the per-check values on the check run. Returns artifact names."""
+    names = []
+    with tempfile.TemporaryDirectory(prefix="replay-check-") as folder:
+        out = Path(folder)
+        (out / "check.md").write_text(check_markdown(report), encoding="utf-8")
+        (out / "check.json").write_text(json.dumps({k: v for k, v in report.to_json().items() if k != "artifacts"}, indent=2, default=str), encoding="utf-8")
+        names += ["check.md", "check.json"]
+        lr = report.lr_range
+        if lr and lr.lrs:
+            figure = lr_range_figure(lr, report.configured_lr)
+            figure.savefig(out / "lr_range.png", dpi=110)
+            close_figure(figure)
+            names.append("lr_range.png")
+        overfit = report.find("overfit.one_batch")
+        if overfit and overfit.extra.get("losses"):
+            figure = overfit_figure(overfit)
+            figure.savefig(out / "overfit.png", dpi=110)
+            close_figure(figure)
+            names.append("overfit.png")
+        store.log_artifacts(run_id, out)
+    points = [(f"check/{c.name}", c.value, 0) for c in report.checks if isinstance(c.value, (int, float)) and math.isfinite(c.value)]
+    if lr:
+        points += [("lr_range/lr", v, i) for i, v in enumerate(lr.lrs)]
+        points += [("lr_range/loss", v, i) for i, v in enumerate(lr.smoothed) if math.isfinite(v)]
+    if overfit and overfit.extra.get("losses"):
+        points += [("overfit/loss", v, i) for i, v in enumerate(overfit.extra["losses"]) if math.isfinite(v)]
+    store.log_metrics(run_id, points)
+    counts = report.counts()
+    store.set_tags(run_id, {"check_fail": counts["fail"], "check_warn": counts["warn"]})
+    return names
