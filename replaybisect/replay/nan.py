@@ -151,11 +151,11 @@ def diagnose(
         timings["replay_s"] = time.perf_counter() - started
         rng_at_step = capture_raw()
 
-        state_match = None
-        if at_target is not None and at_target.step == examined and replayed is not None:
-            state_match = _compare_with_snapshot(state, rng_at_step, at_target)
         batch = loop.to_device(restored.batch(examined), state.device)
         stored_batch = restored.has_stored_batch(examined)
+        state_match = None
+        if at_target is not None and at_target.step == examined and replayed is not None:
+            state_match = _state_match(state, rng_at_step, at_target, examined, batch)
         dataset_rows = _dataset_indices(snapshot, examined)
 
         probes_started = time.perf_counter()
@@ -284,8 +284,31 @@ def _fingerprint(state) -> str:
     return digest.hexdigest()
 
 
-def _compare_with_snapshot(state, rng_raw, snapshot) -> str:
-    """Bit-for-bit: every tensor of the replayed state and the RNG streams against the snapshot at t."""
+def _state_match(state, rng_raw, snapshot, step: int, batch) -> str:
+    """Compare the replayed state before `step` with the snapshot the run saved there, bit for bit. The
+    recorder saves that snapshot when the step halts, after its forward ran: buffers the forward updates in
+    place (counters, running statistics) are compared after a halted replay of the step."""
+    from replaybisect import loop
+
+    text, differ = _compare_with_snapshot(state, rng_raw, snapshot)
+    buffers = {f"model/{name}" for name, _ in state.model.named_buffers()}
+    if differ and set(differ) <= buffers:
+        def halted(copy):  # the forward only: what ran before the recorder saved the state
+            copy.model.train()
+            with loop.autocast(copy):
+                copy.step_fn(copy.model, batch, copy.loss_fn)
+            return _compare_with_snapshot(copy, rng_raw, snapshot)
+
+        after_text, after_differ = _on_copy(state, rng_raw, halted)
+        if not after_differ:
+            names = ", ".join(n[len("model/"):] for n in differ)
+            return (f"{after_text.split(' (')[0]} once step {step}'s forward has run (buffers {names} are updated in place by the "
+                    "forward, and the run saved this snapshot when the step halted)")
+    return text
+
+
+def _compare_with_snapshot(state, rng_raw, snapshot) -> tuple[str, list[str]]:
+    """Bit-for-bit: every tensor of the state and the RNG streams against a snapshot."""
     import torch
 
     from replaybisect.record import rng
@@ -306,13 +329,13 @@ def _compare_with_snapshot(state, rng_raw, snapshot) -> str:
     replayed_rng = rng.to_json(rng_raw)
     rng_differ = [k for k in ("python", "numpy", "torch") if saved_rng.get(k) != replayed_rng.get(k)]
     if not differ and not rng_differ:
-        return f"bit-identical ({len(live)} tensors and the RNG streams)"
+        return f"bit-identical ({len(live)} tensors and the RNG streams)", []
     parts = []
     if differ:
         parts.append(f"{len(differ)} of {len(live)} tensors differ ({', '.join(differ[:5])}{'...' if len(differ) > 5 else ''})")
     if rng_differ:
         parts.append(f"RNG streams differ ({', '.join(rng_differ)})")
-    return "differs: " + "; ".join(parts)
+    return "differs: " + "; ".join(parts), differ + [f"rng/{k}" for k in rng_differ]
 
 
 def _dataset_indices(snapshot, step: int) -> Optional[list[int]]:
@@ -415,7 +438,7 @@ def _classify(report: NanReport, results: _StepResults, restored, store, run_id,
     # 1. finite on replay: not a bug in the code or the data
     if plain.nonfinite is None:
         report.category, report.phase = "transient", "none"
-        recorded_what = "loss" if report.recorded_failing_step == t else "value"
+        recorded_what = (restored.store.tags(run_id).get("nonfinite_what") or "value").replace("_", " ") if report.recorded_failing_step == t else "value"
         ev.append(
             f"step {t} was non-finite in the recorded run but is finite on replay from the same state and batch "
             f"(loss {plain.loss:.6g}, grad norm {_fmt(plain.grad_norm)})"
@@ -423,8 +446,8 @@ def _classify(report: NanReport, results: _StepResults, restored, store, run_id,
         ev.append(
             "a transient fault: the code, the data and the state do not produce it. Likely a hardware fault (a bit flip, "
             "bad accelerator memory), a nondeterministic kernel, or something the run read that is not part of its "
-            f"recorded state (an environment variable, a file, a module attribute outside state_dict); recorded {recorded_what} "
-            "was non-finite only in the original process"
+            f"recorded state (an environment variable, a file, a module attribute outside state_dict); the recorded non-finite "
+            f"{recorded_what} happened only in the original process"
         )
         return
 
@@ -488,12 +511,12 @@ def _classify(report: NanReport, results: _StepResults, restored, store, run_id,
         if probe.backward_detail:
             ev.append(f"backward: {report.module}: {probe.backward_detail}")
         report.op = anomaly.op or probe.backward_node
-        if probe.backward_node and anomaly.op and probe.backward_node != anomaly.op:
-            ev.append(f"the first autograd node with finite incoming and non-finite outgoing gradients is {probe.backward_node}; detect_anomaly names {anomaly.op}")
-            report.op = probe.backward_node
         report.source = anomaly.source
         if report.op:
-            ev.append(f"detect_anomaly: {report.op}" + (f", created at {anomaly.source}" if anomaly.source else ""))
+            ev.append(f"the first autograd node with finite incoming and non-finite outgoing gradients: {report.op}"
+                      + (f", created at {anomaly.source}" if anomaly.source else ""))
+        if anomaly.nan_op and anomaly.nan_op != report.op:
+            ev.append(f"detect_anomaly (NaN only) raised later, in {anomaly.nan_op}: {report.op} made Inf, which became NaN downstream")
         return
 
     # 7. the update of this step

@@ -24,6 +24,7 @@ import copy
 import math
 import os
 import re
+import sys
 import traceback
 import warnings
 from dataclasses import asdict, dataclass, field
@@ -37,6 +38,7 @@ from replaybisect import loop
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # replaybisect/
 _STDLIB_DIR = os.path.dirname(os.__file__)
+_ENV_DIRS = tuple({os.path.abspath(p) + os.sep for p in (sys.prefix, sys.exec_prefix, sys.base_prefix)})
 
 
 # ---- small helpers ----------------------------------------------------------------------------------
@@ -114,7 +116,7 @@ def user_frame(frames: list[traceback.FrameSummary]) -> Optional[traceback.Frame
     """The innermost frame of the user's code: not torch, not replaybisect itself, not the standard library."""
     for frame in reversed(frames):
         path = os.path.abspath(frame.filename)
-        if path.startswith((_TORCH_DIR, _PACKAGE_DIR, _STDLIB_DIR)) or "site-packages" in path or frame.filename.startswith("<"):
+        if path.startswith((_TORCH_DIR, _PACKAGE_DIR, _STDLIB_DIR) + _ENV_DIRS) or "site-packages" in path or frame.filename.startswith("<"):
             continue
         return frame
     return None
@@ -171,7 +173,9 @@ class BatchFinding:
 
 def probe_batch(batch: Any, dataset_indices: Optional[list[int]] = None) -> list[BatchFinding]:
     findings = []
-    for name, tensor in tensors_in(batch):
+    roles = {"batch[0]": "batch[0] (inputs)", "batch[1]": "batch[1] (targets)"} if isinstance(batch, (tuple, list)) and len(batch) == 2 else {}
+    for name, tensor in tensors_in(batch, "batch"):
+        name = roles.get(name, name)
         if not is_float(tensor) or all_finite(tensor):
             continue
         bad = ~torch.isfinite(tensor.detach())
@@ -368,7 +372,7 @@ class StepProbe:
             try:
                 self.stack.append(name)
                 self._own_before[name] = {n: all_finite(t) for n, t in self._own_tensors(mod)}
-                for label, tensor in tensors_in((args, kwargs)):
+                for label, tensor in _call_inputs(args, kwargs):
                     if tensor.requires_grad:
                         self._grad_hook(tensor, "grad_input", name, label)
             finally:
@@ -390,12 +394,12 @@ class StepProbe:
                         order=len(self.calls),
                         module=name,
                         type=type(mod).__name__,
-                        inputs=[(label, tensor_stats(t)) for label, t in tensors_in((args, kwargs)) if is_float(t)][:8],
-                        outputs=[(label, tensor_stats(t)) for label, t in tensors_in(output) if is_float(t)][:8],
+                        inputs=[(label, tensor_stats(t)) for label, t in _call_inputs(args, kwargs) if is_float(t)][:8],
+                        outputs=[(label, tensor_stats(t)) for label, t in tensors_in(output, "output") if is_float(t)][:8],
                         own_state_went_nonfinite=went_bad,
                     )
                 )
-                for label, tensor in tensors_in(output):
+                for label, tensor in tensors_in(output, "output"):
                     if tensor.requires_grad:
                         self._grad_hook(tensor, "grad_output", name, label)
             finally:
@@ -532,6 +536,11 @@ class StepProbe:
         return parent, f"the gradient arriving at {display_module(first_bad.module, self.model)}'s output is non-finite: an op in the forward of {display_module(parent, self.model)} made it"
 
 
+def _call_inputs(args, kwargs) -> list[tuple[str, torch.Tensor]]:
+    found = tensors_in(list(args), "input")
+    return found + tensors_in(dict(kwargs), "input") if kwargs else found
+
+
 @torch.no_grad()
 def per_module_grad_norms(state: "loop.TrainState") -> dict[str, float]:
     norms = {}
@@ -614,9 +623,11 @@ def explain_update(state, bad: list[StateFinding], before: dict, grads_before: d
 # ---- detect_anomaly -----------------------------------------------------------------------------------------
 @dataclass
 class AnomalyFinding:
-    op: Optional[str]  # e.g. LogSoftmaxBackward0
-    source: Optional[str]  # the user's line of the forward call that created it
-    message: Optional[str]  # the error detect_anomaly raised, if it raised
+    op: Optional[str]  # the first autograd node whose output is non-finite from finite gradients, e.g. LogBackward0
+    source: Optional[str]  # the user's line of the forward call that created that node
+    nan_op: Optional[str] = None  # the node detect_anomaly raised on (it checks NaN only, so it can come later)
+    nan_source: Optional[str] = None
+    message: Optional[str] = None  # the error detect_anomaly raised, if it raised
     traceback: list[str] = field(default_factory=list)
 
 
@@ -628,9 +639,8 @@ _FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)\n\s*(.*)')
 def anomaly_pass(state: "loop.TrainState", step: int, batch: Any) -> AnomalyFinding:
     """Forward and backward of the step under torch.autograd.detect_anomaly, on a COPY of the state.
 
-    detect_anomaly only raises on NaN produced in backward; a node post-hook also catches Inf, and the
-    forward traceback anomaly mode stores on every node names the user's line either way."""
-    nodes: dict[str, Any] = {}
+    detect_anomaly raises only on NaN produced in backward; a post-hook on every node also catches Inf, and
+    the forward traceback anomaly mode stores on every node names the user's line either way."""
     first: dict[str, Any] = {}
 
     def node_hook(node):
@@ -658,7 +668,6 @@ def anomaly_pass(state: "loop.TrainState", step: int, batch: Any) -> AnomalyFind
                     if node is None or id(node) in seen:
                         continue
                     seen.add(id(node))
-                    nodes[type(node).__name__] = node
                     if type(node).__name__ != "AccumulateGrad":
                         handles.append(node.register_hook(node_hook(node)))
                     todo += [n for n, _ in node.next_functions]
@@ -669,26 +678,30 @@ def anomaly_pass(state: "loop.TrainState", step: int, batch: Any) -> AnomalyFind
     for handle in handles:
         handle.remove()
 
-    op = None
-    lines: list[str] = []
+    nan_op = nan_source = None
+    nan_lines: list[str] = []
     if message and _FUNCTION_NAN.search(message):
-        op = _FUNCTION_NAN.search(message).group(1)
+        nan_op = _FUNCTION_NAN.search(message).group(1)
     for warning in caught:
         text = str(warning.message)
         match = _ERROR_IN.search(text)
         if match:
-            op = op or match.group(1)
-            lines = _frames(text)
+            nan_op = nan_op or match.group(1)
+            nan_lines = _frames(text)
             break
-    if "node" in first and (op is None or not lines):
+    nan_source = _source(nan_lines)
+    if "node" in first:
         node = first["node"]
-        op = op or type(node).__name__
-        lines = lines or _frames("".join(getattr(node, "metadata", {}).get("traceback_", [])))
-    source = None
-    if lines:
-        frames = [traceback.FrameSummary(f, int(n), fn, line=code) for f, n, fn, code in (_FRAME.match(l).groups() for l in lines)]
-        source = format_frame(user_frame(frames))
-    return AnomalyFinding(op=op, source=source, message=message, traceback=lines)
+        lines = _frames("".join(getattr(node, "metadata", {}).get("traceback_", [])))
+        return AnomalyFinding(type(node).__name__, _source(lines), nan_op, nan_source, message, lines)
+    return AnomalyFinding(nan_op, nan_source, nan_op, nan_source, message, nan_lines)
+
+
+def _source(lines: list[str]) -> Optional[str]:
+    if not lines:
+        return None
+    frames = [traceback.FrameSummary(f, int(n), fn, line=code) for f, n, fn, code in (_FRAME.match(l).groups() for l in lines)]
+    return format_frame(user_frame(frames))
 
 
 def _frames(text: str) -> list[str]:
