@@ -44,6 +44,7 @@ def bisect_command(
     2 bad input (unknown commit, GOOD not an ancestor of BAD, GOOD fails or BAD passes).
     """
     import signal
+    import sys
 
     from replaybisect.replay.bisect import bisect
     from replaybisect.report_bisect import render
@@ -55,12 +56,17 @@ def bisect_command(
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, _interrupt)
-    with _Progress(stderr_console()) as progress:
-        result = bisect(
-            good, bad, repo=repo, config_dir=config_dir, config_name=config_name, overrides=list(ctx.args),
-            steps=steps, metric=metric, threshold=threshold, seeds=seeds, max_seeds=max_seeds, workers=workers,
-            cmd=cmd, tracking_uri=tracking_uri, use_cache=not no_cache, on_event=progress.event,
-        )
+    try:
+        with _Progress(stderr_console()) as progress:
+            result = bisect(
+                good, bad, repo=repo, config_dir=config_dir, config_name=config_name, overrides=list(ctx.args),
+                steps=steps, metric=metric, threshold=threshold, seeds=seeds, max_seeds=max_seeds, workers=workers,
+                cmd=cmd, tracking_uri=tracking_uri, use_cache=not no_cache, on_event=progress.event,
+            )
+    except KeyboardInterrupt:
+        # typer turns KeyboardInterrupt into a silent exit 130; say what happened to the user's repository
+        print("replay: interrupted (trials stopped, worktrees removed, your repository untouched)", file=sys.stderr)
+        raise typer.Exit(130) from None
     if as_json:
         print_json(result.to_dict())
     else:

@@ -62,6 +62,7 @@ MIN_NOISE_FRACTION = 0.05  # sigma floor as a fraction of the endpoint gap (dete
 REPRODUCE_RTOL = 1e-3  # FIELD-NOTES: Megatron-Core's replay tolerance where kernels are nondeterministic
 MIN_EFFECT_OF_SPREAD = 0.1  # a BAD less than a tenth of GOOD's seed spread worse is "equal within noise"
 TAIL_FRACTION = 0.1  # the metric: mean over the last 10% of logged steps (DESIGN §5)
+TRIAL_THREADS = "1"  # OMP_NUM_THREADS of a trial when the user has not set it
 OUTPUT_TAIL = 4000  # characters of a trial's output kept with its run
 
 
@@ -386,7 +387,7 @@ def endpoint_baseline(metric_name: str, good: list[SeedRun], bad: list[SeedRun],
     min_effect = max(MIN_EFFECT_OF_SPREAD * good_spread, 1e-9 * abs(_mean(good_values)), 1e-12)
     if gap <= min_effect:
         p = 1.0
-    elif len(diffs) < 2 or diff_spread == 0.0:
+    elif len(diffs) < 2 or diff_spread <= 1e-9 * gap:
         p = 0.0  # one seed (no spread to test against) or a constant shift at every seed
     else:
         from scipy import stats
@@ -447,7 +448,8 @@ class TrainRunner:
         # and what trains it (PyTorch does not promise identical results across versions).
         self.config_hash = _hash({"mode": "train", "config_dir": config_dir, "config_name": config_name,
                                   "overrides": self.overrides, "steps": steps,
-                                  "replaybisect": _package_version("replaybisect"), "torch": _package_version("torch")})
+                                  "replaybisect": _package_version("replaybisect"), "torch": _package_version("torch"),
+                                  "threads": os.environ.get("OMP_NUM_THREADS", TRIAL_THREADS)})
 
     def command(self, worktree: Path, seed: int, parent_run_id: str, sha: str) -> list[str]:
         command = [sys.executable, "-m", "replaybisect", "train",
@@ -640,6 +642,9 @@ class _Bisector:
             self.checked_out[worktree] = sha
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join([str(worktree)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+        # One intra-op thread per trial unless the user says otherwise: the workers are the parallelism, and
+        # every trial (and every cached one) runs with the same thread count, so results stay comparable.
+        env.setdefault("OMP_NUM_THREADS", TRIAL_THREADS)
         env.update({"PYTHONDONTWRITEBYTECODE": "1", "REPLAYBISECT_SHA": sha, "REPLAYBISECT_SEED": str(seed),
                     "REPLAYBISECT_WORKTREE": str(worktree), "MLFLOW_TRACKING_URI": self.store.uri})
         for name in ("GIT_DIR", "GIT_WORK_TREE", "GIT_INDEX_FILE"):
