@@ -1,0 +1,185 @@
+"""`replay ablate` end to end: planted failures trained into a real SQLite MLflow store, then the installed
+`replay ablate` command run as a user would. Training runs in this process through the library (the command
+under test is `ablate`); each plant is trained once per module."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import Workspace, assert_one_line_error
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+ALL_ARMS = ["lr", "clip", "precision", "warmup", "eps", "skip-batch", "seed"]
+
+
+def train_example(ws: Workspace, name: str, *overrides: str, env: dict[str, str] | None = None):
+    """Train examples/NAME/config.yaml recorded to the workspace's store; returns the TrainResult."""
+    from replaybisect import config as config_mod
+    from replaybisect.train import train
+
+    saved = {key: os.environ.get(key) for key in (env or {})}
+    os.environ.update(env or {})
+    try:
+        folder = EXAMPLES / name
+        cfg = config_mod.compose(folder, "config", list(overrides))
+        return train(cfg, ws.store(), code_folder=folder)
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def ablate(ws: Workspace, run_id: str, arms: str, *extra: str) -> dict:
+    result = ws.replay("ablate", arms, "--run-id", run_id, "--json", *extra)
+    assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout}\n{result.stderr}"
+    return result.json()
+
+
+def verdicts(data: dict) -> dict[str, str]:
+    return {arm["name"]: arm["verdict"] for arm in data["arms"]}
+
+
+def fixes(data: dict) -> set[str]:
+    return {name for name, verdict in verdicts(data).items() if verdict == "fixes"}
+
+
+def _workspace(tmp_path_factory, name: str) -> Workspace:
+    return Workspace(tmp_path_factory.mktemp(name))
+
+
+# ---- planted failures --------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def bad_row(tmp_path_factory):
+    ws = _workspace(tmp_path_factory, "bad_row")
+    run = train_example(ws, "ablate_bad_row", "train.steps=40")
+    assert run.status == "nonfinite" and run.first_nonfinite_step == 25
+    return ws, run
+
+
+def test_lr_explosion_is_fixed_by_lr_and_clip_not_by_precision(tmp_path_factory):
+    ws = _workspace(tmp_path_factory, "lr")
+    run = train_example(ws, "ablate_lr_explosion")  # bf16, SGD warming up to a too-high LR
+    assert run.status == "nonfinite"
+    data = ablate(ws, run.run_id, "lr,clip,precision", "--horizon", "30", "--workers", "2")
+    assert data["status"] == "conclusive"
+    assert data["baseline"]["first_nonfinite_step"] == run.first_nonfinite_step
+    assert data["baseline"]["reproduced"] == "exact"
+    # the loss had been climbing: the arms start at a snapshot before the climb, not just before the NaN
+    assert data["divergence_onset"] is not None and data["start_step"] <= data["divergence_onset"] < run.first_nonfinite_step
+    assert fixes(data) == {"lr", "clip"}, data["arms"]
+    assert verdicts(data)["precision"] in ("delays", "no-effect", "worse")
+    assert data["conclusion"].startswith("fixed by: lr, clip")
+    clip = next(arm for arm in data["arms"] if arm["name"] == "clip")
+    assert data["suggested_clip"] > 0 and "95th percentile" in clip["note"]
+
+
+def test_fp16_overflow_is_fixed_by_precision_alone(tmp_path_factory):
+    ws = _workspace(tmp_path_factory, "fp16")
+    run = train_example(ws, "ablate_fp16_overflow", "train.steps=40")
+    assert run.status == "nonfinite"
+    data = ablate(ws, run.run_id, "precision,lr,clip,skip-batch", "--horizon", "20", "--workers", "2")
+    assert data["baseline"]["first_nonfinite_step"] == run.first_nonfinite_step
+    assert fixes(data) == {"precision"}, data["arms"]
+    assert verdicts(data)["lr"] == "no-effect" and verdicts(data)["clip"] == "no-effect"
+
+
+def test_nan_row_is_fixed_by_skip_batch_alone_same_verdicts_on_every_executor(bad_row):
+    ws, run = bad_row
+    arms = "lr,clip,eps,warmup,skip-batch"
+    one = ablate(ws, run.run_id, arms, "--horizon", "25", "--workers", "1")
+    assert one["status"] == "conclusive" and one["baseline"]["verdict"] == "fails-again"
+    assert fixes(one) == {"skip-batch"}, one["arms"]
+    assert {name for name, v in verdicts(one).items() if v == "no-effect"} == {"lr", "clip", "eps", "warmup"}
+    two = ablate(ws, run.run_id, arms, "--horizon", "25", "--workers", "2")
+    submitit = ablate(ws, run.run_id, arms, "--horizon", "25", "--workers", "2", "--executor", "submitit", "--cluster", "local",
+                      "--executor-folder", str(ws.path / "submitit"))
+    assert submitit["executor"] == "submitit"
+    for other in (two, submitit):
+        assert verdicts(other) == verdicts(one)
+        # CPU replays are bitwise deterministic: the numbers, not only the verdicts, match
+        assert [(a["first_nonfinite_step"], a["final_loss"]) for a in other["arms"]] == [
+            (a["first_nonfinite_step"], a["final_loss"]) for a in one["arms"]
+        ]
+
+    # every arm is a child run of the failed run, with its change as params and its loss curve
+    store = ws.store()
+    children = store.child_runs(run.run_id, "ablation-arm")
+    assert len(children) == 3 * 6
+    skip = next(c for c in children if c.data.params.get("arm") == "skip-batch")
+    assert skip.data.params["change.skip_step"] == "25" and "dropped" in skip.data.params["change"]
+    losses = store.metric_history(skip.info.run_id, "loss")
+    assert [s for s, _ in losses] == [s for s in range(20, 50) if s != 25]
+    # the report lives on the failed run
+    names = {info.path for info in store.list_artifacts(run.run_id)}
+    assert {"ablation.md", "ablation.json", "ablation.png"} <= names
+    report = json.loads(store.read_artifact_text(run.run_id, "ablation.json"))
+    assert report["conclusion"] == submitit["conclusion"]
+
+
+def test_exploding_gradients_in_a_deep_net_are_fixed_by_clip(tmp_path_factory):
+    ws = _workspace(tmp_path_factory, "deep")
+    run = train_example(ws, "ablate_deep_gradients", "train.steps=20")
+    assert run.status == "nonfinite"
+    result = ws.replay("ablate", "clip,lr", "--run-id", run.run_id, "--horizon", "20", "--workers", "1", env=ws.env(COLUMNS="200"))
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    clip_row = next(line for line in out.splitlines() if line.startswith("│ clip"))
+    assert "fixes" in clip_row
+    assert "conclusion fixed by: clip" in " ".join(out.split())
+
+
+def test_a_baseline_that_does_not_fail_again_is_inconclusive(tmp_path_factory):
+    ws = _workspace(tmp_path_factory, "transient")
+    # the fault exists only in the training process (its environment), like a flaky device
+    run = train_example(ws, "ablate_transient", "train.steps=30", env={"PLANTED_FAULT_AT_CALL": "16"})
+    assert run.status == "nonfinite" and run.first_nonfinite_step == 15
+    data = ablate(ws, run.run_id, "lr,clip", "--horizon", "10", "--workers", "1")
+    assert data["status"] == "inconclusive"
+    assert data["baseline"]["verdict"] == "inconclusive" and data["baseline"]["first_nonfinite_step"] is None
+    assert data["conclusion"].startswith("inconclusive: the baseline replay stayed finite")
+    assert set(verdicts(data).values()) == {"inconclusive"}
+
+
+# ---- bad input -----------------------------------------------------------------------------------------
+def test_unknown_arm_lists_the_valid_ones(workspace):
+    result = workspace.replay("ablate", "lr,bogus", "--run-id", "0123")
+    assert_one_line_error(result, "unknown arm 'bogus'", "valid arms: " + ", ".join(ALL_ARMS))
+
+
+def test_horizon_must_be_positive_and_from_step_before_the_failure(bad_row):
+    ws, run = bad_row
+    assert_one_line_error(ws.replay("ablate", "lr", "--run-id", run.run_id, "--horizon", "0"), "--horizon 0 must be a positive")
+    assert_one_line_error(ws.replay("ablate", "lr", "--run-id", run.run_id, "--horizon", "-5"), "--horizon -5")
+    assert_one_line_error(ws.replay("ablate", "lr", "--run-id", run.run_id, "--from-step", "30"), "after the failing step 25")
+    assert_one_line_error(ws.replay("ablate", "lr", "--run-id", "nosuchrun"), "no run 'nosuchrun'")
+
+
+def test_a_run_that_never_failed_needs_from_step(tmp_path_factory):
+    ws = _workspace(tmp_path_factory, "healthy")
+    run = train_example(ws, "ablate_transient", "train.steps=12")  # no planted fault: a healthy run
+    assert run.status == "ok"
+    assert_one_line_error(ws.replay("ablate", "lr", "--run-id", run.run_id), "never failed", "--from-step")
+    data = ablate(ws, run.run_id, "lr,skip-batch", "--from-step", "5", "--horizon", "4", "--workers", "1")
+    assert data["failing_step"] is None and data["start_step"] == 5 and data["snapshot_step"] == 0
+    assert verdicts(data) == {"lr": "no-effect", "skip-batch": "not-applicable"}
+    assert data["conclusion"].startswith("the run did not fail")
+
+
+def test_list_shows_every_intervention_without_importing_torch(workspace):
+    listed = workspace.replay("ablate", "--list", "--json")
+    assert listed.returncode == 0, listed.stderr
+    assert [item["name"] for item in listed.json()["interventions"]] == ALL_ARMS
+    assert all(item["description"] for item in listed.json()["interventions"])
+    probe = subprocess.run(
+        [sys.executable, "-c", "import sys, replaybisect.cli.ablate, replaybisect.replay.interventions, replaybisect.report_ablate; print('torch' in sys.modules, 'mlflow' in sys.modules)"],
+        capture_output=True, text=True, check=True,
+    )
+    assert probe.stdout.strip() == "False False"
