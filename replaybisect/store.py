@@ -34,13 +34,15 @@ def _quiet_mlflow() -> None:
     # Fail fast on an unreachable server instead of MLflow's minutes of retries.
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "30")
+    # MLflow writes "View run ... at" to stdout for server stores: stdout is ours (--json).
+    os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
 
 
 def _check_reachable(uri: str) -> None:
     parsed = urlparse(uri)
     if parsed.scheme in ("http", "https"):
         try:
-            with urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=5) as response:
+            with urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=15) as response:
                 response.read()
         except (urllib.error.URLError, OSError, ValueError) as error:
             reason = getattr(error, "reason", error)

@@ -1,0 +1,186 @@
+"""Snapshot safety: SIGKILL while writing, corrupt files, pickles; and the `mlflow server` path."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from conftest import FAST, REPLAY, Workspace
+from replaybisect.errors import SnapshotError
+from replaybisect.record import snapshot as fmt
+from replaybisect.replay.restore import logged_losses, newest_good_snapshot, replay, restore
+
+
+def _wait_for_first_snapshot(store, known_runs: set[str], process) -> str:
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        assert process.poll() is None, "training exited early"
+        for run in store.search_runs("", max_results=3):
+            if run.info.run_id not in known_runs and run.data.tags.get("replaybisect.snapshot_steps"):
+                return run.info.run_id
+        time.sleep(0.05)
+    raise AssertionError("no snapshot written within 120 s")
+
+
+def _snapshot_root(store, run_id: str) -> Path:
+    return store.local_artifact_dir(run_id) / "snapshots"
+
+
+def test_sigkill_during_snapshot_writes_never_yields_a_partial_snapshot(workspace):
+    """10 trials: kill -9 at random moments of a run snapshotting every 2 steps."""
+    rng = random.Random(1234)
+    store = workspace.store()
+    incomplete_seen = 0
+    known_runs: set[str] = set()
+    for trial in range(10):
+        process = subprocess.Popen(
+            [REPLAY, "train", "train.steps=100000", "snapshot.every=2", "model.hidden=512", "model.depth=3", "train.val_every=0"],
+            cwd=workspace.path, env=workspace.env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )
+        run_id = _wait_for_first_snapshot(store, known_runs, process)
+        known_runs.add(run_id)
+        time.sleep(rng.uniform(0.0, 1.0))
+        process.send_signal(signal.SIGKILL)
+        process.wait()
+        root = _snapshot_root(store, run_id)
+        folders = sorted(p for p in root.iterdir() if fmt.step_of(p.name) is not None)
+        assert folders, "the run was killed before its first snapshot"
+        complete = []
+        for folder in folders:
+            if (folder / fmt.MANIFEST).is_file():
+                fmt.verify(folder)  # every snapshot with a manifest verifies
+                complete.append(fmt.step_of(folder.name))
+            else:
+                incomplete_seen += 1
+                with pytest.raises(SnapshotError, match="incomplete"):
+                    fmt.load(folder)  # a partial snapshot is never loaded
+        warnings: list[str] = []
+        chosen = newest_good_snapshot(store, run_id, None, warnings)
+        assert chosen.step == max(complete)
+
+        # a flipped byte is reported naming the file, and the previous good snapshot is used
+        if len(complete) >= 2:
+            target = root / fmt.folder_name(max(complete)) / fmt.TENSORS
+            payload = bytearray(target.read_bytes())
+            payload[len(payload) // 2] ^= 0xFF
+            target.write_bytes(bytes(payload))
+            warnings = []
+            fallback = newest_good_snapshot(store, run_id, None, warnings)
+            assert fallback.step == sorted(complete)[-2]
+            flagged = [w for w in warnings if fmt.folder_name(max(complete)) in w]
+            assert len(flagged) == 1 and fmt.TENSORS in flagged[0] and "checksum" in flagged[0]
+    print(f"incomplete snapshot folders seen across trials: {incomplete_seen}")
+
+
+class _Payload:
+    """Unpickling this would create a file: the proof that a payload ran."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+@pytest.fixture(scope="module")
+def small_run(tmp_path_factory):
+    workspace = Workspace(tmp_path_factory.mktemp("small"))
+    return workspace, workspace.train("train.steps=12", "snapshot.every=5", "model.hidden=16")
+
+
+def test_a_pickle_in_a_snapshot_folder_is_refused_and_never_runs(small_run):
+    workspace, result = small_run
+    store = workspace.store()
+    folder = _snapshot_root(store, result["run_id"]) / "step-000010"
+    marker = workspace.path / "PAYLOAD_RAN"
+    (folder / "optimizer.pt").write_bytes(pickle.dumps(_Payload(marker)))
+    with pytest.raises(SnapshotError, match="optimizer.pt.*never unpickles"):
+        fmt.load(folder)
+    with pytest.raises(SnapshotError, match="never unpickles"):
+        newest_good_snapshot(store, result["run_id"], None, [])  # refused outright, not skipped silently
+    assert not marker.exists()
+    (folder / "optimizer.pt").unlink()
+
+
+def test_a_pickle_posing_as_safetensors_is_refused(small_run):
+    workspace, result = small_run
+    store = workspace.store()
+    folder = _snapshot_root(store, result["run_id"]) / "step-000005"
+    marker = workspace.path / "PAYLOAD_RAN_2"
+    payload = pickle.dumps(_Payload(marker), protocol=4)
+    (folder / fmt.TENSORS).write_bytes(payload)
+    manifest = json.loads((folder / fmt.MANIFEST).read_text())  # even with a manifest that "verifies"
+    import hashlib
+
+    manifest["files"][fmt.TENSORS] = {"size": len(payload), "sha256": hashlib.sha256(payload).hexdigest()}
+    (folder / fmt.MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(SnapshotError, match="is a pickle"):
+        fmt.load(folder)
+    assert not marker.exists()
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture
+def mlflow_server(tmp_path):
+    port = _free_port()
+    mlflow_bin = Path(sys.executable).with_name("mlflow")
+    process = subprocess.Popen(
+        [str(mlflow_bin), "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
+         "--backend-store-uri", f"sqlite:///{tmp_path / 'server.db'}", "--artifacts-destination", str(tmp_path / "server-artifacts")],
+        cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    uri = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        try:
+            urllib.request.urlopen(uri + "/health", timeout=2).read()
+            break
+        except OSError:
+            if process.poll() is not None:
+                pytest.fail("mlflow server exited at start")
+            time.sleep(0.5)
+    else:
+        process.kill()
+        pytest.fail("mlflow server did not start in 120 s")
+    yield uri
+    process.terminate()
+    process.wait(timeout=30)
+
+
+def test_train_against_a_real_mlflow_server_and_replay_from_it(tmp_path, mlflow_server):
+    from mlflow import MlflowClient
+
+    workspace = Workspace(tmp_path / "user")
+    workspace.path.mkdir()
+    result = workspace.train("--tracking-uri", mlflow_server, *FAST)
+    client = MlflowClient(tracking_uri=mlflow_server)
+    run = client.get_run(result["run_id"])
+    assert run.data.tags["replaybisect.status"] == "ok"
+    assert len(client.get_metric_history(run.info.run_id, "loss")) == 40
+    listed = sorted(f.path for f in client.list_artifacts(run.info.run_id, "snapshots/step-000020"))
+    assert listed == [f"snapshots/step-000020/{name}" for name in sorted([fmt.BATCHES, fmt.MANIFEST, fmt.STATE, fmt.TENSORS])]
+
+    from replaybisect.store import open_store
+
+    os.environ["REPLAYBISECT_CACHE"] = str(tmp_path / "cache")
+    store = open_store(mlflow_server)
+    restored = restore(store, result["run_id"], 20)
+    replayed = replay(restored, 40, logged=logged_losses(store, result["run_id"]))
+    assert replayed.reproduced == "exact"
+    assert not (workspace.path / "mlflow.db").exists()  # nothing went to the local default
