@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import shutil
 import tempfile
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -100,6 +101,7 @@ class Recorder:
         self.metrics: list[tuple[str, float, int]] = []
         self.snapshot_steps: list[int] = []  # closed (written or being written), in order
         self._written_steps: list[int] = []  # manifest on disk
+        self.snapshot_blocking: list[tuple[int, float, int]] = []  # (step, seconds the step waited, bytes copied)
         self.first_nonfinite_step: int | None = None
         self.nonfinite_what: str | None = None
         self.last_loss: float | None = None
@@ -169,6 +171,7 @@ class Recorder:
     # ---- snapshots ------------------------------------------------------------------------------
     def _begin_snapshot(self, step: int, rng_raw: dict, reason: str, keep_open: bool = False) -> None:
         """Phase 1, on the training thread: copy every tensor into host buffers (waits for the previous write)."""
+        started = time.perf_counter()
         if self._last_snapshot_job is not None:
             self._last_snapshot_job.result()  # one in flight: the buffers are about to be reused
         host = {}
@@ -182,6 +185,9 @@ class Recorder:
         if self.state.device.type == "cuda":
             torch.cuda.synchronize(self.state.device)
         saved_state = state_json(self.state, step, rng_raw, {**self.data_position, "step": step}, reason)
+        blocking = time.perf_counter() - started
+        self.snapshot_blocking.append((step, blocking, sum(b.numel() * b.element_size() for b in host.values())))
+        self.metrics.append(("snapshot_blocking_time", blocking, step))
         folder = self._folder(step)
         self._last_snapshot_job = self._submit(self._write_state_files, folder, host, saved_state)
         self._open_snapshot = {"step": step, "folder": folder, "batches": {}, "files_job": self._last_snapshot_job}

@@ -1,0 +1,94 @@
+"""Recorder overhead: the same training with the recorder off and on, in one run of this script.
+
+A 5.2M-parameter MLP with AdamW, 300 steps; recorder on = snapshot every 100 steps, layer statistics
+every 50, per-step metrics. Each configuration runs in its own process (fair peak-memory numbers),
+alternating off/on; reported: wall ratio on/off, blocking time per snapshot against its size, and the
+peak RSS increase. Target (CheckFreq): ratio <= 1.03.
+
+    python benchmarks/recorder_overhead.py [--steps 300] [--repeats 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+MODEL = ["model.hidden=1600", "model.depth=3", "model.dropout=0.0"]
+
+
+def child(mode: str, steps: int, folder: str) -> None:
+    import torch
+
+    from replaybisect import config
+    from replaybisect.store import open_store
+    from replaybisect.train import train
+
+    torch.set_num_threads(2)
+    overrides = MODEL + [f"train.steps={steps}", "train.batch_size=64", "train.val_every=0", "snapshot.every=100", "snapshot.layer_stats_every=50"]
+    if mode == "off":
+        overrides.append("snapshot.enabled=false")
+    cfg = config.compose(None, "config", overrides)
+    store = open_store(f"sqlite:///{folder}/mlflow.db")
+    recorder_box = {}
+
+    import replaybisect.record.recorder as recorder_module
+
+    original_close = recorder_module.Recorder.close
+
+    def close_and_keep(self):  # keep the recorder's own measurements for the report
+        original_close(self)
+        recorder_box["blocking"] = self.snapshot_blocking
+
+    recorder_module.Recorder.close = close_and_keep
+    params = sum(p.numel() for p in __import__("replaybisect.loop", fromlist=["x"]).build_state(cfg).model.parameters())
+    started = time.perf_counter()
+    result = train(cfg, store)
+    seconds = time.perf_counter() - started
+    print(json.dumps({
+        "mode": mode, "seconds": seconds, "steps": result.steps_completed, "params": params,
+        "max_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "blocking": recorder_box.get("blocking", []),
+    }))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--child", choices=["off", "on"])
+    parser.add_argument("--folder")
+    args = parser.parse_args()
+    if args.child:
+        child(args.child, args.steps, args.folder)
+        return
+
+    results = {"off": [], "on": []}
+    with tempfile.TemporaryDirectory() as folder:
+        for _ in range(args.repeats):
+            for mode in ("off", "on"):
+                done = subprocess.run(
+                    [sys.executable, __file__, "--child", mode, "--steps", str(args.steps), "--folder", folder],
+                    capture_output=True, text=True, check=True,
+                )
+                results[mode].append(json.loads(done.stdout.strip().splitlines()[-1]))
+    off = statistics.median(r["seconds"] for r in results["off"])
+    on = statistics.median(r["seconds"] for r in results["on"])
+    blocking = [b for r in results["on"] for b in r["blocking"]]
+    print(f"model: {results['on'][0]['params'] / 1e6:.2f}M parameters, AdamW, {args.steps} steps, {args.repeats} runs each")
+    print(f"recorder off: {off:.2f} s   on: {on:.2f} s   ratio on/off: {on / off:.3f}  (target <= 1.03)")
+    for step, seconds, size in blocking[: len(blocking) // args.repeats]:
+        print(f"  snapshot at step {step}: blocked the step {seconds * 1e3:.1f} ms for {size / 1e6:.1f} MB ({size / 1e9 / max(seconds, 1e-9):.1f} GB/s)")
+    rss_off = max(r["max_rss_mb"] for r in results["off"])
+    rss_on = max(r["max_rss_mb"] for r in results["on"])
+    print(f"peak RSS off: {rss_off:.0f} MB   on: {rss_on:.0f} MB   increase: {rss_on - rss_off:.0f} MB")
+
+
+if __name__ == "__main__":
+    main()
