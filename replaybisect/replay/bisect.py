@@ -419,7 +419,7 @@ def _tail(text: str, limit: int = OUTPUT_TAIL) -> str:
 
 def _last_line(text: str) -> str:
     lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
-    return lines[-1][:300] if lines else ""
+    return lines[-1].removeprefix("replay: error: ")[:300] if lines else ""
 
 
 def _package_version(name: str) -> str:
