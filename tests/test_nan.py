@@ -1,0 +1,264 @@
+"""`replay nan` end to end: planted failures (examples/nan_*), one per category, diagnosed through the
+installed CLI against a real SQLite MLflow store; bad input; probe isolation.
+
+Runs are trained once per module (in-process, through the same `train()` that `replay train` calls) and
+shared between tests; every diagnosis runs the real `replay nan` command in a subprocess.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import Workspace, assert_one_line_error
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+
+
+def _train(store, example: str, *overrides: str, env: dict | None = None):
+    from replaybisect import config as config_mod
+    from replaybisect.train import train
+
+    folder = EXAMPLES / example
+    cfg = config_mod.compose(folder, "config", list(overrides))
+    saved = {key: os.environ.get(key) for key in (env or {})}
+    os.environ.update(env or {})
+    try:
+        return train(cfg, store, code_folder=folder)
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Every planted failure trained once: {name: TrainResult}, plus the workspace that holds them."""
+    workspace = Workspace(tmp_path_factory.mktemp("nan"))
+    store = workspace.store()
+    sys.path.insert(0, str(EXAMPLES / "nan_data"))
+    import planted_data
+
+    csv = workspace.path / "rows.csv"
+    nan_row = planted_data.write_dataset(csv, nan_at_step=12)
+    trained = {
+        "data": _train(store, "nan_data", f"data.path={csv}"),
+        "forward": _train(store, "nan_forward"),
+        "forward_bf16": _train(store, "nan_forward", "train.precision=bf16"),
+        "forward_fp16": _train(store, "nan_forward", "train.precision=fp16"),
+        "loss": _train(store, "nan_loss"),
+        "backward": _train(store, "nan_backward"),
+        "optimizer": _train(store, "nan_optimizer"),
+        "corrupt": _train(store, "nan_corrupt"),
+        "transient": _train(store, "nan_transient", env={"NAN_TRANSIENT_FAULT_STEP": "17"}),
+        "healthy": _train(store, "nan_forward", "model.decay=1.0", "train.steps=8"),
+        "no_periodic": _train(store, "nan_backward", "snapshot.every=0"),
+        "unrecorded": _train(store, "nan_backward", "snapshot.enabled=false"),
+        "for_corruption": _train(store, "nan_backward", "model.eps_steps=16"),
+    }
+    csv.unlink()  # the data source is gone: `replay nan` must work from the stored batches
+    for name, result in trained.items():
+        expected = "ok" if name == "healthy" else "nonfinite"
+        assert result.status == expected, (name, result)
+    return workspace, trained, nan_row
+
+
+def diagnose(workspace: Workspace, run_id: str, *extra: str) -> dict:
+    result = workspace.replay("nan", "--run-id", run_id, "--json", *extra)
+    assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout}\n{result.stderr}"
+    return result.json()
+
+
+def test_data_nan_row_found_from_stored_batches_after_the_source_is_deleted(runs):
+    workspace, trained, nan_row = runs
+    report = diagnose(workspace, trained["data"].run_id)
+    assert report["category"] == "data"
+    assert report["failing_step"] == 12 and report["snapshot_step"] == 10
+    assert report["reproduced"] == "exact"
+    assert report["module"] == "net.0"
+    (finding,) = report["batch"]
+    assert finding["field"].startswith("batch[0]")
+    assert finding["rows"] == [5] and finding["dataset_rows"] == [nan_row]
+    assert "stored batch" in report["evidence"][0]
+    assert report["arms"] == ["skip-batch"]
+
+
+@pytest.mark.parametrize("name,precision", [("forward", "fp32"), ("forward_bf16", "bf16"), ("forward_fp16", "fp16")])
+def test_forward_overflow_exact_replay_in_every_precision(runs, name, precision):
+    workspace, trained, _ = runs
+    report = diagnose(workspace, trained[name].run_id)
+    assert report["precision"] == precision
+    assert report["reproduced"] == "exact", report["replay"]
+    assert report["snapshot_step"] < report["failing_step"]
+    assert report["state_match"].startswith("bit-identical"), report["state_match"]
+    assert (report["category"], report["phase"], report["module"], report["op"]) == ("forward", "forward", "gate", "torch.exp")
+    assert "planted_forward.py" in report["source"] and "torch.exp" in report["source"]
+    first = report["forward"]["first_nonfinite_from_finite"]
+    assert first["type"] == "NaiveSoftmaxGate"
+    assert all(i["nan"] == 0 and i["inf"] == 0 for i in first["inputs"])
+    assert any(o["nan"] or o["inf"] for o in first["outputs"])
+    assert (precision != "fp32") == ("precision" in report["arms"])
+    assert report["isolation"] == {"state_unchanged": True, "rng_unchanged": True, "step_repeatable": True}
+
+
+def test_loss_log_of_zero(runs):
+    workspace, trained, _ = runs
+    report = diagnose(workspace, trained["loss"].run_id)
+    assert report["category"] == "loss"
+    assert report["module"] == "loss (SigmoidBCE)"
+    assert report["op"] == "torch.log"
+    assert report["forward"]["model_output_finite"] is True
+    assert report["reproduced"] == "exact"
+    # the logit scale grows 30% a step, and so does the gradient norm: named as exploding, with its rate
+    assert report["history"]["exploding"] is True
+    assert 0.05 < report["history"]["growth_per_step"] < 1.0
+    assert {"lr", "clip"} <= set(report["arms"])
+
+
+def test_backward_only_failure_names_the_custom_function(runs):
+    workspace, trained, _ = runs
+    report = diagnose(workspace, trained["backward"].run_id)
+    assert report["category"] == "backward"
+    assert report["module"] == "act"
+    assert report["op"] == "_SqrtBackward"
+    assert "_Sqrt.apply" in report["source"]
+    assert report["forward"]["first_nonfinite_output"] is None  # the forward was finite
+    assert report["reproduced"] == "exact"
+
+
+def test_optimizer_eps_zero_traced_to_the_update_that_made_nan(runs):
+    workspace, trained, _ = runs
+    report = diagnose(workspace, trained["optimizer"].run_id)
+    assert report["category"] == "optimizer"
+    assert report["phase"] == "update"
+    assert report["failing_step"] == 1 and report["origin_step"] == 0
+    assert report["module"] == "net.0"
+    assert report["op"] == "Adam.step"
+    assert any("eps=0" in line and "exp_avg_sq == 0" in line for line in report["evidence"])
+    assert report["arms"][0] == "eps"
+    assert report["suggestion"].startswith(f"replay ablate eps")
+
+
+def test_corrupt_state_from_a_module_writing_its_own_weight(runs):
+    workspace, trained, _ = runs
+    report = diagnose(workspace, trained["corrupt"].run_id)
+    assert report["category"] == "corrupt-state"
+    assert report["failing_step"] == 14 and report["origin_step"] == 13
+    assert report["module"] == "encoder"
+    assert report["state_findings"][0]["name"] == "encoder.weight"
+    assert any("not `optimizer`" in line for line in report["evidence"])
+
+
+def test_transient_when_the_failing_step_is_finite_on_replay(runs):
+    workspace, trained, _ = runs
+    report = diagnose(workspace, trained["transient"].run_id)
+    assert report["category"] == "transient"
+    assert report["failing_step"] == 17 and report["reproduced"] == "exact"
+    assert report["state_match"].startswith("bit-identical")
+    assert "hardware" in " ".join(report["evidence"])
+    assert report["arms"] == [] and "resume" in report["suggestion"]
+
+
+def test_rich_report_and_child_run_artifacts(runs):
+    workspace, trained, _ = runs
+    run_id = trained["backward"].run_id
+    result = workspace.replay("nan", "--run-id", run_id)
+    assert result.returncode == 0, result.stderr
+    assert "backward" in result.stdout and "act" in result.stdout and "replay ablate" in result.stdout
+    store = workspace.store()
+    (child,) = [r for r in store.child_runs(run_id, "replay") if r.info.status == "FINISHED"][:1]
+    assert child.data.tags["replaybisect.category"] == "backward"
+    names = {info.path for info in store.list_artifacts(child.info.run_id)}
+    assert {"report.md", "report.json", "nan_report.png"} <= names
+    saved = json.loads(store.read_artifact_text(child.info.run_id, "report.json"))
+    assert saved["module"] == "act" and saved["replay_run_id"] == child.info.run_id
+
+
+def test_same_step_twice_gives_identical_reports(runs):
+    workspace, trained, _ = runs
+    first = diagnose(workspace, trained["forward"].run_id, "--no-child-run")
+    second = diagnose(workspace, trained["forward"].run_id, "--no-child-run")
+    for report in (first, second):
+        report.pop("timings")
+    assert first == second
+
+
+def test_probes_never_change_state_or_rng(runs):
+    """In-process: probes and detect_anomaly on copies leave the live state and every RNG stream as they were,
+    and the plain step gives bit-identical results before and after them."""
+    import torch
+
+    from replaybisect import loop
+    from replaybisect.record.rng import capture_raw, to_json
+    from replaybisect.replay import nan, probes
+    from replaybisect.replay import restore as restore_mod
+
+    workspace, trained, _ = runs
+    store = workspace.store()
+    run_id = trained["backward"].run_id
+    restored = restore_mod.restore(store, run_id, step=10)
+    restore_mod.replay(restored, 12)
+    state = restored.state
+    batch = loop.to_device(restored.batch(12), state.device)
+    rng_at_step = capture_raw()
+    before = nan._fingerprint(state)
+    first = nan._on_copy(state, rng_at_step, nan._plain(12, batch))[1]
+    nan._on_copy(state, rng_at_step, lambda copy: probes.StepProbe(copy).run(12, batch))
+    nan._on_copy(state, rng_at_step, lambda copy: probes.anomaly_pass(copy, 12, batch))
+    assert nan._fingerprint(state) == before
+    assert to_json(capture_raw()) == to_json(rng_at_step)
+    assert nan._on_copy(state, rng_at_step, nan._plain(12, batch))[1] == first
+    # and the live state still steps exactly like the recorded run: non-finite grad norm at 12
+    outcome = loop.run_step(state, 12, batch)
+    assert outcome.nonfinite == "grad_norm" and not torch.isfinite(torch.tensor(outcome.grad_norm))
+
+
+def test_no_periodic_snapshots_uses_the_emergency_snapshot(runs):
+    workspace, trained, _ = runs
+    report = diagnose(workspace, trained["no_periodic"].run_id)
+    assert report["reproduced"] == "unchecked"
+    assert report["snapshot_step"] == report["failing_step"]
+    assert report["category"] == "backward" and report["module"] == "act"
+    assert any("cannot prove" in w for w in report["warnings"])
+
+
+def test_corrupt_snapshot_falls_back_and_says_so_then_fails_when_none_verifies(runs):
+    workspace, trained, _ = runs
+    run = trained["for_corruption"]
+    store = workspace.store()
+    folder = store.local_artifact_dir(run.run_id) / "snapshots"
+    failing = run.first_nonfinite_step
+    assert failing == 16
+
+    def flip(step: int) -> None:
+        path = folder / f"step-{step:06d}" / "tensors.safetensors"
+        data = bytearray(path.read_bytes())
+        data[-1] ^= 0xFF
+        path.write_bytes(bytes(data))
+
+    flip(15)
+    report = diagnose(workspace, run.run_id)
+    assert report["snapshot_step"] == 10 and report["reproduced"] == "exact"
+    assert report["category"] == "backward" and report["module"] == "act"
+    assert any("step-000015" in w and "fails verification" in w for w in report["warnings"])
+    text = workspace.replay("nan", "--run-id", run.run_id, "--no-child-run")
+    assert text.returncode == 0 and "step-000015" in text.stdout
+
+    for step in (0, 5, 10, 16):
+        flip(step)
+    assert_one_line_error(workspace.replay("nan", "--run-id", run.run_id), "verif")
+
+
+def test_bad_input_is_one_line_exit_2(runs):
+    workspace, trained, _ = runs
+    assert_one_line_error(workspace.replay("nan", "--run-id", "0123456789abcdef"), "no run", "0123456789abcdef")
+    healthy = trained["healthy"].run_id
+    assert_one_line_error(workspace.replay("nan", "--run-id", healthy), "never went non-finite", f"replay diagnose --run-id {healthy}")
+    assert_one_line_error(workspace.replay("nan", "--run-id", trained["unrecorded"].run_id), "snapshot")
+    assert_one_line_error(workspace.replay("nan", "--run-id", trained["forward"].run_id, "--step", "3"), "step 3", "finite")
