@@ -35,7 +35,9 @@ def _next_steps(report) -> list[str]:
         hints.append("fix the non-finite data first: every other check reads it")
     if failing & {"overfit.one_batch", "grad.missing", "loss.output_mismatch"}:
         hints.append("fix the model/loss wiring, then re-run `replay check` before training")
-    if lr and lr.suggested_lr and report.configured_lr and not (lr.suggested_lr / 10 <= report.configured_lr <= lr.suggested_lr * 10):
+    # our choice: suggest a change only outside 30x below .. 10x above the suggestion (the steepest-descent
+    # point is an aggressive pick; fastai's own advice is often a tenth of the lowest-loss lr)
+    if lr and lr.suggested_lr and report.configured_lr and not (lr.suggested_lr / 30 <= report.configured_lr <= lr.suggested_lr * 10):
         hints.append(f"try optim.lr={lr.suggested_lr:.2g} (LR range test suggestion; yours is {report.configured_lr:.2g})")
     if not failing:
         hints.append("train: replay train ... ; after a run, `replay diagnose --run-id ID` reads its curves")

@@ -69,11 +69,24 @@ class SoftmaxMLP(MLP):
 
 
 class ConstantInitMLP(MLP):
-    """The first layer initialized to one constant: every unit is the same unit."""
+    """Every layer initialized to one constant: in each layer every unit is the same unit, and since they
+    all get the same gradient they stay that way."""
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
-        nn.init.constant_(self.net[0].weight, 0.01)
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.constant_(module.weight, 0.05)
+                nn.init.zeros_(module.bias)
+
+
+class OneConstantLayerMLP(MLP):
+    """Only the first layer initialized to one constant: its units start identical, but the next layer's
+    random weights give them different gradients, so the updates separate them (a warning, not a trap)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        nn.init.constant_(self.net[0].weight, 0.05)
 
 
 class DeadReLUMLP(MLP):
@@ -127,3 +140,10 @@ class LoudHead(MLP):
         super().__init__(**kwargs)
         with torch.no_grad():
             self.net[-1].weight.mul_(50.0)
+
+
+class FunctionalSoftmaxMLP(MLP):
+    """A softmax applied inside forward() (no Softmax module to point at), fed to CrossEntropyLoss."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.softmax(super().forward(x), dim=1)

@@ -356,6 +356,7 @@ class GradProbe:
     not_in_optimizer: list[str] = field(default_factory=list)
     nonfinite: Optional[str] = None
     error: Optional[str] = None
+    final_params: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)  # after the probe steps
 
 
 class _GradObserver:
@@ -441,6 +442,7 @@ def grad_probe(state: loop.TrainState, batches: list) -> GradProbe:
     finally:
         for handle in handles:
             handle.remove()
+    probe.final_params = {name: p.detach() for name, p in model.named_parameters()}
     return probe
 
 
@@ -883,6 +885,8 @@ def loss_output_mismatch(ctx: CheckContext) -> Check:
     head = ctx.output_module()
     head_type = ctx.probe().leaf_types.get(head or "", "")
     at = f"`{head}` ({head_type})" if head else "the model's output"
+    if head and head_type not in ("Softmax", "LogSoftmax", "Sigmoid"):
+        at = f"the model's output (after `{head}` ({head_type}); a softmax in forward()?)"
     finite = x[torch.isfinite(x)]
     if isinstance(loss_fn, nn.CrossEntropyLoss) and x.dim() >= 2:
         share = _rows_are_probabilities(x)
@@ -921,31 +925,47 @@ def loss_output_mismatch(ctx: CheckContext) -> Check:
 # ---- initialization ------------------------------------------------------------------------------------------
 @check("init.symmetry")
 def init_symmetry(ctx: CheckContext) -> Check:
-    """Identical rows in a weight matrix get identical gradients and stay identical: the layer is one unit wide."""
-    worst_share, worst_name, flagged = 0.0, None, []
+    """Identical rows in a weight matrix are identical units. If the updates give them identical gradients
+    (every layer initialized alike) they never differ: the layer is one unit wide for good. The grad
+    probe's few real steps tell the two cases apart."""
+    flagged = []  # (share, name, identical rows, rows, still identical after the probe steps, all zero)
     checked = 0
+    probe = None
     for name, param in ctx.state.model.named_parameters():
         if param.dim() < 2 or param.shape[0] < 2:
             continue
         checked += 1
         rows = param.detach().reshape(param.shape[0], -1)
-        unique = torch.unique(rows, dim=0)
-        duplicated = rows.shape[0] - unique.shape[0]
-        if duplicated:
-            share = (duplicated + 1) / rows.shape[0]
-            flagged.append((share, name, duplicated + 1, rows.shape[0]))
-            if share > worst_share:
-                worst_share, worst_name = share, name
+        _, inverse, counts = torch.unique(rows, dim=0, return_inverse=True, return_counts=True)
+        if int(counts.max()) < 2:
+            continue
+        duplicated = counts[inverse] > 1  # rows that have a twin
+        probe = probe or ctx.grads()
+        after = probe.final_params.get(name)
+        still = None
+        if after is not None and probe.steps_run and not probe.error:
+            later = after.reshape(after.shape[0], -1)[duplicated]
+            still = bool(torch.unique(later, dim=0).shape[0] < int(duplicated.sum()))
+        zero = bool((rows[duplicated] == 0).all())
+        flagged.append((float(duplicated.float().mean()), name, int(duplicated.sum()), rows.shape[0], still, zero))
     if not flagged:
         return Check("init.symmetry", "pass", 0.0, f"no identical rows in {checked} weight matrices ({ctx.where()})")
-    flagged.sort(reverse=True)
-    listed = "; ".join(f"`{n}`: {k} of {r} rows identical" for _, n, k, r in flagged[:3])
-    status = "fail" if worst_share > DEAD_LAYER_FAIL else "warn"
-    return Check(
-        "init.symmetry", status, worst_share,
-        f"{listed} ({ctx.where()}): identical units get identical gradients and never differ; use a random init (e.g. the default, or kaiming_uniform_)",
-        layer=(worst_name or "").rsplit(".", 1)[0] or worst_name,
-    )
+    flagged.sort(key=lambda f: (f[4] is True, f[0]), reverse=True)
+    share, name, count, rows, still, zero = flagged[0]
+    layer = name.rsplit(".", 1)[0] if "." in name else name
+    steps = probe.steps_run if probe else 0
+    listed = "; ".join(f"`{n}`: {k} of {r} rows identical" for _, n, k, r, _, _ in flagged[:3])
+    if still:
+        return Check(
+            "init.symmetry", "fail", share,
+            f"{listed} ({ctx.where()}), still identical after {steps} updates: these units get identical gradients and never differ "
+            "(symmetry); initialize weights randomly (the default, or kaiming_uniform_)",
+            layer=layer,
+        )
+    if still is False and zero:
+        return Check("init.symmetry", "pass", share, f"{listed} ({ctx.where()}) are zero-initialized and the updates separate them (a deliberate zero init, e.g. LoRA or ReZero)")
+    after = f", the updates separate them within {steps} steps" if still is False else ""
+    return Check("init.symmetry", "warn", share, f"{listed} ({ctx.where()}){after}: the layer starts with fewer distinct units than it has; initialize randomly", layer=layer)
 
 
 def _relu_layers(ctx: CheckContext) -> dict[str, LayerActivity]:
