@@ -36,28 +36,25 @@ def _headline(report) -> list[tuple[str, Any]]:
 
 
 def print_rich(report, tracking_uri: str, console=None) -> None:
+    """The terminal report. Long lines soft-wrap (the terminal folds them), so paths and ids stay whole."""
     from rich.console import Console
     from rich.markup import escape
-    from rich.table import Table
 
     console = console or Console()
+    say = lambda text: console.print(text, soft_wrap=True)  # noqa: E731
     style = CATEGORY_STYLE.get(report.category, "bold")
-    console.print(f"[bold]replay nan[/bold]  run {report.run_id}  step {report.failing_step}: [bold {style}]{report.category}[/bold {style}]"
-                  + (f" in [bold]{escape(report.module)}[/bold]" if report.module else ""))
-    table = Table(show_header=False, box=None, pad_edge=False)
-    table.add_column(style="dim")
-    table.add_column()
-    for key, value in _headline(report):
-        table.add_row(key, escape(str(value)))
-    console.print(table)
+    say(f"[bold]replay nan[/bold]  run {report.run_id}  step {report.failing_step}: [bold {style}]{report.category}[/bold {style}]"
+        + (f" in [bold]{escape(report.module)}[/bold]" if report.module else ""))
+    for key, value in _headline(report)[1:]:
+        say(f"  [dim]{key:>24}[/dim]  {escape(str(value))}")
     for warning in report.warnings:
-        console.print(f"[yellow]warning:[/yellow] {escape(warning)}")
-    console.print("[bold]evidence[/bold]")
+        say(f"[yellow]warning:[/yellow] {escape(warning)}")
+    say("[bold]evidence[/bold]")
     for line in report.evidence:
-        console.print(f"  {'' if line.startswith('  ') else '- '}{escape(line)}")
-    console.print(f"[bold]next[/bold]  {escape(report.suggestion)}")
+        say(f"  {'' if line.startswith('  ') else '- '}{escape(line)}")
+    say(f"[bold]next[/bold]  {escape(report.suggestion)}")
     if report.replay_run_id:
-        console.print(f"report: child run {report.replay_run_id} (report.md, report.json, nan_report.png); view: {mlflow_ui_hint(tracking_uri)}")
+        say(f"report: child run {report.replay_run_id} (report.md, report.json, nan_report.png); view: {mlflow_ui_hint(tracking_uri)}")
 
 
 def markdown(report) -> str:

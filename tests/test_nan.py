@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -69,15 +70,53 @@ def runs(tmp_path_factory):
     return workspace, trained, nan_row
 
 
-def diagnose(workspace: Workspace, run_id: str, *extra: str) -> dict:
-    result = workspace.replay("nan", "--run-id", run_id, "--json", *extra)
+def _corruption_sequence(workspace: Workspace, run) -> tuple:
+    """Flip a byte in the snapshot `replay nan` would use (fall back, say so), then in every snapshot (exit 2)."""
+    folder = workspace.store().local_artifact_dir(run.run_id) / "snapshots"
+
+    def flip(step: int) -> None:
+        path = folder / f"step-{step:06d}" / "tensors.safetensors"
+        data = bytearray(path.read_bytes())
+        data[-1] ^= 0xFF
+        path.write_bytes(bytes(data))
+
+    flip(15)
+    fallback = workspace.replay("nan", "--run-id", run.run_id)
+    for step in (0, 5, 10, 16):
+        flip(step)
+    none_verifies = workspace.replay("nan", "--run-id", run.run_id, "--json")
+    return fallback, none_verifies
+
+
+@pytest.fixture(scope="module")
+def cli(runs):
+    """Every `replay nan` command of this module, run as subprocesses a few at a time (they only read the
+    runs they examine, and each writes its own child run)."""
+    workspace, trained, _ = runs
+    quiet = ("--json", "--no-child-run")
+    jobs = {name: ("nan", "--run-id", trained[name].run_id, *quiet)
+            for name in ("data", "forward", "forward_bf16", "forward_fp16", "loss", "optimizer", "corrupt", "transient", "no_periodic")}
+    jobs["backward_rich"] = ("nan", "--run-id", trained["backward"].run_id)
+    jobs["unknown"] = ("nan", "--run-id", "0123456789abcdef", "--json")
+    jobs["healthy"] = ("nan", "--run-id", trained["healthy"].run_id, "--json")
+    jobs["unrecorded"] = ("nan", "--run-id", trained["unrecorded"].run_id, "--json")
+    with ThreadPoolExecutor(max_workers=3) as pool:
+        corruption = pool.submit(_corruption_sequence, workspace, trained["for_corruption"])
+        futures = {name: pool.submit(workspace.replay, *args) for name, args in jobs.items()}
+        results = {name: future.result() for name, future in futures.items()}
+        results["corruption"] = corruption.result()
+    return results
+
+
+def report_of(cli, name: str) -> dict:
+    result = cli[name]
     assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout}\n{result.stderr}"
     return result.json()
 
 
-def test_data_nan_row_found_from_stored_batches_after_the_source_is_deleted(runs):
-    workspace, trained, nan_row = runs
-    report = diagnose(workspace, trained["data"].run_id)
+def test_data_nan_row_found_from_stored_batches_after_the_source_is_deleted(runs, cli):
+    _, _, nan_row = runs
+    report = report_of(cli, "data")
     assert report["category"] == "data"
     assert report["failing_step"] == 12 and report["snapshot_step"] == 10
     assert report["reproduced"] == "exact"
@@ -90,9 +129,8 @@ def test_data_nan_row_found_from_stored_batches_after_the_source_is_deleted(runs
 
 
 @pytest.mark.parametrize("name,precision", [("forward", "fp32"), ("forward_bf16", "bf16"), ("forward_fp16", "fp16")])
-def test_forward_overflow_exact_replay_in_every_precision(runs, name, precision):
-    workspace, trained, _ = runs
-    report = diagnose(workspace, trained[name].run_id)
+def test_forward_overflow_exact_replay_in_every_precision(cli, name, precision):
+    report = report_of(cli, name)
     assert report["precision"] == precision
     assert report["reproduced"] == "exact", report["replay"]
     assert report["snapshot_step"] < report["failing_step"]
@@ -105,11 +143,11 @@ def test_forward_overflow_exact_replay_in_every_precision(runs, name, precision)
     assert any(o["nan"] or o["inf"] for o in first["outputs"])
     assert (precision != "fp32") == ("precision" in report["arms"])
     assert report["isolation"] == {"state_unchanged": True, "rng_unchanged": True, "step_repeatable": True}
+    assert report["replay_run_id"] is None  # --no-child-run
 
 
-def test_loss_log_of_zero(runs):
-    workspace, trained, _ = runs
-    report = diagnose(workspace, trained["loss"].run_id)
+def test_loss_log_of_zero(cli):
+    report = report_of(cli, "loss")
     assert report["category"] == "loss"
     assert report["module"] == "loss (SigmoidBCE)"
     assert report["op"] == "torch.log"
@@ -118,23 +156,31 @@ def test_loss_log_of_zero(runs):
     # the logit scale grows 30% a step, and so does the gradient norm: named as exploding, with its rate
     assert report["history"]["exploding"] is True
     assert 0.05 < report["history"]["growth_per_step"] < 1.0
+    assert "exploding gradients" in report["history"]["summary"]
     assert {"lr", "clip"} <= set(report["arms"])
 
 
-def test_backward_only_failure_names_the_custom_function(runs):
+def test_backward_only_failure_rich_report_and_child_run(runs, cli):
     workspace, trained, _ = runs
-    report = diagnose(workspace, trained["backward"].run_id)
-    assert report["category"] == "backward"
-    assert report["module"] == "act"
-    assert report["op"] == "_SqrtBackward"
+    result = cli["backward_rich"]
+    assert result.returncode == 0, result.stderr
+    for text in ("backward", "act", "_SqrtBackward", "replay ablate", "reproduced exact"):
+        assert text in result.stdout, text
+    store = workspace.store()
+    (child,) = store.child_runs(trained["backward"].run_id, "replay")
+    assert child.info.status == "FINISHED" and child.data.tags["replaybisect.category"] == "backward"
+    assert {"report.md", "report.json", "nan_report.png"} <= {info.path for info in store.list_artifacts(child.info.run_id)}
+    report = json.loads(store.read_artifact_text(child.info.run_id, "report.json"))
+    assert report["replay_run_id"] == child.info.run_id
+    assert (report["category"], report["module"], report["op"]) == ("backward", "act", "_SqrtBackward")
     assert "_Sqrt.apply" in report["source"]
     assert report["forward"]["first_nonfinite_output"] is None  # the forward was finite
     assert report["reproduced"] == "exact"
+    assert "backward" in store.read_artifact_text(child.info.run_id, "report.md")
 
 
-def test_optimizer_eps_zero_traced_to_the_update_that_made_nan(runs):
-    workspace, trained, _ = runs
-    report = diagnose(workspace, trained["optimizer"].run_id)
+def test_optimizer_eps_zero_traced_to_the_update_that_made_nan(cli):
+    report = report_of(cli, "optimizer")
     assert report["category"] == "optimizer"
     assert report["phase"] == "update"
     assert report["failing_step"] == 1 and report["origin_step"] == 0
@@ -142,12 +188,11 @@ def test_optimizer_eps_zero_traced_to_the_update_that_made_nan(runs):
     assert report["op"] == "Adam.step"
     assert any("eps=0" in line and "exp_avg_sq == 0" in line for line in report["evidence"])
     assert report["arms"][0] == "eps"
-    assert report["suggestion"].startswith(f"replay ablate eps")
+    assert report["suggestion"].startswith("replay ablate eps")
 
 
-def test_corrupt_state_from_a_module_writing_its_own_weight(runs):
-    workspace, trained, _ = runs
-    report = diagnose(workspace, trained["corrupt"].run_id)
+def test_corrupt_state_from_a_module_writing_its_own_weight(cli):
+    report = report_of(cli, "corrupt")
     assert report["category"] == "corrupt-state"
     assert report["failing_step"] == 14 and report["origin_step"] == 13
     assert report["module"] == "encoder"
@@ -155,9 +200,8 @@ def test_corrupt_state_from_a_module_writing_its_own_weight(runs):
     assert any("not `optimizer`" in line for line in report["evidence"])
 
 
-def test_transient_when_the_failing_step_is_finite_on_replay(runs):
-    workspace, trained, _ = runs
-    report = diagnose(workspace, trained["transient"].run_id)
+def test_transient_when_the_failing_step_is_finite_on_replay(cli):
+    report = report_of(cli, "transient")
     assert report["category"] == "transient"
     assert report["failing_step"] == 17 and report["reproduced"] == "exact"
     assert report["state_match"].startswith("bit-identical")
@@ -165,44 +209,70 @@ def test_transient_when_the_failing_step_is_finite_on_replay(runs):
     assert report["arms"] == [] and "resume" in report["suggestion"]
 
 
-def test_rich_report_and_child_run_artifacts(runs):
+def test_no_periodic_snapshots_uses_the_emergency_snapshot(cli):
+    report = report_of(cli, "no_periodic")
+    assert report["reproduced"] == "unchecked"
+    assert report["snapshot_step"] == report["failing_step"]
+    assert report["category"] == "backward" and report["module"] == "act"
+    assert any("cannot prove" in w for w in report["warnings"])
+
+
+def test_corrupt_snapshot_falls_back_and_says_so_then_fails_when_none_verifies(runs, cli):
     workspace, trained, _ = runs
-    run_id = trained["backward"].run_id
-    result = workspace.replay("nan", "--run-id", run_id)
-    assert result.returncode == 0, result.stderr
-    assert "backward" in result.stdout and "act" in result.stdout and "replay ablate" in result.stdout
+    assert trained["for_corruption"].first_nonfinite_step == 16
+    fallback, none_verifies = cli["corruption"]
+    assert fallback.returncode == 0, fallback.stderr
+    assert "step-000015" in fallback.stdout and "fails verification" in fallback.stdout
+    assert "snapshot 10 -> reproduced exact" in fallback.stdout
     store = workspace.store()
-    (child,) = [r for r in store.child_runs(run_id, "replay") if r.info.status == "FINISHED"][:1]
-    assert child.data.tags["replaybisect.category"] == "backward"
-    names = {info.path for info in store.list_artifacts(child.info.run_id)}
-    assert {"report.md", "report.json", "nan_report.png"} <= names
-    saved = json.loads(store.read_artifact_text(child.info.run_id, "report.json"))
-    assert saved["module"] == "act" and saved["replay_run_id"] == child.info.run_id
+    (child,) = store.child_runs(trained["for_corruption"].run_id, "replay")
+    report = json.loads(store.read_artifact_text(child.info.run_id, "report.json"))
+    assert report["snapshot_step"] == 10 and report["category"] == "backward" and report["module"] == "act"
+    assert any("step-000015" in w and "fails verification" in w for w in report["warnings"])
+    assert "step-000015" in store.read_artifact_text(child.info.run_id, "report.md")
+    assert_one_line_error(none_verifies, "verif", "cannot be replayed")
+
+
+def test_bad_input_is_one_line_exit_2(runs, cli):
+    _, trained, _ = runs
+    assert_one_line_error(cli["unknown"], "no run", "0123456789abcdef")
+    healthy = trained["healthy"].run_id
+    assert_one_line_error(cli["healthy"], "never went non-finite", f"replay diagnose --run-id {healthy}")
+    assert_one_line_error(cli["unrecorded"], "snapshot")
+
+
+def test_step_option_refuses_a_finite_step(runs):
+    from replaybisect.errors import ReplayError
+    from replaybisect.replay.nan import diagnose
+
+    workspace, trained, _ = runs
+    with pytest.raises(ReplayError, match="step 3 .* was finite"):
+        diagnose(workspace.store(), trained["forward"].run_id, 3, record=False)
 
 
 def test_same_step_twice_gives_identical_reports(runs):
+    from replaybisect.replay.nan import diagnose
+
     workspace, trained, _ = runs
-    first = diagnose(workspace, trained["forward"].run_id, "--no-child-run")
-    second = diagnose(workspace, trained["forward"].run_id, "--no-child-run")
+    store = workspace.store()
+    first = diagnose(store, trained["forward"].run_id, record=False).to_json()
+    second = diagnose(store, trained["forward"].run_id, record=False).to_json()
     for report in (first, second):
         report.pop("timings")
     assert first == second
+    assert first["isolation"] == {"state_unchanged": True, "rng_unchanged": True, "step_repeatable": True}
 
 
 def test_probes_never_change_state_or_rng(runs):
-    """In-process: probes and detect_anomaly on copies leave the live state and every RNG stream as they were,
-    and the plain step gives bit-identical results before and after them."""
-    import torch
-
+    """Probes and detect_anomaly on copies leave the live state and every RNG stream as they were, and the
+    plain step gives bit-identical results before and after them."""
     from replaybisect import loop
     from replaybisect.record.rng import capture_raw, to_json
     from replaybisect.replay import nan, probes
     from replaybisect.replay import restore as restore_mod
 
     workspace, trained, _ = runs
-    store = workspace.store()
-    run_id = trained["backward"].run_id
-    restored = restore_mod.restore(store, run_id, step=10)
+    restored = restore_mod.restore(workspace.store(), trained["backward"].run_id, step=10)
     restore_mod.replay(restored, 12)
     state = restored.state
     batch = loop.to_device(restored.batch(12), state.device)
@@ -214,51 +284,5 @@ def test_probes_never_change_state_or_rng(runs):
     assert nan._fingerprint(state) == before
     assert to_json(capture_raw()) == to_json(rng_at_step)
     assert nan._on_copy(state, rng_at_step, nan._plain(12, batch))[1] == first
-    # and the live state still steps exactly like the recorded run: non-finite grad norm at 12
-    outcome = loop.run_step(state, 12, batch)
-    assert outcome.nonfinite == "grad_norm" and not torch.isfinite(torch.tensor(outcome.grad_norm))
-
-
-def test_no_periodic_snapshots_uses_the_emergency_snapshot(runs):
-    workspace, trained, _ = runs
-    report = diagnose(workspace, trained["no_periodic"].run_id)
-    assert report["reproduced"] == "unchecked"
-    assert report["snapshot_step"] == report["failing_step"]
-    assert report["category"] == "backward" and report["module"] == "act"
-    assert any("cannot prove" in w for w in report["warnings"])
-
-
-def test_corrupt_snapshot_falls_back_and_says_so_then_fails_when_none_verifies(runs):
-    workspace, trained, _ = runs
-    run = trained["for_corruption"]
-    store = workspace.store()
-    folder = store.local_artifact_dir(run.run_id) / "snapshots"
-    failing = run.first_nonfinite_step
-    assert failing == 16
-
-    def flip(step: int) -> None:
-        path = folder / f"step-{step:06d}" / "tensors.safetensors"
-        data = bytearray(path.read_bytes())
-        data[-1] ^= 0xFF
-        path.write_bytes(bytes(data))
-
-    flip(15)
-    report = diagnose(workspace, run.run_id)
-    assert report["snapshot_step"] == 10 and report["reproduced"] == "exact"
-    assert report["category"] == "backward" and report["module"] == "act"
-    assert any("step-000015" in w and "fails verification" in w for w in report["warnings"])
-    text = workspace.replay("nan", "--run-id", run.run_id, "--no-child-run")
-    assert text.returncode == 0 and "step-000015" in text.stdout
-
-    for step in (0, 5, 10, 16):
-        flip(step)
-    assert_one_line_error(workspace.replay("nan", "--run-id", run.run_id), "verif")
-
-
-def test_bad_input_is_one_line_exit_2(runs):
-    workspace, trained, _ = runs
-    assert_one_line_error(workspace.replay("nan", "--run-id", "0123456789abcdef"), "no run", "0123456789abcdef")
-    healthy = trained["healthy"].run_id
-    assert_one_line_error(workspace.replay("nan", "--run-id", healthy), "never went non-finite", f"replay diagnose --run-id {healthy}")
-    assert_one_line_error(workspace.replay("nan", "--run-id", trained["unrecorded"].run_id), "snapshot")
-    assert_one_line_error(workspace.replay("nan", "--run-id", trained["forward"].run_id, "--step", "3"), "step 3", "finite")
+    # and the live state still steps exactly like the recorded run: a non-finite grad norm at 12
+    assert loop.run_step(state, 12, batch).nonfinite == "grad_norm"

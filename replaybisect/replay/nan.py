@@ -772,6 +772,7 @@ def _suggest(report: NanReport, results: _StepResults) -> None:
             add("lr")
             why.append("lr: the learning rate is not finite")
         add("lr", "clip")
+        why.append("lr / clip: smaller updates, in case the step size rather than the arithmetic is to blame")
         if report.origin_step is not None and report.origin_step < report.snapshot_step:
             from_step = _snapshot_before(report)
     elif category == "corrupt-state":

@@ -113,7 +113,11 @@ def state_copy(state: "loop.TrainState") -> "loop.TrainState":
 
 
 def user_frame(frames: list[traceback.FrameSummary]) -> Optional[traceback.FrameSummary]:
-    """The innermost frame of the user's code: not torch, not replaybisect itself, not the standard library."""
+    """The innermost frame of the user's code inside the step: after replaybisect's own frames (whoever called
+    replaybisect is not the step), and not torch, the standard library or installed packages."""
+    ours = [i for i, frame in enumerate(frames) if os.path.abspath(frame.filename).startswith(_PACKAGE_DIR)]
+    if ours:
+        frames = frames[ours[-1] + 1 :]
     for frame in reversed(frames):
         path = os.path.abspath(frame.filename)
         if path.startswith((_TORCH_DIR, _PACKAGE_DIR, _STDLIB_DIR) + _ENV_DIRS) or "site-packages" in path or frame.filename.startswith("<"):
