@@ -127,12 +127,18 @@ def test_user_config_with_only_model_data_loss_optim(workspace):
             """
         )
     )
+    git = lambda *args: subprocess.run(["git", "-C", str(user), *args], check=True, capture_output=True, text=True).stdout.strip()
+    git("init", "-q")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "--allow-empty", "-m", "start")
+    sha = git("rev-parse", "HEAD")
     result = workspace.train("train.steps=12", "snapshot.every=5", extra=("--config-dir", str(user), "--config-name", "exp"))
     assert result["status"] == "ok" and result["snapshot_steps"] == [0, 5, 10]
     # the schema's defaults were applied: batch size 64
     run = workspace.store().get_run(result["run_id"])
     assert run.data.params["train.batch_size"] == "64"
     assert run.data.tags["replaybisect.code_dir"] == str(user)
+    # the user's code version: mymodel.py and exp.yaml are untracked, which does not make it dirty
+    assert run.data.tags["replaybisect.git_sha"] == sha and run.data.tags["replaybisect.git_dirty"] == "false"
 
 
 def _poisoned_project(root: Path, nan_index: int) -> Path:

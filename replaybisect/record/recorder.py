@@ -109,7 +109,7 @@ class Recorder:
 
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="replaybisect-writer")
         self._jobs: list[Future] = []
-        self._last_snapshot_job: Future | None = None
+        self._buffers_job: Future | None = None  # the write that reads the host buffers
         self._host_buffers: dict[str, torch.Tensor] = {}
         self._open_snapshot: dict[str, Any] | None = None  # the snapshot whose batches are still arriving
         self._rng_at_start: dict | None = None
@@ -172,8 +172,8 @@ class Recorder:
     def _begin_snapshot(self, step: int, rng_raw: dict, reason: str, keep_open: bool = False) -> None:
         """Phase 1, on the training thread: copy every tensor into host buffers (waits for the previous write)."""
         started = time.perf_counter()
-        if self._last_snapshot_job is not None:
-            self._last_snapshot_job.result()  # one in flight: the buffers are about to be reused
+        if self._buffers_job is not None:
+            self._buffers_job.result()  # one in flight: the host buffers are about to be reused
         host = {}
         for name, tensor in live_tensors(self.state).items():
             buffer = self._host_buffers.get(name)
@@ -189,8 +189,8 @@ class Recorder:
         self.snapshot_blocking.append((step, blocking, sum(b.numel() * b.element_size() for b in host.values())))
         self.metrics.append(("snapshot_blocking_time", blocking, step))
         folder = self._folder(step)
-        self._last_snapshot_job = self._submit(self._write_state_files, folder, host, saved_state)
-        self._open_snapshot = {"step": step, "folder": folder, "batches": {}, "files_job": self._last_snapshot_job}
+        self._buffers_job = self._submit(self._write_state_files, folder, host, saved_state)
+        self._open_snapshot = {"step": step, "folder": folder, "batches": {}, "files_job": self._buffers_job}
         if not (self.keep_batches or keep_open):
             self._close_open_snapshot()
 
@@ -204,13 +204,15 @@ class Recorder:
         opened, self._open_snapshot = self._open_snapshot, None
         if opened is None:
             return
-        self._last_snapshot_job = self._submit(self._finish_snapshot, opened)
+        self._submit(self._finish_snapshot, opened)
         self.snapshot_steps.append(opened["step"])
 
     def _folder(self, step: int) -> Path:
         root = self._local_root if self._local_root is not None else self._staging
         folder = root / fmt.folder_name(step)
-        if folder.exists():  # a leftover of an earlier attempt at the same step (never a verified one of ours)
+        if folder.exists():  # the periodic snapshot of a step that then failed: rewrite it with the failing batch
+            for job in self._jobs:
+                job.result()
             shutil.rmtree(folder)
         folder.mkdir(parents=True)
         return folder
