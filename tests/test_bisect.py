@@ -373,9 +373,8 @@ def test_bad_input_is_one_line_exit_2(shared, small_repo):
     path, shas = small_repo
     before = repo_fingerprint(path)
     cmd = ("--cmd", _oracle(shared))
-    line = _error_line(shared.replay("bisect", "--repo", str(path), "deadbeef", shas[-1], *cmd))
-    assert "GOOD 'deadbeef' is not a commit" in line and len(shared.replay("bisect", "--repo", str(path), "deadbeef",
-                                                                            shas[-1], *cmd).stderr.strip().splitlines()) == 1
+    unknown = shared.replay("bisect", "--repo", str(path), "deadbeef", shas[-1], *cmd)
+    assert "GOOD 'deadbeef' is not a commit" in _error_line(unknown) and len(unknown.stderr.strip().splitlines()) == 1
     assert "BAD 'nope' is not a commit" in _error_line(shared.replay("bisect", "--repo", str(path), shas[0], "nope", *cmd))
     assert "same commit" in _error_line(shared.replay("bisect", "--repo", str(path), shas[1], shas[1], *cmd))
     assert "is not an ancestor of BAD" in _error_line(shared.replay("bisect", "--repo", str(path), shas[3], shas[1], *cmd))

@@ -52,6 +52,7 @@ from urllib.parse import urlparse
 
 from replaybisect.errors import GitError, ReplayError
 from replaybisect.replay.gitops import CommitInfo, PrivateClone, UserRepo
+from replaybisect.replay.trial_process import Launcher, signal_group
 
 __all__ = ["BisectResult", "Trial", "SeedRun", "bisect", "Search", "Baseline", "judge", "BisectAborted"]
 
@@ -576,7 +577,8 @@ class _Bisector:
         self.measured: dict[tuple[str, int], SeedRun] = {}
         self.in_flight: dict[tuple[str, int], threading.Event] = {}
         self.lock = threading.Lock()
-        self.processes: set[subprocess.Popen] = set()
+        self.launcher = Launcher()
+        self.processes: set = set()  # running trial processes (trial_process.PlainProcess / ForkedProcess)
         self.cancelled = threading.Event()
         self.n_runs = 0
         self.n_cached = 0
@@ -651,20 +653,21 @@ class _Bisector:
             env.pop(name, None)
         started = time.monotonic()
         # A session of its own: Ctrl-C reaches the bisect only, which stops its trials itself (cancel()).
-        process = subprocess.Popen(self.runner.command(worktree, seed, self.parent_run_id, sha), cwd=worktree, env=env,
-                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
         with self.lock:
+            if self.cancelled.is_set():
+                raise _Cancelled()
+            process = self.launcher.start(self.runner.command(worktree, seed, self.parent_run_id, sha), worktree, env)
             self.processes.add(process)
         try:
-            stdout, stderr = process.communicate()
+            returncode, stdout, stderr = process.communicate()
         finally:
             with self.lock:
                 self.processes.discard(process)
         if self.cancelled.is_set():
             raise _Cancelled()
-        run, cacheable = self.runner.interpret(self.store, process.returncode, stdout, stderr, seed)
+        run, cacheable = self.runner.interpret(self.store, returncode, stdout, stderr, seed)
         run.seconds = time.monotonic() - started
-        self._record(sha, run, cacheable, stdout, stderr, process.returncode)
+        self._record(sha, run, cacheable, stdout, stderr, returncode)
         return run
 
     def _record(self, sha: str, run: SeedRun, cacheable: bool, stdout: str, stderr: str, returncode: int) -> None:
@@ -822,25 +825,18 @@ class _Bisector:
         with self.lock:
             processes = list(self.processes)
         for process in processes:
-            _signal_group(process, signal.SIGINT)
+            signal_group(process, signal.SIGINT)
         deadline = time.monotonic() + 10
         for process in processes:
             try:
                 process.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                _signal_group(process, signal.SIGKILL)
-                process.wait()
+                signal_group(process, signal.SIGKILL)
+                process.wait(timeout=10)
         # wake workers waiting on another worker's measurement
         with self.lock:
             for event in self.in_flight.values():
                 event.set()
-
-
-def _signal_group(process: subprocess.Popen, signum: int) -> None:
-    try:
-        os.killpg(process.pid, signum)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 def _default_event(kind: str, **data) -> None:

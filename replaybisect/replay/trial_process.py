@@ -1,0 +1,132 @@
+"""Starting one bisect trial as a process of its own, in its worktree, with the worktree first on the path.
+
+A short trial of `python -m replaybisect train` spends most of its time importing torch, MLflow and Hydra
+(about 2 s each on these machines, FIELD-NOTES). So training trials are forked from a multiprocessing
+*forkserver* that has imported those libraries once: each trial is still a fresh process of its own (own
+session, cwd, environment, stdout/stderr, exit status), but starts in a fraction of a second. The fork
+imports nothing of replaybisect or of the user's code before the trial sets its path, so the worktree's own
+modules (and its own replaybisect, when the repository being bisected is replaybisect) are the ones used.
+
+Plain `subprocess` is used for `--cmd`, when the worktree has a top-level module that would shadow a
+preloaded library, and when REPLAYBISECT_TRIAL_FORK=0.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+PRELOAD = ["torch", "hydra", "hydra.utils", "omegaconf", "mlflow", "mlflow.store.tracking.sqlalchemy_store"]
+_SHADOWABLE = {"torch", "hydra", "omegaconf", "mlflow"}
+_start_lock = threading.Lock()
+
+
+class PlainProcess:
+    """A trial run with subprocess.Popen, in a session of its own."""
+
+    def __init__(self, argv: list[str], cwd: Path, env: dict[str, str]):
+        self.process = subprocess.Popen(argv, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                        stderr=subprocess.PIPE, text=True, start_new_session=True)
+        self.pid = self.process.pid
+
+    def communicate(self) -> tuple[int, str, str]:
+        stdout, stderr = self.process.communicate()
+        return self.process.returncode, stdout, stderr
+
+    def wait(self, timeout: float) -> None:
+        self.process.wait(timeout=timeout)
+
+
+class ForkedProcess:
+    """A `python -m replaybisect ...` trial forked from the preloaded forkserver."""
+
+    def __init__(self, context, module_args: list[str], cwd: Path, env: dict[str, str]):
+        folder = Path(tempfile.mkdtemp(prefix="replaybisect-trial-"))
+        self.folder = folder
+        self.stdout_path, self.stderr_path = folder / "stdout", folder / "stderr"
+        self.process = context.Process(target=_forked_main, name="replaybisect-trial",
+                                       args=(module_args, str(cwd), env, str(self.stdout_path), str(self.stderr_path)))
+        with _start_lock:
+            self.process.start()
+        self.pid = self.process.pid
+
+    def communicate(self) -> tuple[int, str, str]:
+        self.process.join()
+        try:
+            stdout = self.stdout_path.read_text(errors="replace") if self.stdout_path.exists() else ""
+            stderr = self.stderr_path.read_text(errors="replace") if self.stderr_path.exists() else ""
+        finally:
+            for path in (self.stdout_path, self.stderr_path):
+                path.unlink(missing_ok=True)
+            self.folder.rmdir()
+        return self.process.exitcode, stdout, stderr
+
+    def wait(self, timeout: float) -> None:
+        self.process.join(timeout)
+        if self.process.exitcode is None:
+            raise subprocess.TimeoutExpired("replaybisect-trial", timeout)
+
+
+def _forked_main(module_args: list[str], cwd: str, env: dict[str, str], stdout_path: str, stderr_path: str) -> None:
+    """Runs in the forked trial: become `cd CWD; env ...; python -m replaybisect ARGS` and exit with its status."""
+    os.setsid()  # a session of its own, like start_new_session: the bisect signals the whole group
+    for fd, path in ((1, stdout_path), (2, stderr_path)):
+        target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.dup2(target, fd)
+        os.close(target)
+    os.chdir(cwd)
+    os.environ.clear()
+    os.environ.update(env)
+    sys.path.insert(0, cwd)  # what `python -m` does with the working folder (and PYTHONPATH names it too)
+    for name in [name for name in sys.modules if name == "replaybisect" or name.startswith("replaybisect.")]:
+        del sys.modules[name]  # imported fresh from the path: the worktree's own copy wins if it has one
+    if "torch" in sys.modules and env.get("OMP_NUM_THREADS", "").isdigit():
+        sys.modules["torch"].set_num_threads(int(env["OMP_NUM_THREADS"]))  # torch read the variable at import
+    import runpy
+
+    sys.argv = ["replay", *module_args]
+    runpy.run_module("replaybisect", run_name="__main__", alter_sys=True)
+
+
+class Launcher:
+    """Starts trial processes: forked from the preloaded forkserver when it can, else plain subprocesses."""
+
+    def __init__(self, fork: bool | None = None):
+        self.fork = os.environ.get("REPLAYBISECT_TRIAL_FORK", "1") != "0" if fork is None else fork
+        self._context = None
+
+    def _forkserver(self):
+        if self._context is None:
+            import multiprocessing
+
+            context = multiprocessing.get_context("forkserver")
+            context.set_forkserver_preload(PRELOAD)
+            self._context = context
+        return self._context
+
+    def start(self, argv: list[str], cwd: Path, env: dict[str, str]):
+        module_args = argv[3:] if argv[:3] == [sys.executable, "-m", "replaybisect"] else None
+        if self.fork and module_args is not None and not _shadows_preloaded(cwd):
+            return ForkedProcess(self._forkserver(), module_args, cwd, env)
+        return PlainProcess(argv, cwd, env)
+
+
+def _shadows_preloaded(folder: Path) -> bool:
+    """A top-level torch/, mlflow.py, ... in the worktree would not be used by a fork that imported the real one."""
+    return any((folder / name).exists() or (folder / f"{name}.py").exists() for name in _SHADOWABLE)
+
+
+def signal_group(process, signum: int) -> None:
+    """Send `signum` to the trial's process group (its session), or to the process if the group is not made yet."""
+    try:
+        os.killpg(process.pid, signum)
+    except (ProcessLookupError, PermissionError):
+        try:
+            os.kill(process.pid, signum)
+        except (ProcessLookupError, PermissionError):
+            pass
