@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import tempfile
 import time
@@ -42,8 +43,8 @@ def main() -> None:
     from replaybisect.store import open_store
     from replaybisect.train import train
 
-    torch.set_num_threads(torch.get_num_threads())
     folder = Path(tempfile.mkdtemp(prefix="nan-speed-"))
+    os.chdir(folder)  # MLflow's default artifact root (./mlruns) lands in the temp folder too
     store = open_store(f"sqlite:///{folder / 'mlflow.db'}")
     overrides = [
         f"model.hidden={args.hidden}", f"model.hold_steps={args.hold_steps}", f"train.batch_size={args.batch_size}",

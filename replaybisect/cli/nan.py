@@ -22,8 +22,15 @@ def nan_command(
 
     Example:
 
-        replay nan --run-id 3f33...   ->  optimizer in net.0, op AdamW.step (eps=0: 0/0 where exp_avg_sq == 0)
-                                          next: replay ablate eps,lr,clip --run-id 3f33...
+    \b
+        $ replay nan --run-id 3f33...
+        replay nan  run 3f33...  step 1: optimizer in net.0
+                               op  AdamW.step
+          state corrupted at step  0
+                           replay  snapshot 0 -> reproduced exact
+        evidence
+          - AdamW with eps=0: 607 entries of net.0.weight have exp_avg_sq == 0 ... 0/0 = NaN
+        next  replay ablate eps,lr,clip --run-id 3f33...
 
     Categories: data | forward | loss | backward | optimizer | corrupt-state | transient.
     Exit status 0 with a diagnosis; 2 for an unknown run, a run that never failed, no usable snapshot.

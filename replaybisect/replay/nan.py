@@ -626,9 +626,6 @@ def _classify_corrupt(report: NanReport, results: _StepResults, restored, store,
     elif kind == "initial":
         ev.append(f"traced back: the state is already non-finite in the earliest verified snapshot (step {origin['step']})"
                   + (": the model was built with non-finite values" if origin["step"] == 0 else ""))
-    elif kind == "between-steps":
-        ev.append(f"traced back: the state was finite after step {origin['step'] - 1} and non-finite before step {origin['step']} "
-                  "without any step running: something outside the training step changed it")
     else:
         ev.append(f"could not find the step that corrupted the state ({origin.get('why', 'the replay stayed finite')})")
 
@@ -669,9 +666,8 @@ def find_corrupting_step(store, run_id, cfg, restored, t: int, warnings: list[st
     except _Found as found:
         k = found.step
     else:
-        return {"kind": "unknown", "why": f"replaying steps {start.step}..{t - 1} from the snapshot of step {start.step} kept the state finite"}
-    if k < start.step:
-        return {"kind": "between-steps", "step": k}
+        return {"kind": "unknown", "why": (f"replaying steps {start.step}..{t - 1} from the snapshot of step {start.step} kept the state "
+                                           "finite: the recorded state went bad outside the replayed steps")}
     from replaybisect import loop
 
     again = fresh()
