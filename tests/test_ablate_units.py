@@ -1,0 +1,96 @@
+"""`replay ablate`'s pieces that need no training: the interventions on real configs, the verdict rules,
+where the arms start."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from replaybisect import config as config_mod
+from replaybisect.errors import ReplayError
+from replaybisect.replay import ablate as ablate_mod
+from replaybisect.replay import interventions
+from replaybisect.replay.interventions import ArmContext
+
+
+@pytest.fixture(scope="module")
+def adamw_cfg():
+    return config_mod.compose(None, None, ["optim=adamw", "optim.lr=0.01", "train.precision=bf16"])
+
+
+@pytest.fixture(scope="module")
+def sgd_cfg():
+    return config_mod.compose(None, None, ["optim=sgd", "train.clip_grad_norm=0.5"])
+
+
+CTX = ArmContext(failing_step=30, start_step=20, end_step=80, grad_norms=[float(v) for v in range(1, 101)] + [math.inf])
+
+
+def test_each_intervention_changes_one_thing(adamw_cfg):
+    lr = interventions.get("lr").apply(adamw_cfg, CTX)
+    assert lr.cfg.optim.lr == pytest.approx(0.001) and lr.lr_factor(25) == pytest.approx(0.1)
+    assert adamw_cfg.optim.lr == 0.01  # the run's config is not touched
+    clip = interventions.get("clip").apply(adamw_cfg, CTX)
+    assert clip.cfg.train.clip_grad_norm == 1.0
+    assert clip.params["suggested_clip"] == pytest.approx(95.05)  # numpy's 95th percentile of 1..100; inf ignored
+    assert interventions.get("precision").apply(adamw_cfg, CTX).cfg.train.precision == "fp32"
+    eps = interventions.get("eps").apply(adamw_cfg, CTX)
+    assert eps.cfg.optim.eps == pytest.approx(1e-5) and eps.group_scale == {"eps": 1000.0}  # AdamW's default 1e-8 x1000
+    warmup = interventions.get("warmup").apply(adamw_cfg, CTX)
+    assert warmup.params["warmup_steps"] == 30
+    assert [warmup.lr_factor(s) for s in (20, 34, 49, 50, 79)] == pytest.approx([1 / 30, 0.5, 1.0, 1.0, 1.0])
+    assert interventions.get("skip-batch").apply(adamw_cfg, CTX).skip_steps == frozenset({30})
+    seed = interventions.get("seed").apply(adamw_cfg, CTX)
+    assert seed.cfg.seed == adamw_cfg.seed + 1 and seed.reseed == adamw_cfg.seed + 1
+
+
+def test_interventions_that_mean_nothing_for_a_run_say_why(sgd_cfg):
+    assert interventions.get("eps").apply(sgd_cfg, CTX).not_applicable == "SGD has no eps"
+    assert "already trains in fp32" in interventions.get("precision").apply(sgd_cfg, CTX).not_applicable
+    assert "already clips at 0.5" in interventions.get("clip").apply(sgd_cfg, CTX).not_applicable
+    healthy = ArmContext(failing_step=None, start_step=0, end_step=10)
+    assert "never failed" in interventions.get("skip-batch").apply(sgd_cfg, healthy).not_applicable
+
+
+def test_parse_arms():
+    assert ablate_mod.parse_arms("lr, clip,lr") == ["lr", "clip"]
+    assert ablate_mod.parse_arms(None) == interventions.names()
+    with pytest.raises(ReplayError, match="unknown arm 'fp8'; valid arms: lr, clip"):
+        ablate_mod.parse_arms("lr,fp8")
+
+
+def outcome(first=None, mean=1.0, what="loss"):
+    arm = ablate_mod.ArmOutcome(name="x", change="")
+    arm.first_nonfinite_step, arm.nonfinite_what, arm.final_loss_mean = first, (what if first is not None else None), mean
+    return arm
+
+
+@pytest.mark.parametrize(
+    "first, mean, verdict",
+    [(None, 1.0, "fixes"), (None, 9.0, "delays"), (35, 1.0, "delays"), (30, 1.0, "no-effect"), (22, 1.0, "worse")],
+)
+def test_verdicts_against_a_baseline_that_failed_at_30(first, mean, verdict):
+    arm = outcome(first, mean)
+    ablate_mod._judge(arm, failing_step=30, baseline_failed=True, threshold=8.0, end=80)
+    assert arm.verdict == verdict, arm.reason
+
+
+def test_the_baseline_must_fail_at_the_recorded_step():
+    ok, why = ablate_mod._judge_baseline(outcome(30), 30, 8.0, 80)
+    assert ok and why is None
+    ok, why = ablate_mod._judge_baseline(outcome(None), 30, 8.0, 80)
+    assert not ok and "stayed finite through step 79" in why
+    ok, why = ablate_mod._judge_baseline(outcome(33), 30, 8.0, 80)
+    assert not ok and "failed at step 33, not at the recorded step 30" in why
+
+
+def test_divergence_onset_finds_the_start_of_the_climb():
+    healthy = {s: 2.0 + 0.1 * (s % 3) for s in range(40)}
+    assert ablate_mod.divergence_onset(healthy, 40) is None  # NaN out of the blue: no climb
+    climbing = dict(healthy)
+    climbing.update({s: 2.0 * 3 ** (s - 29) for s in range(30, 40)})  # 2, 6, 18, ... from step 30
+    assert ablate_mod.divergence_onset(climbing, 40) == 31  # the first loss above 4x the median before it
+    spike_then_calm = dict(healthy)
+    spike_then_calm[10] = 100.0
+    assert ablate_mod.divergence_onset(spike_then_calm, 40) is None  # one spike is not a climb
