@@ -1,0 +1,265 @@
+"""`replay diagnose` end to end: planted pathologies trained for real, read back through the installed CLI.
+
+Every planted run is a real `replay train` (built-in config with overrides, or a small user module in
+examples/diagnose_pathologies/ via --config-dir) recorded into a real SQLite MLflow store. The runs are
+trained once per module, two at a time (one torch thread each), then each test diagnoses one of them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import REPLAY, Workspace, assert_one_line_error
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "diagnose_pathologies"
+COMMON = ("train.num_threads=1", "snapshot.every=100")
+
+
+def user(config_name: str) -> tuple[str, ...]:
+    return ("--config-dir", str(EXAMPLES), "--config-name", config_name)
+
+
+# name -> (config args, overrides, expected `replay train` exit status)
+PLANTS: dict[str, tuple[tuple[str, ...], tuple[str, ...], int]] = {
+    # healthy built-in configs: must get a clean bill
+    "healthy_mlp_digits": ((), ("train.steps=300", "train.batch_size=32", "train.val_every=30", "snapshot.layer_stats_every=10"), 0),
+    "healthy_cnn_blobs": ((), ("model=cnn", "data=blobs", "model.channels=8", "train.steps=150", "train.val_every=30", "snapshot.layer_stats_every=10"), 0),
+    "nan_init": (user("nan_init"), (), 3),  # a NaN weight at initialisation
+    "nan_lr": (user("nan_lr"), (), 3),  # SGD regression at too high an LR diverges to inf
+    "detached": (user("detached"), ("train.steps=120",), 0),  # detached logits: no gradient anywhere
+    "spikes": (user("spikes"), (), 0),  # garbage rows come round once an epoch
+    "plateau": (user("plateau"), (), 0),  # the LR drops 1000x after 15 steps
+    "oscillation": (user("oscillation"), (), 0),  # plain SGD at lr 1.0
+    "overfit": (user("overfit"), (), 0),  # 64 training digits
+    "mismatch": (user("mismatch"), (), 0),  # validation digits mirrored and inverted
+    # a deep sigmoid MLP: vanishing gradients
+    "vanishing": ((), ("train.steps=60", "model.activation=sigmoid", "model.depth=10", "model.hidden=32", "model.dropout=0", "snapshot.layer_stats_every=10"), 0),
+    "dead_relu": (user("dead_relu"), ("train.steps=60",), 0),  # a huge negative bias
+    "tiny_lr": (user("base"), ("optim.lr=1e-10", "train.steps=60"), 0),  # update/weight ratio below 1e-8
+    "slow_data": (user("slow_data"), (), 0),  # a blocking read per item
+}
+# Besides `diagnose --run-id X --json` for every run: the rich report (with artifacts) and --no-artifacts.
+EXTRA = {"dead_relu": [("--json", "--no-artifacts"), ()]}
+
+
+@pytest.fixture(scope="module")
+def planted(tmp_path_factory):
+    """Train every planted run and diagnose it through the CLI, two processes at a time (one torch thread
+    each). name -> {"train": (exit, JSON or stderr), "diagnose": [(args, exit, stdout, stderr), ...]}."""
+    workspace = Workspace(tmp_path_factory.mktemp("diagnose"))
+    workspace.store().experiment_id()  # create the SQLite schema once, before processes race to do it
+    env = workspace.env()
+    results: dict[str, dict] = {name: {"diagnose": []} for name in PLANTS}
+    queue: list[tuple[str, list[str]]] = [
+        (name, [REPLAY, "train", "--json", "--run-name", name, *config, *COMMON, *overrides]) for name, (config, overrides, _) in PLANTS.items()
+    ]
+    running: list[tuple[str, list[str], subprocess.Popen]] = []
+    while queue or running:
+        while queue and len(running) < 2:
+            name, command = queue.pop(0)
+            process = subprocess.Popen(command, cwd=workspace.path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            running.append((name, command, process))
+        for entry in list(running):
+            name, command, process = entry
+            if process.poll() is None:
+                continue
+            stdout, stderr = process.communicate()
+            running.remove(entry)
+            if command[1] == "train":
+                trained = json.loads(stdout) if stdout.strip() else stderr
+                results[name]["train"] = (process.returncode, trained)
+                if isinstance(trained, dict):  # diagnose it next, ahead of the remaining trainings
+                    for args in [("--json",), *EXTRA.get(name, [])]:
+                        queue.insert(0, (name, [REPLAY, "diagnose", "--run-id", trained["run_id"], *args]))
+            else:
+                results[name]["diagnose"].append((tuple(command[4:]), process.returncode, stdout, stderr))
+        time.sleep(0.1)
+    return workspace, results
+
+
+def diagnose(planted, name: str, args: tuple[str, ...] = ("--json",)):
+    """The planted run's `replay diagnose --run-id X ARGS` result (JSON decoded for --json)."""
+    workspace, results = planted
+    returncode, trained = results[name]["train"]
+    assert returncode == PLANTS[name][2], f"training {name}: exit {returncode}\n{trained}"
+    matches = [r for r in results[name]["diagnose"] if r[0] == args]
+    assert matches, f"diagnose {args} did not run for {name}"
+    _, code, stdout, stderr = matches[0]
+    assert code == 0, f"exit {code}\n{stdout}\n{stderr}"
+    if "--json" not in args:
+        return stdout
+    data = json.loads(stdout)
+    assert data["run_id"] == trained["run_id"]
+    for finding in data["findings"]:
+        assert set(finding) >= {"pattern", "evidence", "next"}
+        assert finding["next"].startswith(("replay ", "python ")), finding["next"]
+    return data
+
+
+def only(data: dict, pattern: str) -> dict:
+    matches = [f for f in data["findings"] if f["pattern"] == pattern]
+    assert matches, f"no {pattern} finding in {[f['pattern'] for f in data['findings']]}:\n{json.dumps(data, indent=1)}"
+    return matches[0]
+
+
+@pytest.mark.parametrize("name", ["healthy_mlp_digits", "healthy_cnn_blobs"])
+def test_healthy_run_gets_a_clean_bill(planted, name):
+    data = diagnose(planted, name)
+    assert data["healthy"] is True, json.dumps(data["findings"], indent=1)
+    assert data["findings"] == []
+    assert data["verdict"] == "no pathology found"
+    assert data["summary"]["loss_end"] < data["summary"]["loss_start"]
+    # every detector ran: a clean bill is not "nothing was checked"
+    assert not data["skipped"], data["skipped"]
+
+
+def test_healthy_report_and_artifacts_on_the_run(planted):
+    workspace, results = planted
+    data = diagnose(planted, "healthy_mlp_digits")
+    run_id = data["run_id"]
+    assert sorted(data["artifacts"]) == ["diagnosis.json", "diagnosis.md", "diagnosis_loss.png"]
+    store = workspace.store()
+    names = {info.path for info in store.list_artifacts(run_id)}
+    assert {"diagnosis.md", "diagnosis_loss.png", "diagnosis.json"} <= names
+    assert "No pathology found" in store.read_artifact_text(run_id, "diagnosis.md")
+    assert json.loads(store.read_artifact_text(run_id, "diagnosis.json"))["healthy"] is True
+    assert store.tags(run_id)["diagnosis"] == "healthy"
+    png = store.local_artifact_dir(run_id) / "diagnosis_loss.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_nan_at_the_first_step(planted):
+    data = diagnose(planted, "nan_init")
+    finding = only(data, "nan-at-start")
+    assert finding["step"] == 0
+    assert finding["next"] == f"replay nan --run-id {data['run_id']}"
+    assert [f["pattern"] for f in data["findings"]] == ["nan-at-start"]
+
+
+def test_nan_after_k_steps(planted):
+    data = diagnose(planted, "nan_lr")
+    _, trained = planted[1]["nan_lr"]["train"]
+    finding = only(data, "nan-after-k")
+    assert finding["step"] == trained["first_nonfinite_step"] > 0
+    assert finding["next"].startswith(f"replay nan --run-id {data['run_id']}")
+    assert finding["evidence"]["grad_norm_growth"] > 10  # the gradient norm blew up before it
+
+
+def test_flat_from_the_first_step(planted):
+    data = diagnose(planted, "detached")
+    finding = only(data, "flat-from-start")
+    assert finding["step"] == 0
+    assert finding["evidence"]["grad_norm_median"] == 0
+    assert "check" in finding["next"]
+
+
+def test_spikes_name_their_steps(planted):
+    data = diagnose(planted, "spikes")
+    finding = only(data, "spikes")
+    workspace, _ = planted
+    losses = dict(workspace.store().metric_history(data["run_id"], "loss"))
+    evidence = finding["evidence"]["loss"]
+    # the baseline is the early loss of a 10-class model (~ln 10), not the early spikes themselves
+    assert 2.0 < evidence["baseline_max"] < 2.6
+    assert evidence["count"] >= 2  # the garbage rows come back every epoch
+    for step in evidence["spike_steps"]:
+        assert losses[step] >= 10 * evidence["baseline_max"]
+    assert finding["step"] == min(finding["steps"] if "steps" in finding else evidence["spike_steps"])
+
+
+def test_plateau_after_a_decrease(planted):
+    data = diagnose(planted, "plateau")
+    finding = only(data, "plateau")
+    # the LR drops to 1e-5 at step 15: the plateau starts right after it, far before the end
+    assert 15 <= finding["step"] <= 100
+    assert finding["evidence"]["lr_at_plateau"] < 1e-4
+    assert finding["evidence"]["plateau_level"] > 0.5 * finding["evidence"]["loss_start"]
+    assert "check" in finding["next"]
+    assert [f["pattern"] for f in data["findings"]] == ["plateau"]
+
+
+def test_oscillation(planted):
+    data = diagnose(planted, "oscillation")
+    finding = only(data, "oscillation")
+    evidence = finding["evidence"]
+    assert evidence["swing_p10_p90"] > 0.5 * evidence["level"]
+    assert evidence["net_decrease"] < 0.25 * evidence["swing_p10_p90"]
+    assert "ablate lr" in finding["next"]
+
+
+def test_overfitting_names_the_step(planted):
+    data = diagnose(planted, "overfit")
+    finding = only(data, "overfitting")
+    evidence = finding["evidence"]
+    assert finding["step"] == evidence["best_val_step"]
+    assert evidence["last_val_loss"] > 1.1 * evidence["best_val_loss"]
+    assert all(gap > 0.1 for gap in evidence["gap_last"])
+    assert "distribution-mismatch" not in [f["pattern"] for f in data["findings"]]
+
+
+def test_distribution_mismatch(planted):
+    data = diagnose(planted, "mismatch")
+    finding = only(data, "distribution-mismatch")
+    assert finding["evidence"]["train_gain"] > 0.5 > finding["evidence"]["val_gain"]
+    assert "overfitting" not in [f["pattern"] for f in data["findings"]]
+
+
+def test_vanishing_gradients_name_the_layer(planted):
+    data = diagnose(planted, "vanishing")
+    finding = only(data, "vanishing-gradients")
+    assert finding["layer"] == "net.0"  # the first Linear of the deep sigmoid stack, furthest from the loss
+    assert finding["evidence"]["layers"]["net.0"]["ratio_to_largest"] < 1e-3
+
+
+def test_dead_relu_names_the_layer(planted):
+    data = diagnose(planted, "dead_relu")
+    finding = only(data, "dead-relu")
+    assert finding["layer"] == "net.1"
+    assert finding["evidence"]["zero_fraction_median"] == 1.0
+    assert [f["layer"] for f in data["findings"] if f["pattern"] == "dead-relu"] == ["net.1"]  # net.3 is alive
+
+
+def test_update_ratio_out_of_range(planted):
+    data = diagnose(planted, "tiny_lr")
+    finding = only(data, "update-ratio")
+    assert finding["evidence"]["update_ratio_median"] < 1e-8
+    assert "check" in finding["next"]
+
+
+def test_input_pipeline_bound(planted):
+    data = diagnose(planted, "slow_data")
+    finding = only(data, "input-pipeline-bound")
+    assert finding["evidence"]["data_share"] > 0.5
+    assert finding["evidence"]["dataset"] == "pathologies.SlowDigits"
+
+
+def test_rich_report_and_no_artifacts(planted):
+    workspace, results = planted
+    run_id = results["dead_relu"]["train"][1]["run_id"]
+    quiet = diagnose(planted, "dead_relu", ("--json", "--no-artifacts"))
+    assert quiet["artifacts"] == []
+    assert [f["pattern"] for f in quiet["findings"]] == [f["pattern"] for f in diagnose(planted, "dead_relu")["findings"]]
+    report = diagnose(planted, "dead_relu", ())
+    assert "dead-relu" in report and "net.1" in report
+    assert f"replay check --run-id {run_id}" in report
+    assert "diagnosis.md" in report  # where the report was attached
+
+
+def test_unknown_run_id_is_one_line_exit_2(workspace):
+    result = workspace.replay("diagnose", "--run-id", "0123456789abcdef0123456789abcdef")
+    assert_one_line_error(result, "no run", "0123456789abcdef")
+
+
+def test_run_without_metrics_is_one_line_exit_2(workspace):
+    store = workspace.store()
+    run_id = store.create_run("train", run_name="empty")
+    store.finish_run(run_id, "ok")
+    result = workspace.replay("diagnose", "--run-id", run_id, "--json")
+    assert_one_line_error(result, "no metrics", run_id)
+    assert result.stdout == ""
