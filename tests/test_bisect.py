@@ -424,3 +424,15 @@ def test_sigint_mid_bisect_stops_trials_cleans_worktrees_and_leaves_the_repo_unt
     assert _worktrees_left(shared) == []
     killed = shared.store().search_runs("tags.`replaybisect.kind` = 'bisect' and attributes.status = 'KILLED'")
     assert killed
+
+
+def test_demo_script_builds_a_repository_to_bisect(tmp_path):
+    done = subprocess.run([sys.executable, str(ROOT / "examples" / "bisect_demo" / "make_demo.py"), str(tmp_path / "demo"),
+                           "--commits", "12", "--regression-at", "8", "--broken-at", "3"], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert "replay bisect --repo" in done.stdout
+    log = subprocess.run(["git", "log", "--format=%s", "demo-good..demo-bad"], cwd=tmp_path / "demo", capture_output=True,
+                         text=True).stdout.splitlines()
+    assert len(log) == 11 and "refactor the model (clear regression)" in log and "import a helper that is not there" in log
+    config = (tmp_path / "demo" / "conf" / "config.yaml").read_text()
+    assert "_target_: model.Regressor" in config and "lr: 0.005" in config

@@ -20,7 +20,7 @@ def bisect_command(
     steps: Optional[int] = typer.Option(None, "--steps", help="Training steps per trial (default: the config's train.steps)."),
     metric: str = typer.Option("loss", "--metric", help="Metric judged (lower is better): its mean over the last 10% of logged steps."),
     threshold: Optional[float] = typer.Option(None, "--threshold", help="Metric above this is bad (default: judged against the endpoints' measured spread)."),
-    seeds: int = typer.Option(3, "--seeds", help="Seeds the endpoints are measured with (a commit gets more when unclear)."),
+    seeds: int = typer.Option(3, "--seeds", help="Seeds the endpoints are measured with (a commit gets more when unclear); training only."),
     max_seeds: Optional[int] = typer.Option(None, "--max-seeds", help="Most seeds for one commit (default 3x --seeds)."),
     workers: int = typer.Option(1, "--workers", "-w", help="Commits tested in parallel per round."),
     cmd: Optional[str] = typer.Option(None, "--cmd", help="Run this shell command instead of training; exit 0 good, 125 skip, 1-127 bad, >=128 abort."),
@@ -82,6 +82,7 @@ class _Progress:
         self.console = console
         self.bar = None
         self.task = None
+        self.per_run = True
 
     def __enter__(self):
         if self.console.is_terminal:
@@ -104,6 +105,7 @@ class _Progress:
     def event(self, kind: str, **data) -> None:
         print_line = self.console.print if self.bar is None else self.bar.console.print
         if kind == "start":
+            self.per_run = data["mode"] == "train"  # --cmd runs once per commit: the trial line says it all
             print_line(f"bisecting {data['history_length']} commits with {data['workers']} worker(s): "
                        f"about {data['expected_rounds']} rounds after the endpoints")
             if self.bar is not None:
@@ -111,7 +113,7 @@ class _Progress:
         elif kind == "phase":
             print_line(data["text"])
             self._status(data["text"][:60])
-        elif kind == "run":
+        elif kind == "run" and self.per_run:
             run = data["run"]
             value = f" {run.metric:.5g}" if run.metric is not None else ""
             source = " (cached)" if run.cached else f" ({run.seconds:.1f}s)"

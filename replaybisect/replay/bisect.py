@@ -899,7 +899,7 @@ def bisect(
     with PrivateClone(user, workers) as clone:
         history = [good_sha] + clone.first_parent_range(good_sha, bad_sha)
         subjects = clone.subjects(history)
-        emit("start", history_length=len(history), workers=workers, good=good_sha, bad=bad_sha,
+        emit("start", history_length=len(history), workers=workers, good=good_sha, bad=bad_sha, mode=runner.mode,
              expected_rounds=math.ceil(math.log(max(len(history) - 1, 1), workers + 1)) if len(history) > 2 else 0)
         parent_run_id = store.create_run(
             "bisect", run_name=f"bisect {good_sha[:8]}..{bad_sha[:8]}",
