@@ -5,10 +5,8 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
-import json
 import math
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -19,7 +17,6 @@ import pytest
 from conftest import REPLAY, Workspace
 
 from replaybisect.replay.bisect import (
-    Baseline,
     SeedRun,
     Search,
     absolute_tracking_uri,
@@ -436,3 +433,17 @@ def test_demo_script_builds_a_repository_to_bisect(tmp_path):
     assert len(log) == 11 and "refactor the model (clear regression)" in log and "import a helper that is not there" in log
     config = (tmp_path / "demo" / "conf" / "config.yaml").read_text()
     assert "_target_: model.Regressor" in config and "lr: 0.005" in config
+
+
+def test_trials_fork_from_the_preloaded_server_unless_the_worktree_shadows_a_preloaded_library(tmp_path):
+    from replaybisect.replay.trial_process import Launcher, PlainProcess
+
+    argv = [sys.executable, "-m", "replaybisect", "--help"]
+    (tmp_path / "torch").mkdir()  # a worktree with its own `torch` package: the fork's preloaded torch would hide it
+    process = Launcher(fork=True).start(argv, tmp_path, dict(os.environ))
+    assert isinstance(process, PlainProcess)
+    returncode, stdout, _ = process.communicate()
+    assert returncode == 0 and "bisect" in stdout
+    # --cmd (any other command) is always a plain subprocess
+    command = Launcher(fork=True).start(["/bin/sh", "-c", "exit 3"], tmp_path, dict(os.environ))
+    assert isinstance(command, PlainProcess) and command.communicate()[0] == 3

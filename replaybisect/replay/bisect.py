@@ -45,7 +45,7 @@ import sys
 import threading
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
 from urllib.parse import urlparse
@@ -481,8 +481,8 @@ class TrainRunner:
             return SeedRun(seed, "nonfinite", run_id=run_id, detail=f"step {step}" if step is not None else _last_line(stderr)), True
         if returncode == 2:  # bad config, `_target_` that does not import: the commit cannot be tested
             return SeedRun(seed, "skip", run_id=run_id, detail=_last_line(stderr) or "bad config (exit 2)"), True
-        if returncode == 1:  # a crash that is not a divergence
-            return SeedRun(seed, "skip", run_id=run_id, detail=_last_line(stderr) or "crashed (exit 1)"), True
+        if returncode == 1:  # a crash that is not a divergence; maybe the machine's fault (a locked store): not cached
+            return SeedRun(seed, "skip", run_id=run_id, detail=_last_line(stderr) or "crashed (exit 1)"), False
         # killed by a signal (out of memory, for one): infrastructure, skip and do not remember it
         return SeedRun(seed, "skip", run_id=run_id, detail=f"killed (exit status {returncode})"), False
 
