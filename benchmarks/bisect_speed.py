@@ -5,8 +5,9 @@
 `train`: each tried commit trains the demo repository's model (examples/bisect_demo, 40 steps, 3 seeds for
 the endpoints); `cmd`: the oracle is `--cmd` that sleeps --cmd-seconds and then checks a file, so the number
 of rounds, not the CPU, sets the wall time. Every figure comes from one run of this script: the 1- and
-3-worker bisects use --no-cache on one store, then the 3-worker bisect runs again with the cache on.
-Prints a table and, last, one JSON object.
+3-worker bisects use --no-cache on one store, then the 3-worker bisect runs again with the cache on; in
+`train` mode a last 1-worker bisect starts its trials as plain subprocesses (REPLAYBISECT_TRIAL_FORK=0)
+instead of forking them from the preloaded server. Prints a table and, last, one JSON object.
 """
 
 from __future__ import annotations
@@ -33,8 +34,9 @@ def _demo():
     return module
 
 
-def _bisect(folder: Path, repo: Path, args: list[str]) -> dict:
-    env = dict(os.environ, MLFLOW_TRACKING_URI=f"sqlite:///{folder / 'mlflow.db'}", REPLAYBISECT_CACHE=str(folder / "cache"))
+def _bisect(folder: Path, repo: Path, args: list[str], **extra_env: str) -> dict:
+    env = dict(os.environ, MLFLOW_TRACKING_URI=f"sqlite:///{folder / 'mlflow.db'}", REPLAYBISECT_CACHE=str(folder / "cache"),
+               **extra_env)
     started = time.perf_counter()
     done = subprocess.run([REPLAY, "bisect", "--repo", str(repo), "--json", "demo-good", "demo-bad", *args],
                           cwd=folder, env=env, capture_output=True, text=True)
@@ -62,6 +64,9 @@ def bench(mode: str, commits: int, cmd_seconds: float) -> dict:
         "3 workers": _bisect(folder, folder / "repo", [*extra, "--workers", "3", "--no-cache"]),
         "3 workers, cached rerun": _bisect(folder, folder / "repo", [*extra, "--workers", "3"]),
     }
+    if mode == "train":  # what forking trials from the preloaded server saves (trial_process.py)
+        rows["1 worker, plain subprocesses"] = _bisect(folder, folder / "repo", ["--workers", "1", "--no-cache"],
+                                                       REPLAYBISECT_TRIAL_FORK="0")
     for row in rows.values():
         assert row["first_bad"] == shas[regression_at][:10], row
     shutil.rmtree(folder, ignore_errors=True)
@@ -70,6 +75,7 @@ def bench(mode: str, commits: int, cmd_seconds: float) -> dict:
         "wall_ratio_1_over_3": round(rows["1 worker"]["wall_s"] / rows["3 workers"]["wall_s"], 2),
         "rounds_1_vs_3": [rows["1 worker"]["rounds"], rows["3 workers"]["rounds"]],
         "cached_rerun_speedup": round(rows["3 workers"]["wall_s"] / rows["3 workers, cached rerun"]["wall_s"], 2),
+        "load_average_1min": round(os.getloadavg()[0], 2),  # other work on the machine inflates every wall time
     }
 
 
@@ -81,7 +87,7 @@ def main() -> None:
     args = parser.parse_args()
     results = [bench(mode, args.commits, args.cmd_seconds) for mode in (["cmd", "train"] if args.mode == "both" else [args.mode])]
     for result in results:
-        print(f"\n{result['mode']}: {result['commits']} commits, cpus={os.cpu_count()}")
+        print(f"\n{result['mode']}: {result['commits']} commits, cpus={os.cpu_count()}, load average {result['load_average_1min']}")
         print(f"{'':26} {'wall s':>8} {'commits':>8} {'runs':>6} {'cached':>7} {'rounds':>7}")
         for name, row in result["rows"].items():
             print(f"{name:26} {row['wall_s']:8.1f} {row['commits_tried']:8d} {row['runs']:6d} {row['cached_runs']:7d} {row['rounds']:7d}")

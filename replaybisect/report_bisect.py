@@ -74,14 +74,13 @@ def to_markdown(result: "BisectResult") -> str:
             f"{result.n_rounds} rounds with {result.workers} worker{'s' * (result.workers > 1)}",
             f"- test: {result.baseline.describe()}",
             f"- runs: {result.n_runs} trained, {result.n_cached} reused", ""]
-    metric_header = result.metric_name if result.mode == "train" else "outcome"
-    out += [f"| # | commit | subject | verdict | {metric_header} | seeds | round | why |",
-            "|---:|---|---|---|---:|---:|---:|---|"]
-    for trial in result.trials:
-        subject = trial.subject.replace("|", "\\|")
-        value = _metric_text(trial) if result.mode == "train" else ", ".join(run.detail for run in trial.runs)
-        out.append(f"| {trial.position} | `{trial.sha[:10]}` | {subject} | {trial.verdict} | {value} | "
-                   f"{', '.join(map(str, trial.seeds))} | {trial.round or 'end'} | {trial.note.replace('|', '/')} |")
+    from replaybisect.report import markdown_table
+
+    rows = [(trial.position, f"`{trial.sha[:10]}`", trial.subject, trial.verdict,
+             _metric_text(trial) if result.mode == "train" else ", ".join(run.detail for run in trial.runs),
+             ", ".join(map(str, trial.seeds)), trial.round or "end", trial.note) for trial in result.trials]
+    out.append(markdown_table(["#", "commit", "subject", "verdict", result.metric_name if result.mode == "train" else "outcome",
+                               "seeds", "round", "why"], rows))
     return "\n".join(out) + "\n"
 
 

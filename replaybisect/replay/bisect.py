@@ -51,7 +51,7 @@ from typing import Callable, Sequence
 from urllib.parse import urlparse
 
 from replaybisect.errors import GitError, ReplayError
-from replaybisect.replay.gitops import CommitInfo, PrivateClone, UserRepo
+from replaybisect.replay.gitops import CommitInfo, PrivateClone, UserRepo, clean_git_env
 from replaybisect.replay.trial_process import Launcher, signal_group
 
 __all__ = ["BisectResult", "Trial", "SeedRun", "bisect", "Search", "Baseline", "judge", "BisectAborted"]
@@ -588,18 +588,17 @@ class _Bisector:
     def measure(self, sha: str, seed: int, worktree: Path) -> SeedRun:
         """The run of `sha` with `seed`: from this bisect, else from the MLflow cache, else trained now."""
         key = (sha, seed)
-        with self.lock:
-            if key in self.measured:
-                return self.measured[key]
-            event = self.in_flight.get(key)
-            if event is None:
-                self.in_flight[key] = threading.Event()
-        if event is not None:  # another worker is measuring it
-            event.wait()
+        while True:
             with self.lock:
                 if key in self.measured:
                     return self.measured[key]
-            raise _Cancelled()
+                if self.cancelled.is_set():
+                    raise _Cancelled()
+                event = self.in_flight.get(key)
+                if event is None:
+                    self.in_flight[key] = threading.Event()
+                    break
+            event.wait()  # another worker is measuring it; if that fails, this one tries
         try:
             run = self._lookup(sha, seed) if self.use_cache else None
             if run is None:
@@ -642,15 +641,13 @@ class _Bisector:
         if self.checked_out.get(worktree) != sha:
             self.clone.checkout(worktree, sha)
             self.checked_out[worktree] = sha
-        env = dict(os.environ)
+        env = clean_git_env()  # a bisect started from a git hook must not point the trial's git at the user's repo
         env["PYTHONPATH"] = os.pathsep.join([str(worktree)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
         # One intra-op thread per trial unless the user says otherwise: the workers are the parallelism, and
         # every trial (and every cached one) runs with the same thread count, so results stay comparable.
         env.setdefault("OMP_NUM_THREADS", TRIAL_THREADS)
         env.update({"PYTHONDONTWRITEBYTECODE": "1", "REPLAYBISECT_SHA": sha, "REPLAYBISECT_SEED": str(seed),
                     "REPLAYBISECT_WORKTREE": str(worktree), "MLFLOW_TRACKING_URI": self.store.uri})
-        for name in ("GIT_DIR", "GIT_WORK_TREE", "GIT_INDEX_FILE"):
-            env.pop(name, None)
         started = time.monotonic()
         # A session of its own: Ctrl-C reaches the bisect only, which stops its trials itself (cancel()).
         with self.lock:
