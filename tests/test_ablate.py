@@ -160,7 +160,7 @@ def test_horizon_must_be_positive_and_from_step_before_the_failure(bad_row):
     assert_one_line_error(ws.replay("ablate", "lr", "--run-id", run.run_id, "--horizon", "0"), "--horizon 0 must be a positive")
     assert_one_line_error(ws.replay("ablate", "lr", "--run-id", run.run_id, "--horizon", "-5"), "--horizon -5")
     assert_one_line_error(ws.replay("ablate", "lr", "--run-id", run.run_id, "--from-step", "30"), "after the failing step 25")
-    assert_one_line_error(ws.replay("ablate", "lr", "--run-id", "nosuchrun"), "no run 'nosuchrun'")
+    assert_one_line_error(ws.replay("ablate", "lr"), "pass --run-id")
 
 
 def test_a_run_that_never_failed_needs_from_step(tmp_path_factory):

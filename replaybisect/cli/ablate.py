@@ -50,11 +50,14 @@ def ablate_command(
     if not run_id:
         raise ReplayError("pass --run-id ID of the failed run (find it with `replay runs --status nonfinite`)")
 
-    from replaybisect.replay.ablate import SubmititOptions, ablate, parse_arms
+    from replaybisect.replay.ablate import SubmititOptions, ablate, check_options
+
+    # bad options are bad input before anything heavy is imported or any run is read
+    check_options(arms, horizon=horizon, workers=workers, executor=executor, from_step=from_step)
+
     from replaybisect.report_ablate import ArmProgress, print_result
     from replaybisect.store import open_store
 
-    parse_arms(arms)  # an unknown arm is bad input before anything is opened
     store = open_store(tracking_uri)
     options = SubmititOptions(cluster=cluster, folder=executor_folder, partition=partition, timeout_min=time_min,
                               gpus_per_node=gpus, cpus_per_task=cpus, mem_gb=mem_gb)

@@ -211,6 +211,18 @@ def _rebase(state, cfg, step: int):
     return new_state
 
 
+def _retry_locked(function, *args, attempts: int = 8, **kwargs):
+    """Arms write to one tracking store at once; SQLite answers a concurrent writer with "database is locked"
+    once its busy timeout runs out (likely on a loaded machine). Back off and try again."""
+    for attempt in range(attempts):
+        try:
+            return function(*args, **kwargs)
+        except Exception as error:
+            if "locked" not in str(error) or attempt == attempts - 1:
+                raise
+            time.sleep(0.2 * 2**attempt)
+
+
 class _Batches:
     """`restored.batch` with a single artifact listing. Past the newest snapshot no stored batch can exist
     beyond the ones that snapshot holds (loaded by the first such call), so later steps go straight to the
@@ -244,13 +256,15 @@ def _execute_arm(spec: dict[str, Any], on_step: Optional[Callable[[int], None]] 
     ctx = ArmContext(failing_step=spec["failing_step"], start_step=start, end_step=end)
     change: Change = interventions.baseline_change(cfg) if name == BASELINE else interventions.get(name).apply(cfg, ctx)
 
-    child = store.create_run(
-        "ablation-arm", run_name=f"ablate-{name}", parent_run_id=run_id, tags={"replaybisect.arm": name}
+    child = _retry_locked(
+        store.create_run, "ablation-arm", run_name=f"ablate-{name}", parent_run_id=run_id, tags={"replaybisect.arm": name}
     )
-    store.log_params(
+    params = spec.get("params", change.params)  # the caller's (it saw the run's gradient norms for the clip suggestion)
+    _retry_locked(
+        store.log_params,
         child,
         {"arm": name, "change": change.summary, "snapshot_step": snapshot_step, "start_step": start,
-         "end_step": end, "failing_step": spec["failing_step"], **{f"change.{k}": v for k, v in change.params.items()}},
+         "end_step": end, "failing_step": spec["failing_step"], **{f"change.{k}": v for k, v in params.items()}},
     )
     try:
         snapshot = restore_mod.load_snapshot(store, run_id, snapshot_step)
@@ -296,13 +310,13 @@ def _execute_arm(spec: dict[str, Any], on_step: Optional[Callable[[int], None]] 
         if hooks.first_nonfinite is not None:
             step, what = hooks.first_nonfinite
             points.append(("loss", stopped.loss if stopped is not None else math.nan, step))
-        store.log_metrics(child, points)
+        _retry_locked(store.log_metrics, child, points)
         status = "nonfinite" if hooks.first_nonfinite else "ok"
         tags = {"first_nonfinite_step": hooks.first_nonfinite[0], "nonfinite_what": hooks.first_nonfinite[1]} if hooks.first_nonfinite else {}
-        store.set_tags(child, tags)
-        store.finish_run(child, status)
+        _retry_locked(store.set_tags, child, tags)
+        _retry_locked(store.finish_run, child, status)
     except BaseException:
-        store.finish_run(child, "crashed", "FAILED")
+        _retry_locked(store.finish_run, child, "crashed", "FAILED")
         raise
     return {
         "arm": name,
@@ -578,6 +592,20 @@ def parse_arms(arms: Optional[str | list[str]]) -> list[str]:
     return names
 
 
+def check_options(arms, *, horizon: int, workers: int, executor: str, from_step: Optional[int]) -> list[str]:
+    """Everything about the options that is wrong before any run is read (light: no torch, no MLflow)."""
+    names = parse_arms(arms)
+    if horizon <= 0:
+        raise ReplayError(f"--horizon {horizon} must be a positive number of steps past the failing step (e.g. --horizon {DEFAULT_HORIZON})")
+    if workers < 1:
+        raise ReplayError(f"--workers {workers} must be at least 1")
+    if executor not in EXECUTORS:
+        raise ReplayError(f"unknown executor {executor!r}; use one of {', '.join(EXECUTORS)}")
+    if from_step is not None and from_step < 0:
+        raise ReplayError(f"--from-step {from_step} must be a step >= 0")
+    return names
+
+
 def _absolute_uri(uri: str) -> str:
     """Workers may start elsewhere (SLURM nodes): a relative SQLite path becomes absolute."""
     prefix = "sqlite:///"
@@ -647,15 +675,7 @@ def ablate(
     """
     from replaybisect.replay import restore as restore_mod
 
-    names = parse_arms(arms)
-    if horizon <= 0:
-        raise ReplayError(f"--horizon {horizon} must be a positive number of steps past the failing step (e.g. --horizon {DEFAULT_HORIZON})")
-    if workers < 1:
-        raise ReplayError(f"--workers {workers} must be at least 1")
-    if executor not in EXECUTORS:
-        raise ReplayError(f"unknown executor {executor!r}; use one of {', '.join(EXECUTORS)}")
-    if from_step is not None and from_step < 0:
-        raise ReplayError(f"--from-step {from_step} must be a step >= 0")
+    names = check_options(arms, horizon=horizon, workers=workers, executor=executor, from_step=from_step)
     started = time.perf_counter()
 
     cfg = restore_mod.run_config(store, run_id)  # RunNotFound first
@@ -689,7 +709,7 @@ def ablate(
     uri = _absolute_uri(store.uri)
     specs = [
         {"tracking_uri": uri, "run_id": run_id, "arm": name, "snapshot_step": snapshot.step, "start_step": start,
-         "end_step": end, "failing_step": failing_step}
+         "end_step": end, "failing_step": failing_step, "params": changes[name].params if name in changes else {}}
         for name in runnable
     ]
     if on_plan:
