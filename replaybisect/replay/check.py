@@ -552,7 +552,7 @@ class CheckContext:
                 return name
         return None
 
-    def where(self, when: str = "") -> str:
+    def where(self) -> str:
         return "at init" if self.at_init else f"at step {self.first_step}"
 
 
@@ -1039,7 +1039,9 @@ def act_relu_zero(ctx: CheckContext) -> Check:
     listing = ", ".join(f"`{n}` {f:.0%}" for f, n in fractions[:4])
     detail = f"zero fraction per ReLU: {listing} ({ctx.where()})"
     if share >= RELU_ZERO_FAIL:
-        return Check("act.relu_zero", "fail", share, detail + f"; `{name}` is dead: raise the bias of `{_producer(ctx, name)}`, fix the input scale or the lr", layer=name)
+        producer = _producer(ctx, name)
+        source = f"the bias of `{producer}`" if producer else "the bias of the layer before it"
+        return Check("act.relu_zero", "fail", share, detail + f"; `{name}` is dead: raise {source}, fix the input scale or the lr", layer=name)
     if share >= RELU_ZERO_WARN:
         return Check("act.relu_zero", "warn", share, detail + f"; `{name}` is mostly off", layer=name)
     return Check("act.relu_zero", "pass", share, detail)
@@ -1058,7 +1060,9 @@ def act_saturation(ctx: CheckContext) -> Check:
         f"({act.extreme / act.values:.0%} beyond SageMaker's extreme bound; max |x| {act.max_abs_preact:.3g}; {ctx.where()})"
     )
     if share > SATURATION_FAIL:
-        return Check("act.saturation", "fail", share, detail + f"; saturated units pass almost no gradient: shrink the init of `{_producer(ctx, name)}` or normalize its input", layer=name)
+        producer = _producer(ctx, name)
+        source = f"the init of `{producer}`" if producer else "the init of the layer before it"
+        return Check("act.saturation", "fail", share, detail + f"; saturated units pass almost no gradient: shrink {source} or normalize its input", layer=name)
     if share > SATURATION_WARN:
         return Check("act.saturation", "warn", share, detail, layer=name)
     return Check("act.saturation", "pass", share, detail)
