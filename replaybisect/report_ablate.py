@@ -176,7 +176,7 @@ def loss_figure(result):
         steps = [s for s, v in arm.losses.items() if math.isfinite(v)]
         values = [v for v in arm.losses.values() if math.isfinite(v)]
         all_values += values
-        style = {"linewidth": 2.0, "color": "black"} if arm.name == "baseline" else {"linewidth": 1.2}
+        style = {"linewidth": 2.0, "color": "black", "zorder": 5, "alpha": 0.8} if arm.name == "baseline" else {"linewidth": 1.2}
         (line,) = ax.plot(steps, values, label=f"{arm.name} ({arm.verdict})", **style)
         if arm.first_nonfinite_step is not None and values:
             ax.plot([arm.first_nonfinite_step], [values[-1]], marker="x", markersize=9, color=line.get_color())

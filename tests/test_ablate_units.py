@@ -94,3 +94,14 @@ def test_divergence_onset_finds_the_start_of_the_climb():
     spike_then_calm = dict(healthy)
     spike_then_calm[10] = 100.0
     assert ablate_mod.divergence_onset(spike_then_calm, 40) is None  # one spike is not a climb
+
+
+def test_conclusion_reads_the_seed_arm_as_a_noise_test():
+    arms = []
+    for name, verdict, first in [("lr", "fixes", None), ("seed", "worse", 28), ("warmup", "delays", 40)]:
+        arm = outcome(first)
+        arm.name, arm.verdict = name, verdict
+        arms.append(arm)
+    text = ablate_mod._conclusion(arms, 30, None, None)
+    assert text == "fixed by: lr; another seed fails too at step 28: the failure is systematic, not noise; delayed by: warmup"
+    assert ablate_mod._conclusion(arms, 30, "the baseline replay stayed finite", None).startswith("inconclusive: ")

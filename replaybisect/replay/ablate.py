@@ -552,6 +552,12 @@ def _conclusion(result_arms: list[ArmOutcome], failing_step: Optional[int], inco
     if failing_step is None:
         worse = by_verdict.get("worse", [])
         return ("the run did not fail; " + (f"made worse by: {', '.join(worse)}" if worse else "no arm changed that"))
+    seed = next((arm for arm in result_arms if arm.name == "seed"), None)
+    if seed is not None and seed.verdict in ("no-effect", "delays", "worse"):
+        # The seed arm answers "is it noise?", not "does it help": another seed failing too means systematic.
+        for names in by_verdict.values():
+            if "seed" in names:
+                names.remove("seed")
     fixes = by_verdict.get("fixes", [])
     parts = []
     if fixes:
@@ -566,6 +572,9 @@ def _conclusion(result_arms: list[ArmOutcome], failing_step: Optional[int], inco
             parts.append(f"suggested clip threshold {suggested_clip:.3g} (95th percentile of recorded norms)")
     else:
         parts.append("no single change fixes the failure")
+    if seed is not None and seed.verdict in ("no-effect", "delays", "worse"):
+        where = f"at step {seed.first_nonfinite_step}" if seed.first_nonfinite_step is not None else "(its loss blew up)"
+        parts.append(f"another seed fails too {where}: the failure is systematic, not noise")
     if by_verdict.get("delays"):
         parts.append(f"delayed by: {', '.join(by_verdict['delays'])}")
     if by_verdict.get("worse"):
