@@ -37,7 +37,9 @@ def bisect_command(
     prints a table of the tried commits and
 
         first bad commit: 3f2a9c1e07 refactor the model
-        author: Ada <ada@example.com>   date: 2026-01-03T10:00:00+00:00
+        author: Ada <ada@example.com>
+        date:   2026-01-03T10:00:00+00:00
+         model.py | 4 ++--
 
     The repository is only read; trials run in worktrees of a clone in ~/.cache/replaybisect
     ($REPLAYBISECT_CACHE). Exit status: 0 a result (a first bad commit, or the skipped commits it could be),
