@@ -6,7 +6,8 @@
    the naive way: rebuild the run from its config and rerun steps 0..t under torch.autograd.detect_anomaly
    until it fails. Target: ratio <= 0.1.
 2. The probes' cost for one step: the instrumented pass (forward/gradient/node hooks, op finder, update)
-   plus the detect_anomaly pass, each on a state copy, against one plain step on a copy.
+   plus the detect_anomaly pass, each on a state copy, against one plain step on a copy; at the failing
+   step (where NaN/Inf/denormal arithmetic is slow in every pass) and at a healthy step.
 
     python benchmarks/nan_speed.py [--hidden 1024] [--batch-size 256] [--hold-steps 1047] [--repeats 5]
 """
@@ -101,6 +102,15 @@ def main() -> None:
     probe_s = timed(lambda: nan._on_copy(live, rng_at_step, lambda c: probes.StepProbe(c).run(t, batch)))
     anomaly_s = timed(lambda: nan._on_copy(live, rng_at_step, lambda c: probes.anomaly_pass(c, t, batch)))
 
+    # the same at a healthy step (the snapshot's own step): no NaN/Inf or denormal arithmetic in the timings
+    healthy = restore_mod.restore(store, result.run_id, step=report.snapshot_step)
+    h_state, h_step = healthy.state, healthy.step
+    h_batch = loop.to_device(healthy.batch(h_step), h_state.device)
+    h_rng = capture_raw()
+    h_plain_s = timed(lambda: nan._on_copy(h_state, h_rng, lambda c: loop.run_step(c, h_step, h_batch)))
+    h_probe_s = timed(lambda: nan._on_copy(h_state, h_rng, lambda c: probes.StepProbe(c).run(h_step, h_batch)))
+    h_anomaly_s = timed(lambda: nan._on_copy(h_state, h_rng, lambda c: probes.anomaly_pass(c, h_step, h_batch)))
+
     params = sum(p.numel() for p in live.model.parameters())
     results = {
         "failing_step": t,
@@ -118,6 +128,11 @@ def main() -> None:
         "anomaly_pass_ms": round(anomaly_s * 1e3, 2),
         "ratio_probes_vs_plain_step": round((probe_s + anomaly_s) / plain_s, 2),
         "ratio_probes_vs_plain_step_without_copies": round((probe_s + anomaly_s - 2 * copy_s) / max(plain_s - copy_s, 1e-9), 2),
+        "healthy_step": h_step,
+        "healthy_plain_step_on_copy_ms": round(h_plain_s * 1e3, 2),
+        "healthy_probe_pass_ms": round(h_probe_s * 1e3, 2),
+        "healthy_anomaly_pass_ms": round(h_anomaly_s * 1e3, 2),
+        "healthy_ratio_probes_vs_plain_step": round((h_probe_s + h_anomaly_s) / h_plain_s, 2),
     }
     print(json.dumps(results, indent=2))
 

@@ -254,7 +254,8 @@ def _choose_snapshots(store: Store, run_id: str, target: int):
             )
         warnings.append(
             f"no verified snapshot before step {target} (periodic snapshots off or corrupt): starting from the snapshot "
-            f"saved at step {target} itself, so the replay cannot prove it reproduces the run"
+            f"saved at step {target} itself, so the replay cannot prove it reproduces the run (and that snapshot was saved "
+            "after the step's forward ran: buffers the forward updates in place, such as running statistics, already hold its update)"
         )
         snapshot = at_target
     return snapshot, at_target, warnings

@@ -709,7 +709,10 @@ def _source(lines: list[str]) -> Optional[str]:
 
 
 def _frames(text: str) -> list[str]:
-    return [m.group(0) for m in _FRAME.finditer(text)]
+    """The traceback's frames inside the step: those after replaybisect's own (its callers are not the step)."""
+    frames = [m for m in _FRAME.finditer(text)]
+    ours = [i for i, m in enumerate(frames) if os.path.abspath(m.group(1)).startswith(_PACKAGE_DIR)]
+    return [m.group(0) for m in frames[(ours[-1] + 1 if ours else 0):]]
 
 
 def to_jsonable(value: Any) -> Any:
