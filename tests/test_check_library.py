@@ -140,6 +140,8 @@ LIBRARY_PLANTED = [
     ("lr_too_high", (), "grad.update_ratio", "warn", "net.0", "lr is probably too high"),
     # one constant layer: identical at init, but the updates separate the rows -> a warning, not a trap
     ("identical_init", ("model._target_=check_plants.OneConstantLayerMLP",), "init.symmetry", "warn", "net.0", "the updates separate them within 3 steps"),
+    # a step function that trains on its own class-sorted stream: the batches look shuffled, the loss sees sorted ones
+    ("sorted_step_fn", (), "data.batch_diversity", "fail", "target", "the step function trains on other data than the batch"),
     # a softmax inside forward() (no Softmax module): still caught, and said where to look
     ("softmax_ce", ("model._target_=check_plants.FunctionalSoftmaxMLP",), "loss.output_mismatch", "fail", "net.4", "a softmax in forward()?"),
 ]

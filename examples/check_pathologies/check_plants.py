@@ -147,3 +147,30 @@ class FunctionalSoftmaxMLP(MLP):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.softmax(super().forward(x), dim=1)
+
+
+# ---- step functions ------------------------------------------------------------------------------------
+class _SortedStream:
+    """Digits in class order, 64 at a time, wrapping around."""
+
+    def __init__(self):
+        digits = Digits(split="train")
+        order = torch.argsort(digits.targets, stable=True)
+        self.inputs, self.targets = digits.inputs[order], digits.targets[order]
+        self.position = 0
+
+    def next(self, count: int):
+        index = (torch.arange(count) + self.position) % len(self.inputs)
+        self.position = int(index[-1]) + 1
+        return self.inputs[index], self.targets[index]
+
+
+_STREAM: list[_SortedStream] = []
+
+
+def sorted_stream_step(model, batch, loss_fn):
+    """A step function that ignores the (shuffled) batch it is given and trains on its own class-sorted stream."""
+    if not _STREAM:
+        _STREAM.append(_SortedStream())
+    inputs, targets = _STREAM[0].next(len(batch[0]))
+    return loss_fn(model(inputs.to(batch[0].device)), targets.to(batch[0].device))

@@ -820,43 +820,57 @@ def data_class_balance(ctx: CheckContext) -> Check:
     return Check("data.class_balance", "pass", ratio, detail)
 
 
-@check("data.batch_diversity")
-def data_batch_diversity(ctx: CheckContext) -> Check:
-    """Do the batches the run actually gets mix the classes like a shuffled batch would?
-
-    Data order here is a pure function of (seed, step), but a dataset that ignores the index it is
-    given (reads sequentially, caches, sorts) still hands the run class-sorted batches."""
+def _diversity(batches: list[torch.Tensor], labels: torch.Tensor, classes: torch.Tensor) -> tuple[float, float, float, int, float]:
+    """(distinct classes per batch / expected for a shuffled batch, mean distinct, expected, batch size,
+    chi-square homogeneity p) for batches of per-sample class labels, against the dataset's class shares."""
     from scipy.stats import chi2_contingency
 
-    labels, why = _per_sample_labels(ctx)
-    batches = [batch_targets(b) for _, b in ctx.scanned()]
-    batches = [t.long().reshape(-1) for t in batches if t is not None and is_class_labels(t) and t.dim() == 1]
-    if labels is None or not batches:
-        return Check("data.batch_diversity", "skip", None, why or "no per-sample class labels in the run's batches")
-    pooled = torch.cat([labels, torch.cat(batches)])
-    classes = pooled.unique()
-    if len(classes) < 2:
-        return Check("data.batch_diversity", "skip", None, "a single class: nothing to mix")
     p = torch.stack([(labels == c).float().mean() for c in classes])
     p = p / p.sum() if float(p.sum()) > 0 else torch.full_like(p, 1 / len(classes))
     size = len(batches[0])
     expected = float((1 - (1 - p) ** size).sum())  # distinct classes in a random batch of this size
-    distinct = [len(t.unique()) for t in batches]
-    mean_distinct = sum(distinct) / len(distinct)
-    ratio = mean_distinct / expected
+    mean_distinct = sum(len(t.unique()) for t in batches) / len(batches)
     table = torch.stack([torch.stack([(t == c).sum() for c in classes]) for t in batches]).numpy()
     table = table[:, table.sum(0) > 0]
     p_value = float(chi2_contingency(table)[1]) if len(batches) > 1 and table.shape[1] > 1 else 1.0
+    return mean_distinct / expected, mean_distinct, expected, size, p_value
+
+
+@check("data.batch_diversity")
+def data_batch_diversity(ctx: CheckContext) -> Check:
+    """Do the batches the run actually trains on mix the classes like a shuffled batch would?
+
+    Data order here is a pure function of (seed, step), but a dataset that ignores the index it is
+    given (reads sequentially, caches, sorts) still hands the run class-sorted batches, and a custom
+    step function can swap the batch for its own. So both are read: the run's batches, and the targets
+    the loss actually receives on the probe batches."""
+    labels, why = _per_sample_labels(ctx)
+    per_sample = lambda t: isinstance(t, torch.Tensor) and is_class_labels(t) and t.dim() == 1  # noqa: E731
+    batches = [batch_targets(b) for _, b in ctx.scanned()]
+    batches = [t.long() for t in batches if per_sample(t)]
+    at_loss = [call[1].long() for call in ctx.probe().loss_calls if len(call) > 1 and per_sample(call[1])]
+    if labels is None or not batches:
+        return Check("data.batch_diversity", "skip", None, why or "no per-sample class labels in the run's batches")
+    classes = torch.cat([labels] + batches + at_loss).unique()
+    if len(classes) < 2:
+        return Check("data.batch_diversity", "skip", None, "a single class: nothing to mix")
+    ratio, distinct, expected, size, p_value = _diversity(batches, labels, classes)
     detail = (
-        f"{mean_distinct:.3g} distinct classes per batch vs {expected:.3g} expected for shuffled batches of {size} "
+        f"{distinct:.3g} distinct classes per batch vs {expected:.3g} expected for shuffled batches of {size} "
         f"({len(batches)} batches from step {ctx.first_step}; chi-square homogeneity p={p_value:.2g})"
     )
+    advice = "the dataset must return the item of the index it is given (order comes from the seed)"
+    if at_loss and ratio >= DIVERSITY_WARN:  # the batches are mixed: does the loss get them?
+        loss_ratio, loss_distinct, loss_expected, loss_size, _ = _diversity(at_loss, labels, classes)
+        if loss_ratio < DIVERSITY_WARN:
+            ratio = loss_ratio
+            detail = (
+                f"the loss receives {loss_distinct:.3g} distinct classes per batch vs {loss_expected:.3g} expected for shuffled batches of "
+                f"{loss_size} ({len(at_loss)} probe batches), though the run's batches hold {distinct:.3g}"
+            )
+            advice = "the step function trains on other data than the batch it is given; use the batch"
     if ratio < DIVERSITY_FAIL:
-        return Check(
-            "data.batch_diversity", "fail", ratio,
-            detail + ": batches are sorted or grouped by class; the dataset must return the item of the index it is given (order comes from the seed)",
-            layer="target",
-        )
+        return Check("data.batch_diversity", "fail", ratio, detail + f": batches are sorted or grouped by class; {advice}", layer="target")
     if ratio < DIVERSITY_WARN:
         return Check("data.batch_diversity", "warn", ratio, detail + ": batches mix fewer classes than shuffled data would", layer="target")
     return Check("data.batch_diversity", "pass", ratio, detail)
@@ -885,22 +899,22 @@ def loss_output_mismatch(ctx: CheckContext) -> Check:
     head = ctx.output_module()
     head_type = ctx.probe().leaf_types.get(head or "", "")
     at = f"`{head}` ({head_type})" if head else "the model's output"
-    if head and head_type not in ("Softmax", "LogSoftmax", "Sigmoid"):
-        at = f"the model's output (after `{head}` ({head_type}); a softmax in forward()?)"
+    # no Softmax module to point at: the normalization happens inside forward()
+    suspect = at if head_type in ("Softmax", "LogSoftmax", "Sigmoid") or not head else f"the model's output (after `{head}` ({head_type}); a softmax in forward()?)"
     finite = x[torch.isfinite(x)]
     if isinstance(loss_fn, nn.CrossEntropyLoss) and x.dim() >= 2:
         share = _rows_are_probabilities(x)
         if share >= 0.99:
             return Check(
                 "loss.output_mismatch", "fail", share,
-                f"CrossEntropyLoss is fed probabilities: {share:.0%} of rows lie in [0, 1] and sum to 1, from {at}; "
+                f"CrossEntropyLoss is fed probabilities: {share:.0%} of rows lie in [0, 1] and sum to 1, from {suspect}; "
                 "CrossEntropyLoss applies log_softmax itself, so gradients shrink: feed it raw logits (remove the softmax)",
                 layer=head,
             )
         return Check("loss.output_mismatch", "pass", share, f"CrossEntropyLoss gets unnormalized logits from {at} ({share:.0%} of rows look like probabilities)")
     if isinstance(loss_fn, nn.NLLLoss) and x.dim() >= 2:
         if _rows_are_probabilities(x) >= 0.99:
-            return Check("loss.output_mismatch", "fail", 1.0, f"NLLLoss is fed probabilities from {at}; it expects log-probabilities: use log_softmax (or CrossEntropyLoss on logits)", layer=head)
+            return Check("loss.output_mismatch", "fail", 1.0, f"NLLLoss is fed probabilities from {suspect}; it expects log-probabilities: use log_softmax (or CrossEntropyLoss on logits)", layer=head)
         log_norm = torch.logsumexp(x.float(), dim=1)
         share = float((log_norm.abs() <= PROB_ROW_TOL).float().mean())
         if share < 0.99:
