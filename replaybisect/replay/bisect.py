@@ -556,7 +556,7 @@ def absolute_tracking_uri(uri: str) -> str:
 class _Bisector:
     def __init__(self, *, store, clone: PrivateClone, runner, history: list[str], subjects: dict[str, str],
                  parent_run_id: str, seeds: int, max_seeds: int, workers: int, threshold: float | None,
-                 use_cache: bool, on_event: Callable[..., None]):
+                 use_cache: bool, on_event: Callable[..., None], launcher: Launcher):
         self.store = store
         self.clone = clone
         self.runner = runner
@@ -577,7 +577,7 @@ class _Bisector:
         self.measured: dict[tuple[str, int], SeedRun] = {}
         self.in_flight: dict[tuple[str, int], threading.Event] = {}
         self.lock = threading.Lock()
-        self.launcher = Launcher()
+        self.launcher = launcher
         self.processes: set = set()  # running trial processes (trial_process.PlainProcess / ForkedProcess)
         self.cancelled = threading.Event()
         self.n_runs = 0
@@ -892,6 +892,10 @@ def bisect(
               TrainRunner(config_dir=config_dir, config_name=config_name, overrides=overrides, steps=steps,
                           metric=metric, tracking_uri=store.uri))
 
+    launcher = Launcher()
+    if runner.mode == "train":
+        launcher.warm_up()  # the preloading forkserver imports torch while the clone and the runs are set up
+
     # 2. A private clone in the cache, one worktree per worker; removed on the way out, Ctrl-C included.
     with PrivateClone(user, workers) as clone:
         history = [good_sha] + clone.first_parent_range(good_sha, bad_sha)
@@ -909,7 +913,7 @@ def bisect(
         bisector = _Bisector(store=store, clone=clone, runner=runner, history=history, subjects=subjects,
                              parent_run_id=parent_run_id, seeds=seeds if runner.mode == "train" else 1,
                              max_seeds=max_seeds if runner.mode == "train" else 1, workers=workers,
-                             threshold=threshold, use_cache=use_cache, on_event=emit)
+                             threshold=threshold, use_cache=use_cache, on_event=emit, launcher=launcher)
         try:
             trials, baseline, search = bisector.run()
             candidates = [history[position] for position in search.candidates()]
