@@ -29,6 +29,7 @@ def check_command(
 
     Check a config before a long run (same options and overrides as `replay train`), or a recorded run:
 
+    \b
         replay check model=cnn optim.lr=3e-3
         replay check --config-dir conf --config-name config
         replay check --run-id 3f2a...   (its config, at its newest snapshot)
