@@ -70,7 +70,11 @@ def markdown(report) -> str:
     lines += ["## Evidence", ""]
     for line in report.evidence:
         lines.append(f"    {line.strip()}" if line.startswith("  ") else f"- {line}")
-    lines += ["", "## Next", "", f"`{report.ablate_command}`" if report.ablate_command else "", "", report.suggestion, ""]
+    lines += ["", "## Next", ""]
+    if report.ablate_command:
+        lines += [f"    {report.ablate_command}", "", report.suggestion_reason, ""]
+    else:
+        lines += [report.suggestion, ""]
     if report.layer_grad_norms:
         lines += ["## Per-layer gradient norms at the failing step", "", "| module | grad norm |", "|---|---|"]
         lines += [f"| {name} | {fmt_number(value)} |" for name, value in report.layer_grad_norms.items()]

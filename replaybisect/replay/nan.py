@@ -66,8 +66,10 @@ class NanReport:
     suggestion: str
     arms: list[str]
     ablate_command: Optional[str]
+    suggestion_reason: str = ""  # why those arms
     replay_run_id: Optional[str] = None
     origin_step: Optional[int] = None  # corrupt-state / optimizer: the step that made the state non-finite
+    origin: Optional[str] = None  # how the state went bad: optimizer | forward-write | initial | unknown
     state_match: Optional[str] = None  # replayed state vs the snapshot saved at t
     warnings: list[str] = field(default_factory=list)
     replay: dict[str, Any] = field(default_factory=dict)
@@ -602,7 +604,7 @@ def _classify_corrupt(report: NanReport, results: _StepResults, restored, store,
     log("the state is already corrupt: tracing back to the step that corrupted it")
     origin = find_corrupting_step(store, run_id, cfg, restored, t, report.warnings)
     report.origin_step = origin.get("step")
-    kind = origin["kind"]
+    kind = report.origin = origin["kind"]
     if kind == "optimizer":
         update = origin["update"]
         k = origin["step"]
@@ -771,27 +773,29 @@ def _suggest(report: NanReport, results: _StepResults) -> None:
         add("lr", "clip")
         why.append("lr / clip: smaller updates, in case the step size rather than the arithmetic is to blame")
         if report.origin_step is not None and report.origin_step < report.snapshot_step:
-            from_step = _snapshot_before(report)
+            from_step = report.origin_step  # the snapshot before t is already corrupt: apply the arms before it
     elif category == "corrupt-state":
-        if report.phase == "forward":
+        if report.origin == "forward-write":
             why.append(f"no ablation arm repairs a module that writes into its own weights: fix {report.module}'s forward")
-        else:
+        elif report.origin == "initial":
             add("seed")
             why.append("seed: the state was non-finite from the start; another seed tells whether initialization is to blame")
+        else:
+            add("lr", "clip")
+            why.append("lr / clip from the last finite snapshot; the state went bad where the replay could not see it")
+            from_step = report.origin_step
+    assert category in CATEGORIES and set(arms) <= set(ARMS), (category, arms)
     report.arms = arms
     if arms:
         command = f"replay ablate {','.join(arms)} --run-id {report.run_id}"
         if from_step is not None:
             command += f" --from-step {from_step}"
         report.ablate_command = command
-        report.suggestion = command + "   # " + "; ".join(why)
+        report.suggestion_reason = "; ".join(why)
+        report.suggestion = command + "   # " + report.suggestion_reason
     else:
         report.ablate_command = None
         report.suggestion = "; ".join(why) or "no ablation arm applies"
-
-
-def _snapshot_before(report: NanReport) -> Optional[int]:
-    return report.origin_step if report.origin_step is not None else None
 
 
 def _fmt(value) -> str:
