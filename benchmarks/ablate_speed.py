@@ -3,8 +3,8 @@ from step 0.
 
     python benchmarks/ablate_speed.py [--steps-scale 1.0] [--horizon 50]
 
-A planted LR explosion (examples/ablate_lr_explosion widened, fp32, a slower warmup so it fails after ~200
-steps, 1 torch thread recorded so two workers fit on two cores) is trained once into a temporary SQLite store.
+A planted LR explosion (examples/ablate_lr_explosion widened, fp32, its LR jumping 10x at step 500 so it
+fails after a long healthy stretch; 1 torch thread recorded so two workers fit on two cores) is trained once into a temporary SQLite store.
 Then, measured in this one run:
   ablate-1   `ablate(lr,clip,warmup)` with --workers 1 (in-process, sequential; baseline + 3 arms)
   ablate-2   the same with --workers 2 (spawned worker processes; includes their start-up)
@@ -27,10 +27,34 @@ ROOT = Path(__file__).resolve().parents[1]
 ARMS = ["lr", "clip", "warmup"]
 
 
+def _import_worker_modules(_index: int = 0) -> float:
+    """What a spawned worker imports before its first arm (torch, MLflow, the library)."""
+    started = time.perf_counter()
+    import mlflow  # noqa: F401
+    import torch  # noqa: F401
+
+    import replaybisect.loop  # noqa: F401
+    import replaybisect.replay.restore  # noqa: F401
+
+    return time.perf_counter() - started
+
+
+def worker_startup_seconds(workers: int) -> float:
+    """Wall time to spawn `workers` fresh interpreters that import what an arm needs: the fixed cost that
+    --workers N pays before its first step (--workers 1 runs in-process and pays none)."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    started = time.perf_counter()
+    with ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+        list(pool.map(_import_worker_modules, range(workers)))
+    return time.perf_counter() - started
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--horizon", type=int, default=50)
-    parser.add_argument("--warmup-iters", type=int, default=600, help="LinearLR total_iters of the planted run")
+    parser.add_argument("--milestone", type=int, default=500, help="the step where the planted LR jumps 10x")
     parser.add_argument("--repeats", type=int, default=2, help="each timing is the best of this many runs")
     args = parser.parse_args()
 
@@ -43,18 +67,23 @@ def main() -> None:
     os.chdir(folder)
     store = open_store(f"sqlite:///{folder / 'mlflow.db'}")
     example = ROOT / "examples" / "ablate_lr_explosion"
-    # Wider than the example (256 features, 1024 hidden, batch 128: ~0.1 s a step on one thread) so the
-    # steps, not process start-up, dominate; the LR is scaled down with the wider input.
+    # Wider than the example (256 features, 1024 hidden, batch 128) so the steps, not process start-up, carry
+    # weight; and the classic schedule bug instead of the example's warmup: MultiStepLR with gamma=10 instead
+    # of 0.1, so the LR jumps 10x at the milestone after a long healthy stretch and the run explodes soon after.
     cfg = config_mod.compose(example, "config", [
-        "train.precision=fp32", f"scheduler.total_iters={args.warmup_iters}", f"train.steps={args.warmup_iters + 100}",
-        "model.n_features=256", "data.n_features=256", "model.hidden=1024", "train.batch_size=128", "optim.lr=0.15",
-        "snapshot.every=50", "train.num_threads=1",
+        "train.precision=fp32", f"train.steps={args.milestone + 200}", "model.n_features=256", "data.n_features=256",
+        "model.hidden=1024", "train.batch_size=128", "optim.lr=0.015", "snapshot.every=50", "train.num_threads=1",
     ])
+    from omegaconf import open_dict
+
+    with open_dict(cfg):
+        cfg.scheduler = {"_target_": "torch.optim.lr_scheduler.MultiStepLR", "_partial_": True,
+                         "milestones": [args.milestone], "gamma": 10.0}
     started = time.perf_counter()
     run = train(cfg, store, code_folder=example)
     train_seconds = time.perf_counter() - started
     if run.status != "nonfinite":
-        sys.exit(f"the planted run did not fail in {cfg.train.steps} steps; raise --warmup-iters' LR or the steps")
+        sys.exit(f"the planted run did not fail in {cfg.train.steps} steps")
     print(f"trained {run.run_id}: non-finite at step {run.first_nonfinite_step} in {train_seconds:.1f}s", file=sys.stderr)
 
     def timed(label, function):
@@ -82,6 +111,9 @@ def main() -> None:
         errors = [r["error"] for r in raw.values() if "error" in r]
         assert not errors, errors
 
+    startup = min(worker_startup_seconds(2) for _ in range(args.repeats))
+    print(f"spawning 2 workers that import torch + MLflow: {startup:.1f}s (best of {args.repeats})", file=sys.stderr)
+
     print(json.dumps({
         "failing_step": run.first_nonfinite_step,
         "arms_start_step": result_one.start_step,
@@ -91,7 +123,9 @@ def main() -> None:
         "verdicts": result_one.verdicts(),
         "seconds": {"ablate_1_worker": round(one, 2), "ablate_2_workers": round(two, 2),
                     "from_step_0_1_worker": round(scratch_one, 2), "from_step_0_2_workers": round(scratch_two, 2)},
+        "worker_startup_2_processes": round(startup, 2),
         "ratio_2_workers_over_1": round(two / one, 3),
+        "ratio_2_workers_over_1_excluding_startup": round((two - startup) / one, 3),
         "ratio_ablate_over_from_step_0_1_worker": round(one / scratch_one, 3),
         "ratio_ablate_over_from_step_0_2_workers": round(two / scratch_two, 3),
         "note": "ablate times include the baseline arm (4 replays); from-step-0 times run the 3 variants only",

@@ -79,7 +79,8 @@ def print_result(result, console=None) -> None:
     console.print(f"[{style}]conclusion[/{style}] {result.conclusion}")
     console.print(f"  [dim]{_definitions(result)}[/dim]")
     console.print(
-        f"  {len(result.arms) + 1} arms on {result.executor} x{result.workers} in {result.seconds:.1f}s; "
+        f"  {1 + sum(arm.verdict != 'not-applicable' for arm in result.arms)} replays on {result.executor} x{result.workers} "
+        f"in {result.seconds:.1f}s; "
         f"report on the run: {', '.join(result.artifacts) or '-'}; view: {mlflow_ui_hint(result.tracking_uri)}"
     )
 

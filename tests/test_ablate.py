@@ -129,12 +129,13 @@ def test_exploding_gradients_in_a_deep_net_are_fixed_by_clip(tmp_path_factory):
     ws = _workspace(tmp_path_factory, "deep")
     run = train_example(ws, "ablate_deep_gradients", "train.steps=20")
     assert run.status == "nonfinite"
-    result = ws.replay("ablate", "clip,lr", "--run-id", run.run_id, "--horizon", "15", "--workers", "1", env=ws.env(COLUMNS="200"))
+    result = ws.replay("ablate", "clip,lr", "--run-id", run.run_id, "--horizon", "15", env=ws.env(COLUMNS="200"))  # --workers auto
     assert result.returncode == 0, result.stderr
     out = result.stdout
     clip_row = next(line for line in out.splitlines() if line.startswith("│ clip"))
     assert "fixes" in clip_row
     assert "conclusion fixed by: clip" in " ".join(out.split())
+    assert "on local x1" in out  # auto: replays this short run in-process rather than paying for worker start-up
 
 
 def test_a_baseline_that_does_not_fail_again_is_inconclusive(tmp_path_factory):

@@ -14,7 +14,7 @@ def ablate_command(
     run_id: Optional[str] = typer.Option(None, "--run-id", help="The failed run to ablate."),
     from_step: Optional[int] = typer.Option(None, "--from-step", help="Apply the changes from this step (default: the snapshot before the failure)."),
     horizon: int = typer.Option(200, "--horizon", help="Replay this many steps past the failing step."),
-    workers: int = typer.Option(2, "--workers", help="Arms run in parallel (processes locally; SLURM array parallelism with submitit)."),
+    workers: Optional[int] = typer.Option(None, "--workers", help="Arms run in parallel: local processes, or SLURM array parallelism with submitit (default: auto: one per arm up to the cores, in-process when the replays are short)."),
     executor: str = typer.Option("local", "--executor", help="local (processes here) | submitit (SLURM; local when no sbatch)."),
     cluster: Optional[str] = typer.Option(None, "--cluster", help="submitit cluster: slurm | local | debug (default: slurm when sbatch exists, else local)."),
     partition: Optional[str] = typer.Option(None, "--partition", help="SLURM partition (submitit)."),

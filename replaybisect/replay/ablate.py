@@ -37,6 +37,10 @@ FINAL_WINDOW = 10
 # start plus the steps from the start to the failure.
 REFERENCE_WINDOW = 20
 EXECUTORS = ("local", "submitit")
+# --workers auto: a spawned worker pays ~5 s (import torch + MLflow, measured on these 2-core machines; much
+# more under load) before its first step, so arms whose replays are estimated (recorded step_time x steps) to
+# take less than this in total run in-process, one after another.
+AUTO_IN_PROCESS_SECONDS = 20.0
 VERDICTS = ("fixes", "delays", "no-effect", "worse", "inconclusive", "not-applicable", "error")
 
 
@@ -601,13 +605,25 @@ def parse_arms(arms: Optional[str | list[str]]) -> list[str]:
     return names
 
 
-def check_options(arms, *, horizon: int, workers: int, executor: str, from_step: Optional[int]) -> list[str]:
+def _auto_workers(store, run_id: str, cfg, snapshot, total_steps: int, tasks: int, executor: str) -> int:
+    """One worker per arm up to the cores the recorded thread count leaves room for; in-process (1) when the
+    whole ablation is estimated to take less than a worker's start-up is worth."""
+    threads = int(cfg.train.num_threads or snapshot.state.get("num_threads") or 1)
+    parallel = max(1, min(tasks, (os.cpu_count() or 1) // threads))
+    if executor != "local":
+        return tasks  # SLURM: every arm its own job
+    step_times = [v for _, v in store.metric_history(run_id, "step_time") if math.isfinite(v)]
+    estimate = total_steps * statistics.median(step_times) if step_times else math.inf
+    return 1 if estimate < AUTO_IN_PROCESS_SECONDS else parallel
+
+
+def check_options(arms, *, horizon: int, workers: Optional[int], executor: str, from_step: Optional[int]) -> list[str]:
     """Everything about the options that is wrong before any run is read (light: no torch, no MLflow)."""
     names = parse_arms(arms)
     if horizon <= 0:
         raise ReplayError(f"--horizon {horizon} must be a positive number of steps past the failing step (e.g. --horizon {DEFAULT_HORIZON})")
-    if workers < 1:
-        raise ReplayError(f"--workers {workers} must be at least 1")
+    if workers is not None and workers < 1:
+        raise ReplayError(f"--workers {workers} must be at least 1 (or leave it out: auto)")
     if executor not in EXECUTORS:
         raise ReplayError(f"unknown executor {executor!r}; use one of {', '.join(EXECUTORS)}")
     if from_step is not None and from_step < 0:
@@ -670,7 +686,7 @@ def ablate(
     *,
     from_step: Optional[int] = None,
     horizon: int = DEFAULT_HORIZON,
-    workers: int = 1,
+    workers: Optional[int] = None,
     executor: str = "local",
     submitit_options: Optional[SubmititOptions] = None,
     progress: Optional[Callable[[str, str, int], None]] = None,
@@ -721,6 +737,8 @@ def ablate(
          "end_step": end, "failing_step": failing_step, "params": changes[name].params if name in changes else {}}
         for name in runnable
     ]
+    if workers is None:
+        workers = _auto_workers(store, run_id, cfg, snapshot, len(runnable) * (end - snapshot.step), len(runnable), executor)
     if on_plan:
         on_plan(runnable, snapshot.step, end)
 
