@@ -29,6 +29,8 @@ from replaybisect.errors import ReplayError
 from replaybisect.record.rng import isolated_rng, seed_everything
 from replaybisect.replay import lr_finder
 
+__all__ = ["Check", "CheckContext", "CheckOptions", "CheckReport", "REGISTRY", "check", "register_check", "run_checks"]
+
 SEVERITY = {"skip": 0, "pass": 0, "warn": 1, "fail": 2}
 
 # ---- thresholds ------------------------------------------------------------------------------------
@@ -62,7 +64,6 @@ DATASET_SAMPLE = 4096  # dataset items read for label statistics (all of a small
 
 ZEROING = (nn.ReLU, nn.ReLU6)
 SATURATING = (nn.Tanh, nn.Sigmoid, nn.Hardtanh)  # ReLU6 subclasses Hardtanh: ZEROING is tested first
-CLASS_INDEX_LOSSES = (nn.CrossEntropyLoss, nn.NLLLoss, nn.MultiMarginLoss)
 
 
 # ---- results ---------------------------------------------------------------------------------------
@@ -561,7 +562,7 @@ CheckFn = Callable[[CheckContext], Check]
 REGISTRY: dict[str, CheckFn] = {}
 
 
-def check(name: str):
+def register_check(name: str):
     """Register a check; adding a check is adding one function."""
 
     def register(function: CheckFn) -> CheckFn:
@@ -634,7 +635,7 @@ def _conflict_entropy(inputs: torch.Tensor, targets: torch.Tensor) -> tuple[floa
     return floor, ("hard labels" if floor == 0 else "identical inputs with different labels")
 
 
-@check("overfit.one_batch")
+@register_check("overfit.one_batch")
 def overfit_one_batch(ctx: CheckContext) -> Check:
     """Can the model drive the loss on a handful of samples to its floor? If not, nothing else matters."""
     opts = ctx.options
@@ -688,7 +689,7 @@ def overfit_one_batch(ctx: CheckContext) -> Check:
 
 
 # ---- data sanity ------------------------------------------------------------------------------------------
-@check("data.finite")
+@register_check("data.finite")
 def data_finite(ctx: CheckContext) -> Check:
     """NaN or Inf in the batches the run gets, or anywhere in a sample of the dataset."""
     total = 0
@@ -734,7 +735,7 @@ def data_finite(ctx: CheckContext) -> Check:
     )
 
 
-@check("data.input_scale")
+@register_check("data.input_scale")
 def data_input_scale(ctx: CheckContext) -> Check:
     values = [batch_inputs(b) for _, b in ctx.scanned()]
     values = [v for v in values if v is not None and v.is_floating_point()]
@@ -762,7 +763,7 @@ def _label_values(ctx: CheckContext) -> list[torch.Tensor]:
     return [t.reshape(-1).long() for t in targets if is_class_labels(t)]
 
 
-@check("data.label_range")
+@register_check("data.label_range")
 def data_label_range(ctx: CheckContext) -> Check:
     """Class labels must lie in [0, C) where C is the size of the class dimension the loss receives."""
     call = ctx.loss_call()
@@ -804,7 +805,7 @@ def _per_sample_labels(ctx: CheckContext) -> tuple[Optional[torch.Tensor], str]:
     return torch.cat(targets).long(), ""
 
 
-@check("data.class_balance")
+@register_check("data.class_balance")
 def data_class_balance(ctx: CheckContext) -> Check:
     labels, why = _per_sample_labels(ctx)
     if labels is None:
@@ -836,7 +837,7 @@ def _diversity(batches: list[torch.Tensor], labels: torch.Tensor, classes: torch
     return mean_distinct / expected, mean_distinct, expected, size, p_value
 
 
-@check("data.batch_diversity")
+@register_check("data.batch_diversity")
 def data_batch_diversity(ctx: CheckContext) -> Check:
     """Do the batches the run actually trains on mix the classes like a shuffled batch would?
 
@@ -886,7 +887,7 @@ def _rows_are_probabilities(x: torch.Tensor, dim: int = 1) -> float:
     return float(((sums - 1).abs() <= PROB_ROW_TOL).float().mean())
 
 
-@check("loss.output_mismatch")
+@register_check("loss.output_mismatch")
 def loss_output_mismatch(ctx: CheckContext) -> Check:
     call = ctx.loss_call()
     loss_fn = ctx.state.loss_fn
@@ -937,7 +938,7 @@ def loss_output_mismatch(ctx: CheckContext) -> Check:
 
 
 # ---- initialization ------------------------------------------------------------------------------------------
-@check("init.symmetry")
+@register_check("init.symmetry")
 def init_symmetry(ctx: CheckContext) -> Check:
     """Identical rows in a weight matrix are identical units. If the updates give them identical gradients
     (every layer initialized alike) they never differ: the layer is one unit wide for good. The grad
@@ -998,7 +999,7 @@ def _producer(ctx: CheckContext, name: str) -> Optional[str]:
     return None
 
 
-@check("init.dead_units")
+@register_check("init.dead_units")
 def init_dead_units(ctx: CheckContext) -> Check:
     layers = _relu_layers(ctx)
     if not layers:
@@ -1021,7 +1022,7 @@ def init_dead_units(ctx: CheckContext) -> Check:
     return Check("init.dead_units", "pass", dead, f"most dead: {detail}")
 
 
-@check("init.loss")
+@register_check("init.loss")
 def init_loss(ctx: CheckContext) -> Check:
     """Cross-entropy at init should be about ln(C): the model starts undecided (Karpathy's recipe)."""
     call = ctx.loss_call()
@@ -1043,7 +1044,7 @@ def init_loss(ctx: CheckContext) -> Check:
 
 
 # ---- activations -------------------------------------------------------------------------------------------------
-@check("act.relu_zero")
+@register_check("act.relu_zero")
 def act_relu_zero(ctx: CheckContext) -> Check:
     layers = _relu_layers(ctx)
     if not layers:
@@ -1061,7 +1062,7 @@ def act_relu_zero(ctx: CheckContext) -> Check:
     return Check("act.relu_zero", "pass", share, detail)
 
 
-@check("act.saturation")
+@register_check("act.saturation")
 def act_saturation(ctx: CheckContext) -> Check:
     layers = {n: a for n, a in ctx.probe().layers.items() if a.kind != "relu" and a.values}
     if not layers:
@@ -1091,7 +1092,7 @@ def _grad_error(name: str, probe: GradProbe) -> Optional[Check]:
     return None
 
 
-@check("grad.missing")
+@register_check("grad.missing")
 def grad_missing(ctx: CheckContext) -> Check:
     """Parameters that never get a gradient: frozen, detached from the loss, unused, or left out of the optimizer."""
     probe = ctx.grads()
@@ -1128,7 +1129,7 @@ def _median(values: list[float]) -> float:
     return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
 
 
-@check("grad.vanishing")
+@register_check("grad.vanishing")
 def grad_vanishing(ctx: CheckContext) -> Check:
     """Per-layer gradient norms, input side to output side: vanishing, exploding, or spanning many decades."""
     probe = ctx.grads()
@@ -1164,7 +1165,7 @@ def grad_vanishing(ctx: CheckContext) -> Check:
     return Check("grad.vanishing", "pass", ratio, detail)
 
 
-@check("grad.update_ratio")
+@register_check("grad.update_ratio")
 def grad_update_ratio(ctx: CheckContext) -> Check:
     """‖Δθ‖/‖θ‖ per step: about 1e-3 is healthy (FIELD-NOTES), outside [1e-8, 10] pathological (SageMaker)."""
     probe = ctx.grads()
@@ -1191,7 +1192,7 @@ def grad_update_ratio(ctx: CheckContext) -> Check:
 
 
 # ---- LR range test ---------------------------------------------------------------------------------------------------
-@check("lr.range_test")
+@register_check("lr.range_test")
 def lr_range_test(ctx: CheckContext) -> Check:
     opts = ctx.options
     state = ctx.copy()
