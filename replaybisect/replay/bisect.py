@@ -630,8 +630,12 @@ class _Bisector:
         metric = None
         if outcome == "ok":
             metric = tail_mean(self.store.metric_history(cached.info.run_id, self.runner.metric))
-            if metric is None or not math.isfinite(metric):
-                return None
+            if metric is None:  # trained, but without this --metric: training again would not log it either
+                return SeedRun(seed, "skip", run_id=cached.info.run_id, cached=True,
+                               detail=f"the run logged no `{self.runner.metric}` metric")
+            if not math.isfinite(metric):
+                return SeedRun(seed, "nonfinite", run_id=cached.info.run_id, cached=True,
+                               detail=f"{self.runner.metric} is {metric}")
         return SeedRun(seed, outcome, metric=metric, run_id=cached.info.run_id, cached=True,
                        detail=tags.get("replaybisect.bisect_detail", ""))
 
@@ -676,11 +680,13 @@ class _Bisector:
                                 "trial.log")
             self.store.finish_run(run.run_id, "ok" if run.outcome in ("good", "bad") else "crashed")
         tags = {"bisect_sha": sha, "bisect_tree": self.trees[sha], "bisect_config_hash": self.runner.config_hash,
-                "bisect_seed": run.seed, "bisect_outcome": run.outcome, "bisect_detail": run.detail[:500],
+                # a run that trained is remembered as trained: the metric is read again from it by each lookup
+                "bisect_seed": run.seed, "bisect_outcome": "ok" if self.runner.mode == "train" and returncode == 0 else run.outcome,
+                "bisect_detail": run.detail[:500],
                 "bisect_exit_status": returncode}
         if run.metric is not None:
             tags["bisect_metric"] = repr(run.metric)
-        if cacheable:  # set last: a run is found in the cache only once everything about it is written
+        if cacheable:  # written with the outcome, once the trial has finished: a keyed run is a complete trial
             tags["bisect_key"] = self.cache_key(sha, run.seed)
         self.store.set_tags(run.run_id, tags)
 
