@@ -7,10 +7,15 @@ built once per module and the tests share their bisects."""
 from __future__ import annotations
 
 import math
+import os
+import signal
 import statistics
+import subprocess
+import time
+from pathlib import Path
 
 import pytest
-from conftest import Workspace
+from conftest import REPLAY, Workspace
 from test_bisect import _error_line, _make_it_a_used_repository, _worktrees_left, demo, repo_fingerprint
 
 pytestmark = pytest.mark.slow
@@ -123,3 +128,39 @@ def test_subtle_regression_needs_more_seeds_and_is_found(tmp_path):
     assert report["n_trials"] <= math.ceil(math.log2(40)) + 3
     for trial in report["trials"]:
         assert trial["verdict"] == ("bad" if trial["position"] >= REGRESSION_AT else "good"), trial
+
+
+def _processes_in(folder) -> list[int]:
+    """Processes whose working folder is under `folder` (trials run in the cache's worktrees)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if str(Path(os.readlink(entry / "cwd"))).startswith(str(folder)):
+                    found.append(int(entry.name))
+            except OSError:
+                continue
+    return found
+
+
+def test_sigint_while_trials_train_stops_them_and_leaves_everything_clean(clear):
+    workspace, repo, shas, before, report = clear
+    # long trials (a config the cache has not seen), interrupted while the endpoints train
+    process = subprocess.Popen([REPLAY, "bisect", "--repo", str(repo.path), shas[0], shas[-1], "--workers", "2",
+                                "train.steps=5000"], cwd=workspace.path, env=workspace.env(), stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    cache = workspace.path / ".cache"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and len(_processes_in(cache)) < 2:
+        time.sleep(0.2)
+    assert len(_processes_in(cache)) >= 2, "the trials never started"
+    time.sleep(2)
+    process.send_signal(signal.SIGINT)
+    _, stderr = process.communicate(timeout=60)
+    assert process.returncode == 130, stderr
+    assert stderr.strip().splitlines()[-1].startswith("replay: interrupted")
+    assert _processes_in(cache) == []
+    assert _worktrees_left(workspace) == []
+    assert repo_fingerprint(repo.path) == before
+    store = workspace.store()
+    assert store.search_runs("tags.`replaybisect.kind` = 'bisect' and attributes.status = 'KILLED'")
