@@ -4,7 +4,8 @@ Logs a realistic 10,000-step metric history into a fresh SQLite store (per step:
 step_time, data_time; val_loss every 100 steps; every 50 steps param_norm, update_ratio and, for each of
 `--layers` modules, grad_norm/ weight_norm/ act_zero_frac/ act_sat_frac), exactly the keys `replay train`
 records, then times the installed CLI end to end (`replay diagnose --run-id X --json`, wall clock, median
-of --repeats) and, in process, loading the histories vs. the analysis vs. writing the artifacts.
+of --repeats, with its CPU seconds, which a busy machine does not inflate) and, in process, loading
+the histories vs. the analysis vs. writing the artifacts.
 
     python benchmarks/diagnose_speed.py [--steps 10000] [--layers 12] [--repeats 3]
 """
@@ -57,6 +58,14 @@ def synthetic_history(steps: int, layers: int, seed: int = 0):
     return points
 
 
+def _children_cpu() -> float:
+    """CPU seconds (user + system) used by finished child processes: a figure the machine's load does not inflate."""
+    import resource
+
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=10_000)
@@ -93,24 +102,32 @@ def main() -> None:
         # End to end, as a user runs it.
         replay = shutil.which("replay") or str(Path(sys.executable).with_name("replay"))
         env = dict(os.environ, MLFLOW_TRACKING_URI=uri)
-        walls = []
+        walls, cpus = [], []
         for _ in range(args.repeats):
-            begin = time.perf_counter()
+            begin, cpu_begin = time.perf_counter(), _children_cpu()
             done = subprocess.run([replay, "diagnose", "--run-id", run_id, "--json"], env=env, capture_output=True, text=True, cwd=folder)
             walls.append(time.perf_counter() - begin)
+            cpus.append(_children_cpu() - cpu_begin)
             if done.returncode != 0:
                 raise SystemExit(f"replay diagnose failed ({done.returncode}): {done.stderr}")
         verdict = json.loads(done.stdout)["verdict"]
-        help_begin = time.perf_counter()
+        help_begin, help_cpu = time.perf_counter(), _children_cpu()
         subprocess.run([replay, "--help"], env=env, capture_output=True)
-        help_seconds = time.perf_counter() - help_begin
+        help_seconds, help_cpu = time.perf_counter() - help_begin, _children_cpu() - help_cpu
+        import_cpu = _children_cpu()
+        subprocess.run([sys.executable, "-c", "import mlflow, matplotlib.pyplot"], capture_output=True)
+        import_cpu = _children_cpu() - import_cpu
         report = {
             "steps": args.steps,
             "metric_keys": len(keys),
             "points": len(points),
             "cli_wall_s_median": round(statistics.median(walls), 3),
             "cli_wall_s_all": [round(w, 3) for w in walls],
+            "cli_cpu_s_median": round(statistics.median(cpus), 3),
             "cli_startup_s (replay --help)": round(help_seconds, 3),
+            "cli_startup_cpu_s": round(help_cpu, 3),
+            "import_mlflow_matplotlib_cpu_s": round(import_cpu, 3),
+            "load_average_1min": round(os.getloadavg()[0], 2),
             "in_process_load_s": round(t1 - t0, 3),
             "in_process_analyse_s": round(t2 - t1, 3),
             "in_process_artifacts_s": round(t3 - t2, 3),

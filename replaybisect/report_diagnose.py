@@ -57,6 +57,8 @@ def print_diagnosis(result, console=None) -> None:
     console.print(f"[bold]diagnosis of run[/bold] {result.run_id}{name}  status {result.status}")
     if result.healthy:
         console.print("  [green]no pathology found[/green]: " + _summary_sentence(result.summary))
+    elif not result.findings:
+        console.print(f"  [yellow]{result.verdict}[/yellow]: " + _summary_sentence(result.summary))
     else:
         for number, finding in enumerate(result.findings, 1):
             where = f" [{finding.layer}]" if finding.layer else ""
@@ -99,6 +101,8 @@ def to_markdown(result) -> str:
         lines += [f"Run name: {result.run_name}; status: {result.status}", ""]
     if result.healthy:
         lines += ["**No pathology found.** " + _summary_sentence(result.summary) + ".", ""]
+    elif not result.findings:
+        lines += [f"**{result.verdict[0].upper() + result.verdict[1:]}.** " + _summary_sentence(result.summary) + ".", ""]
     else:
         lines += [f"**{len(result.findings)} finding{'s' if len(result.findings) != 1 else ''}.**", ""]
         for number, finding in enumerate(result.findings, 1):
@@ -144,7 +148,7 @@ def loss_figure(result, curves):
             ax_grad.set_yscale("log")
     for finding in result.findings:
         _annotate(ax_loss, ax_grad, finding, curves)
-    title = "no pathology found" if result.healthy else ", ".join(dict.fromkeys(f.pattern for f in result.findings))
+    title = result.verdict if len(result.verdict) < 60 else result.verdict[:57] + "..."
     ax_loss.set_title(f"run {result.run_id[:12]}: {title}")
     ax_loss.set_ylabel("loss")
     ax_grad.set_ylabel("grad norm")
@@ -203,6 +207,6 @@ def write_artifacts(store, result, curves) -> list[str]:
             store.log_artifacts(result.run_id, folder)
     finally:
         close_figure(figure)
-    verdict = "healthy" if result.healthy else ",".join(dict.fromkeys(f.pattern for f in result.findings))
+    verdict = "healthy" if result.healthy else ",".join(dict.fromkeys(f.pattern for f in result.findings)) or "not-enough-data"
     store.set_tags(result.run_id, {"diagnosis": verdict})
     return result.artifacts

@@ -31,7 +31,7 @@ PLANTS: dict[str, tuple[tuple[str, ...], tuple[str, ...], int]] = {
     "healthy_mlp_digits": ((), ("train.steps=300", "train.batch_size=32", "train.val_every=30", "snapshot.layer_stats_every=10"), 0),
     "healthy_cnn_blobs": ((), ("model=cnn", "data=blobs", "model.channels=8", "train.steps=150", "train.val_every=30", "snapshot.layer_stats_every=10"), 0),
     "nan_init": (user("nan_init"), (), 3),  # a NaN weight at initialisation
-    "nan_lr": (user("nan_lr"), (), 3),  # SGD regression at too high an LR diverges to inf
+    "nan_lr": (user("nan_lr"), ("snapshot.layer_stats_every=2",), 3),  # SGD regression at too high an LR diverges to inf
     "detached": (user("detached"), ("train.steps=120",), 0),  # detached logits: no gradient anywhere
     "spikes": (user("spikes"), (), 0),  # garbage rows come round once an epoch
     "plateau": (user("plateau"), (), 0),  # the LR drops 1000x after 15 steps
@@ -149,6 +149,37 @@ def test_nan_after_k_steps(planted):
     assert finding["step"] == trained["first_nonfinite_step"] > 0
     assert finding["next"].startswith(f"replay nan --run-id {data['run_id']}")
     assert finding["evidence"]["grad_norm_growth"] > 10  # the gradient norm blew up before it
+
+
+def test_exploding_gradients_name_the_layer(planted):
+    data = diagnose(planted, "nan_lr")
+    finding = only(data, "exploding-gradients")
+    assert finding["layer"] == "linear"  # the regressor's only layer
+    assert finding["evidence"]["layers"]["linear"]["growth"] > 70
+    assert finding["step"] < data["findings"][0]["step"]  # seen before the NaN it leads to
+
+
+def test_update_ratio_too_large_synthetic(workspace):
+    """Synthetic history (logged with the MLflow client into a real store): an update/weight ratio above
+    10 for a whole run cannot be trained cheaply without the run turning NaN first."""
+    import math
+
+    store = workspace.store()
+    run_id = store.create_run("train", run_name="synthetic-huge-updates")
+    points = []
+    for step in range(200):
+        points += [("loss", 2.3 * math.exp(-step / 60) + 0.2 + 0.05 * math.sin(step), step), ("grad_norm", 1.0, step), ("lr", 5.0, step)]
+        if step % 10 == 0:
+            points.append(("update_ratio", 40.0 + (step % 7), step))
+    store.log_metrics(run_id, points)
+    store.finish_run(run_id, "ok")
+    result = workspace.replay("diagnose", "--run-id", run_id, "--json")
+    assert result.returncode == 0, result.stderr
+    data = result.json()
+    assert [f["pattern"] for f in data["findings"]] == ["update-ratio"]
+    finding = data["findings"][0]
+    assert finding["evidence"]["update_ratio_median"] > 10
+    assert finding["next"] == f"replay ablate lr,warmup --run-id {run_id}"
 
 
 def test_flat_from_the_first_step(planted):

@@ -21,8 +21,11 @@ def diagnose_command(
     input-pipeline bound. Each finding comes with its evidence and the next command to run; a healthy
     run gets "no pathology found". diagnosis.md and an annotated loss curve are attached to the run.
 
-        replay diagnose --run-id 3f2a...      ->  1. overfitting  from step 139: val_loss rose ...
-                                                     next: replay train <your config> train.steps=140
+    Example: replay diagnose --run-id 3f2a9c0d...
+
+    1. dead-relu [net.1]  dead ReLU net.1: 100.0% of its outputs are zero since step 10 ...
+
+    next: replay check --run-id 3f2a9c0d...
     """
     from replaybisect.replay.diagnose import diagnose
     from replaybisect.report_diagnose import print_diagnosis

@@ -168,8 +168,21 @@ class Diagnosis:
     artifacts: list[str] = field(default_factory=list)
 
     @property
+    def judged(self) -> bool:
+        """Enough curve to judge: the loss-shape detectors ran (a run stopped at step 0 is judged by its NaN)."""
+        return bool(self.findings) or "flat-from-start" in self.checked
+
+    @property
     def healthy(self) -> bool:
-        return not self.findings
+        return not self.findings and self.judged
+
+    @property
+    def verdict(self) -> str:
+        if self.findings:
+            return ", ".join(dict.fromkeys(f.pattern for f in self.findings))
+        if not self.judged:
+            return f"not enough data to judge ({self.skipped.get('flat-from-start', 'too few metrics')})"
+        return "no pathology found"
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -177,7 +190,7 @@ class Diagnosis:
             "run_name": self.run_name,
             "status": self.status,
             "healthy": self.healthy,
-            "verdict": "no pathology found" if self.healthy else ", ".join(f.pattern for f in self.findings),
+            "verdict": self.verdict,
             "findings": [f.to_json() for f in self.findings],
             "summary": _jsonable(self.summary),
             "checked": self.checked,
@@ -354,13 +367,16 @@ def detect_flat(curves: Curves) -> list[Finding]:
         raise Skip(f"{len(loss)} finite loss values (needs 20)")
     values = loss.values
     start, end = _loss_levels(loss)
+    initial = _initial_loss(loss)
     blocks = block_medians(values, 10)
     block_size = len(values) / 10
-    # How much a block median can wander by noise alone: ~1.25 sigma / sqrt(block size), 4 of them.
-    tolerance = max(0.02 * abs(start), 4 * 1.25 * noise_sigma(values) / math.sqrt(block_size))
+    sigma = noise_sigma(values)
+    # How far a median can wander by noise alone: 4 standard errors (~1.25 sigma / sqrt(samples)), or 2%.
+    tolerance = max(0.02 * abs(start), 4 * 1.25 * sigma / math.sqrt(block_size))
+    initial_tolerance = max(0.02 * abs(initial), 4 * 1.25 * sigma / math.sqrt(5))
     lowest = float(blocks.min())
-    if start - lowest > tolerance:  # it decreased at some point: not flat from the start
-        return []
+    if start - lowest > tolerance or initial - lowest > initial_tolerance:
+        return []  # it decreased at some point (perhaps within the first tenth): not flat from the start
     grads = curves.get("grad_norm").before(curves.failing_step).finite()
     evidence: dict[str, Any] = {
         "steps": [int(loss.steps[0]), int(loss.steps[-1])],
@@ -435,7 +451,8 @@ def detect_spikes(curves: Curves) -> list[Finding]:
             _cmd("ablate clip,skip-batch", curves, f"--from-step {steps[0]}"),
             step=steps[0],
             steps=steps,
-            source=f"Megatron-Core rerun machine: >= {SPIKE_FACTOR:g}x the max |value| of the first {SPIKE_BASELINE_SAMPLES} samples",
+            source=f"Megatron-Core rerun machine: >= {SPIKE_FACTOR:g}x the max |value| of the first {SPIKE_BASELINE_SAMPLES} samples"
+            " (isolated early spikes left out of that max)",
         )
     ]
 
@@ -623,8 +640,8 @@ def detect_plateau(curves: Curves) -> list[Finding]:
         raise Skip(f"{n} finite loss values (needs 50)")
     _, end = _loss_levels(loss)
     start = _initial_loss(loss)
-    if start <= 0 or (start - end) < 0.1 * start:
-        return []  # never decreased by 10%: flat-from-start's business, not a plateau
+    if start <= 0 or (start - end) < 0.05 * start:
+        return []  # never decreased by 5%: flat-from-start's business, not a plateau
     if end < PLATEAU_MIN_LEVEL * start:
         return []  # it got most of the way down: converged, not stuck (healthy built-in runs end at <= 0.34x)
     window = max(5, n // 20) | 1
