@@ -378,6 +378,9 @@ def test_bad_input_is_one_line_exit_2(shared, small_repo):
     not_repo = shared.path / "not-a-repo"
     not_repo.mkdir(exist_ok=True)
     assert "is not a git repository" in _error_line(shared.replay("bisect", "--repo", str(not_repo), "a", "b", *cmd))
+    unwritable = shared.replay("bisect", "--repo", str(path), shas[0], shas[-1], *cmd,
+                               env=shared.env(REPLAYBISECT_CACHE="/proc/no-such-cache"))
+    assert "set REPLAYBISECT_CACHE to a writable folder" in _error_line(unwritable)
     # endpoints that do not behave: measured, reported, nothing left behind
     good_fails = _error_line(shared.replay("bisect", "--repo", str(path), shas[3], shas[4], *cmd))
     assert f"GOOD {shas[3][:10]} does not pass --cmd (exit 1)" in good_fails

@@ -120,6 +120,11 @@ class PrivateClone:
         try:
             for index in range(self.workers):
                 self.worktrees.append(self._add_worktree(index))
+        except subprocess.CalledProcessError as error:
+            self.close()
+            reason = (error.stderr or "").strip().splitlines()[-1:] or ["git worktree add failed"]
+            raise GitError(f"cannot add a worktree in the cache {self.root}: {reason[0]}; "
+                           "set REPLAYBISECT_CACHE to a writable folder") from None
         except BaseException:
             self.close()
             raise
@@ -138,7 +143,11 @@ class PrivateClone:
     def _ensure_clone(self) -> None:
         if (self.clone / ".git").is_dir():
             return
-        self.root.mkdir(parents=True, exist_ok=True)
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+        except OSError as error:
+            raise GitError(f"cannot create the cache folder {self.root} ({error.strerror}); "
+                           "set REPLAYBISECT_CACHE to a writable folder") from None
         # Clone into a temporary name and rename, so two bisects starting at once never see half a clone.
         staging = self.root / f"clone-{uuid.uuid4().hex[:8]}"
         try:
@@ -147,7 +156,8 @@ class PrivateClone:
             staging.rename(self.clone)
         except subprocess.CalledProcessError as error:
             shutil.rmtree(staging, ignore_errors=True)
-            raise GitError(f"cannot clone {self.user.path} into the cache {self.root}: {error.stderr.strip().splitlines()[-1:]}; "
+            reason = (error.stderr or "").strip().splitlines()[-1:] or ["git clone failed"]
+            raise GitError(f"cannot clone {self.user.path} into the cache {self.root}: {reason[0]}; "
                            "set REPLAYBISECT_CACHE to a writable folder") from None
         except OSError:  # another process renamed its clone first: use that one
             shutil.rmtree(staging, ignore_errors=True)
