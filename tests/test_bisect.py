@@ -375,6 +375,8 @@ def test_bad_input_is_one_line_exit_2(shared, small_repo):
     assert "BAD 'nope' is not a commit" in _error_line(shared.replay("bisect", "--repo", str(path), shas[0], "nope", *cmd))
     assert "same commit" in _error_line(shared.replay("bisect", "--repo", str(path), shas[1], shas[1], *cmd))
     assert "is not an ancestor of BAD" in _error_line(shared.replay("bisect", "--repo", str(path), shas[3], shas[1], *cmd))
+    assert "must be relative to the repository root" in _error_line(
+        shared.replay("bisect", "--repo", str(path), shas[0], shas[-1], "--config-dir", str(path / "conf")))
     not_repo = shared.path / "not-a-repo"
     not_repo.mkdir(exist_ok=True)
     assert "is not a git repository" in _error_line(shared.replay("bisect", "--repo", str(not_repo), "a", "b", *cmd))

@@ -54,7 +54,7 @@ from replaybisect.errors import GitError, ReplayError
 from replaybisect.replay.gitops import CommitInfo, PrivateClone, UserRepo, clean_git_env
 from replaybisect.replay.trial_process import Launcher, signal_group
 
-__all__ = ["BisectResult", "Trial", "SeedRun", "bisect", "Search", "Baseline", "judge", "BisectAborted"]
+__all__ = ["BisectResult", "Trial", "SeedRun", "bisect", "Search", "Baseline", "judge", "endpoint_baseline", "BisectAborted"]
 
 ALPHA = 0.01  # FIELD-NOTES "Bisection": Pinpoint calls two samples different at p <= 0.01
 Z_DECIDE = 2.5758293035489  # two-sided normal quantile for ALPHA (scipy.stats.norm.isf(0.005))
@@ -878,6 +878,9 @@ def bisect(
     max_seeds = max(seeds, max_seeds if max_seeds is not None else 3 * seeds)
     if steps is not None and steps < 1:
         raise ReplayError(f"--steps {steps}: must be at least 1")
+    if Path(config_dir).is_absolute() or ".." in Path(config_dir).parts:
+        raise ReplayError(f"--config-dir {config_dir}: must be relative to the repository root (it is read at each tried "
+                          "commit), e.g. --config-dir conf")
     if cmd is not None and not cmd.strip():
         raise ReplayError("--cmd is empty; pass the command to run at each commit")
 
