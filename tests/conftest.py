@@ -10,6 +10,10 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+# Tiny test models run fastest on one thread, and a 2-core CI machine runs several processes at once.
+# Runs record their thread count and replays restore it, so this changes speed, not results.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 import pytest
 
 REPLAY = shutil.which("replay") or str(Path(sys.executable).with_name("replay"))
