@@ -85,7 +85,7 @@ def test_fp16_overflow_is_fixed_by_precision_alone(tmp_path_factory):
     ws = _workspace(tmp_path_factory, "fp16")
     run = train_example(ws, "ablate_fp16_overflow", "train.steps=40")
     assert run.status == "nonfinite"
-    data = ablate(ws, run.run_id, "precision,lr,clip", "--horizon", "15", "--workers", "2")
+    data = ablate(ws, run.run_id, "precision,lr,clip", "--horizon", "15")  # --workers auto
     assert data["baseline"]["first_nonfinite_step"] == run.first_nonfinite_step
     assert fixes(data) == {"precision"}, data["arms"]
     assert verdicts(data)["lr"] == "no-effect" and verdicts(data)["clip"] == "no-effect"
