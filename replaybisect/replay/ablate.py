@@ -17,7 +17,7 @@ import math
 import os
 import statistics
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -41,6 +41,7 @@ EXECUTORS = ("local", "submitit")
 # more under load) before its first step, so arms whose replays are estimated (recorded step_time x steps) to
 # take less than this in total run in-process, one after another.
 AUTO_IN_PROCESS_SECONDS = 20.0
+# An arm's verdict (the baseline's is fails-again | inconclusive, or reference for a run that never failed).
 VERDICTS = ("fixes", "delays", "no-effect", "worse", "inconclusive", "not-applicable", "error")
 
 
