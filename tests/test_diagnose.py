@@ -8,7 +8,6 @@ trained once per module, two at a time (one torch thread each), then each test d
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import time
 from pathlib import Path

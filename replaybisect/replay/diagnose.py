@@ -64,10 +64,6 @@ class Series:
         keep = self.steps < step
         return Series(self.steps[keep], self.values[keep])
 
-    def value_at_or_before(self, step: int) -> Optional[float]:
-        index = int(np.searchsorted(self.steps, step, side="right")) - 1
-        return float(self.values[index]) if index >= 0 else None
-
 
 EMPTY = Series(np.zeros(0, dtype=np.int64), np.zeros(0))
 
@@ -867,20 +863,25 @@ ORDER = [
 
 
 def _explain(findings: list[Finding]) -> list[Finding]:
-    """Drop what another finding already explains: a layer that gets exactly no gradient because the ReLU
-    after it is dead is a blocked path, not a vanishing one; a flat loss over dead ReLUs says so."""
+    """Tie findings to what explains them: a layer that gets exactly no gradient because the ReLU after it
+    is dead is a blocked path, not a vanishing one (dropped); a flat loss names its cause when one is found."""
     dead = [f.layer for f in findings if f.pattern == "dead-relu"]
-    if not dead:
-        return findings
     kept = []
     for finding in findings:
-        if finding.pattern == "vanishing-gradients":
+        if dead and finding.pattern == "vanishing-gradients":
             layers = finding.evidence.get("layers", {})
             if layers and all((info.get("median_norm") or 0.0) <= 1e-12 for info in layers.values()):
                 continue
-        if finding.pattern == "flat-from-start":
-            finding.summary += f"; explained by the dead ReLU in {', '.join(dead)}"
         kept.append(finding)
+    causes = [
+        f"{f.pattern} ({f.layer})" if f.layer else f.pattern
+        for f in kept
+        if f.pattern in ("dead-relu", "vanishing-gradients", "update-ratio")
+    ]
+    for finding in kept:
+        if finding.pattern == "flat-from-start" and causes:
+            finding.summary += f"; explained by {', '.join(causes)}"
+            finding.evidence["explained_by"] = causes
     return kept
 
 
