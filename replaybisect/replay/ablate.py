@@ -228,25 +228,6 @@ def _retry_locked(function, *args, attempts: int = 8, **kwargs):
             time.sleep(0.2 * 2**attempt)
 
 
-class _Batches:
-    """`restored.batch` with a single artifact listing. Past the newest snapshot no stored batch can exist
-    beyond the ones that snapshot holds (loaded by the first such call), so later steps go straight to the
-    stored dict or the data source instead of listing the run's artifacts once per step."""
-
-    def __init__(self, restored, snapshot_steps: list[int]):
-        self.restored = restored
-        self.newest = max(snapshot_steps, default=-1)
-        self.newest_loaded = False
-
-    def __call__(self, step: int):
-        if step > self.newest and self.newest_loaded:
-            stored = self.restored._stored_batches.get(step)
-            return stored if stored is not None else self.restored._data_source().batch(step)
-        batch = self.restored.batch(step)
-        self.newest_loaded = self.newest_loaded or step > self.newest
-        return batch
-
-
 def _execute_arm(spec: dict[str, Any], on_step: Optional[Callable[[int], None]] = None) -> dict[str, Any]:
     from replaybisect import loop
     from replaybisect.record.rng import isolated_rng, seed_everything
@@ -277,7 +258,7 @@ def _execute_arm(spec: dict[str, Any], on_step: Optional[Callable[[int], None]] 
         # 1. the unchanged prefix, when the arms start after the snapshot (--from-step)
         restored = restore_mod.restore(store, run_id, cfg=cfg if start > snapshot_step else change.cfg, snapshot=snapshot)
         state = restored.state
-        recorded_batches = _Batches(restored, restore_mod.snapshot_steps(store, run_id))
+        recorded_batches = restored.batch
         stopped = None
         if start > snapshot_step:
             prefix_hooks = _ArmHooks(None, on_step)

@@ -106,6 +106,7 @@ class Restored:
     _stored_batches: dict[int, Any] = field(default_factory=dict, repr=False)
     _loaded_snapshots: set[int] = field(default_factory=set, repr=False)
     _batch_source: Any = field(default=None, repr=False)
+    _listed_steps: Optional[list[int]] = field(default=None, repr=False)
 
     @property
     def step(self) -> int:
@@ -123,8 +124,13 @@ class Restored:
         self._load_batches_covering(step)
         return step in self._stored_batches
 
+    def _snapshot_steps(self) -> list[int]:
+        if self._listed_steps is None:  # list the run's artifacts once, not once per step
+            self._listed_steps = snapshot_steps(self.store, self.run_id)
+        return self._listed_steps
+
     def _load_batches_covering(self, step: int) -> None:
-        for snap_step in reversed(snapshot_steps(self.store, self.run_id)):
+        for snap_step in reversed(self._snapshot_steps()):
             if snap_step > step:
                 continue
             if snap_step in self._loaded_snapshots:
