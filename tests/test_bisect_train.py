@@ -116,14 +116,14 @@ def test_subtle_regression_needs_more_seeds_and_is_found(tmp_path):
     result = workspace.replay("bisect", "--repo", str(repo.path), "--json", "demo-good", "demo-bad", "--workers", "2")
     assert result.returncode == 0, result.stderr
     report = result.json()
-    assert report["first_bad"] == shas[REGRESSION_AT]
+    assert report["first_bad"] == shas[REGRESSION_AT], report
     good, bad = report["trials"][0], report["trials"][-1]
     # subtle: one seed cannot tell the endpoints apart (their seed ranges overlap) ...
     assert max(good["metrics"]) > min(bad["metrics"])
     gap = statistics.mean(bad["metrics"]) - statistics.mean(good["metrics"])
     assert 0 < gap < 2 * statistics.stdev(good["metrics"])
     # ... three seeds were not clear enough (paired t-test), so both endpoints got three more
-    assert len(good["seeds"]) == len(bad["seeds"]) == 6
+    assert len(good["seeds"]) == len(bad["seeds"]) == 6, (good, bad)
     assert report["endpoints"]["p"] <= 0.01
     assert report["n_trials"] <= math.ceil(math.log2(40)) + 3
     for trial in report["trials"]:
@@ -151,9 +151,11 @@ def test_sigint_while_trials_train_stops_them_and_leaves_everything_clean(clear)
                                stderr=subprocess.PIPE, text=True)
     cache = workspace.path / ".cache"
     deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and len(_processes_in(cache)) < 2:
+    while time.monotonic() < deadline and len(_processes_in(cache)) < 2 and process.poll() is None:
         time.sleep(0.2)
-    assert len(_processes_in(cache)) >= 2, "the trials never started"
+    if len(_processes_in(cache)) < 2:
+        process.kill()
+        pytest.fail("the trials never started:\n" + process.communicate()[1][-3000:])
     time.sleep(2)
     process.send_signal(signal.SIGINT)
     _, stderr = process.communicate(timeout=60)

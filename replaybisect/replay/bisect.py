@@ -64,6 +64,7 @@ REPRODUCE_RTOL = 1e-3  # FIELD-NOTES: Megatron-Core's replay tolerance where ker
 MIN_EFFECT_OF_SPREAD = 0.1  # a BAD less than a tenth of GOOD's seed spread worse is "equal within noise"
 TAIL_FRACTION = 0.1  # the metric: mean over the last 10% of logged steps (DESIGN §5)
 TRIAL_THREADS = "1"  # OMP_NUM_THREADS of a trial when the user has not set it
+CRASH_RETRIES = 1  # a trial that crashed (exit 1) or was killed runs once more before its commit is skipped
 OUTPUT_TAIL = 4000  # characters of a trial's output kept with its run
 
 
@@ -653,20 +654,25 @@ class _Bisector:
         env.update({"PYTHONDONTWRITEBYTECODE": "1", "REPLAYBISECT_SHA": sha, "REPLAYBISECT_SEED": str(seed),
                     "REPLAYBISECT_WORKTREE": str(worktree), "MLFLOW_TRACKING_URI": self.store.uri})
         started = time.monotonic()
-        # A session of its own: Ctrl-C reaches the bisect only, which stops its trials itself (cancel()).
-        with self.lock:
+        for _ in range(1 + CRASH_RETRIES):
+            # A session of its own: Ctrl-C reaches the bisect only, which stops its trials itself (cancel()).
+            with self.lock:
+                if self.cancelled.is_set():
+                    raise _Cancelled()
+                process = self.launcher.start(self.runner.command(worktree, seed, self.parent_run_id, sha), worktree, env)
+                self.processes.add(process)
+            try:
+                returncode, stdout, stderr = process.communicate()
+            finally:
+                with self.lock:
+                    self.processes.discard(process)
             if self.cancelled.is_set():
                 raise _Cancelled()
-            process = self.launcher.start(self.runner.command(worktree, seed, self.parent_run_id, sha), worktree, env)
-            self.processes.add(process)
-        try:
-            returncode, stdout, stderr = process.communicate()
-        finally:
-            with self.lock:
-                self.processes.discard(process)
-        if self.cancelled.is_set():
-            raise _Cancelled()
-        run, cacheable = self.runner.interpret(self.store, returncode, stdout, stderr, seed)
+            run, cacheable = self.runner.interpret(self.store, returncode, stdout, stderr, seed)
+            if cacheable or run.outcome != "skip":
+                break
+            # a crash or a kill may be the machine's (a locked SQLite store, memory): try once more before `skip`
+            self.emit("phase", text=f"  {sha[:10]} seed {seed}: {run.detail}; trying once more")
         run.seconds = time.monotonic() - started
         self._record(sha, run, cacheable, stdout, stderr, returncode)
         return run
