@@ -37,8 +37,11 @@ UPDATE_RATIO_RANGE = (1e-8, 10.0)  # ||dθ||/||θ|| outside [1e-8, 10] is pathol
 OVERFIT_GAP = 0.1  # (val - train) / train > 0.1 (SageMaker Debugger overfit rule) ...
 OVERFIT_PATIENCE = 3  # ... for this many evaluations in a row (SageMaker: "with patience")
 OVERFIT_RISE = 0.1  # and validation 10% above its best: train down, val up after K (FIELD-NOTES triage table)
+OVERFIT_TREND_P = 0.1  # ... rising as a trend since its best (Mann-Kendall p < 0.1), not noise around a floor
 PLATEAU_MIN_LEVEL = 0.5  # a plateau sits at >= half the untrained loss (calibrated: healthy built-in runs end <= 0.34x)
 PLATEAU_MIN_SHARE = 0.4  # ... and has lasted >= 40% of the run (healthy runs flatten only near their end)
+PLATEAU_TREND_SE = 1.0  # ... with no decrease across it beyond 1 standard error (calibrated on noisy synthetic curves)
+PLATEAU_TREND_P = 0.2  # ... and no downward Mann-Kendall trend at p < 0.2 (likewise calibrated: 0/200 false plateaus)
 INPUT_BOUND_SHARE = 0.5  # data_time >= step_time: the step waits on input more than it computes (FIELD-NOTES table)
 INPUT_BOUND_MIN_SECONDS = 1e-3  # ... and at least 1 ms a batch: below that input time is noise, not a bottleneck
 
@@ -373,6 +376,13 @@ def detect_flat(curves: Curves) -> list[Finding]:
     lowest = float(blocks.min())
     if start - lowest > tolerance or initial - lowest > initial_tolerance:
         return []  # it decreased at some point (perhaps within the first tenth): not flat from the start
+    # Under heavy noise the medians are loose: a clear downward trend (Mann-Kendall p < 0.01) is progress.
+    from scipy.stats import kendalltau
+
+    thinned = values[:: len(values) // 2000 + 1]
+    tau, p_value = kendalltau(np.arange(len(thinned)), thinned)
+    if tau < 0 and p_value < 0.01 and start - end > 0.02 * abs(start):
+        return []
     grads = curves.get("grad_norm").before(curves.failing_step).finite()
     evidence: dict[str, Any] = {
         "steps": [int(loss.steps[0]), int(loss.steps[-1])],
@@ -649,6 +659,23 @@ def detect_plateau(curves: Curves) -> list[Finding]:
     start_index = int(outside[-1]) + 1 if len(outside) else 0
     if n - start_index < max(20, PLATEAU_MIN_SHARE * n):
         return []  # stuck only lately: a healthy run converging looks the same, so it is not called a plateau
+    # Still improving, only slowly (a healthy run converging to a high floor)? Compare the first and last
+    # quarter of the candidate plateau: a decrease beyond 1% of the level or 1 standard error of the
+    # difference of two medians (1.25 sigma / sqrt(samples) each) is progress, not a plateau.
+    segment = loss.values[start_index:]
+    quarter = max(5, len(segment) // 4)
+    decline = float(np.median(segment[:quarter]) - np.median(segment[-quarter:]))
+    standard_error = math.sqrt(2) * 1.25 * noise_sigma(segment) / math.sqrt(quarter)
+    if decline > max(0.01 * end, PLATEAU_TREND_SE * standard_error):
+        return []
+    # ... nor a monotone trend down across it (Mann-Kendall: Kendall's tau against the step, p < 0.2),
+    # which sees a slow, steady creep that two quarter medians miss under heavy noise.
+    from scipy.stats import kendalltau
+
+    thinned = segment[:: len(segment) // 2000 + 1]
+    tau, p_value = kendalltau(np.arange(len(thinned)), thinned)
+    if tau < 0 and p_value < PLATEAU_TREND_P and decline > 0.01 * end:
+        return []
     plateau_step = int(loss.steps[start_index])
     evidence: dict[str, Any] = {
         "plateau_start_step": plateau_step,
@@ -657,6 +684,7 @@ def detect_plateau(curves: Curves) -> list[Finding]:
         "decrease_before": _round(start - end),
         "plateau_steps": int(loss.steps[-1] - plateau_step),
         "band": _round(band),
+        "decline_across_plateau": _round(decline),
     }
     lr = curves.get("lr")
     if len(lr):
@@ -763,6 +791,12 @@ def detect_overfitting(curves: Curves) -> list[Finding]:
     train_kept_falling = np.median(tail_train) <= train[best] * 1.05
     if not (rose and np.all(gap > OVERFIT_GAP) and train_kept_falling):
         return []
+    # A rise is a trend, not the noise of a converged run around its best (Mann-Kendall on val from the best).
+    from scipy.stats import kendalltau
+
+    tau, p_value = kendalltau(np.arange(len(values) - best), values[best:])
+    if not (tau > 0 and p_value < OVERFIT_TREND_P):
+        return []
     k = int(val.steps[best])
     return [
         Finding(
@@ -777,6 +811,8 @@ def detect_overfitting(curves: Curves) -> list[Finding]:
                 "train_last": _round(float(train[-1])),
                 "gap_last": [_round(float(g)) for g in gap],
                 "patience": OVERFIT_PATIENCE,
+                "trend_tau": _round(float(tau)),
+                "trend_p": _round(float(p_value)),
                 "evaluations": int(len(values)),
             },
             f"replay train <your config> train.steps={k + 1}   # stop at the best validation step, or add data / regularisation (weight decay, dropout)",
