@@ -253,6 +253,24 @@ def validation_loss(state: TrainState, val_dataset, batches: int) -> float:
 
 
 # ---- the loop ----------------------------------------------------------------------------------
+class BufferGuard:
+    """Copies of the model's buffers at the start of a step (BatchNorm running stats and the like, which the
+    forward updates in place), so a step that halts can be put back to the state before it."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.buffers = [b for b in model.buffers() if b.numel()]
+        self.saved = [torch.empty_like(b) for b in self.buffers]
+
+    def save(self) -> None:
+        for copy, buffer in zip(self.saved, self.buffers):
+            copy.copy_(buffer)
+
+    def restore(self) -> None:
+        with torch.no_grad():
+            for copy, buffer in zip(self.saved, self.buffers):
+                buffer.copy_(copy)
+
+
 class LoopHooks(Protocol):
     """What the loop tells a recorder (or a replay comparator) about each step."""
 
@@ -275,12 +293,15 @@ def train_loop(
 ) -> StepOutcome | None:
     """Run steps start..stop-1. Returns the outcome that stopped the loop early, else None.
 
-    A non-finite step halts before its update so `hooks.on_nonfinite` sees the state before the step;
+    A non-finite step halts before its update and its buffer updates are undone, so `hooks.on_nonfinite`
+    sees the state before the step;
     if the hooks say go on, the step is taken again from the same RNG state, as a plain loop would.
     """
     val_every = state.cfg.train.val_every
+    buffers = BufferGuard(state.model)
     for step in range(start, stop):
         rng_at_start = capture_raw()
+        buffers.save()
         hooks.before_step(step, state, rng_at_start)
         data_started = time.perf_counter()
         batch = batches(step)
@@ -289,6 +310,7 @@ def train_loop(
         outcome = run_step(state, step, device_batch, observer=hooks.observer(step))
         keep_going = True
         if outcome.nonfinite:
+            buffers.restore()  # undo the forward's in-place buffer updates: hooks see the state before the step
             keep_going = hooks.on_nonfinite(outcome, batch)
             if keep_going:
                 restore_raw(rng_at_start)

@@ -147,7 +147,18 @@ def _poisoned_project(root: Path, nan_index: int) -> Path:
     (project / "poisoned_data.py").write_text(
         textwrap.dedent(
             f"""
+            import torch
             from replaybisect.data import Digits
+
+            class BatchNormNet(torch.nn.Module):  # its forward updates running statistics in place
+                def __init__(self):
+                    super().__init__()
+                    self.net = torch.nn.Sequential(
+                        torch.nn.Linear(64, 32), torch.nn.BatchNorm1d(32), torch.nn.ReLU(), torch.nn.Linear(32, 10)
+                    )
+                def forward(self, x):
+                    return self.net(x)
+
             class PoisonedDigits(Digits):
                 def __init__(self, **kwargs):
                     super().__init__(**kwargs)
@@ -159,7 +170,7 @@ def _poisoned_project(root: Path, nan_index: int) -> Path:
     (project / "config.yaml").write_text(
         textwrap.dedent(
             """
-            defaults: [{model: mlp}, _self_]
+            model: {_target_: poisoned_data.BatchNormNet}
             data: {_target_: poisoned_data.PoisonedDigits}
             optim: {_target_: torch.optim.AdamW, _partial_: true, lr: 0.001}
             """
@@ -180,7 +191,7 @@ def test_planted_nan_stops_with_exit_3_tags_and_emergency_snapshot(workspace):
     nan_index = 700
     failing = _step_of_sample(nan_index, 32)
     project = _poisoned_project(workspace.path, nan_index)
-    run = workspace.replay("train", "--json", "--config-dir", str(project), "train.steps=60", "train.batch_size=32", "snapshot.every=10", "model.hidden=32")
+    run = workspace.replay("train", "--json", "--config-dir", str(project), "train.steps=60", "train.batch_size=32", "snapshot.every=10")
     assert run.returncode == 3, run.stderr
     assert f"step {failing}" in run.stderr and "replay nan" in run.stdout + run.stderr or f"step {failing}" in run.stderr
     result = run.json()
@@ -199,7 +210,17 @@ def test_planted_nan_stops_with_exit_3_tags_and_emergency_snapshot(workspace):
     assert emergency.state["step"] == failing
     assert list(emergency.batches) == [failing]
     assert torch.isnan(emergency.batches[failing][0]).any()
+    # finite, and bit-identical to replaying the periodic snapshot up to the failing step: the NaN batch's
+    # forward had already updated BatchNorm's running statistics in place when the step halted
     assert all(torch.isfinite(t).all() for name, t in emergency.tensors.items() if name.startswith("model/"))
+    from replaybisect.record.state import live_tensors
+    from replaybisect.replay.restore import replay, restore
+
+    restored = restore(store, result["run_id"], failing - 1)
+    replay(restored, failing)
+    live = live_tensors(restored.state)
+    assert sorted(live) == sorted(emergency.tensors)
+    assert all(torch.equal(live[name], emergency.tensors[name]) for name in live)
     # the periodic snapshot before it holds the batches up to and including the failing one
     periodic = fmt.load(root / fmt.folder_name(failing - failing % 10))
     assert max(periodic.batches) == failing
@@ -211,7 +232,7 @@ def test_on_nonfinite_continue_goes_on(workspace):
     project = _poisoned_project(workspace.path, nan_index)
     result = workspace.train(
         "--config-dir", str(project), "train.steps=40", "train.batch_size=32", "snapshot.every=10",
-        "model.hidden=32", "snapshot.on_nonfinite=continue",
+        "snapshot.on_nonfinite=continue",
     )
     assert result["steps_completed"] == 40 and not result["stopped"]
     assert result["status"] == "nonfinite" and result["first_nonfinite_step"] == failing

@@ -256,8 +256,7 @@ def _choose_snapshots(store: Store, run_id: str, target: int):
             )
         warnings.append(
             f"no verified snapshot before step {target} (periodic snapshots off or corrupt): starting from the snapshot "
-            f"saved at step {target} itself, so the replay cannot prove it reproduces the run (and that snapshot was saved "
-            "after the step's forward ran: buffers the forward updates in place, such as running statistics, already hold its update)"
+            f"saved at step {target} itself, so the replay cannot prove it reproduces the run"
         )
         snapshot = at_target
     return snapshot, at_target, warnings
@@ -288,25 +287,8 @@ def _fingerprint(state) -> str:
 
 
 def _state_match(state, rng_raw, snapshot, step: int, batch) -> str:
-    """Compare the replayed state before `step` with the snapshot the run saved there, bit for bit. The
-    recorder saves that snapshot when the step halts, after its forward ran: buffers the forward updates in
-    place (counters, running statistics) are compared after a halted replay of the step."""
-    from replaybisect import loop
-
-    text, differ = _compare_with_snapshot(state, rng_raw, snapshot)
-    buffers = {f"model/{name}" for name, _ in state.model.named_buffers()}
-    if differ and set(differ) <= buffers:
-        def halted(copy):  # the forward only: what ran before the recorder saved the state
-            copy.model.train()
-            with loop.autocast(copy):
-                copy.step_fn(copy.model, batch, copy.loss_fn)
-            return _compare_with_snapshot(copy, rng_raw, snapshot)
-
-        after_text, after_differ = _on_copy(state, rng_raw, halted)
-        if not after_differ:
-            names = ", ".join(n[len("model/"):] for n in differ)
-            return (f"{after_text.split(' (')[0]} once step {step}'s forward has run (buffers {names} are updated in place by the "
-                    "forward, and the run saved this snapshot when the step halted)")
+    """Compare the replayed state before `step` with the snapshot the run saved there, bit for bit."""
+    text, _ = _compare_with_snapshot(state, rng_raw, snapshot)
     return text
 
 
