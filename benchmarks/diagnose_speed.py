@@ -78,6 +78,8 @@ def main() -> None:
     from replaybisect.store import open_store
 
     folder = Path(tempfile.mkdtemp(prefix="diagnose-bench-"))
+    previous = Path.cwd()
+    os.chdir(folder)  # the store's artifact root (./mlruns) goes in the temporary folder, not here
     try:
         uri = f"sqlite:///{folder / 'mlflow.db'}"
         store = open_store(uri)
@@ -135,6 +137,7 @@ def main() -> None:
         }
         print(json.dumps(report, indent=2))
     finally:
+        os.chdir(previous)
         shutil.rmtree(folder, ignore_errors=True)
 
 

@@ -7,7 +7,9 @@ trained once per module, two at a time (one torch thread each), then each test d
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import subprocess
 import time
 from pathlib import Path
@@ -47,12 +49,24 @@ PLANTS: dict[str, tuple[tuple[str, ...], tuple[str, ...], int]] = {
 EXTRA = {"dead_relu": [("--json", "--no-artifacts"), ()]}
 
 
+@contextlib.contextmanager
+def in_folder(folder: Path):
+    """Run in `folder`, as the CLI does: a store created here keeps its artifacts (./mlruns) here."""
+    previous = Path.cwd()
+    os.chdir(folder)
+    try:
+        yield
+    finally:
+        os.chdir(previous)
+
+
 @pytest.fixture(scope="module")
 def planted(tmp_path_factory):
     """Train every planted run and diagnose it through the CLI, two processes at a time (one torch thread
     each). name -> {"train": (exit, JSON or stderr), "diagnose": [(args, exit, stdout, stderr), ...]}."""
     workspace = Workspace(tmp_path_factory.mktemp("diagnose"))
-    workspace.store().experiment_id()  # create the SQLite schema once, before processes race to do it
+    with in_folder(workspace.path):  # the experiment's artifact root (./mlruns) goes in the workspace
+        workspace.store().experiment_id()  # create the SQLite schema once, before processes race to do it
     env = workspace.env()
     results: dict[str, dict] = {name: {"diagnose": []} for name in PLANTS}
     queue: list[tuple[str, list[str]]] = [
@@ -130,6 +144,7 @@ def test_healthy_report_and_artifacts_on_the_run(planted):
     assert json.loads(store.read_artifact_text(run_id, "diagnosis.json"))["healthy"] is True
     assert store.tags(run_id)["diagnosis"] == "healthy"
     png = store.local_artifact_dir(run_id) / "diagnosis_loss.png"
+    assert workspace.path in png.parents
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -163,8 +178,9 @@ def test_update_ratio_too_large_synthetic(workspace):
     10 for a whole run cannot be trained cheaply without the run turning NaN first."""
     import math
 
-    store = workspace.store()
-    run_id = store.create_run("train", run_name="synthetic-huge-updates")
+    with in_folder(workspace.path):
+        store = workspace.store()
+        run_id = store.create_run("train", run_name="synthetic-huge-updates")
     points = []
     for step in range(200):
         points += [("loss", 2.3 * math.exp(-step / 60) + 0.2 + 0.05 * math.sin(step), step), ("grad_norm", 1.0, step), ("lr", 5.0, step)]
@@ -287,8 +303,9 @@ def test_unknown_run_id_is_one_line_exit_2(workspace):
 
 
 def test_run_without_metrics_is_one_line_exit_2(workspace):
-    store = workspace.store()
-    run_id = store.create_run("train", run_name="empty")
+    with in_folder(workspace.path):
+        store = workspace.store()
+        run_id = store.create_run("train", run_name="empty")
     store.finish_run(run_id, "ok")
     result = workspace.replay("diagnose", "--run-id", run_id, "--json")
     assert_one_line_error(result, "no metrics", run_id)
