@@ -476,6 +476,7 @@ def detect_exploding(curves: Curves) -> list[Finding]:
         raise Skip("no grad_norm/<module> metrics (snapshot.layer_stats_every=0?)")
     nonfinite = {}
     growth = {}
+    total = curves.get("grad_norm").finite()
     for module, series in layers.items():
         bad = ~np.isfinite(series.values)
         if bad.any():
@@ -485,6 +486,9 @@ def detect_exploding(curves: Curves) -> list[Finding]:
             continue
         early = float(np.median(finite.values[:3]))
         late = float(np.median(finite.values[-2:]))  # two samples: one noisy sample is not a trend
+        total_early = total.values[np.isin(total.steps, finite.steps[:3])]
+        if len(total_early) and early < 1e-3 * float(np.median(total_early)):
+            continue  # the layer started with (almost) no gradient, e.g. behind a zero-initialised one: growing from ~0 is not exploding
         if early > 0 and late / early > EXPLODING_RATIO:
             growth[module] = (late / early, early, late, int(finite.steps[-1]))
     if not nonfinite and not growth:
