@@ -907,9 +907,7 @@ def bisect(
               TrainRunner(config_dir=config_dir, config_name=config_name, overrides=overrides, steps=steps,
                           metric=metric, tracking_uri=store.uri))
 
-    launcher = Launcher()
-    if runner.mode == "train":
-        launcher.warm_up()  # the preloading forkserver imports torch while the clone and the runs are set up
+    launcher = Launcher()  # its forkserver starts with the first trial run: a fully cached bisect never imports torch
 
     # 2. A private clone in the cache, one worktree per worker; removed on the way out, Ctrl-C included.
     with PrivateClone(user, workers) as clone:

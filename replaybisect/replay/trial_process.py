@@ -109,14 +109,6 @@ class Launcher:
             self._context = context
         return self._context
 
-    def warm_up(self) -> None:
-        """Start the forkserver now, so its imports overlap the clone and the MLflow set-up."""
-        if self.fork:
-            from multiprocessing import forkserver
-
-            self._forkserver()
-            forkserver.ensure_running()
-
     def start(self, argv: list[str], cwd: Path, env: dict[str, str]):
         module_args = argv[3:] if argv[:3] == [sys.executable, "-m", "replaybisect"] else None
         if self.fork and module_args is not None and not _shadows_preloaded(cwd):
