@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import json
 import math
 import os
 import signal
@@ -452,3 +453,21 @@ def test_trials_fork_from_the_preloaded_server_unless_the_worktree_shadows_a_pre
     # --cmd (any other command) is always a plain subprocess
     command = Launcher(fork=True).start(["/bin/sh", "-c", "exit 3"], tmp_path, dict(os.environ))
     assert isinstance(command, PlainProcess) and command.communicate()[0] == 3
+
+
+def test_run_from_inside_the_repository_keeps_the_default_store_out_of_it(shared, tmp_path):
+    """With no --tracking-uri and no MLFLOW_TRACKING_URI, the default ./mlflow.db would land in the working tree."""
+    path = tmp_path / "inside"
+    shas = _state_history(path, ["ok", "ok", "bad", "bad"])
+    before = repo_fingerprint(path)
+    env = shared.env()
+    env.pop("MLFLOW_TRACKING_URI")
+    done = subprocess.run(
+        [REPLAY, "bisect", shas[0], shas[-1], "--cmd", _oracle(shared), "--json"],
+        cwd=path, env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["first_bad"] == shas[2]
+    assert "inside the repository being bisected" in done.stderr
+    assert repo_fingerprint(path) == before
+    assert (shared.path / ".cache" / "mlflow.db").is_file()

@@ -66,9 +66,9 @@ def bisect_command(
                 cmd=cmd, tracking_uri=tracking_uri, use_cache=not no_cache, on_event=progress.event,
             )
     except KeyboardInterrupt:
-        # typer turns KeyboardInterrupt into a silent exit 130; say what happened to the user's repository
+        # say what happened to the user's repository (sys.exit: main() would add its generic line for typer.Exit)
         print("replay: interrupted (trials stopped, worktrees removed, your repository untouched)", file=sys.stderr)
-        raise typer.Exit(130) from None
+        sys.exit(130)
     if as_json:
         print_json(result.to_dict())
     else:

@@ -51,6 +51,8 @@ def main() -> None:
 
     try:
         exit_code = app(standalone_mode=False)
+        if exit_code == 130:  # typer turns Ctrl-C into exit code 130, silently
+            print("replay: interrupted", file=sys.stderr)
         if isinstance(exit_code, int) and exit_code:
             sys.exit(exit_code)
     except ReplayError as error:

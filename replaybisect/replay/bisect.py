@@ -51,7 +51,7 @@ from typing import Callable, Sequence
 from urllib.parse import urlparse
 
 from replaybisect.errors import GitError, ReplayError
-from replaybisect.replay.gitops import CommitInfo, PrivateClone, UserRepo, clean_git_env
+from replaybisect.replay.gitops import CommitInfo, PrivateClone, UserRepo, cache_root, clean_git_env
 from replaybisect.replay.trial_process import Launcher, signal_group
 
 __all__ = ["BisectResult", "Trial", "SeedRun", "bisect", "Search", "Baseline", "judge", "endpoint_baseline", "BisectAborted"]
@@ -551,6 +551,19 @@ def absolute_tracking_uri(uri: str) -> str:
     return uri
 
 
+def _store_outside_repo(uri: str, user: UserRepo) -> str:
+    """A SQLite or file store inside the user's working tree would write there: keep it in the cache instead."""
+    parsed = urlparse(uri)
+    path = uri[len("sqlite:///"):] if uri.startswith("sqlite:///") else (uri if parsed.scheme == "" else "")
+    if not path or not Path(path).resolve().is_relative_to(user.path):
+        return uri
+    moved = "sqlite:///" + str(cache_root() / "mlflow.db")
+    print(f"replay bisect: the tracking store {uri} is inside the repository being bisected; recording to {moved} "
+          "instead (pass --tracking-uri to choose)", file=sys.stderr)
+    cache_root().mkdir(parents=True, exist_ok=True)
+    return moved
+
+
 # ---------------------------------------------------------------------------------------------
 # the bisector
 # ---------------------------------------------------------------------------------------------
@@ -902,7 +915,7 @@ def bisect(
 
     from replaybisect.store import open_store, resolve_tracking_uri
 
-    store = open_store(absolute_tracking_uri(resolve_tracking_uri(tracking_uri)))
+    store = open_store(_store_outside_repo(absolute_tracking_uri(resolve_tracking_uri(tracking_uri)), user))
     runner = (CommandRunner(cmd) if cmd is not None else
               TrainRunner(config_dir=config_dir, config_name=config_name, overrides=overrides, steps=steps,
                           metric=metric, tracking_uri=store.uri))
