@@ -79,9 +79,18 @@ class Store:
         if experiment is not None:
             return experiment.experiment_id
         try:
-            return self.client.create_experiment(name)
+            return self.client.create_experiment(name, artifact_location=self._artifact_location(name))
         except Exception:  # created concurrently by another process
             return self.client.get_experiment_by_name(name).experiment_id
+
+    def _artifact_location(self, experiment_name: str) -> str | None:
+        """Artifacts of a SQLite store live beside the database file, not in whatever folder the command
+        ran from (MLflow's default `./mlruns` is relative to the working folder)."""
+        if not self.uri.startswith("sqlite:///") or self.uri.endswith(":memory:"):
+            return None
+        database = Path(self.uri[len("sqlite:///"):]).expanduser().resolve()
+        safe_name = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in experiment_name)
+        return (database.parent / "mlruns" / safe_name).as_uri()
 
     def create_run(
         self,
