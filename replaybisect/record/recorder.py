@@ -8,7 +8,9 @@ in flight: the next copy waits for the previous write instead of dropping a snap
 from __future__ import annotations
 
 import math
+import os
 import shutil
+import threading
 import tempfile
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -83,6 +85,14 @@ class LayerStats:
         return {key: float(value.item()) for key, value in self._pending.items()}
 
 
+def _lower_priority() -> None:
+    """The writer yields the CPU to the training threads (Linux: nice is per thread)."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+    except (AttributeError, OSError):
+        pass
+
+
 class Recorder:
     """Implements loop.LoopHooks for `replay train`: everything a later replay needs."""
 
@@ -107,7 +117,7 @@ class Recorder:
         self.last_loss: float | None = None
         self.steps_completed = 0
 
-        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="replaybisect-writer")
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="replaybisect-writer", initializer=_lower_priority)
         self._jobs: list[Future] = []
         self._buffers_job: Future | None = None  # the write that reads the host buffers
         self._host_buffers: dict[str, torch.Tensor] = {}
@@ -220,7 +230,7 @@ class Recorder:
     @staticmethod
     def _write_state_files(folder: Path, host: dict[str, torch.Tensor], saved_state: dict) -> dict[str, dict]:
         return {
-            fmt.TENSORS: fmt.write_atomic(folder / fmt.TENSORS, fmt.encode_tensors(host)),
+            fmt.TENSORS: fmt.write_tensors_atomic(folder / fmt.TENSORS, host),
             fmt.STATE: fmt.write_atomic(folder / fmt.STATE, fmt.encode_json(saved_state)),
         }
 
