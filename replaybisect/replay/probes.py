@@ -64,6 +64,20 @@ def tensors_in(value: Any, prefix: str = "") -> list[tuple[str, torch.Tensor]]:
     return found
 
 
+def autograd_nodes(loss: torch.Tensor):
+    """Every autograd node behind `loss` (leaf accumulators excluded), each once."""
+    seen = set()
+    todo = [loss.grad_fn] if loss.grad_fn is not None else []
+    while todo:
+        node = todo.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        if type(node).__name__ != "AccumulateGrad":
+            yield node
+        todo += [next_node for next_node, _ in node.next_functions]
+
+
 @dataclass
 class TensorStats:
     """What a reader needs to see about a tensor that went (or did not go) non-finite."""
@@ -169,6 +183,8 @@ def display_module(name: str, model: torch.nn.Module | None = None) -> str:
 
 
 # ---- the batch ------------------------------------------------------------------------------------------
+
+
 @dataclass
 class BatchFinding:
     field: str  # e.g. "[0]" (inputs of a tuple batch) or "input" (a dict batch)
@@ -438,16 +454,8 @@ class StepProbe:
     def _node_hooks(self, loss: torch.Tensor) -> None:
         """A post-hook on every autograd node: the first node with finite incoming gradients and a
         non-finite result names the backward op (Inf as well as NaN, unlike detect_anomaly)."""
-        seen = set()
-        todo = [loss.grad_fn] if loss.grad_fn is not None else []
-        while todo:
-            node = todo.pop()
-            if node is None or id(node) in seen:
-                continue
-            seen.add(id(node))
-            if type(node).__name__ != "AccumulateGrad":
-                self.tensor_handles.append(node.register_hook(self._node_hook(node)))
-            todo += [next_node for next_node, _ in node.next_functions]
+        for node in autograd_nodes(loss):
+            self.tensor_handles.append(node.register_hook(self._node_hook(node)))
 
     def _node_hook(self, node):
         def hook(grad_inputs, grad_outputs):
@@ -670,15 +678,8 @@ def anomaly_pass(state: "loop.TrainState", step: int, batch: Any) -> AnomalyFind
             with loop.autocast(state):
                 loss = state.step_fn(state.model, batch, state.loss_fn)
             if loss.requires_grad:
-                todo, seen = [loss.grad_fn], set()
-                while todo:
-                    node = todo.pop()
-                    if node is None or id(node) in seen:
-                        continue
-                    seen.add(id(node))
-                    if type(node).__name__ != "AccumulateGrad":
-                        handles.append(node.register_hook(node_hook(node)))
-                    todo += [n for n, _ in node.next_functions]
+                for node in autograd_nodes(loss):
+                    handles.append(node.register_hook(node_hook(node)))
                 try:
                     (state.scaler.scale(loss) if state.scaler else loss).backward()
                 except RuntimeError as error:
