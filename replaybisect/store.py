@@ -9,7 +9,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 from urllib.parse import urlparse
@@ -71,6 +71,7 @@ class Store:
 
     uri: str
     client: Any  # mlflow.MlflowClient
+    _artifact_uris: dict[str, str] = field(default_factory=dict, repr=False)
 
     # ---- runs ---------------------------------------------------------------------------
     def experiment_id(self, name: str | None = None) -> str:
@@ -180,7 +181,10 @@ class Store:
 
     # ---- artifacts -----------------------------------------------------------------------
     def artifact_uri(self, run_id: str) -> str:
-        return self.get_run(run_id).info.artifact_uri
+        """A run's artifact URI never changes: asked once per run, not once per snapshot read."""
+        if run_id not in self._artifact_uris:
+            self._artifact_uris[run_id] = self.get_run(run_id).info.artifact_uri
+        return self._artifact_uris[run_id]
 
     def local_artifact_dir(self, run_id: str) -> Path | None:
         """The run's artifact folder when it is on this file system (write there directly), else None."""

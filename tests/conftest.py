@@ -74,6 +74,22 @@ def workspace(tmp_path) -> Workspace:
 FAST = ("train.steps=40", "train.batch_size=32", "snapshot.every=10", "snapshot.layer_stats_every=10", "train.val_every=10", "model.hidden=32")
 
 
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+
+
+def train_example(store, name: str, *overrides: str, env: dict[str, str] | None = None):
+    """Train examples/NAME/config.yaml in this process (environment `env` set meanwhile); the TrainResult."""
+    from unittest import mock
+
+    from replaybisect import config as config_mod
+    from replaybisect.train import train
+
+    folder = EXAMPLES / name
+    with mock.patch.dict(os.environ, env or {}):
+        cfg = config_mod.compose(folder, "config", list(overrides))
+        return train(cfg, store, code_folder=folder)
+
+
 def assert_one_line_error(result: CliResult, *fragments: str) -> None:
     """Bad input: exit 2, one line on stderr naming the problem, no traceback."""
     assert result.returncode == 2, f"exit {result.returncode}\n{result.stdout}\n{result.stderr}"

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+import conftest
 from conftest import Workspace, assert_one_line_error
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
@@ -20,21 +21,7 @@ ALL_ARMS = ["lr", "clip", "precision", "warmup", "eps", "skip-batch", "seed"]
 
 def train_example(ws: Workspace, name: str, *overrides: str, env: dict[str, str] | None = None):
     """Train examples/NAME/config.yaml recorded to the workspace's store; returns the TrainResult."""
-    from replaybisect import config as config_mod
-    from replaybisect.train import train
-
-    saved = {key: os.environ.get(key) for key in (env or {})}
-    os.environ.update(env or {})
-    try:
-        folder = EXAMPLES / name
-        cfg = config_mod.compose(folder, "config", list(overrides))
-        return train(cfg, ws.store(), code_folder=folder)
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+    return conftest.train_example(ws.store(), name, *overrides, env=env)
 
 
 def ablate(ws: Workspace, run_id: str, arms: str, *extra: str) -> dict:

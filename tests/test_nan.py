@@ -15,27 +15,14 @@ from pathlib import Path
 
 import pytest
 
+import conftest
 from conftest import Workspace, assert_one_line_error
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 
 def _train(store, example: str, *overrides: str, env: dict | None = None):
-    from replaybisect import config as config_mod
-    from replaybisect.train import train
-
-    folder = EXAMPLES / example
-    cfg = config_mod.compose(folder, "config", list(overrides))
-    saved = {key: os.environ.get(key) for key in (env or {})}
-    os.environ.update(env or {})
-    try:
-        return train(cfg, store, code_folder=folder)
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+    return conftest.train_example(store, example, *overrides, env=env)
 
 
 @pytest.fixture(scope="module")
