@@ -272,3 +272,26 @@ def test_help_does_not_import_torch_or_mlflow():
     assert "train" in done.stdout and "runs" in done.stdout
     module_help = subprocess.run([sys.executable, "-m", "replaybisect", "train", "--help"], capture_output=True, text=True, timeout=60)
     assert module_help.returncode == 0 and "Hydra override" in module_help.stdout
+
+
+def test_ctrl_c_marks_the_run_crashed_and_keeps_its_verified_snapshots(workspace):
+    import signal
+    import time
+
+    from conftest import REPLAY
+    from replaybisect.replay.restore import newest_good_snapshot
+
+    store = workspace.store()  # create the SQLite store first: two processes migrating one new file collide
+    process = subprocess.Popen(
+        [REPLAY, "train", "train.steps=100000", "snapshot.every=5", "train.val_every=0"],
+        cwd=workspace.path, env=workspace.env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    deadline = time.time() + 120
+    while time.time() < deadline and not any(r.data.tags.get("replaybisect.snapshot_steps") for r in store.search_runs("")):
+        time.sleep(0.1)
+    process.send_signal(signal.SIGINT)
+    _, stderr = process.communicate(timeout=60)
+    assert process.returncode == 130 and "interrupted" in stderr and "Traceback" not in stderr
+    (run,) = store.search_runs("")
+    assert run.data.tags["replaybisect.status"] == "crashed" and run.info.status == "KILLED"
+    assert newest_good_snapshot(store, run.info.run_id, None, []).step >= 0
