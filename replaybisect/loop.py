@@ -11,15 +11,16 @@ Reads top to bottom:
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Optional, Protocol
 
 import torch
 from torch.utils.data import default_collate
 
-from replaybisect.config import instantiate
+from replaybisect.config import build_optimizer, instantiate
 from replaybisect.errors import ConfigError
 from replaybisect.record.rng import capture_raw, isolated_rng, restore_raw, seed_everything
 
@@ -114,7 +115,7 @@ def build_state(cfg, device: torch.device | None = None) -> TrainState:
     if not isinstance(model, torch.nn.Module):
         raise ConfigError(f"`model` built a {type(model).__name__}, not a torch.nn.Module; point model._target_ at an nn.Module")
     model = model.to(device)
-    optimizer = instantiate(cfg.optim, "optim")(params=model.parameters())
+    optimizer = build_optimizer(cfg.optim, model.parameters())  # a closure optimizer (LBFGS) is refused here
     scheduler = instantiate(cfg.scheduler, "scheduler")(optimizer=optimizer) if cfg.get("scheduler") else None
     scaler = torch.amp.GradScaler(device.type) if cfg.train.precision == "fp16" else None
     loss_fn = instantiate(cfg.loss, "loss")
@@ -131,6 +132,58 @@ def build_state(cfg, device: torch.device | None = None) -> TrainState:
         precision=cfg.train.precision,
         clip_grad_norm=cfg.train.clip_grad_norm,
     )
+
+
+def clone_state(state: TrainState, cfg=None) -> TrainState:
+    """An independent copy of model, optimizer, scheduler, scaler and loss module: what a probe, a check or an
+    ablation arm may change without touching the live state. With `cfg`, the copy lives in objects built from
+    that config (an arm's changed optimizer or precision) and carries the state's weights, moments, schedule
+    and grad scale. RNG streams and the thread count are left as they were.
+
+    Optimizer and scheduler are rebuilt and loaded from deep copies of their state dicts, the way `restore`
+    does it, never deep-copied: a scheduler wraps its optimizer's `step` in a closure over the original, and a
+    deep-copied optimizer keeps that closure, so stepping the copy would step the original."""
+    target = cfg if cfg is not None else state.cfg
+    threads = torch.get_num_threads()
+    with isolated_rng():  # building draws from (and seeds) the RNG streams
+        model = _clone_model(state, target, rebuild=cfg is not None)
+        optimizer, scheduler = _clone_optimizer(state, target, model)
+    torch.set_num_threads(threads)
+    precision = target.train.precision if target is not None else state.precision
+    scaler = torch.amp.GradScaler(state.device.type) if precision == "fp16" else None
+    if scaler is not None and state.scaler is not None:
+        scaler.load_state_dict(copy.deepcopy(state.scaler.state_dict()))
+    clip = target.train.clip_grad_norm if target is not None else state.clip_grad_norm
+    return replace(state, cfg=target, model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler,
+                   loss_fn=copy.deepcopy(state.loss_fn), precision=precision, clip_grad_norm=clip)
+
+
+def _clone_model(state: TrainState, cfg, rebuild: bool) -> torch.nn.Module:
+    if not rebuild:
+        try:
+            return copy.deepcopy(state.model)
+        except Exception:  # e.g. a non-leaf tensor held as a module attribute: rebuild and load instead
+            pass
+    model = instantiate(cfg.model, "model").to(state.device)
+    model.load_state_dict(state.model.state_dict())
+    return model
+
+
+def _clone_optimizer(state: TrainState, cfg, model: torch.nn.Module):
+    if cfg is not None and cfg.get("optim") is not None:
+        try:
+            optimizer = instantiate(cfg.optim, "optim")(params=model.parameters())
+            scheduler = instantiate(cfg.scheduler, "scheduler")(optimizer=optimizer) if cfg.get("scheduler") else None
+            optimizer.load_state_dict(copy.deepcopy(state.optimizer.state_dict()))
+            if scheduler is not None and state.scheduler is not None:
+                scheduler.load_state_dict(copy.deepcopy(state.scheduler.state_dict()))
+            return optimizer, scheduler
+        except Exception:
+            if cfg is not state.cfg:  # an arm's config that does not fit the state: say so
+                raise
+    # a state not built from (or not rebuildable from) its config: copy the optimizer linked to the copied parameters
+    memo = {id(p): q for p, q in zip(state.model.parameters(), model.parameters())}
+    return copy.deepcopy(state.optimizer, memo), None
 
 
 def build_data(cfg) -> tuple[BatchSource, Any]:
@@ -152,11 +205,36 @@ class StepOutcome:
     scaler_skipped: bool = False  # fp16: the GradScaler skipped an overflowing step (normal)
 
 
-class StepObserver(Protocol):
-    """Hooks into one step for recorders and probes; they must only read."""
+class StepObserver:
+    """Hooks into one step, for recorders, checks and probes; they may read and instrument (module hooks,
+    tensor hooks, a TorchFunctionMode), never change a value the step computes. Every hook is optional:
+    `run_step` calls only those an observer defines, so observers need not subclass this (it documents the order).
 
+      forward_context(state)        a context manager entered around forward and loss (outside autocast)
+      after_forward(state, loss)    the live loss tensor, before backward (to hook its autograd graph)
+      after_backward(state)         gradients unscaled, not yet clipped
+      before_update(state, outcome) gradients clipped, right before the optimizer (and scaler) step
+      after_update(state)           after the optimizer step and the scheduler step
+    """
+
+    def forward_context(self, state: TrainState):
+        return contextlib.nullcontext()
+
+    def after_forward(self, state: TrainState, loss: torch.Tensor) -> None: ...
     def after_backward(self, state: TrainState) -> None: ...
+    def before_update(self, state: TrainState, outcome: "StepOutcome") -> None: ...
     def after_update(self, state: TrainState) -> None: ...
+
+
+def _notify(observer, hook: str, *args) -> None:
+    method = getattr(observer, hook, None)
+    if method is not None:
+        method(*args)
+
+
+def _forward_context(observer, state: TrainState):
+    method = getattr(observer, "forward_context", None)
+    return method(state) if method is not None else contextlib.nullcontext()
 
 
 def autocast(state: TrainState):
@@ -192,8 +270,13 @@ def run_step(
     optimizer.zero_grad(set_to_none=True)
 
     # 1. forward and loss
-    with autocast(state):
-        loss = state.step_fn(model, batch, state.loss_fn)
+    if observer is None:
+        with autocast(state):
+            loss = state.step_fn(model, batch, state.loss_fn)
+    else:
+        with _forward_context(observer, state), autocast(state):
+            loss = state.step_fn(model, batch, state.loss_fn)
+        _notify(observer, "after_forward", state, loss)
     outcome.loss = float(loss.detach().float().item())
     if not math.isfinite(outcome.loss):
         outcome.nonfinite = "loss"
@@ -207,8 +290,8 @@ def run_step(
     grads = [p.grad for p in state.params if p.grad is not None]
     grad_norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
     outcome.grad_norm = float(grad_norm.item())
-    if observer:
-        observer.after_backward(state)
+    if observer is not None:
+        _notify(observer, "after_backward", state)
     if not math.isfinite(outcome.grad_norm) and scaler is None and outcome.nonfinite is None:
         # (with a GradScaler an overflowing gradient is routine: the scaler skips the step)
         outcome.nonfinite = "grad_norm"
@@ -218,6 +301,8 @@ def run_step(
     # 3. clip, update, schedule
     if state.clip_grad_norm is not None and grads:
         torch.nn.utils.clip_grads_with_norm_(state.params, state.clip_grad_norm, grad_norm)
+    if observer is not None:
+        _notify(observer, "before_update", state, outcome)
     if scaler:
         scale_before = scaler.get_scale()
         scaler.step(optimizer)
@@ -228,8 +313,8 @@ def run_step(
     outcome.updated = not outcome.scaler_skipped
     if state.scheduler is not None:
         state.scheduler.step()
-    if observer:
-        observer.after_update(state)
+    if observer is not None:
+        _notify(observer, "after_update", state)
     return outcome
 
 

@@ -188,7 +188,7 @@ def test_lr_suggestion_is_the_steepest_descent_before_the_lowest_point():
 
 def test_lr_range_test_stops_when_the_loss_passes_4x_its_best():
     ctx = context(overrides=["optim=sgd"])
-    state = K.copy_state(ctx.state)
+    state = loop.clone_state(ctx.state)
     result = lr_finder.lr_range_test(state, ctx.batch, steps=100)
     assert result.stop_reason in ("diverged", "nonfinite") and len(result.lrs) < 100
     best = min(result.smoothed[:-1])

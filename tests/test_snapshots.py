@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import pickle
 import random
+import shutil
 import signal
 import socket
 import subprocess
@@ -15,6 +17,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+import torch
 
 from conftest import FAST, REPLAY, Workspace
 from replaybisect.errors import SnapshotError
@@ -99,35 +102,61 @@ def small_run(tmp_path_factory):
     return workspace, workspace.train("train.steps=12", "snapshot.every=5", "model.hidden=16")
 
 
-def test_a_pickle_in_a_snapshot_folder_is_refused_and_never_runs(small_run):
+def test_a_pickle_in_a_snapshot_folder_is_refused_never_runs_and_the_previous_snapshot_is_used(small_run):
     workspace, result = small_run
     store = workspace.store()
     folder = _snapshot_root(store, result["run_id"]) / "step-000010"
     marker = workspace.path / "PAYLOAD_RAN"
     (folder / "optimizer.pt").write_bytes(pickle.dumps(_Payload(marker)))
-    with pytest.raises(SnapshotError, match="optimizer.pt.*never unpickles"):
-        fmt.load(folder)
-    with pytest.raises(SnapshotError, match="never unpickles"):
-        newest_good_snapshot(store, result["run_id"], None, [])  # refused outright, not skipped silently
-    assert not marker.exists()
-    (folder / "optimizer.pt").unlink()
+    try:
+        with pytest.raises(SnapshotError, match="optimizer.pt.*never unpickles"):
+            fmt.load(folder)
+        warnings: list[str] = []
+        assert newest_good_snapshot(store, result["run_id"], None, warnings).step == 5  # reported, then the previous one
+        assert len(warnings) == 1 and "step-000010" in warnings[0] and "optimizer.pt" in warnings[0]
+        assert not marker.exists()
+    finally:
+        (folder / "optimizer.pt").unlink()
 
 
-def test_a_pickle_posing_as_safetensors_is_refused(small_run):
-    workspace, result = small_run
-    store = workspace.store()
-    folder = _snapshot_root(store, result["run_id"]) / "step-000005"
-    marker = workspace.path / "PAYLOAD_RAN_2"
-    payload = pickle.dumps(_Payload(marker), protocol=4)
-    (folder / fmt.TENSORS).write_bytes(payload)
-    manifest = json.loads((folder / fmt.MANIFEST).read_text())  # even with a manifest that "verifies"
-    import hashlib
-
-    manifest["files"][fmt.TENSORS] = {"size": len(payload), "sha256": hashlib.sha256(payload).hexdigest()}
+def _rewrite_with_manifest(folder: Path, name: str, payload: bytes) -> None:
+    """Replace one file and re-sign the manifest, as an attacker with write access could."""
+    (folder / name).write_bytes(payload)
+    manifest = json.loads((folder / fmt.MANIFEST).read_text())
+    manifest["files"][name] = {"size": len(payload), "sha256": hashlib.sha256(payload).hexdigest()}
     (folder / fmt.MANIFEST).write_text(json.dumps(manifest))
-    with pytest.raises(SnapshotError, match="is a pickle"):
-        fmt.load(folder)
+
+
+def test_a_pickle_posing_as_safetensors_is_refused(small_run, tmp_path):
+    workspace, result = small_run
+    folder = tmp_path / "step-000005"
+    shutil.copytree(_snapshot_root(workspace.store(), result["run_id"]) / "step-000005", folder)
+    marker = workspace.path / "PAYLOAD_RAN_2"
+    for protocol in (2, 4, 5):  # even with a manifest that "verifies"
+        _rewrite_with_manifest(folder, fmt.TENSORS, pickle.dumps(_Payload(marker), protocol=protocol))
+        with pytest.raises(SnapshotError, match="tensors.safetensors is not a valid safetensors file.*never unpickles"):
+            fmt.load(folder)
     assert not marker.exists()
+
+
+def test_a_valid_safetensors_file_whose_header_length_looks_like_a_pickle_opcode_loads(small_run, tmp_path):
+    """Header lengths 640, 896, 1152, 1408 begin with the bytes 80 02..80 05, the opening of pickle protocols 2..5."""
+    workspace, result = small_run
+    folder = tmp_path / "step-000005"
+    shutil.copytree(_snapshot_root(workspace.store(), result["run_id"]) / "step-000005", folder)
+    tensors = dict(sorted(fmt.load(folder).tensors.items())[:2])  # a header short enough to pad up to 640 bytes
+    for header_size in (640, 896, 1152, 1408):
+        tensors_file = tmp_path / "tensors.tmp"
+        for pad in range(header_size):  # metadata of the right length makes a header of exactly `header_size` bytes
+            fmt.write_tensors_atomic(tensors_file, tensors, {"pad": "x" * pad})
+            payload = tensors_file.read_bytes()
+            if int.from_bytes(payload[:8], "little") >= header_size:
+                break
+        assert int.from_bytes(payload[:8], "little") == header_size and payload[:2] in (b"\x80\x02", b"\x80\x03", b"\x80\x04", b"\x80\x05")
+        _rewrite_with_manifest(folder, fmt.TENSORS, payload)
+        loaded = fmt.load(folder)
+        assert sorted(loaded.tensors) == sorted(tensors)
+        assert all(torch.equal(loaded.tensors[name], tensors[name]) for name in tensors)
 
 
 def _free_port() -> int:

@@ -47,12 +47,14 @@ _register_verbs()
 
 
 def main() -> None:
-    from replaybisect.errors import NonFiniteStop, ReplayError
+    from replaybisect.errors import NonFiniteStop, ReplayError, interruption, sigterm_raises
 
     try:
-        exit_code = app(standalone_mode=False)
-        if exit_code == 130:  # typer turns Ctrl-C into exit code 130, silently
-            print("replay: interrupted", file=sys.stderr)
+        with sigterm_raises():  # SIGTERM stops a verb like Ctrl-C, exit 143
+            exit_code = app(standalone_mode=False)
+        if exit_code == 130:  # typer turns Ctrl-C (and SIGTERM) into exit code 130, silently
+            line, exit_code = interruption()
+            print(line, file=sys.stderr)
         if isinstance(exit_code, int) and exit_code:
             sys.exit(exit_code)
     except ReplayError as error:
@@ -63,9 +65,10 @@ def main() -> None:
     except NonFiniteStop as stop:
         print(f"replay: {stop}", file=sys.stderr)
         sys.exit(stop.exit_code)
-    except KeyboardInterrupt:
-        print("replay: interrupted", file=sys.stderr)
-        sys.exit(130)
+    except KeyboardInterrupt as stop:
+        line, code = interruption(stop)
+        print(line, file=sys.stderr)
+        sys.exit(code)
     except SystemExit:
         raise
     except Exception as error:  # click usage errors arrive here in non-standalone mode

@@ -5,10 +5,11 @@ from __future__ import annotations
 import base64
 import contextlib
 import random
-from typing import Any
+from typing import Annotated, Any, Literal, Optional
 
 import numpy as np
 import torch
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 
 def capture_raw() -> dict[str, Any]:
@@ -52,16 +53,68 @@ def to_json(raw: dict[str, Any]) -> dict[str, Any]:
     return state
 
 
+Word = Annotated[int, Field(ge=0, lt=2**32)]
+TORCH_STATE_BYTES = 5056  # torch.get_rng_state().numel(): the CPU generator's Mersenne Twister state
+
+
+class PythonStream(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    version: Literal[3]
+    internal: list[Word] = Field(min_length=625, max_length=625)  # 624 words + the position
+    gauss_next: Optional[float]
+
+    @field_validator("internal")
+    @classmethod
+    def _position(cls, internal: list[int]) -> list[int]:
+        if internal[-1] > 624:
+            raise ValueError("the Mersenne Twister position is past 624")
+        return internal
+
+
+class NumpyStream(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    kind: Literal["MT19937"]
+    keys: list[Word] = Field(min_length=624, max_length=624)
+    pos: int = Field(ge=0, le=624)
+    has_gauss: int = Field(ge=0, le=1)
+    cached_gaussian: float
+
+
+class Streams(BaseModel):
+    """The RNG streams as state.json holds them; sizes are checked here so restoring can never fail half-way."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    python: PythonStream
+    numpy: NumpyStream
+    torch: str = Field(max_length=2 * TORCH_STATE_BYTES)
+    cuda: Optional[list[str]] = None
+
+    @field_validator("torch")
+    @classmethod
+    def _torch_size(cls, text: str) -> str:
+        if len(base64.b64decode(text, validate=True)) != TORCH_STATE_BYTES:
+            raise ValueError(f"the torch generator state is not {TORCH_STATE_BYTES} bytes")
+        return text
+
+    @field_validator("cuda")
+    @classmethod
+    def _cuda_base64(cls, states: Optional[list[str]]) -> Optional[list[str]]:
+        for text in states or []:
+            base64.b64decode(text, validate=True)
+        return states
+
+
 def from_json(state: dict[str, Any]) -> dict[str, Any]:
-    py = state["python"]
-    npy = state["numpy"]
+    """Raw streams from state.json's `rng`; pydantic.ValidationError (a ValueError) when they are not streams."""
+    streams = Streams.model_validate(state)
+    py, npy = streams.python, streams.numpy
     raw = {
-        "python": (py["version"], tuple(py["internal"]), py["gauss_next"]),
-        "numpy": (npy["kind"], np.array(npy["keys"], dtype=np.uint32), npy["pos"], npy["has_gauss"], npy["cached_gaussian"]),
-        "torch": _from_b64(state["torch"]),
+        "python": (py.version, tuple(py.internal), py.gauss_next),
+        "numpy": (npy.kind, np.array(npy.keys, dtype=np.uint32), npy.pos, npy.has_gauss, npy.cached_gaussian),
+        "torch": _from_b64(streams.torch),
     }
-    if "cuda" in state:
-        raw["cuda"] = [_from_b64(s) for s in state["cuda"]]
+    if streams.cuda is not None:
+        raw["cuda"] = [_from_b64(s) for s in streams.cuda]
     return raw
 
 

@@ -13,6 +13,8 @@ import hashlib
 import json
 import os
 import re
+import socket
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -42,15 +44,81 @@ def step_of(name: str) -> int | None:
 
 
 # ---- writing (called from the recorder's background worker) ------------------------------
+def _writer_identity() -> str:
+    """This process's host and PID namespace: a PID means something only inside both."""
+    host = re.sub(r"[^A-Za-z0-9.]", "_", socket.gethostname()) or "host"
+    try:
+        return f"{host}_{os.stat('/proc/self/ns/pid').st_ino}"
+    except OSError:
+        return host
+
+
+WRITER = _writer_identity()
+TEMP_NAME = re.compile(r"^\..+\.tmp-(?:(?P<writer>[A-Za-z0-9._]+)-)?(?P<pid>\d+)$")  # also the older `.NAME.tmp-PID`
+STALE_FOREIGN_TEMP_SECONDS = 3600  # a temp of another host untouched this long belongs to a dead writer
+
+
+def temp_path(path: Path) -> Path:
+    """`.NAME.tmp-WRITER-PID` beside `path`: readers skip dot files; the next start removes a dead writer's."""
+    return path.with_name(f".{path.name}.tmp-{WRITER}-{os.getpid()}")
+
+
+@contextmanager
+def _atomic_temp(path: Path):
+    """Yield a temp path; on success it is renamed to `path`, on any failure (a full disk, Ctrl-C) removed."""
+    temp = temp_path(path)
+    try:
+        yield temp
+        os.replace(temp, path)
+    except BaseException:
+        temp.unlink(missing_ok=True)
+        raise
+
+
 def write_atomic(path: Path, payload: bytes) -> dict[str, Any]:
     """Temp name, fsync, rename: a reader sees the whole file or none of it."""
-    temp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(temp, "wb") as handle:
+    with _atomic_temp(path) as temp, open(temp, "wb") as handle:
         handle.write(payload)
         handle.flush()
         os.fsync(handle.fileno())
-    os.replace(temp, path)
     return {"size": len(payload), "sha256": hashlib.sha256(payload).hexdigest()}
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # EPERM: alive, another user's
+        pass
+    return True
+
+
+def is_stale_temp(path: Path, now: float) -> bool:
+    """A temp file whose writer is dead: written here (same host and PID namespace) by a PID that is gone,
+    or written elsewhere and untouched for an hour. A live writer's temp is never stale."""
+    match = TEMP_NAME.match(path.name)
+    if match is None:
+        return False
+    if match["writer"] == WRITER:
+        return not _pid_alive(int(match["pid"]))
+    try:
+        return now - path.lstat().st_mtime > STALE_FOREIGN_TEMP_SECONDS
+    except FileNotFoundError:
+        return False
+
+
+def remove_stale_temps(snapshots_root: Path) -> list[Path]:
+    """Remove the temp files dead writers left in `snapshots_root/step-*/`; the removed paths."""
+    import time
+
+    now = time.time()
+    removed = []
+    for path in snapshots_root.glob("step-*/.*.tmp-*"):
+        if is_stale_temp(path, now):
+            path.unlink(missing_ok=True)
+            removed.append(path)
+    return removed
 
 
 SAFETENSORS_DTYPES = {
@@ -76,8 +144,7 @@ def write_tensors_atomic(path: Path, tensors: dict[str, torch.Tensor], metadata:
     header_bytes = json.dumps(header, separators=(",", ":")).encode("utf-8")
     header_bytes += b" " * (-len(header_bytes) % 8)  # the format pads the header to 8 bytes
     digest = hashlib.sha256()
-    temp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(temp, "wb") as handle:
+    with _atomic_temp(path) as temp, open(temp, "wb") as handle:
         for chunk in (len(header_bytes).to_bytes(8, "little"), header_bytes):
             handle.write(chunk)
             digest.update(chunk)
@@ -87,7 +154,6 @@ def write_tensors_atomic(path: Path, tensors: dict[str, torch.Tensor], metadata:
             digest.update(data)
         handle.flush()
         os.fsync(handle.fileno())
-    os.replace(temp, path)
     return {"size": 8 + len(header_bytes) + offset, "sha256": digest.hexdigest()}
 
 

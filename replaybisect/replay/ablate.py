@@ -145,43 +145,7 @@ def _json_float(value: Optional[float]) -> Optional[float | str]:
 
 
 # ---- one arm (runs in a worker process) ---------------------------------------------------------------
-class _ArmHooks:
-    """loop.LoopHooks for an arm: record each step, stop at the first non-finite loss or grad norm."""
-
-    def __init__(self, lr_factor: Optional[Callable[[int], float]], on_step: Optional[Callable[[int], None]]):
-        self.lr_factor = lr_factor
-        self.on_step = on_step
-        self.current_step = 0
-        self.losses: dict[int, float] = {}
-        self.grad_norms: dict[int, float] = {}
-        self.lrs: dict[int, float] = {}
-        self.first_nonfinite: Optional[tuple[int, str]] = None
-
-    def before_step(self, step, state, rng_at_start):
-        self.current_step = step
-
-    def observer(self, step):
-        return None
-
-    def on_nonfinite(self, outcome, batch):
-        if self.first_nonfinite is None:
-            self.first_nonfinite = (outcome.step, outcome.nonfinite)
-        return False  # stop: the arm's outcome is decided
-
-    def after_step(self, outcome, batch, step_time, data_time):
-        self.losses[outcome.step] = outcome.loss
-        if outcome.grad_norm is not None:
-            self.grad_norms[outcome.step] = outcome.grad_norm
-        self.lrs[outcome.step] = outcome.lr * (self.lr_factor(outcome.step) if self.lr_factor else 1.0)
-        if self.on_step:
-            self.on_step(outcome.step)
-        return True
-
-    def after_validation(self, step, val_loss):
-        pass
-
-
-def _scale_lr_at_updates(optimizer, factor: Callable[[int], float], hooks: _ArmHooks) -> None:
+def _scale_lr_at_updates(optimizer, factor: Callable[[int], float], hooks) -> None:
     """Multiply every group's lr by factor(step) during optimizer.step() only, so the scheduler keeps
     computing from (and setting) the recorded schedule: works for chainable and closed-form schedulers."""
     saved: list[Any] = []
@@ -198,22 +162,6 @@ def _scale_lr_at_updates(optimizer, factor: Callable[[int], float], hooks: _ArmH
 
     optimizer.register_step_pre_hook(before)
     optimizer.register_step_post_hook(after)
-
-
-def _rebase(state, cfg, step: int):
-    """The live state moved into objects built from another config, through the snapshot format in memory
-    (the same `state_json`/`apply` pair a snapshot on disk goes through)."""
-    import json
-
-    from replaybisect import loop
-    from replaybisect.record.rng import capture_raw
-    from replaybisect.record.state import apply, live_tensors, state_json
-
-    tensors = {name: value.detach().clone() for name, value in live_tensors(state).items()}
-    saved = json.loads(json.dumps(state_json(state, step, capture_raw(), {}, "ablation")))
-    new_state = loop.build_state(cfg, state.device)
-    apply(new_state, tensors, saved)
-    return new_state
 
 
 def _retry_locked(function, *args, attempts: int = 8, **kwargs):
@@ -254,21 +202,17 @@ def _execute_arm(spec: dict[str, Any], on_step: Optional[Callable[[int], None]] 
     )
     try:
         snapshot = restore_mod.load_snapshot(store, run_id, snapshot_step)
-        hooks = _ArmHooks(change.lr_factor, on_step)
+        hooks = restore_mod.ReplayHooks(on_step=(lambda outcome: on_step(outcome.step)) if on_step else None)
         # 1. the unchanged prefix, when the arms start after the snapshot (--from-step)
         restored = restore_mod.restore(store, run_id, cfg=cfg if start > snapshot_step else change.cfg, snapshot=snapshot)
         state = restored.state
         recorded_batches = restored.batch
         stopped = None
         if start > snapshot_step:
-            prefix_hooks = _ArmHooks(None, on_step)
-            stopped = loop.train_loop(state, recorded_batches, snapshot_step, start, prefix_hooks)
-            hooks.losses.update(prefix_hooks.losses)
-            hooks.grad_norms.update(prefix_hooks.grad_norms)
-            hooks.lrs.update(prefix_hooks.lrs)
-            hooks.first_nonfinite = prefix_hooks.first_nonfinite
+            stopped = loop.train_loop(state, recorded_batches, snapshot_step, start, hooks)
             if stopped is None and name != BASELINE:
-                state = _rebase(state, change.cfg, start)
+                state = loop.clone_state(state, change.cfg)  # the live state in objects built from the arm's config
+        hooks.lr_factor = change.lr_factor
         # 2. the change: what the config cannot express, after the state is loaded
         if stopped is None:
             for key, scale in change.group_scale.items():

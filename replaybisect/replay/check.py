@@ -14,10 +14,9 @@ comment says "our choice" and why.
 
 from __future__ import annotations
 
-import copy
 import math
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -151,43 +150,6 @@ def batch_size_of(batch) -> int:
 
 def is_class_labels(targets: Optional[torch.Tensor]) -> bool:
     return targets is not None and not targets.is_floating_point() and not targets.is_complex() and targets.dtype != torch.bool
-
-
-# ---- copies of the state -------------------------------------------------------------------------------
-def copy_state(state: loop.TrainState) -> loop.TrainState:
-    """A fresh, independent copy of model, optimizer, scheduler and scaler.
-
-    The model is deep-copied (fallback: rebuilt from the config and loaded). The optimizer, scheduler
-    and scaler are rebuilt from the config and loaded from deep copies of the originals' state dicts,
-    the way `restore` does it: a deep-copied scheduler can keep a reference to the original optimizer."""
-    from replaybisect.config import instantiate
-
-    try:
-        model = copy.deepcopy(state.model)
-    except Exception:  # e.g. a non-leaf tensor held as a module attribute
-        model = instantiate(state.cfg.model, "model").to(state.device)
-        model.load_state_dict(state.model.state_dict())
-    optimizer = scheduler = None
-    cfg = state.cfg
-    if cfg is not None and cfg.get("optim") is not None:
-        try:
-            optimizer = instantiate(cfg.optim, "optim")(params=model.parameters())
-            if cfg.get("scheduler"):
-                scheduler = instantiate(cfg.scheduler, "scheduler")(optimizer=optimizer)
-            optimizer.load_state_dict(copy.deepcopy(state.optimizer.state_dict()))
-            if scheduler is not None and state.scheduler is not None:
-                scheduler.load_state_dict(copy.deepcopy(state.scheduler.state_dict()))
-        except Exception:
-            optimizer = scheduler = None
-    if optimizer is None:  # a state not built from a config: copy the objects, optimizer linked to the model copy
-        memo = {id(p): q for p, q in zip(state.model.parameters(), model.parameters())}
-        optimizer = copy.deepcopy(state.optimizer, memo)
-        scheduler = None
-    scaler = None
-    if state.scaler is not None:
-        scaler = torch.amp.GradScaler(state.device.type)
-        scaler.load_state_dict(copy.deepcopy(state.scaler.state_dict()))
-    return replace(state, model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler, loss_fn=copy.deepcopy(state.loss_fn))
 
 
 def configured_lr(state: loop.TrainState) -> float:
@@ -523,7 +485,7 @@ class CheckContext:
         return self._sample
 
     def copy(self) -> loop.TrainState:
-        return copy_state(self.state)
+        return loop.clone_state(self.state)
 
     def probe(self) -> ForwardProbe:
         if self._probe is None:
@@ -1340,6 +1302,7 @@ def check(
     options: Optional[CheckOptions] = None,
     code_folder: Optional[Path] = None,
     progress: Optional[Callable[[str], None]] = None,
+    trust=None,
 ) -> CheckReport:
     """Run the checklist on a config (at initialization) or on a recorded run (its config, at its newest
     snapshot), and record the result as a child run of kind `check` (of the checked run, else standalone)."""
@@ -1366,7 +1329,7 @@ def check(
                 f"run {run_id} has {what}: it was not recorded by `replay train`; "
                 "check a config instead: replay check --config-dir DIR --config-name NAME"
             )
-        cfg = restore_mod.run_config(store, run_id)
+        cfg = restore_mod.run_config(store, run_id, trust)  # trust: --code-dir/--trust (replaybisect.trust.Trust)
         if restore_mod.snapshot_steps(store, run_id):
             restored = restore_mod.restore(store, run_id, cfg=cfg)
             warnings += restored.warnings

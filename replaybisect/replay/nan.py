@@ -137,6 +137,8 @@ def diagnose(
 
         log(f"restoring snapshot {snapshot.step}, replaying steps {snapshot.step}..{target - 1}")
         restored = restore_mod.restore(store, run_id, cfg=cfg, device=device, snapshot=snapshot)
+        snapshot = restored.snapshot  # an earlier one when the chosen snapshot did not apply
+        warnings.extend(restored.warnings)
         state = restored.state
         evidence: list[str] = []
         replayed = restore_mod.replay(
@@ -349,12 +351,13 @@ class _StepResults:
 
 def _on_copy(state, rng_at_step, function):
     """Run `function(copy)` on a deep copy of the state with the step's RNG streams, leaving both untouched."""
+    from replaybisect import loop
     from replaybisect.record.rng import isolated_rng, restore_raw
-    from replaybisect.replay.probes import state_copy
 
     with isolated_rng():
+        copy = loop.clone_state(state)
         restore_raw(rng_at_step)
-        return function(state_copy(state))
+        return function(copy)
 
 
 def _plain(step, batch):

@@ -1,8 +1,9 @@
 """Probes for one training step: where does the first non-finite value appear?
 
-Each probe only reads. The caller runs every probe pass on a deep copy of the training state (see
-`state_copy`) and under `isolated_rng()` with the step's RNG state restored, so a probe never changes
-the training state or any RNG stream; `replay nan` checks this by re-running the plain step afterwards.
+Each probe only reads. Every pass that runs the step runs it through `loop.run_step` (the one code path) as
+a `loop.StepObserver`, on a copy of the training state (`loop.clone_state`) and under `isolated_rng()` with
+the step's RNG state restored, so a probe never changes the training state or any RNG stream; `replay nan`
+checks this by re-running the plain step afterwards.
 
   probe_batch        which field, which rows of the batch are non-finite
   probe_state        parameters, buffers, optimizer state and grad scaler before the step
@@ -20,7 +21,7 @@ Other verbs (ablate, check, diagnose) may import these.
 
 from __future__ import annotations
 
-import copy
+import contextlib
 import math
 import os
 import re
@@ -122,12 +123,6 @@ def tensor_stats(tensor: torch.Tensor) -> TensorStats:
     else:
         low = high = abs_mean = None
     return TensorStats(shape, str(tensor.dtype).replace("torch.", ""), nan, inf, low, high, abs_mean)
-
-
-def state_copy(state: "loop.TrainState") -> "loop.TrainState":
-    """An independent copy of the training state (model, optimizer, scheduler, scaler share one memo, so the
-    copied optimizer points at the copied parameters). Probes run on copies, never on the live state."""
-    return copy.deepcopy(state)
 
 
 def user_frame(frames: list[traceback.FrameSummary]) -> Optional[traceback.FrameSummary]:
@@ -367,10 +362,10 @@ class _OpFinder(TorchFunctionMode):
         return out
 
 
-class StepProbe:
-    """Run one step on a COPY of the state with hooks on every module (model and loss), every gradient and
-    every autograd node, then the optimizer update. Returns what it saw; it never stops at the first problem,
-    so the report can show the whole picture."""
+class StepProbe(loop.StepObserver):
+    """Run one step (`loop.run_step`) on a COPY of the state with hooks on every module (model and loss), every
+    gradient and every autograd node, and a look at the optimizer update. Returns what it saw; it never stops at
+    the first problem, so the report can show the whole picture."""
 
     def __init__(self, state: "loop.TrainState"):
         self.state = state
@@ -388,6 +383,9 @@ class StepProbe:
         self._own_before: dict[str, dict[str, bool]] = {}
         self._keep_alive: list[torch.Tensor] = []
         self.finder = _OpFinder(lambda: self.stack[-1] if self.stack else "")
+        self.layer_norms: dict[str, float] = {}
+        self.update_watch: Optional[UpdateWatch] = None
+        self.update: Optional[UpdateFinding] = None
 
     # forward hooks ----------------------------------------------------------------------------------
     def _pre_hook(self, name: str, module: torch.nn.Module):
@@ -468,66 +466,69 @@ class StepProbe:
 
         return hook
 
-    # the step ------------------------------------------------------------------------------------------
-    def run(self, step: int, batch: Any) -> StepProbeResult:
-        state = self.state
+    # the step: loop.run_step with this probe as its observer -------------------------------------------
+    @contextlib.contextmanager
+    def forward_context(self, state):
         for name, module in self.modules:
             self.handles.append(module.register_forward_pre_hook(self._pre_hook(name, module), with_kwargs=True))
             self.handles.append(module.register_forward_hook(self._post_hook(name, module), with_kwargs=True))
-        names = param_names(state)
-        for param in state.params:
+        try:
+            with self.finder:
+                yield
+        finally:
+            for handle in self.handles:
+                handle.remove()
+            self.handles = []
+
+    def after_forward(self, state, loss: torch.Tensor) -> None:
+        if loss.requires_grad:
+            self._node_hooks(loss)
+
+    def after_backward(self, state) -> None:
+        self.layer_norms = per_module_grad_norms(state)
+
+    def before_update(self, state, outcome: "loop.StepOutcome") -> None:
+        if math.isfinite(outcome.loss) and math.isfinite(outcome.grad_norm):
+            self.update_watch = UpdateWatch(state)
+
+    def after_update(self, state) -> None:
+        if self.update_watch is not None:
+            self.update = self.update_watch.finding(state)
+
+    def run(self, step: int, batch: Any) -> StepProbeResult:
+        """The step, instrumented: it runs on through a non-finite loss so backward and the update are seen too."""
+        names = param_names(self.state)
+        for param in self.state.params:
             if param.requires_grad:
                 pname = names.get(id(param), "?")
                 self._grad_hook(param, "param_grad", owner_of(pname), pname)
         try:
-            state.model.train()
-            state.optimizer.zero_grad(set_to_none=True)
-            with self.finder, loop.autocast(state):
-                loss = state.step_fn(state.model, batch, state.loss_fn)
-            for handle in self.handles:
-                handle.remove()
-            loss_value = float(loss.detach().float().item())
-            root_calls = [c for c in self.calls if c.module == ""]
-            model_output_finite = root_calls[-1].outputs_finite if root_calls else None
-
-            grad_norm = grads_finite = None
-            layer_norms: dict[str, float] = {}
-            update = None
-            if loss.requires_grad:
-                self._node_hooks(loss)
-                (state.scaler.scale(loss) if state.scaler else loss).backward()
-                if state.scaler:
-                    state.scaler.unscale_(state.optimizer)
-                grads = [p.grad for p in state.params if p.grad is not None]
-                grad_norm = float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
-                grads_finite = math.isfinite(grad_norm)
-                layer_norms = per_module_grad_norms(state)
-                if grads_finite and math.isfinite(loss_value):
-                    update = probe_update(state)
+            outcome = loop.run_step(self.state, step, batch, halt_on_nonfinite=False, observer=self)
         finally:
             for handle in self.handles + self.tensor_handles:
                 handle.remove()
             self.handles, self.tensor_handles = [], []
 
+        root_calls = [c for c in self.calls if c.module == ""]
         first_forward = next((c for c in self.calls if c.inputs_finite and not c.outputs_finite), None)
         first_bad = next((c for c in self.calls if not c.outputs_finite), None)
         backward_module, backward_detail = self._backward_culprit()
         return StepProbeResult(
-            loss=loss_value,
-            loss_finite=math.isfinite(loss_value),
+            loss=outcome.loss,
+            loss_finite=math.isfinite(outcome.loss),
             forward_calls=self.calls,
             first_forward=first_forward,
             first_nonfinite_output=first_bad,
             forward_op=self.finder.found,
-            model_output_finite=model_output_finite,
+            model_output_finite=root_calls[-1].outputs_finite if root_calls else None,
             grad_events=self.grad_events,
             backward_module=backward_module,
             backward_detail=backward_detail,
             backward_node=self.node_finding,
-            layer_grad_norms=layer_norms,
-            grad_norm=grad_norm,
-            grads_finite=grads_finite,
-            update=update,
+            layer_grad_norms=self.layer_norms,
+            grad_norm=outcome.grad_norm,
+            grads_finite=math.isfinite(outcome.grad_norm) if outcome.grad_norm is not None else None,
+            update=self.update,
             corrupted_in_forward=self.corrupted,
         )
 
@@ -567,26 +568,24 @@ def per_module_grad_norms(state: "loop.TrainState") -> dict[str, float]:
     return norms
 
 
-def probe_update(state: "loop.TrainState") -> UpdateFinding:
-    """Clip (as configured) and apply the optimizer update to the probe copy; report non-finite results."""
-    grads = [p.grad for p in state.params if p.grad is not None]
-    if state.clip_grad_norm is not None and grads:
-        torch.nn.utils.clip_grad_norm_(state.params, state.clip_grad_norm)
-    before = {id(p): p.detach().clone() for p in state.params}
-    grads_before = {id(p): (p.grad.detach().clone() if p.grad is not None else None) for p in state.params}
-    if state.scaler:
-        state.scaler.step(state.optimizer)
-        state.scaler.update()
-    else:
-        state.optimizer.step()
-    bad = [f for f in probe_state(state) if f.kind in ("parameter", "optimizer state")]
-    return UpdateFinding(
-        params_finite_after=not any(f.kind == "parameter" for f in bad),
-        state_finite_after=not any(f.kind == "optimizer state" for f in bad),
-        bad=bad,
-        hyperparameters=hyperparameters(state),
-        explanation=explain_update(state, bad, before, grads_before) if bad else None,
-    )
+class UpdateWatch:
+    """The optimizer update of a step whose gradients were finite: made right before the update (gradients
+    already clipped), asked after it which parameters or moments went non-finite and why."""
+
+    def __init__(self, state: "loop.TrainState"):
+        self.before = {id(p): p.detach().clone() for p in state.params}
+        self.grads_before = {id(p): (p.grad.detach().clone() if p.grad is not None else None) for p in state.params}
+        self.hyperparameters = hyperparameters(state)  # the lr the update uses, before the scheduler moves it
+
+    def finding(self, state: "loop.TrainState") -> UpdateFinding:
+        bad = [f for f in probe_state(state) if f.kind in ("parameter", "optimizer state")]
+        return UpdateFinding(
+            params_finite_after=not any(f.kind == "parameter" for f in bad),
+            state_finite_after=not any(f.kind == "optimizer state" for f in bad),
+            bad=bad,
+            hyperparameters=self.hyperparameters,
+            explanation=explain_update(state, bad, self.before, self.grads_before, self.hyperparameters.get("lr", math.nan)) if bad else None,
+        )
 
 
 def hyperparameters(state: "loop.TrainState") -> dict[str, Any]:
@@ -601,10 +600,10 @@ def hyperparameters(state: "loop.TrainState") -> dict[str, Any]:
 
 
 @torch.no_grad()
-def explain_update(state, bad: list[StateFinding], before: dict, grads_before: dict) -> str:
+def explain_update(state, bad: list[StateFinding], before: dict, grads_before: dict, lr: float) -> str:
     """Name the arithmetic that failed: lr not finite, or Adam's 0/0 where eps=0 meets zero second moments."""
     group = state.optimizer.param_groups[0]
-    lr = float(group.get("lr", math.nan))
+    lr = float(lr)
     if not math.isfinite(lr):
         return f"the learning rate is {lr}: every update is non-finite"
     names = {name: p for name, p in state.model.named_parameters()}
@@ -652,40 +651,51 @@ _FUNCTION_NAN = re.compile(r"Function '(\w+)' returned nan values")
 _FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)\n\s*(.*)')
 
 
-def anomaly_pass(state: "loop.TrainState", step: int, batch: Any) -> AnomalyFinding:
-    """Forward and backward of the step under torch.autograd.detect_anomaly, on a COPY of the state.
+class _FirstBadNode(loop.StepObserver):
+    """A post-hook on every autograd node of the loss: the first whose output is non-finite from finite gradients."""
 
-    detect_anomaly raises only on NaN produced in backward; a post-hook on every node also catches Inf, and
-    the forward traceback anomaly mode stores on every node names the user's line either way."""
-    first: dict[str, Any] = {}
+    def __init__(self):
+        self.node = None
+        self.handles: list[Any] = []
+        self.in_backward = False  # between the forward and the end of backward: where detect_anomaly raises
 
-    def node_hook(node):
+    def after_forward(self, state, loss: torch.Tensor) -> None:
+        self.in_backward = True
+        if loss.requires_grad:
+            self.handles = [node.register_hook(self._hook(node)) for node in autograd_nodes(loss)]
+
+    def after_backward(self, state) -> None:
+        self.in_backward = False
+
+    def _hook(self, node):
         def hook(grad_inputs, grad_outputs):
-            if "node" not in first:
+            if self.node is None:
                 if all(all_finite(g) for g in grad_outputs if g is not None) and not all(all_finite(g) for g in grad_inputs if g is not None):
-                    first["node"] = node
+                    self.node = node
             return None
 
         return hook
 
+
+def anomaly_pass(state: "loop.TrainState", step: int, batch: Any) -> AnomalyFinding:
+    """The step (`loop.run_step`) under torch.autograd.detect_anomaly, on a COPY of the state.
+
+    detect_anomaly raises only on NaN produced in backward; a post-hook on every node also catches Inf, and
+    the forward traceback anomaly mode stores on every node names the user's line either way."""
+    watch = _FirstBadNode()
     message = None
-    handles = []
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        with torch.autograd.detect_anomaly(check_nan=True):
-            state.model.train()
-            state.optimizer.zero_grad(set_to_none=True)
-            with loop.autocast(state):
-                loss = state.step_fn(state.model, batch, state.loss_fn)
-            if loss.requires_grad:
-                for node in autograd_nodes(loss):
-                    handles.append(node.register_hook(node_hook(node)))
-                try:
-                    (state.scaler.scale(loss) if state.scaler else loss).backward()
-                except RuntimeError as error:
-                    message = str(error).splitlines()[0]
-    for handle in handles:
-        handle.remove()
+        try:
+            with torch.autograd.detect_anomaly(check_nan=True):
+                loop.run_step(state, step, batch, halt_on_nonfinite=False, observer=watch)
+        except RuntimeError as error:
+            if not watch.in_backward:
+                raise
+            message = str(error).splitlines()[0]
+        finally:
+            for handle in watch.handles:
+                handle.remove()
 
     nan_op = nan_source = None
     nan_lines: list[str] = []
@@ -699,8 +709,8 @@ def anomaly_pass(state: "loop.TrainState", step: int, batch: Any) -> AnomalyFind
             nan_lines = _frames(text)
             break
     nan_source = _source(nan_lines)
-    if "node" in first:
-        node = first["node"]
+    if watch.node is not None:
+        node = watch.node
         lines = _frames("".join(getattr(node, "metadata", {}).get("traceback_", [])))
         return AnomalyFinding(type(node).__name__, _source(lines), nan_op, nan_source, message, lines)
     return AnomalyFinding(nan_op, nan_source, nan_op, nan_source, message, nan_lines)

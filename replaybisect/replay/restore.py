@@ -5,11 +5,12 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 from replaybisect import config as config_mod
 from replaybisect.errors import ConfigError, ReplayError, SnapshotError
@@ -74,22 +75,30 @@ def load_snapshot(store: Store, run_id: str, step: int) -> fmt.Snapshot:
     return fmt.load(snapshot_folder(store, run_id, step))
 
 
-def newest_good_snapshot(store: Store, run_id: str, at_or_before: int | None, warnings: list[str]) -> fmt.Snapshot:
-    """The newest snapshot <= step that verifies; a bad one is reported in `warnings` and the previous used."""
+def good_snapshots(store: Store, run_id: str, at_or_before: int | None, warnings: list[str]) -> Iterator[fmt.Snapshot]:
+    """The snapshots <= step that verify, newest first; each bad one is reported in `warnings` and skipped."""
     steps = [s for s in snapshot_steps(store, run_id) if at_or_before is None or s <= at_or_before]
-    if not steps:
-        where = f" at or before step {at_or_before}" if at_or_before is not None else ""
-        raise SnapshotError(
-            f"run {run_id} has no snapshots{where}; train with snapshot.every > 0 (e.g. snapshot.every=100) to make it replayable"
-        )
     for step in reversed(steps):
         try:
-            return load_snapshot(store, run_id, step)
+            yield load_snapshot(store, run_id, step)
         except SnapshotError as error:
-            if "never unpickles" in str(error) or "is a pickle" in str(error):
-                raise
             warnings.append(f"{error}; using an earlier snapshot")
-    raise SnapshotError(f"run {run_id}: no snapshot{' <= ' + str(at_or_before) if at_or_before is not None else ''} verifies ({'; '.join(warnings)})")
+
+
+def newest_good_snapshot(store: Store, run_id: str, at_or_before: int | None, warnings: list[str]) -> fmt.Snapshot:
+    """The newest snapshot <= step that verifies; a bad one is reported in `warnings` and the previous used."""
+    for snapshot in good_snapshots(store, run_id, at_or_before, warnings):
+        return snapshot
+    raise _none_verifies(store, run_id, at_or_before, warnings)
+
+
+def _none_verifies(store: Store, run_id: str, at_or_before: int | None, warnings: list[str]) -> SnapshotError:
+    where = f" at or before step {at_or_before}" if at_or_before is not None else ""
+    if not warnings:
+        return SnapshotError(
+            f"run {run_id} has no snapshots{where}; train with snapshot.every > 0 (e.g. snapshot.every=100) to make it replayable"
+        )
+    return SnapshotError(f"run {run_id}: no snapshot{where} verifies ({'; '.join(warnings)})")
 
 
 # ---- restore -------------------------------------------------------------------------------------------
@@ -173,13 +182,24 @@ def restore(
 
     warnings: list[str] = []
     cfg = cfg if cfg is not None else run_config(store, run_id)
-    snapshot = snapshot or newest_good_snapshot(store, run_id, step, warnings)
-    state = loop.build_state(cfg, device)
-    apply(state, snapshot.tensors, snapshot.state)
-    restored = Restored(store=store, run_id=run_id, cfg=cfg, state=state, snapshot=snapshot, warnings=warnings)
-    restored._stored_batches.update(snapshot.batches)
-    restored._loaded_snapshots.add(snapshot.step)
-    return restored
+    # A snapshot that verifies can still fail to apply (a tensor of the wrong shape); then the next older one is
+    # applied to a freshly built state, so the replay from it is as exact as if it had been chosen first.
+    if snapshot is not None:
+        candidates = itertools.chain([snapshot], good_snapshots(store, run_id, snapshot.step - 1, warnings))
+    else:
+        candidates = good_snapshots(store, run_id, step, warnings)
+    for candidate in candidates:
+        state = loop.build_state(cfg, device)
+        try:
+            apply(state, candidate.tensors, candidate.state)
+        except SnapshotError as error:
+            warnings.append(f"snapshot {candidate.folder.name}: {error}; using an earlier snapshot")
+            continue
+        restored = Restored(store=store, run_id=run_id, cfg=cfg, state=state, snapshot=candidate, warnings=warnings)
+        restored._stored_batches.update(candidate.batches)
+        restored._loaded_snapshots.add(candidate.step)
+        return restored
+    raise _none_verifies(store, run_id, step if snapshot is None else snapshot.step, warnings)
 
 
 # ---- replay ----------------------------------------------------------------------------------------------
@@ -218,28 +238,45 @@ def relative_error(logged: float, replayed: float) -> float:
 
 
 class ReplayHooks:
-    """LoopHooks for a replay: record losses, optionally observe each step, stop (or not) on non-finite."""
+    """LoopHooks for a replay or an ablation arm: record each step's loss, grad norm and lr, optionally observe
+    each step, remember the first non-finite step and stop there (or take the step again and go on).
 
-    def __init__(self, stop_on_nonfinite: bool, observer_factory: Callable[[int], Any] | None, on_step: Callable | None):
+    `lr_factor(step)` is an arm's lr multiplier (the lr logged is the one the update used); `on_step(outcome)`
+    is called after every step."""
+
+    def __init__(
+        self,
+        stop_on_nonfinite: bool = True,
+        observer_factory: Callable[[int], Any] | None = None,
+        on_step: Callable | None = None,
+        lr_factor: Callable[[int], float] | None = None,
+    ):
         self.stop_on_nonfinite = stop_on_nonfinite
         self.observer_factory = observer_factory
         self.on_step = on_step
+        self.lr_factor = lr_factor
+        self.current_step: Optional[int] = None
         self.losses: dict[int, float] = {}
         self.grad_norms: dict[int, float] = {}
+        self.lrs: dict[int, float] = {}
+        self.first_nonfinite: Optional[tuple[int, str]] = None  # (step, "loss" | "grad_norm")
 
     def before_step(self, step, state, rng_at_start):
-        pass
+        self.current_step = step
 
     def observer(self, step):
         return self.observer_factory(step) if self.observer_factory else None
 
     def on_nonfinite(self, outcome, batch):
+        if self.first_nonfinite is None:
+            self.first_nonfinite = (outcome.step, outcome.nonfinite)
         return not self.stop_on_nonfinite
 
     def after_step(self, outcome, batch, step_time, data_time):
         self.losses[outcome.step] = outcome.loss
         if outcome.grad_norm is not None:
             self.grad_norms[outcome.step] = outcome.grad_norm
+        self.lrs[outcome.step] = outcome.lr * (self.lr_factor(outcome.step) if self.lr_factor else 1.0)
         if self.on_step:
             self.on_step(outcome)
         return True
