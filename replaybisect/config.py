@@ -52,6 +52,9 @@ class SnapshotConfig:
     """Steps between per-layer statistics, param_norm and update_ratio (0 = never)."""
     metrics_flush_every: int = 50
     """Steps between batched metric uploads."""
+    metrics_flush_seconds: float = 5.0
+    """Seconds between batched metric uploads, however few steps ran (0 = by step count only): after a
+    SIGKILL the curve is in the store up to the last few seconds."""
     enabled: bool = True
     """Turn the recorder off entirely (benchmarks): no metrics, snapshots or stats."""
 

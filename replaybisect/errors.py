@@ -1,5 +1,12 @@
 """The one exception family for what a user can fix (printed on one line, exit status 2)."""
 
+from __future__ import annotations
+
+import errno
+import signal
+import threading
+from contextlib import contextmanager
+
 
 class ReplayError(Exception):
     """Bad input: the message says what is wrong and what to do."""
@@ -27,13 +34,70 @@ class GitError(ReplayError):
     """A git input (repository, SHA, range) is not usable."""
 
 
+class DiskFull(ReplayError):
+    """No space left where a run writes (snapshots, the tracking store): the run is marked failed.
+    Exit status 1: the environment failed, not the input."""
+
+    exit_code = 1
+
+
+DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+
+
+def is_disk_full(error: BaseException) -> bool:
+    """An OSError for a full disk or quota, or SQLite's "database or disk is full" (wrapped by SQLAlchemy/MLflow)."""
+    if isinstance(error, OSError):
+        return error.errno in DISK_FULL_ERRNOS
+    return "database or disk is full" in str(error)
+
+
 class NonFiniteStop(Exception):
     """Training stopped on a non-finite loss or gradient norm (exit status 3)."""
 
     exit_code = 3
 
-    def __init__(self, step: int, what: str, run_id: str):
-        super().__init__(f"step {step}: non-finite {what}; run {run_id} stopped (snapshot of the state before step {step} saved)")
+    def __init__(self, step: int, what: str, run_id: str, snapshot_saved: bool = True):
+        saved = (
+            f"snapshot of the state before step {step} saved" if snapshot_saved
+            else "no snapshot saved: the recorder was off (snapshot.enabled=false), so `replay nan` cannot replay it"
+        )
+        super().__init__(f"step {step}: non-finite {what}; run {run_id} stopped ({saved})")
         self.step = step
         self.what = what
         self.run_id = run_id
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (what SLURM, Kubernetes and `kill` send), raised in the main thread: stops like Ctrl-C
+    (a KeyboardInterrupt, so every Ctrl-C cleanup runs), exit status 143."""
+
+    exit_code = 143
+    received = False  # set by the first SIGTERM: typer turns a KeyboardInterrupt into a bare exit code 130
+
+
+def _raise_terminated(signum, frame) -> None:
+    Terminated.received = True
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # once: the cleanup that follows is not cut short by a second one
+    raise Terminated()
+
+
+@contextmanager
+def sigterm_raises():
+    """Inside, SIGTERM raises Terminated in the main thread; the previous handler comes back after.
+    Off the main thread (where signals cannot be handled) it does nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        yield
+    finally:
+        if previous is not None:  # None: a handler set from C, which Python cannot put back
+            signal.signal(signal.SIGTERM, previous)
+
+
+def interruption(error: BaseException | None = None) -> tuple[str, int]:
+    """The line to print and the exit status for Ctrl-C (130) or SIGTERM (143)."""
+    if isinstance(error, Terminated) or Terminated.received:
+        return "replay: terminated (SIGTERM)", Terminated.exit_code
+    return "replay: interrupted", 130

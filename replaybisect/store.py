@@ -87,9 +87,9 @@ class Store:
     def _artifact_location(self, experiment_name: str) -> str | None:
         """Artifacts of a SQLite store live beside the database file, not in whatever folder the command
         ran from (MLflow's default `./mlruns` is relative to the working folder)."""
-        if not self.uri.startswith("sqlite:///") or self.uri.endswith(":memory:"):
+        database = _sqlite_path(self.uri)
+        if database is None:
             return None
-        database = Path(self.uri[len("sqlite:///"):]).expanduser().resolve()
         safe_name = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in experiment_name)
         return (database.parent / "mlruns" / safe_name).as_uri()
 
@@ -196,6 +196,17 @@ class Store:
             return Path(uri)
         return None
 
+    def running_artifact_dirs(self, experiment_id: str) -> list[Path]:
+        """The local artifact folders of the experiment's runs still marked RUNNING (live, or killed by SIGKILL)."""
+        runs = self.client.search_runs([experiment_id], filter_string="attributes.status = 'RUNNING'", max_results=1000)
+        folders = []
+        for run in runs:
+            self._artifact_uris.setdefault(run.info.run_id, run.info.artifact_uri)
+            folder = self.local_artifact_dir(run.info.run_id)
+            if folder is not None:
+                folders.append(folder)
+        return folders
+
     def log_artifact(self, run_id: str, local_path: str | Path, artifact_path: str | None = None) -> None:
         self.client.log_artifact(run_id, str(local_path), artifact_path)
 
@@ -230,6 +241,25 @@ def _unclamp(value: float) -> float:
     return value
 
 
+def _sqlite_path(uri: str) -> Path | None:
+    if not uri.startswith("sqlite:///") or uri.endswith(":memory:"):
+        return None
+    return Path(uri[len("sqlite:///"):]).expanduser().resolve()
+
+
+def _creation_lock(uri: str):
+    """`<db>.lock` beside a SQLite database: processes opening one new file at once would race on MLflow's
+    schema creation ("table experiments already exists"); one creates it, the others wait and find it."""
+    from contextlib import nullcontext
+
+    from filelock import FileLock
+
+    database = _sqlite_path(uri)
+    if database is None:
+        return nullcontext()
+    return FileLock(f"{database}.lock", timeout=120)
+
+
 def open_store(tracking_uri: str | None = None) -> Store:
     """Open the tracking store named by `--tracking-uri` / MLFLOW_TRACKING_URI / the SQLite default."""
     uri = resolve_tracking_uri(tracking_uri)
@@ -240,8 +270,9 @@ def open_store(tracking_uri: str | None = None) -> Store:
 
     mlflow.set_tracking_uri(uri)
     try:
-        client = MlflowClient(tracking_uri=uri)
-        client.search_experiments(max_results=1)
+        with _creation_lock(uri):  # the first query creates a new store's schema
+            client = MlflowClient(tracking_uri=uri)
+            client.search_experiments(max_results=1)
     except Exception as error:
         first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise StoreUnreachable(f"cannot open tracking store {uri}: {first_line}; pass a working --tracking-uri") from None

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from replaybisect import config as config_mod
+from replaybisect.errors import DiskFull, is_disk_full, sigterm_raises
 from replaybisect.store import Store
 
 
@@ -65,7 +66,11 @@ def train(
     code_folder: Path | None = None,
     progress: Callable[[int, int], None] | None = None,
 ) -> TrainResult:
-    """Train `cfg` recorded to `store`. A non-finite stop returns status "nonfinite" (the CLI exits 3)."""
+    """Train `cfg` recorded to `store`. A non-finite stop returns status "nonfinite" (the CLI exits 3).
+
+    Ctrl-C and SIGTERM (raised as Terminated while training, in the main thread) end the run KILLED with
+    status "killed" after flushing metrics and finishing the snapshot in flight; a full disk ends it FAILED
+    with status "crashed" and failure "disk-full"; any other error FAILED/"crashed"."""
     from replaybisect import loop
     from replaybisect.record.recorder import NullHooks, Recorder
     from replaybisect.record.rng import isolated_rng
@@ -83,19 +88,24 @@ def train(
         random.seed(os.urandom(8))
         run_id = store.create_run(kind, run_name=run_name, parent_run_id=parent_run_id, tags=tags)
     try:
-        store.log_params(run_id, config_mod.flatten(cfg))
-        store.log_text(run_id, config_mod.to_yaml(cfg), "config.yaml")
-        data_position = {"seed": cfg.seed, "batch_size": cfg.train.batch_size, "dataset_len": len(batch_source.dataset)}
-        hooks = Recorder(store, run_id, cfg, state, data_position) if cfg.snapshot.enabled else NullHooks(cfg.snapshot.on_nonfinite == "stop")
+        with sigterm_raises():
+            _remove_stale_temps(store, run_id)
+            store.log_params(run_id, config_mod.flatten(cfg))
+            store.log_text(run_id, config_mod.to_yaml(cfg), "config.yaml")
+            data_position = {"seed": cfg.seed, "batch_size": cfg.train.batch_size, "dataset_len": len(batch_source.dataset)}
+            hooks = Recorder(store, run_id, cfg, state, data_position) if cfg.snapshot.enabled else NullHooks(cfg.snapshot.on_nonfinite == "stop")
 
-        # 3. train
-        report = (lambda step: progress(step + 1, cfg.train.steps)) if progress else None
-        try:
-            stopped_by = loop.train_loop(state, batch_source.batch, 0, cfg.train.steps, hooks, val_dataset=val_dataset, progress=report)
-        finally:
-            hooks.close()
-    except BaseException:
-        store.finish_run(run_id, "crashed", "KILLED" if _interrupted() else "FAILED")
+            # 3. train
+            report = (lambda step: progress(step + 1, cfg.train.steps)) if progress else None
+            try:
+                stopped_by = loop.train_loop(state, batch_source.batch, 0, cfg.train.steps, hooks, val_dataset=val_dataset, progress=report)
+            finally:
+                hooks.close()
+    except BaseException as error:
+        failure = _as_disk_full(error, run_id, store)
+        _mark_ended(store, run_id, failure or error)
+        if failure is not None and failure is not error:
+            raise failure from error
         raise
 
     # 4. the verdict
@@ -115,7 +125,36 @@ def train(
     )
 
 
-def _interrupted() -> bool:
-    import sys
+def _as_disk_full(error: BaseException, run_id: str, store: Store) -> DiskFull | None:
+    """The one-line error for a full disk met outside the snapshot writer (config artifact, tags)."""
+    if isinstance(error, DiskFull):
+        return error
+    if isinstance(error, Exception) and is_disk_full(error):
+        return DiskFull(f"no space left on device recording run {run_id} to {store.uri}; free space or point the store elsewhere (--tracking-uri)")
+    return None
 
-    return isinstance(sys.exc_info()[1], KeyboardInterrupt)
+
+def _mark_ended(store: Store, run_id: str, error: BaseException) -> None:
+    """Ctrl-C / SIGTERM: KILLED, "killed". A full disk: FAILED, "crashed", failure "disk-full". Else FAILED, "crashed".
+    Best effort: when the store itself cannot be written (its disk is full), the error that stopped the run is what counts."""
+    try:
+        if isinstance(error, KeyboardInterrupt):  # Terminated (SIGTERM) is one
+            store.finish_run(run_id, "killed", "KILLED")
+            return
+        if isinstance(error, DiskFull):
+            store.set_tags(run_id, {"failure": "disk-full", "error": str(error)[:1000]})
+        store.finish_run(run_id, "crashed", "FAILED")
+    except Exception:
+        pass
+
+
+def _remove_stale_temps(store: Store, run_id: str) -> None:
+    """Temp files that killed writers left in the snapshots of this experiment's runs still marked RUNNING
+    (a run that ended cleanly left none). Only dead writers' files go: see snapshot.is_stale_temp."""
+    from replaybisect.record import snapshot as fmt
+
+    for folder in store.running_artifact_dirs(store.get_run(run_id).info.experiment_id):
+        try:
+            fmt.remove_stale_temps(folder / fmt.SNAPSHOTS)
+        except OSError:  # another user's folder, a vanished run: not this run's business
+            pass

@@ -274,7 +274,7 @@ def test_help_does_not_import_torch_or_mlflow():
     assert module_help.returncode == 0 and "Hydra override" in module_help.stdout
 
 
-def test_ctrl_c_marks_the_run_crashed_and_keeps_its_verified_snapshots(workspace):
+def test_ctrl_c_marks_the_run_killed_and_keeps_its_verified_snapshots(workspace):
     import signal
     import time
 
@@ -293,5 +293,5 @@ def test_ctrl_c_marks_the_run_crashed_and_keeps_its_verified_snapshots(workspace
     _, stderr = process.communicate(timeout=60)
     assert process.returncode == 130 and "interrupted" in stderr and "Traceback" not in stderr
     (run,) = store.search_runs("")
-    assert run.data.tags["replaybisect.status"] == "crashed" and run.info.status == "KILLED"
+    assert run.data.tags["replaybisect.status"] == "killed" and run.info.status == "KILLED"
     assert newest_good_snapshot(store, run.info.run_id, None, []).step >= 0

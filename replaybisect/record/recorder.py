@@ -14,11 +14,13 @@ import threading
 import tempfile
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from replaybisect.errors import DiskFull, is_disk_full
 from replaybisect.loop import StepOutcome, TrainState
 from replaybisect.record import snapshot as fmt
 from replaybisect.record.state import live_tensors, state_json
@@ -105,6 +107,8 @@ class Recorder:
         self.snapshot_every = cfg.snapshot.every
         self.stats_every = cfg.snapshot.layer_stats_every
         self.flush_every = max(1, cfg.snapshot.metrics_flush_every)
+        self.flush_seconds = cfg.snapshot.metrics_flush_seconds or math.inf  # 0: by step count only
+        self._next_flush = time.monotonic() + self.flush_seconds
         self.keep_batches = cfg.snapshot.keep_batches
         self.on_nonfinite_stop = cfg.snapshot.on_nonfinite == "stop"
 
@@ -119,6 +123,8 @@ class Recorder:
 
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="replaybisect-writer", initializer=_lower_priority)
         self._jobs: list[Future] = []
+        self._writer_failure: BaseException | None = None  # the first background failure, raised on the next step
+        self._created_folders: list[Path] = []  # removed at close unless their manifest is written
         self._buffers_job: Future | None = None  # the write that reads the host buffers
         self._host_buffers: dict[str, torch.Tensor] = {}
         self._open_snapshot: dict[str, Any] | None = None  # the snapshot whose batches are still arriving
@@ -171,8 +177,10 @@ class Recorder:
             self._keep_batch(step, batch)
         self.last_loss = outcome.loss
         self.steps_completed = step + 1
-        if (step + 1) % self.flush_every == 0:
+        if (step + 1) % self.flush_every == 0 or time.monotonic() >= self._next_flush:
             self._flush_metrics()
+        if self._writer_failure is not None:  # a failed write (a full disk) stops training now, not at close
+            raise self._writer_failure
         return True
 
     def after_validation(self, step: int, val_loss: float) -> None:
@@ -224,52 +232,92 @@ class Recorder:
             for job in self._jobs:
                 job.result()
             shutil.rmtree(folder)
-        folder.mkdir(parents=True)
+        with _disk_full_named(f"snapshot {folder.name}", root):
+            folder.mkdir(parents=True)
+        self._created_folders.append(folder)
         return folder
 
     @staticmethod
     def _write_state_files(folder: Path, host: dict[str, torch.Tensor], saved_state: dict) -> dict[str, dict]:
-        return {
-            fmt.TENSORS: fmt.write_tensors_atomic(folder / fmt.TENSORS, host),
-            fmt.STATE: fmt.write_atomic(folder / fmt.STATE, fmt.encode_json(saved_state)),
-        }
+        with _disk_full_named(f"snapshot {folder.name}", folder.parent):
+            return {
+                fmt.TENSORS: fmt.write_tensors_atomic(folder / fmt.TENSORS, host),
+                fmt.STATE: fmt.write_atomic(folder / fmt.STATE, fmt.encode_json(saved_state)),
+            }
 
     def _finish_snapshot(self, opened: dict[str, Any]) -> None:
         files = dict(opened["files_job"].result())
         folder: Path = opened["folder"]
-        if opened["batches"]:
-            files[fmt.BATCHES] = fmt.write_atomic(folder / fmt.BATCHES, fmt.encode_batches(opened["batches"]))
-        fmt.write_manifest(folder, opened["step"], files)
-        if self._staging is not None:  # remote artifact store: upload data files first, the manifest last
-            target = f"{fmt.SNAPSHOTS}/{folder.name}"
-            for name in list(files) + [fmt.MANIFEST]:
-                self.store.log_artifact(self.run_id, folder / name, target)
-            shutil.rmtree(folder, ignore_errors=True)
+        with _disk_full_named(f"snapshot {folder.name}", folder.parent):
+            if opened["batches"]:
+                files[fmt.BATCHES] = fmt.write_atomic(folder / fmt.BATCHES, fmt.encode_batches(opened["batches"]))
+            fmt.write_manifest(folder, opened["step"], files)
+            if self._staging is not None:  # remote artifact store: upload data files first, the manifest last
+                target = f"{fmt.SNAPSHOTS}/{folder.name}"
+                for name in list(files) + [fmt.MANIFEST]:
+                    self.store.log_artifact(self.run_id, folder / name, target)
+                shutil.rmtree(folder, ignore_errors=True)
         self._written_steps.append(opened["step"])
-        self.store.set_tags(self.run_id, {"snapshot_steps": ",".join(str(s) for s in sorted(set(self._written_steps)))})
+        with _disk_full_named("tags", self.store.uri):
+            self.store.set_tags(self.run_id, {"snapshot_steps": ",".join(str(s) for s in sorted(set(self._written_steps)))})
 
     # ---- metrics and the background worker -------------------------------------------------------
     def _flush_metrics(self) -> None:
         points, self.metrics = self.metrics, []
+        self._next_flush = time.monotonic() + self.flush_seconds
         if points:
-            self._submit(self.store.log_metrics, self.run_id, points)
+            self._submit(self._log_metrics, points)
+
+    def _log_metrics(self, points: list[tuple[str, float, int]]) -> None:
+        with _disk_full_named("metrics", self.store.uri):
+            self.store.log_metrics(self.run_id, points)
 
     def _submit(self, function, *args) -> Future:
         job = self._worker.submit(function, *args)
+        job.add_done_callback(self._note_failure)
         self._jobs = [j for j in self._jobs if not j.done() or j.exception() is not None] + [job]
         return job
 
+    def _note_failure(self, job: Future) -> None:
+        if self._writer_failure is None and not job.cancelled() and job.exception() is not None:
+            self._writer_failure = job.exception()
+
     def close(self) -> None:
-        """Finish every pending write (snapshots, metrics); raise the first background failure."""
-        self._close_open_snapshot()
-        self._flush_metrics()
+        """Finish every pending write (snapshots, metrics); raise the first background failure.
+        Interrupted (Ctrl-C, SIGTERM) or failed, it still finishes what it can and leaves no incomplete
+        snapshot folder and no temp file behind."""
         try:
+            self._close_open_snapshot()
+            self._flush_metrics()
             for job in self._jobs:
                 job.result()
         finally:
             self._worker.shutdown(wait=True)
+            self._remove_incomplete_snapshots()
             if self._staging is not None:
                 shutil.rmtree(self._staging, ignore_errors=True)
+
+    def _remove_incomplete_snapshots(self) -> None:
+        """A snapshot whose write failed or was cut short is discarded: it could never be loaded."""
+        for folder in self._created_folders:
+            if folder.is_dir() and not (folder / fmt.MANIFEST).is_file():
+                shutil.rmtree(folder, ignore_errors=True)
+
+
+@contextmanager
+def _disk_full_named(what: str, where) -> Any:
+    """A full disk or quota becomes one line: what was being written, where, and what to do."""
+    try:
+        yield
+    except DiskFull:
+        raise
+    except Exception as error:
+        if not is_disk_full(error):
+            raise
+        raise DiskFull(
+            f"no space left on device writing {what} in {where}; free space, set snapshot.every higher "
+            "or point the store elsewhere (--tracking-uri)"
+        ) from error
 
 
 class NullHooks:

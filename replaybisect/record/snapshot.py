@@ -11,15 +11,18 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import re
+import stat
 import socket
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from replaybisect.errors import SnapshotError
 
@@ -31,7 +34,6 @@ STATE = "state.json"
 MANIFEST = "MANIFEST.json"
 ALLOWED_FILES = {TENSORS, BATCHES, STATE}
 STEP_DIR = re.compile(r"^step-(\d{6,})$")
-PICKLE_MAGIC = (b"\x80\x02", b"\x80\x03", b"\x80\x04", b"\x80\x05", b"PK\x03\x04")  # pickle protocols, torch zip
 
 
 def folder_name(step: int) -> str:
@@ -209,6 +211,31 @@ def encode_batches(batches: dict[int, Any]) -> bytes:
 
 
 # ---- reading ----------------------------------------------------------------------------------
+# Everything read here may have been written by someone else: each file is parsed as what it claims to be
+# (safetensors by its own layout, JSON by a schema), nothing is ever unpickled, and any flaw is a SnapshotError.
+MAX_MANIFEST_BYTES = 1 << 20
+MAX_SAFETENSORS_HEADER = 100_000_000  # the safetensors library's own limit
+SAFETENSORS_ITEM_SIZES = {
+    "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E4M3FNUZ": 1, "F8_E5M2": 1, "F8_E5M2FNUZ": 1,
+    "I16": 2, "U16": 2, "F16": 2, "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8, "C64": 8,
+}
+TENSOR_NAME = re.compile(r"^(model/.+|optim/\d{1,9}/.+)$")
+BATCH_STEP = re.compile(r"^\d{1,12}$")
+
+
+class FileEntry(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    size: int = Field(ge=0)
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+
+
+class Manifest(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    format: Literal[FORMAT]
+    step: int = Field(ge=0)
+    files: dict[Literal[TENSORS, BATCHES, STATE], FileEntry]
+
+
 @dataclass
 class Snapshot:
     step: int
@@ -218,84 +245,221 @@ class Snapshot:
     batches: dict[int, Any]
 
 
-def _refuse_pickles(folder: Path) -> None:
-    """Only the format's own files may be present; a pickle (or torch.save zip) is never opened."""
-    for path in sorted(folder.iterdir()):
-        if path.name == MANIFEST or path.name.startswith("."):  # dot files: temp names of an interrupted write
-            continue
-        if path.name not in ALLOWED_FILES:
-            raise SnapshotError(
-                f"snapshot {folder.name} holds {path.name}, which is not part of the snapshot format; refusing to load it "
-                "(replaybisect never unpickles); remove the file or use another snapshot"
-            )
-        if path.suffix == ".safetensors":
-            with open(path, "rb") as handle:
-                if handle.read(4).startswith(PICKLE_MAGIC):
-                    raise SnapshotError(
-                        f"snapshot {folder.name}: {path.name} is a pickle, not safetensors; refusing to load it (pickles can run code)"
-                    )
+def _bad(folder: Path, name: str, why: str) -> SnapshotError:
+    return SnapshotError(f"snapshot {folder.name}: {name} {why}")
 
 
-def read_manifest(folder: Path) -> dict[str, Any]:
-    path = folder / MANIFEST
-    if not path.is_file():
-        raise SnapshotError(f"snapshot {folder.name} is incomplete (no {MANIFEST}: its write was interrupted)")
+def schema_error(error: ValidationError) -> str:
+    """The first problem pydantic found, as `where: what` (one line)."""
+    first = error.errors()[0]
+    where = ".".join(str(part) for part in first["loc"]) or "the top level"
+    return f"{where}: {first['msg']}"
+
+
+def _check_folder(folder: Path) -> None:
+    """The folder and everything in it must be plain: no symlinks (checked before anything is opened), no
+    special files, and only the format's own files (a pickle or torch.save file is never opened)."""
     try:
-        manifest = json.loads(path.read_text(encoding="utf-8"))
-    except (ValueError, UnicodeDecodeError):
-        raise SnapshotError(f"snapshot {folder.name}: {MANIFEST} is unreadable (interrupted or corrupt)") from None
-    if manifest.get("format") != FORMAT or not isinstance(manifest.get("files"), dict):
-        raise SnapshotError(f"snapshot {folder.name}: {MANIFEST} is not a {FORMAT} manifest")
-    unknown = set(manifest["files"]) - ALLOWED_FILES
-    if unknown:
-        raise SnapshotError(f"snapshot {folder.name}: manifest lists {sorted(unknown)}, not part of the format; refusing to load")
+        info = os.lstat(folder)
+    except FileNotFoundError:
+        raise SnapshotError(f"snapshot {folder.name} is missing") from None
+    if stat.S_ISLNK(info.st_mode):
+        raise SnapshotError(f"snapshot {folder.name} is a symlink; refusing to follow it (a snapshot folder must be a plain folder)")
+    if not stat.S_ISDIR(info.st_mode):
+        raise SnapshotError(f"snapshot {folder.name} is not a folder")
+    with os.scandir(folder) as entries:
+        for entry in sorted(entries, key=lambda e: e.name):
+            if entry.is_symlink():
+                raise _bad(folder, entry.name, "is a symlink; refusing to load the snapshot (remove the link)")
+            if entry.name != MANIFEST and entry.name not in ALLOWED_FILES and not TEMP_NAME.match(entry.name):
+                raise _bad(folder, entry.name, "is not part of the snapshot format; refusing to load the snapshot "
+                                               "(replaybisect never unpickles); remove the file or use another snapshot")
+            if not entry.is_file(follow_symlinks=False):
+                raise _bad(folder, entry.name, "is not a regular file; refusing to load the snapshot")
+
+
+def _read_plain_file(folder: Path, name: str, expected_size: int | None = None, max_size: int | None = None) -> bytes:
+    """The bytes of a regular file, never through a symlink, never blocking on a FIFO."""
+    try:
+        descriptor = os.open(folder / name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except FileNotFoundError:
+        raise _bad(folder, name, "is missing") from None
+    except OSError as error:
+        raise _bad(folder, name, f"cannot be opened ({error.strerror}); symlinks are refused") from None
+    with os.fdopen(descriptor, "rb") as handle:
+        info = os.fstat(handle.fileno())
+        if not stat.S_ISREG(info.st_mode):
+            raise _bad(folder, name, "is not a regular file")
+        if expected_size is not None and info.st_size != expected_size:
+            raise _bad(folder, name, f"fails verification (size {info.st_size}, manifest says {expected_size}: the file is corrupt)")
+        if max_size is not None and info.st_size > max_size:
+            raise _bad(folder, name, f"is {info.st_size} bytes, more than a snapshot's {name} can be; refusing to read it")
+        return handle.read()
+
+
+def _parse_json(folder: Path, name: str, payload: bytes) -> Any:
+    try:
+        return json.loads(payload.decode("utf-8"))
+    except (ValueError, UnicodeDecodeError, RecursionError) as error:
+        why = "nests too deeply" if isinstance(error, RecursionError) else f"is not valid JSON ({str(error)[:80]})"
+        raise _bad(folder, name, f"{why}: the file is corrupt") from None
+
+
+def read_manifest(folder: Path) -> Manifest:
+    if not os.path.lexists(folder / MANIFEST):
+        raise SnapshotError(f"snapshot {folder.name} is incomplete (no {MANIFEST}: its write was interrupted)")
+    data = _parse_json(folder, MANIFEST, _read_plain_file(folder, MANIFEST, max_size=MAX_MANIFEST_BYTES))
+    try:
+        manifest = Manifest.model_validate(data)
+    except ValidationError as error:
+        raise _bad(folder, MANIFEST, f"is not a {FORMAT} manifest ({schema_error(error)})") from None
+    for required in (TENSORS, STATE):
+        if required not in manifest.files:
+            raise _bad(folder, MANIFEST, f"does not list {required}")
+    if manifest.step != step_of(folder.name):
+        raise _bad(folder, MANIFEST, f"says step {manifest.step}, but the folder is {folder.name}")
     return manifest
 
 
-def read_verified(folder: Path, name: str, manifest: dict[str, Any]) -> bytes:
-    entry = manifest["files"].get(name)
+def read_verified(folder: Path, name: str, manifest: Manifest) -> bytes:
+    entry = manifest.files.get(name)
     if entry is None:
-        raise SnapshotError(f"snapshot {folder.name}: {name} is not in its manifest")
-    path = folder / name
-    if not path.is_file():
-        raise SnapshotError(f"snapshot {folder.name}: {name} is missing")
-    payload = path.read_bytes()
-    if len(payload) != entry["size"] or hashlib.sha256(payload).hexdigest() != entry["sha256"]:
-        raise SnapshotError(f"snapshot {folder.name}: {name} fails verification (checksum mismatch: the file is corrupt)")
+        raise _bad(folder, name, "is not in its manifest")
+    payload = _read_plain_file(folder, name, expected_size=entry.size)
+    if hashlib.sha256(payload).hexdigest() != entry.sha256:
+        raise _bad(folder, name, "fails verification (checksum mismatch: the file is corrupt)")
     return payload
 
 
-def verify(folder: Path) -> dict[str, Any]:
-    """Check the manifest and every file's size and sha256; return the manifest."""
-    _refuse_pickles(folder)
+def verify(folder: Path) -> Manifest:
+    """Check the folder, the manifest and every file's size and sha256; return the manifest."""
+    _check_folder(folder)
     manifest = read_manifest(folder)
-    for name in manifest["files"]:
+    for name in manifest.files:
         read_verified(folder, name, manifest)
     return manifest
 
 
-def load(folder: Path) -> Snapshot:
-    """Verify and load a snapshot folder (safetensors and JSON only)."""
+def safetensors_layout(payload: bytes) -> tuple[dict[str, dict[str, Any]], dict[str, str]]:
+    """Parse a safetensors file's layout: 8-byte little-endian header length, a JSON header naming each
+    tensor's dtype, shape and byte range, and the ranges tiling the data exactly. Returns (entries, metadata);
+    raises ValueError saying why the bytes are not safetensors (a pickle, a truncated file, ...)."""
+    if len(payload) < 8:
+        raise ValueError(f"{len(payload)} bytes, shorter than the 8-byte header length")
+    header_size = int.from_bytes(payload[:8], "little")
+    if header_size > min(len(payload) - 8, MAX_SAFETENSORS_HEADER):
+        raise ValueError(f"its header length {header_size} runs past the end of the {len(payload)}-byte file")
+    try:
+        header = json.loads(payload[8 : 8 + header_size].decode("utf-8"))
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        raise ValueError("its header is not valid JSON") from None
+    if not isinstance(header, dict):
+        raise ValueError("its header is not a JSON object")
+    metadata = header.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise ValueError("its __metadata__ is not an object of strings")
+    spans = sorted((_tensor_span(name, entry), name) for name, entry in header.items())
+    cursor = 0
+    for (begin, end), name in spans:
+        if begin != cursor:
+            raise ValueError(f"tensor {name!r} starts at byte {begin}, not {cursor} (gap or overlap)")
+        cursor = end
+    if cursor != len(payload) - 8 - header_size:
+        raise ValueError(f"its tensors cover {cursor} bytes of a {len(payload) - 8 - header_size}-byte buffer")
+    return header, metadata
+
+
+def _tensor_span(name: str, entry: Any) -> tuple[int, int]:
+    def is_int(value):
+        return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+    if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}:
+        raise ValueError(f"tensor {name!r} is not described by dtype, shape and data_offsets")
+    dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
+    if dtype not in SAFETENSORS_ITEM_SIZES:
+        raise ValueError(f"tensor {name!r} has unknown dtype {str(dtype)[:20]!r}")
+    if not isinstance(shape, list) or not all(is_int(d) for d in shape):
+        raise ValueError(f"tensor {name!r} has a shape that is not a list of sizes")
+    if not isinstance(offsets, list) or len(offsets) != 2 or not all(is_int(o) for o in offsets) or offsets[0] > offsets[1]:
+        raise ValueError(f"tensor {name!r} has data_offsets that are not [begin, end]")
+    if offsets[1] - offsets[0] != math.prod(shape) * SAFETENSORS_ITEM_SIZES[dtype]:
+        raise ValueError(f"tensor {name!r}: its byte range does not match its dtype and shape")
+    return offsets[0], offsets[1]
+
+
+def _load_safetensors(folder: Path, name: str, payload: bytes) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     from safetensors import SafetensorError
     from safetensors.torch import load as load_tensors
 
-    _refuse_pickles(folder)
-    manifest = read_manifest(folder)
     try:
-        state = json.loads(read_verified(folder, STATE, manifest))
-        tensors = load_tensors(read_verified(folder, TENSORS, manifest))
-        batches: dict[int, Any] = {}
-        if BATCHES in manifest["files"]:
-            payload = read_verified(folder, BATCHES, manifest)
-            batch_tensors = load_tensors(payload)
-            structure = json.loads(_safetensors_metadata(payload).get("structure", "{}"))
-            batches = {int(step): unflatten_batch(int(step), batch_tensors, shape) for step, shape in structure.items()}
-    except (SafetensorError, ValueError) as error:
-        raise SnapshotError(f"snapshot {folder.name} is unreadable: {error}") from None
-    return Snapshot(step=int(manifest["step"]), folder=folder, tensors=tensors, state=state, batches=batches)
+        _, metadata = safetensors_layout(payload)
+        return load_tensors(payload), metadata
+    except (ValueError, SafetensorError) as error:
+        raise _bad(folder, name, f"is not a valid safetensors file ({error}); refusing to load it (replaybisect never unpickles)") from None
 
 
-def _safetensors_metadata(payload: bytes) -> dict[str, str]:
-    header_size = int.from_bytes(payload[:8], "little")
-    header = json.loads(payload[8 : 8 + header_size])
-    return header.get("__metadata__", {})
+def _check_tensor_names(folder: Path, tensors: dict[str, torch.Tensor]) -> None:
+    for name in tensors:
+        if not TENSOR_NAME.match(name):
+            raise _bad(folder, TENSORS, f"holds tensor {name[:60]!r}, which is neither model/... nor optim/<index>/...")
+
+
+def _batches(folder: Path, step: int, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> dict[int, Any]:
+    """The batches from the file's `structure` metadata, which must name exactly the tensors the file holds."""
+    def bad(why: str) -> SnapshotError:
+        return _bad(folder, BATCHES, f"has unusable structure metadata ({why})")
+
+    if "structure" not in metadata:
+        raise bad("missing")
+    try:
+        structure = json.loads(metadata["structure"])
+    except (ValueError, RecursionError):
+        raise bad("not valid JSON") from None
+    if not isinstance(structure, dict):
+        raise bad("not an object")
+    batches: dict[int, Any] = {}
+    used: set[str] = set()
+    for key, shape in structure.items():
+        if not BATCH_STEP.match(key) or int(key) < step:
+            raise bad(f"step {key[:20]!r} is not a step at or after {step}")
+        names = _batch_tensor_names(int(key), shape)
+        if names is None:
+            raise bad(f"the batch of step {key} has an unknown shape")
+        absent = [name for name in names if name not in tensors]
+        if absent or len(set(names)) != len(names):
+            raise bad(f"the batch of step {key} names absent or repeated tensors {absent[:3]}")
+        used.update(names)
+        batches[int(key)] = unflatten_batch(int(key), tensors, shape)
+    if used != set(tensors):
+        raise bad(f"{len(set(tensors) - used)} tensor(s) belong to no batch")
+    return batches
+
+
+def _batch_tensor_names(step: int, shape: Any) -> list[str] | None:
+    """The tensor names a batch structure refers to (see flatten_batch); None when it is not one."""
+    if shape == "tensor":
+        return [f"{step}/_"]
+    if isinstance(shape, dict) and len(shape) == 1:
+        keys, count = shape.get("dict"), shape.get("tuple")
+        if isinstance(keys, list) and all(isinstance(k, str) for k in keys):
+            return [f"{step}/{k}" for k in keys]
+        if isinstance(count, int) and not isinstance(count, bool) and 0 <= count <= 10_000:
+            return [f"{step}/{i}" for i in range(count)]
+    return None
+
+
+def load(folder: Path) -> Snapshot:
+    """Verify and load a snapshot folder (safetensors and JSON only); any flaw is a SnapshotError."""
+    from replaybisect.record.state import check_state
+
+    _check_folder(folder)
+    manifest = read_manifest(folder)
+    state = _parse_json(folder, STATE, read_verified(folder, STATE, manifest))
+    check_state(state, manifest.step, lambda why: _bad(folder, STATE, why))
+    tensors, _ = _load_safetensors(folder, TENSORS, read_verified(folder, TENSORS, manifest))
+    _check_tensor_names(folder, tensors)
+    batches: dict[int, Any] = {}
+    if BATCHES in manifest.files:
+        batch_tensors, metadata = _load_safetensors(folder, BATCHES, read_verified(folder, BATCHES, manifest))
+        batches = _batches(folder, manifest.step, batch_tensors, metadata)
+    return Snapshot(step=manifest.step, folder=folder, tensors=tensors, state=state, batches=batches)
