@@ -65,6 +65,17 @@ class Workspace:
         return open_store(self.tracking_uri)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def trusted_code_dirs(tmp_path_factory):
+    """The examples and the tests' own temporary projects are this suite's own code: stored runs may build their
+    `_target_`s from there (replaybisect/trust.py), as a user would say with --code-dir. test_trust.py unsets it."""
+    from unittest import mock
+
+    folders = os.pathsep.join([str(EXAMPLES), str(tmp_path_factory.getbasetemp())])
+    with mock.patch.dict(os.environ, {"REPLAYBISECT_CODE_DIR": folders}):
+        yield
+
+
 @pytest.fixture
 def workspace(tmp_path) -> Workspace:
     return Workspace(tmp_path)

@@ -6,7 +6,7 @@ from typing import Optional
 
 import typer
 
-from replaybisect.cli.common import JsonFlag, TrackingUri, print_json
+from replaybisect.cli.common import CodeDirs, JsonFlag, TrackingUri, TrustPrefixes, print_json
 
 
 def ablate_command(
@@ -26,6 +26,8 @@ def ablate_command(
     list_arms: bool = typer.Option(False, "--list", help="List the interventions and exit."),
     tracking_uri: Optional[str] = TrackingUri,
     as_json: bool = JsonFlag,
+    code_dirs: Optional[list[str]] = CodeDirs,
+    trust_prefixes: Optional[list[str]] = TrustPrefixes,
 ):
     """Replay the failure once unchanged (the baseline) and once per single change, from the snapshot before
     it over the same batches; say which change fixes, delays, does nothing or makes it worse.
@@ -58,12 +60,15 @@ def ablate_command(
     from replaybisect.report_ablate import ArmProgress, print_result
     from replaybisect.store import open_store
 
+    from replaybisect.trust import Trust
+
+    trust = Trust.from_user(code_dirs or (), trust_prefixes or ())
     store = open_store(tracking_uri)
     options = SubmititOptions(cluster=cluster, folder=executor_folder, partition=partition, timeout_min=time_min,
                               gpus_per_node=gpus, cpus_per_task=cpus, mem_gb=mem_gb)
     with ArmProgress() as bar:
         result = ablate(store, run_id, arms, from_step=from_step, horizon=horizon, workers=workers, executor=executor,
-                        submitit_options=options, progress=bar.update, on_plan=bar.plan)
+                        submitit_options=options, progress=bar.update, on_plan=bar.plan, trust=trust)
     if as_json:
         print_json(result.to_json())
     else:

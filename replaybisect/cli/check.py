@@ -7,7 +7,7 @@ from typing import Optional
 
 import typer
 
-from replaybisect.cli.common import HYDRA_CONTEXT, JsonFlag, TrackingUri, print_json
+from replaybisect.cli.common import HYDRA_CONTEXT, CodeDirs, JsonFlag, TrackingUri, TrustPrefixes, print_json
 
 
 def check_command(
@@ -17,6 +17,8 @@ def check_command(
     run_id: Optional[str] = typer.Option(None, "--run-id", help="Check a recorded run: its config, at its newest snapshot."),
     tracking_uri: Optional[str] = TrackingUri,
     as_json: bool = JsonFlag,
+    code_dirs: Optional[list[str]] = CodeDirs,
+    trust_prefixes: Optional[list[str]] = TrustPrefixes,
     overfit_steps: int = typer.Option(300, "--overfit-steps", min=1, help="Steps of the overfit-one-batch check."),
     overfit_samples: int = typer.Option(16, "--overfit-samples", min=2, max=32, help="Samples in the overfit batch (2-32)."),
     lr_steps: int = typer.Option(100, "--lr-steps", min=2, help="Steps of the LR range test."),
@@ -43,6 +45,8 @@ def check_command(
 
     if run_id and (config_dir is not None or ctx.args or config_name != "config"):
         raise ReplayError("pass either --run-id or a config (--config-dir/--config-name/overrides), not both")
+    if not run_id and (code_dirs or trust_prefixes):
+        raise ReplayError("--code-dir and --trust apply to --run-id (a stored config); a config you compose is your own code")
     if lr_min <= 0 or lr_max <= lr_min:
         raise ReplayError(f"--lr-min {lr_min} and --lr-max {lr_max} must satisfy 0 < lr-min < lr-max")
 
@@ -57,10 +61,12 @@ def check_command(
 
     from replaybisect.report_check import print_check_report
     from replaybisect.store import open_store
+    from replaybisect.trust import Trust
 
+    trust = Trust.from_user(code_dirs or (), trust_prefixes or ()) if run_id else None
     store = open_store(tracking_uri)
     code_folder = None if run_id else (config_dir.resolve() if config_dir else Path.cwd())
-    report = check(store, cfg=cfg, run_id=run_id, options=options, code_folder=code_folder)
+    report = check(store, cfg=cfg, run_id=run_id, options=options, code_folder=code_folder, trust=trust)
     if as_json:
         print_json(report.to_json())
     else:

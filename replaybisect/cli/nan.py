@@ -6,7 +6,7 @@ from typing import Optional
 
 import typer
 
-from replaybisect.cli.common import JsonFlag, TrackingUri, print_json, stderr_console
+from replaybisect.cli.common import CodeDirs, JsonFlag, TrackingUri, TrustPrefixes, print_json, stderr_console
 
 
 def nan_command(
@@ -16,6 +16,8 @@ def nan_command(
     no_child_run: bool = typer.Option(False, "--no-child-run", help="Do not record the report as a child run."),
     tracking_uri: Optional[str] = TrackingUri,
     as_json: bool = JsonFlag,
+    code_dirs: Optional[list[str]] = CodeDirs,
+    trust_prefixes: Optional[list[str]] = TrustPrefixes,
 ):
     """Replay the failing step from the newest snapshot before it and probe it: the batch, the state, every
     module's forward and backward, the loss, the optimizer update, then detect_anomaly for the op.
@@ -39,6 +41,9 @@ def nan_command(
     from replaybisect.report_nan import print_rich
     from replaybisect.store import open_store
 
+    from replaybisect.trust import Trust
+
+    trust = Trust.from_user(code_dirs or (), trust_prefixes or ())
     store = open_store(tracking_uri)
     progress = stderr_console()
     torch_device = None
@@ -46,7 +51,7 @@ def nan_command(
         from replaybisect.loop import resolve_device
 
         torch_device = resolve_device(device)
-    report = diagnose(store, run_id, step, device=torch_device, record=not no_child_run,
+    report = diagnose(store, run_id, step, device=torch_device, record=not no_child_run, trust=trust,
                       log=lambda message: progress.print(f"[dim]{message}[/dim]"))
     if as_json:
         print_json(report.to_json())

@@ -24,6 +24,7 @@ from typing import Any, Callable, Optional
 from replaybisect.errors import ReplayError
 from replaybisect.replay import interventions
 from replaybisect.replay.interventions import BASELINE, ArmContext, Change
+from replaybisect.trust import Trust
 
 __all__ = ["ablate", "run_arm", "AblationResult", "ArmOutcome", "DEFAULT_HORIZON", "BLOWUP_FACTOR"]
 
@@ -186,7 +187,7 @@ def _execute_arm(spec: dict[str, Any], on_step: Optional[Callable[[int], None]] 
     store = open_store(spec["tracking_uri"])
     run_id, name = spec["run_id"], spec["arm"]
     snapshot_step, start, end = spec["snapshot_step"], spec["start_step"], spec["end_step"]
-    cfg = restore_mod.run_config(store, run_id)
+    cfg = restore_mod.run_config(store, run_id, Trust.from_json(spec["trust"]))  # the user's decision, not the run's tag
     ctx = ArmContext(failing_step=spec["failing_step"], start_step=start, end_step=end)
     change: Change = interventions.baseline_change(cfg) if name == BASELINE else interventions.get(name).apply(cfg, ctx)
 
@@ -618,6 +619,7 @@ def ablate(
     progress: Optional[Callable[[str, str, int], None]] = None,
     on_plan: Optional[Callable[[list[str], int, int], None]] = None,
     write_report: bool = True,
+    trust: Optional[Trust] = None,
 ) -> AblationResult:
     """Replay the failure of `run_id` unchanged (the baseline) and once per arm, in parallel; judge each arm.
 
@@ -629,7 +631,8 @@ def ablate(
     names = check_options(arms, horizon=horizon, workers=workers, executor=executor, from_step=from_step)
     started = time.perf_counter()
 
-    cfg = restore_mod.run_config(store, run_id)  # RunNotFound first
+    trust = trust or Trust.from_user()  # the workers inherit it
+    cfg = restore_mod.run_config(store, run_id, trust)  # RunNotFound first
     failing_step = restore_mod.failing_step(store, run_id)
     if failing_step is None and from_step is None:
         raise ReplayError(
@@ -660,7 +663,8 @@ def ablate(
     uri = _absolute_uri(store.uri)
     specs = [
         {"tracking_uri": uri, "run_id": run_id, "arm": name, "snapshot_step": snapshot.step, "start_step": start,
-         "end_step": end, "failing_step": failing_step, "params": changes[name].params if name in changes else {}}
+         "end_step": end, "failing_step": failing_step, "params": changes[name].params if name in changes else {},
+         "trust": trust.to_json()}
         for name in runnable
     ]
     if workers is None:

@@ -117,8 +117,10 @@ def diagnose(
     device=None,
     record: bool = True,
     log: Callable[[str], None] | None = None,
+    trust=None,
 ) -> NanReport:
-    """Find where the first non-finite value of run `run_id` came from, and why."""
+    """Find where the first non-finite value of run `run_id` came from, and why. `trust`: the user's
+    decision on the stored config's code (replaybisect.trust.Trust; default: the working folder)."""
     from replaybisect.record.rng import capture_raw, isolated_rng
 
     log = log or (lambda message: None)
@@ -129,7 +131,7 @@ def diagnose(
     losses = restore_mod.logged_losses(store, run_id)
     grad_norms = dict(store.metric_history(run_id, "grad_norm"))
     target = _target_step(run_id, step, recorded, tags, losses, grad_norms)
-    cfg = restore_mod.run_config(store, run_id)
+    cfg = restore_mod.run_config(store, run_id, trust)
     snapshot, at_target, warnings = _choose_snapshots(store, run_id, target)
 
     with isolated_rng():  # the whole diagnosis leaves this process's RNG streams as it found them

@@ -16,20 +16,26 @@ from replaybisect import config as config_mod
 from replaybisect.errors import ConfigError, ReplayError, SnapshotError
 from replaybisect.record import snapshot as fmt
 from replaybisect.store import Store
+from replaybisect.trust import Trust, admit
 
 CLOSE_RELATIVE = 1e-3  # replay tolerance where kernels are nondeterministic (Megatron-Core: 1e-3 relative)
 
 
 # ---- what a run recorded -------------------------------------------------------------------------
-def run_config(store: Store, run_id: str):
-    """The resolved config the run logged, re-validated by the schema."""
+def run_config(store: Store, run_id: str, trust: Optional[Trust] = None):
+    """The resolved config the run logged, re-validated by the schema, and admitted by the trust boundary:
+    a stored config is untrusted input, checked before any of its modules is imported (see trust.py).
+    `trust` is the user's decision (--code-dir, --trust); default: the working folder and the environment's."""
+    trust = trust or Trust.from_user()
     code_dir = store.tags(run_id).get("code_dir")  # RunNotFound first
-    config_mod.add_code_paths(Path.cwd(), *([Path(code_dir).parent, code_dir] if code_dir else []))
     try:
         text = store.read_artifact_text(run_id, "config.yaml")
     except Exception:
         raise ReplayError(f"run {run_id} has no config.yaml artifact: it was not recorded by `replay train`") from None
-    return config_mod.from_yaml(text)
+    cfg = config_mod.from_yaml(text)
+    artifacts = store.local_artifact_dir(run_id)  # <root>/<experiment>/<run>/artifacts: never a code folder
+    admit(cfg, trust, code_dir, source=f"run {run_id}", artifact_root=artifacts.parents[2] if artifacts else None)
+    return cfg
 
 
 def failing_step(store: Store, run_id: str) -> Optional[int]:
