@@ -141,8 +141,8 @@ def clone_state(state: TrainState, cfg=None) -> TrainState:
     and grad scale. RNG streams and the thread count are left as they were.
 
     Optimizer and scheduler are rebuilt and loaded from deep copies of their state dicts, the way `restore`
-    does it, never deep-copied: a scheduler wraps its optimizer's `step` in a closure over the original, and a
-    deep-copied optimizer keeps that closure, so stepping the copy would step the original."""
+    does it: a deep-copied optimizer loses the step wrapper its scheduler installed, and the copy's scheduler
+    then warns that `optimizer.step()` was overridden."""
     target = cfg if cfg is not None else state.cfg
     threads = torch.get_num_threads()
     with isolated_rng():  # building draws from (and seeds) the RNG streams
@@ -172,7 +172,7 @@ def _clone_model(state: TrainState, cfg, rebuild: bool) -> torch.nn.Module:
 def _clone_optimizer(state: TrainState, cfg, model: torch.nn.Module):
     if cfg is not None and cfg.get("optim") is not None:
         try:
-            optimizer = instantiate(cfg.optim, "optim")(params=model.parameters())
+            optimizer = build_optimizer(cfg.optim, model.parameters())
             scheduler = instantiate(cfg.scheduler, "scheduler")(optimizer=optimizer) if cfg.get("scheduler") else None
             optimizer.load_state_dict(copy.deepcopy(state.optimizer.state_dict()))
             if scheduler is not None and state.scheduler is not None:
