@@ -318,6 +318,9 @@ def read_manifest(folder: Path) -> Manifest:
             raise _bad(folder, MANIFEST, f"does not list {required}")
     if manifest.step != step_of(folder.name):
         raise _bad(folder, MANIFEST, f"says step {manifest.step}, but the folder is {folder.name}")
+    for name in sorted(ALLOWED_FILES - set(manifest.files)):
+        if os.path.lexists(folder / name):
+            raise _bad(folder, name, f"is not listed in {MANIFEST}; refusing a file the snapshot did not write")
     return manifest
 
 
@@ -376,7 +379,7 @@ def _tensor_span(name: str, entry: Any) -> tuple[int, int]:
     if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}:
         raise ValueError(f"tensor {name!r} is not described by dtype, shape and data_offsets")
     dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
-    if dtype not in SAFETENSORS_ITEM_SIZES:
+    if not isinstance(dtype, str) or dtype not in SAFETENSORS_ITEM_SIZES:
         raise ValueError(f"tensor {name!r} has unknown dtype {str(dtype)[:20]!r}")
     if not isinstance(shape, list) or not all(is_int(d) for d in shape):
         raise ValueError(f"tensor {name!r} has a shape that is not a list of sizes")
