@@ -67,10 +67,14 @@ def print_train_result(result) -> None:
     if result.snapshot_steps:
         console.print(f"  snapshots at steps {', '.join(str(s) for s in result.snapshot_steps)}")
     if result.status == "nonfinite":
-        console.print(
-            f"  [red]non-finite {result.nonfinite_what} at step {result.first_nonfinite_step}[/red]; the state before it is saved.\n"
-            f"  next: [bold]replay nan --run-id {result.run_id}[/bold]   then   replay ablate lr,clip,precision --run-id {result.run_id}"
-        )
+        failure = f"  [red]non-finite {result.nonfinite_what} at step {result.first_nonfinite_step}[/red]; "
+        if result.first_nonfinite_step in result.snapshot_steps:
+            console.print(
+                failure + "the state before it is saved.\n"
+                f"  next: [bold]replay nan --run-id {result.run_id}[/bold]   then   replay ablate lr,clip,precision --run-id {result.run_id}"
+            )
+        else:
+            console.print(failure + "no snapshot saved (snapshot.enabled=false): train again with the recorder on to replay it.")
     console.print(f"  view: {mlflow_ui_hint(result.tracking_uri)}")
 
 

@@ -61,7 +61,10 @@ def train_command(
     else:
         print_train_result(result)
     if result.stopped:
-        raise NonFiniteStop(result.first_nonfinite_step, (result.nonfinite_what or "loss").replace("_", " "), result.run_id)
+        raise NonFiniteStop(
+            result.first_nonfinite_step, (result.nonfinite_what or "loss").replace("_", " "), result.run_id,
+            snapshot_saved=result.first_nonfinite_step in result.snapshot_steps,
+        )
 
 
 def register(app: typer.Typer) -> None:
