@@ -31,6 +31,8 @@ def _quiet_mlflow() -> None:
     # A fresh SQLite store runs alembic migrations that log at INFO; users see only our output.
     for name in ("alembic", "alembic.runtime.migration", "mlflow.store.db.utils", "mlflow"):
         logging.getLogger(name).setLevel(logging.WARNING)
+    # It logs every database error with its traceback, then raises it: the raised one is reported, on one line.
+    logging.getLogger("mlflow.store.db.utils").setLevel(logging.CRITICAL)
     # Fail fast on an unreachable server instead of MLflow's minutes of retries.
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "30")

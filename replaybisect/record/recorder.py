@@ -258,7 +258,7 @@ class Recorder:
                     self.store.log_artifact(self.run_id, folder / name, target)
                 shutil.rmtree(folder, ignore_errors=True)
         self._written_steps.append(opened["step"])
-        with _disk_full_named("tags", self.store.uri):
+        with _disk_full_named("tags", self.store.uri, in_store=True):
             self.store.set_tags(self.run_id, {"snapshot_steps": ",".join(str(s) for s in sorted(set(self._written_steps)))})
 
     # ---- metrics and the background worker -------------------------------------------------------
@@ -269,7 +269,7 @@ class Recorder:
             self._submit(self._log_metrics, points)
 
     def _log_metrics(self, points: list[tuple[str, float, int]]) -> None:
-        with _disk_full_named("metrics", self.store.uri):
+        with _disk_full_named("metrics", self.store.uri, in_store=True):
             self.store.log_metrics(self.run_id, points)
 
     def _submit(self, function, *args) -> Future:
@@ -305,7 +305,7 @@ class Recorder:
 
 
 @contextmanager
-def _disk_full_named(what: str, where) -> Any:
+def _disk_full_named(what: str, where, in_store: bool = False) -> Any:
     """A full disk or quota becomes one line: what was being written, where, and what to do."""
     try:
         yield
@@ -314,10 +314,11 @@ def _disk_full_named(what: str, where) -> Any:
     except Exception as error:
         if not is_disk_full(error):
             raise
-        raise DiskFull(
-            f"no space left on device writing {what} in {where}; free space, set snapshot.every higher "
-            "or point the store elsewhere (--tracking-uri)"
-        ) from error
+        if in_store:
+            message = f"no space left on device writing {what} to the tracking store {where}; free space or point the store elsewhere (--tracking-uri)"
+        else:
+            message = f"no space left on device writing {what} in {where}; free space, set snapshot.every higher or point the store elsewhere (--tracking-uri)"
+        raise DiskFull(message) from error
 
 
 class NullHooks:
