@@ -16,6 +16,7 @@ BUILTIN_CONFIG_DIR = Path(__file__).parent / "conf"
 SCHEMA_NAME = "replaybisect_schema"
 ENTRY_NAME = "replaybisect_entry"
 PRECISIONS = ("fp32", "bf16", "fp16")
+MAX_THREADS = 1024  # torch.set_num_threads(100000) exhausts memory mapping threads
 
 
 @dataclass
@@ -103,6 +104,7 @@ def compose(config_dir: str | Path | None = None, config_name: str | None = None
     from hydra.errors import HydraException
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
+    from yaml import YAMLError
 
     config_dir = Path(config_dir).expanduser().resolve() if config_dir else BUILTIN_CONFIG_DIR
     config_name = (config_name or "config").removesuffix(".yaml")
@@ -123,14 +125,75 @@ def compose(config_dir: str | Path | None = None, config_name: str | None = None
         with initialize_config_dir(config_dir=str(config_dir), version_base="1.3"):
             cfg = hydra_compose(config_name=ENTRY_NAME, overrides=overrides)
     except (HydraException, OmegaConfBaseException, ValueError) as error:
-        raise ConfigError(_one_line(error) + "; see `replay train --help` for overrides") from None
+        raise ConfigError(_clip_words(_one_line(error)) + "; see `replay train --help` for overrides") from None
+    except YAMLError as error:
+        raise ConfigError(_yaml_problem(error)) from None
+    except OSError as error:  # e.g. an over-long `+key=` override, which Hydra looks up as a file name
+        raise ConfigError(_clip_words(f"cannot compose the config: {error.strerror}: {error.filename}") + "; check the overrides") from None
     finally:
         GlobalHydra.instance().clear()
     OmegaConf.set_struct(cfg, False)
     cfg.pop("hydra", None)
     OmegaConf.set_struct(cfg, True)
     validate(cfg)
+    check_optimizer(cfg)
     return cfg
+
+
+def _yaml_problem(error) -> str:
+    mark = getattr(error, "problem_mark", None)
+    where = f"{mark.name} line {mark.line + 1}, column {mark.column + 1}" if mark is not None else "a config file"
+    problem = " ".join(str(getattr(error, "problem", None) or error).split())
+    return f"YAML syntax error in {where}: {problem}; fix that file"
+
+
+def _clip_words(text: str, longest: int = 80) -> str:
+    """An over-long override would make the error line as long: clip each long word."""
+    return " ".join(word if len(word) <= longest else f"{word[:longest]}...({len(word)} chars)" for word in text.split())
+
+
+def needs_closure(optimizer) -> bool:
+    """torch.optim.LBFGS and the like: `step(closure)` re-evaluates the loss, which the built-in step does not do."""
+    import inspect
+
+    closure = inspect.signature(optimizer.step).parameters.get("closure")
+    return closure is not None and closure.default is inspect.Parameter.empty
+
+
+def build_optimizer(node, params):
+    """`optim` (a _partial_) called with the parameters; a bad value or a closure optimizer is a ConfigError."""
+    try:
+        optimizer = instantiate(node, "optim")(params=params)
+    except (TypeError, ValueError) as error:  # e.g. optim.lr=-1 ("Invalid learning rate") or an unknown kwarg
+        problem = _not_numbers(node) or _one_line(error)
+        raise ConfigError(f"cannot build `optim`: {_clip_words(problem)}; fix the optim.* values") from None
+    if needs_closure(optimizer):
+        raise ConfigError(f"`optim` is {type(optimizer).__name__}, whose step() needs a closure; closure optimizers are "
+                          "not supported by the built-in step yet: use another optimizer (e.g. optim=adamw)")
+    return optimizer
+
+
+def _not_numbers(node) -> str | None:
+    """`optim.lr=abc`: name the strings given where the optimizer's signature has a number."""
+    import inspect
+
+    from hydra.utils import get_class
+
+    try:
+        defaults = inspect.signature(get_class(node["_target_"])).parameters
+    except Exception:  # not a class, or no signature: the original error says enough
+        return None
+    wrong = [f"optim.{key}={value!r} is not a number" for key, value in node.items()
+             if isinstance(value, str) and key in defaults
+             and isinstance(defaults[key].default, (int, float)) and not isinstance(defaults[key].default, bool)]
+    return "; ".join(wrong) or None
+
+
+def check_optimizer(cfg) -> None:
+    """Build the optimizer once over a probe parameter: a bad optim.* value is caught before any run or store exists."""
+    import torch
+
+    build_optimizer(cfg.optim, [torch.nn.Parameter(torch.zeros(2, 2))])
 
 
 def _one_line(error: BaseException) -> str:
@@ -147,13 +210,19 @@ def validate(cfg) -> None:
     for key in ("model", "data", "optim"):
         if cfg.get(key) is None:
             problems.append(f"`{key}` is not set (give it a _target_)")
+    if not -(2**63) <= cfg.seed < 2**64:
+        problems.append(f"seed={cfg.seed} is outside torch's seed range (-2**63 to 2**64-1)")
     if cfg.train.precision not in PRECISIONS:
         problems.append(f"train.precision={cfg.train.precision!r} is not one of {', '.join(PRECISIONS)}")
     if cfg.train.steps <= 0:
         problems.append(f"train.steps={cfg.train.steps} must be positive")
     if cfg.train.batch_size <= 0:
         problems.append(f"train.batch_size={cfg.train.batch_size} must be positive")
-    if cfg.train.clip_grad_norm is not None and cfg.train.clip_grad_norm <= 0:
+    if cfg.train.num_threads is not None and not 1 <= cfg.train.num_threads <= MAX_THREADS:
+        problems.append(f"train.num_threads={cfg.train.num_threads} must be between 1 and {MAX_THREADS}, or null")
+    if cfg.train.val_batches <= 0:
+        problems.append(f"train.val_batches={cfg.train.val_batches} must be positive")
+    if cfg.train.clip_grad_norm is not None and not 0 < cfg.train.clip_grad_norm < float("inf"):
         problems.append(f"train.clip_grad_norm={cfg.train.clip_grad_norm} must be positive or null")
     if cfg.train.val_every < 0 or cfg.snapshot.every < 0 or cfg.snapshot.layer_stats_every < 0:
         problems.append("train.val_every, snapshot.every and snapshot.layer_stats_every must be >= 0")

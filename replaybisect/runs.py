@@ -5,7 +5,12 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Optional
 
+from replaybisect.errors import ReplayError
 from replaybisect.store import TAG, Store
+
+KINDS = ("train", "replay", "ablation-arm", "bisect", "bisect-trial", "check")
+STATUSES = ("ok", "nonfinite", "crashed", "killed", "running")
+MAX_LIMIT = 50_000  # MLflow's SEARCH_MAX_RESULTS_THRESHOLD: a search asking for more is refused
 
 
 @dataclass
@@ -50,6 +55,7 @@ def _summary(run) -> RunSummary:
 
 def recent_runs(store: Store, limit: int = 20, kind: str | None = "train", status: str | None = None) -> list[RunSummary]:
     """Recent runs recorded by replaybisect (default: training runs), newest first."""
+    check_filters(limit, kind, status)
     filters = [f"tags.`{TAG}kind` = '{kind}'"] if kind else [f"tags.`{TAG}kind` != ''"]
     if status:
         filters.append(f"tags.`{TAG}status` = '{status}'")
@@ -58,3 +64,13 @@ def recent_runs(store: Store, limit: int = 20, kind: str | None = "train", statu
         history = store.client.get_metric_history(summary.run_id, "loss") if summary.last_loss is not None else []
         summary.steps = max((m.step for m in history), default=-1) + 1 if history else 0
     return summaries
+
+
+def check_filters(limit: int, kind: str | None, status: str | None) -> None:
+    """Bad filters are bad input, not an empty list."""
+    if not 1 <= limit <= MAX_LIMIT:
+        raise ReplayError(f"--limit {limit} must be between 1 and {MAX_LIMIT} (MLflow's cap on one search)")
+    if kind is not None and kind not in KINDS:
+        raise ReplayError(f"--kind {kind!r} is not a run kind; use one of {', '.join(KINDS)}, all")
+    if status is not None and status not in STATUSES:
+        raise ReplayError(f"--status {status!r} is not a run status; use one of {', '.join(STATUSES)}")

@@ -6,22 +6,22 @@ from typing import Optional
 
 import typer
 
-from replaybisect.cli.common import CodeDirs, JsonFlag, TrackingUri, TrustPrefixes, print_json
+from replaybisect.cli.common import MAX_STEPS, MAX_WORKERS, CodeDirs, JsonFlag, TrackingUri, TrustPrefixes, print_json
 
 
 def ablate_command(
     arms: Optional[str] = typer.Argument(None, help="Comma-separated arms, e.g. lr,clip,precision (default: all; see --list)."),
     run_id: Optional[str] = typer.Option(None, "--run-id", help="The failed run to ablate."),
     from_step: Optional[int] = typer.Option(None, "--from-step", help="Apply the changes from this step (default: the snapshot before the failure)."),
-    horizon: int = typer.Option(200, "--horizon", help="Replay this many steps past the failing step."),
-    workers: Optional[int] = typer.Option(None, "--workers", help="Arms run in parallel: local processes, or SLURM array parallelism with submitit (default: auto: one per arm up to the cores, in-process when the replays are short)."),
+    horizon: int = typer.Option(200, "--horizon", max=MAX_STEPS, help="Replay this many steps past the failing step."),
+    workers: Optional[int] = typer.Option(None, "--workers", max=MAX_WORKERS, help="Arms run in parallel: local processes, or SLURM array parallelism with submitit (default: auto: one per arm up to the cores, in-process when the replays are short)."),
     executor: str = typer.Option("local", "--executor", help="local (processes here) | submitit (SLURM; local when no sbatch)."),
     cluster: Optional[str] = typer.Option(None, "--cluster", help="submitit cluster: slurm | local | debug (default: slurm when sbatch exists, else local)."),
     partition: Optional[str] = typer.Option(None, "--partition", help="SLURM partition (submitit)."),
-    time_min: int = typer.Option(60, "--time", help="Job time limit in minutes (submitit)."),
-    gpus: int = typer.Option(0, "--gpus", help="GPUs per job (submitit)."),
-    cpus: Optional[int] = typer.Option(None, "--cpus", help="CPUs per job (submitit)."),
-    mem_gb: Optional[float] = typer.Option(None, "--mem-gb", help="Memory per job in GB (submitit)."),
+    time_min: int = typer.Option(60, "--time", min=1, help="Job time limit in minutes (submitit)."),
+    gpus: int = typer.Option(0, "--gpus", min=0, help="GPUs per job (submitit)."),
+    cpus: Optional[int] = typer.Option(None, "--cpus", min=1, help="CPUs per job (submitit)."),
+    mem_gb: Optional[float] = typer.Option(None, "--mem-gb", min=0.001, help="Memory per job in GB (submitit)."),
     executor_folder: str = typer.Option(".replaybisect/submitit", "--executor-folder", help="submitit's job folder (shared file system on SLURM)."),
     list_arms: bool = typer.Option(False, "--list", help="List the interventions and exit."),
     tracking_uri: Optional[str] = TrackingUri,

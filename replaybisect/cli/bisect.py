@@ -7,7 +7,9 @@ from typing import Optional
 
 import typer
 
-from replaybisect.cli.common import HYDRA_CONTEXT, JsonFlag, TrackingUri, print_json
+from replaybisect.cli.common import HYDRA_CONTEXT, MAX_STEPS, MAX_WORKERS, JsonFlag, TrackingUri, print_json
+
+MAX_SEEDS = 100  # seeds per endpoint; each is a training run per tried commit
 
 
 def bisect_command(
@@ -17,12 +19,12 @@ def bisect_command(
     repo: Path = typer.Option(Path("."), "--repo", help="The git repository (never modified: trials run in a private clone)."),
     config_dir: str = typer.Option("conf", "--config-dir", help="Hydra config folder, relative to the repository root at each commit."),
     config_name: str = typer.Option("config", "--config-name", help="Primary config in --config-dir."),
-    steps: Optional[int] = typer.Option(None, "--steps", help="Training steps per trial (default: the config's train.steps)."),
+    steps: Optional[int] = typer.Option(None, "--steps", min=1, max=MAX_STEPS, help="Training steps per trial (default: the config's train.steps)."),
     metric: str = typer.Option("loss", "--metric", help="Metric judged (lower is better): its mean over the last 10% of logged steps."),
     threshold: Optional[float] = typer.Option(None, "--threshold", help="Metric above this is bad (default: judged against the endpoints' measured spread)."),
-    seeds: int = typer.Option(3, "--seeds", help="Seeds the endpoints are measured with (a commit gets more when unclear); training only."),
-    max_seeds: Optional[int] = typer.Option(None, "--max-seeds", help="Most seeds for one commit (default 3x --seeds)."),
-    workers: int = typer.Option(1, "--workers", "-w", help="Commits tested in parallel per round."),
+    seeds: int = typer.Option(3, "--seeds", min=1, max=MAX_SEEDS, help="Seeds the endpoints are measured with (a commit gets more when unclear); training only."),
+    max_seeds: Optional[int] = typer.Option(None, "--max-seeds", min=1, max=3 * MAX_SEEDS, help="Most seeds for one commit (default 3x --seeds)."),
+    workers: int = typer.Option(1, "--workers", "-w", min=1, max=MAX_WORKERS, help="Commits tested in parallel per round."),
     cmd: Optional[str] = typer.Option(None, "--cmd", help="Run this shell command instead of training; exit 0 good, 125 skip, 1-127 bad, >=128 abort."),
     no_cache: bool = typer.Option(False, "--no-cache", help="Do not reuse trial results of earlier bisects."),
     tracking_uri: Optional[str] = TrackingUri,
@@ -45,8 +47,14 @@ def bisect_command(
     ($REPLAYBISECT_CACHE). Exit status: 0 a result (a first bad commit, or the skipped commits it could be),
     2 bad input (unknown commit, GOOD not an ancestor of BAD, GOOD fails or BAD passes).
     """
+    import math
     import signal
     import sys
+
+    from replaybisect.errors import ReplayError
+
+    if threshold is not None and not math.isfinite(threshold):
+        raise ReplayError(f"--threshold {threshold} must be a finite number (or leave it out: judged from the endpoints)")
 
     from replaybisect.replay.bisect import bisect
     from replaybisect.report_bisect import render

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Optional
 
 import typer
 
-from replaybisect.cli.common import HYDRA_CONTEXT, CodeDirs, JsonFlag, TrackingUri, TrustPrefixes, print_json
+from replaybisect.cli.common import HYDRA_CONTEXT, MAX_STEPS, CodeDirs, JsonFlag, TrackingUri, TrustPrefixes, print_json
 
 
 def check_command(
@@ -19,9 +20,9 @@ def check_command(
     as_json: bool = JsonFlag,
     code_dirs: Optional[list[str]] = CodeDirs,
     trust_prefixes: Optional[list[str]] = TrustPrefixes,
-    overfit_steps: int = typer.Option(300, "--overfit-steps", min=1, help="Steps of the overfit-one-batch check."),
+    overfit_steps: int = typer.Option(300, "--overfit-steps", min=1, max=MAX_STEPS, help="Steps of the overfit-one-batch check."),
     overfit_samples: int = typer.Option(16, "--overfit-samples", min=2, max=32, help="Samples in the overfit batch (2-32)."),
-    lr_steps: int = typer.Option(100, "--lr-steps", min=2, help="Steps of the LR range test."),
+    lr_steps: int = typer.Option(100, "--lr-steps", min=2, max=MAX_STEPS, help="Steps of the LR range test."),
     lr_min: float = typer.Option(1e-7, "--lr-min", help="First learning rate of the LR range test."),
     lr_max: float = typer.Option(10.0, "--lr-max", help="Last learning rate of the LR range test."),
     only: Optional[str] = typer.Option(None, "--only", help="Comma list of checks or groups: overfit,data,loss,init,act,grad,lr."),
@@ -47,8 +48,8 @@ def check_command(
         raise ReplayError("pass either --run-id or a config (--config-dir/--config-name/overrides), not both")
     if not run_id and (code_dirs or trust_prefixes):
         raise ReplayError("--code-dir and --trust apply to --run-id (a stored config); a config you compose is your own code")
-    if lr_min <= 0 or lr_max <= lr_min:
-        raise ReplayError(f"--lr-min {lr_min} and --lr-max {lr_max} must satisfy 0 < lr-min < lr-max")
+    if not (0 < lr_min < lr_max < math.inf):
+        raise ReplayError(f"--lr-min {lr_min} and --lr-max {lr_max} must be finite with 0 < lr-min < lr-max")
 
     from replaybisect import config as config_mod
     from replaybisect.replay.check import CheckOptions, check

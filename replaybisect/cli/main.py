@@ -23,8 +23,28 @@ app = typer.Typer(
 
 
 
+def version() -> str:
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as installed_version
+
+    try:
+        return installed_version("replaybisect")
+    except PackageNotFoundError:  # run from a source tree that is not installed
+        from replaybisect import __version__
+
+        return __version__
+
+
+def _print_version(requested: bool) -> None:
+    if requested:
+        print(f"replay {version()}")
+        raise typer.Exit()
+
+
 @app.callback()
-def _root() -> None:
+def _root(
+    show_version: bool = typer.Option(False, "--version", callback=_print_version, is_eager=True, help="Print the version and exit."),
+) -> None:
     """Replay, ablate and bisect failing PyTorch training runs recorded to MLflow."""
 
 
@@ -60,7 +80,7 @@ def main() -> None:
     except ReplayError as error:
         if os.environ.get("REPLAYBISECT_FULL_ERROR") == "1":
             raise
-        print(f"replay: error: {error}", file=sys.stderr)
+        print(f"replay: error: {' '.join(str(error).split())}", file=sys.stderr)
         sys.exit(error.exit_code)
     except NonFiniteStop as stop:
         print(f"replay: {stop}", file=sys.stderr)
@@ -72,14 +92,43 @@ def main() -> None:
     except SystemExit:
         raise
     except Exception as error:  # click usage errors arrive here in non-standalone mode
-        import click
-
-        if isinstance(error, click.exceptions.ClickException):
-            if os.environ.get("REPLAYBISECT_FULL_ERROR") == "1":
-                raise
-            print(f"replay: error: {error.format_message()}", file=sys.stderr)
-            sys.exit(2)
-        if isinstance(error, click.exceptions.Abort):
+        if isinstance(error, typer.Abort):
             print("replay: interrupted", file=sys.stderr)
             sys.exit(130)
-        raise
+        if not _is_usage_error(error) or os.environ.get("REPLAYBISECT_FULL_ERROR") == "1":
+            raise
+        if type(error).__name__ == "NoArgsIsHelpError":  # bare `replay`: its message is the help
+            print(error.format_message())
+            sys.exit(0)
+        print(_usage_line(error), file=sys.stderr)
+        sys.exit(2)
+
+
+def _is_usage_error(error: Exception) -> bool:
+    """A click usage error, from click itself or the copy typer >= 0.2x vendors (typer._click): duck-typed."""
+    return callable(getattr(error, "format_message", None)) and isinstance(getattr(error, "exit_code", None), int)
+
+
+def _usage_line(error: Exception) -> str:
+    message = " ".join(error.format_message().split()).rstrip(".")
+    allowed = _allowed_range(getattr(error, "param", None))
+    if allowed and "range" not in message:
+        message += f" (allowed: {allowed})"
+    ctx = getattr(error, "ctx", None)
+    command = ctx.command_path if ctx is not None and ctx.command_path != "-" else _command_from_argv()
+    hint = f"see `{command} --help`"
+    return f"replay: error: {message} ({hint})" if message.endswith("?") else f"replay: error: {message}; {hint}"
+
+
+def _allowed_range(param) -> str | None:
+    """A numeric option's bounds: typer >= 0.2x keeps them on the option, click on its IntRange/FloatRange type."""
+    holder = param if getattr(param, "min", None) is not None or getattr(param, "max", None) is not None else getattr(param, "type", None)
+    low, high = getattr(holder, "min", None), getattr(holder, "max", None)
+    if low is None or high is None:
+        return None if low is None and high is None else f"at least {low}" if high is None else f"at most {high}"
+    return f"{low} to {high}"
+
+
+def _command_from_argv() -> str:
+    verb = next((arg for arg in sys.argv[1:] if not arg.startswith("-")), None)
+    return f"replay {verb}" if verb in VERBS else "replay"

@@ -11,7 +11,7 @@ from replaybisect.cli.common import CodeDirs, JsonFlag, TrackingUri, TrustPrefix
 
 def nan_command(
     run_id: str = typer.Option(..., "--run-id", help="The run that went non-finite."),
-    step: Optional[int] = typer.Option(None, "--step", help="Examine this step instead of the run's first non-finite step."),
+    step: Optional[int] = typer.Option(None, "--step", min=0, help="Examine this step instead of the run's first non-finite step."),
     device: Optional[str] = typer.Option(None, "--device", help="Replay on this device (default: the run's train.device)."),
     no_child_run: bool = typer.Option(False, "--no-child-run", help="Do not record the report as a child run."),
     tracking_uri: Optional[str] = TrackingUri,
@@ -41,16 +41,16 @@ def nan_command(
     from replaybisect.report_nan import print_rich
     from replaybisect.store import open_store
 
+    torch_device = None
+    if device:  # a bad device is bad input before the store is opened
+        from replaybisect.loop import resolve_device
+
+        torch_device = resolve_device(device)
     from replaybisect.trust import Trust
 
     trust = Trust.from_user(code_dirs or (), trust_prefixes or ())
     store = open_store(tracking_uri)
     progress = stderr_console()
-    torch_device = None
-    if device:
-        from replaybisect.loop import resolve_device
-
-        torch_device = resolve_device(device)
     report = diagnose(store, run_id, step, device=torch_device, record=not no_child_run, trust=trust,
                       log=lambda message: progress.print(f"[dim]{message}[/dim]"))
     if as_json:

@@ -7,12 +7,13 @@ from typing import Optional
 import typer
 
 from replaybisect.cli.common import JsonFlag, TrackingUri, print_json
+from replaybisect.runs import KINDS, MAX_LIMIT, STATUSES, check_filters
 
 
 def runs_command(
-    limit: int = typer.Option(20, "--limit", "-n", help="How many runs, newest first."),
-    kind: str = typer.Option("train", "--kind", help="train | replay | ablation-arm | bisect | bisect-trial | check | all"),
-    status: Optional[str] = typer.Option(None, "--status", help="ok | nonfinite | crashed | running"),
+    limit: int = typer.Option(20, "--limit", "-n", min=1, max=MAX_LIMIT, help="How many runs, newest first."),
+    kind: str = typer.Option("train", "--kind", help=" | ".join((*KINDS, "all"))),
+    status: Optional[str] = typer.Option(None, "--status", help=" | ".join(STATUSES)),
     tracking_uri: Optional[str] = TrackingUri,
     as_json: bool = JsonFlag,
 ):
@@ -20,15 +21,14 @@ def runs_command(
 
         replay runs --status nonfinite
     """
-    from replaybisect.errors import ReplayError
     from replaybisect.report import print_runs
     from replaybisect.runs import recent_runs
     from replaybisect.store import open_store
 
-    if limit <= 0:
-        raise ReplayError(f"--limit {limit} must be positive")
+    kind_filter = None if kind == "all" else kind
+    check_filters(limit, kind_filter, status)  # before the store is opened (or created)
     store = open_store(tracking_uri)
-    summaries = recent_runs(store, limit=limit, kind=None if kind == "all" else kind, status=status)
+    summaries = recent_runs(store, limit=limit, kind=kind_filter, status=status)
     if as_json:
         print_json({"tracking_uri": store.uri, "runs": [s.to_json() for s in summaries]})
     else:

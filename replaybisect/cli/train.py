@@ -35,16 +35,16 @@ def train_command(
     from replaybisect.errors import NonFiniteStop, ReplayError
     from replaybisect.report import print_train_result
 
-    cfg = config_mod.compose(config_dir, config_name, list(ctx.args))
-    if show_config:
-        print(config_mod.to_yaml(cfg), end="")
-        return
     extra_tags = {}
     for item in tag:
         key, sep, value = item.partition("=")
         if not sep:
             raise ReplayError(f"--tag {item!r} is not key=value")
         extra_tags[key] = value
+    cfg = config_mod.compose(config_dir, config_name, list(ctx.args))
+    if show_config:
+        print(config_mod.to_yaml(cfg), end="")
+        return
 
     from replaybisect.store import open_store
     from replaybisect.train import train
