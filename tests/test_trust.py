@@ -147,10 +147,16 @@ def test_trust_prefix_trusts_an_importable_package_that_importability_alone_does
     by_option = scene.replay("nan", "--run-id", scene.run_id, "--no-child-run", "--trust", "own_model", **installed)
     assert by_option.returncode == 0, by_option.stderr
     assert scene.markers() == [scene.project / "MARKER"]
-    (scene.project / "MARKER").unlink()
-    by_env = scene.replay("nan", "--run-id", scene.run_id, "--no-child-run", **installed, **{TRUST_ENV: "own_model"})
-    assert by_env.returncode == 0, by_env.stderr
-    assert scene.markers() == [scene.project / "MARKER"]
+
+
+def test_the_environment_says_the_same_as_the_options(scene, monkeypatch):
+    monkeypatch.setenv(TRUST_ENV, "own_model, other.pkg.")
+    monkeypatch.setenv(CODE_DIR_ENV, os.pathsep.join([str(scene.project), str(scene.attacker)]))
+    monkeypatch.chdir(scene.workspace.path)
+    trust = Trust.from_user(code_dirs=[scene.project], prefixes=["mine"])
+    assert trust.prefixes == (*BUILTIN_PREFIXES, "mine", "own_model", "other.pkg")
+    assert trust.roots == tuple(str(p.resolve()) for p in (scene.workspace.path, scene.project, scene.attacker))
+    assert Trust.from_json(trust.to_json()) == trust  # what ablation workers receive
 
 
 def test_a_code_loader_is_refused_end_to_end_whatever_the_user_trusts(scene):
