@@ -46,6 +46,7 @@ def main() -> None:
 
     folder = Path(tempfile.mkdtemp(prefix="nan-speed-"))
     os.chdir(folder)  # MLflow's default artifact root (./mlruns) lands in the temp folder too
+    os.environ["REPLAYBISECT_CODE_DIR"] = str(EXAMPLE)  # the stored run's model lives there (replaybisect/trust.py)
     store = open_store(f"sqlite:///{folder / 'mlflow.db'}")
     overrides = [
         f"model.hidden={args.hidden}", f"model.hold_steps={args.hold_steps}", f"train.batch_size={args.batch_size}",
