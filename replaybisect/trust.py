@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
+from replaybisect import config as config_mod
 from replaybisect.errors import ConfigError, ReplayError
 
 BUILTIN_PREFIXES = ("torch", "replaybisect")
@@ -135,8 +136,6 @@ def admit(cfg, trust: Trust, code_dir_tag: Optional[str], source: str, artifact_
     folders, tag_ignored = trust.import_folders(code_dir_tag, artifact_root)
     targets = [_check_static(path, key, trust, folders, source, code_dir_tag if tag_ignored else None)
                for path, key in _walk(tree, "", source)]
-    from replaybisect import config as config_mod
-
     config_mod.add_code_paths(*folders)
     for target in targets:
         _check_resolved(target, trust, source)
@@ -209,8 +208,8 @@ def _check_static(path: Any, key: str, trust: Trust, folders: list[Path], source
     spec = PathFinder.find_spec(top, [str(folder) for folder in folders])  # finds, never executes
     if spec is not None and _spec_inside(spec, trust):
         return _Target(path, key, by_prefix=False)
-    where = "this folder" + (" or --code-dir" if len(trust.roots) > 1 else "")
-    hint = f" (the run's code_dir tag {ignored_tag} is outside them, so it is not used)" if ignored_tag else ""
+    where = "this folder" + (" or a --code-dir" if len(trust.roots) > 1 else "")
+    hint = f" (the run's code_dir tag {ignored_tag} is not inside {where}, so it is not used)" if ignored_tag else ""
     raise UntrustedConfig(
         f"untrusted `_target_` {path} at {key} in the stored config of {source}: {top} is not a module in {where}{hint} "
         f"and not under a trusted prefix; if you trust it, pass --code-dir DIR (the folder holding {top}) or --trust {top}"
