@@ -48,7 +48,6 @@ def bisect_command(
     2 bad input (unknown commit, GOOD not an ancestor of BAD, GOOD fails or BAD passes).
     """
     import math
-    import signal
     import sys
 
     from replaybisect.errors import ReplayError
@@ -61,11 +60,7 @@ def bisect_command(
 
     from replaybisect.cli.common import stderr_console
 
-    # `kill` (SIGTERM) stops the bisect as cleanly as Ctrl-C: trials stopped, worktrees removed.
-    def _interrupt(signum, frame):
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, _interrupt)
+    # `kill` (SIGTERM) stops the bisect as cleanly as Ctrl-C (main() raises Terminated, a KeyboardInterrupt)
     try:
         with _Progress(stderr_console()) as progress:
             result = bisect(
@@ -73,10 +68,13 @@ def bisect_command(
                 steps=steps, metric=metric, threshold=threshold, seeds=seeds, max_seeds=max_seeds, workers=workers,
                 cmd=cmd, tracking_uri=tracking_uri, use_cache=not no_cache, on_event=progress.event,
             )
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as stop:
+        from replaybisect.errors import interruption
+
         # say what happened to the user's repository (sys.exit: main() would add its generic line for typer.Exit)
-        print("replay: interrupted (trials stopped, worktrees removed, your repository untouched)", file=sys.stderr)
-        sys.exit(130)
+        line, code = interruption(stop)
+        print(f"{line} (trials stopped, worktrees removed, your repository untouched)", file=sys.stderr)
+        sys.exit(code)
     if as_json:
         print_json(result.to_dict())
     else:
