@@ -52,12 +52,13 @@ def check_command(
         raise ReplayError(f"--lr-min {lr_min} and --lr-max {lr_max} must be finite with 0 < lr-min < lr-max")
 
     from replaybisect import config as config_mod
-    from replaybisect.replay.check import CheckOptions, check
+    from replaybisect.replay.check import CheckOptions, check, select
 
     options = CheckOptions(
         overfit_steps=overfit_steps, overfit_samples=overfit_samples, lr_steps=lr_steps, lr_min=lr_min, lr_max=lr_max,
         only=[part.strip() for part in only.split(",") if part.strip()] if only else None,
     )
+    select(options.only)  # an unknown check is bad input before the store is opened (or created)
     cfg = None if run_id else config_mod.compose(config_dir, config_name, list(ctx.args))
 
     from replaybisect.report_check import print_check_report

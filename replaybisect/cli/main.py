@@ -124,9 +124,7 @@ def _allowed_range(param) -> str | None:
     """A numeric option's bounds: typer >= 0.2x keeps them on the option, click on its IntRange/FloatRange type."""
     holder = param if getattr(param, "min", None) is not None or getattr(param, "max", None) is not None else getattr(param, "type", None)
     low, high = getattr(holder, "min", None), getattr(holder, "max", None)
-    if low is None or high is None:
-        return None if low is None and high is None else f"at least {low}" if high is None else f"at most {high}"
-    return f"{low} to {high}"
+    return f"{low} to {high}" if low is not None and high is not None else None  # one bound: the message names it
 
 
 def _command_from_argv() -> str:
