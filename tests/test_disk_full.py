@@ -16,14 +16,14 @@ import pytest
 from conftest import Workspace
 
 
-def _mount_small_fs(folder: Path, scratch: Path) -> str | None:
-    """Mount a 2 MiB file system on `folder`; None if it worked, else why not."""
+def _mount_small_fs(folder: Path, scratch: Path, size: str = "2M") -> str | None:
+    """Mount a small file system (`size`, as tmpfs and truncate spell it) on `folder`; None if it worked, else why not."""
     folder.mkdir()
-    tmpfs = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2M", "tmpfs", str(folder)], capture_output=True, text=True)
+    tmpfs = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(folder)], capture_output=True, text=True)
     if tmpfs.returncode == 0:
         return None
     image = scratch / "small.img"
-    steps = [["truncate", "-s", "2M", str(image)], ["mkfs.ext4", "-q", "-F", str(image)], ["mount", "-o", "loop", str(image), str(folder)]]
+    steps = [["truncate", "-s", size, str(image)], ["mkfs.ext4", "-q", "-F", "-m", "0", "-O", "^has_journal", str(image)], ["mount", "-o", "loop", str(image), str(folder)]]
     for command in steps:
         if shutil.which(command[0]) is None:
             return f"tmpfs: {tmpfs.stderr.strip()}; no {command[0]} for a loop-mounted image"
@@ -92,7 +92,7 @@ def test_nothing_partial_is_left_and_earlier_snapshots_still_load(full_disk_run)
 def test_a_full_tracking_store_is_one_line_too(tmp_path):
     """The whole store (database and artifacts) on a small file system that the metrics fill."""
     workspace = Workspace(tmp_path / "store")
-    why_not = _mount_small_fs(workspace.path, tmp_path)
+    why_not = _mount_small_fs(workspace.path, tmp_path, size="1200K")  # a new store's database takes ~0.9 MiB
     if why_not:
         pytest.skip(f"no small file system can be mounted here (needs root): {why_not}")
     try:
