@@ -33,8 +33,8 @@ def _import_worker_modules(_index: int = 0) -> float:
     import mlflow  # noqa: F401
     import torch  # noqa: F401
 
-    import replaybisect.loop  # noqa: F401
-    import replaybisect.replay.restore  # noqa: F401
+    import replaybisect.core.loop  # noqa: F401
+    import replaybisect.restore  # noqa: F401
 
     return time.perf_counter() - started
 
@@ -58,10 +58,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2, help="each timing is the best of this many runs")
     args = parser.parse_args()
 
-    from replaybisect import config as config_mod
-    from replaybisect.replay import ablate as ablate_mod
+    from replaybisect.core import config as config_mod
+    from replaybisect.ablate import engine as ablate_mod
     from replaybisect.store import open_store
-    from replaybisect.train import train
+    from replaybisect.train.engine import train
 
     folder = Path(tempfile.mkdtemp(prefix="ablate-bench-"))
     os.chdir(folder)

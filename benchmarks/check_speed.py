@@ -38,9 +38,9 @@ def timed(command: list[str], cwd: Path, env: dict) -> tuple[float, str]:
 
 def per_check_seconds(overrides: list[str]) -> dict[str, float]:
     """Each check's own time, in process (imports and building excluded)."""
-    from replaybisect import config as config_mod
-    from replaybisect import loop
-    from replaybisect.replay import check as K
+    from replaybisect.core import config as config_mod
+    from replaybisect.core import loop
+    from replaybisect.check import engine as K
 
     cfg = config_mod.compose(None, None, overrides)
     if cfg.train.num_threads:

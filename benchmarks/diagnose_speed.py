@@ -73,8 +73,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
 
-    from replaybisect.replay.diagnose import analyse, load_curves
-    from replaybisect.report_diagnose import write_artifacts
+    from replaybisect.diagnose.engine import analyse, load_curves
+    from replaybisect.diagnose.report import write_artifacts
     from replaybisect.store import open_store
 
     folder = Path(tempfile.mkdtemp(prefix="diagnose-bench-"))

@@ -36,13 +36,14 @@ def main() -> None:
 
     import torch
 
-    from replaybisect import config as config_mod
-    from replaybisect import loop
-    from replaybisect.replay import nan, probes
-    from replaybisect.replay import restore as restore_mod
-    from replaybisect.record.rng import capture_raw
+    from replaybisect.core import config as config_mod
+    from replaybisect.core import loop
+    from replaybisect.nan import engine as nan
+    from replaybisect.nan import probes
+    from replaybisect import restore as restore_mod
+    from replaybisect.core.rng import capture_raw
     from replaybisect.store import open_store
-    from replaybisect.train import train
+    from replaybisect.train.engine import train
 
     folder = Path(tempfile.mkdtemp(prefix="nan-speed-"))
     os.chdir(folder)  # MLflow's default artifact root (./mlruns) lands in the temp folder too

@@ -33,9 +33,9 @@ MODEL = ["model.hidden=1600", "model.depth=3", "model.dropout=0.0"]
 def child(mode: str, steps: int, folder: str) -> None:
     import torch
 
-    from replaybisect import config
+    from replaybisect.core import config
     from replaybisect.store import open_store
-    from replaybisect.train import train
+    from replaybisect.train.engine import train
 
     torch.set_num_threads(2)
     overrides = MODEL + [f"train.steps={steps}", "train.batch_size=64", "train.val_every=0", "snapshot.every=100", "snapshot.layer_stats_every=50"]
@@ -45,7 +45,7 @@ def child(mode: str, steps: int, folder: str) -> None:
     store = open_store(f"sqlite:///{folder}/mlflow.db")
     recorder_box = {}
 
-    import replaybisect.record.recorder as recorder_module
+    import replaybisect.recorder as recorder_module
 
     original_close = recorder_module.Recorder.close
 
@@ -54,7 +54,7 @@ def child(mode: str, steps: int, folder: str) -> None:
         recorder_box["blocking"] = self.snapshot_blocking
 
     recorder_module.Recorder.close = close_and_keep
-    params = sum(p.numel() for p in __import__("replaybisect.loop", fromlist=["x"]).build_state(cfg).model.parameters())
+    params = sum(p.numel() for p in __import__("replaybisect.core.loop", fromlist=["x"]).build_state(cfg).model.parameters())
     started = time.perf_counter()
     result = train(cfg, store)
     seconds = time.perf_counter() - started

@@ -1,4 +1,4 @@
-from replaybisect.cli.main import main
+from replaybisect.cli import main
 
 if __name__ == "__main__":
     main()

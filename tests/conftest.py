@@ -92,8 +92,8 @@ def train_example(store, name: str, *overrides: str, env: dict[str, str] | None 
     """Train examples/NAME/config.yaml in this process (environment `env` set meanwhile); the TrainResult."""
     from unittest import mock
 
-    from replaybisect import config as config_mod
-    from replaybisect.train import train
+    from replaybisect.core import config as config_mod
+    from replaybisect.train.engine import train
 
     folder = EXAMPLES / name
     with mock.patch.dict(os.environ, env or {}):

@@ -168,7 +168,7 @@ def test_list_shows_every_intervention_without_importing_torch(workspace):
     assert [item["name"] for item in listed.json()["interventions"]] == ALL_ARMS
     assert all(item["description"] for item in listed.json()["interventions"])
     probe = subprocess.run(
-        [sys.executable, "-c", "import sys, replaybisect.cli.ablate, replaybisect.replay.interventions, replaybisect.report_ablate; print('torch' in sys.modules, 'mlflow' in sys.modules)"],
+        [sys.executable, "-c", "import sys, replaybisect.ablate.command, replaybisect.ablate.interventions, replaybisect.ablate.report; print('torch' in sys.modules, 'mlflow' in sys.modules)"],
         capture_output=True, text=True, check=True,
     )
     assert probe.stdout.strip() == "False False"

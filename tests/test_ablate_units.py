@@ -7,11 +7,11 @@ import math
 
 import pytest
 
-from replaybisect import config as config_mod
+from replaybisect.core import config as config_mod
 from replaybisect.errors import ReplayError
-from replaybisect.replay import ablate as ablate_mod
-from replaybisect.replay import interventions
-from replaybisect.replay.interventions import ArmContext
+from replaybisect.ablate import engine as ablate_mod
+from replaybisect.ablate import interventions
+from replaybisect.ablate.interventions import ArmContext
 
 
 @pytest.fixture(scope="module")

@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 import torch
 
-from replaybisect import config as config_mod
-from replaybisect import loop
-from replaybisect.replay import check as K
-from replaybisect.replay import lr_finder
+from replaybisect.core import config as config_mod
+from replaybisect.core import loop
+from replaybisect.check import engine as K
+from replaybisect.check import lr_finder
 
 PLANTS = Path(__file__).resolve().parents[1] / "examples" / "check_pathologies"
 SMALL = K.CheckOptions(overfit_steps=60, lr_steps=40)
@@ -61,7 +61,7 @@ def assert_same_tensors(before: dict, after: dict):
 
 
 def test_checks_leave_model_optimizer_scheduler_and_rng_streams_exactly_as_they_were():
-    from replaybisect.record.rng import capture_raw, restore_raw
+    from replaybisect.core.rng import capture_raw, restore_raw
 
     overrides = ["scheduler=cosine", "model.hidden=32"]
     ctx = context(overrides=overrides)

@@ -1,4 +1,4 @@
-"""Unit tests for the one code path (`replaybisect.loop`), in-process on the built-in config with a tiny model.
+"""Unit tests for the one code path (`replaybisect.core.loop`), in-process on the built-in config with a tiny model.
 
 - a probed step (every probe of `replay nan`: module hooks, op finder, gradient and autograd-node hooks, the
   update watch; detect_anomaly) leaves parameters, optimizer, scheduler, scaler and RNG streams bit-identical
@@ -20,11 +20,11 @@ import pytest
 import torch
 from torch import nn
 
-from replaybisect import config as config_mod
-from replaybisect import loop
-from replaybisect.record.rng import capture_raw, restore_raw
-from replaybisect.replay import probes
-from replaybisect.replay.restore import ReplayHooks
+from replaybisect.core import config as config_mod
+from replaybisect.core import loop
+from replaybisect.core.rng import capture_raw, restore_raw
+from replaybisect.nan import probes
+from replaybisect.restore import ReplayHooks
 
 TINY = ["model.hidden=16", "train.batch_size=16", "train.steps=20", "train.device=cpu", "train.num_threads=1"]
 

@@ -230,7 +230,7 @@ def test_bad_input_is_one_line_exit_2(runs, cli):
 
 def test_step_option_refuses_a_finite_step(runs):
     from replaybisect.errors import ReplayError
-    from replaybisect.replay.nan import diagnose
+    from replaybisect.nan.engine import diagnose
 
     workspace, trained, _ = runs
     with pytest.raises(ReplayError, match="step 3 .* was finite"):
@@ -238,7 +238,7 @@ def test_step_option_refuses_a_finite_step(runs):
 
 
 def test_same_step_twice_gives_identical_reports(runs):
-    from replaybisect.replay.nan import diagnose
+    from replaybisect.nan.engine import diagnose
 
     workspace, trained, _ = runs
     store = workspace.store()
@@ -253,10 +253,11 @@ def test_same_step_twice_gives_identical_reports(runs):
 def test_probes_never_change_state_or_rng(runs):
     """Probes and detect_anomaly on copies leave the live state and every RNG stream as they were, and the
     plain step gives bit-identical results before and after them."""
-    from replaybisect import loop
-    from replaybisect.record.rng import capture_raw, to_json
-    from replaybisect.replay import nan, probes
-    from replaybisect.replay import restore as restore_mod
+    from replaybisect.core import loop
+    from replaybisect.core.rng import capture_raw, to_json
+    from replaybisect.nan import engine as nan
+    from replaybisect.nan import probes
+    from replaybisect import restore as restore_mod
 
     workspace, trained, _ = runs
     restored = restore_mod.restore(workspace.store(), trained["backward"].run_id, step=10)

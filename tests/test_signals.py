@@ -59,7 +59,7 @@ def _temp_files(folder: Path) -> list[Path]:
 
 
 def test_sigterm_flushes_metrics_finishes_the_snapshot_and_marks_the_run_killed(workspace):
-    from replaybisect.record import snapshot as fmt
+    from replaybisect.core import snapshot as fmt
 
     store = workspace.store()
     # a snapshot every step: the writer is always busy, so the signal lands with a write in flight
@@ -116,9 +116,9 @@ def test_sigkill_leaves_the_loss_curve_up_to_the_last_seconds(sigkilled):
 
 
 def test_next_start_removes_only_dead_writers_temp_files(sigkilled):
-    from replaybisect import config as config_mod
-    from replaybisect.record import snapshot as fmt
-    from replaybisect.train import train
+    from replaybisect.core import config as config_mod
+    from replaybisect.core import snapshot as fmt
+    from replaybisect.train.engine import train
 
     workspace, store, run, _ = sigkilled
     root = store.local_artifact_dir(run.info.run_id) / fmt.SNAPSHOTS

@@ -28,7 +28,7 @@ from hypothesis import strategies as st
 import conftest
 from conftest import Workspace, assert_one_line_error
 from replaybisect.errors import SnapshotError
-from replaybisect.record import snapshot as fmt
+from replaybisect.core import snapshot as fmt
 
 NEWEST, PREVIOUS = 8, 4
 TRIED: Counter = Counter()
@@ -39,8 +39,8 @@ SETTINGS = settings(max_examples=60, deadline=None, database=None,
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    from replaybisect import config as config_mod
-    from replaybisect.train import train
+    from replaybisect.core import config as config_mod
+    from replaybisect.train.engine import train
 
     workspace = Workspace(tmp_path_factory.mktemp("fuzz"))
     store = workspace.store()
@@ -253,8 +253,8 @@ def in_place_of_newest(root: Path, folder: Path):
 
 def loads_and_applies(folder: Path, cfg) -> bool:
     """Loading raises SnapshotError or nothing; so does applying what loaded to a freshly built state."""
-    from replaybisect import loop
-    from replaybisect.record.state import apply
+    from replaybisect.core import loop
+    from replaybisect.core.state import apply
 
     try:
         snapshot = fmt.load(folder)
@@ -266,7 +266,7 @@ def loads_and_applies(folder: Path, cfg) -> bool:
 
 
 def check_promise(run, area: str, corruption) -> None:
-    from replaybisect.replay.restore import logged_losses, replay, restore
+    from replaybisect.restore import logged_losses, replay, restore
 
     store, run_id, cfg, root = run
     description, corrupt = corruption

@@ -21,8 +21,8 @@ import torch
 
 from conftest import FAST, REPLAY, Workspace
 from replaybisect.errors import SnapshotError
-from replaybisect.record import snapshot as fmt
-from replaybisect.replay.restore import logged_losses, newest_good_snapshot, replay, restore
+from replaybisect.core import snapshot as fmt
+from replaybisect.restore import logged_losses, newest_good_snapshot, replay, restore
 
 
 def _wait_for_first_snapshot(store, known_runs: set[str], process) -> str:

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from conftest import FAST, assert_one_line_error
-from replaybisect.record import snapshot as fmt
+from replaybisect.core import snapshot as fmt
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +77,7 @@ def test_runs_lists_the_run(trained):
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
 def test_replay_from_every_snapshot_reproduces_every_loss_exactly(workspace, precision):
     """Dropout, a scheduler and interleaved validation: replaying from any snapshot gives == losses."""
-    from replaybisect.replay.restore import logged_losses, replay, restore
+    from replaybisect.restore import logged_losses, replay, restore
 
     result = workspace.train(*FAST, f"train.precision={precision}", "scheduler=cosine", "model.dropout=0.2", "train.val_every=7")
     store = workspace.store()
@@ -92,7 +92,7 @@ def test_replay_from_every_snapshot_reproduces_every_loss_exactly(workspace, pre
 
 
 def test_two_runs_of_one_config_log_identical_losses(workspace):
-    from replaybisect.replay.restore import logged_losses
+    from replaybisect.restore import logged_losses
 
     first = workspace.train(*FAST, "model.dropout=0.3")
     second = workspace.train(*FAST, "model.dropout=0.3")
@@ -181,7 +181,7 @@ def _poisoned_project(root: Path, nan_index: int) -> Path:
 
 def _step_of_sample(index: int, batch_size: int, seed: int = 0) -> int:
     from replaybisect.data import Digits
-    from replaybisect.loop import BatchSource
+    from replaybisect.core.loop import BatchSource
 
     source = BatchSource(Digits(), batch_size, seed)
     return next(step for step in range(source.steps_per_epoch) if index in source.indices(step).tolist())
@@ -213,8 +213,8 @@ def test_planted_nan_stops_with_exit_3_tags_and_emergency_snapshot(workspace):
     # finite, and bit-identical to replaying the periodic snapshot up to the failing step: the NaN batch's
     # forward had already updated BatchNorm's running statistics in place when the step halted
     assert all(torch.isfinite(t).all() for name, t in emergency.tensors.items() if name.startswith("model/"))
-    from replaybisect.record.state import live_tensors
-    from replaybisect.replay.restore import replay, restore
+    from replaybisect.core.state import live_tensors
+    from replaybisect.restore import replay, restore
 
     restored = restore(store, result["run_id"], failing - 1)
     replay(restored, failing)
@@ -263,7 +263,7 @@ def test_help_does_not_import_torch_or_mlflow():
     code = (
         "import sys\n"
         "sys.argv = ['replay', '--help']\n"
-        "from replaybisect.cli.main import main\n"
+        "from replaybisect.cli import main\n"
         "try:\n    main()\nexcept SystemExit:\n    pass\n"
         "print('HEAVY', sorted(m for m in ('torch', 'mlflow') if m in sys.modules))\n"
     )
@@ -279,7 +279,7 @@ def test_ctrl_c_marks_the_run_killed_and_keeps_its_verified_snapshots(workspace)
     import time
 
     from conftest import REPLAY
-    from replaybisect.replay.restore import newest_good_snapshot
+    from replaybisect.restore import newest_good_snapshot
 
     store = workspace.store()  # create the SQLite store first: two processes migrating one new file collide
     process = subprocess.Popen(

@@ -19,8 +19,8 @@ import yaml
 
 import conftest
 from conftest import Workspace, assert_one_line_error
-from replaybisect.replay import restore as restore_mod
-from replaybisect.trust import BUILTIN_PREFIXES, CODE_DIR_ENV, TRUST_ENV, Trust, UntrustedConfig
+from replaybisect import restore as restore_mod
+from replaybisect.core.trust import BUILTIN_PREFIXES, CODE_DIR_ENV, TRUST_ENV, Trust, UntrustedConfig
 
 # A module that announces every import of it: a harmless stand-in for an attacker's payload. Its model is the
 # built-in MLP under another name, so a run's snapshots load into it when the user does trust it.
@@ -190,9 +190,9 @@ REFUSED = {
     "subprocess.run": ({"loss": {"_target_": "subprocess.run", "_args_": [["touch", "x"]]}}, "subprocess.run"),
     "importlib.import_module": ({"loss": {"_target_": "importlib.import_module", "_args_": ["evil"]}}, "importlib.import_module"),
     "runpy.run_path": ({"loss": {"_target_": "runpy.run_path", "_args_": ["x.py"]}}, "runpy.run_path"),
-    "torch.load re-exported by replaybisect": ({"model": {"_target_": "replaybisect.loop.torch.load", "f": "x"}}, "replaybisect.loop.torch.load"),
-    "os re-exported by replaybisect": ({"loss": {"_target_": "replaybisect.replay.ablate.os.system", "_args_": ["x"]}}, "ablate.os.system"),
-    "a dunder walk": ({"loss": {"_target_": "replaybisect.loop.__builtins__"}}, "__builtins__"),
+    "torch.load re-exported by replaybisect": ({"model": {"_target_": "replaybisect.core.loop.torch.load", "f": "x"}}, "replaybisect.core.loop.torch.load"),
+    "os re-exported by replaybisect": ({"loss": {"_target_": "replaybisect.ablate.engine.os.system", "_args_": ["x"]}}, "ablate.os.system"),
+    "a dunder walk": ({"loss": {"_target_": "replaybisect.core.loop.__builtins__"}}, "__builtins__"),
     "a private torch name": ({"loss": {"_target_": "torch._C._get_tracing_state"}}, "private"),
     "the attacker in _args_": ({"loss": {"_target_": "torch.nn.Sequential", "_args_": [{"_target_": "evil.MLP"}]}}, "loss._args_[0]._target_"),
     "the attacker in a _partial_ step_fn": ({"train.step_fn": {"_target_": "evil.step", "_partial_": True}}, "train.step_fn._target_"),

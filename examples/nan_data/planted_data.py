@@ -34,7 +34,7 @@ class CsvPairs(Dataset):
 def write_dataset(path: str | Path, n_rows: int = 512, nan_at_step: int = 12, seed: int = 0, batch_size: int = 32) -> int:
     """Gaussian blobs with one NaN feature in the row that the batch of `nan_at_step` draws (the data order
     of `replay train` is a pure function of (seed, step)). Returns that row's index."""
-    from replaybisect.loop import BatchSource
+    from replaybisect.core.loop import BatchSource
 
     generator = torch.Generator().manual_seed(1234)
     centres = torch.randn(CLASSES, FEATURES, generator=generator) * 3

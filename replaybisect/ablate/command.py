@@ -1,0 +1,79 @@
+"""`replay ablate ARMS --run-id X`: which single change makes the failure go away."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import typer
+
+from replaybisect.options import MAX_STEPS, MAX_WORKERS, CodeDirs, JsonFlag, TrackingUri, TrustPrefixes, print_json
+
+
+def ablate_command(
+    arms: Optional[str] = typer.Argument(None, help="Comma-separated arms, e.g. lr,clip,precision (default: all; see --list)."),
+    run_id: Optional[str] = typer.Option(None, "--run-id", help="The failed run to ablate."),
+    from_step: Optional[int] = typer.Option(None, "--from-step", help="Apply the changes from this step (default: the snapshot before the failure)."),
+    horizon: int = typer.Option(200, "--horizon", max=MAX_STEPS, help="Replay this many steps past the failing step."),
+    workers: Optional[int] = typer.Option(None, "--workers", max=MAX_WORKERS, help="Arms run in parallel: local processes, or SLURM array parallelism with submitit (default: auto: one per arm up to the cores, in-process when the replays are short)."),
+    executor: str = typer.Option("local", "--executor", help="local (processes here) | submitit (SLURM; local when no sbatch)."),
+    cluster: Optional[str] = typer.Option(None, "--cluster", help="submitit cluster: slurm | local | debug (default: slurm when sbatch exists, else local)."),
+    partition: Optional[str] = typer.Option(None, "--partition", help="SLURM partition (submitit)."),
+    time_min: int = typer.Option(60, "--time", min=1, help="Job time limit in minutes (submitit)."),
+    gpus: int = typer.Option(0, "--gpus", min=0, help="GPUs per job (submitit)."),
+    cpus: Optional[int] = typer.Option(None, "--cpus", min=1, help="CPUs per job (submitit)."),
+    mem_gb: Optional[float] = typer.Option(None, "--mem-gb", min=0.001, help="Memory per job in GB (submitit)."),
+    executor_folder: str = typer.Option(".replaybisect/submitit", "--executor-folder", help="submitit's job folder (shared file system on SLURM)."),
+    list_arms: bool = typer.Option(False, "--list", help="List the interventions and exit."),
+    tracking_uri: Optional[str] = TrackingUri,
+    as_json: bool = JsonFlag,
+    code_dirs: Optional[list[str]] = CodeDirs,
+    trust_prefixes: Optional[list[str]] = TrustPrefixes,
+):
+    """Replay the failure once unchanged (the baseline) and once per single change, from the snapshot before
+    it over the same batches; say which change fixes, delays, does nothing or makes it worse.
+
+        replay ablate lr,clip,precision --run-id 3f2a... --horizon 200 --workers 2
+
+    prints a table (arm, change, verdict, first non-finite step, final loss) and a conclusion such as
+    "fixed by: lr, clip", and stores ablation.md, ablation.json and ablation.png on the run.
+    """
+    from replaybisect.errors import ReplayError
+    from replaybisect.ablate import interventions
+
+    if list_arms:
+        entries = [(name, interventions.get(name).description) for name in interventions.names()]
+        if as_json:
+            print_json({"interventions": [{"name": n, "description": d} for n, d in entries]})
+        else:
+            from replaybisect.ablate.report import print_list
+
+            print_list(entries)
+        return
+    if not run_id:
+        raise ReplayError("pass --run-id ID of the failed run (find it with `replay runs --status nonfinite`)")
+
+    from replaybisect.ablate.engine import SubmititOptions, ablate, check_options
+
+    # bad options are bad input before anything heavy is imported or any run is read
+    check_options(arms, horizon=horizon, workers=workers, executor=executor, from_step=from_step)
+
+    from replaybisect.ablate.report import ArmProgress, print_result
+    from replaybisect.store import open_store
+
+    from replaybisect.core.trust import Trust
+
+    trust = Trust.from_user(code_dirs or (), trust_prefixes or ())
+    store = open_store(tracking_uri)
+    options = SubmititOptions(cluster=cluster, folder=executor_folder, partition=partition, timeout_min=time_min,
+                              gpus_per_node=gpus, cpus_per_task=cpus, mem_gb=mem_gb)
+    with ArmProgress() as bar:
+        result = ablate(store, run_id, arms, from_step=from_step, horizon=horizon, workers=workers, executor=executor,
+                        submitit_options=options, progress=bar.update, on_plan=bar.plan, trust=trust)
+    if as_json:
+        print_json(result.to_json())
+    else:
+        print_result(result)
+
+
+def register(app: typer.Typer) -> None:
+    app.command("ablate")(ablate_command)

@@ -1,0 +1,750 @@
+"""`replay ablate ARMS --run-id X`: which single change makes the failure go away.
+
+1. Find the failing step t and the snapshot before it (or `--from-step S`).
+2. Run a baseline arm (the run unchanged) and one arm per intervention, each from that state over the same
+   batches to `t + horizon`, in parallel on an executor (local processes, or submitit for SLURM).
+   Each arm runs `loop.train_loop`: the one code path `replay train` runs.
+3. The baseline must fail again at t, else the result is `inconclusive`. Each arm gets a verdict:
+   fixes | delays | no-effect | worse (or not-applicable / error), from its first non-finite step and
+   whether its loss blew up.
+4. Every arm is an MLflow child run (kind=ablation-arm) with its change as params and its loss curve;
+   the report (ablation.md, ablation.json, ablation.png) goes on the failed run.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from replaybisect.errors import ReplayError
+from replaybisect.ablate import interventions
+from replaybisect.ablate.interventions import BASELINE, ArmContext, Change
+from replaybisect.core.trust import Trust
+
+__all__ = ["ablate", "run_arm", "AblationResult", "ArmOutcome", "DEFAULT_HORIZON", "BLOWUP_FACTOR"]
+
+DEFAULT_HORIZON = 200
+# "The loss blows up": the mean loss over the arm's last FINAL_WINDOW steps exceeds BLOWUP_FACTOR x the
+# pre-failure reference. 4x is the divergence criterion of LR range tests (FIELD-NOTES: Lightning, fastai,
+# torch-lr-finder stop at loss > 4x best); the mean over 10 steps keeps one noisy batch from deciding.
+BLOWUP_FACTOR = 4.0
+FINAL_WINDOW = 10
+# The pre-failure reference: median of the recorded losses of the REFERENCE_WINDOW steps before the arms'
+# start plus the steps from the start to the failure.
+REFERENCE_WINDOW = 20
+EXECUTORS = ("local", "submitit")
+# --workers auto: a spawned worker pays ~5 s (import torch + MLflow, measured on these 2-core machines; much
+# more under load) before its first step, so arms whose replays are estimated (recorded step_time x steps) to
+# take less than this in total run in-process, one after another.
+AUTO_IN_PROCESS_SECONDS = 20.0
+# An arm's verdict (the baseline's is fails-again | inconclusive, or reference for a run that never failed).
+VERDICTS = ("fixes", "delays", "no-effect", "worse", "inconclusive", "not-applicable", "error")
+
+
+# ---- results ----------------------------------------------------------------------------------------
+@dataclass
+class ArmOutcome:
+    name: str
+    change: str
+    params: dict[str, Any] = field(default_factory=dict)
+    verdict: str = ""
+    reason: str = ""
+    first_nonfinite_step: Optional[int] = None
+    nonfinite_what: Optional[str] = None
+    final_loss: Optional[float] = None  # the loss of the last finite step
+    final_loss_mean: Optional[float] = None  # mean over the last FINAL_WINDOW finite steps (the blow-up test)
+    steps_run: int = 0
+    run_id: Optional[str] = None
+    note: str = ""
+    error: Optional[str] = None
+    reproduced: Optional[str] = None  # baseline: exact | close | diverged against the recorded losses
+    seconds: float = 0.0
+    losses: dict[int, float] = field(default_factory=dict, repr=False)
+
+    def to_json(self) -> dict[str, Any]:
+        data = {
+            "name": self.name,
+            "change": self.change,
+            "verdict": self.verdict,
+            "reason": self.reason,
+            "first_nonfinite_step": self.first_nonfinite_step,
+            "nonfinite_what": self.nonfinite_what,
+            "final_loss": _json_float(self.final_loss),
+            "final_loss_mean": _json_float(self.final_loss_mean),
+            "steps_run": self.steps_run,
+            "run_id": self.run_id,
+            "seconds": round(self.seconds, 2),
+        }
+        if self.note:
+            data["note"] = self.note
+        if self.error:
+            data["error"] = self.error
+        if self.reproduced is not None:
+            data["reproduced"] = self.reproduced
+        return data
+
+
+@dataclass
+class AblationResult:
+    run_id: str
+    failing_step: Optional[int]
+    snapshot_step: int
+    start_step: int
+    end_step: int  # exclusive
+    horizon: int
+    reference_loss: Optional[float]
+    blowup_threshold: Optional[float]
+    baseline: ArmOutcome
+    arms: list[ArmOutcome]
+    status: str  # conclusive | inconclusive
+    conclusion: str
+    suggested_clip: Optional[float] = None
+    divergence_onset: Optional[int] = None  # where the loss began its climb to the failure (None: no climb)
+    warnings: list[str] = field(default_factory=list)
+    executor: str = "local"
+    workers: int = 1
+    seconds: float = 0.0
+    tracking_uri: str = ""
+    artifacts: list[str] = field(default_factory=list)
+
+    def verdicts(self) -> dict[str, str]:
+        return {arm.name: arm.verdict for arm in self.arms}
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "run_id": self.run_id,
+            "failing_step": self.failing_step,
+            "snapshot_step": self.snapshot_step,
+            "start_step": self.start_step,
+            "end_step": self.end_step,
+            "horizon": self.horizon,
+            "divergence_onset": self.divergence_onset,
+            "reference_loss": _json_float(self.reference_loss),
+            "blowup_threshold": _json_float(self.blowup_threshold),
+            "status": self.status,
+            "baseline": self.baseline.to_json(),
+            "arms": [arm.to_json() for arm in self.arms],
+            "conclusion": self.conclusion,
+            "suggested_clip": self.suggested_clip,
+            "warnings": self.warnings,
+            "executor": self.executor,
+            "workers": self.workers,
+            "seconds": round(self.seconds, 2),
+            "artifacts": self.artifacts,
+        }
+
+
+def _json_float(value: Optional[float]) -> Optional[float | str]:
+    if value is None:
+        return None
+    return value if math.isfinite(value) else repr(value)
+
+
+# ---- one arm (runs in a worker process) ---------------------------------------------------------------
+def _scale_lr_at_updates(optimizer, factor: Callable[[int], float], hooks) -> None:
+    """Multiply every group's lr by factor(step) during optimizer.step() only, so the scheduler keeps
+    computing from (and setting) the recorded schedule: works for chainable and closed-form schedulers."""
+    saved: list[Any] = []
+
+    def before(opt, args, kwargs):
+        scale = factor(hooks.current_step)
+        saved[:] = [group["lr"] for group in opt.param_groups]
+        for group in opt.param_groups:
+            group["lr"] = group["lr"] * scale
+
+    def after(opt, args, kwargs):
+        for group, lr in zip(opt.param_groups, saved):
+            group["lr"] = lr
+
+    optimizer.register_step_pre_hook(before)
+    optimizer.register_step_post_hook(after)
+
+
+def _retry_locked(function, *args, attempts: int = 8, **kwargs):
+    """Arms write to one tracking store at once; SQLite answers a concurrent writer with "database is locked"
+    once its busy timeout runs out (likely on a loaded machine). Back off and try again."""
+    for attempt in range(attempts):
+        try:
+            return function(*args, **kwargs)
+        except Exception as error:
+            if "locked" not in str(error) or attempt == attempts - 1:
+                raise
+            time.sleep(0.2 * 2**attempt)
+
+
+def _execute_arm(spec: dict[str, Any], on_step: Optional[Callable[[int], None]] = None) -> dict[str, Any]:
+    from replaybisect.core import loop
+    from replaybisect.core.rng import isolated_rng, seed_everything
+    from replaybisect import restore as restore_mod
+    from replaybisect.store import open_store
+
+    started = time.perf_counter()
+    store = open_store(spec["tracking_uri"])
+    run_id, name = spec["run_id"], spec["arm"]
+    snapshot_step, start, end = spec["snapshot_step"], spec["start_step"], spec["end_step"]
+    cfg = restore_mod.run_config(store, run_id, Trust.from_json(spec["trust"]))  # the user's decision, not the run's tag
+    ctx = ArmContext(failing_step=spec["failing_step"], start_step=start, end_step=end)
+    change: Change = interventions.baseline_change(cfg) if name == BASELINE else interventions.get(name).apply(cfg, ctx)
+
+    child = _retry_locked(
+        store.create_run, "ablation-arm", run_name=f"ablate-{name}", parent_run_id=run_id, tags={"replaybisect.arm": name}
+    )
+    params = spec.get("params", change.params)  # the caller's (it saw the run's gradient norms for the clip suggestion)
+    _retry_locked(
+        store.log_params,
+        child,
+        {"arm": name, "change": change.summary, "snapshot_step": snapshot_step, "start_step": start,
+         "end_step": end, "failing_step": spec["failing_step"], **{f"change.{k}": v for k, v in params.items()}},
+    )
+    try:
+        snapshot = restore_mod.load_snapshot(store, run_id, snapshot_step)
+        hooks = restore_mod.ReplayHooks(on_step=(lambda outcome: on_step(outcome.step)) if on_step else None)
+        # 1. the unchanged prefix, when the arms start after the snapshot (--from-step)
+        restored = restore_mod.restore(store, run_id, cfg=cfg if start > snapshot_step else change.cfg, snapshot=snapshot)
+        state = restored.state
+        recorded_batches = restored.batch
+        stopped = None
+        if start > snapshot_step:
+            stopped = loop.train_loop(state, recorded_batches, snapshot_step, start, hooks)
+            if stopped is None and name != BASELINE:
+                state = loop.clone_state(state, change.cfg)  # the live state in objects built from the arm's config
+        hooks.lr_factor = change.lr_factor
+        # 2. the change: what the config cannot express, after the state is loaded
+        if stopped is None:
+            for key, scale in change.group_scale.items():
+                for group in state.optimizer.param_groups:
+                    if key in group:
+                        group[key] = group[key] * scale
+            if change.lr_factor is not None:
+                _scale_lr_at_updates(state.optimizer, change.lr_factor, hooks)
+            batches = recorded_batches
+            if change.reseed is not None:
+                with isolated_rng():  # building the dataset must not draw from the streams reseeded below
+                    source, _ = loop.build_data(change.cfg)
+                batches = source.batch
+                seed_everything((change.reseed * 1_000_003 + start) % 2**62)
+            # 3. replay to the horizon, dropping skipped steps' batches
+            segment_start = start
+            for cut in sorted(s for s in change.skip_steps if start <= s < end) + [end]:
+                stopped = loop.train_loop(state, batches, segment_start, cut, hooks)
+                if stopped is not None:
+                    break
+                segment_start = cut + 1
+        points = [("loss", v, s) for s, v in hooks.losses.items()]
+        points += [("grad_norm", v, s) for s, v in hooks.grad_norms.items()]
+        points += [("lr", v, s) for s, v in hooks.lrs.items()]
+        if hooks.first_nonfinite is not None:
+            step, what = hooks.first_nonfinite
+            points.append(("loss", stopped.loss if stopped is not None else math.nan, step))
+        _retry_locked(store.log_metrics, child, points)
+        status = "nonfinite" if hooks.first_nonfinite else "ok"
+        tags = {"first_nonfinite_step": hooks.first_nonfinite[0], "nonfinite_what": hooks.first_nonfinite[1]} if hooks.first_nonfinite else {}
+        _retry_locked(store.set_tags, child, tags)
+        _retry_locked(store.finish_run, child, status)
+    except BaseException:
+        _retry_locked(store.finish_run, child, "crashed", "FAILED")
+        raise
+    return {
+        "arm": name,
+        "run_id": child,
+        "losses": {str(s): v for s, v in hooks.losses.items()},
+        "first_nonfinite_step": hooks.first_nonfinite[0] if hooks.first_nonfinite else None,
+        "nonfinite_what": hooks.first_nonfinite[1] if hooks.first_nonfinite else None,
+        "warnings": restored.warnings,
+        "seconds": time.perf_counter() - started,
+    }
+
+
+# The progress channel of a local worker process (set by the pool's initializer).
+_PROGRESS_QUEUE = None
+
+
+def _init_worker(queue) -> None:
+    global _PROGRESS_QUEUE
+    _PROGRESS_QUEUE = queue
+
+
+def run_arm(spec: dict[str, Any], on_step: Optional[Callable[[int], None]] = None) -> dict[str, Any]:
+    """Run one arm; the executors' entry point. Takes and returns JSON-safe dicts (no torch objects cross
+    process boundaries). Errors come back as {"error": ...} so one broken arm never hides the others."""
+    queue = _PROGRESS_QUEUE
+    if on_step is None and queue is not None:
+        on_step = lambda step: queue.put((spec["arm"], step))  # noqa: E731
+    try:
+        return _execute_arm(spec, on_step)
+    except Exception as error:  # reported per arm; the baseline's error is raised by the caller
+        first = str(error).strip().splitlines()[0] if str(error).strip() else ""
+        return {"arm": spec["arm"], "error": f"{type(error).__name__}: {first}", "user_error": isinstance(error, ReplayError)}
+
+
+# ---- executors ---------------------------------------------------------------------------------------
+@dataclass
+class SubmititOptions:
+    """Where and how submitit runs the arms (SLURM, or submitit's local/debug executors)."""
+
+    cluster: Optional[str] = None  # None: SLURM when available, else local
+    folder: str = ".replaybisect/submitit"
+    partition: Optional[str] = None
+    timeout_min: int = 60
+    gpus_per_node: int = 0
+    cpus_per_task: Optional[int] = None
+    mem_gb: Optional[float] = None
+
+
+ProgressFn = Callable[[str, str, int], None]  # (arm, event: "step"|"done", value)
+
+
+def _run_here(specs: list[dict], progress: Optional[ProgressFn]) -> dict[str, dict]:
+    """--workers 1: the arms one after another in this process (no interpreter to start). Each arm restores
+    everything a step reads (model, optimizer, RNG streams, thread count), so the order does not matter."""
+    from replaybisect.core.rng import isolated_rng
+
+    import torch
+
+    results = {}
+    threads = torch.get_num_threads()
+    for spec in specs:
+        arm = spec["arm"]
+        on_step = (lambda step, arm=arm: progress(arm, "step", step)) if progress else None
+        try:
+            with isolated_rng():
+                results[arm] = run_arm(spec, on_step)
+        finally:
+            torch.set_num_threads(threads)
+        if progress:
+            progress(arm, "done", 0)
+    return results
+
+
+def _run_local(specs: list[dict], workers: int, progress: Optional[ProgressFn]) -> dict[str, dict]:
+    """A spawn-context process pool: fresh interpreters (no forked torch/MLflow state); each worker applies
+    the recorded thread count when it restores, so verdicts do not depend on --workers."""
+    import multiprocessing
+    import queue as queue_mod
+    from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+
+    context = multiprocessing.get_context("spawn")
+    channel = context.Queue()
+    results: dict[str, dict] = {}
+
+    def drain() -> None:
+        while True:
+            try:
+                arm, step = channel.get_nowait()
+            except queue_mod.Empty:
+                return
+            if progress:
+                progress(arm, "step", step)
+
+    with ProcessPoolExecutor(max_workers=max(1, min(workers, len(specs))), mp_context=context,
+                             initializer=_init_worker, initargs=(channel,)) as pool:
+        pending = {pool.submit(run_arm, spec): spec["arm"] for spec in specs}
+        while pending:
+            done, _ = wait(pending, timeout=0.2, return_when=FIRST_COMPLETED)
+            drain()
+            for future in done:
+                arm = pending.pop(future)
+                try:
+                    results[arm] = future.result()
+                except Exception as error:  # the worker process died (BrokenProcessPool, killed)
+                    results[arm] = {"arm": arm, "error": f"{type(error).__name__}: {error}"}
+                if progress:
+                    progress(arm, "done", 0)
+        drain()
+    return results
+
+
+def _run_submitit(specs: list[dict], workers: int, options: SubmititOptions, progress: Optional[ProgressFn]) -> dict[str, dict]:
+    import shutil
+
+    import submitit
+
+    cluster = options.cluster or ("slurm" if shutil.which("sbatch") else "local")
+    executor = submitit.AutoExecutor(folder=str(Path(options.folder) / "%j"), cluster=cluster)
+    parameters: dict[str, Any] = {"name": "replay-ablate", "timeout_min": options.timeout_min, "slurm_array_parallelism": workers}
+    if options.gpus_per_node:
+        parameters["gpus_per_node"] = options.gpus_per_node
+    if options.cpus_per_task:
+        parameters["cpus_per_task"] = options.cpus_per_task
+    if options.mem_gb:
+        parameters["mem_gb"] = options.mem_gb
+    if options.partition:
+        parameters["slurm_partition"] = options.partition
+    executor.update_parameters(**parameters)
+    jobs = executor.map_array(run_arm, specs)
+    results: dict[str, dict] = {}
+    pending = {job.job_id: (job, spec["arm"]) for job, spec in zip(jobs, specs)}
+    while pending:
+        for job_id, (job, arm) in list(pending.items()):
+            if not job.done():
+                continue
+            del pending[job_id]
+            try:
+                results[arm] = job.result()
+            except Exception as error:  # the job failed outside run_arm (scheduler, timeout, node)
+                first = str(error).strip().splitlines()
+                results[arm] = {"arm": arm, "error": f"submitit job {job_id} failed: {first[-1] if first else type(error).__name__}"}
+            if progress:
+                progress(arm, "done", 0)
+        if pending:
+            time.sleep(0.25)
+    return results
+
+
+# ---- verdicts ----------------------------------------------------------------------------------------
+def _finish_outcome(outcome: ArmOutcome, raw: dict) -> None:
+    losses = {int(s): float(v) for s, v in raw.get("losses", {}).items()}
+    outcome.losses = dict(sorted(losses.items()))
+    outcome.run_id = raw.get("run_id")
+    outcome.first_nonfinite_step = raw.get("first_nonfinite_step")
+    outcome.nonfinite_what = raw.get("nonfinite_what")
+    outcome.seconds = float(raw.get("seconds", 0.0))
+    finite = [v for v in outcome.losses.values() if math.isfinite(v)]
+    outcome.steps_run = len(outcome.losses)
+    outcome.final_loss = finite[-1] if finite else None
+    tail = finite[-FINAL_WINDOW:]
+    outcome.final_loss_mean = sum(tail) / len(tail) if tail else None
+
+
+def _blew_up(outcome: ArmOutcome, threshold: Optional[float]) -> bool:
+    return threshold is not None and outcome.final_loss_mean is not None and outcome.final_loss_mean > threshold
+
+
+def _judge(arm: ArmOutcome, failing_step: Optional[int], baseline_failed: bool, threshold: Optional[float], end: int) -> None:
+    first = arm.first_nonfinite_step
+    blown = _blew_up(arm, threshold)
+    if failing_step is None or not baseline_failed:
+        # No failure to fix (a healthy run ablated with --from-step): only "worse" or "no-effect",
+        # unless the baseline's loss blew up and the arm's did not.
+        if first is not None:
+            arm.verdict, arm.reason = "worse", f"non-finite {arm.nonfinite_what} at step {first}; the baseline stayed finite"
+        elif blown:
+            arm.verdict, arm.reason = "worse", f"the loss blew up (final mean {arm.final_loss_mean:.4g} > {threshold:.4g})"
+        else:
+            arm.verdict, arm.reason = "no-effect", "finite, as the baseline"
+        return
+    if first is None:
+        if blown:
+            arm.verdict = "delays"
+            arm.reason = f"finite through step {end - 1}, but the loss blew up (final mean {arm.final_loss_mean:.4g} > {threshold:.4g})"
+        else:
+            arm.verdict = "fixes"
+            arm.reason = f"finite through step {end - 1}" + (
+                f"; final mean loss {arm.final_loss_mean:.4g} <= {threshold:.4g}" if threshold is not None and arm.final_loss_mean is not None else ""
+            )
+    elif first > failing_step:
+        arm.verdict, arm.reason = "delays", f"non-finite {arm.nonfinite_what} at step {first}, {first - failing_step} steps later"
+    elif first == failing_step:
+        arm.verdict, arm.reason = "no-effect", f"non-finite {arm.nonfinite_what} at step {first}, as the baseline"
+    else:
+        arm.verdict, arm.reason = "worse", f"non-finite {arm.nonfinite_what} at step {first}, {failing_step - first} steps earlier"
+
+
+def _judge_baseline(baseline: ArmOutcome, failing_step: Optional[int], threshold: Optional[float], end: int) -> tuple[bool, Optional[str]]:
+    """(the baseline failed as recorded, why the result is inconclusive or None)."""
+    first = baseline.first_nonfinite_step
+    if failing_step is None:
+        baseline.verdict = "reference"
+        if first is not None:
+            baseline.reason = f"non-finite {baseline.nonfinite_what} at step {first}"
+        else:
+            baseline.reason = "finite through step " + str(end - 1) + (" (the loss blew up)" if _blew_up(baseline, threshold) else "")
+        return False, None
+    if first == failing_step:
+        baseline.verdict = "fails-again"
+        baseline.reason = f"non-finite {baseline.nonfinite_what} at step {first}, as recorded"
+        return True, None
+    baseline.verdict = "inconclusive"
+    if first is None:
+        baseline.reason = (
+            f"the baseline replay stayed finite through step {end - 1}: the failure at step {failing_step} did not recur "
+            "from the snapshot (a transient fault: hardware, nondeterminism, or something present only during the original training)"
+        )
+    else:
+        baseline.reason = (
+            f"the baseline replay failed at step {first}, not at the recorded step {failing_step}: the replay is not faithful "
+            "(nondeterministic kernels or state outside the snapshot)"
+        )
+    return False, baseline.reason
+
+
+def _conclusion(result_arms: list[ArmOutcome], failing_step: Optional[int], inconclusive: Optional[str],
+                suggested_clip: Optional[float]) -> str:
+    if inconclusive:
+        return f"inconclusive: {inconclusive}"
+    by_verdict: dict[str, list[str]] = {}
+    for arm in result_arms:
+        by_verdict.setdefault(arm.verdict, []).append(arm.name)
+    if failing_step is None:
+        worse = by_verdict.get("worse", [])
+        return ("the run did not fail; " + (f"made worse by: {', '.join(worse)}" if worse else "no arm changed that"))
+    seed = next((arm for arm in result_arms if arm.name == "seed"), None)
+    if seed is not None and seed.verdict in ("no-effect", "delays", "worse"):
+        # The seed arm answers "is it noise?", not "does it help": another seed failing too means systematic.
+        for names in by_verdict.values():
+            if "seed" in names:
+                names.remove("seed")
+    fixes = by_verdict.get("fixes", [])
+    parts = []
+    if fixes:
+        parts.append(f"fixed by: {', '.join(fixes)}")
+        if "skip-batch" in fixes:
+            parts.append("the failing batch itself triggers it: inspect it (`replay nan`) and the data pipeline")
+        if "seed" in fixes:
+            parts.append("another seed avoids it: the failure depends on the data order or random draws")
+        if "precision" in fixes:
+            parts.append("reduced-precision overflow/underflow: keep the failing ops in fp32 or use bf16")
+        if "clip" in fixes and suggested_clip is not None:
+            parts.append(f"suggested clip threshold {suggested_clip:.3g} (95th percentile of recorded norms)")
+    else:
+        parts.append("no single change fixes the failure")
+    if seed is not None and seed.verdict in ("no-effect", "delays", "worse"):
+        where = f"at step {seed.first_nonfinite_step}" if seed.first_nonfinite_step is not None else "(its loss blew up)"
+        parts.append(f"another seed fails too {where}: the failure is systematic, not noise")
+    if by_verdict.get("delays"):
+        parts.append(f"delayed by: {', '.join(by_verdict['delays'])}")
+    if by_verdict.get("worse"):
+        parts.append(f"made worse by: {', '.join(by_verdict['worse'])}")
+    return "; ".join(parts)
+
+
+# ---- the command -------------------------------------------------------------------------------------
+def parse_arms(arms: Optional[str | list[str]]) -> list[str]:
+    """'lr,clip' -> ['lr', 'clip']; None/empty -> every registered intervention."""
+    if arms is None or (isinstance(arms, str) and not arms.strip()):
+        return interventions.names()
+    items = arms.split(",") if isinstance(arms, str) else [a for part in arms for a in part.split(",")]
+    names = []
+    for item in (i.strip() for i in items):
+        if not item:
+            continue
+        if item not in interventions.REGISTRY:
+            raise ReplayError(f"unknown arm {item!r}; valid arms: {', '.join(interventions.names())}")
+        if item not in names:
+            names.append(item)
+    if not names:
+        raise ReplayError(f"no arms given; valid arms: {', '.join(interventions.names())}")
+    return names
+
+
+def _auto_workers(store, run_id: str, cfg, snapshot, total_steps: int, tasks: int, executor: str) -> int:
+    """One worker per arm up to the cores the recorded thread count leaves room for; in-process (1) when the
+    whole ablation is estimated to take less than a worker's start-up is worth."""
+    threads = int(cfg.train.num_threads or snapshot.state.get("num_threads") or 1)
+    parallel = max(1, min(tasks, (os.cpu_count() or 1) // threads))
+    if executor != "local":
+        return tasks  # SLURM: every arm its own job
+    step_times = [v for _, v in store.metric_history(run_id, "step_time") if math.isfinite(v)]
+    estimate = total_steps * statistics.median(step_times) if step_times else math.inf
+    return 1 if estimate < AUTO_IN_PROCESS_SECONDS else parallel
+
+
+def check_options(arms, *, horizon: int, workers: Optional[int], executor: str, from_step: Optional[int]) -> list[str]:
+    """Everything about the options that is wrong before any run is read (light: no torch, no MLflow)."""
+    names = parse_arms(arms)
+    if horizon <= 0:
+        raise ReplayError(f"--horizon {horizon} must be a positive number of steps past the failing step (e.g. --horizon {DEFAULT_HORIZON})")
+    if workers is not None and workers < 1:
+        raise ReplayError(f"--workers {workers} must be at least 1 (or leave it out: auto)")
+    if executor not in EXECUTORS:
+        raise ReplayError(f"unknown executor {executor!r}; use one of {', '.join(EXECUTORS)}")
+    if from_step is not None and from_step < 0:
+        raise ReplayError(f"--from-step {from_step} must be a step >= 0")
+    return names
+
+
+def _absolute_uri(uri: str) -> str:
+    """Workers may start elsewhere (SLURM nodes): a relative SQLite path becomes absolute."""
+    prefix = "sqlite:///"
+    if uri.startswith(prefix) and not uri.startswith(prefix + "/") and uri[len(prefix):] != ":memory:":
+        return prefix + str(Path(uri[len(prefix):]).resolve())
+    return uri
+
+
+def divergence_onset(logged: dict[int, float], failing_step: int, window: int = REFERENCE_WINDOW) -> Optional[int]:
+    """The step where the run's final climb to the failure began: the earliest u < t such that every recorded
+    loss from u to t-1 exceeds BLOWUP_FACTOR x the median of the `window` losses before u. None when the loss
+    was not climbing (a failure out of the blue: bad batch, overflow)."""
+    steps = [s for s in sorted(logged) if s < failing_step and math.isfinite(logged[s])]
+    if len(steps) < 2:
+        return None
+    values = [logged[s] for s in steps]
+    suffix_min = values[:]
+    for i in range(len(values) - 2, -1, -1):
+        suffix_min[i] = min(values[i], suffix_min[i + 1])
+    onset = None
+    for i in range(len(values) - 1, 0, -1):
+        before = values[max(0, i - window) : i]
+        if suffix_min[i] > BLOWUP_FACTOR * statistics.median(before):
+            onset = steps[i]
+    return onset
+
+
+def _choose_snapshot(store, run_id: str, failing_step: Optional[int], from_step: Optional[int], onset: Optional[int],
+                     warnings: list[str]):
+    from replaybisect.errors import SnapshotError
+    from replaybisect import restore as restore_mod
+
+    if from_step is not None:
+        return restore_mod.newest_good_snapshot(store, run_id, from_step, warnings), from_step
+    # The snapshot before the failure: before the loss began its climb to it when it climbed (an LR
+    # explosion), else strictly before the failing step, so the arms act before the state went bad;
+    # else the state just before the failing step.
+    before = min(failing_step, onset if onset is not None else failing_step) - 1
+    if before >= 0:
+        try:
+            snapshot = restore_mod.newest_good_snapshot(store, run_id, before, warnings)
+            return snapshot, snapshot.step
+        except SnapshotError:
+            pass
+    snapshot = restore_mod.newest_good_snapshot(store, run_id, failing_step, warnings)
+    return snapshot, snapshot.step
+
+
+def ablate(
+    store,
+    run_id: str,
+    arms: Optional[str | list[str]] = None,
+    *,
+    from_step: Optional[int] = None,
+    horizon: int = DEFAULT_HORIZON,
+    workers: Optional[int] = None,
+    executor: str = "local",
+    submitit_options: Optional[SubmititOptions] = None,
+    progress: Optional[Callable[[str, str, int], None]] = None,
+    on_plan: Optional[Callable[[list[str], int, int], None]] = None,
+    write_report: bool = True,
+    trust: Optional[Trust] = None,
+) -> AblationResult:
+    """Replay the failure of `run_id` unchanged (the baseline) and once per arm, in parallel; judge each arm.
+
+    `progress(arm, "step"|"done", step)` reports work as it happens; `on_plan(arm_names, start, end)` is
+    called once the arms and steps are known.
+    """
+    from replaybisect import restore as restore_mod
+
+    names = check_options(arms, horizon=horizon, workers=workers, executor=executor, from_step=from_step)
+    started = time.perf_counter()
+
+    trust = trust or Trust.from_user()  # the workers inherit it
+    cfg = restore_mod.run_config(store, run_id, trust)  # RunNotFound first
+    failing_step = restore_mod.failing_step(store, run_id)
+    if failing_step is None and from_step is None:
+        raise ReplayError(
+            f"run {run_id} never failed (no non-finite loss or gradient norm recorded); "
+            "pass --from-step S to ablate it from step S anyway"
+        )
+    if failing_step is not None and from_step is not None and from_step > failing_step:
+        raise ReplayError(f"--from-step {from_step} is after the failing step {failing_step}; pass a step <= {failing_step}")
+    warnings: list[str] = []
+    logged = restore_mod.logged_losses(store, run_id)
+    onset = divergence_onset(logged, failing_step) if failing_step is not None else None
+    snapshot, start = _choose_snapshot(store, run_id, failing_step, from_step, onset, warnings)
+    anchor = failing_step if failing_step is not None else start
+    end = anchor + horizon
+
+    # The pre-failure reference loss: the recorded losses before the climb (when the loss climbed), else
+    # the REFERENCE_WINDOW steps before the arms' start plus those from the start to the failure.
+    healthy_end = onset if onset is not None else max(anchor, start + 1)
+    window = [v for s, v in sorted(logged.items()) if max(0, min(start, healthy_end) - REFERENCE_WINDOW) <= s < healthy_end and math.isfinite(v)]
+    reference = statistics.median(window) if window else None
+    threshold = BLOWUP_FACTOR * reference if reference is not None and reference > 0 else None
+    # The clip suggestion comes from the healthy part of the run's gradient norms.
+    grad_norms = [v for s, v in store.metric_history(run_id, "grad_norm") if s < (onset if onset is not None else failing_step if failing_step is not None else math.inf)]
+    ctx = ArmContext(failing_step=failing_step, start_step=start, end_step=end, grad_norms=grad_norms)
+
+    changes = {name: interventions.get(name).apply(cfg, ctx) for name in names}
+    runnable = [BASELINE] + [name for name in names if changes[name].not_applicable is None]
+    uri = _absolute_uri(store.uri)
+    specs = [
+        {"tracking_uri": uri, "run_id": run_id, "arm": name, "snapshot_step": snapshot.step, "start_step": start,
+         "end_step": end, "failing_step": failing_step, "params": changes[name].params if name in changes else {},
+         "trust": trust.to_json()}
+        for name in runnable
+    ]
+    if workers is None:
+        workers = _auto_workers(store, run_id, cfg, snapshot, len(runnable) * (end - snapshot.step), len(runnable), executor)
+    if on_plan:
+        on_plan(runnable, snapshot.step, end)
+
+    if executor == "local" and workers == 1:
+        raw = _run_here(specs, progress)
+    elif executor == "local":
+        raw = _run_local(specs, workers, progress)
+    else:
+        raw = _run_submitit(specs, workers, submitit_options or SubmititOptions(), progress)
+
+    # The baseline decides whether the arms mean anything.
+    base_raw = raw[BASELINE]
+    if "error" in base_raw:
+        raise (ReplayError if base_raw.get("user_error") else RuntimeError)(f"the baseline replay failed: {base_raw['error']}")
+    baseline = ArmOutcome(name=BASELINE, change=interventions.baseline_change(cfg).summary)
+    _finish_outcome(baseline, base_raw)
+    for warning in base_raw.get("warnings", []):
+        if warning not in warnings:
+            warnings.append(warning)
+    baseline.reproduced = _reproduced(baseline.losses, logged, failing_step)
+    baseline_failed, inconclusive = _judge_baseline(baseline, failing_step, threshold, end)
+
+    outcomes = []
+    for name in names:
+        change = changes[name]
+        outcome = ArmOutcome(name=name, change=change.summary, params=change.params, note=change.note)
+        if change.not_applicable:
+            outcome.verdict, outcome.reason = "not-applicable", change.not_applicable
+        elif "error" in raw[name]:
+            outcome.verdict, outcome.error = "error", raw[name]["error"]
+            outcome.reason = f"the arm crashed: {raw[name]['error']}"
+        else:
+            _finish_outcome(outcome, raw[name])
+            if inconclusive:
+                outcome.verdict, outcome.reason = "inconclusive", "the baseline did not fail again as recorded"
+            else:
+                _judge(outcome, failing_step, baseline_failed, threshold, end)
+        outcomes.append(outcome)
+
+    suggested_clip = interventions.percentile(grad_norms, interventions.CLIP_PERCENTILE)
+    if failing_step is None:
+        inconclusive = None
+    result = AblationResult(
+        run_id=run_id,
+        failing_step=failing_step,
+        snapshot_step=snapshot.step,
+        start_step=start,
+        end_step=end,
+        horizon=horizon,
+        reference_loss=reference,
+        blowup_threshold=threshold,
+        baseline=baseline,
+        arms=outcomes,
+        status="inconclusive" if inconclusive else "conclusive",
+        conclusion=_conclusion(outcomes, failing_step, inconclusive, suggested_clip),
+        suggested_clip=suggested_clip,
+        divergence_onset=onset,
+        warnings=warnings,
+        executor=executor,
+        workers=workers,
+        tracking_uri=store.uri,
+    )
+    result.seconds = time.perf_counter() - started
+    if write_report:
+        from replaybisect.ablate import report as report_ablate
+
+        result.artifacts = report_ablate.write_artifacts(store, result)
+    return result
+
+
+def _reproduced(losses: dict[int, float], logged: dict[int, float], failing_step: Optional[int]) -> str:
+    """The baseline's losses against the recorded ones, before the failure (exact | close | diverged)."""
+    from replaybisect.restore import CLOSE_RELATIVE, relative_error, same_loss
+
+    compared = [(logged[s], v) for s, v in losses.items() if s in logged and (failing_step is None or s < failing_step)]
+    if not compared:
+        return "unchecked"
+    worst = max((relative_error(a, b) for a, b in compared if not same_loss(a, b)), default=0.0)
+    return "exact" if worst == 0.0 else ("close" if worst <= CLOSE_RELATIVE else "diverged")

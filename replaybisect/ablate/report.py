@@ -1,0 +1,208 @@
+"""Rendering for `replay ablate`: the rich table, a live progress display, ablation.md/.json and the loss plot."""
+
+from __future__ import annotations
+
+import math
+import sys
+from typing import Any, Optional
+
+from replaybisect.report import close_figure, fmt_number, markdown_table, mlflow_ui_hint, new_figure
+
+VERDICT_STYLE = {
+    "fixes": "bold green",
+    "delays": "yellow",
+    "no-effect": "dim",
+    "worse": "bold red",
+    "inconclusive": "magenta",
+    "not-applicable": "dim",
+    "error": "bold red",
+    "fails-again": "red",
+    "reference": "dim",
+}
+HEADERS = ("arm", "change", "verdict", "first non-finite", "final loss", "why")
+
+
+def _rows(result) -> list[tuple[Any, ...]]:
+    rows = [("baseline", result.baseline.change, result.baseline.verdict, result.baseline.first_nonfinite_step,
+             result.baseline.final_loss, result.baseline.reason)]
+    for arm in result.arms:
+        rows.append((arm.name, arm.change, arm.verdict, arm.first_nonfinite_step, arm.final_loss, arm.reason))
+    return rows
+
+
+def _definitions(result) -> str:
+    from replaybisect.ablate.engine import BLOWUP_FACTOR, FINAL_WINDOW
+
+    reference = (
+        f"the loss blows up when the mean of an arm's last {FINAL_WINDOW} losses exceeds {BLOWUP_FACTOR:g}x the "
+        f"pre-failure reference {fmt_number(result.reference_loss)} (= {fmt_number(result.blowup_threshold)})"
+        if result.blowup_threshold is not None
+        else "no pre-failure losses recorded: only non-finite steps count as failures"
+    )
+    return (
+        f"fixes: finite through step {result.end_step - 1} and the loss does not blow up; delays: fails later "
+        f"(or finite but blown up); no-effect: fails at the same step; worse: fails earlier. {reference}."
+    )
+
+
+def _header(result) -> str:
+    failing = f"failed at step {result.failing_step}" if result.failing_step is not None else "never failed"
+    start = f"from step {result.start_step}" + (
+        f" (snapshot {result.snapshot_step})" if result.snapshot_step != result.start_step else " (snapshot)"
+    )
+    climb = f", its loss climbing since step {result.divergence_onset}" if result.divergence_onset is not None else ""
+    return f"run {result.run_id} {failing}{climb}; arms replayed {start} to step {result.end_step - 1} (horizon {result.horizon})"
+
+
+# ---- rich -------------------------------------------------------------------------------------------
+def print_result(result, console=None) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = console or Console()
+    console.print(f"[bold]ablation[/bold] {_header(result)}")
+    table = Table(title_justify="left", show_lines=False)
+    for header in HEADERS:
+        table.add_column(header, overflow="fold")
+    for row in _rows(result):
+        cells = [fmt_number(cell) for cell in row]
+        style = VERDICT_STYLE.get(str(row[2]), "")
+        cells[2] = f"[{style}]{cells[2]}[/{style}]" if style else cells[2]
+        table.add_row(*cells)
+    console.print(table)
+    for arm in result.arms:
+        if arm.note:
+            console.print(f"  {arm.name}: {arm.note}")
+    for warning in result.warnings:
+        console.print(f"  [yellow]warning[/yellow] {warning}")
+    style = "magenta" if result.status == "inconclusive" else "bold"
+    console.print(f"[{style}]conclusion[/{style}] {result.conclusion}")
+    console.print(f"  [dim]{_definitions(result)}[/dim]")
+    console.print(
+        f"  {1 + sum(arm.verdict != 'not-applicable' for arm in result.arms)} replays on {result.executor} x{result.workers} "
+        f"in {result.seconds:.1f}s; "
+        f"report on the run: {', '.join(result.artifacts) or '-'}; view: {mlflow_ui_hint(result.tracking_uri)}"
+    )
+
+
+def print_list(entries: list[tuple[str, str]], console=None) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = console or Console()
+    table = Table(title="interventions (replay ablate ARM1,ARM2 --run-id ID)", title_justify="left")
+    table.add_column("arm")
+    table.add_column("change")
+    for name, description in entries:
+        table.add_row(name, description)
+    console.print(table)
+
+
+class ArmProgress:
+    """One progress bar per arm on stderr while the arms run (silent when stderr is not a terminal)."""
+
+    def __init__(self, enabled: Optional[bool] = None):
+        self.enabled = sys.stderr.isatty() if enabled is None else enabled
+        self._progress = None
+        self._tasks: dict[str, Any] = {}
+        self._start = 0
+
+    def __enter__(self):
+        if self.enabled:
+            from rich.console import Console
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+            self._progress = Progress(
+                TextColumn("{task.description:<12}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                console=Console(stderr=True), transient=True,
+            )
+            self._progress.__enter__()
+        return self
+
+    def plan(self, arms: list[str], start: int, end: int) -> None:
+        self._start = start
+        if self._progress is None:
+            return
+        for arm in arms:
+            self._tasks[arm] = self._progress.add_task(arm, total=end - start)
+
+    def update(self, arm: str, event: str, step: int) -> None:
+        if self._progress is None or arm not in self._tasks:
+            return
+        if event == "step":
+            self._progress.update(self._tasks[arm], completed=step - self._start + 1)
+        elif event == "done":
+            task = self._tasks[arm]
+            self._progress.update(task, completed=self._progress.tasks[task].total)
+
+    def __exit__(self, *exc):
+        if self._progress is not None:
+            self._progress.__exit__(*exc)
+        return False
+
+
+# ---- markdown, JSON, plot ------------------------------------------------------------------------------
+def to_markdown(result) -> str:
+    lines = [
+        f"# Ablation of run {result.run_id}",
+        "",
+        _header(result) + ".",
+        "",
+        f"**{result.status}**: {result.conclusion}",
+        "",
+        markdown_table(HEADERS, _rows(result)),
+        "",
+        _definitions(result),
+        "",
+        f"Baseline losses against the recorded ones before the failure: {result.baseline.reproduced}.",
+    ]
+    notes = [f"- {arm.name}: {arm.note}" for arm in result.arms if arm.note]
+    if notes:
+        lines += ["", *notes]
+    if result.warnings:
+        lines += ["", "Warnings:", *[f"- {w}" for w in result.warnings]]
+    runs = [f"- {arm.name}: {arm.run_id}" for arm in [result.baseline, *result.arms] if arm.run_id]
+    if runs:
+        lines += ["", "Child runs (kind=ablation-arm):", *runs]
+    return "\n".join(lines) + "\n"
+
+
+def loss_figure(result):
+    figure, axes = new_figure(size=(9, 4.5))
+    ax = axes[0][0]
+    all_values = []
+    for arm in [result.baseline, *result.arms]:
+        if not arm.losses:
+            continue
+        steps = [s for s, v in arm.losses.items() if math.isfinite(v)]
+        values = [v for v in arm.losses.values() if math.isfinite(v)]
+        all_values += values
+        style = {"linewidth": 2.0, "color": "black", "zorder": 5, "alpha": 0.8} if arm.name == "baseline" else {"linewidth": 1.2}
+        (line,) = ax.plot(steps, values, label=f"{arm.name} ({arm.verdict})", **style)
+        if arm.first_nonfinite_step is not None and values:
+            ax.plot([arm.first_nonfinite_step], [values[-1]], marker="x", markersize=9, color=line.get_color())
+    if result.failing_step is not None:
+        ax.axvline(result.failing_step, color="red", linestyle="--", linewidth=1, label=f"recorded failure (step {result.failing_step})")
+    if result.blowup_threshold is not None:
+        ax.axhline(result.blowup_threshold, color="gray", linestyle=":", linewidth=1, label="blow-up threshold")
+    if all_values and min(all_values) > 0 and max(all_values) / min(all_values) > 100:
+        ax.set_yscale("log")
+    ax.set_xlabel("step")
+    ax.set_ylabel("training loss")
+    ax.set_title(f"ablation of {result.run_id[:12]}: x = first non-finite step")
+    ax.legend(fontsize=8, loc="best")
+    figure.tight_layout()
+    return figure
+
+
+def write_artifacts(store, result) -> list[str]:
+    """ablation.md, ablation.json and ablation.png on the examined run."""
+    result.artifacts = ["ablation.md", "ablation.json", "ablation.png"]
+    store.log_text(result.run_id, to_markdown(result), "ablation.md")
+    store.log_dict(result.run_id, result.to_json(), "ablation.json")
+    figure = loss_figure(result)
+    try:
+        store.log_figure(result.run_id, figure, "ablation.png")
+    finally:
+        close_figure(figure)
+    return result.artifacts

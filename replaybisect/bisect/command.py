@@ -1,0 +1,146 @@
+"""`replay bisect GOOD BAD`: which commit broke convergence."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from replaybisect.options import HYDRA_CONTEXT, MAX_STEPS, MAX_WORKERS, JsonFlag, TrackingUri, print_json
+
+MAX_SEEDS = 100  # seeds per endpoint; each is a training run per tried commit
+
+
+def bisect_command(
+    ctx: typer.Context,
+    good: str = typer.Argument(..., help="A commit that trains well (SHA, branch, tag)."),
+    bad: str = typer.Argument(..., help="A later commit that does not."),
+    repo: Path = typer.Option(Path("."), "--repo", help="The git repository (never modified: trials run in a private clone)."),
+    config_dir: str = typer.Option("conf", "--config-dir", help="Hydra config folder, relative to the repository root at each commit."),
+    config_name: str = typer.Option("config", "--config-name", help="Primary config in --config-dir."),
+    steps: Optional[int] = typer.Option(None, "--steps", min=1, max=MAX_STEPS, help="Training steps per trial (default: the config's train.steps)."),
+    metric: str = typer.Option("loss", "--metric", help="Metric judged (lower is better): its mean over the last 10% of logged steps."),
+    threshold: Optional[float] = typer.Option(None, "--threshold", help="Metric above this is bad (default: judged against the endpoints' measured spread)."),
+    seeds: int = typer.Option(3, "--seeds", min=1, max=MAX_SEEDS, help="Seeds the endpoints are measured with (a commit gets more when unclear); training only."),
+    max_seeds: Optional[int] = typer.Option(None, "--max-seeds", min=1, max=3 * MAX_SEEDS, help="Most seeds for one commit (default 3x --seeds)."),
+    workers: int = typer.Option(1, "--workers", "-w", min=1, max=MAX_WORKERS, help="Commits tested in parallel per round."),
+    cmd: Optional[str] = typer.Option(None, "--cmd", help="Run this shell command instead of training; exit 0 good, 125 skip, 1-127 bad, >=128 abort."),
+    no_cache: bool = typer.Option(False, "--no-cache", help="Do not reuse trial results of earlier bisects."),
+    tracking_uri: Optional[str] = TrackingUri,
+    as_json: bool = JsonFlag,
+):
+    """Find the first commit on BAD's first-parent history that fails, training each tried commit briefly.
+
+    Everything after the options is a Hydra override for the trials, e.g.
+
+        replay bisect v1.2 main --steps 200 --workers 3 optim.lr=3e-3
+
+    prints a table of the tried commits and
+
+        first bad commit: 3f2a9c1e07 refactor the model
+        author: Ada <ada@example.com>
+        date:   2026-01-03T10:00:00+00:00
+         model.py | 4 ++--
+
+    The repository is only read; trials run in worktrees of a clone in ~/.cache/replaybisect
+    ($REPLAYBISECT_CACHE). Exit status: 0 a result (a first bad commit, or the skipped commits it could be),
+    2 bad input (unknown commit, GOOD not an ancestor of BAD, GOOD fails or BAD passes).
+    """
+    import math
+    import sys
+
+    from replaybisect.errors import ReplayError
+
+    if threshold is not None and not math.isfinite(threshold):
+        raise ReplayError(f"--threshold {threshold} must be a finite number (or leave it out: judged from the endpoints)")
+
+    from replaybisect.bisect.engine import bisect
+    from replaybisect.bisect.report import render
+
+    from replaybisect.options import stderr_console
+
+    # `kill` (SIGTERM) stops the bisect as cleanly as Ctrl-C (main() raises Terminated, a KeyboardInterrupt)
+    try:
+        with _Progress(stderr_console()) as progress:
+            result = bisect(
+                good, bad, repo=repo, config_dir=config_dir, config_name=config_name, overrides=list(ctx.args),
+                steps=steps, metric=metric, threshold=threshold, seeds=seeds, max_seeds=max_seeds, workers=workers,
+                cmd=cmd, tracking_uri=tracking_uri, use_cache=not no_cache, on_event=progress.event,
+            )
+    except KeyboardInterrupt as stop:
+        from replaybisect.errors import interruption
+
+        # say what happened to the user's repository (sys.exit: main() would add its generic line for typer.Exit)
+        line, code = interruption(stop)
+        print(f"{line} (trials stopped, worktrees removed, your repository untouched)", file=sys.stderr)
+        sys.exit(code)
+    if as_json:
+        print_json(result.to_dict())
+    else:
+        from replaybisect.report import console
+
+        render(result, console)
+
+
+class _Progress:
+    """Progress on stderr: one line per tried commit, and a live bar of rounds when stderr is a terminal."""
+
+    def __init__(self, console):
+        self.console = console
+        self.bar = None
+        self.task = None
+        self.per_run = True
+
+    def __enter__(self):
+        if self.console.is_terminal:
+            from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+            self.bar = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(),
+                                console=self.console, transient=True)
+            self.bar.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        if self.bar is not None:
+            self.bar.__exit__(*exc)
+        return False
+
+    def _status(self, text: str, advance: int = 0) -> None:
+        if self.bar is not None and self.task is not None:
+            self.bar.update(self.task, description=text, advance=advance)
+
+    def event(self, kind: str, **data) -> None:
+        print_line = self.console.print if self.bar is None else self.bar.console.print
+        if kind == "start":
+            self.per_run = data["mode"] == "train"  # --cmd runs once per commit: the trial line says it all
+            print_line(f"bisecting {data['history_length']} commits with {data['workers']} worker(s): "
+                       f"about {data['expected_rounds']} rounds after the endpoints")
+            if self.bar is not None:
+                self.task = self.bar.add_task("endpoints", total=data["expected_rounds"] + 1)
+        elif kind == "phase":
+            print_line(data["text"])
+            self._status(data["text"][:60])
+        elif kind == "run" and self.per_run:
+            run = data["run"]
+            value = f" {run.metric:.5g}" if run.metric is not None else ""
+            source = " (cached)" if run.cached else f" ({run.seconds:.1f}s)"
+            print_line(f"  #{data['position']:<3} {data['sha'][:10]} seed {data['seed']}: {run.outcome}{value}{source}"
+                       + (f"  {run.detail}" if run.detail and run.outcome not in ('ok', 'good') else ""), markup=False)
+        elif kind == "endpoints":
+            print_line(f"endpoints verified: {data['baseline'].describe()}", markup=False)
+            self._status("round 1", advance=1)
+        elif kind == "round":
+            shas = ", ".join(sha[:10] for sha in data["shas"])
+            print_line(f"round {data['number']}: testing {shas}")
+            self._status(f"round {data['number']}: {shas}", advance=1 if data["number"] > 1 else 0)
+        elif kind == "trial":
+            trial = data["trial"]
+            style = {"good": "green", "bad": "red", "skip": "yellow"}.get(trial.verdict, "")
+            from rich.markup import escape
+
+            print_line(f"  [bold]#{trial.position} {trial.sha[:10]}[/] [{style}]{trial.verdict}[/] {escape(trial.note)}")
+
+
+def register(app: typer.Typer) -> None:
+    app.command("bisect", context_settings=HYDRA_CONTEXT)(bisect_command)

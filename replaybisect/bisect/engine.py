@@ -1,0 +1,984 @@
+"""`replay bisect GOOD BAD`: find the first commit that broke convergence, like `git bisect run` for a
+noisy, expensive oracle, without touching the user's repository.
+
+How it works
+1. The user's repository is only read. Trials run in worktrees of a private `git clone --shared` in the
+   cache (gitops.PrivateClone), one worktree per worker, each trial a subprocess with the worktree first on
+   PYTHONPATH: `python -m replaybisect train ...` (or the user's `--cmd`).
+2. Both endpoints are measured first over the same seeds (FIELD-NOTES "Bisection": verify the range first,
+   as mozregression and Chromium's `--verify-range` do). GOOD must pass and BAD must fail.
+3. Verdict per commit (`judge`): a non-finite loss is `bad` at once; a commit that cannot be trained
+   (bad config, `_target_` that does not import, crash) is `skip`. Otherwise, with seeds as blocks (the
+   commit runs the endpoints' seeds, so init and data order are shared):
+
+   a. Reproduction: a metric equal to GOOD's (or BAD's) at the same seed within 1e-3 relative
+      (FIELD-NOTES: Megatron-Core's replay tolerance) while 10x that far from the other endpoint's means the
+      commit trains like that endpoint: decided on one seed. On CPU most commits land here.
+   b. Otherwise the statistical test, stated: u_s = x_s - (g_s + b_s) / 2 (the commit's metric minus the
+      midpoint of GOOD and BAD at the same seed); z = mean(u) / (sigma_u / sqrt(n)) with
+      sigma_u = sqrt(3/4) * sd(b_s - g_s) from the endpoints (floored at 5% of the endpoint gap).
+      |z| >= 2.576 (two-sided p <= 0.01, Chromium Pinpoint's bar for "different") decides: bad above the
+      midpoint, good below. Otherwise the commit gets one more seed, up to --max-seeds; then the nearer side
+      wins, marked `undecided`. With --threshold X the midpoint is X and sigma the endpoints' pooled seed spread.
+
+   The endpoints pass with a one-sided paired t-test (scipy.stats.ttest_rel, p <= 0.01) of BAD against
+   GOOD; when p is unclear (<= 0.2) both endpoints get more seeds before BAD is declared passing (Pinpoint
+   adds repeats when a comparison is unknown).
+4. Search over BAD's first-parent history: W workers test W commits per round, at the W points that split
+   the unknown range into W+1 equal parts (ceil(log_{W+1} N) rounds, FIELD-NOTES). Skipped commits are
+   handled as `git bisect skip` does: the nearest untested commit is tried instead, and when only skipped
+   commits are left the answer is the list of commits the first bad one could be.
+5. Every trial is an MLflow run (child of one `kind=bisect` run) tagged with a key of (tree hash, config
+   hash, seed): a later bisect reuses it instead of training again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Sequence
+from urllib.parse import urlparse
+
+from replaybisect.errors import GitError, ReplayError
+from replaybisect.bisect.gitops import CommitInfo, PrivateClone, UserRepo, cache_root, clean_git_env
+from replaybisect.bisect.trial_process import Launcher, signal_group
+
+__all__ = ["BisectResult", "Trial", "SeedRun", "bisect", "Search", "Baseline", "judge", "endpoint_baseline", "BisectAborted"]
+
+ALPHA = 0.01  # FIELD-NOTES "Bisection": Pinpoint calls two samples different at p <= 0.01
+Z_DECIDE = 2.5758293035489  # two-sided normal quantile for ALPHA (scipy.stats.norm.isf(0.005))
+UNCLEAR_P = 0.2  # endpoints with ALPHA < p <= this get more seeds before BAD is called passing
+MIN_NOISE_FRACTION = 0.05  # sigma floor as a fraction of the endpoint gap (deterministic CPU runs have 0 spread)
+REPRODUCE_RTOL = 1e-3  # FIELD-NOTES: Megatron-Core's replay tolerance where kernels are nondeterministic
+MIN_EFFECT_OF_SPREAD = 0.1  # a BAD less than a tenth of GOOD's seed spread worse is "equal within noise"
+TAIL_FRACTION = 0.1  # the metric: mean over the last 10% of logged steps (DESIGN §5)
+TRIAL_THREADS = "1"  # OMP_NUM_THREADS of a trial when the user has not set it
+CRASH_RETRIES = 1  # a trial that crashed (exit 1) or was killed runs once more before its commit is skipped
+OUTPUT_TAIL = 4000  # characters of a trial's output kept with its run
+
+
+class BisectAborted(ReplayError):
+    """The `--cmd` asked to abort (exit status >= 128), as `git bisect run` does."""
+
+
+class _Cancelled(Exception):
+    """The bisect is being interrupted: a trial's result must not be used or cached."""
+
+
+# ---------------------------------------------------------------------------------------------
+# results
+# ---------------------------------------------------------------------------------------------
+@dataclass
+class SeedRun:
+    """One training run (or one `--cmd` run) of one commit with one seed."""
+
+    seed: int
+    outcome: str  # ok | nonfinite | skip (training); good | bad | skip (--cmd)
+    metric: float | None = None
+    run_id: str | None = None
+    cached: bool = False
+    detail: str = ""  # one line: why a skip, where non-finite, the exit status
+    seconds: float = 0.0
+
+
+@dataclass
+class Trial:
+    """What was learnt about one commit."""
+
+    sha: str
+    position: int  # in BAD's first-parent history; GOOD is 0, BAD is len(history) - 1
+    subject: str
+    verdict: str  # good | bad | skip
+    runs: list[SeedRun] = field(default_factory=list)
+    round: int = 0  # 0 = the endpoints
+    z: float | None = None
+    p: float | None = None
+    note: str = ""
+
+    @property
+    def metrics(self) -> list[float]:
+        return [run.metric for run in self.runs if run.metric is not None]
+
+    @property
+    def metric(self) -> float | None:
+        values = self.metrics
+        return sum(values) / len(values) if values else None
+
+    @property
+    def seeds(self) -> list[int]:
+        return [run.seed for run in self.runs]
+
+    @property
+    def cached(self) -> bool:
+        return bool(self.runs) and all(run.cached for run in self.runs)
+
+
+@dataclass
+class Baseline:
+    """What the endpoints measured, and the test every other commit is judged with."""
+
+    mode: str  # paired | threshold | nonfinite | cmd
+    metric_name: str
+    good: dict[int, float] = field(default_factory=dict)  # seed -> metric
+    bad: dict[int, float] = field(default_factory=dict)
+    bad_nonfinite_seeds: list[int] = field(default_factory=list)
+    threshold: float | None = None
+    sigma: float = 0.0  # noise of one u_s (see the module docstring)
+    p_endpoints: float | None = None
+    seeds: list[int] = field(default_factory=list)  # seeds both endpoints were measured with
+
+    def describe(self) -> str:
+        if self.mode == "cmd":
+            return "--cmd exit status: 0 good, 125 skip, 1-127 bad, >=128 abort (git bisect run)"
+        if self.mode == "nonfinite":
+            extra = f", and {self.metric_name} <= {self.threshold:g}" if self.threshold is not None else ""
+            return f"BAD diverges (non-finite at seeds {self.bad_nonfinite_seeds}): a commit is bad if it is non-finite at those seeds{extra}"
+        if self.mode == "threshold":
+            return (f"{self.metric_name} against --threshold {self.threshold:g}: z-test of the seed mean, sigma {self.sigma:.3g} "
+                    f"(endpoints' pooled seed spread), decided at p <= {ALPHA}")
+        return (f"per seed: reproduces GOOD or BAD (within {REPRODUCE_RTOL:g} relative), else a z-test against the midpoint "
+                f"of GOOD and BAD at the same seed, sigma {self.sigma:.3g} from the endpoints' paired differences; "
+                f"decided at p <= {ALPHA}, else one more seed")
+
+
+@dataclass
+class BisectResult:
+    good: str
+    bad: str
+    first_bad: str | None  # None when skipped commits leave more than one candidate
+    candidates: list[str]  # the commits the first bad one could be (one when found)
+    commit: CommitInfo | None  # subject, author, date and diffstat of first_bad
+    trials: list[Trial]  # in history order
+    history_length: int  # commits in GOOD..BAD on the first-parent chain, GOOD included
+    n_rounds: int
+    workers: int
+    mode: str  # train | cmd
+    metric_name: str
+    baseline: Baseline
+    n_runs: int  # runs executed by this bisect
+    n_cached: int  # runs reused from earlier bisects
+    seconds: float
+    run_id: str | None = None  # the kind=bisect MLflow run
+    repo: str = ""
+
+    @property
+    def n_trials(self) -> int:
+        return len(self.trials)
+
+    @property
+    def subject(self) -> str | None:
+        return self.commit.subject if self.commit else None
+
+    def to_dict(self) -> dict:
+        """The JSON of DESIGN §5: {first_bad, subject, n_trials, trials:[{sha, verdict, metric, seeds, run_id}]} and more."""
+        return {
+            "first_bad": self.first_bad,
+            "subject": self.subject,
+            "author": self.commit.author if self.commit else None,
+            "date": self.commit.date if self.commit else None,
+            "diffstat": self.commit.diffstat if self.commit else None,
+            "candidates": self.candidates,
+            "n_trials": self.n_trials,
+            "trials": [
+                {
+                    "sha": trial.sha,
+                    "position": trial.position,
+                    "subject": trial.subject,
+                    "verdict": trial.verdict,
+                    "metric": trial.metric,
+                    "seeds": trial.seeds,
+                    "metrics": [run.metric for run in trial.runs],
+                    "outcomes": [run.outcome for run in trial.runs],
+                    "run_id": trial.runs[0].run_id if trial.runs else None,
+                    "run_ids": [run.run_id for run in trial.runs],
+                    "cached": trial.cached,
+                    "round": trial.round,
+                    "z": trial.z,
+                    "p": trial.p,
+                    "note": trial.note,
+                }
+                for trial in self.trials
+            ],
+            "good": self.good,
+            "bad": self.bad,
+            "history_length": self.history_length,
+            "n_rounds": self.n_rounds,
+            "workers": self.workers,
+            "mode": self.mode,
+            "metric_name": self.metric_name,
+            "test": self.baseline.describe(),
+            "endpoints": {
+                "good": self.baseline.good,
+                "bad": self.baseline.bad,
+                "bad_nonfinite_seeds": self.baseline.bad_nonfinite_seeds,
+                "p": self.baseline.p_endpoints,
+                "sigma": self.baseline.sigma,
+                "threshold": self.baseline.threshold,
+            },
+            "n_runs": self.n_runs,
+            "n_cached": self.n_cached,
+            "seconds": round(self.seconds, 3),
+            "run_id": self.run_id,
+            "repo": self.repo,
+        }
+
+
+# ---------------------------------------------------------------------------------------------
+# the search (pure: positions and verdicts only)
+# ---------------------------------------------------------------------------------------------
+class Search:
+    """Bisection over positions 0..n of BAD's first-parent history: 0 is GOOD, n is BAD."""
+
+    def __init__(self, n: int):
+        self.n = n
+        self.verdicts: dict[int, str] = {0: "good", n: "bad"}
+        self.rounds = 0
+
+    @property
+    def hi(self) -> int:
+        """The first known bad position."""
+        return min(position for position, verdict in self.verdicts.items() if verdict == "bad")
+
+    @property
+    def lo(self) -> int:
+        """The last known good position before `hi` (a noisy oracle may call a later commit good: ignored)."""
+        hi = self.hi
+        return max(position for position, verdict in self.verdicts.items() if verdict == "good" and position < hi)
+
+    def untested(self) -> list[int]:
+        return [position for position in range(self.lo + 1, self.hi) if position not in self.verdicts]
+
+    def next_round(self, width: int) -> list[int]:
+        """Up to `width` positions splitting the unknown range into width+1 equal parts; a skipped or
+        already chosen position gives way to the nearest untested one (as `git bisect skip` does)."""
+        available = self.untested()
+        lo, hi = self.lo, self.hi
+        chosen: list[int] = []
+        for k in range(1, width + 1):
+            free = [position for position in available if position not in chosen]
+            if not free:
+                break
+            ideal = lo + (hi - lo) * k / (width + 1)
+            chosen.append(min(free, key=lambda position: (abs(position - ideal), position)))
+        if chosen:
+            self.rounds += 1
+        return sorted(chosen)
+
+    def record(self, position: int, verdict: str) -> None:
+        self.verdicts[position] = verdict
+
+    @property
+    def done(self) -> bool:
+        return not self.untested()
+
+    def candidates(self) -> list[int]:
+        """Where the first bad commit can be: `hi`, preceded by the skipped commits right before it."""
+        lo, hi = self.lo, self.hi
+        return [position for position in range(lo + 1, hi) if self.verdicts.get(position) == "skip"] + [hi]
+
+
+# ---------------------------------------------------------------------------------------------
+# the verdict (pure: numbers in, verdict out)
+# ---------------------------------------------------------------------------------------------
+def judge(baseline: Baseline, runs: Sequence[SeedRun], max_seeds: int) -> tuple[str | None, float | None, float | None, str]:
+    """(verdict or None for "needs another seed", z, p, note) for one commit's runs so far."""
+    for run in runs:
+        if run.outcome == "skip":
+            return "skip", None, None, run.detail
+        if run.outcome == "nonfinite":
+            return "bad", None, None, f"non-finite at seed {run.seed}" + (f": {run.detail}" if run.detail else "")
+    if baseline.mode == "cmd":
+        return (runs[0].outcome, None, None, runs[0].detail) if runs else (None, None, None, "")
+    if baseline.mode == "nonfinite":
+        tested = {run.seed for run in runs}
+        if not set(baseline.bad_nonfinite_seeds) <= tested:
+            return None, None, None, ""
+        if baseline.threshold is not None:
+            mean = sum(run.metric for run in runs) / len(runs)
+            if mean > baseline.threshold:
+                return "bad", None, None, f"finite, but {baseline.metric_name} {mean:.4g} > threshold {baseline.threshold:g}"
+        return "good", None, None, f"finite at seeds {sorted(tested)} where BAD diverges"
+
+    if baseline.mode == "paired":
+        same = {_reproduces(run.metric, baseline.good[run.seed], baseline.bad[run.seed]) for run in runs}
+        if len(same) == 1 and None not in same:
+            side = same.pop()
+            endpoint = "GOOD" if side == "good" else "BAD"
+            return side, None, None, f"reproduces {endpoint} at seed{'s' * (len(runs) > 1)} {', '.join(str(run.seed) for run in runs)}"
+        deltas = [run.metric - (baseline.good[run.seed] + baseline.bad[run.seed]) / 2 for run in runs]
+    else:  # threshold
+        deltas = [run.metric - baseline.threshold for run in runs]
+    if not deltas:
+        return None, None, None, ""
+    n = len(deltas)
+    mean = sum(deltas) / n
+    z = mean / (baseline.sigma / math.sqrt(n))
+    p = math.erfc(abs(z) / math.sqrt(2))  # two-sided normal p-value
+    side = "bad" if mean > 0 else "good"
+    if abs(z) >= Z_DECIDE:
+        return side, z, p, f"z={z:+.2f} over {n} seed{'s' * (n > 1)}"
+    if n >= max_seeds:
+        return side, z, p, f"undecided after {n} seeds (z={z:+.2f}, p={p:.2g}): nearer {side.upper()}"
+    return None, z, p, ""
+
+
+def _reproduces(value: float, good: float, bad: float) -> str | None:
+    """"good"/"bad" when `value` equals that endpoint's metric at the same seed (within REPRODUCE_RTOL)."""
+    for side, ref, other in (("good", good, bad), ("bad", bad, good)):
+        tolerance = REPRODUCE_RTOL * max(abs(ref), 1e-12)
+        if abs(value - ref) <= tolerance and abs(value - other) > 10 * tolerance:
+            return side
+    return None
+
+
+def endpoint_baseline(metric_name: str, good: list[SeedRun], bad: list[SeedRun], threshold: float | None,
+                      good_sha: str, bad_sha: str) -> tuple[Baseline | None, str | None]:
+    """The baseline from the endpoint runs, or (None, error) when GOOD fails / BAD passes; (None, None) = more seeds."""
+    import statistics
+
+    short_good, short_bad = good_sha[:10], bad_sha[:10]
+    for run in good:
+        if run.outcome == "skip":
+            return None, f"GOOD {short_good} cannot be trained (seed {run.seed}: {run.detail}); pick a GOOD commit that trains"
+        if run.outcome == "nonfinite":
+            return None, f"GOOD {short_good} fails: non-finite at seed {run.seed} ({run.detail}); pick an earlier GOOD commit"
+    for run in bad:
+        if run.outcome == "skip":
+            return None, f"BAD {short_bad} cannot be trained (seed {run.seed}: {run.detail}); pick a BAD commit that trains and fails"
+    good_metrics = {run.seed: run.metric for run in good}
+    seeds = sorted(good_metrics)
+    good_values = [good_metrics[s] for s in seeds]
+    good_spread = statistics.stdev(good_values) if len(good_values) > 1 else 0.0
+    summary_good = f"GOOD {short_good} {metric_name} {_mean(good_values):.5g} ± {good_spread:.2g}"
+    nonfinite = [run.seed for run in bad if run.outcome == "nonfinite"]
+    if nonfinite:
+        if threshold is not None and _mean(good_values) > threshold:
+            return None, f"GOOD {short_good} fails: {summary_good} over seeds {seeds} is above --threshold {threshold:g}; pick an earlier GOOD or raise --threshold"
+        return Baseline("nonfinite", metric_name, good=good_metrics, bad_nonfinite_seeds=nonfinite,
+                        threshold=threshold, p_endpoints=0.0, seeds=seeds), None
+
+    bad_metrics = {run.seed: run.metric for run in bad}
+    bad_values = [bad_metrics[s] for s in seeds]
+    bad_spread = statistics.stdev(bad_values) if len(bad_values) > 1 else 0.0
+    summary = f"{summary_good}, BAD {short_bad} {_mean(bad_values):.5g} ± {bad_spread:.2g} over seeds {seeds}"
+
+    if threshold is not None:
+        if _mean(good_values) > threshold:
+            return None, f"GOOD {short_good} fails: {summary}, threshold {threshold:g}; pick an earlier GOOD or raise --threshold"
+        if _mean(bad_values) <= threshold:
+            return None, f"BAD {short_bad} passes: {summary}, threshold {threshold:g}; pick a later BAD or lower --threshold"
+        pooled = math.sqrt((good_spread**2 + bad_spread**2) / 2)
+        sigma = max(pooled, MIN_NOISE_FRACTION * (threshold - _mean(good_values)), 1e-12)
+        return Baseline("threshold", metric_name, good=good_metrics, bad=bad_metrics, threshold=threshold,
+                        sigma=sigma, p_endpoints=None, seeds=seeds), None
+
+    diffs = [bad_metrics[s] - good_metrics[s] for s in seeds]
+    gap = _mean(diffs)
+    diff_spread = statistics.stdev(diffs) if len(diffs) > 1 else 0.0
+    min_effect = max(MIN_EFFECT_OF_SPREAD * good_spread, 1e-9 * abs(_mean(good_values)), 1e-12)
+    if gap <= min_effect:
+        p = 1.0
+    elif len(diffs) < 2 or diff_spread <= 1e-9 * gap:
+        p = 0.0  # one seed (no spread to test against) or a constant shift at every seed
+    else:
+        from scipy import stats
+
+        p = float(stats.ttest_rel(bad_values, good_values, alternative="greater").pvalue)
+    if p > ALPHA:
+        if p <= UNCLEAR_P:
+            return None, None  # unclear: measure both endpoints on more seeds
+        return None, (f"BAD {short_bad} does not fail: {summary} (paired difference {gap:+.3g}, one-sided paired "
+                      f"t-test p={p:.2g} > {ALPHA}); pick a BAD commit that fails, pass more --seeds, or set --threshold")
+    sigma = max(math.sqrt(0.75) * diff_spread, MIN_NOISE_FRACTION * gap)
+    return Baseline("paired", metric_name, good=good_metrics, bad=bad_metrics, sigma=sigma, p_endpoints=p, seeds=seeds), None
+
+
+def _mean(values: Sequence[float]) -> float:
+    return sum(values) / len(values)
+
+
+# ---------------------------------------------------------------------------------------------
+# trial runners: how one (commit, seed) is run in a worktree
+# ---------------------------------------------------------------------------------------------
+def _hash(data) -> str:
+    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
+
+
+def _tail(text: str, limit: int = OUTPUT_TAIL) -> str:
+    return text[-limit:]
+
+
+def _last_line(text: str) -> str:
+    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+    return lines[-1].removeprefix("replay: error: ")[:300] if lines else ""
+
+
+def _package_version(name: str) -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(name)
+    except PackageNotFoundError:
+        return "none"
+
+
+class TrainRunner:
+    """Train the repository's own config at the commit: `python -m replaybisect train ...`."""
+
+    mode = "train"
+
+    def __init__(self, *, config_dir: str, config_name: str, overrides: Sequence[str], steps: int | None,
+                 metric: str, tracking_uri: str):
+        self.config_dir = config_dir
+        self.config_name = config_name
+        self.overrides = list(overrides)
+        self.steps = steps
+        self.metric = metric
+        self.tracking_uri = tracking_uri
+        # The tree hash covers the repository's code and config; this covers what the command line adds
+        # and what trains it (PyTorch does not promise identical results across versions).
+        self.config_hash = _hash({"mode": "train", "config_dir": config_dir, "config_name": config_name,
+                                  "overrides": self.overrides, "steps": steps,
+                                  "replaybisect": _package_version("replaybisect"), "torch": _package_version("torch"),
+                                  "threads": os.environ.get("OMP_NUM_THREADS", TRIAL_THREADS)})
+
+    def command(self, worktree: Path, seed: int, parent_run_id: str, sha: str) -> list[str]:
+        command = [sys.executable, "-m", "replaybisect", "train",
+                   "--config-dir", str(worktree / self.config_dir), "--config-name", self.config_name,
+                   "--json", "--tracking-uri", self.tracking_uri,
+                   "--parent-run-id", parent_run_id, "--kind", "bisect-trial",
+                   "--tag", f"bisect_sha={sha}", "--tag", f"bisect_seed={seed}",
+                   f"seed={seed}"]
+        if self.steps is not None:
+            command.append(f"train.steps={self.steps}")
+        return command + self.overrides
+
+    def interpret(self, store, returncode: int, stdout: str, stderr: str, seed: int) -> tuple[SeedRun, bool]:
+        """(the run, whether the result may be cached)."""
+        report = _parse_json(stdout)
+        run_id = report.get("run_id")
+        if returncode == 0:
+            if not run_id:
+                return SeedRun(seed, "skip", detail="`replay train` printed no run id"), False
+            metric = tail_mean(store.metric_history(run_id, self.metric))
+            if metric is None:
+                return SeedRun(seed, "skip", run_id=run_id, detail=f"the run logged no `{self.metric}` metric"), True
+            if not math.isfinite(metric):
+                return SeedRun(seed, "nonfinite", metric=None, run_id=run_id, detail=f"{self.metric} is {metric}"), True
+            return SeedRun(seed, "ok", metric=metric, run_id=run_id), True
+        if returncode == 3:  # stopped on a non-finite loss or gradient: bad at once
+            step = report.get("first_nonfinite_step")
+            return SeedRun(seed, "nonfinite", run_id=run_id, detail=f"step {step}" if step is not None else _last_line(stderr)), True
+        if returncode == 2:  # bad config, `_target_` that does not import: the commit cannot be tested
+            return SeedRun(seed, "skip", run_id=run_id, detail=_last_line(stderr) or "bad config (exit 2)"), True
+        if returncode == 1:  # a crash that is not a divergence; maybe the machine's fault (a locked store): not cached
+            return SeedRun(seed, "skip", run_id=run_id, detail=_last_line(stderr) or "crashed (exit 1)"), False
+        # killed by a signal (out of memory, for one): infrastructure, skip and do not remember it
+        return SeedRun(seed, "skip", run_id=run_id, detail=f"killed (exit status {returncode})"), False
+
+
+class CommandRunner:
+    """`--cmd`: any shell command, with `git bisect run` exit statuses."""
+
+    mode = "cmd"
+
+    def __init__(self, cmd: str):
+        self.cmd = cmd
+        self.metric = "exit status"
+        self.config_hash = _hash({"mode": "cmd", "cmd": cmd})
+
+    def command(self, worktree: Path, seed: int, parent_run_id: str, sha: str) -> list[str]:
+        return ["/bin/sh", "-c", self.cmd]
+
+    def interpret(self, store, returncode: int, stdout: str, stderr: str, seed: int) -> tuple[SeedRun, bool]:
+        if returncode < 0 or returncode >= 128:
+            raise BisectAborted(f"--cmd exited with status {returncode if returncode >= 0 else 128 - returncode} "
+                                f"(>= 128 means abort, as in git bisect run): {_last_line(stderr) or _last_line(stdout)}; "
+                                "fix the command and run again")
+        if returncode == 0:
+            return SeedRun(seed, "good", detail="exit 0"), True
+        if returncode == 125:
+            return SeedRun(seed, "skip", detail="exit 125 (skip)"), True
+        detail = f"exit {returncode}"
+        if returncode in (126, 127):  # git bisect run treats these as bad, but they usually mean a broken command
+            detail += " (command not found or not executable?)"
+        return SeedRun(seed, "bad", detail=detail), True
+
+
+def _parse_json(stdout: str) -> dict:
+    for line in reversed(stdout.strip().splitlines()):
+        line = line.strip()
+        if line.startswith("{"):
+            try:
+                return json.loads(line)
+            except json.JSONDecodeError:
+                continue
+    try:
+        return json.loads(stdout)
+    except (json.JSONDecodeError, ValueError):
+        return {}
+
+
+def tail_mean(history: Sequence[tuple[int, float]], fraction: float = TAIL_FRACTION) -> float | None:
+    """Mean of the values over the last `fraction` of the logged steps (at least one)."""
+    if not history:
+        return None
+    count = max(1, math.ceil(len(history) * fraction))
+    values = [value for _, value in history[-count:]]
+    return sum(values) / len(values)
+
+
+def absolute_tracking_uri(uri: str) -> str:
+    """Trials run in another folder: make a relative SQLite or file store path absolute."""
+    parsed = urlparse(uri)
+    if parsed.scheme == "sqlite" and uri.startswith("sqlite:///") and not uri.startswith("sqlite:////"):
+        path = uri[len("sqlite:///"):]
+        if path and path != ":memory:" and not path.startswith("/"):
+            return "sqlite:///" + str(Path(path).resolve())
+    if parsed.scheme == "" and "://" not in uri:
+        return str(Path(uri).expanduser().resolve())
+    return uri
+
+
+def _store_outside_repo(uri: str, user: UserRepo) -> str:
+    """A SQLite or file store inside the user's working tree would write there: keep it in the cache instead."""
+    parsed = urlparse(uri)
+    path = uri[len("sqlite:///"):] if uri.startswith("sqlite:///") else (uri if parsed.scheme == "" else "")
+    if not path or not Path(path).resolve().is_relative_to(user.path):
+        return uri
+    moved = "sqlite:///" + str(cache_root() / "mlflow.db")
+    print(f"replay bisect: the tracking store {uri} is inside the repository being bisected; recording to {moved} "
+          "instead (pass --tracking-uri to choose)", file=sys.stderr)
+    cache_root().mkdir(parents=True, exist_ok=True)
+    return moved
+
+
+# ---------------------------------------------------------------------------------------------
+# the bisector
+# ---------------------------------------------------------------------------------------------
+class _Bisector:
+    def __init__(self, *, store, clone: PrivateClone, runner, history: list[str], subjects: dict[str, str],
+                 parent_run_id: str, seeds: int, max_seeds: int, workers: int, threshold: float | None,
+                 use_cache: bool, on_event: Callable[..., None], launcher: Launcher):
+        self.store = store
+        self.clone = clone
+        self.runner = runner
+        self.history = history
+        self.subjects = subjects
+        self.parent_run_id = parent_run_id
+        self.seeds = seeds
+        self.max_seeds = max_seeds
+        self.workers = workers
+        self.threshold = threshold
+        self.use_cache = use_cache
+        self.emit = on_event
+        self.trees = clone.trees(history)
+        self.free_worktrees: "queue.Queue[Path]" = queue.Queue()
+        for worktree in clone.worktrees:
+            self.free_worktrees.put(worktree)
+        self.checked_out: dict[Path, str] = {}
+        self.measured: dict[tuple[str, int], SeedRun] = {}
+        self.in_flight: dict[tuple[str, int], threading.Event] = {}
+        self.lock = threading.Lock()
+        self.launcher = launcher
+        self.processes: set = set()  # running trial processes (trial_process.PlainProcess / ForkedProcess)
+        self.cancelled = threading.Event()
+        self.n_runs = 0
+        self.n_cached = 0
+        self.stop_endpoint: set[str] = set()
+
+    # ---- one (commit, seed) --------------------------------------------------------------
+    def measure(self, sha: str, seed: int, worktree: Path) -> SeedRun:
+        """The run of `sha` with `seed`: from this bisect, else from the MLflow cache, else trained now."""
+        key = (sha, seed)
+        while True:
+            with self.lock:
+                if key in self.measured:
+                    return self.measured[key]
+                if self.cancelled.is_set():
+                    raise _Cancelled()
+                event = self.in_flight.get(key)
+                if event is None:
+                    self.in_flight[key] = threading.Event()
+                    break
+            event.wait()  # another worker is measuring it; if that fails, this one tries
+        try:
+            run = self._lookup(sha, seed) if self.use_cache else None
+            if run is None:
+                run = self._execute(sha, seed, worktree)
+            with self.lock:
+                self.measured[key] = run
+                if run.cached:
+                    self.n_cached += 1
+                else:
+                    self.n_runs += 1
+            self.emit("run", sha=sha, position=self.history.index(sha), seed=seed, run=run)
+            return run
+        finally:
+            with self.lock:
+                self.in_flight.pop(key).set()
+
+    def cache_key(self, sha: str, seed: int) -> str:
+        return _hash([self.trees[sha], self.runner.config_hash, seed])[:40]
+
+    def _lookup(self, sha: str, seed: int) -> SeedRun | None:
+        key = self.cache_key(sha, seed)
+        # the key is set last, once the trial's run is complete (_record): a tagged run is a finished trial
+        found = self.store.search_runs(f"tags.`replaybisect.bisect_key` = '{key}'", max_results=1)
+        if not found:
+            return None
+        cached = found[0]
+        tags = cached.data.tags
+        outcome = tags.get("replaybisect.bisect_outcome", "")
+        metric = None
+        if outcome == "ok":
+            metric = tail_mean(self.store.metric_history(cached.info.run_id, self.runner.metric))
+            if metric is None:  # trained, but without this --metric: training again would not log it either
+                return SeedRun(seed, "skip", run_id=cached.info.run_id, cached=True,
+                               detail=f"the run logged no `{self.runner.metric}` metric")
+            if not math.isfinite(metric):
+                return SeedRun(seed, "nonfinite", run_id=cached.info.run_id, cached=True,
+                               detail=f"{self.runner.metric} is {metric}")
+        return SeedRun(seed, outcome, metric=metric, run_id=cached.info.run_id, cached=True,
+                       detail=tags.get("replaybisect.bisect_detail", ""))
+
+    def _execute(self, sha: str, seed: int, worktree: Path) -> SeedRun:
+        if self.cancelled.is_set():
+            raise _Cancelled()
+        if self.checked_out.get(worktree) != sha:
+            self.clone.checkout(worktree, sha)
+            self.checked_out[worktree] = sha
+        env = clean_git_env()  # a bisect started from a git hook must not point the trial's git at the user's repo
+        env["PYTHONPATH"] = os.pathsep.join([str(worktree)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+        # One intra-op thread per trial unless the user says otherwise: the workers are the parallelism, and
+        # every trial (and every cached one) runs with the same thread count, so results stay comparable.
+        env.setdefault("OMP_NUM_THREADS", TRIAL_THREADS)
+        env.update({"PYTHONDONTWRITEBYTECODE": "1", "REPLAYBISECT_SHA": sha, "REPLAYBISECT_SEED": str(seed),
+                    "REPLAYBISECT_WORKTREE": str(worktree), "MLFLOW_TRACKING_URI": self.store.uri})
+        started = time.monotonic()
+        for _ in range(1 + CRASH_RETRIES):
+            # A session of its own: Ctrl-C reaches the bisect only, which stops its trials itself (cancel()).
+            with self.lock:
+                if self.cancelled.is_set():
+                    raise _Cancelled()
+                process = self.launcher.start(self.runner.command(worktree, seed, self.parent_run_id, sha), worktree, env)
+                self.processes.add(process)
+            try:
+                returncode, stdout, stderr = process.communicate()
+            finally:
+                with self.lock:
+                    self.processes.discard(process)
+            if self.cancelled.is_set():
+                raise _Cancelled()
+            run, cacheable = self.runner.interpret(self.store, returncode, stdout, stderr, seed)
+            if cacheable or run.outcome != "skip":
+                break
+            # a crash or a kill may be the machine's (a locked SQLite store, memory): try once more before `skip`
+            self.emit("phase", text=f"  {sha[:10]} seed {seed}: {run.detail}; trying once more")
+        run.seconds = time.monotonic() - started
+        self._record(sha, run, cacheable, stdout, stderr, returncode)
+        return run
+
+    def _record(self, sha: str, run: SeedRun, cacheable: bool, stdout: str, stderr: str, returncode: int) -> None:
+        """Tag the trial's MLflow run (creating one when the trial made none) with its cache key and outcome."""
+        if run.run_id is None:
+            run.run_id = self.store.create_run("bisect-trial", run_name=f"{sha[:10]} seed {run.seed}",
+                                               parent_run_id=self.parent_run_id)
+            self.store.log_text(run.run_id, f"$ exit status {returncode}\n--- stdout\n{_tail(stdout)}\n--- stderr\n{_tail(stderr)}",
+                                "trial.log")
+            self.store.finish_run(run.run_id, "ok" if run.outcome in ("good", "bad") else "crashed")
+        tags = {"bisect_sha": sha, "bisect_tree": self.trees[sha], "bisect_config_hash": self.runner.config_hash,
+                # a run that trained is remembered as trained: the metric is read again from it by each lookup
+                "bisect_seed": run.seed, "bisect_outcome": "ok" if self.runner.mode == "train" and returncode == 0 else run.outcome,
+                "bisect_detail": run.detail[:500],
+                "bisect_exit_status": returncode}
+        if run.metric is not None:
+            tags["bisect_metric"] = repr(run.metric)
+        if cacheable:  # written with the outcome, once the trial has finished: a keyed run is a complete trial
+            tags["bisect_key"] = self.cache_key(sha, run.seed)
+        self.store.set_tags(run.run_id, tags)
+
+    # ---- worker jobs -------------------------------------------------------------------
+    def _with_worktree(self, job: Callable[[Path], object]):
+        worktree = self.free_worktrees.get()
+        try:
+            return job(worktree)
+        finally:
+            self.free_worktrees.put(worktree)
+
+    def _endpoint_job(self, sha: str, seed: int) -> SeedRun | None:
+        def job(worktree: Path):
+            if sha in self.stop_endpoint:  # already decided (BAD non-finite at an earlier seed)
+                return None
+            run = self.measure(sha, seed, worktree)
+            if run.outcome in ("nonfinite", "skip"):
+                self.stop_endpoint.add(sha)
+            return run
+
+        return self._with_worktree(job)
+
+    def _candidate_job(self, sha: str, baseline: Baseline) -> tuple[str, list[SeedRun], float | None, float | None, str]:
+        def job(worktree: Path):
+            runs: list[SeedRun] = []
+            good_sha, bad_sha = self.history[0], self.history[-1]
+            for seed in self._seed_order(baseline):
+                if baseline.mode == "paired" and seed not in baseline.good:
+                    # pair an extra seed with both endpoints at that seed; a seed they cannot run is left out
+                    good_run, bad_run = self.measure(good_sha, seed, worktree), self.measure(bad_sha, seed, worktree)
+                    if good_run.outcome != "ok" or bad_run.outcome != "ok":
+                        continue
+                    with self.lock:
+                        baseline.good[seed], baseline.bad[seed] = good_run.metric, bad_run.metric
+                runs.append(self.measure(sha, seed, worktree))
+                verdict, z, p, note = judge(baseline, runs, self.max_seeds)
+                if verdict is not None:
+                    return verdict, runs, z, p, note
+            verdict, z, p, note = judge(baseline, runs, len(runs))
+            return verdict or "skip", runs, z, p, note or "no seed could be paired with the endpoints"
+
+        return self._with_worktree(job)
+
+    def _seed_order(self, baseline: Baseline) -> list[int]:
+        if baseline.mode == "cmd":
+            return [0]
+        if baseline.mode == "nonfinite":
+            return list(baseline.bad_nonfinite_seeds)
+        return list(range(self.max_seeds))
+
+    # ---- orchestration -----------------------------------------------------------------
+    def run(self) -> tuple[list[Trial], Baseline, Search]:
+        good_sha, bad_sha = self.history[0], self.history[-1]
+        n = len(self.history) - 1
+        with ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="bisect") as pool:
+            self.pool = pool
+            try:
+                baseline, good_trial, bad_trial = self._endpoints(good_sha, bad_sha)
+                trials = {0: good_trial, n: bad_trial}
+                search = Search(n)
+                self.emit("endpoints", baseline=baseline, good=good_trial, bad=bad_trial)
+                while not search.done:
+                    positions = search.next_round(self.workers)
+                    self.emit("round", number=search.rounds, shas=[self.history[p] for p in positions], positions=positions)
+                    futures = {self.pool.submit(self._candidate_job, self.history[p], baseline): p for p in positions}
+                    for position, (verdict, runs, z, p_value, note) in self._gather(futures):
+                        sha = self.history[position]
+                        trial = Trial(sha, position, self.subjects.get(sha, ""), verdict, runs, search.rounds, z, p_value, note)
+                        trials[position] = trial
+                        search.record(position, verdict)
+                        self.emit("trial", trial=trial)
+            except BaseException:
+                self.cancel()
+                pool.shutdown(wait=True, cancel_futures=True)
+                raise
+        return [trials[position] for position in sorted(trials)], baseline, search
+
+    def _gather(self, futures: dict[Future, object]):
+        """Yield (key, result) as futures finish; interruptible by Ctrl-C (short waits)."""
+        pending = set(futures)
+        while pending:
+            done, pending = wait(pending, timeout=0.25, return_when=FIRST_COMPLETED)
+            for future in done:
+                yield futures[future], future.result()
+
+    def _endpoints(self, good_sha: str, bad_sha: str) -> tuple[Baseline, Trial, Trial]:
+        n = len(self.history) - 1
+        good_runs: dict[int, SeedRun] = {}
+        bad_runs: dict[int, SeedRun] = {}
+        if self.runner.mode == "cmd":
+            seed_batches = [[0]]
+        else:
+            seed_batches = [list(range(self.seeds))]
+            extra = self.seeds
+            while seed_batches[-1][-1] + 1 < self.max_seeds:  # more seeds when the endpoints are unclear
+                start = seed_batches[-1][-1] + 1
+                seed_batches.append(list(range(start, min(start + extra, self.max_seeds))))
+        self.emit("phase", text=f"verifying the endpoints: GOOD {good_sha[:10]} must pass, BAD {bad_sha[:10]} must fail")
+        baseline = None
+        for batch in seed_batches:
+            futures = {}
+            for seed in batch:  # seed-major order: both endpoints advance together
+                futures[self.pool.submit(self._endpoint_job, good_sha, seed)] = (good_sha, seed)
+                futures[self.pool.submit(self._endpoint_job, bad_sha, seed)] = (bad_sha, seed)
+            for (sha, seed), run in self._gather(futures):
+                if run is not None:
+                    (good_runs if sha == good_sha else bad_runs)[seed] = run
+            good_list = [good_runs[s] for s in sorted(good_runs)]
+            bad_list = [bad_runs[s] for s in sorted(bad_runs)]
+            if self.runner.mode == "cmd":
+                baseline, error = self._cmd_baseline(good_list[0], bad_list[0], good_sha, bad_sha)
+            else:
+                baseline, error = endpoint_baseline(self.runner.metric, good_list, bad_list, self.threshold, good_sha, bad_sha)
+            if error:
+                raise ReplayError(error)
+            if baseline is not None:
+                break
+            self.emit("phase", text="the endpoints are not clearly apart yet: more seeds for both")
+        if baseline is None:
+            raise ReplayError(f"GOOD {good_sha[:10]} and BAD {bad_sha[:10]} are not clearly apart after {self.max_seeds} seeds; "
+                              "pass a BAD commit that fails more clearly, more --max-seeds, or --threshold")
+        good_trial = Trial(good_sha, 0, self.subjects.get(good_sha, ""), "good", [good_runs[s] for s in sorted(good_runs)],
+                           note="GOOD endpoint")
+        bad_trial = Trial(bad_sha, n, self.subjects.get(bad_sha, ""), "bad", [bad_runs[s] for s in sorted(bad_runs)],
+                          note="BAD endpoint", p=baseline.p_endpoints)
+        return baseline, good_trial, bad_trial
+
+    @staticmethod
+    def _cmd_baseline(good: SeedRun, bad: SeedRun, good_sha: str, bad_sha: str) -> tuple[Baseline | None, str | None]:
+        if good.outcome != "good":
+            return None, f"GOOD {good_sha[:10]} does not pass --cmd ({good.detail}); pick a GOOD commit where it exits 0"
+        if bad.outcome != "bad":
+            return None, f"BAD {bad_sha[:10]} does not fail --cmd ({bad.detail}); pick a BAD commit where it exits 1-127 (not 125)"
+        return Baseline("cmd", "exit status", p_endpoints=None, seeds=[0]), None
+
+    def cancel(self) -> None:
+        """Stop every running trial (its whole process group) and keep queued ones from starting."""
+        self.cancelled.set()
+        with self.lock:
+            processes = list(self.processes)
+        for process in processes:
+            signal_group(process, signal.SIGINT)
+        deadline = time.monotonic() + 10
+        for process in processes:
+            try:
+                process.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                signal_group(process, signal.SIGKILL)
+                process.wait(timeout=10)
+        # wake workers waiting on another worker's measurement
+        with self.lock:
+            for event in self.in_flight.values():
+                event.set()
+
+
+def _default_event(kind: str, **data) -> None:
+    pass
+
+
+# ---------------------------------------------------------------------------------------------
+# the entry point
+# ---------------------------------------------------------------------------------------------
+def bisect(
+    good: str,
+    bad: str,
+    *,
+    repo: str | Path = ".",
+    config_dir: str = "conf",
+    config_name: str = "config",
+    overrides: Sequence[str] = (),
+    steps: int | None = None,
+    metric: str = "loss",
+    threshold: float | None = None,
+    seeds: int = 3,
+    max_seeds: int | None = None,
+    workers: int = 1,
+    cmd: str | None = None,
+    tracking_uri: str | None = None,
+    use_cache: bool = True,
+    on_event: Callable[..., None] | None = None,
+) -> BisectResult:
+    """Find the first commit on BAD's first-parent history after GOOD that fails (see the module docstring)."""
+    started = time.monotonic()
+    emit = on_event or _default_event
+    if workers < 1:
+        raise ReplayError(f"--workers {workers}: must be at least 1")
+    if seeds < 1:
+        raise ReplayError(f"--seeds {seeds}: must be at least 1")
+    max_seeds = max(seeds, max_seeds if max_seeds is not None else 3 * seeds)
+    if steps is not None and steps < 1:
+        raise ReplayError(f"--steps {steps}: must be at least 1")
+    if Path(config_dir).is_absolute() or ".." in Path(config_dir).parts:
+        raise ReplayError(f"--config-dir {config_dir}: must be relative to the repository root (it is read at each tried "
+                          "commit), e.g. --config-dir conf")
+    if cmd is not None and not cmd.strip():
+        raise ReplayError("--cmd is empty; pass the command to run at each commit")
+
+    # 1. Read-only questions to the user's repository: nothing is written there.
+    user = UserRepo.open(repo)
+    good_sha = user.resolve(good, "GOOD")
+    bad_sha = user.resolve(bad, "BAD")
+    if good_sha == bad_sha:
+        raise GitError(f"GOOD and BAD are the same commit {good_sha[:10]}; pass a GOOD commit older than BAD")
+    if not user.is_ancestor(good_sha, bad_sha):
+        raise GitError(f"GOOD {good_sha[:10]} is not an ancestor of BAD {bad_sha[:10]}; "
+                       "pass a GOOD commit that BAD's history contains (see `git log --graph`)")
+
+    from replaybisect.store import open_store, resolve_tracking_uri
+
+    store = open_store(_store_outside_repo(absolute_tracking_uri(resolve_tracking_uri(tracking_uri)), user))
+    runner = (CommandRunner(cmd) if cmd is not None else
+              TrainRunner(config_dir=config_dir, config_name=config_name, overrides=overrides, steps=steps,
+                          metric=metric, tracking_uri=store.uri))
+
+    launcher = Launcher()  # its forkserver starts with the first trial run: a fully cached bisect never imports torch
+
+    # 2. A private clone in the cache, one worktree per worker; removed on the way out, Ctrl-C included.
+    with PrivateClone(user, workers) as clone:
+        history = [good_sha] + clone.first_parent_range(good_sha, bad_sha)
+        subjects = clone.subjects(history)
+        emit("start", history_length=len(history), workers=workers, good=good_sha, bad=bad_sha, mode=runner.mode,
+             expected_rounds=math.ceil(math.log(max(len(history) - 1, 1), workers + 1)) if len(history) > 2 else 0)
+        parent_run_id = store.create_run(
+            "bisect", run_name=f"bisect {good_sha[:8]}..{bad_sha[:8]}",
+            tags={"replaybisect.bisect_good": good_sha, "replaybisect.bisect_bad": bad_sha, "replaybisect.git_sha": bad_sha})
+        store.log_params(parent_run_id, {
+            "repo": str(user.path), "good": good_sha, "bad": bad_sha, "mode": runner.mode, "workers": workers,
+            "seeds": seeds, "max_seeds": max_seeds, "metric": runner.metric, "threshold": threshold,
+            "config_dir": config_dir, "config_name": config_name, "overrides": " ".join(overrides), "steps": steps,
+            "cmd": cmd, "history_length": len(history)})
+        bisector = _Bisector(store=store, clone=clone, runner=runner, history=history, subjects=subjects,
+                             parent_run_id=parent_run_id, seeds=seeds if runner.mode == "train" else 1,
+                             max_seeds=max_seeds if runner.mode == "train" else 1, workers=workers,
+                             threshold=threshold, use_cache=use_cache, on_event=emit, launcher=launcher)
+        try:
+            trials, baseline, search = bisector.run()
+            candidates = [history[position] for position in search.candidates()]
+            first_bad = candidates[0] if len(candidates) == 1 else None
+            commit = clone.commit_info(first_bad) if first_bad else None
+        except KeyboardInterrupt:
+            store.finish_run(parent_run_id, "interrupted", "KILLED")
+            raise
+        except ReplayError as error:
+            store.set_tags(parent_run_id, {"error": str(error)[:500]})
+            store.finish_run(parent_run_id, "failed", "FAILED")
+            raise
+        except BaseException:
+            store.finish_run(parent_run_id, "crashed", "FAILED")
+            raise
+
+    result = BisectResult(
+        good=good_sha, bad=bad_sha, first_bad=first_bad, candidates=candidates, commit=commit, trials=trials,
+        history_length=len(history), n_rounds=search.rounds, workers=workers, mode=runner.mode,
+        metric_name=runner.metric, baseline=baseline, n_runs=bisector.n_runs, n_cached=bisector.n_cached,
+        seconds=time.monotonic() - started, run_id=parent_run_id, repo=str(user.path))
+    _log_report(store, result)
+    return result
+
+
+def _log_report(store, result: BisectResult) -> None:
+    from replaybisect.bisect import report as report_bisect
+
+    run_id = result.run_id
+    store.log_text(run_id, report_bisect.to_markdown(result), "bisect.md")
+    store.log_dict(run_id, result.to_dict(), "bisect.json")
+    from replaybisect.report import close_figure
+
+    figure = report_bisect.plot(result)
+    try:
+        store.log_figure(run_id, figure, "bisect.png")
+    finally:
+        close_figure(figure)
+    tags = {"bisect_first_bad": result.first_bad or "", "bisect_candidates": ",".join(c[:10] for c in result.candidates),
+            "bisect_rounds": result.n_rounds, "bisect_runs": result.n_runs, "bisect_cached_runs": result.n_cached}
+    store.set_tags(run_id, tags)
+    store.finish_run(run_id, "ok")

@@ -1,0 +1,118 @@
+"""Rendering a BisectResult: rich (terminal), markdown (bisect.md) and a PNG of the metric per tried commit."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from replaybisect.bisect.engine import BisectResult
+
+VERDICT_STYLE = {"good": "green", "bad": "red", "skip": "yellow"}
+VERDICT_COLOR = {"good": "tab:green", "bad": "tab:red", "skip": "tab:orange"}
+
+
+def _metric_text(trial) -> str:
+    if trial.metric is None:
+        return "-"
+    return f"{trial.metric:.5g}"
+
+
+def _runs_text(trial) -> str:
+    cached = sum(run.cached for run in trial.runs)
+    text = f"{len(trial.runs)}"
+    return text + (f" ({cached} cached)" if cached else "")
+
+
+def headline(result: "BisectResult") -> str:
+    if result.first_bad:
+        return f"first bad commit: {result.first_bad[:10]} {result.subject}"
+    return ("only skipped commits are left: the first bad commit is one of "
+            + ", ".join(sha[:10] for sha in result.candidates))
+
+
+def render(result: "BisectResult", console) -> None:
+    """The rich report: the answer, the commit, and a table of tried commits in history order."""
+    from rich.panel import Panel
+    from rich.table import Table
+
+    table = Table(title=f"tried commits ({result.n_trials} of {result.history_length}, {result.n_rounds} rounds, "
+                        f"{result.workers} worker{'s' * (result.workers > 1)})")
+    table.add_column("#", justify="right")
+    table.add_column("commit")
+    table.add_column("subject", overflow="fold", max_width=48)
+    table.add_column("verdict")
+    table.add_column(result.metric_name if result.mode == "train" else "", justify="right")
+    table.add_column("seeds", justify="right")
+    table.add_column("round", justify="right")
+    table.add_column("why", overflow="fold", max_width=48)
+    for trial in result.trials:
+        style = VERDICT_STYLE.get(trial.verdict, "")
+        marker = " ◀" if trial.sha == result.first_bad else ""
+        table.add_row(str(trial.position), trial.sha[:10] + marker, trial.subject, f"[{style}]{trial.verdict}[/]",
+                      _metric_text(trial), _runs_text(trial), str(trial.round) if trial.round else "end", trial.note)
+    console.print(table)
+    lines = [f"[bold]{headline(result)}[/]"]
+    if result.commit:
+        lines += [f"author: {result.commit.author}", f"date:   {result.commit.date}"]
+        if result.commit.diffstat:
+            lines += ["", result.commit.diffstat]
+    lines += ["", f"test: {result.baseline.describe()}",
+              f"{result.n_runs} runs trained, {result.n_cached} reused from earlier bisects, {result.seconds:.1f}s"]
+    if result.run_id:
+        lines.append(f"MLflow run {result.run_id} (bisect.md, bisect.png)")
+    console.print(Panel("\n".join(lines), title="replay bisect", expand=False))
+
+
+def to_markdown(result: "BisectResult") -> str:
+    out = [f"# replay bisect {result.good[:10]}..{result.bad[:10]}", "", f"**{headline(result)}**", ""]
+    if result.commit:
+        out += [f"- author: {result.commit.author}", f"- date: {result.commit.date}", ""]
+        if result.commit.diffstat:
+            out += ["```", result.commit.diffstat, "```", ""]
+    out += [f"- repository: `{result.repo}`",
+            f"- history: {result.history_length} commits on BAD's first-parent chain; {result.n_trials} tried in "
+            f"{result.n_rounds} rounds with {result.workers} worker{'s' * (result.workers > 1)}",
+            f"- test: {result.baseline.describe()}",
+            f"- runs: {result.n_runs} trained, {result.n_cached} reused", ""]
+    from replaybisect.report import markdown_table
+
+    rows = [(trial.position, f"`{trial.sha[:10]}`", trial.subject, trial.verdict,
+             _metric_text(trial) if result.mode == "train" else ", ".join(run.detail for run in trial.runs),
+             ", ".join(map(str, trial.seeds)), trial.round or "end", trial.note) for trial in result.trials]
+    out.append(markdown_table(["#", "commit", "subject", "verdict", result.metric_name if result.mode == "train" else "outcome",
+                               "seeds", "round", "why"], rows))
+    return "\n".join(out) + "\n"
+
+
+def plot(result: "BisectResult"):
+    """Metric (each seed, and the mean) per tried commit, in history order; skips on the axis; the first bad marked."""
+    from matplotlib.lines import Line2D
+
+    from replaybisect.report import new_figure
+
+    figure, grid = new_figure(size=(8, 4))
+    axes = grid[0][0]
+    train_mode = result.mode == "train"
+    for trial in result.trials:
+        color = VERDICT_COLOR.get(trial.verdict, "gray")
+        if train_mode and trial.metrics:
+            axes.scatter([trial.position] * len(trial.metrics), trial.metrics, s=12, color=color, alpha=0.5)
+            axes.scatter([trial.position], [trial.metric], s=60, color=color, marker="D", edgecolors="black", linewidths=0.5)
+        else:
+            level = {"good": 0.0, "bad": 1.0}.get(trial.verdict, 0.5)
+            if train_mode:  # non-finite or skipped: nothing to plot but where it is
+                axes.axvline(trial.position, color=color, alpha=0.4, linestyle=":")
+            else:
+                axes.scatter([trial.position], [level], s=60, color=color, marker="D", edgecolors="black", linewidths=0.5)
+    if not train_mode:
+        axes.set_yticks([0.0, 0.5, 1.0], ["good", "skip", "bad"])
+    for position in {t.position for t in result.trials if t.sha in result.candidates}:
+        axes.axvline(position - 0.5, color="tab:red", alpha=0.6, linestyle="--")
+    axes.set_xlim(-1, result.history_length)
+    axes.set_xlabel("commit (position in BAD's first-parent history; GOOD = 0)")
+    axes.set_ylabel(result.metric_name if train_mode else "verdict")
+    axes.set_title(headline(result)[:90], fontsize=9)
+    axes.legend(handles=[Line2D([], [], marker="D", color=color, linestyle="", label=verdict)
+                         for verdict, color in VERDICT_COLOR.items()], fontsize=8, loc="best")
+    figure.tight_layout()
+    return figure

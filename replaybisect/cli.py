@@ -1,0 +1,132 @@
+"""The `replay` command. Each verb's command lives in replaybisect/<verb>/command.py.
+
+Keep imports here and in the verb modules light: `replay --help` must not import torch or mlflow.
+Verb modules import the library inside their command function.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+
+import typer
+
+app = typer.Typer(
+    name="replay",
+    help="Replay, ablate and bisect failing PyTorch training runs recorded to MLflow.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+    rich_markup_mode=None,  # plain click help: rendering it with rich costs ~0.3 s of imports
+)
+
+
+
+def version() -> str:
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as installed_version
+
+    try:
+        return installed_version("replaybisect")
+    except PackageNotFoundError:  # run from a source tree that is not installed
+        from replaybisect import __version__
+
+        return __version__
+
+
+def _print_version(requested: bool) -> None:
+    if requested:
+        print(f"replay {version()}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    show_version: bool = typer.Option(False, "--version", callback=_print_version, is_eager=True, help="Print the version and exit."),
+) -> None:
+    """Replay, ablate and bisect failing PyTorch training runs recorded to MLflow."""
+
+
+# verb -> replaybisect/<verb>/command.py; each defines `register(app)`.
+VERBS = ["train", "runs", "nan", "ablate", "bisect", "check", "diagnose"]
+
+
+def _register_verbs() -> None:
+    for verb in VERBS:
+        try:
+            module = importlib.import_module(f"replaybisect.{verb}.command")
+        except ModuleNotFoundError as missing:
+            if missing.name == f"replaybisect.{verb}.command":
+                continue  # verb not built yet
+            raise
+        module.register(app)
+
+
+_register_verbs()
+
+
+def main() -> None:
+    from replaybisect.errors import NonFiniteStop, ReplayError, interruption, sigterm_raises
+
+    try:
+        with sigterm_raises():  # SIGTERM stops a verb like Ctrl-C, exit 143
+            exit_code = app(standalone_mode=False)
+        if exit_code == 130:  # typer turns Ctrl-C (and SIGTERM) into exit code 130, silently
+            line, exit_code = interruption()
+            print(line, file=sys.stderr)
+        if isinstance(exit_code, int) and exit_code:
+            sys.exit(exit_code)
+    except ReplayError as error:
+        if os.environ.get("REPLAYBISECT_FULL_ERROR") == "1":
+            raise
+        print(f"replay: error: {' '.join(str(error).split())}", file=sys.stderr)
+        sys.exit(error.exit_code)
+    except NonFiniteStop as stop:
+        print(f"replay: {stop}", file=sys.stderr)
+        sys.exit(stop.exit_code)
+    except KeyboardInterrupt as stop:
+        line, code = interruption(stop)
+        print(line, file=sys.stderr)
+        sys.exit(code)
+    except SystemExit:
+        raise
+    except Exception as error:  # click usage errors arrive here in non-standalone mode
+        if isinstance(error, typer.Abort):
+            print("replay: interrupted", file=sys.stderr)
+            sys.exit(130)
+        if not _is_usage_error(error) or os.environ.get("REPLAYBISECT_FULL_ERROR") == "1":
+            raise
+        if type(error).__name__ == "NoArgsIsHelpError":  # bare `replay`: its message is the help
+            print(error.format_message())
+            sys.exit(0)
+        print(_usage_line(error), file=sys.stderr)
+        sys.exit(2)
+
+
+def _is_usage_error(error: Exception) -> bool:
+    """A click usage error, from click itself or the copy typer >= 0.2x vendors (typer._click): duck-typed."""
+    return callable(getattr(error, "format_message", None)) and isinstance(getattr(error, "exit_code", None), int)
+
+
+def _usage_line(error: Exception) -> str:
+    message = " ".join(error.format_message().split()).rstrip(".")
+    allowed = _allowed_range(getattr(error, "param", None))
+    if allowed and "range" not in message:
+        message += f" (allowed: {allowed})"
+    ctx = getattr(error, "ctx", None)
+    command = ctx.command_path if ctx is not None and ctx.command_path != "-" else _command_from_argv()
+    hint = f"see `{command} --help`"
+    return f"replay: error: {message} ({hint})" if message.endswith("?") else f"replay: error: {message}; {hint}"
+
+
+def _allowed_range(param) -> str | None:
+    """A numeric option's bounds: typer >= 0.2x keeps them on the option, click on its IntRange/FloatRange type."""
+    holder = param if getattr(param, "min", None) is not None or getattr(param, "max", None) is not None else getattr(param, "type", None)
+    low, high = getattr(holder, "min", None), getattr(holder, "max", None)
+    return f"{low} to {high}" if low is not None and high is not None else None  # one bound: the message names it
+
+
+def _command_from_argv() -> str:
+    verb = next((arg for arg in sys.argv[1:] if not arg.startswith("-")), None)
+    return f"replay {verb}" if verb in VERBS else "replay"

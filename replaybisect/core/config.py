@@ -1,0 +1,291 @@
+"""Structured configs: the schema every run is validated against, and composing a run's config.
+
+A run is its resolved config. Everything is built with `hydra.utils.instantiate`, so any process can
+rebuild a run from the YAML that MLflow stores with it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from replaybisect.errors import ConfigError
+
+BUILTIN_CONFIG_DIR = Path(__file__).parent / "conf"
+SCHEMA_NAME = "replaybisect_schema"
+ENTRY_NAME = "replaybisect_entry"
+PRECISIONS = ("fp32", "bf16", "fp16")
+MAX_THREADS = 1024  # torch.set_num_threads(100000) exhausts memory mapping threads
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 1000
+    """Number of optimizer steps."""
+    batch_size: int = 64
+    """Samples per step (the last partial batch of an epoch is dropped)."""
+    precision: str = "fp32"
+    """fp32 | bf16 | fp16 (autocast; fp16 uses a GradScaler)."""
+    clip_grad_norm: Optional[float] = None
+    """Max total gradient norm; null = no clipping. The pre-clip norm is always logged."""
+    val_every: int = 100
+    """Steps between validation passes (needs val_data)."""
+    val_batches: int = 4
+    """Batches per validation pass."""
+    device: str = "auto"
+    """auto | cpu | cuda | cuda:N."""
+    num_threads: Optional[int] = None
+    """torch intra-op threads; null = torch's default. Recorded: replay uses the same count."""
+    step_fn: Any = field(default_factory=lambda: {"_target_": "replaybisect.core.loop.supervised_step", "_partial_": True})
+    """(model, batch, loss_fn) -> scalar loss."""
+
+
+@dataclass
+class SnapshotConfig:
+    every: int = 100
+    """Steps between full snapshots (0 = none)."""
+    keep_batches: bool = True
+    """Store the batches of each snapshot interval so replay needs no data source."""
+    on_nonfinite: str = "stop"
+    """stop | continue."""
+    layer_stats_every: int = 50
+    """Steps between per-layer statistics, param_norm and update_ratio (0 = never)."""
+    metrics_flush_every: int = 50
+    """Steps between batched metric uploads."""
+    metrics_flush_seconds: float = 5.0
+    """Seconds between batched metric uploads, however few steps ran (0 = by step count only): after a
+    SIGKILL the curve is in the store up to the last few seconds."""
+    enabled: bool = True
+    """Turn the recorder off entirely (benchmarks): no metrics, snapshots or stats."""
+
+
+@dataclass
+class ReplayConfig:
+    seed: int = 0
+    model: Any = None
+    data: Any = None
+    val_data: Any = None
+    loss: Any = field(default_factory=lambda: {"_target_": "torch.nn.CrossEntropyLoss"})
+    optim: Any = None
+    scheduler: Any = None
+    train: TrainConfig = field(default_factory=TrainConfig)
+    snapshot: SnapshotConfig = field(default_factory=SnapshotConfig)
+
+
+def add_code_paths(*folders: str | Path) -> None:
+    """Make the user's own modules importable for `_target_`s, as `python -m` would from their folder."""
+    import sys
+
+    for folder in reversed([str(Path(f).resolve()) for f in folders if f and Path(f).is_dir()]):
+        if folder not in sys.path:
+            sys.path.insert(0, folder)
+
+
+def _register_schema() -> None:
+    from hydra.core.config_store import ConfigStore
+
+    store = ConfigStore.instance()
+    store.store(name=SCHEMA_NAME, node=ReplayConfig)
+
+
+def _entry_node(user_config_name: str) -> dict:
+    # The schema first, then the user's primary config on top of it: a user config needs only
+    # model/data/loss/optim, with or without a defaults list of its own.
+    return {"defaults": [SCHEMA_NAME, user_config_name, "_self_"]}
+
+
+def compose(config_dir: str | Path | None = None, config_name: str | None = None, overrides: list[str] | None = None):
+    """Compose and validate a run config. Hydra errors become one-line ConfigErrors."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.config_store import ConfigStore
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.errors import HydraException
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+    from yaml import YAMLError
+
+    config_dir = Path(config_dir).expanduser().resolve() if config_dir else BUILTIN_CONFIG_DIR
+    config_name = (config_name or "config").removesuffix(".yaml")
+    if not config_dir.is_dir():
+        raise ConfigError(f"config dir {config_dir} does not exist; pass --config-dir with your Hydra config folder")
+    if not (config_dir / f"{config_name}.yaml").is_file():
+        raise ConfigError(f"no {config_name}.yaml in {config_dir}; pass --config-name with one of its configs")
+    overrides = list(overrides or [])
+    add_code_paths(Path.cwd(), config_dir.parent, config_dir)
+    if config_dir != BUILTIN_CONFIG_DIR:
+        # Built-in groups (model=mlp, data=digits, ...) are available to user configs too.
+        overrides.append(f"hydra.searchpath=[file://{BUILTIN_CONFIG_DIR}]")
+
+    _register_schema()
+    ConfigStore.instance().store(name=ENTRY_NAME, node=_entry_node(config_name))
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(config_dir), version_base="1.3"):
+            cfg = hydra_compose(config_name=ENTRY_NAME, overrides=overrides)
+    except (HydraException, OmegaConfBaseException, ValueError) as error:
+        raise ConfigError(_clip_words(_one_line(error)) + "; see `replay train --help` for overrides") from None
+    except YAMLError as error:
+        raise ConfigError(_yaml_problem(error)) from None
+    except OSError as error:  # e.g. an over-long `+key=` override, which Hydra looks up as a file name
+        raise ConfigError(_clip_words(f"cannot compose the config: {error.strerror}: {error.filename}") + "; check the overrides") from None
+    finally:
+        GlobalHydra.instance().clear()
+    OmegaConf.set_struct(cfg, False)
+    cfg.pop("hydra", None)
+    OmegaConf.set_struct(cfg, True)
+    validate(cfg)
+    check_optimizer(cfg)
+    return cfg
+
+
+def _yaml_problem(error) -> str:
+    mark = getattr(error, "problem_mark", None)
+    where = f"{mark.name} line {mark.line + 1}, column {mark.column + 1}" if mark is not None else "a config file"
+    problem = " ".join(str(getattr(error, "problem", None) or error).split())
+    return f"YAML syntax error in {where}: {problem}; fix that file"
+
+
+def _clip_words(text: str, longest: int = 80) -> str:
+    """An over-long override would make the error line as long: clip each long word."""
+    return " ".join(word if len(word) <= longest else f"{word[:longest]}...({len(word)} chars)" for word in text.split())
+
+
+def needs_closure(optimizer) -> bool:
+    """torch.optim.LBFGS and the like: `step(closure)` re-evaluates the loss, which the built-in step does not do."""
+    import inspect
+
+    closure = inspect.signature(optimizer.step).parameters.get("closure")
+    return closure is not None and closure.default is inspect.Parameter.empty
+
+
+def build_optimizer(node, params):
+    """`optim` (a _partial_) called with the parameters; a bad value or a closure optimizer is a ConfigError."""
+    try:
+        optimizer = instantiate(node, "optim")(params=params)
+    except (TypeError, ValueError) as error:  # e.g. optim.lr=-1 ("Invalid learning rate") or an unknown kwarg
+        problem = _not_numbers(node) or _one_line(error)
+        raise ConfigError(f"cannot build `optim`: {_clip_words(problem)}; fix the optim.* values") from None
+    if needs_closure(optimizer):
+        raise ConfigError(f"`optim` is {type(optimizer).__name__}, whose step() needs a closure; closure optimizers are "
+                          "not supported by the built-in step yet: use another optimizer (e.g. optim=adamw)")
+    return optimizer
+
+
+def _not_numbers(node) -> str | None:
+    """`optim.lr=abc`: name the strings given where the optimizer's signature has a number."""
+    import inspect
+
+    from hydra.utils import get_class
+
+    try:
+        defaults = inspect.signature(get_class(node["_target_"])).parameters
+    except Exception:  # not a class, or no signature: the original error says enough
+        return None
+    wrong = [f"optim.{key}={value!r} is not a number" for key, value in node.items()
+             if isinstance(value, str) and key in defaults
+             and isinstance(defaults[key].default, (int, float)) and not isinstance(defaults[key].default, bool)]
+    return "; ".join(wrong) or None
+
+
+def check_optimizer(cfg) -> None:
+    """Build the optimizer once over a probe parameter: a bad optim.* value is caught before any run or store exists."""
+    import torch
+
+    build_optimizer(cfg.optim, [torch.nn.Parameter(torch.zeros(2, 2))])
+
+
+def _one_line(error: BaseException) -> str:
+    text = " ".join(str(error).split())
+    for noise in ("\nfull_key:", " full_key:", " object_type="):
+        if noise in text:
+            text = text.split(noise)[0]
+    return text.rstrip(".")
+
+
+def validate(cfg) -> None:
+    """Checks that need no instantiation, all problems in one error."""
+    problems = []
+    for key in ("model", "data", "optim"):
+        if cfg.get(key) is None:
+            problems.append(f"`{key}` is not set (give it a _target_)")
+    if not -(2**63) <= cfg.seed < 2**64:
+        problems.append(f"seed={cfg.seed} is outside torch's seed range (-2**63 to 2**64-1)")
+    if cfg.train.precision not in PRECISIONS:
+        problems.append(f"train.precision={cfg.train.precision!r} is not one of {', '.join(PRECISIONS)}")
+    if cfg.train.steps <= 0:
+        problems.append(f"train.steps={cfg.train.steps} must be positive")
+    if cfg.train.batch_size <= 0:
+        problems.append(f"train.batch_size={cfg.train.batch_size} must be positive")
+    if cfg.train.num_threads is not None and not 1 <= cfg.train.num_threads <= MAX_THREADS:
+        problems.append(f"train.num_threads={cfg.train.num_threads} must be between 1 and {MAX_THREADS}, or null")
+    if cfg.train.val_batches <= 0:
+        problems.append(f"train.val_batches={cfg.train.val_batches} must be positive")
+    if cfg.train.clip_grad_norm is not None and not 0 < cfg.train.clip_grad_norm < float("inf"):
+        problems.append(f"train.clip_grad_norm={cfg.train.clip_grad_norm} must be positive or null")
+    if cfg.train.val_every < 0 or cfg.snapshot.every < 0 or cfg.snapshot.layer_stats_every < 0:
+        problems.append("train.val_every, snapshot.every and snapshot.layer_stats_every must be >= 0")
+    if cfg.snapshot.on_nonfinite not in ("stop", "continue"):
+        problems.append(f"snapshot.on_nonfinite={cfg.snapshot.on_nonfinite!r} is not one of stop, continue")
+    if problems:
+        raise ConfigError("bad config: " + "; ".join(problems))
+
+
+# Built-in targets that moved: runs recorded before the move name them by their old paths.
+MOVED_TARGETS = {"replaybisect.loop.": "replaybisect.core.loop."}
+
+
+def _current_targets(text: str) -> str:
+    for old, new in MOVED_TARGETS.items():
+        text = text.replace(f"_target_: {old}", f"_target_: {new}")
+    return text
+
+
+def from_yaml(text: str):
+    """Rebuild a run's config from the config.yaml MLflow stored with it, re-validated by the schema."""
+    from omegaconf import OmegaConf
+
+    cfg = OmegaConf.merge(OmegaConf.structured(ReplayConfig), OmegaConf.create(_current_targets(text)))
+    OmegaConf.set_struct(cfg, True)
+    return cfg
+
+
+def to_yaml(cfg) -> str:
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_yaml(cfg, resolve=True)
+
+
+def flatten(cfg) -> dict[str, Any]:
+    """`a.b.c: value` params for MLflow."""
+    from omegaconf import OmegaConf
+
+    flat: dict[str, Any] = {}
+
+    def walk(node, prefix):
+        if isinstance(node, dict):
+            if not node and prefix:
+                flat[prefix] = "{}"
+            for key, value in node.items():
+                walk(value, f"{prefix}.{key}" if prefix else str(key))
+        elif isinstance(node, list):
+            flat[prefix] = str(node)
+        else:
+            flat[prefix] = "null" if node is None else node
+
+    walk(OmegaConf.to_container(cfg, resolve=True), "")
+    return flat
+
+
+def instantiate(node, what: str, **kwargs):
+    """hydra.utils.instantiate with a one-line error naming the config key."""
+    from hydra.errors import InstantiationException
+    from hydra.utils import instantiate as hydra_instantiate
+
+    try:
+        return hydra_instantiate(node, **kwargs)
+    except InstantiationException as error:
+        raise ConfigError(f"cannot build `{what}`: {_one_line(error)}") from None
+    except (ImportError, TypeError, ValueError) as error:
+        raise ConfigError(f"cannot build `{what}`: {_one_line(error)}") from None

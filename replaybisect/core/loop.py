@@ -1,0 +1,411 @@
+"""The step and the loop: the one code path that `train`, `nan`, `ablate`, `check` and bisect trials share.
+
+Reads top to bottom:
+  1. build everything from the config (seeded, so construction is reproducible);
+  2. the batch of step t is a pure function of (seed, t): no iterator state to save;
+  3. one step: forward under autocast -> loss -> backward (scaled for fp16) -> pre-clip grad norm
+     -> optional clip -> optimizer update -> scheduler;
+  4. the loop runs steps and hands each outcome to a recorder (or a replay comparator).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import math
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Optional, Protocol
+
+import torch
+from torch.utils.data import default_collate
+
+from replaybisect.core.config import build_optimizer, instantiate
+from replaybisect.errors import ConfigError
+from replaybisect.core.rng import capture_raw, isolated_rng, restore_raw, seed_everything
+
+AUTOCAST_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+# ---- step functions: (model, batch, loss_fn) -> scalar loss --------------------------------
+def supervised_step(model, batch, loss_fn):
+    """(inputs, targets) tuples, or dicts with `input`/`target` keys."""
+    inputs, targets = (batch["input"], batch["target"]) if isinstance(batch, dict) else (batch[0], batch[1])
+    return loss_fn(model(inputs), targets)
+
+
+def sequence_step(model, batch, loss_fn):
+    """Language modelling: (B, T) tokens -> (B, T, V) logits, flattened for a token-level loss."""
+    inputs, targets = (batch["input"], batch["target"]) if isinstance(batch, dict) else (batch[0], batch[1])
+    logits = model(inputs)
+    return loss_fn(logits.flatten(0, 1), targets.flatten())
+
+
+# ---- data: batch of step t = f(seed, t) ---------------------------------------------------
+@dataclass
+class BatchSource:
+    """Data order as a pure function of (seed, step): a per-epoch permutation seeded by (seed, epoch)."""
+
+    dataset: Any
+    batch_size: int
+    seed: int
+    _epoch: int = field(default=-1, repr=False)
+    _permutation: Optional[torch.Tensor] = field(default=None, repr=False)
+
+    def __post_init__(self):
+        if len(self.dataset) < self.batch_size:
+            raise ConfigError(
+                f"the dataset has {len(self.dataset)} samples, fewer than train.batch_size={self.batch_size}; lower train.batch_size"
+            )
+        self.steps_per_epoch = len(self.dataset) // self.batch_size
+
+    def indices(self, step: int) -> torch.Tensor:
+        epoch, position = divmod(step, self.steps_per_epoch)
+        if epoch != self._epoch:
+            generator = torch.Generator().manual_seed((self.seed * 1_000_003 + epoch) % 2**63)
+            self._permutation = torch.randperm(len(self.dataset), generator=generator)
+            self._epoch = epoch
+        start = position * self.batch_size
+        return self._permutation[start : start + self.batch_size]
+
+    def batch(self, step: int):
+        return default_collate([self.dataset[int(i)] for i in self.indices(step)])
+
+
+# ---- state ---------------------------------------------------------------------------------
+@dataclass
+class TrainState:
+    """Everything a step reads or changes, named: nothing reached through globals."""
+
+    cfg: Any
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    scaler: Optional[torch.amp.GradScaler]
+    loss_fn: Callable
+    step_fn: Callable
+    device: torch.device
+    precision: str
+    clip_grad_norm: Optional[float]
+
+    @property
+    def params(self) -> list[torch.nn.Parameter]:
+        return [p for group in self.optimizer.param_groups for p in group["params"]]
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ConfigError(f"train.device={name!r} is not a device; use auto, cpu, cuda or cuda:N") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"train.device={name!r} but CUDA is not available here; use train.device=cpu")
+    return device
+
+
+def build_state(cfg, device: torch.device | None = None) -> TrainState:
+    """Seed, then build model, optimizer, scheduler and scaler in a fixed order."""
+    if cfg.train.num_threads:
+        torch.set_num_threads(int(cfg.train.num_threads))
+    device = device or resolve_device(cfg.train.device)
+    seed_everything(cfg.seed)
+    model = instantiate(cfg.model, "model")
+    if not isinstance(model, torch.nn.Module):
+        raise ConfigError(f"`model` built a {type(model).__name__}, not a torch.nn.Module; point model._target_ at an nn.Module")
+    model = model.to(device)
+    optimizer = build_optimizer(cfg.optim, model.parameters())  # a closure optimizer (LBFGS) is refused here
+    scheduler = instantiate(cfg.scheduler, "scheduler")(optimizer=optimizer) if cfg.get("scheduler") else None
+    scaler = torch.amp.GradScaler(device.type) if cfg.train.precision == "fp16" else None
+    loss_fn = instantiate(cfg.loss, "loss")
+    step_fn = instantiate(cfg.train.step_fn, "train.step_fn")
+    return TrainState(
+        cfg=cfg,
+        model=model,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        scaler=scaler,
+        loss_fn=loss_fn,
+        step_fn=step_fn,
+        device=device,
+        precision=cfg.train.precision,
+        clip_grad_norm=cfg.train.clip_grad_norm,
+    )
+
+
+def clone_state(state: TrainState, cfg=None) -> TrainState:
+    """An independent copy of model, optimizer, scheduler, scaler and loss module: what a probe, a check or an
+    ablation arm may change without touching the live state. With `cfg`, the copy lives in objects built from
+    that config (an arm's changed optimizer or precision) and carries the state's weights, moments, schedule
+    and grad scale. RNG streams and the thread count are left as they were.
+
+    Optimizer and scheduler are rebuilt and loaded from deep copies of their state dicts, the way `restore`
+    does it: a deep-copied optimizer loses the step wrapper its scheduler installed, and the copy's scheduler
+    then warns that `optimizer.step()` was overridden."""
+    target = cfg if cfg is not None else state.cfg
+    threads = torch.get_num_threads()
+    with isolated_rng():  # building draws from (and seeds) the RNG streams
+        model = _clone_model(state, target, rebuild=cfg is not None)
+        optimizer, scheduler = _clone_optimizer(state, target, model)
+    torch.set_num_threads(threads)
+    precision = target.train.precision if target is not None else state.precision
+    scaler = torch.amp.GradScaler(state.device.type) if precision == "fp16" else None
+    if scaler is not None and state.scaler is not None:
+        scaler.load_state_dict(copy.deepcopy(state.scaler.state_dict()))
+    clip = target.train.clip_grad_norm if target is not None else state.clip_grad_norm
+    return replace(state, cfg=target, model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler,
+                   loss_fn=copy.deepcopy(state.loss_fn), precision=precision, clip_grad_norm=clip)
+
+
+def _clone_model(state: TrainState, cfg, rebuild: bool) -> torch.nn.Module:
+    if not rebuild:
+        try:
+            return copy.deepcopy(state.model)
+        except Exception:  # e.g. a non-leaf tensor held as a module attribute: rebuild and load instead
+            pass
+    model = instantiate(cfg.model, "model").to(state.device)
+    model.load_state_dict(state.model.state_dict())
+    return model
+
+
+def _clone_optimizer(state: TrainState, cfg, model: torch.nn.Module):
+    if cfg is not None and cfg.get("optim") is not None:
+        try:
+            optimizer = build_optimizer(cfg.optim, model.parameters())
+            scheduler = instantiate(cfg.scheduler, "scheduler")(optimizer=optimizer) if cfg.get("scheduler") else None
+            optimizer.load_state_dict(copy.deepcopy(state.optimizer.state_dict()))
+            if scheduler is not None and state.scheduler is not None:
+                scheduler.load_state_dict(copy.deepcopy(state.scheduler.state_dict()))
+            return optimizer, scheduler
+        except Exception:
+            if cfg is not state.cfg:  # an arm's config that does not fit the state: say so
+                raise
+    # a state not built from (or not rebuildable from) its config: copy the optimizer linked to the copied parameters
+    memo = {id(p): q for p, q in zip(state.model.parameters(), model.parameters())}
+    return copy.deepcopy(state.optimizer, memo), None
+
+
+def build_data(cfg) -> tuple[BatchSource, Any]:
+    """The training batch source and the validation dataset (or None)."""
+    dataset = instantiate(cfg.data, "data")
+    val_dataset = instantiate(cfg.val_data, "val_data") if cfg.get("val_data") else None
+    return BatchSource(dataset, cfg.train.batch_size, cfg.seed), val_dataset
+
+
+# ---- one step --------------------------------------------------------------------------------
+@dataclass
+class StepOutcome:
+    step: int
+    loss: float
+    grad_norm: Optional[float] = None  # pre-clip total norm (after unscaling for fp16)
+    lr: float = 0.0
+    nonfinite: Optional[str] = None  # "loss" | "grad_norm" when the step failed
+    updated: bool = False  # the optimizer applied an update
+    scaler_skipped: bool = False  # fp16: the GradScaler skipped an overflowing step (normal)
+
+
+class StepObserver:
+    """Hooks into one step, for recorders, checks and probes; they may read and instrument (module hooks,
+    tensor hooks, a TorchFunctionMode), never change a value the step computes. Every hook is optional:
+    `run_step` calls only those an observer defines, so observers need not subclass this (it documents the order).
+
+      forward_context(state)        a context manager entered around forward and loss (outside autocast)
+      after_forward(state, loss)    the live loss tensor, before backward (to hook its autograd graph)
+      after_backward(state)         gradients unscaled, not yet clipped
+      before_update(state, outcome) gradients clipped, right before the optimizer (and scaler) step
+      after_update(state)           after the optimizer step and the scheduler step
+    """
+
+    def forward_context(self, state: TrainState):
+        return contextlib.nullcontext()
+
+    def after_forward(self, state: TrainState, loss: torch.Tensor) -> None: ...
+    def after_backward(self, state: TrainState) -> None: ...
+    def before_update(self, state: TrainState, outcome: "StepOutcome") -> None: ...
+    def after_update(self, state: TrainState) -> None: ...
+
+
+def _notify(observer, hook: str, *args) -> None:
+    method = getattr(observer, hook, None)
+    if method is not None:
+        method(*args)
+
+
+def _forward_context(observer, state: TrainState):
+    method = getattr(observer, "forward_context", None)
+    return method(state) if method is not None else contextlib.nullcontext()
+
+
+def autocast(state: TrainState):
+    dtype = AUTOCAST_DTYPES[state.precision]
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=state.device.type, dtype=dtype)
+
+
+def to_device(batch, device: torch.device):
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, dict):
+        return {key: to_device(value, device) for key, value in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(to_device(value, device) for value in batch)
+    return batch
+
+
+def run_step(
+    state: TrainState,
+    step: int,
+    batch,
+    *,
+    halt_on_nonfinite: bool = True,
+    observer: StepObserver | None = None,
+) -> StepOutcome:
+    """One optimizer step. With halt_on_nonfinite, a non-finite loss or grad norm returns before the
+    update, so parameters, optimizer, scheduler and scaler still hold the state before this step."""
+    model, optimizer, scaler = state.model, state.optimizer, state.scaler
+    outcome = StepOutcome(step=step, loss=math.nan, lr=float(optimizer.param_groups[0]["lr"]))
+    model.train()
+    optimizer.zero_grad(set_to_none=True)
+
+    # 1. forward and loss
+    if observer is None:
+        with autocast(state):
+            loss = state.step_fn(model, batch, state.loss_fn)
+    else:
+        with _forward_context(observer, state), autocast(state):
+            loss = state.step_fn(model, batch, state.loss_fn)
+        _notify(observer, "after_forward", state, loss)
+    outcome.loss = float(loss.detach().float().item())
+    if not math.isfinite(outcome.loss):
+        outcome.nonfinite = "loss"
+        if halt_on_nonfinite:
+            return outcome
+
+    # 2. backward; fp16 scales the loss and unscales the gradients before measuring them
+    (scaler.scale(loss) if scaler else loss).backward()
+    if scaler:
+        scaler.unscale_(optimizer)
+    grads = [p.grad for p in state.params if p.grad is not None]
+    grad_norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
+    outcome.grad_norm = float(grad_norm.item())
+    if observer is not None:
+        _notify(observer, "after_backward", state)
+    if not math.isfinite(outcome.grad_norm) and scaler is None and outcome.nonfinite is None:
+        # (with a GradScaler an overflowing gradient is routine: the scaler skips the step)
+        outcome.nonfinite = "grad_norm"
+    if outcome.nonfinite and halt_on_nonfinite:
+        return outcome
+
+    # 3. clip, update, schedule
+    if state.clip_grad_norm is not None and grads:
+        torch.nn.utils.clip_grads_with_norm_(state.params, state.clip_grad_norm, grad_norm)
+    if observer is not None:
+        _notify(observer, "before_update", state, outcome)
+    if scaler:
+        scale_before = scaler.get_scale()
+        scaler.step(optimizer)
+        scaler.update()
+        outcome.scaler_skipped = scaler.get_scale() < scale_before
+    else:
+        optimizer.step()
+    outcome.updated = not outcome.scaler_skipped
+    if state.scheduler is not None:
+        state.scheduler.step()
+    if observer is not None:
+        _notify(observer, "after_update", state)
+    return outcome
+
+
+@torch.no_grad()
+def validation_loss(state: TrainState, val_dataset, batches: int) -> float:
+    """Mean loss over the first `batches` validation batches; never touches the training RNG streams."""
+    size = state.cfg.train.batch_size
+    count = min(batches, max(1, len(val_dataset) // size))
+    total = 0.0
+    with isolated_rng():
+        state.model.eval()
+        try:
+            for index in range(count):
+                items = [val_dataset[i] for i in range(index * size, min((index + 1) * size, len(val_dataset)))]
+                batch = to_device(default_collate(items), state.device)
+                with autocast(state):
+                    total += float(state.step_fn(state.model, batch, state.loss_fn).float().item())
+        finally:
+            state.model.train()
+    return total / count
+
+
+# ---- the loop ----------------------------------------------------------------------------------
+class BufferGuard:
+    """Copies of the model's buffers at the start of a step (BatchNorm running stats and the like, which the
+    forward updates in place), so a step that halts can be put back to the state before it."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.buffers = [b for b in model.buffers() if b.numel()]
+        self.saved = [torch.empty_like(b) for b in self.buffers]
+
+    def save(self) -> None:
+        for copy, buffer in zip(self.saved, self.buffers):
+            copy.copy_(buffer)
+
+    def restore(self) -> None:
+        with torch.no_grad():
+            for copy, buffer in zip(self.saved, self.buffers):
+                buffer.copy_(copy)
+
+
+class LoopHooks(Protocol):
+    """What the loop tells a recorder (or a replay comparator) about each step."""
+
+    def before_step(self, step: int, state: TrainState, rng_at_start: dict) -> None: ...
+    def observer(self, step: int) -> StepObserver | None: ...
+    def on_nonfinite(self, outcome: StepOutcome, batch) -> bool: ...
+    def after_step(self, outcome: StepOutcome, batch, step_time: float, data_time: float) -> bool: ...
+    def after_validation(self, step: int, val_loss: float) -> None: ...
+
+
+def train_loop(
+    state: TrainState,
+    batches: Callable[[int], Any],
+    start: int,
+    stop: int,
+    hooks: LoopHooks,
+    *,
+    val_dataset=None,
+    progress: Callable[[int], None] | None = None,
+) -> StepOutcome | None:
+    """Run steps start..stop-1. Returns the outcome that stopped the loop early, else None.
+
+    A non-finite step halts before its update and its buffer updates are undone, so `hooks.on_nonfinite`
+    sees the state before the step;
+    if the hooks say go on, the step is taken again from the same RNG state, as a plain loop would.
+    """
+    val_every = state.cfg.train.val_every
+    buffers = BufferGuard(state.model)
+    for step in range(start, stop):
+        rng_at_start = capture_raw()
+        buffers.save()
+        hooks.before_step(step, state, rng_at_start)
+        data_started = time.perf_counter()
+        batch = batches(step)
+        device_batch = to_device(batch, state.device)
+        step_started = time.perf_counter()
+        outcome = run_step(state, step, device_batch, observer=hooks.observer(step))
+        keep_going = True
+        if outcome.nonfinite:
+            buffers.restore()  # undo the forward's in-place buffer updates: hooks see the state before the step
+            keep_going = hooks.on_nonfinite(outcome, batch)
+            if keep_going:
+                restore_raw(rng_at_start)
+                outcome = run_step(state, step, device_batch, halt_on_nonfinite=False)
+        step_ended = time.perf_counter()
+        keep_going = hooks.after_step(outcome, batch, step_ended - step_started, step_started - data_started) and keep_going
+        if progress:
+            progress(step)
+        if not keep_going:
+            return outcome
+        if val_dataset is not None and val_every and (step + 1) % val_every == 0:
+            hooks.after_validation(step, validation_loss(state, val_dataset, state.cfg.train.val_batches))
+    return None

@@ -1,0 +1,468 @@
+"""The snapshot format: safetensors + JSON, a manifest written last, never a pickle.
+
+snapshots/step-000400/
+  tensors.safetensors   model state, optimizer tensors (never downcast)
+  batches.safetensors   the batches of steps 400.. (optional; written when the interval closes)
+  state.json            step, RNG streams, optimizer/scheduler/scaler state, data position, versions
+  MANIFEST.json         written LAST: files, sizes, sha256; no manifest = incomplete
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import re
+import stat
+import socket
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from replaybisect.errors import SnapshotError
+
+FORMAT = "replaybisect-snapshot/1"
+SNAPSHOTS = "snapshots"
+TENSORS = "tensors.safetensors"
+BATCHES = "batches.safetensors"
+STATE = "state.json"
+MANIFEST = "MANIFEST.json"
+ALLOWED_FILES = {TENSORS, BATCHES, STATE}
+STEP_DIR = re.compile(r"^step-(\d{6,})$")
+
+
+def folder_name(step: int) -> str:
+    return f"step-{step:06d}"
+
+
+def step_of(name: str) -> int | None:
+    match = STEP_DIR.match(name)
+    return int(match.group(1)) if match else None
+
+
+# ---- writing (called from the recorder's background worker) ------------------------------
+def _writer_identity() -> str:
+    """This process's host and PID namespace: a PID means something only inside both."""
+    host = re.sub(r"[^A-Za-z0-9.]", "_", socket.gethostname()) or "host"
+    try:
+        return f"{host}_{os.stat('/proc/self/ns/pid').st_ino}"
+    except OSError:
+        return host
+
+
+WRITER = _writer_identity()
+TEMP_NAME = re.compile(r"^\..+\.tmp-(?:(?P<writer>[A-Za-z0-9._]+)-)?(?P<pid>\d+)$")  # also the older `.NAME.tmp-PID`
+STALE_FOREIGN_TEMP_SECONDS = 3600  # a temp of another host untouched this long belongs to a dead writer
+
+
+def temp_path(path: Path) -> Path:
+    """`.NAME.tmp-WRITER-PID` beside `path`: readers skip dot files; the next start removes a dead writer's."""
+    return path.with_name(f".{path.name}.tmp-{WRITER}-{os.getpid()}")
+
+
+@contextmanager
+def _atomic_temp(path: Path):
+    """Yield a temp path; on success it is renamed to `path`, on any failure (a full disk, Ctrl-C) removed."""
+    temp = temp_path(path)
+    try:
+        yield temp
+        os.replace(temp, path)
+    except BaseException:
+        temp.unlink(missing_ok=True)
+        raise
+
+
+def write_atomic(path: Path, payload: bytes) -> dict[str, Any]:
+    """Temp name, fsync, rename: a reader sees the whole file or none of it."""
+    with _atomic_temp(path) as temp, open(temp, "wb") as handle:
+        handle.write(payload)
+        handle.flush()
+        os.fsync(handle.fileno())
+    return {"size": len(payload), "sha256": hashlib.sha256(payload).hexdigest()}
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # EPERM: alive, another user's
+        pass
+    return True
+
+
+def is_stale_temp(path: Path, now: float) -> bool:
+    """A temp file whose writer is dead: written here (same host and PID namespace) by a PID that is gone,
+    or written elsewhere and untouched for an hour. A live writer's temp is never stale."""
+    match = TEMP_NAME.match(path.name)
+    if match is None:
+        return False
+    if match["writer"] == WRITER:
+        return not _pid_alive(int(match["pid"]))
+    try:
+        return now - path.lstat().st_mtime > STALE_FOREIGN_TEMP_SECONDS
+    except FileNotFoundError:
+        return False
+
+
+def remove_stale_temps(snapshots_root: Path) -> list[Path]:
+    """Remove the temp files dead writers left in `snapshots_root/step-*/`; the removed paths."""
+    import time
+
+    now = time.time()
+    removed = []
+    for path in snapshots_root.glob("step-*/.*.tmp-*"):
+        if is_stale_temp(path, now):
+            path.unlink(missing_ok=True)
+            removed.append(path)
+    return removed
+
+
+SAFETENSORS_DTYPES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL",
+}
+
+
+def write_tensors_atomic(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> dict[str, Any]:
+    """A safetensors file streamed from the tensors' own memory: no whole-file copy in RAM and the GIL is
+    released while bytes move (`safetensors.torch.save` builds the file as one bytes object first, which on
+    2 cores costs the training step more than the write). The safetensors library reads it back."""
+    if any(t.dtype not in SAFETENSORS_DTYPES for t in tensors.values()):
+        return write_atomic(path, encode_tensors(tensors, metadata))
+    names = sorted(tensors)
+    header: dict[str, Any] = {"__metadata__": metadata} if metadata else {}
+    offset = 0
+    for name in names:
+        tensor = tensors[name]
+        size = tensor.numel() * tensor.element_size()
+        header[name] = {"dtype": SAFETENSORS_DTYPES[tensor.dtype], "shape": list(tensor.shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    header_bytes = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    header_bytes += b" " * (-len(header_bytes) % 8)  # the format pads the header to 8 bytes
+    digest = hashlib.sha256()
+    with _atomic_temp(path) as temp, open(temp, "wb") as handle:
+        for chunk in (len(header_bytes).to_bytes(8, "little"), header_bytes):
+            handle.write(chunk)
+            digest.update(chunk)
+        for name in names:
+            data = memoryview(tensors[name].detach().contiguous().reshape(-1).view(torch.uint8).numpy())
+            handle.write(data)
+            digest.update(data)
+        handle.flush()
+        os.fsync(handle.fileno())
+    return {"size": 8 + len(header_bytes) + offset, "sha256": digest.hexdigest()}
+
+
+def fsync_dir(folder: Path) -> None:
+    descriptor = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+def encode_tensors(tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> bytes:
+    from safetensors.torch import save
+
+    return save(tensors, metadata=metadata)
+
+
+def encode_json(data: dict) -> bytes:
+    return json.dumps(data, indent=1, sort_keys=True).encode("utf-8")
+
+
+def write_manifest(folder: Path, step: int, files: dict[str, dict]) -> None:
+    manifest = {"format": FORMAT, "step": step, "files": files}
+    write_atomic(folder / MANIFEST, encode_json(manifest))
+    fsync_dir(folder)
+
+
+def flatten_batch(step: int, batch) -> tuple[dict[str, torch.Tensor], Any]:
+    """A batch (tensor, tuple/list of tensors, or dict of tensors) as named tensors + its structure."""
+    if isinstance(batch, torch.Tensor):
+        return {f"{step}/_": batch}, "tensor"
+    if isinstance(batch, dict):
+        return {f"{step}/{key}": value for key, value in batch.items()}, {"dict": list(batch)}
+    return {f"{step}/{index}": value for index, value in enumerate(batch)}, {"tuple": len(batch)}
+
+
+def unflatten_batch(step: int, tensors: dict[str, torch.Tensor], structure):
+    if structure == "tensor":
+        return tensors[f"{step}/_"]
+    if "dict" in structure:
+        return {key: tensors[f"{step}/{key}"] for key in structure["dict"]}
+    return tuple(tensors[f"{step}/{index}"] for index in range(structure["tuple"]))
+
+
+def encode_batches(batches: dict[int, Any]) -> bytes:
+    tensors: dict[str, torch.Tensor] = {}
+    structure: dict[str, Any] = {}
+    for step, batch in batches.items():
+        named, shape = flatten_batch(step, batch)
+        tensors.update({key: value.detach().cpu().contiguous() for key, value in named.items()})
+        structure[str(step)] = shape
+    return encode_tensors(tensors, {"structure": json.dumps(structure)})
+
+
+# ---- reading ----------------------------------------------------------------------------------
+# Everything read here may have been written by someone else: each file is parsed as what it claims to be
+# (safetensors by its own layout, JSON by a schema), nothing is ever unpickled, and any flaw is a SnapshotError.
+MAX_MANIFEST_BYTES = 1 << 20
+MAX_SAFETENSORS_HEADER = 100_000_000  # the safetensors library's own limit
+SAFETENSORS_ITEM_SIZES = {
+    "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E4M3FNUZ": 1, "F8_E5M2": 1, "F8_E5M2FNUZ": 1,
+    "I16": 2, "U16": 2, "F16": 2, "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8, "C64": 8,
+}
+TENSOR_NAME = re.compile(r"^(model/.+|optim/\d{1,9}/.+)$")
+BATCH_STEP = re.compile(r"^\d{1,12}$")
+
+
+class FileEntry(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    size: int = Field(ge=0)
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+
+
+class Manifest(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    format: Literal[FORMAT]
+    step: int = Field(ge=0)
+    files: dict[Literal[TENSORS, BATCHES, STATE], FileEntry]
+
+
+@dataclass
+class Snapshot:
+    step: int
+    folder: Path
+    tensors: dict[str, torch.Tensor]
+    state: dict[str, Any]
+    batches: dict[int, Any]
+
+
+def _bad(folder: Path, name: str, why: str) -> SnapshotError:
+    return SnapshotError(f"snapshot {folder.name}: {name} {why}")
+
+
+def schema_error(error: ValidationError) -> str:
+    """The first problem pydantic found, as `where: what` (one line)."""
+    first = error.errors()[0]
+    where = ".".join(str(part) for part in first["loc"]) or "the top level"
+    return f"{where}: {first['msg']}"
+
+
+def _check_folder(folder: Path) -> None:
+    """The folder and everything in it must be plain: no symlinks (checked before anything is opened), no
+    special files, and only the format's own files (a pickle or torch.save file is never opened)."""
+    try:
+        info = os.lstat(folder)
+    except FileNotFoundError:
+        raise SnapshotError(f"snapshot {folder.name} is missing") from None
+    if stat.S_ISLNK(info.st_mode):
+        raise SnapshotError(f"snapshot {folder.name} is a symlink; refusing to follow it (a snapshot folder must be a plain folder)")
+    if not stat.S_ISDIR(info.st_mode):
+        raise SnapshotError(f"snapshot {folder.name} is not a folder")
+    with os.scandir(folder) as entries:
+        for entry in sorted(entries, key=lambda e: e.name):
+            if entry.is_symlink():
+                raise _bad(folder, entry.name, "is a symlink; refusing to load the snapshot (remove the link)")
+            if entry.name != MANIFEST and entry.name not in ALLOWED_FILES and not TEMP_NAME.match(entry.name):
+                raise _bad(folder, entry.name, "is not part of the snapshot format; refusing to load the snapshot "
+                                               "(replaybisect never unpickles); remove the file or use another snapshot")
+            if not entry.is_file(follow_symlinks=False):
+                raise _bad(folder, entry.name, "is not a regular file; refusing to load the snapshot")
+
+
+def _read_plain_file(folder: Path, name: str, expected_size: int | None = None, max_size: int | None = None) -> bytes:
+    """The bytes of a regular file, never through a symlink, never blocking on a FIFO."""
+    try:
+        descriptor = os.open(folder / name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except FileNotFoundError:
+        raise _bad(folder, name, "is missing") from None
+    except OSError as error:
+        raise _bad(folder, name, f"cannot be opened ({error.strerror}); symlinks are refused") from None
+    with os.fdopen(descriptor, "rb") as handle:
+        info = os.fstat(handle.fileno())
+        if not stat.S_ISREG(info.st_mode):
+            raise _bad(folder, name, "is not a regular file")
+        if expected_size is not None and info.st_size != expected_size:
+            raise _bad(folder, name, f"fails verification (size {info.st_size}, manifest says {expected_size}: the file is corrupt)")
+        if max_size is not None and info.st_size > max_size:
+            raise _bad(folder, name, f"is {info.st_size} bytes, more than a snapshot's {name} can be; refusing to read it")
+        return handle.read()
+
+
+def _parse_json(folder: Path, name: str, payload: bytes) -> Any:
+    try:
+        return json.loads(payload.decode("utf-8"))
+    except (ValueError, UnicodeDecodeError, RecursionError) as error:
+        why = "nests too deeply" if isinstance(error, RecursionError) else f"is not valid JSON ({str(error)[:80]})"
+        raise _bad(folder, name, f"{why}: the file is corrupt") from None
+
+
+def read_manifest(folder: Path) -> Manifest:
+    if not os.path.lexists(folder / MANIFEST):
+        raise SnapshotError(f"snapshot {folder.name} is incomplete (no {MANIFEST}: its write was interrupted)")
+    data = _parse_json(folder, MANIFEST, _read_plain_file(folder, MANIFEST, max_size=MAX_MANIFEST_BYTES))
+    try:
+        manifest = Manifest.model_validate(data)
+    except ValidationError as error:
+        raise _bad(folder, MANIFEST, f"is not a {FORMAT} manifest ({schema_error(error)})") from None
+    for required in (TENSORS, STATE):
+        if required not in manifest.files:
+            raise _bad(folder, MANIFEST, f"does not list {required}")
+    if manifest.step != step_of(folder.name):
+        raise _bad(folder, MANIFEST, f"says step {manifest.step}, but the folder is {folder.name}")
+    for name in sorted(ALLOWED_FILES - set(manifest.files)):
+        if os.path.lexists(folder / name):
+            raise _bad(folder, name, f"is not listed in {MANIFEST}; refusing a file the snapshot did not write")
+    return manifest
+
+
+def read_verified(folder: Path, name: str, manifest: Manifest) -> bytes:
+    entry = manifest.files.get(name)
+    if entry is None:
+        raise _bad(folder, name, "is not in its manifest")
+    payload = _read_plain_file(folder, name, expected_size=entry.size)
+    if hashlib.sha256(payload).hexdigest() != entry.sha256:
+        raise _bad(folder, name, "fails verification (checksum mismatch: the file is corrupt)")
+    return payload
+
+
+def verify(folder: Path) -> Manifest:
+    """Check the folder, the manifest and every file's size and sha256; return the manifest."""
+    _check_folder(folder)
+    manifest = read_manifest(folder)
+    for name in manifest.files:
+        read_verified(folder, name, manifest)
+    return manifest
+
+
+def safetensors_layout(payload: bytes) -> tuple[dict[str, dict[str, Any]], dict[str, str]]:
+    """Parse a safetensors file's layout: 8-byte little-endian header length, a JSON header naming each
+    tensor's dtype, shape and byte range, and the ranges tiling the data exactly. Returns (entries, metadata);
+    raises ValueError saying why the bytes are not safetensors (a pickle, a truncated file, ...)."""
+    if len(payload) < 8:
+        raise ValueError(f"{len(payload)} bytes, shorter than the 8-byte header length")
+    header_size = int.from_bytes(payload[:8], "little")
+    if header_size > min(len(payload) - 8, MAX_SAFETENSORS_HEADER):
+        raise ValueError(f"its header length {header_size} runs past the end of the {len(payload)}-byte file")
+    try:
+        header = json.loads(payload[8 : 8 + header_size].decode("utf-8"))
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        raise ValueError("its header is not valid JSON") from None
+    if not isinstance(header, dict):
+        raise ValueError("its header is not a JSON object")
+    metadata = header.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise ValueError("its __metadata__ is not an object of strings")
+    spans = sorted((_tensor_span(name, entry), name) for name, entry in header.items())
+    cursor = 0
+    for (begin, end), name in spans:
+        if begin != cursor:
+            raise ValueError(f"tensor {name!r} starts at byte {begin}, not {cursor} (gap or overlap)")
+        cursor = end
+    if cursor != len(payload) - 8 - header_size:
+        raise ValueError(f"its tensors cover {cursor} bytes of a {len(payload) - 8 - header_size}-byte buffer")
+    return header, metadata
+
+
+def _tensor_span(name: str, entry: Any) -> tuple[int, int]:
+    def is_int(value):
+        return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+    if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}:
+        raise ValueError(f"tensor {name!r} is not described by dtype, shape and data_offsets")
+    dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
+    if not isinstance(dtype, str) or dtype not in SAFETENSORS_ITEM_SIZES:
+        raise ValueError(f"tensor {name!r} has unknown dtype {str(dtype)[:20]!r}")
+    if not isinstance(shape, list) or not all(is_int(d) for d in shape):
+        raise ValueError(f"tensor {name!r} has a shape that is not a list of sizes")
+    if not isinstance(offsets, list) or len(offsets) != 2 or not all(is_int(o) for o in offsets) or offsets[0] > offsets[1]:
+        raise ValueError(f"tensor {name!r} has data_offsets that are not [begin, end]")
+    if offsets[1] - offsets[0] != math.prod(shape) * SAFETENSORS_ITEM_SIZES[dtype]:
+        raise ValueError(f"tensor {name!r}: its byte range does not match its dtype and shape")
+    return offsets[0], offsets[1]
+
+
+def _load_safetensors(folder: Path, name: str, payload: bytes) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    from safetensors import SafetensorError
+    from safetensors.torch import load as load_tensors
+
+    try:
+        _, metadata = safetensors_layout(payload)
+        return load_tensors(payload), metadata
+    except (ValueError, SafetensorError) as error:
+        raise _bad(folder, name, f"is not a valid safetensors file ({error}); refusing to load it (replaybisect never unpickles)") from None
+
+
+def _check_tensor_names(folder: Path, tensors: dict[str, torch.Tensor]) -> None:
+    for name in tensors:
+        if not TENSOR_NAME.match(name):
+            raise _bad(folder, TENSORS, f"holds tensor {name[:60]!r}, which is neither model/... nor optim/<index>/...")
+
+
+def _batches(folder: Path, step: int, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> dict[int, Any]:
+    """The batches from the file's `structure` metadata, which must name exactly the tensors the file holds."""
+    def bad(why: str) -> SnapshotError:
+        return _bad(folder, BATCHES, f"has unusable structure metadata ({why})")
+
+    if "structure" not in metadata:
+        raise bad("missing")
+    try:
+        structure = json.loads(metadata["structure"])
+    except (ValueError, RecursionError):
+        raise bad("not valid JSON") from None
+    if not isinstance(structure, dict):
+        raise bad("not an object")
+    batches: dict[int, Any] = {}
+    used: set[str] = set()
+    for key, shape in structure.items():
+        if not BATCH_STEP.match(key) or int(key) < step:
+            raise bad(f"step {key[:20]!r} is not a step at or after {step}")
+        names = _batch_tensor_names(int(key), shape)
+        if names is None:
+            raise bad(f"the batch of step {key} has an unknown shape")
+        absent = [name for name in names if name not in tensors]
+        if absent or len(set(names)) != len(names):
+            raise bad(f"the batch of step {key} names absent or repeated tensors {absent[:3]}")
+        used.update(names)
+        batches[int(key)] = unflatten_batch(int(key), tensors, shape)
+    if used != set(tensors):
+        raise bad(f"{len(set(tensors) - used)} tensor(s) belong to no batch")
+    return batches
+
+
+def _batch_tensor_names(step: int, shape: Any) -> list[str] | None:
+    """The tensor names a batch structure refers to (see flatten_batch); None when it is not one."""
+    if shape == "tensor":
+        return [f"{step}/_"]
+    if isinstance(shape, dict) and len(shape) == 1:
+        keys, count = shape.get("dict"), shape.get("tuple")
+        if isinstance(keys, list) and all(isinstance(k, str) for k in keys):
+            return [f"{step}/{k}" for k in keys]
+        if isinstance(count, int) and not isinstance(count, bool) and 0 <= count <= 10_000:
+            return [f"{step}/{i}" for i in range(count)]
+    return None
+
+
+def load(folder: Path) -> Snapshot:
+    """Verify and load a snapshot folder (safetensors and JSON only); any flaw is a SnapshotError."""
+    from replaybisect.core.state import check_state
+
+    _check_folder(folder)
+    manifest = read_manifest(folder)
+    state = _parse_json(folder, STATE, read_verified(folder, STATE, manifest))
+    check_state(state, manifest.step, lambda why: _bad(folder, STATE, why))
+    tensors, _ = _load_safetensors(folder, TENSORS, read_verified(folder, TENSORS, manifest))
+    _check_tensor_names(folder, tensors)
+    batches: dict[int, Any] = {}
+    if BATCHES in manifest.files:
+        batch_tensors, metadata = _load_safetensors(folder, BATCHES, read_verified(folder, BATCHES, manifest))
+        batches = _batches(folder, manifest.step, batch_tensors, metadata)
+    return Snapshot(step=manifest.step, folder=folder, tensors=tensors, state=state, batches=batches)

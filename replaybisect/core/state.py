@@ -1,0 +1,218 @@
+"""A TrainState as (named tensors, JSON) and back: what a snapshot holds and how restore applies it."""
+
+from __future__ import annotations
+
+import math
+import platform
+from typing import Annotated, Any, Callable, Optional
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from replaybisect.errors import SnapshotError
+from replaybisect.core import rng
+
+
+def live_tensors(state) -> dict[str, torch.Tensor]:
+    """References (not copies) to every tensor a step depends on: model state and optimizer moments."""
+    tensors = {f"model/{name}": value for name, value in state.model.state_dict().items()}
+    for index, param_state in state.optimizer.state_dict()["state"].items():
+        for key, value in param_state.items():
+            if torch.is_tensor(value):
+                tensors[f"optim/{index}/{key}"] = value
+    return tensors
+
+
+def _jsonable(value: Any) -> Any:
+    if torch.is_tensor(value):
+        return value.item() if value.numel() == 1 else value.tolist()
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, float) and not math.isfinite(value):
+        return repr(value)  # "nan" / "inf": JSON has no literal for them
+    return value
+
+
+def _unjson_float(value: Any) -> Any:
+    if value in ("nan", "inf", "-inf"):
+        return float(value)
+    if isinstance(value, list):
+        return [_unjson_float(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _unjson_float(v) for k, v in value.items()}
+    return value
+
+
+def state_json(state, step: int, rng_raw: dict, data_position: dict, reason: str) -> dict[str, Any]:
+    optimizer_state = state.optimizer.state_dict()
+    scalars = {
+        str(index): {key: _jsonable(value) for key, value in param_state.items() if not torch.is_tensor(value)}
+        for index, param_state in optimizer_state["state"].items()
+    }
+    return {
+        "step": step,
+        "reason": reason,
+        "rng": rng.to_json(rng_raw),
+        "optimizer": {"param_groups": _jsonable(optimizer_state["param_groups"]), "scalars": scalars},
+        "scheduler": _jsonable(state.scheduler.state_dict()) if state.scheduler is not None else None,
+        "scaler": _jsonable(state.scaler.state_dict()) if state.scaler is not None else None,
+        "data": data_position,
+        "precision": state.precision,
+        "device": str(state.device),
+        "num_threads": torch.get_num_threads(),
+        "deterministic": {
+            "algorithms": torch.are_deterministic_algorithms_enabled(),
+            "cudnn_deterministic": torch.backends.cudnn.deterministic,
+            "cudnn_benchmark": torch.backends.cudnn.benchmark,
+        },
+        "versions": {"torch": torch.__version__, "python": platform.python_version()},
+    }
+
+
+MAX_THREADS = 1024  # torch.set_num_threads crashes the process on absurd counts: bounded before it is called
+# Optimizer state tensors that always have their parameter's shape (Adam/AdamW, SGD, RMSprop, Adagrad, Adadelta, Rprop).
+PARAM_SHAPED = {"exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer", "square_avg", "grad_avg", "acc_delta",
+                "sum", "prev", "step_size", "ax"}
+JsonObject = dict[str, Any]
+
+
+class OptimizerJson(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    param_groups: list[JsonObject]
+    scalars: dict[Annotated[str, Field(pattern=r"^\d{1,9}$")], JsonObject]
+
+
+class DataPosition(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+    dataset_len: Optional[int] = Field(default=None, ge=0, le=2**40)
+    batch_size: Optional[int] = Field(default=None, ge=1, le=2**31)
+    seed: Optional[int] = None
+
+
+class StateJson(BaseModel):
+    """state.json as state_json() writes it. Extra keys are tolerated; every key restore reads is checked."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+    step: int = Field(ge=0)
+    reason: Optional[str] = None
+    rng: JsonObject
+    optimizer: OptimizerJson
+    scheduler: Optional[JsonObject] = None
+    scaler: Optional[JsonObject] = None
+    data: Optional[DataPosition] = None
+    precision: Optional[str] = None
+    device: Optional[str] = None
+    num_threads: Optional[int] = Field(default=None, ge=1, le=MAX_THREADS)
+    deterministic: Optional[dict[str, bool]] = None
+    versions: Optional[dict[str, str]] = None
+
+    @field_validator("rng")
+    @classmethod
+    def _streams(cls, value: JsonObject) -> JsonObject:
+        rng.Streams.model_validate(value)
+        return value
+
+
+def check_state(saved: Any, step: int, bad: Callable[[str], Exception]) -> StateJson:
+    """Validate a snapshot's state.json (already parsed) for the snapshot of `step`; `bad(why)` makes the error."""
+    from replaybisect.core.snapshot import schema_error
+
+    try:
+        state = StateJson.model_validate(saved)
+    except ValidationError as error:
+        raise bad(f"is not a valid snapshot state ({schema_error(error)})") from None
+    if state.step != step:
+        raise bad(f"says step {state.step}, but the snapshot is of step {step}")
+    return state
+
+
+def _fits(saved: Any, fresh: Any) -> bool:
+    """Whether a value read from state.json can stand in for the freshly built object's value: same kind,
+    same keys (no new attributes), same lengths. Recursion follows `fresh`, so depth is bounded by it."""
+    if fresh is None or isinstance(fresh, str):
+        return saved is None or isinstance(saved, (bool, int, float, str))
+    if isinstance(fresh, bool):
+        return isinstance(saved, bool)
+    if isinstance(fresh, int):
+        return isinstance(saved, int) and not isinstance(saved, bool)
+    if isinstance(fresh, float) or torch.is_tensor(fresh) and fresh.numel() == 1:
+        return isinstance(saved, (int, float)) and not isinstance(saved, bool) or saved in ("nan", "inf", "-inf")
+    if isinstance(fresh, (list, tuple)):
+        return isinstance(saved, list) and len(saved) == len(fresh) and all(_fits(s, f) for s, f in zip(saved, fresh))
+    if isinstance(fresh, dict):
+        return (isinstance(saved, dict) and set(saved) <= {str(k) for k in fresh}
+                and all(_fits(v, fresh[_key(fresh, k)]) for k, v in saved.items()))
+    return False
+
+
+def _key(mapping: dict, text: str):
+    return next(k for k in mapping if str(k) == text)
+
+
+def _optimizer_state(optimizer, tensors: dict[str, torch.Tensor], saved: OptimizerJson) -> dict[str, Any]:
+    """The optimizer's state_dict from the snapshot, checked against the freshly built optimizer: the same
+    groups and hyperparameters, and moments shaped like the parameters they belong to."""
+    fresh_groups = optimizer.state_dict()["param_groups"]
+    groups = _unjson_float(saved.param_groups)
+    if len(groups) != len(fresh_groups):
+        raise SnapshotError(f"the snapshot's optimizer has {len(groups)} parameter group(s), the config's {len(fresh_groups)}")
+    params_by_index: dict[int, torch.Tensor] = {}
+    for group, fresh, live in zip(groups, fresh_groups, optimizer.param_groups):
+        ids = group.get("params")
+        if not (isinstance(ids, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in ids)) or len(ids) != len(live["params"]):
+            raise SnapshotError("the snapshot's optimizer parameter groups do not match the model's parameters")
+        # a key the optimizer does not know is never read by its step (e.g. a scheduler's initial_lr)
+        if not all(_fits(v, fresh.get(k)) for k, v in group.items() if k != "params"):
+            raise SnapshotError("the snapshot's optimizer hyperparameters do not fit the optimizer built from the config")
+        if "betas" in group:
+            group["betas"] = tuple(group["betas"])
+        params_by_index.update(zip(ids, live["params"]))
+    if len(params_by_index) != sum(len(g["params"]) for g in groups):
+        raise SnapshotError("the snapshot's optimizer lists a parameter twice")
+
+    per_param: dict[int, dict[str, Any]] = {int(index): dict(_unjson_float(s)) for index, s in saved.scalars.items()}
+    for name, value in tensors.items():
+        if name.startswith("optim/"):
+            _, index, key = name.split("/", 2)
+            per_param.setdefault(int(index), {})[key] = value
+    for index, param_state in per_param.items():
+        param = params_by_index.get(index)
+        if param is None:
+            raise SnapshotError(f"the snapshot's optimizer state names parameter {index}, which no group holds")
+        for key, value in param_state.items():
+            if key in PARAM_SHAPED and not (torch.is_tensor(value) and value.shape == param.shape and value.is_floating_point()):
+                raise SnapshotError(f"the snapshot's optimizer state {key} of parameter {index} does not have the parameter's shape {tuple(param.shape)}")
+            if not torch.is_tensor(value) and not (value is None or isinstance(value, (bool, int, float, str))):
+                raise SnapshotError(f"the snapshot's optimizer state {key} of parameter {index} is not a number")
+    return {"state": per_param, "param_groups": groups}
+
+
+def apply(state, tensors: dict[str, torch.Tensor], saved: dict[str, Any]) -> None:
+    """Load model, optimizer, scheduler, scaler and RNG streams into a freshly built TrainState. Everything is
+    checked before the process-wide settings (threads, RNG streams) change; a snapshot that does not fit raises
+    SnapshotError, and the caller builds a fresh TrainState for another snapshot."""
+    step = saved.get("step") if isinstance(saved, dict) else None
+    checked = check_state(saved, step, lambda why: SnapshotError(f"state.json {why}"))
+    model_state = {name[len("model/"):]: value for name, value in tensors.items() if name.startswith("model/")}
+    try:
+        state.model.load_state_dict(model_state)
+    except RuntimeError as error:
+        raise SnapshotError(f"the snapshot does not fit the model built from the config: {str(error).splitlines()[0]}") from None
+    optimizer_state = _optimizer_state(state.optimizer, tensors, checked.optimizer)
+    for what, value, live in (("scheduler", checked.scheduler, state.scheduler), ("scaler", checked.scaler, state.scaler)):
+        if value is not None and live is not None and not _fits(value, live.state_dict()):
+            raise SnapshotError(f"the snapshot's {what} state does not fit the {what} built from the config")
+    raw_rng = rng.from_json(checked.rng)
+    try:
+        state.optimizer.load_state_dict(optimizer_state)
+        if checked.scheduler is not None and state.scheduler is not None:
+            state.scheduler.load_state_dict(_unjson_float(checked.scheduler))
+        if checked.scaler is not None and state.scaler is not None:
+            state.scaler.load_state_dict(_unjson_float(checked.scaler))
+    except (ValueError, TypeError, KeyError, IndexError, RuntimeError) as error:
+        raise SnapshotError(f"the snapshot's optimizer or scheduler state does not load: {str(error)[:120]}") from None
+    if checked.num_threads:
+        torch.set_num_threads(checked.num_threads)
+    rng.restore_raw(raw_rng)

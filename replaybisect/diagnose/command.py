@@ -1,0 +1,43 @@
+"""`replay diagnose --run-id X`: read the recorded curves and name the pathology."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import typer
+
+from replaybisect.options import JsonFlag, TrackingUri, print_json
+
+
+def diagnose_command(
+    run_id: str = typer.Option(..., "--run-id", help="The run to read (see `replay runs`)."),
+    tracking_uri: Optional[str] = TrackingUri,
+    as_json: bool = JsonFlag,
+    no_artifacts: bool = typer.Option(False, "--no-artifacts", help="Do not attach diagnosis.md and the plot to the run."),
+):
+    """Read a run's recorded metrics (no replay) and name what the curves show: NaN at the first step or
+    after K steps, flat from the start, spikes, plateau, oscillation, overfitting, train/validation
+    mismatch, exploding or vanishing gradients per layer, dead ReLUs, update/weight ratio out of range,
+    input-pipeline bound. Each finding comes with its evidence and the next command to run; a healthy
+    run gets "no pathology found". diagnosis.md and an annotated loss curve are attached to the run.
+
+    Example: replay diagnose --run-id 3f2a9c0d...
+
+    1. dead-relu [net.1]  dead ReLU net.1: 100.0% of its outputs are zero since step 10 ...
+
+    next: replay check --run-id 3f2a9c0d...
+    """
+    from replaybisect.diagnose.engine import diagnose
+    from replaybisect.diagnose.report import print_diagnosis
+    from replaybisect.store import open_store
+
+    store = open_store(tracking_uri)
+    result = diagnose(store, run_id, write_artifacts=not no_artifacts)
+    if as_json:
+        print_json(result.to_json())
+    else:
+        print_diagnosis(result)
+
+
+def register(app: typer.Typer) -> None:
+    app.command("diagnose")(diagnose_command)

@@ -1,0 +1,995 @@
+"""`replay diagnose`: read a run's recorded curves and name the pathology they show.
+
+Reads the metrics only (no replay, no torch). The symptom table of FIELD-NOTES.md is a registry of small
+detectors: each takes the run's curves and returns findings with evidence (steps, numbers) and the next
+command to run. A healthy run gets a clean bill, never a list of guesses, so every threshold is a
+published one (cited beside it) applied to robust statistics (medians, medians of blocks, rolling
+medians) that ordinary SGD noise does not trip.
+
+Steps are the recorded, 0-based step numbers: "the first step" is step 0.
+"""
+
+from __future__ import annotations
+
+import math
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import numpy as np
+
+from replaybisect.errors import ReplayError
+from replaybisect.store import Store
+
+__all__ = ["Finding", "Diagnosis", "Curves", "DETECTORS", "detector", "diagnose", "load_curves", "analyse"]
+
+# ---- thresholds (defaults; the source is cited beside each) -------------------------------------------
+SPIKE_FACTOR = 10.0  # a spike is >= 10x the max |value| of the first 100 samples (Megatron-Core rerun machine)
+SPIKE_BASELINE_SAMPLES = 100  # (Megatron-Core: the first 100 samples)
+VANISHING_RATIO = 1e-3  # layer / largest-layer grad norm below 1e-3 ... (AUTOTRAINER: first/last-layer ratio < 1e-3)
+VANISHING_NORM = 1e-4  # ... with the layer's norm below 1e-4 (AUTOTRAINER: first-layer norm < 1e-4)
+VANISHING_ABSOLUTE = 1e-7  # any layer with norm < 1e-7 (SageMaker Debugger / DeepDiagnosis: mean |g| < 1e-7;
+#                            mean |g| <= ||g||_2, so a norm below it is vanishing by their rule too)
+EXPLODING_RATIO = 70.0  # a layer's grad norm grew > 70x its early level (AUTOTRAINER: exploding ratio > 70)
+DEAD_ZERO_FRACTION = 0.99  # ReLU output zero >= 99% of the time (SageMaker: a unit active < 1% of the time is dead;
+#                            we log one zero fraction per layer, so >= 99% zeros means the layer as a whole is dead)
+UPDATE_RATIO_RANGE = (1e-8, 10.0)  # ||dθ||/||θ|| outside [1e-8, 10] is pathological (SageMaker); ~1e-3 is healthy
+OVERFIT_GAP = 0.1  # (val - train) / train > 0.1 (SageMaker Debugger overfit rule) ...
+OVERFIT_PATIENCE = 3  # ... for this many evaluations in a row (SageMaker: "with patience")
+OVERFIT_RISE = 0.1  # and validation 10% above its best: train down, val up after K (FIELD-NOTES triage table)
+OVERFIT_TREND_P = 0.1  # ... rising as a trend since its best (Mann-Kendall p < 0.1), not noise around a floor
+PLATEAU_MIN_LEVEL = 0.5  # a plateau sits at >= half the untrained loss (calibrated: healthy built-in runs end <= 0.34x)
+PLATEAU_MIN_SHARE = 0.4  # ... and has lasted >= 40% of the run (healthy runs flatten only near their end)
+PLATEAU_TREND_SE = 1.0  # ... with no decrease across it beyond 1 standard error (calibrated on noisy synthetic curves)
+PLATEAU_TREND_P = 0.2  # ... and no downward Mann-Kendall trend at p < 0.2 (likewise calibrated: 0/200 false plateaus)
+INPUT_BOUND_SHARE = 0.5  # data_time >= step_time: the step waits on input more than it computes (FIELD-NOTES table)
+INPUT_BOUND_MIN_SECONDS = 1e-3  # ... and at least 1 ms a batch: below that input time is noise, not a bottleneck
+
+
+# ---- what the run recorded ----------------------------------------------------------------------------
+@dataclass
+class Series:
+    """One metric's history: steps and values, sorted by step."""
+
+    steps: np.ndarray
+    values: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.steps)
+
+    def finite(self) -> "Series":
+        keep = np.isfinite(self.values)
+        return Series(self.steps[keep], self.values[keep])
+
+    def before(self, step: Optional[int]) -> "Series":
+        if step is None:
+            return self
+        keep = self.steps < step
+        return Series(self.steps[keep], self.values[keep])
+
+
+EMPTY = Series(np.zeros(0, dtype=np.int64), np.zeros(0))
+
+# Metrics diagnose reads; weight_norm/<module> is not needed by any detector, so it is never fetched.
+SCALAR_KEYS = ("loss", "val_loss", "grad_norm", "lr", "step_time", "data_time", "update_ratio", "param_norm")
+LAYER_PREFIXES = ("grad_norm/", "act_zero_frac/", "act_sat_frac/")
+
+
+@dataclass
+class Curves:
+    """Everything diagnose looks at: the run's metric histories, tags and a few params."""
+
+    run_id: str
+    metrics: dict[str, Series]
+    tags: dict[str, str]
+    params: dict[str, str]
+    run_name: str = ""
+
+    def get(self, key: str) -> Series:
+        return self.metrics.get(key, EMPTY)
+
+    def layers(self, prefix: str) -> dict[str, Series]:
+        """{module: series} for per-layer keys such as grad_norm/<module>."""
+        return {key[len(prefix):]: series for key, series in self.metrics.items() if key.startswith(prefix) and len(series)}
+
+    @property
+    def failing_step(self) -> Optional[int]:
+        """The first non-finite step: the recorder's tag, else the first non-finite loss / grad_norm logged."""
+        tag = self.tags.get("first_nonfinite_step")
+        if tag not in (None, ""):
+            try:
+                return int(tag)
+            except ValueError:
+                pass
+        bad = [int(s.steps[~np.isfinite(s.values)][0]) for s in (self.get("loss"), self.get("grad_norm")) if len(s) and not np.isfinite(s.values).all()]
+        return min(bad) if bad else None
+
+    @property
+    def healthy_loss(self) -> Series:
+        """The finite training loss before the first non-finite step: the curve the shape detectors read."""
+        return self.get("loss").before(self.failing_step).finite()
+
+
+def load_curves(store: Store, run_id: str, workers: int = 8) -> Curves:
+    """Fetch the histories diagnose needs (one MLflow get_metric_history per key, in parallel)."""
+    run = store.get_run(run_id)  # RunNotFound: one line, exit 2
+    keys = [k for k in run.data.metrics if k in SCALAR_KEYS or k.startswith(LAYER_PREFIXES)]
+
+    def fetch(key: str) -> tuple[str, Series]:
+        history = store.metric_history(run_id, key)
+        if not history:
+            return key, EMPTY
+        steps, values = zip(*history)
+        return key, Series(np.asarray(steps, dtype=np.int64), np.asarray(values, dtype=float))
+
+    if len(keys) > 1 and workers > 1:
+        with ThreadPoolExecutor(max_workers=min(workers, len(keys)), thread_name_prefix="replaybisect-history") as pool:
+            metrics = dict(pool.map(fetch, keys))
+    else:
+        metrics = dict(map(fetch, keys))
+    tags = {k[len("replaybisect."):]: v for k, v in run.data.tags.items() if k.startswith("replaybisect.")}
+    return Curves(run_id=run_id, metrics=metrics, tags=tags, params=dict(run.data.params), run_name=run.info.run_name or "")
+
+
+# ---- findings -------------------------------------------------------------------------------------------
+@dataclass
+class Finding:
+    pattern: str  # e.g. "spikes", "overfitting", "dead-relu"
+    summary: str  # one line a person reads first
+    evidence: dict[str, Any]  # the steps and numbers behind it
+    next: str  # the next command to run
+    step: Optional[int] = None  # the step it starts at (marked on the plot)
+    layer: Optional[str] = None  # the module it names, for per-layer patterns
+    steps: list[int] = field(default_factory=list)  # further steps to mark (spikes)
+    source: str = ""  # where the threshold comes from
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "pattern": self.pattern,
+            "summary": self.summary,
+            "step": self.step,
+            "layer": self.layer,
+            "evidence": _jsonable(self.evidence),
+            "next": self.next,
+            "source": self.source,
+        }
+
+
+@dataclass
+class Diagnosis:
+    run_id: str
+    run_name: str
+    status: str
+    findings: list[Finding]
+    summary: dict[str, Any]
+    checked: list[str]  # the patterns that had the metrics they need
+    skipped: dict[str, str]  # pattern -> why it could not be checked
+    artifacts: list[str] = field(default_factory=list)
+
+    @property
+    def judged(self) -> bool:
+        """Enough curve to judge: the loss-shape detectors ran (a run stopped at step 0 is judged by its NaN)."""
+        return bool(self.findings) or "flat-from-start" in self.checked
+
+    @property
+    def healthy(self) -> bool:
+        return not self.findings and self.judged
+
+    @property
+    def verdict(self) -> str:
+        if self.findings:
+            return ", ".join(dict.fromkeys(f.pattern for f in self.findings))
+        if not self.judged:
+            return f"not enough data to judge ({self.skipped.get('flat-from-start', 'too few metrics')})"
+        return "no pathology found"
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "run_id": self.run_id,
+            "run_name": self.run_name,
+            "status": self.status,
+            "healthy": self.healthy,
+            "verdict": self.verdict,
+            "findings": [f.to_json() for f in self.findings],
+            "summary": _jsonable(self.summary),
+            "checked": self.checked,
+            "skipped": self.skipped,
+            "artifacts": self.artifacts,
+        }
+
+
+def _jsonable(value):
+    if isinstance(value, dict):
+        return {k: _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, (np.integer,)):
+        return int(value)
+    if isinstance(value, (np.floating, float)):
+        value = float(value)
+        return value if math.isfinite(value) else str(value)
+    return value
+
+
+class Skip(Exception):
+    """A detector lacks the metrics it needs (the reason is reported, never a guess)."""
+
+
+Detector = Callable[[Curves], list[Finding]]
+DETECTORS: list[tuple[str, Detector]] = []
+
+
+def detector(pattern: str):
+    """Register a detector: adding a pattern is adding one function."""
+
+    def register(function: Detector) -> Detector:
+        DETECTORS.append((pattern, function))
+        return function
+
+    return register
+
+
+# ---- robust statistics ------------------------------------------------------------------------------------
+def _round(value: float, digits: int = 4) -> float:
+    if value is None or not math.isfinite(value) or value == 0:
+        return value
+    return float(f"{value:.{digits}g}")
+
+
+def _edge_count(n: int) -> int:
+    """How many samples make a robust 'start' or 'end' level: a tenth of the run, at least 5."""
+    return max(5, n // 10)
+
+
+def rolling_median(values: np.ndarray, window: int) -> np.ndarray:
+    """Centred rolling median (edges padded with the edge value): smooths SGD noise, keeps the steps.
+    scipy's C median filter: a 10,000-step curve with a 500-step window takes about a millisecond."""
+    from scipy.ndimage import median_filter
+
+    values = np.asarray(values, dtype=float)
+    window = max(1, min(int(window), len(values)))
+    if window <= 1:
+        return values.copy()
+    return median_filter(values, size=window, mode="nearest")
+
+
+def block_medians(values: np.ndarray, blocks: int) -> np.ndarray:
+    return np.array([np.median(chunk) for chunk in np.array_split(values, blocks) if len(chunk)])
+
+
+def noise_sigma(values: np.ndarray) -> float:
+    """Robust per-sample noise: 1.4826 x MAD of the residual around a rolling median."""
+    if len(values) < 5:
+        return 0.0
+    residual = values - rolling_median(values, max(5, len(values) // 20) | 1)
+    return float(1.4826 * np.median(np.abs(residual - np.median(residual))))
+
+
+def _loss_levels(loss: Series) -> tuple[float, float]:
+    """(start, end): medians of the first and last tenth of the curve."""
+    edge = _edge_count(len(loss))
+    return float(np.median(loss.values[:edge])), float(np.median(loss.values[-edge:]))
+
+
+def _initial_loss(loss: Series) -> float:
+    """The untrained level: median of the first 5 values (a fast learner is far lower after a tenth of the run)."""
+    return float(np.median(loss.values[:5]))
+
+
+def _cmd(verb: str, curves: Curves, extra: str = "") -> str:
+    return f"replay {verb} --run-id {curves.run_id}" + (f" {extra}" if extra else "")
+
+
+# ---- the detectors (FIELD-NOTES.md, "Symptoms -> causes") ------------------------------------------------
+@detector("nan")
+def detect_nan(curves: Curves) -> list[Finding]:
+    """NaN at step 1 (data, weights, init) or NaN after K steps (LR, explosion, overflow, log(0), 0/0)."""
+    failing = curves.failing_step
+    if failing is None:
+        return []
+    what = curves.tags.get("nonfinite_what") or _nonfinite_what(curves, failing)
+    loss = curves.get("loss").finite()
+    first_step = int(min([failing] + ([int(loss.steps[0])] if len(loss) else [])))
+    evidence: dict[str, Any] = {"failing_step": failing, "nonfinite": what, "steps_completed": int(np.sum(curves.get("loss").steps < failing))}
+    precision = curves.params.get("train.precision")
+    if precision:
+        evidence["precision"] = precision
+    if failing <= first_step:
+        return [
+            Finding(
+                "nan-at-start",
+                f"non-finite {what} at the first step (step {failing}): NaN/Inf in the data or the weights, or a bad initialisation",
+                evidence,
+                _cmd("nan", curves),
+                step=failing,
+                source="FIELD-NOTES triage table: NaN at step 1 -> data / weights / init",
+            )
+        ]
+    grads = curves.get("grad_norm").before(failing).finite()
+    lr = curves.get("lr").before(failing)
+    if len(lr):
+        evidence["lr_before"] = _round(float(lr.values[-1]))
+    before = loss.before(failing)
+    if len(before):
+        evidence["loss_before"] = _round(float(before.values[-1]))
+        evidence["loss_min"] = _round(float(before.values.min()))
+    growth = _growth(grads)
+    evidence.update(growth)
+    cause = "exploding gradients" if growth.get("grad_norm_growth", 1.0) >= EXPLODING_RATIO else "LR too high, overflow, log(0) or 0/0"
+    return [
+        Finding(
+            "nan-after-k",
+            f"non-finite {what} at step {failing} after {failing} finite steps; likely {cause}"
+            + (f" (grad norm x{growth['grad_norm_growth']:.3g} over the run" if "grad_norm_growth" in growth else "")
+            + (f", growing exponentially x{growth['grad_norm_growth_per_step']:.3g} a step)" if "grad_norm_growth_per_step" in growth else ")" if "grad_norm_growth" in growth else ""),
+            evidence,
+            _cmd("nan", curves) + f"   # then: {_cmd('ablate lr,clip,precision', curves)}",
+            step=failing,
+            source="FIELD-NOTES triage table: NaN after K steps -> LR / exploding gradients / overflow",
+        )
+    ]
+
+
+def _nonfinite_what(curves: Curves, step: int) -> str:
+    """Which logged value went non-finite at `step` (a run recorded with on_nonfinite=continue)."""
+    for key in ("loss", "grad_norm"):
+        series = curves.get(key)
+        at_step = series.values[series.steps == step]
+        if len(at_step) and not np.isfinite(at_step).all():
+            return key
+    return "loss"
+
+
+def _growth(grads: Series) -> dict[str, Any]:
+    """How the total grad norm moved before a failure: early level, last level, and the growth rate."""
+    if len(grads) < 5:
+        return {}
+    edge = min(_edge_count(len(grads)), 20)
+    early = float(np.median(grads.values[:edge]))
+    last = float(np.median(grads.values[-3:]))
+    out: dict[str, Any] = {"grad_norm_early": _round(early), "grad_norm_last": _round(last)}
+    if early > 0:
+        out["grad_norm_growth"] = _round(last / early)
+    tail = grads.values[-min(len(grads), 30):]
+    if len(tail) >= 5 and np.all(tail > 0):
+        slope, _ = np.polyfit(np.arange(len(tail)), np.log(tail), 1)
+        if slope > 0 and tail[-1] > 2 * tail[0]:
+            out["grad_norm_growth_per_step"] = _round(float(math.exp(slope)))
+    return out
+
+
+@detector("flat-from-start")
+def detect_flat(curves: Curves) -> list[Finding]:
+    """The loss never moves: zero gradient (no backward, detached graph, frozen or unconnected params)."""
+    loss = curves.healthy_loss
+    if len(loss) < 20:
+        raise Skip(f"{len(loss)} finite loss values (needs 20)")
+    values = loss.values
+    start, end = _loss_levels(loss)
+    initial = _initial_loss(loss)
+    blocks = block_medians(values, 10)
+    block_size = len(values) / 10
+    sigma = noise_sigma(values)
+    # How far a median can wander by noise alone: 4 standard errors (~1.25 sigma / sqrt(samples)), or 2%.
+    tolerance = max(0.02 * abs(start), 4 * 1.25 * sigma / math.sqrt(block_size))
+    initial_tolerance = max(0.02 * abs(initial), 4 * 1.25 * sigma / math.sqrt(5))
+    lowest = float(blocks.min())
+    if start - lowest > tolerance or initial - lowest > initial_tolerance:
+        return []  # it decreased at some point (perhaps within the first tenth): not flat from the start
+    # Under heavy noise the medians are loose: a clear downward trend (Mann-Kendall p < 0.01) is progress.
+    from scipy.stats import kendalltau
+
+    thinned = values[:: len(values) // 2000 + 1]
+    tau, p_value = kendalltau(np.arange(len(thinned)), thinned)
+    if tau < 0 and p_value < 0.01 and start - end > 0.02 * abs(start):
+        return []
+    grads = curves.get("grad_norm").before(curves.failing_step).finite()
+    evidence: dict[str, Any] = {
+        "steps": [int(loss.steps[0]), int(loss.steps[-1])],
+        "loss_start": _round(start),
+        "loss_end": _round(end),
+        "largest_decrease": _round(start - lowest),
+        "tolerance": _round(tolerance),
+    }
+    zero_grad = False
+    if len(grads):
+        median_grad = float(np.median(grads.values))
+        evidence["grad_norm_median"] = _round(median_grad)
+        zero_grad = median_grad <= 1e-12
+    updates = curves.get("update_ratio").finite()
+    if len(updates):
+        evidence["update_ratio_median"] = _round(float(np.median(updates.values)))
+    if zero_grad:
+        summary = f"flat from step {int(loss.steps[0])}: the loss stays at {start:.4g}; no parameter gets a gradient (grad norm 0): no backward, a detached graph, or frozen / unconnected parameters"
+    else:
+        summary = f"flat from step {int(loss.steps[0])}: the loss stays at {start:.4g} (never {tolerance:.2g} lower) although gradients are non-zero: the updates do not reach the loss"
+    return [
+        Finding(
+            "flat-from-start",
+            summary,
+            evidence,
+            _cmd("check", curves) + "   # gradient flow: parameters with no or zero gradient",
+            step=int(loss.steps[0]),
+            source="FIELD-NOTES triage table: flat from step 1 -> zero gradient",
+        )
+    ]
+
+
+@detector("spikes")
+def detect_spikes(curves: Curves) -> list[Finding]:
+    """Loss or gradient-norm values >= 10x the max |value| of the first 100 samples (Megatron-Core)."""
+    failing = curves.failing_step
+    found: dict[str, dict[str, Any]] = {}
+    for key in ("loss", "grad_norm"):
+        series = curves.get(key).before(failing).finite()
+        if len(series) < 20:
+            continue
+        baseline_count = min(SPIKE_BASELINE_SAMPLES, len(series) // 2)
+        magnitude = np.abs(series.values)
+        early = magnitude[:baseline_count]
+        # Megatron takes the max of the first 100 samples; a bad batch that recurs every epoch is already
+        # among them, so early values that are themselves isolated spikes (>= 10x the rolling median of
+        # their 9 neighbours) are left out of the max. A fast early decrease is not isolated: it stays.
+        local = rolling_median(magnitude, 9)[:baseline_count]
+        typical = early[early < SPIKE_FACTOR * local]
+        baseline = float(typical.max()) if len(typical) else float(np.median(early))
+        if baseline <= 0:
+            continue
+        hits = np.nonzero(magnitude >= SPIKE_FACTOR * baseline)[0]
+        if len(hits):
+            found[key] = {
+                "baseline_max": _round(baseline),
+                "baseline_samples": baseline_count,
+                "spike_steps": [int(series.steps[i]) for i in hits[:20]],
+                "spike_values": [_round(float(series.values[i])) for i in hits[:20]],
+                "count": int(len(hits)),
+                "largest_factor": _round(float(np.abs(series.values[hits]).max() / baseline)),
+            }
+    if not found:
+        return []
+    steps = sorted({s for info in found.values() for s in info["spike_steps"]})
+    what = " and ".join(f"{key} ({info['count']}x, up to {info['largest_factor']:.3g}x the early max {info['baseline_max']:.3g})" for key, info in found.items())
+    return [
+        Finding(
+            "spikes",
+            f"spikes in {what} at step{'s' if len(steps) > 1 else ''} {_list_steps(steps)}: bad batches or an LR near instability",
+            found,
+            _cmd("ablate clip,skip-batch", curves, f"--from-step {steps[0]}"),
+            step=steps[0],
+            steps=steps,
+            source=f"Megatron-Core rerun machine: >= {SPIKE_FACTOR:g}x the max |value| of the first {SPIKE_BASELINE_SAMPLES} samples"
+            " (isolated early spikes left out of that max)",
+        )
+    ]
+
+
+def _list_steps(steps: list[int], limit: int = 6) -> str:
+    shown = ", ".join(str(s) for s in steps[:limit])
+    return shown + (f" (+{len(steps) - limit} more)" if len(steps) > limit else "")
+
+
+@detector("exploding-gradients")
+def detect_exploding(curves: Curves) -> list[Finding]:
+    """A layer's grad norm grows > 70x its early level (AUTOTRAINER), or turns non-finite."""
+    layers = curves.layers("grad_norm/")
+    if not layers:
+        raise Skip("no grad_norm/<module> metrics (snapshot.layer_stats_every=0?)")
+    nonfinite = {}
+    growth = {}
+    total = curves.get("grad_norm").finite()
+    for module, series in layers.items():
+        bad = ~np.isfinite(series.values)
+        if bad.any():
+            nonfinite[module] = int(series.steps[bad][0])
+        finite = series.finite()
+        if len(finite) < 4:
+            continue
+        early = float(np.median(finite.values[:3]))
+        late = float(np.median(finite.values[-2:]))  # two samples: one noisy sample is not a trend
+        total_early = total.values[np.isin(total.steps, finite.steps[:3])]
+        if len(total_early) and early < 1e-3 * float(np.median(total_early)):
+            continue  # the layer started with (almost) no gradient, e.g. behind a zero-initialised one: growing from ~0 is not exploding
+        if early > 0 and late / early > EXPLODING_RATIO:
+            growth[module] = (late / early, early, late, int(finite.steps[-1]))
+    if not nonfinite and not growth:
+        return []
+    findings = []
+    if nonfinite:
+        first = min(nonfinite.values())
+        modules = sorted((m for m, s in nonfinite.items() if s == first))
+        findings.append(
+            Finding(
+                "exploding-gradients",
+                f"non-finite gradient in {', '.join(modules)} at step {first}",
+                {"first_nonfinite_step": first, "modules": {m: nonfinite[m] for m in sorted(nonfinite)}},
+                _cmd("nan", curves),
+                step=first,
+                layer=modules[0],
+                source="AUTOTRAINER: exploding = any NaN/Inf gradient",
+            )
+        )
+    if growth:
+        ranked = sorted(growth.items(), key=lambda item: -item[1][0])
+        module, (ratio, early, late, at) = ranked[0]
+        findings.append(
+            Finding(
+                "exploding-gradients",
+                f"exploding gradients in {module}: grad norm x{ratio:.3g} ({early:.3g} -> {late:.3g} by step {at})"
+                + (f"; also {', '.join(m for m, _ in ranked[1:4])}" if len(ranked) > 1 else ""),
+                {"layers": {m: {"growth": _round(r), "early": _round(e), "late": _round(l), "step": s} for m, (r, e, l, s) in ranked}},
+                _cmd("nan", curves) if curves.failing_step is not None else _cmd("ablate clip,lr", curves),
+                step=at,
+                layer=module,
+                source=f"AUTOTRAINER: exploding gradient ratio > {EXPLODING_RATIO:g}",
+            )
+        )
+    return findings
+
+
+@detector("vanishing-gradients")
+def detect_vanishing(curves: Curves) -> list[Finding]:
+    """A layer whose gradient is < 1e-3 of the largest layer's and < 1e-4 (AUTOTRAINER), or < 1e-7 (SageMaker)."""
+    layers = {m: s.before(curves.failing_step).finite() for m, s in curves.layers("grad_norm/").items()}
+    layers = {m: s for m, s in layers.items() if len(s)}
+    if len(layers) < 2:
+        raise Skip("fewer than two grad_norm/<module> metrics")
+    steps = sorted(set.intersection(*(set(s.steps.tolist()) for s in layers.values())))
+    if not steps:
+        return []
+    table = np.array([[dict(zip(s.steps.tolist(), s.values.tolist()))[step] for step in steps] for s in layers.values()])
+    names = list(layers)
+    largest = table.max(axis=0)
+    if np.median(largest) <= 1e-12:
+        return []  # nothing gets a gradient at all: that is flat-from-start, not vanishing
+    ratio = table / np.maximum(largest, 1e-30)
+    median_norm = np.median(table, axis=1)
+    median_ratio = np.median(ratio, axis=1)
+    flagged = [
+        i for i in range(len(names))
+        if (median_ratio[i] < VANISHING_RATIO and median_norm[i] < VANISHING_NORM) or median_norm[i] < VANISHING_ABSOLUTE
+    ]
+    if not flagged:
+        return []
+    flagged.sort(key=lambda i: median_norm[i])
+    top = int(np.argmax(np.median(table, axis=1)))
+    evidence = {
+        "largest_layer": names[top],
+        "largest_median_norm": _round(float(median_norm[top])),
+        "stats_steps": len(steps),
+        "layers": {names[i]: {"median_norm": _round(float(median_norm[i])), "ratio_to_largest": _round(float(median_ratio[i]))} for i in flagged},
+    }
+    saturated = {m[len("act_sat_frac/"):]: _round(float(np.median(s.values))) for m, s in curves.metrics.items() if m.startswith("act_sat_frac/") and len(s)}
+    if saturated:
+        evidence["saturated_fraction"] = saturated
+    first = names[flagged[0]]
+    return [
+        Finding(
+            "vanishing-gradients",
+            f"vanishing gradients in {first}: grad norm {median_norm[flagged[0]]:.2g}, {median_ratio[flagged[0]]:.2g} of {names[top]}'s"
+            + (f"; {len(flagged) - 1} more layer{'s' if len(flagged) > 2 else ''}" if len(flagged) > 1 else ""),
+            evidence,
+            _cmd("check", curves) + "   # gradient flow and saturation per layer",
+            step=steps[0],
+            layer=first,
+            source="AUTOTRAINER: ratio < 1e-3 with norm < 1e-4; SageMaker Debugger: < 1e-7",
+        )
+    ]
+
+
+@detector("dead-relu")
+def detect_dead_relu(curves: Curves) -> list[Finding]:
+    """A ReLU layer whose output is zero >= 99% of the time (SageMaker: active < 1% of the time = dead)."""
+    layers = {m: s.before(curves.failing_step).finite() for m, s in curves.layers("act_zero_frac/").items()}
+    layers = {m: s for m, s in layers.items() if len(s)}
+    if not layers:
+        raise Skip("no act_zero_frac/<module> metrics (no ReLU, or no layer statistics)")
+    findings = []
+    for module, series in sorted(layers.items()):
+        half = series.values[len(series) // 2:]  # the state the run ended in, robust to one odd batch
+        if np.median(half) < DEAD_ZERO_FRACTION:
+            continue
+        dead = series.values >= DEAD_ZERO_FRACTION
+        # the step from which it stays dead (to the end)
+        alive_after = np.nonzero(~dead)[0]
+        since_index = int(alive_after[-1]) + 1 if len(alive_after) else 0
+        since_index = min(since_index, len(series) - 1)
+        since = int(series.steps[since_index])
+        findings.append(
+            Finding(
+                "dead-relu",
+                f"dead ReLU {module}: {100 * float(np.median(half)):.1f}% of its outputs are zero"
+                + (" from the first step" if since_index == 0 else f" since step {since}"),
+                {"zero_fraction_median": _round(float(np.median(half))), "dead_since_step": since, "samples": int(len(series))},
+                _cmd("check", curves) + "   # activations and initialisation per layer",
+                step=since,
+                layer=module,
+                source="SageMaker Debugger: a unit active < 1% of the time is dead",
+            )
+        )
+    return findings
+
+
+@detector("update-ratio")
+def detect_update_ratio(curves: Curves) -> list[Finding]:
+    """‖Δθ‖/‖θ‖ outside [1e-8, 10] (SageMaker Debugger); about 1e-3 is healthy."""
+    series = curves.get("update_ratio").before(curves.failing_step).finite()
+    if len(series) < 3:
+        raise Skip("fewer than 3 update_ratio values (snapshot.layer_stats_every)")
+    median = float(np.median(series.values))
+    low, high = UPDATE_RATIO_RANGE
+    grads = curves.get("grad_norm").finite()
+    if median < low and len(grads) and float(np.median(grads.values)) <= 1e-12:
+        return []  # no gradient at all: flat-from-start names the cause, a zero update is its consequence
+    if low <= median <= high:
+        return []
+    lr = curves.get("lr").finite()
+    evidence = {
+        "update_ratio_median": _round(median),
+        "update_ratio_min": _round(float(series.values.min())),
+        "update_ratio_max": _round(float(series.values.max())),
+        "healthy_range": [low, high],
+        "samples": int(len(series)),
+    }
+    if len(lr):
+        evidence["lr_median"] = _round(float(np.median(lr.values)))
+    if median < low:
+        summary = f"updates too small: update/weight ratio {median:.2g} (median of {len(series)}), below {low:g}: the LR is too small or the updates are masked"
+        next_command = _cmd("check", curves) + "   # LR range test"
+    else:
+        summary = f"updates too large: update/weight ratio {median:.2g} (median of {len(series)}), above {high:g}: the LR is far too high"
+        next_command = _cmd("ablate lr,warmup", curves)
+    return [Finding("update-ratio", summary, evidence, next_command, step=int(series.steps[0]), source="SageMaker Debugger: update/weight ratio outside [1e-8, 10]; ~1e-3 healthy")]
+
+
+@detector("plateau")
+def detect_plateau(curves: Curves) -> list[Finding]:
+    """The loss decreased, then stopped improving far above where it started from (LR too small, capacity)."""
+    loss = curves.healthy_loss
+    n = len(loss)
+    if n < 50:
+        raise Skip(f"{n} finite loss values (needs 50)")
+    _, end = _loss_levels(loss)
+    start = _initial_loss(loss)
+    if start <= 0 or (start - end) < 0.05 * start:
+        return []  # never decreased by 5%: flat-from-start's business, not a plateau
+    if end < PLATEAU_MIN_LEVEL * start:
+        return []  # it got most of the way down: converged, not stuck (healthy built-in runs end at <= 0.34x)
+    window = max(5, n // 20) | 1
+    smooth = rolling_median(loss.values, window)
+    # The band the smoothed curve must stay in: 2% of the level, or 4 standard errors of a rolling median
+    # (~1.25 sigma / sqrt(window)) so ordinary SGD noise never ends a plateau.
+    band = max(0.02 * end, 4 * 1.25 * noise_sigma(loss.values) / math.sqrt(window))
+    outside = np.nonzero(np.abs(smooth - end) > band)[0]
+    start_index = int(outside[-1]) + 1 if len(outside) else 0
+    if n - start_index < max(20, PLATEAU_MIN_SHARE * n):
+        return []  # stuck only lately: a healthy run converging looks the same, so it is not called a plateau
+    # Still improving, only slowly (a healthy run converging to a high floor)? Compare the first and last
+    # quarter of the candidate plateau: a decrease beyond 1% of the level or 1 standard error of the
+    # difference of two medians (1.25 sigma / sqrt(samples) each) is progress, not a plateau.
+    segment = loss.values[start_index:]
+    quarter = max(5, len(segment) // 4)
+    decline = float(np.median(segment[:quarter]) - np.median(segment[-quarter:]))
+    standard_error = math.sqrt(2) * 1.25 * noise_sigma(segment) / math.sqrt(quarter)
+    if decline > max(0.01 * end, PLATEAU_TREND_SE * standard_error):
+        return []
+    # ... nor a monotone trend down across it (Mann-Kendall: Kendall's tau against the step, p < 0.2),
+    # which sees a slow, steady creep that two quarter medians miss under heavy noise.
+    from scipy.stats import kendalltau
+
+    thinned = segment[:: len(segment) // 2000 + 1]
+    tau, p_value = kendalltau(np.arange(len(thinned)), thinned)
+    if tau < 0 and p_value < PLATEAU_TREND_P and decline > 0.01 * end:
+        return []
+    plateau_step = int(loss.steps[start_index])
+    evidence: dict[str, Any] = {
+        "plateau_start_step": plateau_step,
+        "plateau_level": _round(end),
+        "loss_start": _round(start),
+        "decrease_before": _round(start - end),
+        "plateau_steps": int(loss.steps[-1] - plateau_step),
+        "band": _round(band),
+        "decline_across_plateau": _round(decline),
+    }
+    lr = curves.get("lr")
+    if len(lr):
+        evidence["lr_at_plateau"] = _round(float(np.median(lr.values[lr.steps >= plateau_step]))) if np.any(lr.steps >= plateau_step) else None
+        evidence["lr_start"] = _round(float(lr.values[0]))
+    updates = curves.get("update_ratio").finite()
+    if len(updates) and np.any(updates.steps >= plateau_step):
+        evidence["update_ratio_at_plateau"] = _round(float(np.median(updates.values[updates.steps >= plateau_step])))
+    return [
+        Finding(
+            "plateau",
+            f"plateau from step {plateau_step}: the loss fell from {start:.4g} to {end:.4g} ({100 * end / start:.0f}% of its start) and has not improved for {evidence['plateau_steps']} steps: LR too small or too little capacity",
+            evidence,
+            _cmd("check", curves) + "   # LR range test",
+            step=plateau_step,
+            source="FIELD-NOTES triage table: decrease then plateau -> LR too small, capacity",
+        )
+    ]
+
+
+@detector("oscillation")
+def detect_oscillation(curves: Curves) -> list[Finding]:
+    """The smoothed loss keeps going up and down by a large fraction of its level (LR too high, not diverging)."""
+    loss = curves.healthy_loss
+    n = len(loss)
+    if n < 60:
+        raise Skip(f"{n} finite loss values (needs 60)")
+    start, end = _loss_levels(loss)
+    half = loss.values[n // 2:]
+    window = max(5, len(half) // 10) | 1
+    smooth = rolling_median(half, window)
+    level = float(np.median(half))
+    if level <= 0:
+        return []
+    rises = np.diff(smooth)
+    total_rise = float(rises[rises > 0].sum())
+    net_change = float(smooth[0] - smooth[-1])
+    swing = float(np.percentile(smooth, 90) - np.percentile(smooth, 10))
+    # Oscillating: the smoothed second half climbs back by more than its own level in total, spans at
+    # least half its level and a tenth of the untrained loss (near-zero losses are noisy in relative terms
+    # only), and ends no lower than where it was half-way (no progress). Healthy built-in runs: net
+    # decrease >= 1.06x the swing.
+    initial = _initial_loss(loss)
+    if not (total_rise > level and swing > 0.5 * level and net_change < 0.25 * swing and swing > 0.1 * initial):
+        return []
+    turning = int(np.sum(np.diff(np.sign(rises[np.abs(rises) > 1e-12 * level])) != 0))
+    first_step = int(loss.steps[n // 2])
+    return [
+        Finding(
+            "oscillation",
+            f"oscillating loss from step {first_step}: the smoothed loss swings by {swing:.3g} around {level:.3g} ({100 * swing / level:.0f}%) with no net progress: LR too high without diverging",
+            {
+                "from_step": first_step,
+                "level": _round(level),
+                "swing_p10_p90": _round(swing),
+                "total_rise": _round(total_rise),
+                "net_decrease": _round(net_change),
+                "turning_points": turning,
+                "loss_start": _round(start),
+            },
+            _cmd("ablate lr,warmup", curves),
+            step=first_step,
+            source="FIELD-NOTES triage table: oscillating -> LR too high without diverging (lr arm /3../10, warmup)",
+        )
+    ]
+
+
+def _train_at(loss: Series, steps: np.ndarray) -> np.ndarray:
+    """The training loss around each evaluation step: median of the interval since the previous one."""
+    out = []
+    previous = -1
+    for step in steps:
+        window = loss.values[(loss.steps > previous) & (loss.steps <= step)]
+        if not len(window):
+            window = loss.values[loss.steps <= step][-5:]
+        out.append(float(np.median(window)) if len(window) else math.nan)
+        previous = step
+    return np.array(out)
+
+
+def _val_and_train(curves: Curves) -> tuple[Series, np.ndarray, Series]:
+    val = curves.get("val_loss").before(curves.failing_step).finite()
+    loss = curves.healthy_loss
+    if len(val) < 4 or len(loss) < 20:
+        raise Skip(f"{len(val)} validation losses (needs 4; set val_data and train.val_every)")
+    return val, _train_at(loss, val.steps), loss
+
+
+@detector("overfitting")
+def detect_overfitting(curves: Curves) -> list[Finding]:
+    """Train down, validation up after K, gap (val - train)/train > 0.1 with patience (SageMaker)."""
+    val, train, loss = _val_and_train(curves)
+    values = val.values
+    best = int(np.argmin(values))
+    if best == 0 or values[best] > 0.95 * values[0]:
+        return []  # validation never improved: a mismatch, not overfitting (see distribution-mismatch)
+    after = values[best + 1:]
+    if len(after) < OVERFIT_PATIENCE:
+        return []
+    tail_val = values[-OVERFIT_PATIENCE:]
+    tail_train = train[-OVERFIT_PATIENCE:]
+    gap = (tail_val - tail_train) / np.maximum(np.abs(tail_train), 1e-12)
+    rose = np.all(tail_val > values[best] * (1 + OVERFIT_RISE))
+    train_kept_falling = np.median(tail_train) <= train[best] * 1.05
+    if not (rose and np.all(gap > OVERFIT_GAP) and train_kept_falling):
+        return []
+    # A rise is a trend, not the noise of a converged run around its best (Mann-Kendall on val from the best).
+    from scipy.stats import kendalltau
+
+    tau, p_value = kendalltau(np.arange(len(values) - best), values[best:])
+    if not (tau > 0 and p_value < OVERFIT_TREND_P):
+        return []
+    k = int(val.steps[best])
+    return [
+        Finding(
+            "overfitting",
+            f"overfitting from step {k}: val_loss rose from {values[best]:.4g} (step {k}) to {values[-1]:.4g} (step {int(val.steps[-1])}) while the train loss fell from {train[best]:.4g} to {train[-1]:.4g}; gap (val-train)/train {gap[-1]:.3g}",
+            {
+                "best_val_step": k,
+                "best_val_loss": _round(float(values[best])),
+                "last_val_loss": _round(float(values[-1])),
+                "val_rise": _round(float(values[-1] / values[best] - 1)),
+                "train_at_best": _round(float(train[best])),
+                "train_last": _round(float(train[-1])),
+                "gap_last": [_round(float(g)) for g in gap],
+                "patience": OVERFIT_PATIENCE,
+                "trend_tau": _round(float(tau)),
+                "trend_p": _round(float(p_value)),
+                "evaluations": int(len(values)),
+            },
+            f"replay train <your config> train.steps={k + 1}   # stop at the best validation step, or add data / regularisation (weight decay, dropout)",
+            step=k,
+            source="SageMaker Debugger overfit rule: (val-train)/train > 0.1 with patience",
+        )
+    ]
+
+
+@detector("distribution-mismatch")
+def detect_mismatch(curves: Curves) -> list[Finding]:
+    """Train falls, validation stays flat from the start: the validation data is not what the model trains on."""
+    val, train, loss = _val_and_train(curves)
+    _, end = _loss_levels(loss)
+    start = _initial_loss(loss)
+    if start <= 0:
+        return []
+    train_gain = 1 - end / start
+    val_gain = 1 - float(val.values.min()) / start
+    # Train lost more than half of its starting loss while validation never got 20% below it.
+    if not (train_gain > 0.5 and val_gain < 0.2):
+        return []
+    gap = (val.values[-1] - train[-1]) / max(abs(train[-1]), 1e-12)
+    return [
+        Finding(
+            "distribution-mismatch",
+            f"train/validation mismatch: the train loss fell from {start:.4g} to {end:.4g} while val_loss never went below {val.values.min():.4g} "
+            f"(first {val.values[0]:.4g} at step {int(val.steps[0])}, last {val.values[-1]:.4g}): the validation data differs from the training data",
+            {
+                "loss_start": _round(start),
+                "train_end": _round(end),
+                "val_first": _round(float(val.values[0])),
+                "val_min": _round(float(val.values.min())),
+                "val_last": _round(float(val.values[-1])),
+                "train_gain": _round(train_gain),
+                "val_gain": _round(val_gain),
+                "gap_last": _round(float(gap)),
+                "evaluations": int(len(val)),
+            },
+            _cmd("check", curves) + "   # data sanity: compare train and validation preprocessing",
+            step=int(val.steps[0]),
+            source="FIELD-NOTES triage table: train down, val flat from start -> distribution mismatch",
+        )
+    ]
+
+
+@detector("input-pipeline-bound")
+def detect_input_bound(curves: Curves) -> list[Finding]:
+    """The step waits on data: median data_time >= median step_time (and >= 1 ms)."""
+    data = curves.get("data_time").finite()
+    compute = curves.get("step_time").finite()
+    if len(data) < 10 or len(compute) < 10:
+        raise Skip("fewer than 10 data_time / step_time values")
+    skip = min(5, len(data) // 5)  # the first steps pay for warm-up (allocations, caches)
+    data_median = float(np.median(data.values[skip:]))
+    compute_median = float(np.median(compute.values[skip:]))
+    share = data_median / max(data_median + compute_median, 1e-12)
+    if share < INPUT_BOUND_SHARE or data_median < INPUT_BOUND_MIN_SECONDS:
+        return []
+    target = curves.params.get("data._target_", "the dataset")
+    return [
+        Finding(
+            "input-pipeline-bound",
+            f"input-pipeline bound: {1000 * data_median:.3g} ms a batch waiting for data against {1000 * compute_median:.3g} ms of compute ({100 * share:.0f}% of each step)",
+            {
+                "data_time_median_s": _round(data_median),
+                "step_time_median_s": _round(compute_median),
+                "data_share": _round(share),
+                "dataset": target,
+                "steps": int(len(data)),
+            },
+            f"python -m cProfile -s cumtime -m replaybisect train <your config> train.steps=20 snapshot.enabled=false   # where {target}.__getitem__ spends its time",
+            step=int(data.steps[skip]),
+            source="FIELD-NOTES triage table: data_time high -> input-pipeline bound (data_time / step_time)",
+        )
+    ]
+
+
+# ---- the analysis ----------------------------------------------------------------------------------------
+ORDER = [
+    "nan-at-start", "nan-after-k", "dead-relu", "flat-from-start", "exploding-gradients", "vanishing-gradients",
+    "update-ratio", "spikes", "oscillation", "plateau", "overfitting", "distribution-mismatch", "input-pipeline-bound",
+]
+
+
+def _explain(findings: list[Finding]) -> list[Finding]:
+    """Tie findings to what explains them: a layer that gets exactly no gradient because the ReLU after it
+    is dead is a blocked path, not a vanishing one (dropped); a flat loss names its cause when one is found."""
+    dead = [f.layer for f in findings if f.pattern == "dead-relu"]
+    kept = []
+    for finding in findings:
+        if dead and finding.pattern == "vanishing-gradients":
+            layers = finding.evidence.get("layers", {})
+            if layers and all((info.get("median_norm") or 0.0) <= 1e-12 for info in layers.values()):
+                continue
+        kept.append(finding)
+    causes = [
+        f"{f.pattern} ({f.layer})" if f.layer else f.pattern
+        for f in kept
+        if f.pattern in ("dead-relu", "vanishing-gradients", "update-ratio")
+    ]
+    for finding in kept:
+        if finding.pattern == "flat-from-start" and causes:
+            finding.summary += f"; explained by {', '.join(causes)}"
+            finding.evidence["explained_by"] = causes
+    return kept
+
+
+def summarise(curves: Curves) -> dict[str, Any]:
+    """The numbers a clean bill rests on."""
+    loss = curves.get("loss")
+    finite = loss.finite()
+    summary: dict[str, Any] = {"steps_logged": int(len(loss))}
+    if len(finite):
+        start = _initial_loss(finite)
+        end = _loss_levels(finite)[1] if len(finite) >= 10 else float(finite.values[-1])
+        summary.update(first_step=int(finite.steps[0]), last_step=int(finite.steps[-1]), loss_start=_round(start), loss_end=_round(end))
+    val = curves.get("val_loss").finite()
+    if len(val):
+        best = int(np.argmin(val.values))
+        summary.update(val_best=_round(float(val.values[best])), val_best_step=int(val.steps[best]), val_last=_round(float(val.values[-1])))
+    grads = curves.get("grad_norm").finite()
+    if len(grads):
+        summary["grad_norm_median"] = _round(float(np.median(grads.values)))
+    updates = curves.get("update_ratio").finite()
+    if len(updates):
+        summary["update_ratio_median"] = _round(float(np.median(updates.values)))
+    data, compute = curves.get("data_time").finite(), curves.get("step_time").finite()
+    if len(data) and len(compute):
+        d, c = float(np.median(data.values)), float(np.median(compute.values))
+        summary["data_share"] = _round(d / max(d + c, 1e-12))
+        summary["step_time_median_s"] = _round(c)
+    layers = curves.layers("grad_norm/")
+    if layers:
+        summary["layers"] = len(layers)
+    return summary
+
+
+def analyse(curves: Curves) -> Diagnosis:
+    """Run every detector on the curves; a detector without its metrics is listed as skipped, with why."""
+    if not any(len(s) for s in curves.metrics.values()) and curves.failing_step is None:
+        raise ReplayError(f"run {curves.run_id} has no metrics to diagnose; was it recorded by `replay train`? (check `replay runs`)")
+    findings: list[Finding] = []
+    checked: list[str] = []
+    skipped: dict[str, str] = {}
+    for pattern, function in DETECTORS:
+        try:
+            findings += function(curves)
+            checked.append(pattern)
+        except Skip as why:
+            skipped[pattern] = str(why)
+    findings = _explain(findings)
+    if any(f.pattern.startswith("nan") for f in findings):
+        # The non-finite exploding-gradient finding repeats what the NaN finding says.
+        findings = [f for f in findings if not (f.pattern == "exploding-gradients" and f.evidence.get("first_nonfinite_step") is not None)]
+    findings.sort(key=lambda f: (ORDER.index(f.pattern) if f.pattern in ORDER else len(ORDER), f.step if f.step is not None else -1))
+    return Diagnosis(
+        run_id=curves.run_id,
+        run_name=curves.run_name,
+        status=curves.tags.get("status", "unknown"),
+        findings=findings,
+        summary=summarise(curves),
+        checked=checked,
+        skipped=skipped,
+    )
+
+
+def diagnose(store: Store, run_id: str, *, write_artifacts: bool = True) -> Diagnosis:
+    """Read the run's curves, name the pathologies, and attach diagnosis.md and the annotated loss curve."""
+    curves = load_curves(store, run_id)
+    result = analyse(curves)
+    if write_artifacts:
+        from replaybisect.diagnose.report import write_artifacts as write
+
+        result.artifacts = write(store, result, curves)
+    return result

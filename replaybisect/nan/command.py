@@ -1,0 +1,63 @@
+"""`replay nan --run-id X`: where the first NaN/Inf came from, and why."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import typer
+
+from replaybisect.options import CodeDirs, JsonFlag, TrackingUri, TrustPrefixes, print_json, stderr_console
+
+
+def nan_command(
+    run_id: str = typer.Option(..., "--run-id", help="The run that went non-finite."),
+    step: Optional[int] = typer.Option(None, "--step", min=0, help="Examine this step instead of the run's first non-finite step."),
+    device: Optional[str] = typer.Option(None, "--device", help="Replay on this device (default: the run's train.device)."),
+    no_child_run: bool = typer.Option(False, "--no-child-run", help="Do not record the report as a child run."),
+    tracking_uri: Optional[str] = TrackingUri,
+    as_json: bool = JsonFlag,
+    code_dirs: Optional[list[str]] = CodeDirs,
+    trust_prefixes: Optional[list[str]] = TrustPrefixes,
+):
+    """Replay the failing step from the newest snapshot before it and probe it: the batch, the state, every
+    module's forward and backward, the loss, the optimizer update, then detect_anomaly for the op.
+
+    Example:
+
+    \b
+        $ replay nan --run-id 3f33...
+        replay nan  run 3f33...  step 1: optimizer in net.0
+                               op  AdamW.step
+          state corrupted at step  0
+                           replay  snapshot 0 -> reproduced exact
+        evidence
+          - AdamW with eps=0: 607 entries of net.0.weight have exp_avg_sq == 0 ... 0/0 = NaN
+        next  replay ablate eps,lr,clip --run-id 3f33...
+
+    Categories: data | forward | loss | backward | optimizer | corrupt-state | transient.
+    Exit status 0 with a diagnosis; 2 for an unknown run, a run that never failed, no usable snapshot.
+    """
+    from replaybisect.nan.engine import diagnose
+    from replaybisect.nan.report import print_rich
+    from replaybisect.store import open_store
+
+    torch_device = None
+    if device:  # a bad device is bad input before the store is opened
+        from replaybisect.core.loop import resolve_device
+
+        torch_device = resolve_device(device)
+    from replaybisect.core.trust import Trust
+
+    trust = Trust.from_user(code_dirs or (), trust_prefixes or ())
+    store = open_store(tracking_uri)
+    progress = stderr_console()
+    report = diagnose(store, run_id, step, device=torch_device, record=not no_child_run, trust=trust,
+                      log=lambda message: progress.print(f"[dim]{message}[/dim]"))
+    if as_json:
+        print_json(report.to_json())
+    else:
+        print_rich(report, store.uri)
+
+
+def register(app: typer.Typer) -> None:
+    app.command("nan")(nan_command)

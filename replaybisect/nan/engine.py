@@ -1,0 +1,828 @@
+"""`replay nan --run-id X`: where did the first NaN/Inf come from, and why.
+
+  1. the failing step t: the run's tag, else the first non-finite loss / grad_norm (or --step N);
+  2. restore the newest good snapshot strictly before t, replay s..t-1 comparing every loss with the
+     logged one (exact | close | diverged), and compare the replayed state with the snapshot saved at t;
+  3. step t, plain, on a copy: finite on replay -> `transient`;
+  4. probes on copies: the batch, the state before the step (corrupt -> trace back to the step that
+     corrupted it), forward hooks, the loss, backward hooks, the update; then detect_anomaly for the op;
+  5. the verdict: category, module, op, evidence, the loss / grad-norm history, the ablate arms to try;
+  6. a child run (kind=replay) holding report.md, report.json and a plot.
+
+Every probe pass runs on a deep copy of the state under `isolated_rng()` with step t's RNG restored; the
+plain step is run again at the end and must give bit-identical results (checked and reported).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+from replaybisect.errors import ReplayError, SnapshotError
+from replaybisect import restore as restore_mod
+from replaybisect.store import Store
+
+CATEGORIES = ("data", "forward", "loss", "backward", "optimizer", "corrupt-state", "transient")
+ARMS = ("lr", "clip", "precision", "warmup", "eps", "skip-batch", "seed")  # `replay ablate` arm names
+HISTORY_WINDOW = 50  # fit log(grad_norm) over the last <= 50 finite steps before t
+HISTORY_MIN_POINTS = 8
+EXPLODING_FACTOR = 10.0  # growth over the window that counts as exploding (FIELD-NOTES: spikes are >= 10x)
+EXPLODING_P = 0.01  # the trend must be significant (FIELD-NOTES, Pinpoint: p <= 0.01 is different)
+
+
+@dataclass
+class HistoryFit:
+    """The loss / grad-norm curves before the failing step, and an exponential fit of the grad norm."""
+
+    steps: int  # points in the fit
+    first_step: Optional[int]
+    last_step: Optional[int]
+    growth_per_step: Optional[float]  # exp(slope) - 1 of log(grad_norm) vs step
+    growth_over_window: Optional[float]  # fitted grad_norm(last) / grad_norm(first)
+    r_squared: Optional[float]
+    p_value: Optional[float]
+    exploding: bool
+    last_grad_norm: Optional[float]
+    last_loss: Optional[float]
+    summary: str
+
+
+@dataclass
+class NanReport:
+    run_id: str
+    failing_step: int  # the step examined
+    recorded_failing_step: Optional[int]  # the run's first non-finite step
+    snapshot_step: int
+    reproduced: str  # exact | close | diverged | unchecked (no snapshot before t)
+    category: str
+    phase: str  # data | state | forward | loss | backward | update | none
+    module: Optional[str]
+    op: Optional[str]
+    source: Optional[str]  # the user's source line that made the op
+    evidence: list[str]
+    suggestion: str
+    arms: list[str]
+    ablate_command: Optional[str]
+    suggestion_reason: str = ""  # why those arms
+    replay_run_id: Optional[str] = None
+    origin_step: Optional[int] = None  # corrupt-state / optimizer: the step that made the state non-finite
+    origin: Optional[str] = None  # how the state went bad: optimizer | forward-write | initial | unknown
+    state_match: Optional[str] = None  # replayed state vs the snapshot saved at t
+    warnings: list[str] = field(default_factory=list)
+    replay: dict[str, Any] = field(default_factory=dict)
+    history: Optional[HistoryFit] = None
+    batch: list[Any] = field(default_factory=list)
+    state_findings: list[Any] = field(default_factory=list)
+    forward: dict[str, Any] = field(default_factory=dict)
+    backward: dict[str, Any] = field(default_factory=dict)
+    update: Optional[dict[str, Any]] = None
+    anomaly: Optional[dict[str, Any]] = None
+    plain_step: dict[str, Any] = field(default_factory=dict)
+    layer_grad_norms: dict[str, float] = field(default_factory=dict)
+    isolation: dict[str, Any] = field(default_factory=dict)
+    timings: dict[str, float] = field(default_factory=dict)
+    loss_history: list[tuple[int, float]] = field(default_factory=list)
+    grad_norm_history: list[tuple[int, float]] = field(default_factory=list)
+    precision: str = "fp32"
+
+    def to_json(self) -> dict[str, Any]:
+        from replaybisect.nan.probes import to_jsonable
+
+        data = to_jsonable(self)
+        # DESIGN §5 keys first
+        ordered = {key: data.pop(key) for key in (
+            "run_id", "failing_step", "snapshot_step", "reproduced", "category", "phase", "module", "op",
+            "evidence", "suggestion", "replay_run_id",
+        )}
+        ordered.update(data)
+        ordered["loss_history"] = ordered["loss_history"][-HISTORY_WINDOW:]
+        ordered["grad_norm_history"] = ordered["grad_norm_history"][-HISTORY_WINDOW:]
+        return ordered
+
+
+class _Found(Exception):
+    def __init__(self, step: int):
+        self.step = step
+
+
+# ---- the command ----------------------------------------------------------------------------------------
+def diagnose(
+    store: Store,
+    run_id: str,
+    step: int | None = None,
+    *,
+    device=None,
+    record: bool = True,
+    log: Callable[[str], None] | None = None,
+    trust=None,
+) -> NanReport:
+    """Find where the first non-finite value of run `run_id` came from, and why. `trust`: the user's
+    decision on the stored config's code (replaybisect.core.trust.Trust; default: the working folder)."""
+    from replaybisect.core.rng import capture_raw, isolated_rng
+
+    log = log or (lambda message: None)
+    timings: dict[str, float] = {}
+    started = time.perf_counter()
+    tags = store.tags(run_id)  # RunNotFound: one line, exit 2
+    recorded = restore_mod.failing_step(store, run_id)
+    losses = restore_mod.logged_losses(store, run_id)
+    grad_norms = dict(store.metric_history(run_id, "grad_norm"))
+    target = _target_step(run_id, step, recorded, tags, losses, grad_norms)
+    cfg = restore_mod.run_config(store, run_id, trust)
+    snapshot, at_target, warnings = _choose_snapshots(store, run_id, target)
+
+    with isolated_rng():  # the whole diagnosis leaves this process's RNG streams as it found them
+        from replaybisect.core import loop
+
+        log(f"restoring snapshot {snapshot.step}, replaying steps {snapshot.step}..{target - 1}")
+        restored = restore_mod.restore(store, run_id, cfg=cfg, device=device, snapshot=snapshot)
+        snapshot = restored.snapshot  # an earlier one when the chosen snapshot did not apply
+        warnings.extend(restored.warnings)
+        state = restored.state
+        evidence: list[str] = []
+        replayed = restore_mod.replay(
+            restored, target, logged=losses, stop_on_nonfinite=cfg.snapshot.on_nonfinite == "stop"
+        ) if target > snapshot.step else None
+        examined = target
+        if replayed is not None and replayed.stopped is not None:
+            examined = replayed.stopped.step
+            evidence.append(
+                f"the replay went non-finite at step {examined}, before the recorded failing step {target}: "
+                f"the replay does not follow the recorded run; examining step {examined}"
+            )
+        reproduced = "unchecked" if replayed is None else ("diverged" if examined != target else replayed.reproduced)
+        timings["replay_s"] = time.perf_counter() - started
+        rng_at_step = capture_raw()
+
+        batch = loop.to_device(restored.batch(examined), state.device)
+        stored_batch = restored.has_stored_batch(examined)
+        state_match = None
+        if at_target is not None and at_target.step == examined and replayed is not None:
+            state_match = _state_match(state, rng_at_step, at_target, examined, batch)
+        dataset_rows = _dataset_indices(snapshot, examined)
+
+        probes_started = time.perf_counter()
+        result = _probe_step(state, examined, batch, rng_at_step, dataset_rows, log)
+        timings["probes_s"] = time.perf_counter() - probes_started
+
+        report = NanReport(
+            run_id=run_id,
+            failing_step=examined,
+            recorded_failing_step=recorded,
+            snapshot_step=snapshot.step,
+            reproduced=reproduced,
+            category="",
+            phase="none",
+            module=None,
+            op=None,
+            source=None,
+            evidence=evidence,
+            suggestion="",
+            arms=[],
+            ablate_command=None,
+            state_match=state_match,
+            warnings=warnings,
+            replay=replayed.to_json() if replayed is not None else {"reproduced": "unchecked", "start_step": snapshot.step, "end_step": snapshot.step},
+            precision=state.precision,
+        )
+        report.evidence.insert(0, _replay_sentence(report, replayed, stored_batch))
+        if state_match is not None:
+            report.evidence.insert(1, f"the replayed state before step {examined} vs the snapshot the run saved there: {state_match}")
+        report.loss_history = sorted((s, v) for s, v in losses.items() if s < examined)
+        report.grad_norm_history = sorted((s, v) for s, v in grad_norms.items() if s < examined)
+        report.history = history_fit(report.loss_history, report.grad_norm_history)
+
+        _classify(report, result, restored, store, run_id, cfg, log)
+        _suggest(report, result)
+    timings["total_s"] = time.perf_counter() - started
+    report.timings = {k: round(v, 3) for k, v in timings.items()}
+
+    if record:
+        report.replay_run_id = record_child_run(store, report)
+    return report
+
+
+def _target_step(run_id: str, step: int | None, recorded: int | None, tags: dict, losses: dict, grad_norms: dict) -> int:
+    if step is None:
+        if recorded is None:
+            if tags.get("status") == "nonfinite":
+                raise SnapshotError(
+                    f"run {run_id} stopped on a non-finite value but recorded no metrics or snapshots (recorder off); "
+                    "retrain with snapshot.enabled=true and snapshot.every > 0 to make it replayable"
+                )
+            raise ReplayError(
+                f"run {run_id} never went non-finite (every logged loss and grad_norm is finite); "
+                f"to read its curves run `replay diagnose --run-id {run_id}`"
+            )
+        return recorded
+    if step < 0:
+        raise ReplayError(f"--step {step} is negative; pass a step of run {run_id} (its first non-finite step is {recorded})")
+    logged = [v for v in (losses.get(step), grad_norms.get(step)) if v is not None]
+    last = max(list(losses) + list(grad_norms) + ([recorded] if recorded is not None else []), default=-1)
+    if step > last:
+        raise ReplayError(f"--step {step} is past the run's last step ({last}); pass a step the run reached")
+    if step != recorded and logged and all(math.isfinite(v) for v in logged):
+        where = f"its first non-finite step is {recorded}" if recorded is not None else "the run never went non-finite"
+        raise ReplayError(f"step {step} of run {run_id} was finite (loss {losses.get(step)}); nothing to diagnose there; {where}")
+    return step
+
+
+def _choose_snapshots(store: Store, run_id: str, target: int):
+    """The newest verified snapshot strictly before t (so the replay of s..t-1 proves reproduction), and the
+    one saved at t (the state before t, for a bit-for-bit comparison). Bad snapshots are reported."""
+    steps = restore_mod.snapshot_steps(store, run_id)
+    if not steps:
+        raise SnapshotError(
+            f"run {run_id} has no snapshots; train with snapshot.every > 0 (e.g. snapshot.every=100) to make it replayable"
+        )
+    warnings: list[str] = []
+    at_target = None
+    if target in steps:
+        try:
+            at_target = restore_mod.load_snapshot(store, run_id, target)
+        except SnapshotError as error:
+            warnings.append(f"{error}; the replayed state cannot be compared with it")
+    snapshot = None
+    if any(s < target for s in steps):
+        try:
+            snapshot = restore_mod.newest_good_snapshot(store, run_id, target - 1, warnings)
+        except SnapshotError as error:
+            if at_target is None:
+                raise SnapshotError(f"{error}; the run cannot be replayed") from None
+    if snapshot is None:
+        if at_target is None:
+            raise SnapshotError(
+                f"run {run_id}: no snapshot at or before step {target} verifies ({'; '.join(warnings) or 'none saved'}); "
+                "the run cannot be replayed"
+            )
+        warnings.append(
+            f"no verified snapshot before step {target} (periodic snapshots off or corrupt): starting from the snapshot "
+            f"saved at step {target} itself, so the replay cannot prove it reproduces the run"
+        )
+        snapshot = at_target
+    return snapshot, at_target, warnings
+
+
+def _replay_sentence(report: NanReport, replayed, stored_batch: bool) -> str:
+    batch_from = "the stored batch" if stored_batch else "a batch rebuilt from the data source"
+    if replayed is None:
+        return f"restored the snapshot of step {report.snapshot_step} (no earlier snapshot: reproduction unchecked); step {report.failing_step} uses {batch_from}"
+    n = replayed.end_step - replayed.start_step
+    text = f"replayed {n} step(s) {replayed.start_step}..{replayed.end_step - 1} from the snapshot of step {report.snapshot_step}: losses {report.reproduced}"
+    if replayed.mismatches:
+        text += f" (max relative error {replayed.max_relative_error:.3g})"
+    return text + f"; step {report.failing_step} uses {batch_from}"
+
+
+def _fingerprint(state) -> str:
+    """sha256 over every tensor a step depends on (bytes, so NaN payloads count too)."""
+    import torch
+
+    from replaybisect.core.state import live_tensors
+
+    digest = hashlib.sha256()
+    for name, tensor in sorted(live_tensors(state).items()):
+        digest.update(name.encode())
+        digest.update(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def _state_match(state, rng_raw, snapshot, step: int, batch) -> str:
+    """Compare the replayed state before `step` with the snapshot the run saved there, bit for bit."""
+    text, _ = _compare_with_snapshot(state, rng_raw, snapshot)
+    return text
+
+
+def _compare_with_snapshot(state, rng_raw, snapshot) -> tuple[str, list[str]]:
+    """Bit-for-bit: every tensor of the state and the RNG streams against a snapshot."""
+    import torch
+
+    from replaybisect.core import rng
+    from replaybisect.core.state import live_tensors
+
+    live = live_tensors(state)
+    differ = []
+    for name in sorted(set(live) | set(snapshot.tensors)):
+        a, b = live.get(name), snapshot.tensors.get(name)
+        if a is None or b is None or a.shape != b.shape or a.dtype != b.dtype:
+            differ.append(name)
+            continue
+        a = a.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+        b = b.contiguous().reshape(-1).view(torch.uint8)
+        if not torch.equal(a, b):
+            differ.append(name)
+    saved_rng = snapshot.state.get("rng", {})
+    replayed_rng = rng.to_json(rng_raw)
+    rng_differ = [k for k in ("python", "numpy", "torch") if saved_rng.get(k) != replayed_rng.get(k)]
+    if not differ and not rng_differ:
+        return f"bit-identical ({len(live)} tensors and the RNG streams)", []
+    parts = []
+    if differ:
+        parts.append(f"{len(differ)} of {len(live)} tensors differ ({', '.join(differ[:5])}{'...' if len(differ) > 5 else ''})")
+    if rng_differ:
+        parts.append(f"RNG streams differ ({', '.join(rng_differ)})")
+    return "differs: " + "; ".join(parts), differ + [f"rng/{k}" for k in rng_differ]
+
+
+def _dataset_indices(snapshot, step: int) -> Optional[list[int]]:
+    """Which dataset rows made the batch of `step`: the data order is a pure function of (seed, step), so
+    this needs only the dataset's length from the snapshot, not the dataset itself."""
+    from replaybisect.core import loop
+
+    position = snapshot.state.get("data") or {}
+    try:
+        source = loop.BatchSource(range(int(position["dataset_len"])), int(position["batch_size"]), int(position["seed"]))
+        return [int(i) for i in source.indices(step)]
+    except (KeyError, TypeError, ValueError, ReplayError):
+        return None
+
+
+# ---- probing the failing step ------------------------------------------------------------------------------
+@dataclass
+class _StepResults:
+    plain: Any  # StepOutcome of the plain step
+    batch: list
+    state: list
+    probe: Any  # StepProbeResult
+    anomaly: Any  # AnomalyFinding
+    isolation: dict
+
+
+def _on_copy(state, rng_at_step, function):
+    """Run `function(copy)` on a deep copy of the state with the step's RNG streams, leaving both untouched."""
+    from replaybisect.core import loop
+    from replaybisect.core.rng import isolated_rng, restore_raw
+
+    with isolated_rng():
+        copy = loop.clone_state(state)
+        restore_raw(rng_at_step)
+        return function(copy)
+
+
+def _plain(step, batch):
+    from replaybisect.core import loop
+    from replaybisect.core.rng import capture_raw, to_json
+
+    def run(copy):
+        outcome = loop.run_step(copy, step, batch, halt_on_nonfinite=True)
+        return outcome, (_bits(outcome.loss), _bits(outcome.grad_norm), _fingerprint(copy), str(to_json(capture_raw())))
+
+    return run
+
+
+def _bits(value) -> Optional[str]:
+    import struct
+
+    return None if value is None else struct.pack("<d", value).hex()
+
+
+def _probe_step(state, step, batch, rng_at_step, dataset_rows, log) -> _StepResults:
+    from replaybisect.core import rng
+    from replaybisect.nan import probes
+
+    live_before = _fingerprint(state)
+    rng_before = rng.to_json(rng.capture_raw())
+    log(f"step {step}: plain replay")
+    plain, plain_signature = _on_copy(state, rng_at_step, _plain(step, batch))
+    batch_findings = probes.probe_batch(batch, dataset_rows)
+    state_findings = probes.probe_state(state)
+    log(f"step {step}: probes (forward hooks, gradient hooks, update)")
+    probe = _on_copy(state, rng_at_step, lambda copy: probes.StepProbe(copy).run(step, batch))
+    log(f"step {step}: detect_anomaly")
+    anomaly = _on_copy(state, rng_at_step, lambda copy: probes.anomaly_pass(copy, step, batch))
+    _, again = _on_copy(state, rng_at_step, _plain(step, batch))
+    isolation = {
+        "state_unchanged": _fingerprint(state) == live_before,
+        "rng_unchanged": rng.to_json(rng.capture_raw()) == rng_before,
+        "step_repeatable": again == plain_signature,
+    }
+    return _StepResults(plain, batch_findings, state_findings, probe, anomaly, isolation)
+
+
+# ---- the verdict --------------------------------------------------------------------------------------------
+def _classify(report: NanReport, results: _StepResults, restored, store, run_id, cfg, log) -> None:
+    from replaybisect.nan.probes import display_module, to_jsonable
+
+    probe, plain, anomaly = results.probe, results.plain, results.anomaly
+    model = restored.state.model
+    t = report.failing_step
+    report.batch = results.batch
+    report.state_findings = results.state
+    report.anomaly = to_jsonable(anomaly)
+    report.isolation = results.isolation
+    report.layer_grad_norms = probe.layer_grad_norms
+    report.plain_step = {"loss": plain.loss, "grad_norm": plain.grad_norm, "nonfinite": plain.nonfinite}
+    report.forward = _forward_json(probe)
+    report.backward = {
+        "module": probe.backward_module, "detail": probe.backward_detail, "node": probe.backward_node,
+        "grad_norm": probe.grad_norm, "events": len(probe.grad_events),
+    }
+    report.update = to_jsonable(probe.update) if probe.update is not None else None
+    if not all(results.isolation.values()):
+        report.warnings.append(f"probe isolation check failed: {results.isolation} (please report this)")
+    ev = report.evidence
+
+    # 1. finite on replay: not a bug in the code or the data
+    if plain.nonfinite is None:
+        report.category, report.phase = "transient", "none"
+        recorded_what = (restored.store.tags(run_id).get("nonfinite_what") or "value").replace("_", " ") if report.recorded_failing_step == t else "value"
+        ev.append(
+            f"step {t} was non-finite in the recorded run but is finite on replay from the same state and batch "
+            f"(loss {plain.loss:.6g}, grad norm {_fmt(plain.grad_norm)})"
+        )
+        ev.append(
+            "a transient fault: the code, the data and the state do not produce it. Likely a hardware fault (a bit flip, "
+            "bad accelerator memory), a nondeterministic kernel, or something the run read that is not part of its "
+            f"recorded state (an environment variable, a file, a module attribute outside state_dict); the recorded non-finite "
+            f"{recorded_what} happened only in the original process"
+        )
+        return
+
+    # 2. the state before the step is already non-finite: trace back to the step that corrupted it
+    if results.state:
+        _classify_corrupt(report, results, restored, store, run_id, cfg, log)
+        return
+
+    # 3. the batch
+    if results.batch:
+        report.category, report.phase = "data", "data"
+        for finding in results.batch:
+            rows = finding.rows[:10]
+            where = f"rows {rows}" + (f" (dataset rows {finding.dataset_rows[:10]})" if finding.dataset_rows else "")
+            ev.append(f"batch field {finding.field} {finding.shape} holds {finding.nan} NaN / {finding.inf} Inf in {where}")
+        first = probe.first_nonfinite_output
+        if first is not None:
+            report.module = display_module(first.module, model)
+            ev.append(f"the first module to output non-finite values is {report.module} ({first.type}), fed the bad rows")
+        ev.append("parameters and optimizer state before the step are finite")
+        return
+
+    ev.append("the batch is finite; parameters, buffers and optimizer state before the step are finite")
+    forward_in_model = probe.first_forward is not None and not probe.first_forward.module.startswith("loss")
+    op = probe.forward_op
+
+    # 4. forward: the first module whose output is non-finite while its inputs were finite
+    if forward_in_model and probe.model_output_finite is not True:
+        call = probe.first_forward
+        report.category, report.phase = "forward", "forward"
+        report.module = display_module(call.module, model)
+        ev.append(f"forward: {report.module} ({call.type}) is the first module whose output is non-finite while its inputs were finite")
+        for label, stats in call.inputs[:3]:
+            ev.append(f"  input {label}: {stats.brief()}")
+        for label, stats in call.outputs[:3]:
+            ev.append(f"  output {label}: {stats.brief()}")
+        _name_forward_op(report, op)
+        return
+
+    # 5. the loss: finite model outputs, non-finite loss
+    if not probe.loss_finite:
+        report.category, report.phase = "loss", "loss"
+        loss_fn = restored.state.loss_fn
+        call = probe.first_forward if (probe.first_forward and probe.first_forward.module.startswith("loss")) else None
+        if call is not None:
+            report.module = f"{call.module} ({call.type})"
+        else:
+            report.module = f"loss ({getattr(loss_fn, '__name__', type(loss_fn).__name__)})"
+        ev.append(f"forward: every module's output is finite; the loss is {probe.loss}")
+        if call is not None:
+            for label, stats in call.inputs[:2]:
+                ev.append(f"  loss input {label}: {stats.brief()}")
+        _name_forward_op(report, op)
+        return
+
+    # 6. backward: finite forward and loss, a gradient turns non-finite
+    if probe.grads_finite is False:
+        report.category, report.phase = "backward", "backward"
+        report.module = display_module(probe.backward_module, model) if probe.backward_module is not None else None
+        ev.append(f"forward and loss are finite (loss {probe.loss:.6g}); the gradient norm is {_fmt(probe.grad_norm)}")
+        if probe.backward_detail:
+            ev.append(f"backward: {report.module}: {probe.backward_detail}")
+        report.op = anomaly.op or probe.backward_node
+        report.source = anomaly.source
+        if report.op:
+            ev.append(f"the first autograd node with finite incoming and non-finite outgoing gradients: {report.op}"
+                      + (f", created at {anomaly.source}" if anomaly.source else ""))
+        if anomaly.nan_op and anomaly.nan_op != report.op:
+            ev.append(f"detect_anomaly (NaN only) raised later, in {anomaly.nan_op}: {report.op} made Inf, which became NaN downstream")
+        return
+
+    # 7. the update of this step
+    if probe.update is not None and not (probe.update.params_finite_after and probe.update.state_finite_after):
+        _optimizer_verdict(report, probe.update, t, probe.grad_norm)
+        return
+
+    report.category = "forward" if plain.nonfinite == "loss" else "backward"
+    report.phase = report.category
+    ev.append(
+        f"the plain replay of step {t} is non-finite ({plain.nonfinite}) but the instrumented pass did not isolate a module; "
+        "the failure may depend on something the hooks change (in-place ops on hooked tensors)"
+    )
+
+
+def _name_forward_op(report: NanReport, op) -> None:
+    if op is None:
+        return
+    report.op = op.op
+    report.source = op.source
+    inputs = ", ".join(s.brief() for s in op.inputs[:2])
+    report.evidence.append(
+        f"the first op with finite inputs and a non-finite output: {op.op} in {op.module or '(root)'}"
+        + (f" at {op.source}" if op.source else "") + f" (inputs {inputs} -> {op.output.brief()})"
+    )
+
+
+def _forward_json(probe) -> dict[str, Any]:
+    from replaybisect.nan.probes import to_jsonable
+
+    def call_json(call):
+        if call is None:
+            return None
+        return {
+            "module": call.module, "type": call.type, "order": call.order,
+            "inputs": [{"name": n, **to_jsonable(s)} for n, s in call.inputs],
+            "outputs": [{"name": n, **to_jsonable(s)} for n, s in call.outputs],
+        }
+
+    return {
+        "first_nonfinite_from_finite": call_json(probe.first_forward),
+        "first_nonfinite_output": call_json(probe.first_nonfinite_output),
+        "op": to_jsonable(probe.forward_op),
+        "loss": probe.loss,
+        "model_output_finite": probe.model_output_finite,
+        "modules_called": len(probe.forward_calls),
+    }
+
+
+def _optimizer_verdict(report: NanReport, update, step: int, grad_norm) -> None:
+    from replaybisect.nan.probes import to_jsonable
+
+    report.category, report.phase = "optimizer", "update"
+    report.update = to_jsonable(update)
+    first = update.bad[0] if update.bad else None
+    if first is not None:
+        report.module = first.module or "(root)"
+    report.op = f"{update.hyperparameters.get('optimizer', 'optimizer')}.step"
+    report.evidence.append(
+        f"step {step}: gradients finite (norm {_fmt(grad_norm)}), parameters finite before the update; after optimizer.step(): "
+        + ", ".join(f"{f.kind} {f.name} ({f.nan} NaN, {f.inf} Inf of {f.numel})" for f in update.bad[:4])
+    )
+    if update.explanation:
+        report.evidence.append(update.explanation)
+    report.evidence.append(f"hyperparameters: {update.hyperparameters}")
+
+
+def _classify_corrupt(report: NanReport, results: _StepResults, restored, store, run_id, cfg, log) -> None:
+    """The state before t is non-finite. Find the step k that made it so: finite grads and finite weights
+    before k's optimizer.step(), non-finite after it -> `optimizer` at k (the update did it); weights made
+    non-finite during k's forward (a module writing into its own parameters/buffers), non-finite at
+    initialization, or no step found -> `corrupt-state`."""
+    from replaybisect.nan.probes import display_module
+
+    ev = report.evidence
+    t = report.failing_step
+    listed = ", ".join(f"{f.kind} {f.name} ({f.nan} NaN, {f.inf} Inf of {f.numel})" for f in results.state[:5])
+    ev.append(f"the state before step {t} is already non-finite: {listed}")
+    report.phase = "state"
+    first = results.state[0]
+    report.module = display_module(first.module, restored.state.model) if first.kind != "param group" else None
+    log("the state is already corrupt: tracing back to the step that corrupted it")
+    origin = find_corrupting_step(store, run_id, cfg, restored, t, report.warnings)
+    report.origin_step = origin.get("step")
+    kind = report.origin = origin["kind"]
+    if kind == "optimizer":
+        update = origin["update"]
+        k = origin["step"]
+        ev.append(f"traced back: the state was finite before step {k}; step {k}'s optimizer update made it non-finite")
+        _optimizer_verdict(report, update, k, origin.get("grad_norm"))
+        ev.append(
+            f"reported as `optimizer`, not `corrupt-state`: the state was finite before step {k}, its gradients were finite, and "
+            f"the non-finite values appeared in optimizer.step() itself; steps {k + 1}..{t} then computed with them"
+        )
+        return
+    report.category = "corrupt-state"
+    if kind == "forward-write":
+        k = origin["step"]
+        module, tensors = origin["writer"]
+        report.module = display_module(module, restored.state.model)
+        report.phase = "forward"
+        ev.append(
+            f"traced back: the state was finite before step {k}; during step {k}'s forward, {report.module} made its own "
+            f"{', '.join(tensors)} non-finite (they were finite when it was called): it writes into its own state"
+        )
+        ev.append("reported as `corrupt-state`, not `optimizer`: the values went bad outside the optimizer update, before backward")
+    elif kind == "initial":
+        ev.append(f"traced back: the state is already non-finite in the earliest verified snapshot (step {origin['step']})"
+                  + (": the model was built with non-finite values" if origin["step"] == 0 else ""))
+    else:
+        ev.append(f"could not find the step that corrupted the state ({origin.get('why', 'the replay stayed finite')})")
+
+
+def find_corrupting_step(store, run_id, cfg, restored, t: int, warnings: list[str]) -> dict[str, Any]:
+    """Replay from the newest snapshot whose state is finite, checking the state after every step; then probe
+    the first step that left it non-finite (from a fresh restore, on a copy)."""
+    from replaybisect.core.rng import capture_raw
+    from replaybisect.nan import probes
+
+    start = earliest = None
+    for snap_step in reversed([s for s in restore_mod.snapshot_steps(store, run_id) if s <= restored.step]):
+        try:
+            snapshot = restored.snapshot if snap_step == restored.step else restore_mod.load_snapshot(store, run_id, snap_step)
+        except SnapshotError as error:
+            warnings.append(f"{error}; skipped while tracing the corruption back")
+            continue
+        if all(probes.all_finite(tensor) for tensor in snapshot.tensors.values()):
+            start = snapshot
+            break
+        earliest = snapshot
+    if start is None:
+        if earliest is None:
+            return {"kind": "unknown", "why": "no earlier snapshot verifies"}
+        return {"kind": "initial", "step": earliest.step}
+
+    def fresh():
+        return restore_mod.restore(store, run_id, cfg=cfg, device=restored.state.device, snapshot=start)
+
+    candidate = fresh()
+
+    def check(outcome):
+        if not probes.finiteness(candidate.state):
+            raise _Found(outcome.step)
+
+    try:
+        restore_mod.replay(candidate, t, stop_on_nonfinite=cfg.snapshot.on_nonfinite == "stop", on_step=check)
+    except _Found as found:
+        k = found.step
+    else:
+        return {"kind": "unknown", "why": (f"replaying steps {start.step}..{t - 1} from the snapshot of step {start.step} kept the state "
+                                           "finite: the recorded state went bad outside the replayed steps")}
+    from replaybisect.core import loop
+
+    again = fresh()
+    if k > start.step:
+        restore_mod.replay(again, k, stop_on_nonfinite=cfg.snapshot.on_nonfinite == "stop")
+    rng_at_k = capture_raw()
+    batch_k = loop.to_device(again.batch(k), again.state.device)
+    result = _on_copy(again.state, rng_at_k, lambda copy: probes.StepProbe(copy).run(k, batch_k))
+    if result.corrupted_in_forward:
+        return {"kind": "forward-write", "step": k, "writer": result.corrupted_in_forward[0]}
+    if result.update is not None and not (result.update.params_finite_after and result.update.state_finite_after):
+        return {"kind": "optimizer", "step": k, "update": result.update, "grad_norm": result.grad_norm}
+    return {"kind": "unknown", "step": k, "why": f"step {k} left the state non-finite, but its instrumented replay did not show where"}
+
+
+# ---- history -----------------------------------------------------------------------------------------------------
+def history_fit(losses: list[tuple[int, float]], grad_norms: list[tuple[int, float]]) -> HistoryFit:
+    """Fit log(grad_norm) vs step over the last <= 50 finite steps: exponential growth shows as a straight line."""
+    points = [(s, g) for s, g in grad_norms if math.isfinite(g) and g > 0][-HISTORY_WINDOW:]
+    last_loss = next((v for _, v in reversed(losses) if math.isfinite(v)), None)
+    last_grad = points[-1][1] if points else None
+    if len(points) < HISTORY_MIN_POINTS:
+        return HistoryFit(len(points), points[0][0] if points else None, points[-1][0] if points else None, None, None, None, None,
+                          False, last_grad, last_loss, f"too few grad-norm points before the failure ({len(points)}) to fit a trend")
+    from scipy import stats
+
+    steps = [s for s, _ in points]
+    logs = [math.log(g) for _, g in points]
+    if max(logs) - min(logs) < 1e-12:
+        fit_slope, r_value, p_value = 0.0, 0.0, 1.0
+    else:
+        fit = stats.linregress(steps, logs)
+        fit_slope, r_value, p_value = float(fit.slope), float(fit.rvalue), float(fit.pvalue)
+    growth = math.exp(fit_slope) - 1
+    over = math.exp(fit_slope * (steps[-1] - steps[0]))
+    exploding = fit_slope > 0 and p_value <= EXPLODING_P and over >= EXPLODING_FACTOR
+    if exploding:
+        summary = (f"exploding gradients: the grad norm grew exponentially, x{over:.3g} over steps {steps[0]}..{steps[-1]} "
+                   f"({growth * 100:+.3g}% per step, r^2={r_value ** 2:.2f})")
+    elif fit_slope > 0 and p_value <= EXPLODING_P:
+        summary = f"grad norm rising {growth * 100:+.3g}% per step (x{over:.3g} over {len(points)} steps), below the x{EXPLODING_FACTOR:g} of exploding gradients"
+    else:
+        summary = f"no exponential growth of the grad norm before the failure ({growth * 100:+.3g}% per step, p={p_value:.2g}; last {_fmt(last_grad)})"
+    return HistoryFit(len(points), steps[0], steps[-1], growth, over, r_value ** 2, p_value, exploding, last_grad, last_loss, summary)
+
+
+# ---- what to try next --------------------------------------------------------------------------------------------
+def _suggest(report: NanReport, results: _StepResults) -> None:
+    arms: list[str] = []
+    why: list[str] = []
+    history = report.history
+    exploding = bool(history and history.exploding)
+    from_step = None
+
+    def add(*names):
+        for name in names:
+            if name not in arms:
+                arms.append(name)
+
+    category = report.category
+    if category == "transient":
+        report.suggestion = (
+            f"no code change needed: resume from the snapshot of step {report.snapshot_step} (the same run continues finite on replay). "
+            "If it recurs, check the machine (GPU memory test, another host), and record anything the model reads outside "
+            "its state (environment, files) as a buffer"
+        )
+        report.arms, report.ablate_command = [], None
+        return
+    if category == "data":
+        add("skip-batch")
+        rows = sorted({r for f in report.batch for r in (f.dataset_rows or [])})
+        why.append("skip-batch drops the failing batch" + (f"; then clean dataset rows {rows[:10]}" if rows else ""))
+    if report.precision != "fp32" and category in ("forward", "loss", "backward"):
+        add("precision")
+        why.append(f"precision: the run trains in {report.precision}; fp32 tells whether the overflow is a range problem")
+    if exploding:
+        add("lr", "clip", "warmup")
+        why.append("lr / clip / warmup: the grad norm grew exponentially before the failure")
+    if category == "forward":
+        add("lr", "clip")
+        why.append("lr / clip: smaller updates keep activations in range longer; if they only delay it, fix the op named above")
+    elif category == "loss":
+        add("lr", "clip")
+        why.append("lr / clip: the loss met an impossible value (e.g. log(0)); if they only delay it, clamp or use a log-space loss")
+    elif category == "backward":
+        add("clip", "skip-batch")
+        why.append("the gradient of the op named above is non-finite at this input; clip cannot repair NaN, so fix the op "
+                   "(add an eps) if the arms do not help")
+    elif category == "optimizer":
+        hyper = (report.update or {}).get("hyperparameters", {}) if report.update else {}
+        update_text = " ".join(report.evidence)
+        eps = hyper.get("eps")
+        lr = hyper.get("lr")
+        if "eps=0" in update_text or (isinstance(eps, (int, float)) and eps < 1e-12):
+            add("eps")
+            why.append("eps: the update divides by sqrt(v) + eps with eps ~ 0")
+        if not (isinstance(lr, (int, float)) and math.isfinite(lr)) or "learning rate is" in update_text:
+            add("lr")
+            why.append("lr: the learning rate is not finite")
+        add("lr", "clip")
+        why.append("lr / clip: smaller updates, in case the step size rather than the arithmetic is to blame")
+        if report.origin_step is not None and report.origin_step < report.snapshot_step:
+            from_step = report.origin_step  # the snapshot before t is already corrupt: apply the arms before it
+    elif category == "corrupt-state":
+        if report.origin == "forward-write":
+            why.append(f"no ablation arm repairs a module that writes into its own weights: fix {report.module}'s forward")
+        elif report.origin == "initial":
+            add("seed")
+            why.append("seed: the state was non-finite from the start; another seed tells whether initialization is to blame")
+        else:
+            add("lr", "clip")
+            why.append("lr / clip from the last finite snapshot; the state went bad where the replay could not see it")
+            from_step = report.origin_step
+    assert category in CATEGORIES and set(arms) <= set(ARMS), (category, arms)
+    report.arms = arms
+    if arms:
+        command = f"replay ablate {','.join(arms)} --run-id {report.run_id}"
+        if from_step is not None:
+            command += f" --from-step {from_step}"
+        report.ablate_command = command
+        report.suggestion_reason = "; ".join(why)
+        report.suggestion = command + "   # " + report.suggestion_reason
+    else:
+        report.ablate_command = None
+        report.suggestion = "; ".join(why) or "no ablation arm applies"
+
+
+def _fmt(value) -> str:
+    if value is None:
+        return "-"
+    return f"{value:.4g}" if math.isfinite(value) else str(value)
+
+
+# ---- the child run -------------------------------------------------------------------------------------------------
+def record_child_run(store: Store, report: NanReport) -> str:
+    """A replay run under the examined run: report.md, report.json and the plot."""
+    from replaybisect.nan import report as report_nan
+
+    child = store.create_run(
+        "replay",
+        run_name=f"nan-step-{report.failing_step}",
+        parent_run_id=report.run_id,
+        tags={
+            "replaybisect.verb": "nan",
+            "replaybisect.category": report.category,
+            "replaybisect.failing_step": str(report.failing_step),
+            "replaybisect.snapshot_step": str(report.snapshot_step),
+            "replaybisect.reproduced": report.reproduced,
+            "replaybisect.module": report.module or "",
+        },
+    )
+    try:
+        report.replay_run_id = child
+        store.log_params(child, {"failing_step": report.failing_step, "snapshot_step": report.snapshot_step})
+        store.log_dict(child, report.to_json(), "report.json")
+        store.log_text(child, report_nan.markdown(report), "report.md")
+        figure = report_nan.figure(report)
+        try:
+            store.log_figure(child, figure, "nan_report.png")
+        finally:
+            from replaybisect.report import close_figure
+
+            close_figure(figure)
+    except BaseException:
+        store.finish_run(child, "crashed", "FAILED")
+        raise
+    store.finish_run(child, "ok")
+    return child

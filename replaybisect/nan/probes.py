@@ -1,0 +1,743 @@
+"""Probes for one training step: where does the first non-finite value appear?
+
+Each probe only reads. Every pass that runs the step runs it through `loop.run_step` (the one code path) as
+a `loop.StepObserver`, on a copy of the training state (`loop.clone_state`) and under `isolated_rng()` with
+the step's RNG state restored, so a probe never changes the training state or any RNG stream; `replay nan`
+checks this by re-running the plain step afterwards.
+
+  probe_batch        which field, which rows of the batch are non-finite
+  probe_state        parameters, buffers, optimizer state and grad scaler before the step
+  StepProbe          one instrumented step: forward hooks on every module (first module whose output is
+                     non-finite while its inputs were finite, with input/output statistics), the first
+                     torch op whose output is non-finite from finite inputs (and the user's source line),
+                     the loss, gradient hooks in backward order (first module whose gradient turns
+                     non-finite while the gradient flowing into it was finite), the optimizer update
+  anomaly_pass       the step's forward/backward under torch.autograd.detect_anomaly: the autograd op
+                     (e.g. LogSoftmaxBackward0) and the forward line that created it
+  finiteness         a cheap check of the whole state, used while replaying to find where state went bad
+
+Other verbs (ablate, check, diagnose) may import these.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import re
+import sys
+import traceback
+import warnings
+from dataclasses import asdict, dataclass, field
+from typing import Any, Optional
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from replaybisect.core import loop
+
+_TORCH_DIR = os.path.dirname(torch.__file__)
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # replaybisect/
+_STDLIB_DIR = os.path.dirname(os.__file__)
+_ENV_DIRS = tuple({os.path.abspath(p) + os.sep for p in (sys.prefix, sys.exec_prefix, sys.base_prefix)})
+
+
+# ---- small helpers ----------------------------------------------------------------------------------
+def is_float(tensor: Any) -> bool:
+    return torch.is_tensor(tensor) and (tensor.is_floating_point() or tensor.is_complex())
+
+
+def all_finite(tensor: torch.Tensor) -> bool:
+    return not is_float(tensor) or bool(torch.isfinite(tensor).all())
+
+
+def tensors_in(value: Any, prefix: str = "") -> list[tuple[str, torch.Tensor]]:
+    """(name, tensor) for every tensor in a nested tuple/list/dict (a batch, a module's inputs or outputs)."""
+    if torch.is_tensor(value):
+        return [(prefix or "tensor", value)]
+    found: list[tuple[str, torch.Tensor]] = []
+    if isinstance(value, dict):
+        for key, item in value.items():
+            found += tensors_in(item, f"{prefix}[{key!r}]" if prefix else str(key))
+    elif isinstance(value, (list, tuple)):
+        for index, item in enumerate(value):
+            found += tensors_in(item, f"{prefix}[{index}]" if prefix else f"[{index}]")
+    return found
+
+
+def autograd_nodes(loss: torch.Tensor):
+    """Every autograd node behind `loss` (leaf accumulators excluded), each once."""
+    seen = set()
+    todo = [loss.grad_fn] if loss.grad_fn is not None else []
+    while todo:
+        node = todo.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        if type(node).__name__ != "AccumulateGrad":
+            yield node
+        todo += [next_node for next_node, _ in node.next_functions]
+
+
+@dataclass
+class TensorStats:
+    """What a reader needs to see about a tensor that went (or did not go) non-finite."""
+
+    shape: list[int]
+    dtype: str
+    nan: int
+    inf: int
+    min: Optional[float]  # over the finite entries
+    max: Optional[float]
+    abs_mean: Optional[float]
+
+    @property
+    def finite(self) -> bool:
+        return self.nan == 0 and self.inf == 0
+
+    def brief(self) -> str:
+        text = f"{self.dtype}{self.shape}"
+        if self.min is not None:
+            text += f" range [{self.min:.3g}, {self.max:.3g}] mean|x| {self.abs_mean:.3g}"
+        if not self.finite:
+            text += f" nan={self.nan} inf={self.inf}"
+        return text
+
+
+@torch.no_grad()
+def tensor_stats(tensor: torch.Tensor) -> TensorStats:
+    data = tensor.detach()
+    shape = list(data.shape)
+    if not is_float(data):
+        return TensorStats(shape, str(data.dtype).replace("torch.", ""), 0, 0, None, None, None)
+    data = data.float() if not data.is_complex() else data.abs().float()
+    if data.numel() and bool(torch.isfinite(data).all()):  # the common case: no masking, one pass each
+        nan = inf = 0
+        low, high = (float(v) for v in torch.aminmax(data))
+        return TensorStats(shape, str(tensor.dtype).replace("torch.", ""), 0, 0, low, high, float(data.abs().mean()))
+    nan = int(torch.isnan(data).sum())
+    inf = int(torch.isinf(data).sum())
+    finite = data[torch.isfinite(data)]
+    if finite.numel():
+        low, high, abs_mean = float(finite.min()), float(finite.max()), float(finite.abs().mean())
+    else:
+        low = high = abs_mean = None
+    return TensorStats(shape, str(tensor.dtype).replace("torch.", ""), nan, inf, low, high, abs_mean)
+
+
+def user_frame(frames: list[traceback.FrameSummary]) -> Optional[traceback.FrameSummary]:
+    """The innermost frame of the user's code inside the step: after replaybisect's own frames (whoever called
+    replaybisect is not the step), and not torch, the standard library or installed packages."""
+    ours = [i for i, frame in enumerate(frames) if os.path.abspath(frame.filename).startswith(_PACKAGE_DIR)]
+    if ours:
+        frames = frames[ours[-1] + 1 :]
+    for frame in reversed(frames):
+        path = os.path.abspath(frame.filename)
+        if path.startswith((_TORCH_DIR, _PACKAGE_DIR, _STDLIB_DIR) + _ENV_DIRS) or "site-packages" in path or frame.filename.startswith("<"):
+            continue
+        return frame
+    return None
+
+
+def format_frame(frame: Optional[traceback.FrameSummary]) -> Optional[str]:
+    if frame is None:
+        return None
+    line = (frame.line or "").strip()
+    return f"{frame.filename}:{frame.lineno} in {frame.name}" + (f": {line}" if line else "")
+
+
+def op_name(func: Any) -> str:
+    name = getattr(func, "__name__", None) or repr(func)
+    qualname = getattr(func, "__qualname__", "") or ""
+    module = getattr(func, "__module__", None) or ""
+    if qualname.startswith(("TensorBase.", "Tensor.")):
+        return f"Tensor.{name}"
+    if module in ("torch._C._nn", "torch.nn.functional"):
+        return f"torch.nn.functional.{name}"
+    if module.startswith("torch"):
+        return f"torch.{name}"
+    return name
+
+
+def module_names(model: torch.nn.Module) -> dict[int, str]:
+    return {id(module): name for name, module in model.named_modules()}
+
+
+def param_names(state: "loop.TrainState") -> dict[int, str]:
+    return {id(param): name for name, param in state.model.named_parameters()}
+
+
+def owner_of(param_name: str) -> str:
+    return param_name.rsplit(".", 1)[0] if "." in param_name else ""
+
+
+def display_module(name: str, model: torch.nn.Module | None = None) -> str:
+    if name:
+        return name
+    return f"(root) {type(model).__name__}" if model is not None else "(root)"
+
+
+# ---- the batch ------------------------------------------------------------------------------------------
+
+
+@dataclass
+class BatchFinding:
+    field: str  # e.g. "[0]" (inputs of a tuple batch) or "input" (a dict batch)
+    rows: list[int]  # positions in the batch (dim 0) holding a non-finite value
+    nan: int
+    inf: int
+    shape: list[int]
+    dataset_rows: Optional[list[int]] = None  # the dataset indices of those rows, when the data order is known
+
+
+def probe_batch(batch: Any, dataset_indices: Optional[list[int]] = None) -> list[BatchFinding]:
+    findings = []
+    roles = {"batch[0]": "batch[0] (inputs)", "batch[1]": "batch[1] (targets)"} if isinstance(batch, (tuple, list)) and len(batch) == 2 else {}
+    for name, tensor in tensors_in(batch, "batch"):
+        name = roles.get(name, name)
+        if not is_float(tensor) or all_finite(tensor):
+            continue
+        bad = ~torch.isfinite(tensor.detach())
+        rows = bad.reshape(len(tensor), -1).any(dim=1).nonzero().flatten().tolist() if tensor.dim() else [0]
+        findings.append(
+            BatchFinding(
+                field=name,
+                rows=rows,
+                nan=int(torch.isnan(tensor).sum()),
+                inf=int(torch.isinf(tensor).sum()),
+                shape=list(tensor.shape),
+                dataset_rows=[int(dataset_indices[r]) for r in rows] if dataset_indices is not None and tensor.dim() else None,
+            )
+        )
+    return findings
+
+
+# ---- the state before the step ----------------------------------------------------------------------------
+@dataclass
+class StateFinding:
+    kind: str  # parameter | buffer | optimizer state | grad scaler | param group
+    name: str
+    module: str
+    nan: int
+    inf: int
+    numel: int
+
+
+def probe_state(state: "loop.TrainState") -> list[StateFinding]:
+    """Every non-finite tensor a step reads: parameters, buffers, optimizer moments, the grad scale, lr."""
+    findings = []
+    for name, param in state.model.named_parameters():
+        if not all_finite(param):
+            findings.append(StateFinding("parameter", name, owner_of(name), int(param.isnan().sum()), int(param.isinf().sum()), param.numel()))
+    for name, buffer in state.model.named_buffers():
+        if not all_finite(buffer):
+            findings.append(StateFinding("buffer", name, owner_of(name), int(buffer.isnan().sum()), int(buffer.isinf().sum()), buffer.numel()))
+    names = param_names(state)
+    for param, param_state in state.optimizer.state.items():
+        for key, value in param_state.items():
+            if torch.is_tensor(value) and not all_finite(value):
+                pname = names.get(id(param), "?")
+                findings.append(StateFinding("optimizer state", f"{pname}:{key}", owner_of(pname), int(value.isnan().sum()), int(value.isinf().sum()), value.numel()))
+    for index, group in enumerate(state.optimizer.param_groups):
+        for key in ("lr", "eps", "weight_decay", "momentum"):
+            value = group.get(key)
+            if isinstance(value, float) and not math.isfinite(value):
+                findings.append(StateFinding("param group", f"param_groups[{index}].{key}={value}", "", int(math.isnan(value)), int(math.isinf(value)), 1))
+    if state.scaler is not None and state.scaler.is_enabled():
+        scale = state.scaler.get_scale()
+        if not math.isfinite(scale):
+            findings.append(StateFinding("grad scaler", f"scale={scale}", "", int(math.isnan(scale)), int(math.isinf(scale)), 1))
+    return findings
+
+
+@torch.no_grad()
+def finiteness(state: "loop.TrainState") -> bool:
+    """True when parameters, buffers and optimizer tensors are all finite (one fused reduction per group)."""
+    tensors = [t for t in state.model.parameters() if is_float(t)] + [t for t in state.model.buffers() if is_float(t)]
+    tensors += [v for s in state.optimizer.state.values() for v in s.values() if torch.is_tensor(v) and is_float(v)]
+    if not tensors:
+        return True
+    # isfinite, not a norm: a norm of large finite values can overflow to Inf and look corrupt
+    return all(bool(torch.isfinite(t).all()) for t in tensors)
+
+
+# ---- one instrumented step -------------------------------------------------------------------------------
+@dataclass
+class ModuleCall:
+    """One module call in the forward pass, in the order calls finished."""
+
+    order: int
+    module: str
+    type: str
+    inputs: list[tuple[str, TensorStats]]
+    outputs: list[tuple[str, TensorStats]]
+    own_state_went_nonfinite: list[str] = field(default_factory=list)  # own params/buffers it made non-finite
+
+    @property
+    def inputs_finite(self) -> bool:
+        return all(stats.finite for _, stats in self.inputs)
+
+    @property
+    def outputs_finite(self) -> bool:
+        return all(stats.finite for _, stats in self.outputs)
+
+
+@dataclass
+class OpFinding:
+    """The first torch op whose output is non-finite while its tensor inputs were finite."""
+
+    op: str
+    module: str  # the module whose forward ran it
+    source: Optional[str]  # the user's line
+    inputs: list[TensorStats]
+    output: TensorStats
+
+
+@dataclass
+class GradEvent:
+    order: int
+    role: str  # grad_output | grad_input | param_grad
+    module: str
+    tensor: str  # which input/output/parameter
+    finite: bool
+    norm: float
+    key: int = 0  # identity of the tensor (events of one tensor fire together)
+
+
+@dataclass
+class StepProbeResult:
+    loss: float
+    loss_finite: bool
+    forward_calls: list[ModuleCall]
+    first_forward: Optional[ModuleCall]  # first call whose output is non-finite while its inputs were finite
+    first_nonfinite_output: Optional[ModuleCall]  # first call with a non-finite output at all
+    forward_op: Optional[OpFinding]
+    model_output_finite: Optional[bool]  # the root model's output (None when the step never called it)
+    grad_events: list[GradEvent]
+    backward_module: Optional[str]
+    backward_detail: Optional[str]
+    backward_node: Optional[str]  # the first autograd node whose output is non-finite from finite inputs
+    layer_grad_norms: dict[str, float]  # per module (own parameters), at this step
+    grad_norm: Optional[float]
+    grads_finite: Optional[bool]
+    update: Optional["UpdateFinding"]
+    corrupted_in_forward: list[tuple[str, list[str]]]  # (module, own tensors it made non-finite)
+
+
+@dataclass
+class UpdateFinding:
+    """The optimizer update of a step whose gradients were finite."""
+
+    params_finite_after: bool
+    state_finite_after: bool
+    bad: list[StateFinding]
+    hyperparameters: dict[str, Any]
+    explanation: Optional[str]
+
+
+class _OpFinder(TorchFunctionMode):
+    """Sees every torch call in the forward; records the first with finite inputs and a non-finite output."""
+
+    def __init__(self, current_module):
+        super().__init__()
+        self.current_module = current_module
+        self.found: Optional[OpFinding] = None
+        self.paused = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if self.found is None and not self.paused:
+            outputs = [t for _, t in tensors_in(out) if is_float(t)]
+            if outputs and not all(all_finite(t) for t in outputs):
+                inputs = [t for _, t in tensors_in(list(args) + list((kwargs or {}).values())) if is_float(t)]
+                if all(all_finite(t) for t in inputs):
+                    bad = next(t for t in outputs if not all_finite(t))
+                    self.found = OpFinding(
+                        op=op_name(func),
+                        module=self.current_module(),
+                        source=format_frame(user_frame(traceback.extract_stack()[:-1])),
+                        inputs=[tensor_stats(t) for t in inputs[:4]],
+                        output=tensor_stats(bad),
+                    )
+        return out
+
+
+class StepProbe(loop.StepObserver):
+    """Run one step (`loop.run_step`) on a COPY of the state with hooks on every module (model and loss), every
+    gradient and every autograd node, and a look at the optimizer update. Returns what it saw; it never stops at
+    the first problem, so the report can show the whole picture."""
+
+    def __init__(self, state: "loop.TrainState"):
+        self.state = state
+        self.model = state.model
+        self.modules = [(name, module) for name, module in state.model.named_modules()]
+        if isinstance(state.loss_fn, torch.nn.Module):
+            self.modules += [("loss" + (f".{n}" if n else ""), m) for n, m in state.loss_fn.named_modules()]
+        self.calls: list[ModuleCall] = []
+        self.stack: list[str] = []
+        self.grad_events: list[GradEvent] = []
+        self.node_finding: Optional[str] = None
+        self.handles: list[Any] = []
+        self.tensor_handles: list[Any] = []
+        self.corrupted: list[tuple[str, list[str]]] = []
+        self._own_before: dict[str, dict[str, bool]] = {}
+        self._keep_alive: list[torch.Tensor] = []
+        self.finder = _OpFinder(lambda: self.stack[-1] if self.stack else "")
+        self.layer_norms: dict[str, float] = {}
+        self.update_watch: Optional[UpdateWatch] = None
+        self.update: Optional[UpdateFinding] = None
+
+    # forward hooks ----------------------------------------------------------------------------------
+    def _pre_hook(self, name: str, module: torch.nn.Module):
+        def hook(mod, args, kwargs):
+            self.finder.paused += 1
+            try:
+                self.stack.append(name)
+                self._own_before[name] = {n: all_finite(t) for n, t in self._own_tensors(mod)}
+                for label, tensor in _call_inputs(args, kwargs):
+                    if tensor.requires_grad:
+                        self._grad_hook(tensor, "grad_input", name, label)
+            finally:
+                self.finder.paused -= 1
+
+        return hook
+
+    def _post_hook(self, name: str, module: torch.nn.Module):
+        def hook(mod, args, kwargs, output):
+            self.finder.paused += 1
+            try:
+                if self.stack and self.stack[-1] == name:
+                    self.stack.pop()
+                went_bad = [n for n, t in self._own_tensors(mod) if self._own_before.get(name, {}).get(n, True) and not all_finite(t)]
+                if went_bad:
+                    self.corrupted.append((name, went_bad))
+                self.calls.append(
+                    ModuleCall(
+                        order=len(self.calls),
+                        module=name,
+                        type=type(mod).__name__,
+                        inputs=[(label, tensor_stats(t)) for label, t in _call_inputs(args, kwargs) if is_float(t)][:8],
+                        outputs=[(label, tensor_stats(t)) for label, t in tensors_in(output, "output") if is_float(t)][:8],
+                        own_state_went_nonfinite=went_bad,
+                    )
+                )
+                for label, tensor in tensors_in(output, "output"):
+                    if tensor.requires_grad:
+                        self._grad_hook(tensor, "grad_output", name, label)
+            finally:
+                self.finder.paused -= 1
+
+        return hook
+
+    @staticmethod
+    def _own_tensors(module: torch.nn.Module):
+        return [(f"param {n}", p) for n, p in module.named_parameters(recurse=False)] + [
+            (f"buffer {n}", b) for n, b in module.named_buffers(recurse=False)
+        ]
+
+    # gradient hooks -----------------------------------------------------------------------------------
+    def _grad_hook(self, tensor: torch.Tensor, role: str, module: str, label: str) -> None:
+        self._keep_alive.append(tensor)  # ids stay unique while the pass runs
+        key = id(tensor)
+
+        def hook(grad):
+            if grad is not None:
+                finite = all_finite(grad)
+                norm = float(torch.linalg.vector_norm(grad.detach().float())) if finite else math.nan
+                self.grad_events.append(GradEvent(len(self.grad_events), role, module, label, finite, norm, key))
+            return None
+
+        self.tensor_handles.append(tensor.register_hook(hook))
+
+    def _node_hooks(self, loss: torch.Tensor) -> None:
+        """A post-hook on every autograd node: the first node with finite incoming gradients and a
+        non-finite result names the backward op (Inf as well as NaN, unlike detect_anomaly)."""
+        for node in autograd_nodes(loss):
+            self.tensor_handles.append(node.register_hook(self._node_hook(node)))
+
+    def _node_hook(self, node):
+        def hook(grad_inputs, grad_outputs):
+            if self.node_finding is None:
+                incoming_ok = all(all_finite(g) for g in grad_outputs if g is not None)
+                outgoing_ok = all(all_finite(g) for g in grad_inputs if g is not None)
+                if incoming_ok and not outgoing_ok:
+                    self.node_finding = type(node).__name__
+            return None
+
+        return hook
+
+    # the step: loop.run_step with this probe as its observer -------------------------------------------
+    @contextlib.contextmanager
+    def forward_context(self, state):
+        for name, module in self.modules:
+            self.handles.append(module.register_forward_pre_hook(self._pre_hook(name, module), with_kwargs=True))
+            self.handles.append(module.register_forward_hook(self._post_hook(name, module), with_kwargs=True))
+        try:
+            with self.finder:
+                yield
+        finally:
+            for handle in self.handles:
+                handle.remove()
+            self.handles = []
+
+    def after_forward(self, state, loss: torch.Tensor) -> None:
+        if loss.requires_grad:
+            self._node_hooks(loss)
+
+    def after_backward(self, state) -> None:
+        self.layer_norms = per_module_grad_norms(state)
+
+    def before_update(self, state, outcome: "loop.StepOutcome") -> None:
+        if math.isfinite(outcome.loss) and math.isfinite(outcome.grad_norm):
+            self.update_watch = UpdateWatch(state)
+
+    def after_update(self, state) -> None:
+        if self.update_watch is not None:
+            self.update = self.update_watch.finding(state)
+
+    def run(self, step: int, batch: Any) -> StepProbeResult:
+        """The step, instrumented: it runs on through a non-finite loss so backward and the update are seen too."""
+        names = param_names(self.state)
+        for param in self.state.params:
+            if param.requires_grad:
+                pname = names.get(id(param), "?")
+                self._grad_hook(param, "param_grad", owner_of(pname), pname)
+        try:
+            outcome = loop.run_step(self.state, step, batch, halt_on_nonfinite=False, observer=self)
+        finally:
+            for handle in self.handles + self.tensor_handles:
+                handle.remove()
+            self.handles, self.tensor_handles = [], []
+
+        root_calls = [c for c in self.calls if c.module == ""]
+        first_forward = next((c for c in self.calls if c.inputs_finite and not c.outputs_finite), None)
+        first_bad = next((c for c in self.calls if not c.outputs_finite), None)
+        backward_module, backward_detail = self._backward_culprit()
+        return StepProbeResult(
+            loss=outcome.loss,
+            loss_finite=math.isfinite(outcome.loss),
+            forward_calls=self.calls,
+            first_forward=first_forward,
+            first_nonfinite_output=first_bad,
+            forward_op=self.finder.found,
+            model_output_finite=root_calls[-1].outputs_finite if root_calls else None,
+            grad_events=self.grad_events,
+            backward_module=backward_module,
+            backward_detail=backward_detail,
+            backward_node=self.node_finding,
+            layer_grad_norms=self.layer_norms,
+            grad_norm=outcome.grad_norm,
+            grads_finite=math.isfinite(outcome.grad_norm) if outcome.grad_norm is not None else None,
+            update=self.update,
+            corrupted_in_forward=self.corrupted,
+        )
+
+    def _backward_culprit(self) -> tuple[Optional[str], Optional[str]]:
+        """The first module, in backward order, whose gradient turns non-finite while the gradient flowing
+        into it (w.r.t. its output) was finite."""
+        first_bad = next((e for e in self.grad_events if not e.finite), None)
+        if first_bad is None:
+            return None, None
+        # events of one tensor fire together: a non-finite gradient arriving at module N's output was made
+        # by whatever consumed that output: a module (its grad_input event) or a functional op in N's parent
+        same_time = [e for e in self.grad_events[first_bad.order :] if not e.finite and e.key == first_bad.key]
+        consumer = next((e for e in same_time if e.role == "grad_input"), None)
+        if first_bad.role == "param_grad":
+            return first_bad.module, f"the gradient of parameter {first_bad.tensor} is non-finite while the gradient into {display_module(first_bad.module, self.model)}'s output was finite"
+        if first_bad.role == "grad_input" or consumer is not None:
+            event = consumer or first_bad
+            return event.module, f"gradient w.r.t. its input {event.tensor} is non-finite while the gradient w.r.t. its output was finite"
+        parent = first_bad.module.rsplit(".", 1)[0] if "." in first_bad.module else ""
+        if parent == first_bad.module:
+            parent = ""
+        return parent, f"the gradient arriving at {display_module(first_bad.module, self.model)}'s output is non-finite: an op in the forward of {display_module(parent, self.model)} made it"
+
+
+def _call_inputs(args, kwargs) -> list[tuple[str, torch.Tensor]]:
+    found = tensors_in(list(args), "input")
+    return found + tensors_in(dict(kwargs), "input") if kwargs else found
+
+
+@torch.no_grad()
+def per_module_grad_norms(state: "loop.TrainState") -> dict[str, float]:
+    norms = {}
+    for name, module in state.model.named_modules():
+        grads = [p.grad.detach().float() for p in module.parameters(recurse=False) if p.grad is not None]
+        if grads:
+            norms[name or "(root)"] = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])))
+    return norms
+
+
+class UpdateWatch:
+    """The optimizer update of a step whose gradients were finite: made right before the update (gradients
+    already clipped), asked after it which parameters or moments went non-finite and why."""
+
+    def __init__(self, state: "loop.TrainState"):
+        self.before = {id(p): p.detach().clone() for p in state.params}
+        self.grads_before = {id(p): (p.grad.detach().clone() if p.grad is not None else None) for p in state.params}
+        self.hyperparameters = hyperparameters(state)  # the lr the update uses, before the scheduler moves it
+
+    def finding(self, state: "loop.TrainState") -> UpdateFinding:
+        bad = [f for f in probe_state(state) if f.kind in ("parameter", "optimizer state")]
+        return UpdateFinding(
+            params_finite_after=not any(f.kind == "parameter" for f in bad),
+            state_finite_after=not any(f.kind == "optimizer state" for f in bad),
+            bad=bad,
+            hyperparameters=self.hyperparameters,
+            explanation=explain_update(state, bad, self.before, self.grads_before, self.hyperparameters.get("lr", math.nan)) if bad else None,
+        )
+
+
+def hyperparameters(state: "loop.TrainState") -> dict[str, Any]:
+    group = state.optimizer.param_groups[0]
+    keep = {}
+    for key in ("lr", "eps", "betas", "weight_decay", "momentum"):
+        if key in group:
+            value = group[key]
+            keep[key] = float(value) if torch.is_tensor(value) else value
+    keep["optimizer"] = type(state.optimizer).__name__
+    return keep
+
+
+@torch.no_grad()
+def explain_update(state, bad: list[StateFinding], before: dict, grads_before: dict, lr: float) -> str:
+    """Name the arithmetic that failed: lr not finite, or Adam's 0/0 where eps=0 meets zero second moments."""
+    group = state.optimizer.param_groups[0]
+    lr = float(lr)
+    if not math.isfinite(lr):
+        return f"the learning rate is {lr}: every update is non-finite"
+    names = {name: p for name, p in state.model.named_parameters()}
+    for finding in bad:
+        pname = finding.name.split(":")[0]
+        param = names.get(pname)
+        if param is None:
+            continue
+        bad_entries = ~torch.isfinite(param)
+        grad = grads_before.get(id(param))
+        old = before.get(id(param))
+        if old is not None and not torch.isfinite(old[bad_entries]).all():
+            continue
+        moments = state.optimizer.state.get(param, {})
+        eps = group.get("eps")
+        if "exp_avg_sq" in moments and eps is not None and float(eps) == 0.0:
+            zero_v = int((moments["exp_avg_sq"][bad_entries] == 0).sum())
+            zero_g = int((grad[bad_entries] == 0).sum()) if grad is not None else 0
+            if zero_v:
+                return (
+                    f"{type(state.optimizer).__name__} with eps=0: {zero_v} entries of {pname} have exp_avg_sq == 0 "
+                    f"({zero_g} of them had a zero gradient), so the update m / (sqrt(v) + eps) is 0/0 = NaN"
+                )
+        if grad is not None:
+            return (
+                f"{pname}: finite gradient (max |g| {float(grad.abs().max()):.3g}) and finite weights before the update, "
+                f"{finding.nan} NaN / {finding.inf} Inf after it (lr={lr:g}, eps={group.get('eps')})"
+            )
+    return "finite gradients and weights before the update, non-finite after it"
+
+
+# ---- detect_anomaly -----------------------------------------------------------------------------------------
+@dataclass
+class AnomalyFinding:
+    op: Optional[str]  # the first autograd node whose output is non-finite from finite gradients, e.g. LogBackward0
+    source: Optional[str]  # the user's line of the forward call that created that node
+    nan_op: Optional[str] = None  # the node detect_anomaly raised on (it checks NaN only, so it can come later)
+    nan_source: Optional[str] = None
+    message: Optional[str] = None  # the error detect_anomaly raised, if it raised
+    traceback: list[str] = field(default_factory=list)
+
+
+_ERROR_IN = re.compile(r"Error detected in (\w+)\.")
+_FUNCTION_NAN = re.compile(r"Function '(\w+)' returned nan values")
+_FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)\n\s*(.*)')
+
+
+class _FirstBadNode(loop.StepObserver):
+    """A post-hook on every autograd node of the loss: the first whose output is non-finite from finite gradients."""
+
+    def __init__(self):
+        self.node = None
+        self.handles: list[Any] = []
+        self.in_backward = False  # between the forward and the end of backward: where detect_anomaly raises
+
+    def after_forward(self, state, loss: torch.Tensor) -> None:
+        self.in_backward = True
+        if loss.requires_grad:
+            self.handles = [node.register_hook(self._hook(node)) for node in autograd_nodes(loss)]
+
+    def after_backward(self, state) -> None:
+        self.in_backward = False
+
+    def _hook(self, node):
+        def hook(grad_inputs, grad_outputs):
+            if self.node is None:
+                if all(all_finite(g) for g in grad_outputs if g is not None) and not all(all_finite(g) for g in grad_inputs if g is not None):
+                    self.node = node
+            return None
+
+        return hook
+
+
+def anomaly_pass(state: "loop.TrainState", step: int, batch: Any) -> AnomalyFinding:
+    """The step (`loop.run_step`) under torch.autograd.detect_anomaly, on a COPY of the state.
+
+    detect_anomaly raises only on NaN produced in backward; a post-hook on every node also catches Inf, and
+    the forward traceback anomaly mode stores on every node names the user's line either way."""
+    watch = _FirstBadNode()
+    message = None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            with torch.autograd.detect_anomaly(check_nan=True):
+                loop.run_step(state, step, batch, halt_on_nonfinite=False, observer=watch)
+        except RuntimeError as error:
+            if not watch.in_backward:
+                raise
+            message = str(error).splitlines()[0]
+        finally:
+            for handle in watch.handles:
+                handle.remove()
+
+    nan_op = nan_source = None
+    nan_lines: list[str] = []
+    if message and _FUNCTION_NAN.search(message):
+        nan_op = _FUNCTION_NAN.search(message).group(1)
+    for warning in caught:
+        text = str(warning.message)
+        match = _ERROR_IN.search(text)
+        if match:
+            nan_op = nan_op or match.group(1)
+            nan_lines = _frames(text)
+            break
+    nan_source = _source(nan_lines)
+    if watch.node is not None:
+        node = watch.node
+        lines = _frames("".join(getattr(node, "metadata", {}).get("traceback_", [])))
+        return AnomalyFinding(type(node).__name__, _source(lines), nan_op, nan_source, message, lines)
+    return AnomalyFinding(nan_op, nan_source, nan_op, nan_source, message, nan_lines)
+
+
+def _source(lines: list[str]) -> Optional[str]:
+    if not lines:
+        return None
+    frames = [traceback.FrameSummary(f, int(n), fn, line=code) for f, n, fn, code in (_FRAME.match(l).groups() for l in lines)]
+    return format_frame(user_frame(frames))
+
+
+def _frames(text: str) -> list[str]:
+    """The traceback's frames inside the step: those after replaybisect's own (its callers are not the step)."""
+    frames = [m for m in _FRAME.finditer(text)]
+    ours = [i for i, m in enumerate(frames) if os.path.abspath(m.group(1)).startswith(_PACKAGE_DIR)]
+    return [m.group(0) for m in frames[(ours[-1] + 1 if ours else 0):]]
+
+
+def to_jsonable(value: Any) -> Any:
+    """Dataclasses -> dicts with non-finite floats as strings (JSON has no NaN)."""
+    if hasattr(value, "__dataclass_fields__"):
+        value = asdict(value)
+    if isinstance(value, dict):
+        return {str(k): to_jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [to_jsonable(v) for v in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return repr(value)
+    return value

@@ -1,1 +1,0 @@
-"""The recorder, the snapshot format, and RNG/determinism state."""

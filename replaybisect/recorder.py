@@ -1,0 +1,362 @@
+"""The recorder: batched metrics, per-layer statistics, two-phase asynchronous snapshots, the NaN guard.
+
+Two-phase snapshots (CheckFreq's design): the step pays only for copying tensors into preallocated host
+buffers; one background worker serialises, writes (temp name, fsync, rename) and uploads. One snapshot
+in flight: the next copy waits for the previous write instead of dropping a snapshot.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import threading
+import tempfile
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from replaybisect.errors import DiskFull, is_disk_full
+from replaybisect.core.loop import StepOutcome, TrainState
+from replaybisect.core import snapshot as fmt
+from replaybisect.core.state import live_tensors, state_json
+from replaybisect.store import Store
+
+SATURATING = (torch.nn.Tanh, torch.nn.Sigmoid, torch.nn.Hardtanh)
+ZEROING = (torch.nn.ReLU, torch.nn.ReLU6)
+SATURATION_PREACT = 5.0  # |pre-activation| beyond which tanh/sigmoid count as saturated (DeepDiagnosis: ±5)
+
+
+class LayerStats:
+    """Observer for one statistics step: activation zero/saturation fractions, per-layer grad and weight
+    norms, total parameter norm and the update/weight ratio ‖Δθ‖/‖θ‖. It only reads."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.points: dict[str, float] = {}
+        self._pending: dict[str, torch.Tensor] = {}
+        self._handles = []
+        self._before: list[torch.Tensor] = []
+        self._param_owner = [
+            (name or "model", list(module.parameters(recurse=False)))
+            for name, module in model.named_modules()
+            if any(True for _ in module.parameters(recurse=False))
+        ]
+        for name, module in model.named_modules():
+            if isinstance(module, ZEROING):
+                self._handles.append(module.register_forward_hook(self._zero_hook(name)))
+            elif isinstance(module, SATURATING):
+                self._handles.append(module.register_forward_hook(self._saturation_hook(name)))
+
+    def _zero_hook(self, name):
+        def hook(module, inputs, output):
+            self._pending[f"act_zero_frac/{name}"] = (output.detach() == 0).float().mean()
+
+        return hook
+
+    def _saturation_hook(self, name):
+        def hook(module, inputs, output):
+            self._pending[f"act_sat_frac/{name}"] = (inputs[0].detach().abs() > SATURATION_PREACT).float().mean()
+
+        return hook
+
+    def after_backward(self, state: TrainState) -> None:
+        for name, params in self._param_owner:
+            grads = [p.grad.detach() for p in params if p.grad is not None]
+            if grads:
+                self._pending[f"grad_norm/{name}"] = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]))
+            self._pending[f"weight_norm/{name}"] = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.detach().float()) for p in params]))
+        self._before = [p.detach().clone() for p in state.params]
+
+    def after_update(self, state: TrainState) -> None:
+        params = [p.detach() for p in state.params]
+        param_norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(self._before))) if params else torch.zeros(())
+        deltas = torch._foreach_sub(params, self._before)
+        update_norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(deltas))) if deltas else torch.zeros(())
+        self._pending["param_norm"] = param_norm
+        self._pending["update_ratio"] = update_norm / param_norm.clamp_min(1e-12)
+        self._before = []
+
+    def finish(self) -> dict[str, float]:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        return {key: float(value.item()) for key, value in self._pending.items()}
+
+
+def _lower_priority() -> None:
+    """The writer yields the CPU to the training threads (Linux: nice is per thread)."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+    except (AttributeError, OSError):
+        pass
+
+
+class Recorder:
+    """Implements loop.LoopHooks for `replay train`: everything a later replay needs."""
+
+    def __init__(self, store: Store, run_id: str, cfg, state: TrainState, data_position: dict[str, Any]):
+        self.store = store
+        self.run_id = run_id
+        self.cfg = cfg
+        self.state = state
+        self.data_position = data_position
+        self.snapshot_every = cfg.snapshot.every
+        self.stats_every = cfg.snapshot.layer_stats_every
+        self.flush_every = max(1, cfg.snapshot.metrics_flush_every)
+        self.flush_seconds = cfg.snapshot.metrics_flush_seconds or math.inf  # 0: by step count only
+        self._next_flush = time.monotonic() + self.flush_seconds
+        self.keep_batches = cfg.snapshot.keep_batches
+        self.on_nonfinite_stop = cfg.snapshot.on_nonfinite == "stop"
+
+        self.metrics: list[tuple[str, float, int]] = []
+        self.snapshot_steps: list[int] = []  # closed (written or being written), in order
+        self._written_steps: list[int] = []  # manifest on disk
+        self.snapshot_blocking: list[tuple[int, float, int]] = []  # (step, seconds the step waited, bytes copied)
+        self.first_nonfinite_step: int | None = None
+        self.nonfinite_what: str | None = None
+        self.last_loss: float | None = None
+        self.steps_completed = 0
+
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="replaybisect-writer", initializer=_lower_priority)
+        self._jobs: list[Future] = []
+        self._writer_failure: BaseException | None = None  # the first background failure, raised on the next step
+        self._created_folders: list[Path] = []  # removed at close unless their manifest is written
+        self._buffers_job: Future | None = None  # the write that reads the host buffers
+        self._host_buffers: dict[str, torch.Tensor] = {}
+        self._open_snapshot: dict[str, Any] | None = None  # the snapshot whose batches are still arriving
+        self._rng_at_start: dict | None = None
+        self._stats: LayerStats | None = None
+        local = store.local_artifact_dir(run_id)
+        self._local_root = local / fmt.SNAPSHOTS if local else None
+        self._staging = None if local else Path(tempfile.mkdtemp(prefix="replaybisect-snapshots-"))
+
+    # ---- LoopHooks --------------------------------------------------------------------------
+    def before_step(self, step: int, state: TrainState, rng_at_start: dict) -> None:
+        self._rng_at_start = rng_at_start
+        if self.snapshot_every and step % self.snapshot_every == 0:
+            self._close_open_snapshot()
+            self._begin_snapshot(step, rng_at_start, reason="periodic")
+
+    def observer(self, step: int):
+        if self.stats_every and step % self.stats_every == 0:
+            self._stats = LayerStats(self.state.model)
+            return self._stats
+        return None
+
+    def on_nonfinite(self, outcome: StepOutcome, batch) -> bool:
+        """The state is still the one before this step: save it with the failing batch, tag the run."""
+        if self.first_nonfinite_step is None:
+            self.first_nonfinite_step = outcome.step
+            self.nonfinite_what = outcome.nonfinite
+            opened = self._open_snapshot
+            self._keep_batch(outcome.step, batch, force=True)  # the open interval ends with the failing batch
+            if not (opened and opened["step"] == outcome.step):  # else the periodic snapshot of this step is it
+                self._close_open_snapshot()
+                self._begin_snapshot(outcome.step, self._rng_at_start, reason="nonfinite", keep_open=True)
+                self._keep_batch(outcome.step, batch, force=True)
+            self._close_open_snapshot()
+            self.store.set_tags(
+                self.run_id,
+                {"first_nonfinite_step": outcome.step, "nonfinite_what": outcome.nonfinite, "status": "nonfinite"},
+            )
+        return not self.on_nonfinite_stop
+
+    def after_step(self, outcome: StepOutcome, batch, step_time: float, data_time: float) -> bool:
+        step = outcome.step
+        self.metrics += [("loss", outcome.loss, step), ("lr", outcome.lr, step), ("step_time", step_time, step), ("data_time", data_time, step)]
+        if outcome.grad_norm is not None:
+            self.metrics.append(("grad_norm", outcome.grad_norm, step))
+        if self._stats is not None:
+            self.metrics += [(key, value, step) for key, value in self._stats.finish().items()]
+            self._stats = None
+        if self._open_snapshot is not None and step != self.first_nonfinite_step:
+            self._keep_batch(step, batch)
+        self.last_loss = outcome.loss
+        self.steps_completed = step + 1
+        if (step + 1) % self.flush_every == 0 or time.monotonic() >= self._next_flush:
+            self._flush_metrics()
+        if self._writer_failure is not None:  # a failed write (a full disk) stops training now, not at close
+            raise self._writer_failure
+        return True
+
+    def after_validation(self, step: int, val_loss: float) -> None:
+        self.metrics.append(("val_loss", val_loss, step))
+
+    # ---- snapshots ------------------------------------------------------------------------------
+    def _begin_snapshot(self, step: int, rng_raw: dict, reason: str, keep_open: bool = False) -> None:
+        """Phase 1, on the training thread: copy every tensor into host buffers (waits for the previous write)."""
+        started = time.perf_counter()
+        if self._buffers_job is not None:
+            self._buffers_job.result()  # one in flight: the host buffers are about to be reused
+        host = {}
+        for name, tensor in live_tensors(self.state).items():
+            buffer = self._host_buffers.get(name)
+            if buffer is None or buffer.shape != tensor.shape or buffer.dtype != tensor.dtype:
+                buffer = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=tensor.is_cuda)
+                self._host_buffers[name] = buffer
+            buffer.copy_(tensor.detach(), non_blocking=tensor.is_cuda)
+            host[name] = buffer
+        if self.state.device.type == "cuda":
+            torch.cuda.synchronize(self.state.device)
+        saved_state = state_json(self.state, step, rng_raw, {**self.data_position, "step": step}, reason)
+        blocking = time.perf_counter() - started
+        self.snapshot_blocking.append((step, blocking, sum(b.numel() * b.element_size() for b in host.values())))
+        self.metrics.append(("snapshot_blocking_time", blocking, step))
+        folder = self._folder(step)
+        self._buffers_job = self._submit(self._write_state_files, folder, host, saved_state)
+        self._open_snapshot = {"step": step, "folder": folder, "batches": {}, "files_job": self._buffers_job}
+        if not (self.keep_batches or keep_open):
+            self._close_open_snapshot()
+
+    def _keep_batch(self, step: int, batch, force: bool = False) -> None:
+        """Keep the batch of `step` for the open snapshot (always the failing batch, whatever keep_batches says)."""
+        if (self.keep_batches or force) and self._open_snapshot is not None:
+            self._open_snapshot["batches"][step] = batch
+
+    def _close_open_snapshot(self) -> None:
+        """Phase 2 ends: write the interval's batches, then the manifest (last)."""
+        opened, self._open_snapshot = self._open_snapshot, None
+        if opened is None:
+            return
+        self._submit(self._finish_snapshot, opened)
+        self.snapshot_steps.append(opened["step"])
+
+    def _folder(self, step: int) -> Path:
+        root = self._local_root if self._local_root is not None else self._staging
+        folder = root / fmt.folder_name(step)
+        if folder.exists():  # the periodic snapshot of a step that then failed: rewrite it with the failing batch
+            for job in self._jobs:
+                job.result()
+            shutil.rmtree(folder)
+        with _disk_full_named(f"snapshot {folder.name}", root):
+            folder.mkdir(parents=True)
+        self._created_folders.append(folder)
+        return folder
+
+    @staticmethod
+    def _write_state_files(folder: Path, host: dict[str, torch.Tensor], saved_state: dict) -> dict[str, dict]:
+        with _disk_full_named(f"snapshot {folder.name}", folder.parent):
+            return {
+                fmt.TENSORS: fmt.write_tensors_atomic(folder / fmt.TENSORS, host),
+                fmt.STATE: fmt.write_atomic(folder / fmt.STATE, fmt.encode_json(saved_state)),
+            }
+
+    def _finish_snapshot(self, opened: dict[str, Any]) -> None:
+        files = dict(opened["files_job"].result())
+        folder: Path = opened["folder"]
+        with _disk_full_named(f"snapshot {folder.name}", folder.parent):
+            if opened["batches"]:
+                files[fmt.BATCHES] = fmt.write_atomic(folder / fmt.BATCHES, fmt.encode_batches(opened["batches"]))
+            fmt.write_manifest(folder, opened["step"], files)
+            if self._staging is not None:  # remote artifact store: upload data files first, the manifest last
+                target = f"{fmt.SNAPSHOTS}/{folder.name}"
+                for name in list(files) + [fmt.MANIFEST]:
+                    self.store.log_artifact(self.run_id, folder / name, target)
+                shutil.rmtree(folder, ignore_errors=True)
+        self._written_steps.append(opened["step"])
+        with _disk_full_named("tags", self.store.uri, in_store=True):
+            self.store.set_tags(self.run_id, {"snapshot_steps": ",".join(str(s) for s in sorted(set(self._written_steps)))})
+
+    # ---- metrics and the background worker -------------------------------------------------------
+    def _flush_metrics(self) -> None:
+        points, self.metrics = self.metrics, []
+        self._next_flush = time.monotonic() + self.flush_seconds
+        if points:
+            self._submit(self._log_metrics, points)
+
+    def _log_metrics(self, points: list[tuple[str, float, int]]) -> None:
+        with _disk_full_named("metrics", self.store.uri, in_store=True):
+            self.store.log_metrics(self.run_id, points)
+
+    def _submit(self, function, *args) -> Future:
+        job = self._worker.submit(function, *args)
+        job.add_done_callback(self._note_failure)
+        self._jobs = [j for j in self._jobs if not j.done() or j.exception() is not None] + [job]
+        return job
+
+    def _note_failure(self, job: Future) -> None:
+        if self._writer_failure is None and not job.cancelled() and job.exception() is not None:
+            self._writer_failure = job.exception()
+
+    def close(self) -> None:
+        """Finish every pending write (snapshots, metrics); raise the first background failure.
+        Interrupted (Ctrl-C, SIGTERM) or failed, it still finishes what it can and leaves no incomplete
+        snapshot folder and no temp file behind."""
+        try:
+            self._close_open_snapshot()
+            self._flush_metrics()
+            for job in self._jobs:
+                job.result()
+        finally:
+            self._worker.shutdown(wait=True)
+            self._remove_incomplete_snapshots()
+            if self._staging is not None:
+                shutil.rmtree(self._staging, ignore_errors=True)
+
+    def _remove_incomplete_snapshots(self) -> None:
+        """A snapshot whose write failed or was cut short is discarded: it could never be loaded."""
+        for folder in self._created_folders:
+            if folder.is_dir() and not (folder / fmt.MANIFEST).is_file():
+                shutil.rmtree(folder, ignore_errors=True)
+
+
+@contextmanager
+def _disk_full_named(what: str, where, in_store: bool = False) -> Any:
+    """A full disk or quota becomes one line: what was being written, where, and what to do."""
+    try:
+        yield
+    except DiskFull:
+        raise
+    except Exception as error:
+        if not is_disk_full(error):
+            raise
+        if in_store:
+            message = f"no space left on device writing {what} to the tracking store {where}; free space or point the store elsewhere (--tracking-uri)"
+        else:
+            message = f"no space left on device writing {what} in {where}; free space, set snapshot.every higher or point the store elsewhere (--tracking-uri)"
+        raise DiskFull(message) from error
+
+
+class NullHooks:
+    """LoopHooks that record nothing: the recorder turned off (benchmarks) or a bare replay."""
+
+    def __init__(self, stop_on_nonfinite: bool = True):
+        self.stop_on_nonfinite = stop_on_nonfinite
+        self.losses: dict[int, float] = {}
+        self.first_nonfinite_step: int | None = None
+        self.nonfinite_what: str | None = None
+        self.last_loss: float | None = None
+        self.steps_completed = 0
+        self.snapshot_steps: list[int] = []
+
+    def before_step(self, step, state, rng_at_start):
+        pass
+
+    def observer(self, step):
+        return None
+
+    def on_nonfinite(self, outcome, batch):
+        if self.first_nonfinite_step is None:
+            self.first_nonfinite_step = outcome.step
+            self.nonfinite_what = outcome.nonfinite
+        return not self.stop_on_nonfinite
+
+    def after_step(self, outcome, batch, step_time, data_time):
+        self.losses[outcome.step] = outcome.loss
+        self.last_loss = outcome.loss
+        self.steps_completed = outcome.step + 1
+        return True
+
+    def close(self):
+        pass
+
+    def after_validation(self, step, val_loss):
+        pass
+
+
+def is_finite(value: float | None) -> bool:
+    return value is not None and math.isfinite(value)

@@ -1,0 +1,331 @@
+"""Restore a recorded run at a step and replay it, comparing every loss with the logged one.
+
+`replay nan`, `replay ablate` and `replay check --run-id` stand on this module.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator, Optional
+
+from replaybisect.core import config as config_mod
+from replaybisect.errors import ConfigError, ReplayError, SnapshotError
+from replaybisect.core import snapshot as fmt
+from replaybisect.store import Store
+from replaybisect.core.trust import Trust, admit
+
+CLOSE_RELATIVE = 1e-3  # replay tolerance where kernels are nondeterministic (Megatron-Core: 1e-3 relative)
+
+
+# ---- what a run recorded -------------------------------------------------------------------------
+def run_config(store: Store, run_id: str, trust: Optional[Trust] = None):
+    """The resolved config the run logged, re-validated by the schema, and admitted by the trust boundary:
+    a stored config is untrusted input, checked before any of its modules is imported (see trust.py).
+    `trust` is the user's decision (--code-dir, --trust); default: the working folder and the environment's."""
+    trust = trust or Trust.from_user()
+    code_dir = store.tags(run_id).get("code_dir")  # RunNotFound first
+    try:
+        text = store.read_artifact_text(run_id, "config.yaml")
+    except Exception:
+        raise ReplayError(f"run {run_id} has no config.yaml artifact: it was not recorded by `replay train`") from None
+    cfg = config_mod.from_yaml(text)
+    artifacts = store.local_artifact_dir(run_id)  # <root>/<experiment>/<run>/artifacts: never a code folder
+    admit(cfg, trust, code_dir, source=f"run {run_id}", artifact_root=artifacts.parents[2] if artifacts else None)
+    return cfg
+
+
+def failing_step(store: Store, run_id: str) -> Optional[int]:
+    """The first non-finite step: the run's tag, else the first non-finite loss or grad_norm logged."""
+    tag = store.tags(run_id).get("first_nonfinite_step")
+    if tag not in (None, ""):
+        return int(tag)
+    steps = [
+        step
+        for key in ("loss", "grad_norm")
+        for step, value in store.metric_history(run_id, key)
+        if not math.isfinite(value)
+    ]
+    return min(steps) if steps else None
+
+
+def logged_losses(store: Store, run_id: str) -> dict[int, float]:
+    return dict(store.metric_history(run_id, "loss"))
+
+
+def snapshot_steps(store: Store, run_id: str) -> list[int]:
+    """Steps of every snapshot folder the run has (complete or not: verification decides)."""
+    steps = []
+    for info in store.list_artifacts(run_id, fmt.SNAPSHOTS):
+        step = fmt.step_of(Path(info.path).name)
+        if info.is_dir and step is not None:
+            steps.append(step)
+    return sorted(steps)
+
+
+def snapshot_folder(store: Store, run_id: str, step: int) -> Path:
+    """A local folder holding the snapshot: the artifact folder itself when local, else a download."""
+    name = fmt.folder_name(step)
+    local = store.local_artifact_dir(run_id)
+    if local is not None:
+        return local / fmt.SNAPSHOTS / name
+    cache = Path(os.environ.get("REPLAYBISECT_CACHE", Path.home() / ".cache" / "replaybisect")) / "snapshots" / run_id
+    cache.mkdir(parents=True, exist_ok=True)
+    return store.download_artifacts(run_id, f"{fmt.SNAPSHOTS}/{name}", cache)
+
+
+def load_snapshot(store: Store, run_id: str, step: int) -> fmt.Snapshot:
+    return fmt.load(snapshot_folder(store, run_id, step))
+
+
+def good_snapshots(store: Store, run_id: str, at_or_before: int | None, warnings: list[str]) -> Iterator[fmt.Snapshot]:
+    """The snapshots <= step that verify, newest first; each bad one is reported in `warnings` and skipped."""
+    steps = [s for s in snapshot_steps(store, run_id) if at_or_before is None or s <= at_or_before]
+    for step in reversed(steps):
+        try:
+            yield load_snapshot(store, run_id, step)
+        except SnapshotError as error:
+            warnings.append(f"{error}; using an earlier snapshot")
+
+
+def newest_good_snapshot(store: Store, run_id: str, at_or_before: int | None, warnings: list[str]) -> fmt.Snapshot:
+    """The newest snapshot <= step that verifies; a bad one is reported in `warnings` and the previous used."""
+    for snapshot in good_snapshots(store, run_id, at_or_before, warnings):
+        return snapshot
+    raise _none_verifies(store, run_id, at_or_before, warnings)
+
+
+def _none_verifies(store: Store, run_id: str, at_or_before: int | None, warnings: list[str]) -> SnapshotError:
+    where = f" at or before step {at_or_before}" if at_or_before is not None else ""
+    if not warnings:
+        return SnapshotError(
+            f"run {run_id} has no snapshots{where}; train with snapshot.every > 0 (e.g. snapshot.every=100) to make it replayable"
+        )
+    return SnapshotError(f"run {run_id}: no snapshot{where} verifies ({'; '.join(warnings)})")
+
+
+# ---- restore -------------------------------------------------------------------------------------------
+@dataclass
+class Restored:
+    """A run rebuilt at a snapshot: the live training state plus where each step's batch comes from."""
+
+    store: Store
+    run_id: str
+    cfg: Any
+    state: Any  # loop.TrainState, holding the state before step `snapshot.step`
+    snapshot: fmt.Snapshot
+    warnings: list[str] = field(default_factory=list)
+    _stored_batches: dict[int, Any] = field(default_factory=dict, repr=False)
+    _loaded_snapshots: set[int] = field(default_factory=set, repr=False)
+    _batch_source: Any = field(default=None, repr=False)
+    _listed_steps: Optional[list[int]] = field(default=None, repr=False)
+
+    @property
+    def step(self) -> int:
+        return self.snapshot.step
+
+    def batch(self, step: int):
+        """The batch of `step`: the stored one when a snapshot holds it, else rebuilt from the data source."""
+        if step not in self._stored_batches:
+            self._load_batches_covering(step)
+        if step in self._stored_batches:
+            return self._stored_batches[step]
+        return self._data_source().batch(step)
+
+    def has_stored_batch(self, step: int) -> bool:
+        self._load_batches_covering(step)
+        return step in self._stored_batches
+
+    def _snapshot_steps(self) -> list[int]:
+        if self._listed_steps is None:  # list the run's artifacts once, not once per step
+            self._listed_steps = snapshot_steps(self.store, self.run_id)
+        return self._listed_steps
+
+    def _load_batches_covering(self, step: int) -> None:
+        for snap_step in reversed(self._snapshot_steps()):
+            if snap_step > step:
+                continue
+            if snap_step in self._loaded_snapshots:
+                return
+            self._loaded_snapshots.add(snap_step)
+            try:
+                self._stored_batches.update(load_snapshot(self.store, self.run_id, snap_step).batches)
+            except SnapshotError:
+                continue  # an unverifiable snapshot: try an older one, else the data source
+            if step in self._stored_batches:
+                return
+
+    def _data_source(self):
+        from replaybisect.core import loop
+        from replaybisect.core.rng import isolated_rng
+
+        if self._batch_source is None:
+            with isolated_rng():  # building a dataset must not shift the restored RNG streams
+                try:
+                    self._batch_source, _ = loop.build_data(self.cfg)
+                except (ConfigError, OSError) as error:
+                    raise ReplayError(f"the run's stored batches end before this step and its data source cannot be built: {error}") from None
+        return self._batch_source
+
+
+def restore(
+    store: Store,
+    run_id: str,
+    step: int | None = None,
+    *,
+    cfg=None,
+    device=None,
+    snapshot: fmt.Snapshot | None = None,
+) -> Restored:
+    """Rebuild model, optimizer, scheduler, scaler, RNG streams and data position from the newest good
+    snapshot at or before `step` (the latest one when None). `cfg` replaces the run's config (ablations):
+    objects are built from it, state comes from the snapshot."""
+    from replaybisect.core import loop
+    from replaybisect.core.state import apply
+
+    warnings: list[str] = []
+    cfg = cfg if cfg is not None else run_config(store, run_id)
+    # A snapshot that verifies can still fail to apply (a tensor of the wrong shape); then the next older one is
+    # applied to a freshly built state, so the replay from it is as exact as if it had been chosen first.
+    if snapshot is not None:
+        candidates = itertools.chain([snapshot], good_snapshots(store, run_id, snapshot.step - 1, warnings))
+    else:
+        candidates = good_snapshots(store, run_id, step, warnings)
+    for candidate in candidates:
+        state = loop.build_state(cfg, device)
+        try:
+            apply(state, candidate.tensors, candidate.state)
+        except SnapshotError as error:
+            warnings.append(f"snapshot {candidate.folder.name}: {error}; using an earlier snapshot")
+            continue
+        restored = Restored(store=store, run_id=run_id, cfg=cfg, state=state, snapshot=candidate, warnings=warnings)
+        restored._stored_batches.update(candidate.batches)
+        restored._loaded_snapshots.add(candidate.step)
+        return restored
+    raise _none_verifies(store, run_id, step if snapshot is None else snapshot.step, warnings)
+
+
+# ---- replay ----------------------------------------------------------------------------------------------
+@dataclass
+class ReplayResult:
+    start_step: int
+    end_step: int  # exclusive: the next step to run
+    losses: dict[int, float]
+    logged: dict[int, float]
+    mismatches: list[tuple[int, float, float]]  # (step, logged, replayed)
+    reproduced: str  # exact | close | diverged | unchecked
+    max_relative_error: float
+    stopped: Any = None  # the StepOutcome that stopped the replay (non-finite), else None
+    grad_norms: dict[int, float] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "start_step": self.start_step,
+            "end_step": self.end_step,
+            "reproduced": self.reproduced,
+            "max_relative_error": self.max_relative_error,
+            "mismatches": [{"step": s, "logged": a, "replayed": b} for s, a, b in self.mismatches[:20]],
+        }
+
+
+def same_loss(logged: float, replayed: float) -> bool:
+    return logged == replayed or (math.isnan(logged) and math.isnan(replayed))
+
+
+def relative_error(logged: float, replayed: float) -> float:
+    if same_loss(logged, replayed):
+        return 0.0
+    if not (math.isfinite(logged) and math.isfinite(replayed)):
+        return math.inf
+    return abs(logged - replayed) / max(abs(logged), 1e-12)
+
+
+class ReplayHooks:
+    """LoopHooks for a replay or an ablation arm: record each step's loss, grad norm and lr, optionally observe
+    each step, remember the first non-finite step and stop there (or take the step again and go on).
+
+    `lr_factor(step)` is an arm's lr multiplier (the lr logged is the one the update used); `on_step(outcome)`
+    is called after every step."""
+
+    def __init__(
+        self,
+        stop_on_nonfinite: bool = True,
+        observer_factory: Callable[[int], Any] | None = None,
+        on_step: Callable | None = None,
+        lr_factor: Callable[[int], float] | None = None,
+    ):
+        self.stop_on_nonfinite = stop_on_nonfinite
+        self.observer_factory = observer_factory
+        self.on_step = on_step
+        self.lr_factor = lr_factor
+        self.current_step: Optional[int] = None
+        self.losses: dict[int, float] = {}
+        self.grad_norms: dict[int, float] = {}
+        self.lrs: dict[int, float] = {}
+        self.first_nonfinite: Optional[tuple[int, str]] = None  # (step, "loss" | "grad_norm")
+
+    def before_step(self, step, state, rng_at_start):
+        self.current_step = step
+
+    def observer(self, step):
+        return self.observer_factory(step) if self.observer_factory else None
+
+    def on_nonfinite(self, outcome, batch):
+        if self.first_nonfinite is None:
+            self.first_nonfinite = (outcome.step, outcome.nonfinite)
+        return not self.stop_on_nonfinite
+
+    def after_step(self, outcome, batch, step_time, data_time):
+        self.losses[outcome.step] = outcome.loss
+        if outcome.grad_norm is not None:
+            self.grad_norms[outcome.step] = outcome.grad_norm
+        self.lrs[outcome.step] = outcome.lr * (self.lr_factor(outcome.step) if self.lr_factor else 1.0)
+        if self.on_step:
+            self.on_step(outcome)
+        return True
+
+    def after_validation(self, step, val_loss):
+        pass
+
+
+def replay(
+    restored: Restored,
+    until: int,
+    *,
+    logged: dict[int, float] | None = None,
+    stop_on_nonfinite: bool = True,
+    observer_factory: Callable[[int], Any] | None = None,
+    on_step: Callable | None = None,
+    start: int | None = None,
+) -> ReplayResult:
+    """Run steps start..until-1 from the restored state, comparing each loss with `logged` when given."""
+    from replaybisect.core import loop
+
+    start = restored.step if start is None else start
+    hooks = ReplayHooks(stop_on_nonfinite, observer_factory, on_step)
+    stopped = loop.train_loop(restored.state, restored.batch, start, until, hooks)
+    end = (stopped.step if stopped is not None else until)
+    mismatches = []
+    worst = 0.0
+    if logged is not None:
+        for step, loss in sorted(hooks.losses.items()):
+            if step in logged and not same_loss(logged[step], loss):
+                mismatches.append((step, logged[step], loss))
+                worst = max(worst, relative_error(logged[step], loss))
+        reproduced = "exact" if not mismatches else ("close" if worst <= CLOSE_RELATIVE else "diverged")
+    else:
+        reproduced = "unchecked"
+    return ReplayResult(
+        start_step=start,
+        end_step=end,
+        losses=hooks.losses,
+        logged={s: logged[s] for s in hooks.losses if logged and s in logged},
+        mismatches=mismatches,
+        reproduced=reproduced,
+        max_relative_error=worst,
+        stopped=stopped,
+        grad_norms=hooks.grad_norms,
+    )

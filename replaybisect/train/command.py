@@ -1,0 +1,71 @@
+"""`replay train [hydra overrides]`: train with the recorder on."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+
+from replaybisect.options import HYDRA_CONTEXT, JsonFlag, StepProgress, TrackingUri, print_json
+
+
+def train_command(
+    ctx: typer.Context,
+    config_dir: Optional[Path] = typer.Option(None, "--config-dir", help="Your Hydra config folder (default: the built-in example)."),
+    config_name: str = typer.Option("config", "--config-name", help="Primary config in --config-dir."),
+    tracking_uri: Optional[str] = TrackingUri,
+    run_name: Optional[str] = typer.Option(None, "--run-name", help="MLflow run name."),
+    as_json: bool = JsonFlag,
+    show_config: bool = typer.Option(False, "--cfg", help="Print the resolved config and exit."),
+    parent_run_id: Optional[str] = typer.Option(None, "--parent-run-id", hidden=True),
+    kind: str = typer.Option("train", "--kind", hidden=True),
+    tag: List[str] = typer.Option([], "--tag", hidden=True, help="key=value, repeated"),
+):
+    """Train a model from a Hydra config, recording metrics and snapshots to MLflow.
+
+    Everything after the options is a Hydra override, e.g.
+
+        replay train train.steps=300 optim.lr=3e-3 model=cnn train.precision=bf16
+
+    Exit status: 0 trained, 3 stopped on a non-finite loss or gradient (then run `replay nan --run-id ID`),
+    2 bad config or store.
+    """
+    from replaybisect.core import config as config_mod
+    from replaybisect.errors import NonFiniteStop, ReplayError
+    from replaybisect.report import print_train_result
+
+    extra_tags = {}
+    for item in tag:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ReplayError(f"--tag {item!r} is not key=value")
+        extra_tags[key] = value
+    cfg = config_mod.compose(config_dir, config_name, list(ctx.args))
+    if show_config:
+        print(config_mod.to_yaml(cfg), end="")
+        return
+
+    from replaybisect.store import open_store
+    from replaybisect.train.engine import train
+
+    store = open_store(tracking_uri)
+    code_folder = config_dir.resolve() if config_dir else Path.cwd()
+    with StepProgress("training") as bar:
+        result = train(
+            cfg, store, run_name=run_name, parent_run_id=parent_run_id, kind=kind,
+            extra_tags=extra_tags, code_folder=code_folder, progress=bar.update,
+        )
+    if as_json:
+        print_json(result.to_json())
+    else:
+        print_train_result(result)
+    if result.stopped:
+        raise NonFiniteStop(
+            result.first_nonfinite_step, (result.nonfinite_what or "loss").replace("_", " "), result.run_id,
+            snapshot_saved=result.first_nonfinite_step in result.snapshot_steps,
+        )
+
+
+def register(app: typer.Typer) -> None:
+    app.command("train", context_settings=HYDRA_CONTEXT)(train_command)

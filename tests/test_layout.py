@@ -1,0 +1,109 @@
+"""The package's shape: dependencies point one way (command -> report -> engine -> core / store), no import cycles,
+MLflow only behind store.py, the core free of MLflow and rich. Read from the source with ast, as written."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "replaybisect"
+NAME = PACKAGE.name
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {module_name(path): path for path in PACKAGE.rglob("*.py")}
+
+
+def imported_modules(path: Path) -> set[str]:
+    """Every module this file imports, at any depth (function-level imports count)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module)
+            found.update(f"{node.module}.{alias.name}" for alias in node.names if f"{node.module}.{alias.name}" in MODULES)
+    return found
+
+
+def internal_graph() -> dict[str, set[str]]:
+    graph = {}
+    for name, path in MODULES.items():
+        targets = {target for target in imported_modules(path) if target in MODULES and target != name}
+        # importing a package's module runs the package's __init__, which is not a dependency of interest
+        graph[name] = {t for t in targets if MODULES[t].name != "__init__.py" or t == NAME and name != NAME}
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        stack.append(node)
+        for target in sorted(graph.get(node, ())):
+            if state.get(target) == 1:
+                return stack[stack.index(target):] + [target]
+            if target not in state and (cycle := visit(target)):
+                return cycle
+        stack.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (cycle := visit(node)):
+            return cycle
+    return None
+
+
+def test_cycle_finder_finds_a_planted_cycle():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": set()}) is None
+
+
+def test_no_import_cycles():
+    graph = internal_graph()
+    graph.pop(NAME, None)  # the public API imports everything lazily by design
+    assert find_cycle(graph) is None, " -> ".join(find_cycle(graph))
+
+
+def test_mlflow_only_behind_the_store():
+    users = sorted(name for name, path in MODULES.items() if any(m.split(".")[0] == "mlflow" for m in imported_modules(path)))
+    assert users == [f"{NAME}.store"], users
+
+
+@pytest.mark.parametrize("forbidden", ["mlflow", "rich", "typer", f"{NAME}.store"])
+def test_core_has_no_store_or_terminal_imports(forbidden):
+    offenders = sorted(
+        name
+        for name, path in MODULES.items()
+        if name.startswith(f"{NAME}.core")
+        and any(m == forbidden or m.startswith(forbidden + ".") for m in imported_modules(path))
+    )
+    assert offenders == [], offenders
+
+
+LAYERS = ["command", "report", "engine"]  # a verb's modules, top to bottom
+
+
+def test_verb_layers_point_down():
+    """Within a verb folder: command -> report -> engine, never upwards; engines never import a report."""
+    wrong = []
+    for name, path in MODULES.items():
+        parts = name.split(".")
+        if len(parts) != 3 or parts[2] not in LAYERS:
+            continue
+        verb, layer = parts[1], parts[2]
+        for target in imported_modules(path):
+            tparts = target.split(".")
+            if len(tparts) == 3 and tparts[0] == NAME and tparts[2] in LAYERS and tparts[2] != layer:
+                if LAYERS.index(tparts[2]) < LAYERS.index(layer):
+                    wrong.append(f"{name} -> {target}")
+    assert wrong == [], wrong
