@@ -95,8 +95,8 @@ def main() -> None:
         print(f"{label}: {best:.1f}s (best of {args.repeats})", file=sys.stderr)
         return best, value
 
-    one, result_one = timed("ablate, 1 worker", lambda: ablate_mod.ablate(store, run.run_id, ARMS, horizon=args.horizon, workers=1, write_report=False))
-    two, result_two = timed("ablate, 2 workers", lambda: ablate_mod.ablate(store, run.run_id, ARMS, horizon=args.horizon, workers=2, write_report=False))
+    one, result_one = timed("ablate, 1 worker", lambda: ablate_mod.ablate(store, run.run_id, ARMS, horizon=args.horizon, workers=1))
+    two, result_two = timed("ablate, 2 workers", lambda: ablate_mod.ablate(store, run.run_id, ARMS, horizon=args.horizon, workers=2))
     assert result_one.verdicts() == result_two.verdicts(), (result_one.verdicts(), result_two.verdicts())
 
     # The naive alternative: each variant trained again from step 0 to the same end step (no baseline).

@@ -100,7 +100,7 @@ def test_nan_row_is_fixed_by_skip_batch_alone_same_verdicts_on_every_executor(ba
     # every arm is a child run of the failed run, with its change as params and its loss curve
     store = ws.store()
     children = store.child_runs(run.run_id, "ablation-arm")
-    assert len(children) == 6 + 3 + 3
+    assert len(children) == 6 + 3 + 3  # the engine-only ablation in test_the_engine_alone_records_nothing adds none
     skip = next(c for c in children if c.data.params.get("arm") == "skip-batch")
     assert skip.data.params["change.skip_step"] == "25" and "dropped" in skip.data.params["change"]
     losses = store.metric_history(skip.info.run_id, "loss")
@@ -110,6 +110,21 @@ def test_nan_row_is_fixed_by_skip_batch_alone_same_verdicts_on_every_executor(ba
     assert {"ablation.md", "ablation.json", "ablation.png"} <= names
     report = json.loads(store.read_artifact_text(run.run_id, "ablation.json"))
     assert report["conclusion"] == submitit["conclusion"]
+
+
+def test_the_engine_alone_records_nothing(bad_row):
+    """`ablate()` replays and judges without writing: no child run, no artifact, until the report publishes."""
+    from replaybisect.ablate.engine import ablate as ablate_engine
+
+    ws, run = bad_row
+    store = ws.store()
+    children_before = {c.info.run_id for c in store.child_runs(run.run_id, "ablation-arm")}
+    artifacts_before = {info.path for info in store.list_artifacts(run.run_id)}
+    result = ablate_engine(store, run.run_id, "skip-batch", horizon=5, workers=1)
+    assert result.verdicts() == {"skip-batch": "fixes"} and result.baseline.verdict == "fails-again"
+    assert result.artifacts == [] and result.baseline.run_id is None and result.arms[0].run_id is None
+    assert {c.info.run_id for c in store.child_runs(run.run_id, "ablation-arm")} == children_before
+    assert {info.path for info in store.list_artifacts(run.run_id)} == artifacts_before
 
 
 def test_exploding_gradients_in_a_deep_net_are_fixed_by_clip(tmp_path_factory):

@@ -72,16 +72,16 @@ def outcome(first=None, mean=1.0, what="loss"):
 )
 def test_verdicts_against_a_baseline_that_failed_at_30(first, mean, verdict):
     arm = outcome(first, mean)
-    ablate_mod._judge(arm, failing_step=30, baseline_failed=True, threshold=8.0, end=80)
+    ablate_mod.judge_arm(arm, failing_step=30, baseline_failed=True, threshold=8.0, end=80)
     assert arm.verdict == verdict, arm.reason
 
 
 def test_the_baseline_must_fail_at_the_recorded_step():
-    ok, why = ablate_mod._judge_baseline(outcome(30), 30, 8.0, 80)
+    ok, why = ablate_mod.judge_baseline(outcome(30), 30, 8.0, 80)
     assert ok and why is None
-    ok, why = ablate_mod._judge_baseline(outcome(None), 30, 8.0, 80)
+    ok, why = ablate_mod.judge_baseline(outcome(None), 30, 8.0, 80)
     assert not ok and "stayed finite through step 79" in why
-    ok, why = ablate_mod._judge_baseline(outcome(33), 30, 8.0, 80)
+    ok, why = ablate_mod.judge_baseline(outcome(33), 30, 8.0, 80)
     assert not ok and "failed at step 33, not at the recorded step 30" in why
 
 
@@ -102,6 +102,6 @@ def test_conclusion_reads_the_seed_arm_as_a_noise_test():
         arm = outcome(first)
         arm.name, arm.verdict = name, verdict
         arms.append(arm)
-    text = ablate_mod._conclusion(arms, 30, None, None)
+    text = ablate_mod.conclusion_text(arms, 30, None, None)
     assert text == "fixed by: lr; another seed fails too at step 28: the failure is systematic, not noise; delayed by: warmup"
-    assert ablate_mod._conclusion(arms, 30, "the baseline replay stayed finite", None).startswith("inconclusive: ")
+    assert ablate_mod.conclusion_text(arms, 30, "the baseline replay stayed finite", None).startswith("inconclusive: ")

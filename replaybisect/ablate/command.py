@@ -57,7 +57,7 @@ def ablate_command(
     # bad options are bad input before anything heavy is imported or any run is read
     check_options(arms, horizon=horizon, workers=workers, executor=executor, from_step=from_step)
 
-    from replaybisect.ablate.report import ArmProgress, print_result
+    from replaybisect.ablate.report import ArmProgress, print_result, publish
     from replaybisect.store import open_store
 
     from replaybisect.core.trust import Trust
@@ -69,6 +69,7 @@ def ablate_command(
     with ArmProgress() as bar:
         result = ablate(store, run_id, arms, from_step=from_step, horizon=horizon, workers=workers, executor=executor,
                         submitit_options=options, progress=bar.update, on_plan=bar.plan, trust=trust)
+    publish(store, result)
     if as_json:
         print_json(result.to_json())
     else:

@@ -7,8 +7,9 @@
 3. The baseline must fail again at t, else the result is `inconclusive`. Each arm gets a verdict:
    fixes | delays | no-effect | worse (or not-applicable / error), from its first non-finite step and
    whether its loss blew up.
-4. Every arm is an MLflow child run (kind=ablation-arm) with its change as params and its loss curve;
-   the report (ablation.md, ablation.json, ablation.png) goes on the failed run.
+4. The engine reads the store and writes nothing. `ablate.report.publish` (called by the command) makes every
+   replayed arm an MLflow child run (kind=ablation-arm) with its change as params and its loss curve, and puts
+   the report (ablation.md, ablation.json, ablation.png) on the failed run.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ from replaybisect.ablate import interventions
 from replaybisect.ablate.interventions import BASELINE, ArmContext, Change
 from replaybisect.core.trust import Trust
 
-__all__ = ["ablate", "run_arm", "AblationResult", "ArmOutcome", "DEFAULT_HORIZON", "BLOWUP_FACTOR"]
+__all__ = ["ablate", "run_arm", "judge_arm", "judge_baseline", "conclusion_text", "divergence_onset", "parse_arms",
+           "AblationResult", "ArmOutcome", "DEFAULT_HORIZON", "BLOWUP_FACTOR"]
 
 DEFAULT_HORIZON = 200
 # "The loss blows up": the mean loss over the arm's last FINAL_WINDOW steps exceeds BLOWUP_FACTOR x the
@@ -65,6 +67,9 @@ class ArmOutcome:
     reproduced: Optional[str] = None  # baseline: exact | close | diverged against the recorded losses
     seconds: float = 0.0
     losses: dict[int, float] = field(default_factory=dict, repr=False)
+    grad_norms: dict[int, float] = field(default_factory=dict, repr=False)
+    lrs: dict[int, float] = field(default_factory=dict, repr=False)  # the lr each update used
+    nonfinite_loss: Optional[float] = field(default=None, repr=False)  # the loss at first_nonfinite_step
 
     def to_json(self) -> dict[str, Any]:
         data = {
@@ -165,96 +170,97 @@ def _scale_lr_at_updates(optimizer, factor: Callable[[int], float], hooks) -> No
     optimizer.register_step_post_hook(after)
 
 
-def _retry_locked(function, *args, attempts: int = 8, **kwargs):
-    """Arms write to one tracking store at once; SQLite answers a concurrent writer with "database is locked"
-    once its busy timeout runs out (likely on a loaded machine). Back off and try again."""
-    for attempt in range(attempts):
-        try:
-            return function(*args, **kwargs)
-        except Exception as error:
-            if "locked" not in str(error) or attempt == attempts - 1:
-                raise
-            time.sleep(0.2 * 2**attempt)
+def _arm_change(cfg, spec: dict[str, Any]) -> Change:
+    """The arm's change, applied to the run's config (the baseline's: none)."""
+    if spec["arm"] == BASELINE:
+        return interventions.baseline_change(cfg)
+    ctx = ArmContext(failing_step=spec["failing_step"], start_step=spec["start_step"], end_step=spec["end_step"])
+    return interventions.get(spec["arm"]).apply(cfg, ctx)
 
 
-def _execute_arm(spec: dict[str, Any], on_step: Optional[Callable[[int], None]] = None) -> dict[str, Any]:
+def _replay_prefix(restored, hooks, spec: dict[str, Any], change: Change):
+    """The unchanged steps from the snapshot to the arms' start (--from-step after the snapshot).
+    Returns (the live state, the step outcome that stopped the replay or None)."""
     from replaybisect.core import loop
-    from replaybisect.core.rng import isolated_rng, seed_everything
+
+    snapshot_step, start = spec["snapshot_step"], spec["start_step"]
+    state = restored.state
+    if start <= snapshot_step:
+        return state, None
+    stopped = loop.train_loop(state, restored.batch, snapshot_step, start, hooks)
+    if stopped is None and spec["arm"] != BASELINE:
+        state = loop.clone_state(state, change.cfg)  # the live state in objects built from the arm's config
+    return state, stopped
+
+
+def _apply_optimizer_changes(state, change: Change, hooks) -> None:
+    """What the config cannot express, once the state is loaded: scaled group settings, an lr multiplier."""
+    for key, scale in change.group_scale.items():
+        for group in state.optimizer.param_groups:
+            if key in group:
+                group[key] = group[key] * scale
+    if change.lr_factor is not None:
+        _scale_lr_at_updates(state.optimizer, change.lr_factor, hooks)
+
+
+def _arm_batches(change: Change, recorded_batches, start: int):
+    """The recorded batches, or for a reseeded arm the data built from its config with every stream reseeded."""
+    from replaybisect.core import loop
+    from replaybisect.core.rng import ablation_reseed, isolated_rng, seed_everything
+
+    if change.reseed is None:
+        return recorded_batches
+    with isolated_rng():  # building the dataset must not draw from the streams reseeded below
+        source, _ = loop.build_data(change.cfg)
+    seed_everything(ablation_reseed(change.reseed, start))
+    return source.batch
+
+
+def _replay_suffix(state, batches, hooks, change: Change, start: int, end: int):
+    """Replay from the arms' start to the horizon, dropping skipped steps' batches; the stopping outcome or None."""
+    from replaybisect.core import loop
+
+    segment_start = start
+    for cut in sorted(s for s in change.skip_steps if start <= s < end) + [end]:
+        stopped = loop.train_loop(state, batches, segment_start, cut, hooks)
+        if stopped is not None:
+            return stopped
+        segment_start = cut + 1
+    return None
+
+
+def _by_step(values: dict[int, float]) -> dict[str, float]:
+    return {str(step): value for step, value in values.items()}
+
+
+def _replay_arm(spec: dict[str, Any], on_step: Optional[Callable[[int], None]] = None) -> dict[str, Any]:
+    """Replay one arm from its snapshot to the horizon; reads the store, writes nothing."""
     from replaybisect import restore as restore_mod
     from replaybisect.store import open_store
 
     started = time.perf_counter()
     store = open_store(spec["tracking_uri"])
-    run_id, name = spec["run_id"], spec["arm"]
-    snapshot_step, start, end = spec["snapshot_step"], spec["start_step"], spec["end_step"]
+    run_id, start = spec["run_id"], spec["start_step"]
     cfg = restore_mod.run_config(store, run_id, Trust.from_json(spec["trust"]))  # the user's decision, not the run's tag
-    ctx = ArmContext(failing_step=spec["failing_step"], start_step=start, end_step=end)
-    change: Change = interventions.baseline_change(cfg) if name == BASELINE else interventions.get(name).apply(cfg, ctx)
-
-    child = _retry_locked(
-        store.create_run, "ablation-arm", run_name=f"ablate-{name}", parent_run_id=run_id, tags={"replaybisect.arm": name}
-    )
-    params = spec.get("params", change.params)  # the caller's (it saw the run's gradient norms for the clip suggestion)
-    _retry_locked(
-        store.log_params,
-        child,
-        {"arm": name, "change": change.summary, "snapshot_step": snapshot_step, "start_step": start,
-         "end_step": end, "failing_step": spec["failing_step"], **{f"change.{k}": v for k, v in params.items()}},
-    )
-    try:
-        snapshot = restore_mod.load_snapshot(store, run_id, snapshot_step)
-        hooks = restore_mod.ReplayHooks(on_step=(lambda outcome: on_step(outcome.step)) if on_step else None)
-        # 1. the unchanged prefix, when the arms start after the snapshot (--from-step)
-        restored = restore_mod.restore(store, run_id, cfg=cfg if start > snapshot_step else change.cfg, snapshot=snapshot)
-        state = restored.state
-        recorded_batches = restored.batch
-        stopped = None
-        if start > snapshot_step:
-            stopped = loop.train_loop(state, recorded_batches, snapshot_step, start, hooks)
-            if stopped is None and name != BASELINE:
-                state = loop.clone_state(state, change.cfg)  # the live state in objects built from the arm's config
-        hooks.lr_factor = change.lr_factor
-        # 2. the change: what the config cannot express, after the state is loaded
-        if stopped is None:
-            for key, scale in change.group_scale.items():
-                for group in state.optimizer.param_groups:
-                    if key in group:
-                        group[key] = group[key] * scale
-            if change.lr_factor is not None:
-                _scale_lr_at_updates(state.optimizer, change.lr_factor, hooks)
-            batches = recorded_batches
-            if change.reseed is not None:
-                with isolated_rng():  # building the dataset must not draw from the streams reseeded below
-                    source, _ = loop.build_data(change.cfg)
-                batches = source.batch
-                seed_everything((change.reseed * 1_000_003 + start) % 2**62)
-            # 3. replay to the horizon, dropping skipped steps' batches
-            segment_start = start
-            for cut in sorted(s for s in change.skip_steps if start <= s < end) + [end]:
-                stopped = loop.train_loop(state, batches, segment_start, cut, hooks)
-                if stopped is not None:
-                    break
-                segment_start = cut + 1
-        points = [("loss", v, s) for s, v in hooks.losses.items()]
-        points += [("grad_norm", v, s) for s, v in hooks.grad_norms.items()]
-        points += [("lr", v, s) for s, v in hooks.lrs.items()]
-        if hooks.first_nonfinite is not None:
-            step, what = hooks.first_nonfinite
-            points.append(("loss", stopped.loss if stopped is not None else math.nan, step))
-        _retry_locked(store.log_metrics, child, points)
-        status = "nonfinite" if hooks.first_nonfinite else "ok"
-        tags = {"first_nonfinite_step": hooks.first_nonfinite[0], "nonfinite_what": hooks.first_nonfinite[1]} if hooks.first_nonfinite else {}
-        _retry_locked(store.set_tags, child, tags)
-        _retry_locked(store.finish_run, child, status)
-    except BaseException:
-        _retry_locked(store.finish_run, child, "crashed", "FAILED")
-        raise
+    change = _arm_change(cfg, spec)
+    snapshot = restore_mod.load_snapshot(store, run_id, spec["snapshot_step"])
+    hooks = restore_mod.ReplayHooks(on_step=(lambda outcome: on_step(outcome.step)) if on_step else None)
+    restored = restore_mod.restore(store, run_id, cfg=cfg if start > spec["snapshot_step"] else change.cfg, snapshot=snapshot)
+    state, stopped = _replay_prefix(restored, hooks, spec, change)
+    hooks.lr_factor = change.lr_factor
+    if stopped is None:
+        _apply_optimizer_changes(state, change, hooks)
+        batches = _arm_batches(change, restored.batch, start)
+        stopped = _replay_suffix(state, batches, hooks, change, start, spec["end_step"])
+    first = hooks.first_nonfinite
     return {
-        "arm": name,
-        "run_id": child,
-        "losses": {str(s): v for s, v in hooks.losses.items()},
-        "first_nonfinite_step": hooks.first_nonfinite[0] if hooks.first_nonfinite else None,
-        "nonfinite_what": hooks.first_nonfinite[1] if hooks.first_nonfinite else None,
+        "arm": spec["arm"],
+        "losses": _by_step(hooks.losses),
+        "grad_norms": _by_step(hooks.grad_norms),
+        "lrs": _by_step(hooks.lrs),
+        "first_nonfinite_step": first[0] if first else None,
+        "nonfinite_what": first[1] if first else None,
+        "nonfinite_loss": (stopped.loss if stopped is not None else math.nan) if first else None,
         "warnings": restored.warnings,
         "seconds": time.perf_counter() - started,
     }
@@ -276,7 +282,7 @@ def run_arm(spec: dict[str, Any], on_step: Optional[Callable[[int], None]] = Non
     if on_step is None and queue is not None:
         on_step = lambda step: queue.put((spec["arm"], step))  # noqa: E731
     try:
-        return _execute_arm(spec, on_step)
+        return _replay_arm(spec, on_step)
     except Exception as error:  # reported per arm; the baseline's error is raised by the caller
         first = str(error).strip().splitlines()[0] if str(error).strip() else ""
         return {"arm": spec["arm"], "error": f"{type(error).__name__}: {first}", "user_error": isinstance(error, ReplayError)}
@@ -397,10 +403,15 @@ def _run_submitit(specs: list[dict], workers: int, options: SubmititOptions, pro
 
 
 # ---- verdicts ----------------------------------------------------------------------------------------
+def _steps(values: dict[str, float]) -> dict[int, float]:
+    return dict(sorted((int(s), float(v)) for s, v in values.items()))
+
+
 def _finish_outcome(outcome: ArmOutcome, raw: dict) -> None:
-    losses = {int(s): float(v) for s, v in raw.get("losses", {}).items()}
-    outcome.losses = dict(sorted(losses.items()))
-    outcome.run_id = raw.get("run_id")
+    outcome.losses = _steps(raw.get("losses", {}))
+    outcome.grad_norms = _steps(raw.get("grad_norms", {}))
+    outcome.lrs = _steps(raw.get("lrs", {}))
+    outcome.nonfinite_loss = raw.get("nonfinite_loss")
     outcome.first_nonfinite_step = raw.get("first_nonfinite_step")
     outcome.nonfinite_what = raw.get("nonfinite_what")
     outcome.seconds = float(raw.get("seconds", 0.0))
@@ -415,7 +426,7 @@ def _blew_up(outcome: ArmOutcome, threshold: Optional[float]) -> bool:
     return threshold is not None and outcome.final_loss_mean is not None and outcome.final_loss_mean > threshold
 
 
-def _judge(arm: ArmOutcome, failing_step: Optional[int], baseline_failed: bool, threshold: Optional[float], end: int) -> None:
+def judge_arm(arm: ArmOutcome, failing_step: Optional[int], baseline_failed: bool, threshold: Optional[float], end: int) -> None:
     first = arm.first_nonfinite_step
     blown = _blew_up(arm, threshold)
     if failing_step is None or not baseline_failed:
@@ -445,7 +456,7 @@ def _judge(arm: ArmOutcome, failing_step: Optional[int], baseline_failed: bool, 
         arm.verdict, arm.reason = "worse", f"non-finite {arm.nonfinite_what} at step {first}, {failing_step - first} steps earlier"
 
 
-def _judge_baseline(baseline: ArmOutcome, failing_step: Optional[int], threshold: Optional[float], end: int) -> tuple[bool, Optional[str]]:
+def judge_baseline(baseline: ArmOutcome, failing_step: Optional[int], threshold: Optional[float], end: int) -> tuple[bool, Optional[str]]:
     """(the baseline failed as recorded, why the result is inconclusive or None)."""
     first = baseline.first_nonfinite_step
     if failing_step is None:
@@ -473,7 +484,7 @@ def _judge_baseline(baseline: ArmOutcome, failing_step: Optional[int], threshold
     return False, baseline.reason
 
 
-def _conclusion(result_arms: list[ArmOutcome], failing_step: Optional[int], inconclusive: Optional[str],
+def conclusion_text(result_arms: list[ArmOutcome], failing_step: Optional[int], inconclusive: Optional[str],
                 suggested_clip: Optional[float]) -> str:
     if inconclusive:
         return f"inconclusive: {inconclusive}"
@@ -606,6 +617,133 @@ def _choose_snapshot(store, run_id: str, failing_step: Optional[int], from_step:
     return snapshot, snapshot.step
 
 
+@dataclass
+class _ArmPlan:
+    """Where the arms start and end, what they change, and what their outcomes are judged against."""
+
+    cfg: Any
+    failing_step: Optional[int]
+    onset: Optional[int]
+    snapshot_step: int
+    start: int
+    end: int
+    logged: dict[int, float]
+    reference: Optional[float]
+    threshold: Optional[float]
+    grad_norms: list[float]
+    changes: dict[str, Change]
+    runnable: list[str]
+    estimated_steps: int
+    warnings: list[str]
+
+
+def _checked_failing_step(store, run_id: str, from_step: Optional[int]) -> Optional[int]:
+    """The run's first non-finite step; a run that never failed needs --from-step, which must not be after it."""
+    from replaybisect import restore as restore_mod
+
+    failing_step = restore_mod.failing_step(store, run_id)
+    if failing_step is None and from_step is None:
+        raise ReplayError(
+            f"run {run_id} never failed (no non-finite loss or gradient norm recorded); "
+            "pass --from-step S to ablate it from step S anyway"
+        )
+    if failing_step is not None and from_step is not None and from_step > failing_step:
+        raise ReplayError(f"--from-step {from_step} is after the failing step {failing_step}; pass a step <= {failing_step}")
+    return failing_step
+
+
+def _reference_loss(logged: dict[int, float], start: int, anchor: int, onset: Optional[int]) -> tuple[Optional[float], Optional[float]]:
+    """(the pre-failure reference loss, the blow-up threshold): the median of the recorded losses before the climb
+    (when the loss climbed), else of the REFERENCE_WINDOW steps before the arms' start plus those from the start
+    to the failure."""
+    healthy_end = onset if onset is not None else max(anchor, start + 1)
+    first = max(0, min(start, healthy_end) - REFERENCE_WINDOW)
+    window = [v for s, v in sorted(logged.items()) if first <= s < healthy_end and math.isfinite(v)]
+    reference = statistics.median(window) if window else None
+    threshold = BLOWUP_FACTOR * reference if reference is not None and reference > 0 else None
+    return reference, threshold
+
+
+def _healthy_grad_norms(store, run_id: str, onset: Optional[int], failing_step: Optional[int]) -> list[float]:
+    """The run's recorded gradient norms before the climb (or the failure): the clip suggestion's sample."""
+    until = onset if onset is not None else failing_step if failing_step is not None else math.inf
+    return [v for s, v in store.metric_history(run_id, "grad_norm") if s < until]
+
+
+def _plan_arms(store, run_id: str, names: list[str], from_step: Optional[int], horizon: int, trust: Trust):
+    """(the arms' plan, the snapshot they start from)."""
+    from replaybisect import restore as restore_mod
+
+    cfg = restore_mod.run_config(store, run_id, trust)  # RunNotFound first
+    failing_step = _checked_failing_step(store, run_id, from_step)
+    warnings: list[str] = []
+    logged = restore_mod.logged_losses(store, run_id)
+    onset = divergence_onset(logged, failing_step) if failing_step is not None else None
+    snapshot, start = _choose_snapshot(store, run_id, failing_step, from_step, onset, warnings)
+    anchor = failing_step if failing_step is not None else start
+    end = anchor + horizon
+    reference, threshold = _reference_loss(logged, start, anchor, onset)
+    grad_norms = _healthy_grad_norms(store, run_id, onset, failing_step)
+    ctx = ArmContext(failing_step=failing_step, start_step=start, end_step=end, grad_norms=grad_norms)
+    changes = {name: interventions.get(name).apply(cfg, ctx) for name in names}
+    runnable = [BASELINE] + [name for name in names if changes[name].not_applicable is None]
+    return _ArmPlan(cfg=cfg, failing_step=failing_step, onset=onset, snapshot_step=snapshot.step, start=start, end=end,
+                    logged=logged, reference=reference, threshold=threshold, grad_norms=grad_norms, changes=changes,
+                    runnable=runnable, estimated_steps=len(runnable) * (end - snapshot.step), warnings=warnings), snapshot
+
+
+def _arm_specs(store, run_id: str, plan: _ArmPlan, trust: Trust) -> list[dict[str, Any]]:
+    """One JSON-safe spec per runnable arm: what a worker needs to replay it."""
+    uri = _absolute_uri(store.uri)
+    return [
+        {"tracking_uri": uri, "run_id": run_id, "arm": name, "snapshot_step": plan.snapshot_step, "start_step": plan.start,
+         "end_step": plan.end, "failing_step": plan.failing_step,
+         "params": plan.changes[name].params if name in plan.changes else {}, "trust": trust.to_json()}
+        for name in plan.runnable
+    ]
+
+
+def _run_arms(specs: list[dict], executor: str, workers: int, submitit_options: Optional[SubmititOptions],
+              progress: Optional[ProgressFn]) -> dict[str, dict]:
+    if executor == "local" and workers == 1:
+        return _run_here(specs, progress)
+    if executor == "local":
+        return _run_local(specs, workers, progress)
+    return _run_submitit(specs, workers, submitit_options or SubmititOptions(), progress)
+
+
+def _baseline_outcome(raw: dict, plan: _ArmPlan) -> tuple[ArmOutcome, bool, Optional[str]]:
+    """(the baseline's outcome, whether it failed as recorded, why the ablation is inconclusive or None).
+    A baseline that crashed is an error: without it the arms mean nothing."""
+    if "error" in raw:
+        raise (ReplayError if raw.get("user_error") else RuntimeError)(f"the baseline replay failed: {raw['error']}")
+    baseline = ArmOutcome(name=BASELINE, change=interventions.baseline_change(plan.cfg).summary)
+    _finish_outcome(baseline, raw)
+    for warning in raw.get("warnings", []):
+        if warning not in plan.warnings:
+            plan.warnings.append(warning)
+    baseline.reproduced = _reproduced(baseline.losses, plan.logged, plan.failing_step)
+    baseline_failed, inconclusive = judge_baseline(baseline, plan.failing_step, plan.threshold, plan.end)
+    return baseline, baseline_failed, inconclusive
+
+
+def _arm_outcome(name: str, change: Change, raw: Optional[dict], plan: _ArmPlan, baseline_failed: bool,
+                 inconclusive: Optional[str]) -> ArmOutcome:
+    outcome = ArmOutcome(name=name, change=change.summary, params=change.params, note=change.note)
+    if change.not_applicable:
+        outcome.verdict, outcome.reason = "not-applicable", change.not_applicable
+    elif "error" in raw:
+        outcome.verdict, outcome.error = "error", raw["error"]
+        outcome.reason = f"the arm crashed: {raw['error']}"
+    else:
+        _finish_outcome(outcome, raw)
+        if inconclusive:
+            outcome.verdict, outcome.reason = "inconclusive", "the baseline did not fail again as recorded"
+        else:
+            judge_arm(outcome, plan.failing_step, baseline_failed, plan.threshold, plan.end)
+    return outcome
+
+
 def ablate(
     store,
     run_id: str,
@@ -618,125 +756,51 @@ def ablate(
     submitit_options: Optional[SubmititOptions] = None,
     progress: Optional[Callable[[str, str, int], None]] = None,
     on_plan: Optional[Callable[[list[str], int, int], None]] = None,
-    write_report: bool = True,
     trust: Optional[Trust] = None,
 ) -> AblationResult:
     """Replay the failure of `run_id` unchanged (the baseline) and once per arm, in parallel; judge each arm.
+    Reads the store and writes nothing: `ablate.report.publish(store, result)` records the arms' child runs
+    and the report.
 
     `progress(arm, "step"|"done", step)` reports work as it happens; `on_plan(arm_names, start, end)` is
     called once the arms and steps are known.
     """
-    from replaybisect import restore as restore_mod
-
     names = check_options(arms, horizon=horizon, workers=workers, executor=executor, from_step=from_step)
     started = time.perf_counter()
-
     trust = trust or Trust.from_user()  # the workers inherit it
-    cfg = restore_mod.run_config(store, run_id, trust)  # RunNotFound first
-    failing_step = restore_mod.failing_step(store, run_id)
-    if failing_step is None and from_step is None:
-        raise ReplayError(
-            f"run {run_id} never failed (no non-finite loss or gradient norm recorded); "
-            "pass --from-step S to ablate it from step S anyway"
-        )
-    if failing_step is not None and from_step is not None and from_step > failing_step:
-        raise ReplayError(f"--from-step {from_step} is after the failing step {failing_step}; pass a step <= {failing_step}")
-    warnings: list[str] = []
-    logged = restore_mod.logged_losses(store, run_id)
-    onset = divergence_onset(logged, failing_step) if failing_step is not None else None
-    snapshot, start = _choose_snapshot(store, run_id, failing_step, from_step, onset, warnings)
-    anchor = failing_step if failing_step is not None else start
-    end = anchor + horizon
-
-    # The pre-failure reference loss: the recorded losses before the climb (when the loss climbed), else
-    # the REFERENCE_WINDOW steps before the arms' start plus those from the start to the failure.
-    healthy_end = onset if onset is not None else max(anchor, start + 1)
-    window = [v for s, v in sorted(logged.items()) if max(0, min(start, healthy_end) - REFERENCE_WINDOW) <= s < healthy_end and math.isfinite(v)]
-    reference = statistics.median(window) if window else None
-    threshold = BLOWUP_FACTOR * reference if reference is not None and reference > 0 else None
-    # The clip suggestion comes from the healthy part of the run's gradient norms.
-    grad_norms = [v for s, v in store.metric_history(run_id, "grad_norm") if s < (onset if onset is not None else failing_step if failing_step is not None else math.inf)]
-    ctx = ArmContext(failing_step=failing_step, start_step=start, end_step=end, grad_norms=grad_norms)
-
-    changes = {name: interventions.get(name).apply(cfg, ctx) for name in names}
-    runnable = [BASELINE] + [name for name in names if changes[name].not_applicable is None]
-    uri = _absolute_uri(store.uri)
-    specs = [
-        {"tracking_uri": uri, "run_id": run_id, "arm": name, "snapshot_step": snapshot.step, "start_step": start,
-         "end_step": end, "failing_step": failing_step, "params": changes[name].params if name in changes else {},
-         "trust": trust.to_json()}
-        for name in runnable
-    ]
+    plan, snapshot = _plan_arms(store, run_id, names, from_step, horizon, trust)
     if workers is None:
-        workers = _auto_workers(store, run_id, cfg, snapshot, len(runnable) * (end - snapshot.step), len(runnable), executor)
+        workers = _auto_workers(store, run_id, plan.cfg, snapshot, plan.estimated_steps, len(plan.runnable), executor)
     if on_plan:
-        on_plan(runnable, snapshot.step, end)
+        on_plan(plan.runnable, plan.snapshot_step, plan.end)
+    raw = _run_arms(_arm_specs(store, run_id, plan, trust), executor, workers, submitit_options, progress)
 
-    if executor == "local" and workers == 1:
-        raw = _run_here(specs, progress)
-    elif executor == "local":
-        raw = _run_local(specs, workers, progress)
-    else:
-        raw = _run_submitit(specs, workers, submitit_options or SubmititOptions(), progress)
-
-    # The baseline decides whether the arms mean anything.
-    base_raw = raw[BASELINE]
-    if "error" in base_raw:
-        raise (ReplayError if base_raw.get("user_error") else RuntimeError)(f"the baseline replay failed: {base_raw['error']}")
-    baseline = ArmOutcome(name=BASELINE, change=interventions.baseline_change(cfg).summary)
-    _finish_outcome(baseline, base_raw)
-    for warning in base_raw.get("warnings", []):
-        if warning not in warnings:
-            warnings.append(warning)
-    baseline.reproduced = _reproduced(baseline.losses, logged, failing_step)
-    baseline_failed, inconclusive = _judge_baseline(baseline, failing_step, threshold, end)
-
-    outcomes = []
-    for name in names:
-        change = changes[name]
-        outcome = ArmOutcome(name=name, change=change.summary, params=change.params, note=change.note)
-        if change.not_applicable:
-            outcome.verdict, outcome.reason = "not-applicable", change.not_applicable
-        elif "error" in raw[name]:
-            outcome.verdict, outcome.error = "error", raw[name]["error"]
-            outcome.reason = f"the arm crashed: {raw[name]['error']}"
-        else:
-            _finish_outcome(outcome, raw[name])
-            if inconclusive:
-                outcome.verdict, outcome.reason = "inconclusive", "the baseline did not fail again as recorded"
-            else:
-                _judge(outcome, failing_step, baseline_failed, threshold, end)
-        outcomes.append(outcome)
-
-    suggested_clip = interventions.percentile(grad_norms, interventions.CLIP_PERCENTILE)
-    if failing_step is None:
+    baseline, baseline_failed, inconclusive = _baseline_outcome(raw[BASELINE], plan)
+    outcomes = [_arm_outcome(name, plan.changes[name], raw.get(name), plan, baseline_failed, inconclusive) for name in names]
+    suggested_clip = interventions.percentile(plan.grad_norms, interventions.CLIP_PERCENTILE)
+    if plan.failing_step is None:
         inconclusive = None
-    result = AblationResult(
+    return AblationResult(
         run_id=run_id,
-        failing_step=failing_step,
-        snapshot_step=snapshot.step,
-        start_step=start,
-        end_step=end,
+        failing_step=plan.failing_step,
+        snapshot_step=plan.snapshot_step,
+        start_step=plan.start,
+        end_step=plan.end,
         horizon=horizon,
-        reference_loss=reference,
-        blowup_threshold=threshold,
+        reference_loss=plan.reference,
+        blowup_threshold=plan.threshold,
         baseline=baseline,
         arms=outcomes,
         status="inconclusive" if inconclusive else "conclusive",
-        conclusion=_conclusion(outcomes, failing_step, inconclusive, suggested_clip),
+        conclusion=conclusion_text(outcomes, plan.failing_step, inconclusive, suggested_clip),
         suggested_clip=suggested_clip,
-        divergence_onset=onset,
-        warnings=warnings,
+        divergence_onset=plan.onset,
+        warnings=plan.warnings,
         executor=executor,
         workers=workers,
+        seconds=time.perf_counter() - started,
         tracking_uri=store.uri,
     )
-    result.seconds = time.perf_counter() - started
-    if write_report:
-        from replaybisect.ablate import report as report_ablate
-
-        result.artifacts = report_ablate.write_artifacts(store, result)
-    return result
 
 
 def _reproduced(losses: dict[int, float], logged: dict[int, float], failing_step: Optional[int]) -> str:

@@ -195,6 +195,37 @@ def loss_figure(result):
     return figure
 
 
+def _arm_params(result, arm) -> dict[str, Any]:
+    return {"arm": arm.name, "change": arm.change, "snapshot_step": result.snapshot_step, "start_step": result.start_step,
+            "end_step": result.end_step, "failing_step": result.failing_step,
+            **{f"change.{key}": value for key, value in arm.params.items()}}
+
+
+def _arm_points(arm) -> list[tuple[str, float, int]]:
+    """The arm's loss, gradient norm and lr curves, and the non-finite loss where it stopped."""
+    points = [("loss", v, s) for s, v in arm.losses.items()]
+    points += [("grad_norm", v, s) for s, v in arm.grad_norms.items()]
+    points += [("lr", v, s) for s, v in arm.lrs.items()]
+    if arm.first_nonfinite_step is not None:
+        points.append(("loss", arm.nonfinite_loss if arm.nonfinite_loss is not None else math.nan, arm.first_nonfinite_step))
+    return points
+
+
+def _record_arm(store, result, arm) -> None:
+    """One replayed arm as a child run of the examined run (kind=ablation-arm): its change as params, its curves."""
+    child = store.create_run("ablation-arm", run_name=f"ablate-{arm.name}", parent_run_id=result.run_id,
+                             tags={"replaybisect.arm": arm.name})
+    store.log_params(child, _arm_params(result, arm))
+    if arm.verdict == "error":
+        store.finish_run(child, "crashed", "FAILED")
+        return
+    store.log_metrics(child, _arm_points(arm))
+    if arm.first_nonfinite_step is not None:
+        store.set_tags(child, {"first_nonfinite_step": arm.first_nonfinite_step, "nonfinite_what": arm.nonfinite_what})
+    store.finish_run(child, "nonfinite" if arm.first_nonfinite_step is not None else "ok")
+    arm.run_id = child
+
+
 def write_artifacts(store, result) -> list[str]:
     """ablation.md, ablation.json and ablation.png on the examined run."""
     result.artifacts = ["ablation.md", "ablation.json", "ablation.png"]
@@ -206,3 +237,12 @@ def write_artifacts(store, result) -> list[str]:
     finally:
         close_figure(figure)
     return result.artifacts
+
+
+def publish(store, result) -> None:
+    """Record what `ablate()` found: every replayed arm (the baseline first) as a child run, then the report on
+    the examined run (its child-run ids in it)."""
+    for arm in [result.baseline, *result.arms]:
+        if arm.verdict != "not-applicable":
+            _record_arm(store, result, arm)
+    write_artifacts(store, result)
