@@ -8,6 +8,8 @@ from typing import Any, Optional
 
 import typer
 
+from replaybisect.core.jsonutil import json_default
+
 TrackingUri = typer.Option(None, "--tracking-uri", help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db).")
 JsonFlag = typer.Option(False, "--json", help="Print one JSON object on stdout (progress and logs go to stderr).")
 MAX_STEPS = 1_000_000  # bound on step-count options: a typo (1e20) is bad input, not hours of work or memory
@@ -19,7 +21,7 @@ HYDRA_CONTEXT = {"allow_extra_args": True, "ignore_unknown_options": True}
 
 
 def print_json(data: dict[str, Any]) -> None:
-    sys.stdout.write(json.dumps(data, indent=2, default=str) + "\n")
+    sys.stdout.write(json.dumps(data, indent=2, default=json_default) + "\n")
     sys.stdout.flush()
 
 

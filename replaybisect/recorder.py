@@ -24,11 +24,11 @@ from replaybisect.errors import DiskFull, is_disk_full
 from replaybisect.core.loop import StepOutcome, TrainState
 from replaybisect.core import snapshot as fmt
 from replaybisect.core.state import live_tensors, state_json
+from replaybisect.core.thresholds import SATURATION_PREACT  # DeepDiagnosis: |pre-activation| > 5
 from replaybisect.store import Store
 
 SATURATING = (torch.nn.Tanh, torch.nn.Sigmoid, torch.nn.Hardtanh)
 ZEROING = (torch.nn.ReLU, torch.nn.ReLU6)
-SATURATION_PREACT = 5.0  # |pre-activation| beyond which tanh/sigmoid count as saturated (DeepDiagnosis: ±5)
 
 
 class LayerStats:

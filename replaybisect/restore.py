@@ -18,7 +18,7 @@ from replaybisect.core import snapshot as fmt
 from replaybisect.store import Store
 from replaybisect.core.trust import Trust, admit
 
-CLOSE_RELATIVE = 1e-3  # replay tolerance where kernels are nondeterministic (Megatron-Core: 1e-3 relative)
+from replaybisect.core.thresholds import REPLAY_RELATIVE_TOLERANCE as CLOSE_RELATIVE  # noqa: E402  (Megatron-Core)
 
 
 # ---- what a run recorded -------------------------------------------------------------------------

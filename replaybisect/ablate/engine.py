@@ -25,6 +25,7 @@ from typing import Any, Callable, Optional
 from replaybisect.errors import ReplayError
 from replaybisect.ablate import interventions
 from replaybisect.ablate.interventions import BASELINE, ArmContext, Change
+from replaybisect.core.jsonutil import to_jsonable as _json_float
 from replaybisect.core.trust import Trust
 
 __all__ = ["ablate", "run_arm", "judge_arm", "judge_baseline", "conclusion_text", "divergence_onset", "parse_arms",
@@ -142,12 +143,6 @@ class AblationResult:
             "seconds": round(self.seconds, 2),
             "artifacts": self.artifacts,
         }
-
-
-def _json_float(value: Optional[float]) -> Optional[float | str]:
-    if value is None:
-        return None
-    return value if math.isfinite(value) else repr(value)
 
 
 # ---- one arm (runs in a worker process) ---------------------------------------------------------------

@@ -60,7 +60,7 @@ ALPHA = 0.01  # FIELD-NOTES "Bisection": Pinpoint calls two samples different at
 Z_DECIDE = 2.5758293035489  # two-sided normal quantile for ALPHA (scipy.stats.norm.isf(0.005))
 UNCLEAR_P = 0.2  # endpoints with ALPHA < p <= this get more seeds before BAD is called passing
 MIN_NOISE_FRACTION = 0.05  # sigma floor as a fraction of the endpoint gap (deterministic CPU runs have 0 spread)
-REPRODUCE_RTOL = 1e-3  # FIELD-NOTES: Megatron-Core's replay tolerance where kernels are nondeterministic
+from replaybisect.core.thresholds import REPLAY_RELATIVE_TOLERANCE as REPRODUCE_RTOL  # noqa: E402  (Megatron-Core)
 MIN_EFFECT_OF_SPREAD = 0.1  # a BAD less than a tenth of GOOD's seed spread worse is "equal within noise"
 TAIL_FRACTION = 0.1  # the metric: mean over the last 10% of logged steps (DESIGN §5)
 TRIAL_THREADS = "1"  # OMP_NUM_THREADS of a trial when the user has not set it

@@ -33,32 +33,19 @@ __all__ = ["Check", "CheckContext", "CheckOptions", "CheckReport", "REGISTRY", "
 SEVERITY = {"skip": 0, "pass": 0, "warn": 1, "fail": 2}
 
 # ---- thresholds ------------------------------------------------------------------------------------
-DEAD_UNIT_ACTIVE = 0.01  # a unit active (> 0) less than 1% of the time is dead (SageMaker Debugger dead_relu)
-DEAD_LAYER_FAIL = 0.5  # a layer is flagged when > 50% of its units are dead (SageMaker Debugger)
-DEAD_LAYER_WARN = 0.3  # our choice: the healthy built-ins show 0-25% never-active units at PyTorch's default init
-RELU_ZERO_WARN = 0.7  # AUTOTRAINER: dying ReLU at >= 70% zeros (it counts zero gradients; a zero output has one)
-RELU_ZERO_FAIL = 0.95  # our choice: 95% of a ReLU's outputs zero leaves too few units to learn through
-SATURATION_PREACT = 5.0  # DeepDiagnosis: a tanh/sigmoid pre-activation beyond +-5 is saturated
-SATURATION_FAIL = 0.5  # DeepDiagnosis: flagged when > 50% of the values are beyond +-5
-SATURATION_WARN = 0.1  # our choice: a tenth of a layer saturated already slows learning
-TANH_EXTREME = 9.5  # SageMaker Debugger: tanh saturated beyond +-9.5 ...
-SIGMOID_EXTREME = (-23.0, 17.0)  # ... sigmoid below -23 or above 17 (reported beside the +-5 fraction)
-VANISHING_MEAN_ABS = 1e-7  # SageMaker Debugger, DeepDiagnosis: mean |g| < 1e-7 is a vanishing gradient
-VANISHING_RATIO = 1e-3  # AUTOTRAINER: first/last-layer grad-norm ratio < 1e-3 ...
-VANISHING_FIRST_NORM = 1e-4  # ... with the first-layer norm < 1e-4
-EXPLODING_RATIO = 70.0  # AUTOTRAINER: first/last-layer grad-norm ratio > 70 is exploding
-SPAN_WARN_DECADES = 5.0  # our choice: per-layer grad norms spanning > 5 orders of magnitude (healthy built-ins span < 3)
-UPDATE_RATIO_FAIL = (1e-8, 10.0)  # SageMaker Debugger: update/weight ratio outside [1e-8, 10] is pathological
-UPDATE_RATIO_WARN = (1e-6, 1e-1)  # our choice: ~1e-3 is healthy (FIELD-NOTES); Adam's first steps sit near 1e-2
-OVERFIT_PASS = 0.05  # Karpathy, "A Recipe for Training Neural Networks": overfit one batch to the lowest
-OVERFIT_WARN = 0.5  # achievable loss. Ours: pass within 5% of the initial gap to the floor, warn within 50%
-INPUT_STD_WARN = (1e-3, 10.0)  # LeCun et al., "Efficient BackProp": normalise inputs to ~unit variance; the band is ours
-INPUT_ABS_WARN = 1e3  # our choice: raw values in the thousands swamp the initialization scale
-IMBALANCE_WARN = 10.0  # our choice: the most common class 10x the rarest (a common "imbalanced" cut-off)
-DIVERSITY_FAIL = 0.5  # our choice: batches hold under half the classes a shuffled batch would
-DIVERSITY_WARN = 0.8  # our choice: under 80%; shuffled batches of the built-ins sit at 0.95-1.0
-INIT_LOSS_WARN = 1.5  # Karpathy's recipe: expect ln(C) at init; 1.5x is ours (healthy built-ins sit within 5% of it)
-PROB_ROW_TOL = 1e-3  # rows summing to 1 within this count as probabilities
+from replaybisect.core.thresholds import (  # noqa: E402  (sources cited there)
+    DEAD_LAYER_FAIL, DEAD_LAYER_WARN, DEAD_UNIT_ACTIVE, DIVERSITY_FAIL, DIVERSITY_WARN, IMBALANCE_WARN,
+    INIT_LOSS_WARN, INPUT_ABS_WARN, INPUT_STD_WARN, PROB_ROW_TOL, RELU_ZERO_FAIL, RELU_ZERO_WARN,
+    SATURATION_FAIL, SATURATION_PREACT, SATURATION_WARN, SIGMOID_EXTREME, TANH_EXTREME,
+    UPDATE_RATIO_FAIL, UPDATE_RATIO_WARN,
+    FIRST_LAST_GRAD_RATIO_EXPLODING as EXPLODING_RATIO,
+    FIRST_LAST_GRAD_RATIO_VANISHING as VANISHING_RATIO,
+    FIRST_LAYER_GRAD_NORM_VANISHING as VANISHING_FIRST_NORM,
+    GRAD_MEAN_ABS_VANISHING as VANISHING_MEAN_ABS,
+    GRAD_NORM_SPAN_WARN_DECADES as SPAN_WARN_DECADES,
+    OVERFIT_ONE_BATCH_PASS as OVERFIT_PASS,
+    OVERFIT_ONE_BATCH_WARN as OVERFIT_WARN,
+)
 DATASET_SAMPLE = 4096  # dataset items read for label statistics (all of a small dataset)
 
 ZEROING = (nn.ReLU, nn.ReLU6)

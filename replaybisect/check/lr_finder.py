@@ -16,13 +16,11 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
-LR_MIN = 1e-7  # FIELD-NOTES: start at 1e-7..1e-8 (Lightning min_lr=1e-8, fastai start_lr=1e-7)
-LR_MAX = 10.0  # FIELD-NOTES: end at 1..10 (fastai end_lr=10, Lightning max_lr=1)
-STEPS = 100  # FIELD-NOTES: ~100 steps (Lightning num_training=100, fastai num_it=100)
-SMOOTHING = 0.05  # FIELD-NOTES: new = 0.05*loss + 0.95*previous (torch-lr-finder smooth_f=0.05)
-DIVERGE_FACTOR = 4.0  # FIELD-NOTES: stop when the smoothed loss > 4x the best (Lightning early_stop_threshold=4)
-SKIP_BEGIN = 10  # FIELD-NOTES: the suggestion skips the first 10 points (Lightning skip_begin=10)
-SKIP_END = 5  # FIELD-NOTES: ... and the last 5 (torch-lr-finder skip_end=5)
+from replaybisect.core.thresholds import (  # noqa: E402  (Lightning, fastai, torch-lr-finder; cited there)
+    LR_FINDER_DIVERGE_FACTOR as DIVERGE_FACTOR, LR_FINDER_MAX as LR_MAX, LR_FINDER_MIN as LR_MIN,
+    LR_FINDER_SKIP_BEGIN as SKIP_BEGIN, LR_FINDER_SKIP_END as SKIP_END, LR_FINDER_SMOOTHING as SMOOTHING,
+    LR_FINDER_STEPS as STEPS,
+)
 
 
 @dataclass

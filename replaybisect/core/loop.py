@@ -22,7 +22,7 @@ from torch.utils.data import default_collate
 
 from replaybisect.core.config import build_optimizer, instantiate
 from replaybisect.errors import ConfigError
-from replaybisect.core.rng import capture_raw, isolated_rng, restore_raw, seed_everything
+from replaybisect.core.rng import capture_raw, epoch_permutation_seed, isolated_rng, restore_raw, seed_everything
 
 AUTOCAST_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -62,7 +62,7 @@ class BatchSource:
     def indices(self, step: int) -> torch.Tensor:
         epoch, position = divmod(step, self.steps_per_epoch)
         if epoch != self._epoch:
-            generator = torch.Generator().manual_seed((self.seed * 1_000_003 + epoch) % 2**63)
+            generator = torch.Generator().manual_seed(epoch_permutation_seed(self.seed, epoch))
             self._permutation = torch.randperm(len(self.dataset), generator=generator)
             self._epoch = epoch
         start = position * self.batch_size

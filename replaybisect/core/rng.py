@@ -132,3 +132,27 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
+
+
+# ---- derived seeds ---------------------------------------------------------------------------------------
+# Two sites derive a seed from (seed, counter) with the same multiplier but different moduli. The moduli
+# are kept as recorded runs used them: changing either would change the data order of an epoch or the
+# draws of a reseeded ablation arm, and so what a replay of an existing run computes.
+SEED_MULTIPLIER = 1_000_003
+EPOCH_SEED_MODULUS = 2**63  # torch.Generator.manual_seed takes up to 2**64-1; 2**63 since the first release
+RESEED_MODULUS = 2**62  # `replay ablate seed`: the arm's seed for seed_everything
+
+
+def mix_seed(seed: int, counter: int, modulus: int) -> int:
+    """A seed derived from `seed` and a counter (epoch, step): (seed * 1_000_003 + counter) mod modulus."""
+    return (seed * SEED_MULTIPLIER + counter) % modulus
+
+
+def epoch_permutation_seed(seed: int, epoch: int) -> int:
+    """The seed of the generator that shuffles epoch `epoch` (core.loop's data order)."""
+    return mix_seed(seed, epoch, EPOCH_SEED_MODULUS)
+
+
+def ablation_reseed(reseed: int, start_step: int) -> int:
+    """The seed `replay ablate`'s seed arm gives seed_everything when it replays from `start_step`."""
+    return mix_seed(reseed, start_step, RESEED_MODULUS)

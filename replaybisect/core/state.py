@@ -11,6 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from replaybisect.errors import SnapshotError
 from replaybisect.core import rng
+from replaybisect.core.jsonutil import to_jsonable as _jsonable
 
 
 def live_tensors(state) -> dict[str, torch.Tensor]:
@@ -21,18 +22,6 @@ def live_tensors(state) -> dict[str, torch.Tensor]:
             if torch.is_tensor(value):
                 tensors[f"optim/{index}/{key}"] = value
     return tensors
-
-
-def _jsonable(value: Any) -> Any:
-    if torch.is_tensor(value):
-        return value.item() if value.numel() == 1 else value.tolist()
-    if isinstance(value, (list, tuple)):
-        return [_jsonable(v) for v in value]
-    if isinstance(value, dict):
-        return {str(k): _jsonable(v) for k, v in value.items()}
-    if isinstance(value, float) and not math.isfinite(value):
-        return repr(value)  # "nan" / "inf": JSON has no literal for them
-    return value
 
 
 def _unjson_float(value: Any) -> Any:

@@ -19,31 +19,22 @@ from typing import Any, Callable, Optional
 import numpy as np
 
 from replaybisect.errors import ReplayError
+from replaybisect.core.jsonutil import to_jsonable as _jsonable
 from replaybisect.store import Store
 
 __all__ = ["Finding", "Diagnosis", "Curves", "DETECTORS", "detector", "diagnose", "load_curves", "analyse"]
 
 # ---- thresholds (defaults; the source is cited beside each) -------------------------------------------
-SPIKE_FACTOR = 10.0  # a spike is >= 10x the max |value| of the first 100 samples (Megatron-Core rerun machine)
-SPIKE_BASELINE_SAMPLES = 100  # (Megatron-Core: the first 100 samples)
-VANISHING_RATIO = 1e-3  # layer / largest-layer grad norm below 1e-3 ... (AUTOTRAINER: first/last-layer ratio < 1e-3)
-VANISHING_NORM = 1e-4  # ... with the layer's norm below 1e-4 (AUTOTRAINER: first-layer norm < 1e-4)
-VANISHING_ABSOLUTE = 1e-7  # any layer with norm < 1e-7 (SageMaker Debugger / DeepDiagnosis: mean |g| < 1e-7;
-#                            mean |g| <= ||g||_2, so a norm below it is vanishing by their rule too)
-EXPLODING_RATIO = 70.0  # a layer's grad norm grew > 70x its early level (AUTOTRAINER: exploding ratio > 70)
-DEAD_ZERO_FRACTION = 0.99  # ReLU output zero >= 99% of the time (SageMaker: a unit active < 1% of the time is dead;
-#                            we log one zero fraction per layer, so >= 99% zeros means the layer as a whole is dead)
-UPDATE_RATIO_RANGE = (1e-8, 10.0)  # ||dθ||/||θ|| outside [1e-8, 10] is pathological (SageMaker); ~1e-3 is healthy
-OVERFIT_GAP = 0.1  # (val - train) / train > 0.1 (SageMaker Debugger overfit rule) ...
-OVERFIT_PATIENCE = 3  # ... for this many evaluations in a row (SageMaker: "with patience")
-OVERFIT_RISE = 0.1  # and validation 10% above its best: train down, val up after K (FIELD-NOTES triage table)
-OVERFIT_TREND_P = 0.1  # ... rising as a trend since its best (Mann-Kendall p < 0.1), not noise around a floor
-PLATEAU_MIN_LEVEL = 0.5  # a plateau sits at >= half the untrained loss (calibrated: healthy built-in runs end <= 0.34x)
-PLATEAU_MIN_SHARE = 0.4  # ... and has lasted >= 40% of the run (healthy runs flatten only near their end)
-PLATEAU_TREND_SE = 1.0  # ... with no decrease across it beyond 1 standard error (calibrated on noisy synthetic curves)
-PLATEAU_TREND_P = 0.2  # ... and no downward Mann-Kendall trend at p < 0.2 (likewise calibrated: 0/200 false plateaus)
-INPUT_BOUND_SHARE = 0.5  # data_time >= step_time: the step waits on input more than it computes (FIELD-NOTES table)
-INPUT_BOUND_MIN_SECONDS = 1e-3  # ... and at least 1 ms a batch: below that input time is noise, not a bottleneck
+from replaybisect.core.thresholds import (  # noqa: E402  (sources cited there)
+    INPUT_BOUND_MIN_SECONDS, INPUT_BOUND_SHARE, OVERFIT_GAP, OVERFIT_PATIENCE, OVERFIT_RISE, OVERFIT_TREND_P,
+    PLATEAU_MIN_LEVEL, PLATEAU_MIN_SHARE, PLATEAU_TREND_P, PLATEAU_TREND_SE, SPIKE_BASELINE_SAMPLES, SPIKE_FACTOR,
+    DEAD_LAYER_ZERO_FRACTION as DEAD_ZERO_FRACTION,
+    LAYER_GRAD_GROWTH_EXPLODING as EXPLODING_RATIO,
+    LAYER_GRAD_NORM_VANISHING as VANISHING_ABSOLUTE,
+    LAYER_GRAD_NORM_VANISHING_WITH_RATIO as VANISHING_NORM,
+    LAYER_TO_LARGEST_GRAD_RATIO_VANISHING as VANISHING_RATIO,
+    UPDATE_RATIO_FAIL as UPDATE_RATIO_RANGE,
+)
 
 
 # ---- what the run recorded ----------------------------------------------------------------------------
@@ -196,19 +187,6 @@ class Diagnosis:
             "skipped": self.skipped,
             "artifacts": self.artifacts,
         }
-
-
-def _jsonable(value):
-    if isinstance(value, dict):
-        return {k: _jsonable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_jsonable(v) for v in value]
-    if isinstance(value, (np.integer,)):
-        return int(value)
-    if isinstance(value, (np.floating, float)):
-        value = float(value)
-        return value if math.isfinite(value) else str(value)
-    return value
 
 
 class Skip(Exception):

@@ -29,8 +29,8 @@ CATEGORIES = ("data", "forward", "loss", "backward", "optimizer", "corrupt-state
 ARMS = ("lr", "clip", "precision", "warmup", "eps", "skip-batch", "seed")  # `replay ablate` arm names
 HISTORY_WINDOW = 50  # fit log(grad_norm) over the last <= 50 finite steps before t
 HISTORY_MIN_POINTS = 8
-EXPLODING_FACTOR = 10.0  # growth over the window that counts as exploding (FIELD-NOTES: spikes are >= 10x)
-EXPLODING_P = 0.01  # the trend must be significant (FIELD-NOTES, Pinpoint: p <= 0.01 is different)
+from replaybisect.core.thresholds import GRAD_NORM_TREND_EXPLODING_FACTOR as EXPLODING_FACTOR  # noqa: E402
+from replaybisect.core.thresholds import GRAD_NORM_TREND_P as EXPLODING_P  # noqa: E402
 
 
 @dataclass

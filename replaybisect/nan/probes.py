@@ -28,13 +28,14 @@ import re
 import sys
 import traceback
 import warnings
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
 from torch.overrides import TorchFunctionMode
 
 from replaybisect.core import loop
+from replaybisect.core.jsonutil import to_jsonable  # noqa: F401  (re-exported for nan.engine)
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # replaybisect/
@@ -728,16 +729,3 @@ def _frames(text: str) -> list[str]:
     frames = [m for m in _FRAME.finditer(text)]
     ours = [i for i, m in enumerate(frames) if os.path.abspath(m.group(1)).startswith(_PACKAGE_DIR)]
     return [m.group(0) for m in frames[(ours[-1] + 1 if ours else 0):]]
-
-
-def to_jsonable(value: Any) -> Any:
-    """Dataclasses -> dicts with non-finite floats as strings (JSON has no NaN)."""
-    if hasattr(value, "__dataclass_fields__"):
-        value = asdict(value)
-    if isinstance(value, dict):
-        return {str(k): to_jsonable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [to_jsonable(v) for v in value]
-    if isinstance(value, float) and not math.isfinite(value):
-        return repr(value)
-    return value
