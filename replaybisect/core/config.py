@@ -12,7 +12,7 @@ from typing import Any, Optional
 
 from replaybisect.errors import ConfigError
 
-BUILTIN_CONFIG_DIR = Path(__file__).parent / "conf"
+BUILTIN_CONFIG_DIR = Path(__file__).parent.parent / "conf"  # replaybisect/conf (this module is in replaybisect/core)
 SCHEMA_NAME = "replaybisect_schema"
 ENTRY_NAME = "replaybisect_entry"
 PRECISIONS = ("fp32", "bf16", "fp16")
