@@ -38,6 +38,15 @@ def context(config_dir=None, config_name=None, overrides=(), options=SMALL):
     )
 
 
+
+def test_the_engine_checks_a_config_without_a_store_and_records_nothing(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # the default SQLite store would land here if anything opened one
+    cfg = config_mod.compose(None, None, [])
+    report = K.check(cfg=cfg, options=K.CheckOptions(only=["data"]))
+    assert report.run_id is None and report.tracking_uri == "" and report.artifacts == []
+    assert report.checks and {c.name.split(".")[0] for c in report.checks} == {"data"}
+    assert list(tmp_path.iterdir()) == []
+
 def rng_streams():
     return random.getstate(), np.random.get_state(), torch.get_rng_state()
 

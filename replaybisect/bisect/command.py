@@ -56,7 +56,7 @@ def bisect_command(
         raise ReplayError(f"--threshold {threshold} must be a finite number (or leave it out: judged from the endpoints)")
 
     from replaybisect.bisect.engine import bisect
-    from replaybisect.bisect.report import render
+    from replaybisect.bisect.report import publish, render
 
     from replaybisect.options import stderr_console
 
@@ -75,6 +75,9 @@ def bisect_command(
         line, code = interruption(stop)
         print(f"{line} (trials stopped, worktrees removed, your repository untouched)", file=sys.stderr)
         sys.exit(code)
+    from replaybisect.store import open_store
+
+    publish(open_store(result.tracking_uri), result)
     if as_json:
         print_json(result.to_dict())
     else:

@@ -30,6 +30,11 @@ How it works
    commits are left the answer is the list of commits the first bad one could be.
 5. Every trial is an MLflow run (child of one `kind=bisect` run) tagged with a key of (tree hash, config
    hash, seed): a later bisect reuses it instead of training again.
+
+The engine writes to MLflow only the trial cache: the parent `kind=bisect` run (its params, and its status
+on the way out) and the trial runs under it with their cache tags. These are data the engine reads back
+(`_Bisector._lookup` finds earlier trials by key), not reports: the report of a bisect (bisect.md,
+bisect.json, bisect.png and the summary tags on the parent run) is written by bisect/report.py `publish`.
 """
 
 from __future__ import annotations
@@ -171,6 +176,7 @@ class BisectResult:
     seconds: float
     run_id: str | None = None  # the kind=bisect MLflow run
     repo: str = ""
+    tracking_uri: str = ""  # the store holding run_id and the trials (where report.publish writes)
 
     @property
     def n_trials(self) -> int:
@@ -960,25 +966,6 @@ def bisect(
         good=good_sha, bad=bad_sha, first_bad=first_bad, candidates=candidates, commit=commit, trials=trials,
         history_length=len(history), n_rounds=search.rounds, workers=workers, mode=runner.mode,
         metric_name=runner.metric, baseline=baseline, n_runs=bisector.n_runs, n_cached=bisector.n_cached,
-        seconds=time.monotonic() - started, run_id=parent_run_id, repo=str(user.path))
-    _log_report(store, result)
+        seconds=time.monotonic() - started, run_id=parent_run_id, repo=str(user.path), tracking_uri=store.uri)
+    store.finish_run(parent_run_id, "ok")
     return result
-
-
-def _log_report(store, result: BisectResult) -> None:
-    from replaybisect.bisect import report as report_bisect
-
-    run_id = result.run_id
-    store.log_text(run_id, report_bisect.to_markdown(result), "bisect.md")
-    store.log_dict(run_id, result.to_dict(), "bisect.json")
-    from replaybisect.report import close_figure
-
-    figure = report_bisect.plot(result)
-    try:
-        store.log_figure(run_id, figure, "bisect.png")
-    finally:
-        close_figure(figure)
-    tags = {"bisect_first_bad": result.first_bad or "", "bisect_candidates": ",".join(c[:10] for c in result.candidates),
-            "bisect_rounds": result.n_rounds, "bisect_runs": result.n_runs, "bisect_cached_runs": result.n_cached}
-    store.set_tags(run_id, tags)
-    store.finish_run(run_id, "ok")

@@ -1,4 +1,5 @@
-"""Rendering a BisectResult: rich (terminal), markdown (bisect.md) and a PNG of the metric per tried commit."""
+"""Rendering a BisectResult: rich (terminal), markdown (bisect.md) and a PNG of the metric per tried commit;
+`publish` writes them, with bisect.json and summary tags, to the bisect's parent run."""
 
 from __future__ import annotations
 
@@ -116,3 +117,23 @@ def plot(result: "BisectResult"):
                          for verdict, color in VERDICT_COLOR.items()], fontsize=8, loc="best")
     figure.tight_layout()
     return figure
+
+
+def publish(store, result: "BisectResult") -> None:
+    """bisect.md, bisect.json, bisect.png and the summary tags on the parent `kind=bisect` run (result.run_id)."""
+    from replaybisect.report import close_figure
+
+    run_id = result.run_id
+    store.log_text(run_id, to_markdown(result), "bisect.md")
+    store.log_dict(run_id, result.to_dict(), "bisect.json")
+    figure = plot(result)
+    try:
+        store.log_figure(run_id, figure, "bisect.png")
+    finally:
+        close_figure(figure)
+    store.set_tags(run_id, summary_tags(result))
+
+
+def summary_tags(result: "BisectResult") -> dict:
+    return {"bisect_first_bad": result.first_bad or "", "bisect_candidates": ",".join(c[:10] for c in result.candidates),
+            "bisect_rounds": result.n_rounds, "bisect_runs": result.n_runs, "bisect_cached_runs": result.n_cached}

@@ -61,14 +61,15 @@ def check_command(
     select(options.only)  # an unknown check is bad input before the store is opened (or created)
     cfg = None if run_id else config_mod.compose(config_dir, config_name, list(ctx.args))
 
-    from replaybisect.check.report import print_check_report
+    from replaybisect.check.report import print_check_report, publish
     from replaybisect.store import open_store
     from replaybisect.core.trust import Trust
 
     trust = Trust.from_user(code_dirs or (), trust_prefixes or ()) if run_id else None
     store = open_store(tracking_uri)
     code_folder = None if run_id else (config_dir.resolve() if config_dir else Path.cwd())
-    report = check(store, cfg=cfg, run_id=run_id, options=options, code_folder=code_folder, trust=trust)
+    report = check(store, cfg=cfg, run_id=run_id, options=options, trust=trust)
+    publish(store, report, cfg, code_folder=code_folder)
     if as_json:
         print_json(report.to_json())
     else:

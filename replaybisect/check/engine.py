@@ -1221,10 +1221,10 @@ def run_checks(ctx: CheckContext, progress: Optional[Callable[[str], None]] = No
     return results
 
 
-# ---- the command: a config or a recorded run, and the check run that records the result -------------------------
+# ---- the command: a config or a recorded run, checked into a CheckReport (report.publish records it) ---------
 @dataclass
 class CheckReport:
-    run_id: str  # the check run (kind=check)
+    run_id: Optional[str]  # the check run (kind=check), once report.publish has recorded it
     checked_run_id: Optional[str]  # the recorded run checked (--run-id), else None
     source: str  # config | run
     snapshot_step: Optional[int]
@@ -1232,9 +1232,9 @@ class CheckReport:
     options: CheckOptions
     configured_lr: Optional[float] = None
     warnings: list[str] = field(default_factory=list)
-    artifacts: list[str] = field(default_factory=list)
+    artifacts: list[str] = field(default_factory=list)  # set by report.publish, like run_id and tracking_uri
     tracking_uri: str = ""
-    seconds: float = 0.0
+    seconds: float = 0.0  # the checks, and the publishing once done
 
     @property
     def status(self) -> str:
@@ -1282,18 +1282,17 @@ def _build_from_config(cfg):
 
 
 def check(
-    store,
+    store=None,
     *,
     cfg=None,
     run_id: Optional[str] = None,
     options: Optional[CheckOptions] = None,
-    code_folder: Optional[Path] = None,
     progress: Optional[Callable[[str], None]] = None,
     trust=None,
 ) -> CheckReport:
     """Run the checklist on a config (at initialization) or on a recorded run (its config, at its newest
-    snapshot), and record the result as a child run of kind `check` (of the checked run, else standalone)."""
-    from replaybisect.core import config as config_mod
+    snapshot). Nothing is written: the store is only read, for --run-id (without one, a cfg needs no store);
+    check/report.py `publish` records the report as a check run."""
     from replaybisect import restore as restore_mod
 
     started = time.perf_counter()
@@ -1304,6 +1303,8 @@ def check(
 
     # 1. build everything first: bad input never creates a run
     if run_id:
+        if store is None:
+            raise ReplayError(f"checking run {run_id} needs the store it was recorded in")
         tags = store.tags(run_id)  # RunNotFound: one line, exit 2
         if tags.get("kind") == "check":
             parent = store.get_run(run_id).data.tags.get("mlflow.parentRunId")
@@ -1347,28 +1348,8 @@ def check(
     checks = run_checks(ctx, progress=progress)
     warnings += sorted(set(ctx.batch_errors))[:3]
 
-    # 3. the check run: report, plots, metrics
-    from replaybisect.check import report as report_check
-
-    tags = {"replaybisect.check_status": worst(c.status for c in checks)}
-    if run_id:
-        tags["replaybisect.checked_run_id"] = run_id
-    if code_folder is not None:
-        tags["replaybisect.code_dir"] = str(code_folder)
-    name = f"check {run_id[:8]}" if run_id else "check"
-    check_run = store.create_run("check", run_name=name, parent_run_id=run_id, tags=tags)
-    report = CheckReport(
-        run_id=check_run, checked_run_id=run_id, source="run" if run_id else "config", snapshot_step=snapshot_step,
-        checks=checks, options=options, configured_lr=configured_lr(state), warnings=warnings, tracking_uri=store.uri,
+    return CheckReport(
+        run_id=None, checked_run_id=run_id, source="run" if run_id else "config", snapshot_step=snapshot_step,
+        checks=checks, options=options, configured_lr=configured_lr(state), warnings=warnings,
+        seconds=time.perf_counter() - started,
     )
-    try:
-        if not run_id:
-            store.log_params(check_run, config_mod.flatten(cfg))
-            store.log_text(check_run, config_mod.to_yaml(cfg), "config.yaml")
-        report.artifacts = report_check.log_to_run(store, check_run, report)
-        report.seconds = time.perf_counter() - started
-        store.finish_run(check_run, "ok")
-    except BaseException:
-        store.finish_run(check_run, "crashed", "FAILED")
-        raise
-    return report

@@ -1,11 +1,12 @@
-"""Rendering for `replay check`: the rich table, check.md, the LR range test and overfit plots, and the
-artifacts and metrics of the check run."""
+"""Rendering and publishing for `replay check`: the rich table, check.md, the LR range test and overfit plots,
+and `publish`, the check run with its artifacts, metrics and tags (the only MLflow writing of `replay check`)."""
 
 from __future__ import annotations
 
 import json
 import math
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -148,6 +149,41 @@ def overfit_figure(check):
     ax.legend(loc="best", fontsize="small")
     figure.tight_layout()
     return figure
+
+
+def publish(store, report, cfg=None, code_folder: Path | None = None) -> None:
+    """Record `report` as a check run (kind=check, a child of the checked run, else standalone): the composed
+    config (params and config.yaml, when a config was checked), check.md, check.json, the plots, per-check
+    metrics and tags. Sets report.run_id, tracking_uri and artifacts; adds the time spent to report.seconds."""
+    started = time.perf_counter()
+    check_run = store.create_run("check", run_name=_run_name(report), parent_run_id=report.checked_run_id,
+                                 tags=_run_tags(report, code_folder))
+    report.run_id, report.tracking_uri = check_run, store.uri
+    try:
+        if report.source == "config":
+            from replaybisect.core import config as config_mod
+
+            store.log_params(check_run, config_mod.flatten(cfg))
+            store.log_text(check_run, config_mod.to_yaml(cfg), "config.yaml")
+        report.artifacts = log_to_run(store, check_run, report)
+        report.seconds += time.perf_counter() - started
+        store.finish_run(check_run, "ok")
+    except BaseException:
+        store.finish_run(check_run, "crashed", "FAILED")
+        raise
+
+
+def _run_name(report) -> str:
+    return f"check {report.checked_run_id[:8]}" if report.checked_run_id else "check"
+
+
+def _run_tags(report, code_folder: Path | None) -> dict[str, str]:
+    tags = {"replaybisect.check_status": report.status}
+    if report.checked_run_id:
+        tags["replaybisect.checked_run_id"] = report.checked_run_id
+    if code_folder is not None:
+        tags["replaybisect.code_dir"] = str(code_folder)
+    return tags
 
 
 def log_to_run(store, run_id: str, report) -> list[str]:
