@@ -74,7 +74,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from replaybisect.diagnose.engine import analyse, load_curves
-    from replaybisect.diagnose.report import write_artifacts
+    from replaybisect.diagnose.report import publish
     from replaybisect.store import open_store
 
     folder = Path(tempfile.mkdtemp(prefix="diagnose-bench-"))
@@ -98,7 +98,7 @@ def main() -> None:
         t1 = time.perf_counter()
         result = analyse(curves)
         t2 = time.perf_counter()
-        write_artifacts(store, result, curves)
+        publish(store, result, curves)
         t3 = time.perf_counter()
 
         # End to end, as a user runs it.

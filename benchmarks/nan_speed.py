@@ -2,7 +2,7 @@
 
 1. Time to diagnosis. A run of examples/nan_forward (a wider GatedMLP on digits) trains with snapshots every
    100 steps and fails past step 1000 (mid-interval, so the replay covers ~60 steps). We time
-   `replay.nan.diagnose()` (restore, replay, probes, detect_anomaly, child run with report and plot) against
+   `nan.engine.find_nan()` + `nan.report.publish()` (restore, replay, probes, detect_anomaly, child run with report and plot) against
    the naive way: rebuild the run from its config and rerun steps 0..t under torch.autograd.detect_anomaly
    until it fails. Target: ratio <= 0.1.
 2. The probes' cost for one step: the instrumented pass (forward/gradient/node hooks, op finder, update)
@@ -40,6 +40,7 @@ def main() -> None:
     from replaybisect.core import loop
     from replaybisect.nan import engine as nan
     from replaybisect.nan import probes
+    from replaybisect.nan.report import publish
     from replaybisect import restore as restore_mod
     from replaybisect.core.rng import capture_raw
     from replaybisect.store import open_store
@@ -64,7 +65,8 @@ def main() -> None:
 
     # 1. time to diagnosis vs the naive way -------------------------------------------------------------------
     started = time.perf_counter()
-    report = nan.diagnose(store, result.run_id)
+    report = nan.find_nan(store, result.run_id)
+    publish(store, report)  # the child run with report and plot, as `replay nan` makes it
     ours_s = time.perf_counter() - started
     assert report.category == "forward" and report.module == "gate", (report.category, report.module)
 
@@ -99,19 +101,19 @@ def main() -> None:
             times.append(time.perf_counter() - began)
         return statistics.median(times)
 
-    plain_s = timed(lambda: nan._on_copy(live, rng_at_step, lambda c: loop.run_step(c, t, batch, halt_on_nonfinite=False)))
-    copy_s = timed(lambda: nan._on_copy(live, rng_at_step, lambda c: None))
-    probe_s = timed(lambda: nan._on_copy(live, rng_at_step, lambda c: probes.StepProbe(c).run(t, batch)))
-    anomaly_s = timed(lambda: nan._on_copy(live, rng_at_step, lambda c: probes.anomaly_pass(c, t, batch)))
+    plain_s = timed(lambda: nan.on_copy(live, rng_at_step, lambda c: loop.run_step(c, t, batch, halt_on_nonfinite=False)))
+    copy_s = timed(lambda: nan.on_copy(live, rng_at_step, lambda c: None))
+    probe_s = timed(lambda: nan.on_copy(live, rng_at_step, lambda c: probes.StepProbe(c).run(t, batch)))
+    anomaly_s = timed(lambda: nan.on_copy(live, rng_at_step, lambda c: probes.anomaly_pass(c, t, batch)))
 
     # the same at a healthy step (the snapshot's own step): no NaN/Inf or denormal arithmetic in the timings
     healthy = restore_mod.restore(store, result.run_id, step=report.snapshot_step)
     h_state, h_step = healthy.state, healthy.step
     h_batch = loop.to_device(healthy.batch(h_step), h_state.device)
     h_rng = capture_raw()
-    h_plain_s = timed(lambda: nan._on_copy(h_state, h_rng, lambda c: loop.run_step(c, h_step, h_batch)))
-    h_probe_s = timed(lambda: nan._on_copy(h_state, h_rng, lambda c: probes.StepProbe(c).run(h_step, h_batch)))
-    h_anomaly_s = timed(lambda: nan._on_copy(h_state, h_rng, lambda c: probes.anomaly_pass(c, h_step, h_batch)))
+    h_plain_s = timed(lambda: nan.on_copy(h_state, h_rng, lambda c: loop.run_step(c, h_step, h_batch)))
+    h_probe_s = timed(lambda: nan.on_copy(h_state, h_rng, lambda c: probes.StepProbe(c).run(h_step, h_batch)))
+    h_anomaly_s = timed(lambda: nan.on_copy(h_state, h_rng, lambda c: probes.anomaly_pass(c, h_step, h_batch)))
 
     params = sum(p.numel() for p in live.model.parameters())
     results = {

@@ -230,20 +230,20 @@ def test_bad_input_is_one_line_exit_2(runs, cli):
 
 def test_step_option_refuses_a_finite_step(runs):
     from replaybisect.errors import ReplayError
-    from replaybisect.nan.engine import diagnose
+    from replaybisect.nan.engine import find_nan
 
     workspace, trained, _ = runs
     with pytest.raises(ReplayError, match="step 3 .* was finite"):
-        diagnose(workspace.store(), trained["forward"].run_id, 3, record=False)
+        find_nan(workspace.store(), trained["forward"].run_id, 3)
 
 
 def test_same_step_twice_gives_identical_reports(runs):
-    from replaybisect.nan.engine import diagnose
+    from replaybisect.nan.engine import find_nan
 
     workspace, trained, _ = runs
     store = workspace.store()
-    first = diagnose(store, trained["forward"].run_id, record=False).to_json()
-    second = diagnose(store, trained["forward"].run_id, record=False).to_json()
+    first = find_nan(store, trained["forward"].run_id).to_json()
+    second = find_nan(store, trained["forward"].run_id).to_json()
     for report in (first, second):
         report.pop("timings")
     assert first == second
@@ -265,12 +265,12 @@ def test_probes_never_change_state_or_rng(runs):
     state = restored.state
     batch = loop.to_device(restored.batch(12), state.device)
     rng_at_step = capture_raw()
-    before = nan._fingerprint(state)
-    first = nan._on_copy(state, rng_at_step, nan._plain(12, batch))[1]
-    nan._on_copy(state, rng_at_step, lambda copy: probes.StepProbe(copy).run(12, batch))
-    nan._on_copy(state, rng_at_step, lambda copy: probes.anomaly_pass(copy, 12, batch))
-    assert nan._fingerprint(state) == before
+    before = nan.fingerprint(state)
+    first = nan.on_copy(state, rng_at_step, nan.plain_run(12, batch))[1]
+    nan.on_copy(state, rng_at_step, lambda copy: probes.StepProbe(copy).run(12, batch))
+    nan.on_copy(state, rng_at_step, lambda copy: probes.anomaly_pass(copy, 12, batch))
+    assert nan.fingerprint(state) == before
     assert to_json(capture_raw()) == to_json(rng_at_step)
-    assert nan._on_copy(state, rng_at_step, nan._plain(12, batch))[1] == first
+    assert nan.on_copy(state, rng_at_step, nan.plain_run(12, batch))[1] == first
     # and the live state still steps exactly like the recorded run: a non-finite grad norm at 12
     assert loop.run_step(state, 12, batch).nonfinite == "grad_norm"

@@ -27,12 +27,15 @@ def diagnose_command(
 
     next: replay check --run-id 3f2a9c0d...
     """
-    from replaybisect.diagnose.engine import diagnose
-    from replaybisect.diagnose.report import print_diagnosis
+    from replaybisect.diagnose.engine import analyse, load_curves
+    from replaybisect.diagnose.report import print_diagnosis, publish
     from replaybisect.store import open_store
 
     store = open_store(tracking_uri)
-    result = diagnose(store, run_id, write_artifacts=not no_artifacts)
+    curves = load_curves(store, run_id)
+    result = analyse(curves)
+    if not no_artifacts:
+        publish(store, result, curves)
     if as_json:
         print_json(result.to_json())
     else:

@@ -962,12 +962,7 @@ def analyse(curves: Curves) -> Diagnosis:
     )
 
 
-def diagnose(store: Store, run_id: str, *, write_artifacts: bool = True) -> Diagnosis:
-    """Read the run's curves, name the pathologies, and attach diagnosis.md and the annotated loss curve."""
-    curves = load_curves(store, run_id)
-    result = analyse(curves)
-    if write_artifacts:
-        from replaybisect.diagnose.report import write_artifacts as write
-
-        result.artifacts = write(store, result, curves)
-    return result
+def diagnose(store: Store, run_id: str) -> Diagnosis:
+    """Read the run's curves and name the pathologies; reads the store, writes nothing
+    (`replaybisect.diagnose.report.publish` attaches diagnosis.md and the annotated loss curve)."""
+    return analyse(load_curves(store, run_id))

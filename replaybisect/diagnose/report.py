@@ -1,4 +1,4 @@
-"""Rendering `replay diagnose`: rich report, diagnosis.md and the annotated loss-curve PNG on the run."""
+"""Rendering `replay diagnose`: rich report, diagnosis.md and the annotated loss-curve PNG; `publish` attaches them to the run."""
 
 from __future__ import annotations
 
@@ -193,8 +193,8 @@ def _annotate(ax_loss, ax_grad, finding, curves) -> None:
     target.axvline(step, color=color, linestyle="--", linewidth=1.2, label=label)
 
 
-# ---- artifacts on the run ----------------------------------------------------------------------------------
-def write_artifacts(store, result, curves) -> list[str]:
+# ---- publishing: artifacts on the run ----------------------------------------------------------------------------------
+def publish(store, result, curves) -> list[str]:
     """diagnosis.md, diagnosis.json and the annotated PNG, attached to the diagnosed run; a replaybisect.diagnosis tag."""
     figure = loss_figure(result, curves)
     result.artifacts = [MARKDOWN, JSON_FILE, PLOT]

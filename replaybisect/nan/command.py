@@ -37,8 +37,8 @@ def nan_command(
     Categories: data | forward | loss | backward | optimizer | corrupt-state | transient.
     Exit status 0 with a diagnosis; 2 for an unknown run, a run that never failed, no usable snapshot.
     """
-    from replaybisect.nan.engine import diagnose
-    from replaybisect.nan.report import print_rich
+    from replaybisect.nan.engine import find_nan
+    from replaybisect.nan.report import print_rich, publish
     from replaybisect.store import open_store
 
     torch_device = None
@@ -51,8 +51,10 @@ def nan_command(
     trust = Trust.from_user(code_dirs or (), trust_prefixes or ())
     store = open_store(tracking_uri)
     progress = stderr_console()
-    report = diagnose(store, run_id, step, device=torch_device, record=not no_child_run, trust=trust,
+    report = find_nan(store, run_id, step, device=torch_device, trust=trust,
                       log=lambda message: progress.print(f"[dim]{message}[/dim]"))
+    if not no_child_run:
+        publish(store, report)
     if as_json:
         print_json(report.to_json())
     else:

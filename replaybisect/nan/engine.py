@@ -6,8 +6,9 @@
   3. step t, plain, on a copy: finite on replay -> `transient`;
   4. probes on copies: the batch, the state before the step (corrupt -> trace back to the step that
      corrupted it), forward hooks, the loss, backward hooks, the update; then detect_anomaly for the op;
-  5. the verdict: category, module, op, evidence, the loss / grad-norm history, the ablate arms to try;
-  6. a child run (kind=replay) holding report.md, report.json and a plot.
+  5. the verdict: category, module, op, evidence, the loss / grad-norm history, the ablate arms to try.
+
+Nothing is written to the store here: `replaybisect.nan.report.publish` records the report as a child run.
 
 Every probe pass runs on a deep copy of the state under `isolated_rng()` with step t's RNG restored; the
 plain step is run again at the end and must give bit-identical results (checked and reported).
@@ -103,24 +104,19 @@ class NanReport:
         return ordered
 
 
-class _Found(Exception):
-    def __init__(self, step: int):
-        self.step = step
-
-
 # ---- the command ----------------------------------------------------------------------------------------
-def diagnose(
+def find_nan(
     store: Store,
     run_id: str,
     step: int | None = None,
     *,
     device=None,
-    record: bool = True,
     log: Callable[[str], None] | None = None,
     trust=None,
 ) -> NanReport:
-    """Find where the first non-finite value of run `run_id` came from, and why. `trust`: the user's
-    decision on the stored config's code (replaybisect.core.trust.Trust; default: the working folder)."""
+    """Find where the first non-finite value of run `run_id` came from, and why; reads the store, writes nothing.
+    `trust`: the user's decision on the stored config's code (replaybisect.core.trust.Trust; default: the
+    working folder)."""
     from replaybisect.core.rng import capture_raw, isolated_rng
 
     log = log or (lambda message: None)
@@ -199,9 +195,6 @@ def diagnose(
         _suggest(report, result)
     timings["total_s"] = time.perf_counter() - started
     report.timings = {k: round(v, 3) for k, v in timings.items()}
-
-    if record:
-        report.replay_run_id = record_child_run(store, report)
     return report
 
 
@@ -277,7 +270,7 @@ def _replay_sentence(report: NanReport, replayed, stored_batch: bool) -> str:
     return text + f"; step {report.failing_step} uses {batch_from}"
 
 
-def _fingerprint(state) -> str:
+def fingerprint(state) -> str:
     """sha256 over every tensor a step depends on (bytes, so NaN payloads count too)."""
     import torch
 
@@ -351,7 +344,7 @@ class _StepResults:
     isolation: dict
 
 
-def _on_copy(state, rng_at_step, function):
+def on_copy(state, rng_at_step, function):
     """Run `function(copy)` on a deep copy of the state with the step's RNG streams, leaving both untouched."""
     from replaybisect.core import loop
     from replaybisect.core.rng import isolated_rng, restore_raw
@@ -362,13 +355,14 @@ def _on_copy(state, rng_at_step, function):
         return function(copy)
 
 
-def _plain(step, batch):
+def plain_run(step, batch):
+    """A function of a state copy: the plain step on it -> (outcome, bit signature of loss, grad norm, state, RNG)."""
     from replaybisect.core import loop
     from replaybisect.core.rng import capture_raw, to_json
 
     def run(copy):
         outcome = loop.run_step(copy, step, batch, halt_on_nonfinite=True)
-        return outcome, (_bits(outcome.loss), _bits(outcome.grad_norm), _fingerprint(copy), str(to_json(capture_raw())))
+        return outcome, (_bits(outcome.loss), _bits(outcome.grad_norm), fingerprint(copy), str(to_json(capture_raw())))
 
     return run
 
@@ -383,19 +377,19 @@ def _probe_step(state, step, batch, rng_at_step, dataset_rows, log) -> _StepResu
     from replaybisect.core import rng
     from replaybisect.nan import probes
 
-    live_before = _fingerprint(state)
+    live_before = fingerprint(state)
     rng_before = rng.to_json(rng.capture_raw())
     log(f"step {step}: plain replay")
-    plain, plain_signature = _on_copy(state, rng_at_step, _plain(step, batch))
+    plain, plain_signature = on_copy(state, rng_at_step, plain_run(step, batch))
     batch_findings = probes.probe_batch(batch, dataset_rows)
     state_findings = probes.probe_state(state)
     log(f"step {step}: probes (forward hooks, gradient hooks, update)")
-    probe = _on_copy(state, rng_at_step, lambda copy: probes.StepProbe(copy).run(step, batch))
+    probe = on_copy(state, rng_at_step, lambda copy: probes.StepProbe(copy).run(step, batch))
     log(f"step {step}: detect_anomaly")
-    anomaly = _on_copy(state, rng_at_step, lambda copy: probes.anomaly_pass(copy, step, batch))
-    _, again = _on_copy(state, rng_at_step, _plain(step, batch))
+    anomaly = on_copy(state, rng_at_step, lambda copy: probes.anomaly_pass(copy, step, batch))
+    _, again = on_copy(state, rng_at_step, plain_run(step, batch))
     isolation = {
-        "state_unchanged": _fingerprint(state) == live_before,
+        "state_unchanged": fingerprint(state) == live_before,
         "rng_unchanged": rng.to_json(rng.capture_raw()) == rng_before,
         "step_repeatable": again == plain_signature,
     }
@@ -404,14 +398,31 @@ def _probe_step(state, step, batch, rng_at_step, dataset_rows, log) -> _StepResu
 
 # ---- the verdict --------------------------------------------------------------------------------------------
 def _classify(report: NanReport, results: _StepResults, restored, store, run_id, cfg, log) -> None:
-    from replaybisect.nan.probes import display_module, to_jsonable
+    """The verdict: the first category whose decision applies, in the order a step computes (state, batch,
+    forward, loss, backward, update); what no probe isolated is reported as such."""
+    _record_probe_facts(report, results)
+    if _is_transient(report, results, restored, run_id):
+        return
+    if results.state:  # the state before the step is already non-finite: trace back to the step that corrupted it
+        _classify_corrupt(report, results, restored, store, run_id, cfg, log)
+        return
+    if _is_data(report, results, restored.state.model):
+        return
+    report.evidence.append("the batch is finite; parameters, buffers and optimizer state before the step are finite")
+    for decide in (_is_forward, _is_loss, _is_backward, _is_update):
+        if decide(report, results, restored.state):
+            return
+    _not_isolated(report, results)
 
-    probe, plain, anomaly = results.probe, results.plain, results.anomaly
-    model = restored.state.model
-    t = report.failing_step
+
+def _record_probe_facts(report: NanReport, results: _StepResults) -> None:
+    """What every probe saw, kept on the report whatever the verdict."""
+    from replaybisect.nan.probes import to_jsonable
+
+    probe, plain = results.probe, results.plain
     report.batch = results.batch
     report.state_findings = results.state
-    report.anomaly = to_jsonable(anomaly)
+    report.anomaly = to_jsonable(results.anomaly)
     report.isolation = results.isolation
     report.layer_grad_norms = probe.layer_grad_norms
     report.plain_step = {"loss": plain.loss, "grad_norm": plain.grad_norm, "nonfinite": plain.nonfinite}
@@ -423,101 +434,131 @@ def _classify(report: NanReport, results: _StepResults, restored, store, run_id,
     report.update = to_jsonable(probe.update) if probe.update is not None else None
     if not all(results.isolation.values()):
         report.warnings.append(f"probe isolation check failed: {results.isolation} (please report this)")
-    ev = report.evidence
 
-    # 1. finite on replay: not a bug in the code or the data
-    if plain.nonfinite is None:
-        report.category, report.phase = "transient", "none"
-        recorded_what = (restored.store.tags(run_id).get("nonfinite_what") or "value").replace("_", " ") if report.recorded_failing_step == t else "value"
-        ev.append(
-            f"step {t} was non-finite in the recorded run but is finite on replay from the same state and batch "
-            f"(loss {plain.loss:.6g}, grad norm {_fmt(plain.grad_norm)})"
-        )
-        ev.append(
-            "a transient fault: the code, the data and the state do not produce it. Likely a hardware fault (a bit flip, "
-            "bad accelerator memory), a nondeterministic kernel, or something the run read that is not part of its "
-            f"recorded state (an environment variable, a file, a module attribute outside state_dict); the recorded non-finite "
-            f"{recorded_what} happened only in the original process"
-        )
-        return
 
-    # 2. the state before the step is already non-finite: trace back to the step that corrupted it
-    if results.state:
-        _classify_corrupt(report, results, restored, store, run_id, cfg, log)
-        return
+def _is_transient(report: NanReport, results: _StepResults, restored, run_id: str) -> bool:
+    """Finite on replay: not a bug in the code or the data."""
+    plain, t = results.plain, report.failing_step
+    if plain.nonfinite is not None:
+        return False
+    report.category, report.phase = "transient", "none"
+    recorded_what = "value"
+    if report.recorded_failing_step == t:
+        recorded_what = (restored.store.tags(run_id).get("nonfinite_what") or "value").replace("_", " ")
+    report.evidence.append(
+        f"step {t} was non-finite in the recorded run but is finite on replay from the same state and batch "
+        f"(loss {plain.loss:.6g}, grad norm {_fmt(plain.grad_norm)})"
+    )
+    report.evidence.append(
+        "a transient fault: the code, the data and the state do not produce it. Likely a hardware fault (a bit flip, "
+        "bad accelerator memory), a nondeterministic kernel, or something the run read that is not part of its "
+        f"recorded state (an environment variable, a file, a module attribute outside state_dict); the recorded non-finite "
+        f"{recorded_what} happened only in the original process"
+    )
+    return True
 
-    # 3. the batch
-    if results.batch:
-        report.category, report.phase = "data", "data"
-        for finding in results.batch:
-            rows = finding.rows[:10]
-            where = f"rows {rows}" + (f" (dataset rows {finding.dataset_rows[:10]})" if finding.dataset_rows else "")
-            ev.append(f"batch field {finding.field} {finding.shape} holds {finding.nan} NaN / {finding.inf} Inf in {where}")
-        first = probe.first_nonfinite_output
-        if first is not None:
-            report.module = display_module(first.module, model)
-            ev.append(f"the first module to output non-finite values is {report.module} ({first.type}), fed the bad rows")
-        ev.append("parameters and optimizer state before the step are finite")
-        return
 
-    ev.append("the batch is finite; parameters, buffers and optimizer state before the step are finite")
-    forward_in_model = probe.first_forward is not None and not probe.first_forward.module.startswith("loss")
-    op = probe.forward_op
+def _is_data(report: NanReport, results: _StepResults, model) -> bool:
+    """The batch holds non-finite values."""
+    from replaybisect.nan.probes import display_module
 
-    # 4. forward: the first module whose output is non-finite while its inputs were finite
-    if forward_in_model and probe.model_output_finite is not True:
-        call = probe.first_forward
-        report.category, report.phase = "forward", "forward"
-        report.module = display_module(call.module, model)
-        ev.append(f"forward: {report.module} ({call.type}) is the first module whose output is non-finite while its inputs were finite")
-        for label, stats in call.inputs[:3]:
-            ev.append(f"  input {label}: {stats.brief()}")
-        for label, stats in call.outputs[:3]:
-            ev.append(f"  output {label}: {stats.brief()}")
-        _name_forward_op(report, op)
-        return
+    if not results.batch:
+        return False
+    report.category, report.phase = "data", "data"
+    for finding in results.batch:
+        rows = finding.rows[:10]
+        where = f"rows {rows}" + (f" (dataset rows {finding.dataset_rows[:10]})" if finding.dataset_rows else "")
+        report.evidence.append(f"batch field {finding.field} {finding.shape} holds {finding.nan} NaN / {finding.inf} Inf in {where}")
+    first = results.probe.first_nonfinite_output
+    if first is not None:
+        report.module = display_module(first.module, model)
+        report.evidence.append(f"the first module to output non-finite values is {report.module} ({first.type}), fed the bad rows")
+    report.evidence.append("parameters and optimizer state before the step are finite")
+    return True
 
-    # 5. the loss: finite model outputs, non-finite loss
-    if not probe.loss_finite:
-        report.category, report.phase = "loss", "loss"
-        loss_fn = restored.state.loss_fn
-        call = probe.first_forward if (probe.first_forward and probe.first_forward.module.startswith("loss")) else None
-        if call is not None:
-            report.module = f"{call.module} ({call.type})"
-        else:
-            report.module = f"loss ({getattr(loss_fn, '__name__', type(loss_fn).__name__)})"
-        ev.append(f"forward: every module's output is finite; the loss is {probe.loss}")
-        if call is not None:
-            for label, stats in call.inputs[:2]:
-                ev.append(f"  loss input {label}: {stats.brief()}")
-        _name_forward_op(report, op)
-        return
 
-    # 6. backward: finite forward and loss, a gradient turns non-finite
-    if probe.grads_finite is False:
-        report.category, report.phase = "backward", "backward"
-        report.module = display_module(probe.backward_module, model) if probe.backward_module is not None else None
-        ev.append(f"forward and loss are finite (loss {probe.loss:.6g}); the gradient norm is {_fmt(probe.grad_norm)}")
-        if probe.backward_detail:
-            ev.append(f"backward: {report.module}: {probe.backward_detail}")
-        report.op = anomaly.op or probe.backward_node
-        report.source = anomaly.source
-        if report.op:
-            ev.append(f"the first autograd node with finite incoming and non-finite outgoing gradients: {report.op}"
-                      + (f", created at {anomaly.source}" if anomaly.source else ""))
-        if anomaly.nan_op and anomaly.nan_op != report.op:
-            ev.append(f"detect_anomaly (NaN only) raised later, in {anomaly.nan_op}: {report.op} made Inf, which became NaN downstream")
-        return
+def _loss_call(probe):
+    """The loss function's call when the probe saw it go non-finite from finite inputs, else None."""
+    call = probe.first_forward
+    return call if call is not None and call.module.startswith("loss") else None
 
-    # 7. the update of this step
-    if probe.update is not None and not (probe.update.params_finite_after and probe.update.state_finite_after):
-        _optimizer_verdict(report, probe.update, t, probe.grad_norm)
-        return
 
-    report.category = "forward" if plain.nonfinite == "loss" else "backward"
+def _is_forward(report: NanReport, results: _StepResults, state) -> bool:
+    """The first module whose output is non-finite while its inputs were finite, inside the model."""
+    from replaybisect.nan.probes import display_module
+
+    probe = results.probe
+    call = probe.first_forward
+    if call is None or _loss_call(probe) is not None or probe.model_output_finite is True:
+        return False
+    report.category, report.phase = "forward", "forward"
+    report.module = display_module(call.module, state.model)
+    report.evidence.append(f"forward: {report.module} ({call.type}) is the first module whose output is non-finite while its inputs were finite")
+    for label, stats in call.inputs[:3]:
+        report.evidence.append(f"  input {label}: {stats.brief()}")
+    for label, stats in call.outputs[:3]:
+        report.evidence.append(f"  output {label}: {stats.brief()}")
+    _name_forward_op(report, probe.forward_op)
+    return True
+
+
+def _is_loss(report: NanReport, results: _StepResults, state) -> bool:
+    """Finite model outputs, a non-finite loss."""
+    probe = results.probe
+    if probe.loss_finite:
+        return False
+    report.category, report.phase = "loss", "loss"
+    call = _loss_call(probe)
+    if call is not None:
+        report.module = f"{call.module} ({call.type})"
+    else:
+        report.module = f"loss ({getattr(state.loss_fn, '__name__', type(state.loss_fn).__name__)})"
+    report.evidence.append(f"forward: every module's output is finite; the loss is {probe.loss}")
+    if call is not None:
+        for label, stats in call.inputs[:2]:
+            report.evidence.append(f"  loss input {label}: {stats.brief()}")
+    _name_forward_op(report, probe.forward_op)
+    return True
+
+
+def _is_backward(report: NanReport, results: _StepResults, state) -> bool:
+    """Finite forward and loss, a gradient turns non-finite."""
+    from replaybisect.nan.probes import display_module
+
+    probe, anomaly = results.probe, results.anomaly
+    if probe.grads_finite is not False:
+        return False
+    report.category, report.phase = "backward", "backward"
+    report.module = display_module(probe.backward_module, state.model) if probe.backward_module is not None else None
+    report.evidence.append(f"forward and loss are finite (loss {probe.loss:.6g}); the gradient norm is {_fmt(probe.grad_norm)}")
+    if probe.backward_detail:
+        report.evidence.append(f"backward: {report.module}: {probe.backward_detail}")
+    report.op = anomaly.op or probe.backward_node
+    report.source = anomaly.source
+    if report.op:
+        report.evidence.append(f"the first autograd node with finite incoming and non-finite outgoing gradients: {report.op}"
+                               + (f", created at {anomaly.source}" if anomaly.source else ""))
+    if anomaly.nan_op and anomaly.nan_op != report.op:
+        report.evidence.append(f"detect_anomaly (NaN only) raised later, in {anomaly.nan_op}: {report.op} made Inf, which became NaN downstream")
+    return True
+
+
+def _is_update(report: NanReport, results: _StepResults, state) -> bool:
+    """Finite gradients, and this step's optimizer update made the weights or moments non-finite."""
+    update = results.probe.update
+    if update is None or (update.params_finite_after and update.state_finite_after):
+        return False
+    _optimizer_verdict(report, update, report.failing_step, results.probe.grad_norm)
+    return True
+
+
+def _not_isolated(report: NanReport, results: _StepResults) -> None:
+    """The plain step is non-finite, but no probe saw where."""
+    nonfinite = results.plain.nonfinite
+    report.category = "forward" if nonfinite == "loss" else "backward"
     report.phase = report.category
-    ev.append(
-        f"the plain replay of step {t} is non-finite ({plain.nonfinite}) but the instrumented pass did not isolate a module; "
+    report.evidence.append(
+        f"the plain replay of step {report.failing_step} is non-finite ({nonfinite}) but the instrumented pass did not isolate a module; "
         "the failure may depend on something the hooks change (in-place ops on hooked tensors)"
     )
 
@@ -620,6 +661,25 @@ def _classify_corrupt(report: NanReport, results: _StepResults, restored, store,
         ev.append(f"could not find the step that corrupted the state ({origin.get('why', 'the replay stayed finite')})")
 
 
+class _StopWhenStateNonfinite(restore_mod.ReplayHooks):
+    """Replay hooks that check the state after every step and stop the replay at the first step that left
+    it non-finite (`corrupted_at`; None when every step kept it finite)."""
+
+    def __init__(self, state, stop_on_nonfinite: bool):
+        super().__init__(stop_on_nonfinite)
+        self.state = state
+        self.corrupted_at: Optional[int] = None
+
+    def after_step(self, outcome, batch, step_time, data_time):
+        from replaybisect.nan import probes
+
+        keep_going = super().after_step(outcome, batch, step_time, data_time)
+        if not probes.finiteness(self.state):
+            self.corrupted_at = outcome.step
+            return False
+        return keep_going
+
+
 def find_corrupting_step(store, run_id, cfg, restored, t: int, warnings: list[str]) -> dict[str, Any]:
     """Replay from the newest snapshot whose state is finite, checking the state after every step; then probe
     the first step that left it non-finite (from a fresh restore, on a copy)."""
@@ -645,27 +705,21 @@ def find_corrupting_step(store, run_id, cfg, restored, t: int, warnings: list[st
     def fresh():
         return restore_mod.restore(store, run_id, cfg=cfg, device=restored.state.device, snapshot=start)
 
-    candidate = fresh()
-
-    def check(outcome):
-        if not probes.finiteness(candidate.state):
-            raise _Found(outcome.step)
-
-    try:
-        restore_mod.replay(candidate, t, stop_on_nonfinite=cfg.snapshot.on_nonfinite == "stop", on_step=check)
-    except _Found as found:
-        k = found.step
-    else:
-        return {"kind": "unknown", "why": (f"replaying steps {start.step}..{t - 1} from the snapshot of step {start.step} kept the state "
-                                           "finite: the recorded state went bad outside the replayed steps")}
     from replaybisect.core import loop
 
+    candidate = fresh()
+    watch = _StopWhenStateNonfinite(candidate.state, stop_on_nonfinite=cfg.snapshot.on_nonfinite == "stop")
+    loop.train_loop(candidate.state, candidate.batch, candidate.step, t, watch)
+    k = watch.corrupted_at
+    if k is None:
+        return {"kind": "unknown", "why": (f"replaying steps {start.step}..{t - 1} from the snapshot of step {start.step} kept the state "
+                                           "finite: the recorded state went bad outside the replayed steps")}
     again = fresh()
     if k > start.step:
         restore_mod.replay(again, k, stop_on_nonfinite=cfg.snapshot.on_nonfinite == "stop")
     rng_at_k = capture_raw()
     batch_k = loop.to_device(again.batch(k), again.state.device)
-    result = _on_copy(again.state, rng_at_k, lambda copy: probes.StepProbe(copy).run(k, batch_k))
+    result = on_copy(again.state, rng_at_k, lambda copy: probes.StepProbe(copy).run(k, batch_k))
     if result.corrupted_in_forward:
         return {"kind": "forward-write", "step": k, "writer": result.corrupted_in_forward[0]}
     if result.update is not None and not (result.update.params_finite_after and result.update.state_finite_after):
@@ -706,19 +760,8 @@ def history_fit(losses: list[tuple[int, float]], grad_norms: list[tuple[int, flo
 
 # ---- what to try next --------------------------------------------------------------------------------------------
 def _suggest(report: NanReport, results: _StepResults) -> None:
-    arms: list[str] = []
-    why: list[str] = []
-    history = report.history
-    exploding = bool(history and history.exploding)
-    from_step = None
-
-    def add(*names):
-        for name in names:
-            if name not in arms:
-                arms.append(name)
-
-    category = report.category
-    if category == "transient":
+    """The ablate arms to try, chosen from the verdict's fields (category, precision, history, update, origin)."""
+    if report.category == "transient":
         report.suggestion = (
             f"no code change needed: resume from the snapshot of step {report.snapshot_step} (the same run continues finite on replay). "
             "If it recurs, check the machine (GPU memory test, another host), and record anything the model reads outside "
@@ -726,103 +769,103 @@ def _suggest(report: NanReport, results: _StepResults) -> None:
         )
         report.arms, report.ablate_command = [], None
         return
-    if category == "data":
-        add("skip-batch")
+    choice = _ArmChoice()
+    _arms_for_data(report, choice)
+    _arms_for_precision(report, choice)
+    _arms_for_history(report, choice)
+    CATEGORY_ARMS.get(report.category, lambda report, choice: None)(report, choice)
+    assert report.category in CATEGORIES and set(choice.arms) <= set(ARMS), (report.category, choice.arms)
+    _write_suggestion(report, choice)
+
+
+@dataclass
+class _ArmChoice:
+    arms: list[str] = field(default_factory=list)  # in the order they were chosen, each once
+    why: list[str] = field(default_factory=list)
+    from_step: Optional[int] = None  # apply the arms from this step (the state before t is already corrupt)
+
+    def add(self, reason: str, *names: str) -> None:
+        self.arms.extend(name for name in names if name not in self.arms)
+        self.why.append(reason)
+
+
+def _arms_for_data(report: NanReport, choice: _ArmChoice) -> None:
+    if report.category == "data":
         rows = sorted({r for f in report.batch for r in (f.dataset_rows or [])})
-        why.append("skip-batch drops the failing batch" + (f"; then clean dataset rows {rows[:10]}" if rows else ""))
-    if report.precision != "fp32" and category in ("forward", "loss", "backward"):
-        add("precision")
-        why.append(f"precision: the run trains in {report.precision}; fp32 tells whether the overflow is a range problem")
-    if exploding:
-        add("lr", "clip", "warmup")
-        why.append("lr / clip / warmup: the grad norm grew exponentially before the failure")
-    if category == "forward":
-        add("lr", "clip")
-        why.append("lr / clip: smaller updates keep activations in range longer; if they only delay it, fix the op named above")
-    elif category == "loss":
-        add("lr", "clip")
-        why.append("lr / clip: the loss met an impossible value (e.g. log(0)); if they only delay it, clamp or use a log-space loss")
-    elif category == "backward":
-        add("clip", "skip-batch")
-        why.append("the gradient of the op named above is non-finite at this input; clip cannot repair NaN, so fix the op "
-                   "(add an eps) if the arms do not help")
-    elif category == "optimizer":
-        hyper = (report.update or {}).get("hyperparameters", {}) if report.update else {}
-        update_text = " ".join(report.evidence)
-        eps = hyper.get("eps")
-        lr = hyper.get("lr")
-        if "eps=0" in update_text or (isinstance(eps, (int, float)) and eps < 1e-12):
-            add("eps")
-            why.append("eps: the update divides by sqrt(v) + eps with eps ~ 0")
-        if not (isinstance(lr, (int, float)) and math.isfinite(lr)) or "learning rate is" in update_text:
-            add("lr")
-            why.append("lr: the learning rate is not finite")
-        add("lr", "clip")
-        why.append("lr / clip: smaller updates, in case the step size rather than the arithmetic is to blame")
-        if report.origin_step is not None and report.origin_step < report.snapshot_step:
-            from_step = report.origin_step  # the snapshot before t is already corrupt: apply the arms before it
-    elif category == "corrupt-state":
-        if report.origin == "forward-write":
-            why.append(f"no ablation arm repairs a module that writes into its own weights: fix {report.module}'s forward")
-        elif report.origin == "initial":
-            add("seed")
-            why.append("seed: the state was non-finite from the start; another seed tells whether initialization is to blame")
-        else:
-            add("lr", "clip")
-            why.append("lr / clip from the last finite snapshot; the state went bad where the replay could not see it")
-            from_step = report.origin_step
-    assert category in CATEGORIES and set(arms) <= set(ARMS), (category, arms)
-    report.arms = arms
-    if arms:
-        command = f"replay ablate {','.join(arms)} --run-id {report.run_id}"
-        if from_step is not None:
-            command += f" --from-step {from_step}"
-        report.ablate_command = command
-        report.suggestion_reason = "; ".join(why)
-        report.suggestion = command + "   # " + report.suggestion_reason
+        choice.add("skip-batch drops the failing batch" + (f"; then clean dataset rows {rows[:10]}" if rows else ""), "skip-batch")
+
+
+def _arms_for_precision(report: NanReport, choice: _ArmChoice) -> None:
+    if report.precision != "fp32" and report.category in ("forward", "loss", "backward"):
+        choice.add(f"precision: the run trains in {report.precision}; fp32 tells whether the overflow is a range problem", "precision")
+
+
+def _arms_for_history(report: NanReport, choice: _ArmChoice) -> None:
+    if report.history is not None and report.history.exploding:
+        choice.add("lr / clip / warmup: the grad norm grew exponentially before the failure", "lr", "clip", "warmup")
+
+
+def _arms_for_forward(report: NanReport, choice: _ArmChoice) -> None:
+    choice.add("lr / clip: smaller updates keep activations in range longer; if they only delay it, fix the op named above", "lr", "clip")
+
+
+def _arms_for_loss(report: NanReport, choice: _ArmChoice) -> None:
+    choice.add("lr / clip: the loss met an impossible value (e.g. log(0)); if they only delay it, clamp or use a log-space loss", "lr", "clip")
+
+
+def _arms_for_backward(report: NanReport, choice: _ArmChoice) -> None:
+    choice.add("the gradient of the op named above is non-finite at this input; clip cannot repair NaN, so fix the op "
+               "(add an eps) if the arms do not help", "clip", "skip-batch")
+
+
+def _arms_for_optimizer(report: NanReport, choice: _ArmChoice) -> None:
+    """From the update's hyperparameters: eps ~ 0 (Adam's 0/0), a non-finite lr, else a smaller step."""
+    hyper = (report.update or {}).get("hyperparameters", {})
+    eps, lr = hyper.get("eps"), hyper.get("lr")
+    if _is_number(eps) and eps < 1e-12:
+        choice.add("eps: the update divides by sqrt(v) + eps with eps ~ 0", "eps")
+    if not (_is_number(lr) and math.isfinite(lr)):
+        choice.add("lr: the learning rate is not finite", "lr")
+    choice.add("lr / clip: smaller updates, in case the step size rather than the arithmetic is to blame", "lr", "clip")
+    if report.origin_step is not None and report.origin_step < report.snapshot_step:
+        choice.from_step = report.origin_step  # the snapshot before t is already corrupt: apply the arms before it
+
+
+def _arms_for_corrupt_state(report: NanReport, choice: _ArmChoice) -> None:
+    if report.origin == "forward-write":
+        choice.why.append(f"no ablation arm repairs a module that writes into its own weights: fix {report.module}'s forward")
+    elif report.origin == "initial":
+        choice.add("seed: the state was non-finite from the start; another seed tells whether initialization is to blame", "seed")
     else:
+        choice.add("lr / clip from the last finite snapshot; the state went bad where the replay could not see it", "lr", "clip")
+        choice.from_step = report.origin_step
+
+
+CATEGORY_ARMS = {
+    "forward": _arms_for_forward, "loss": _arms_for_loss, "backward": _arms_for_backward,
+    "optimizer": _arms_for_optimizer, "corrupt-state": _arms_for_corrupt_state,
+}
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float))
+
+
+def _write_suggestion(report: NanReport, choice: _ArmChoice) -> None:
+    report.arms = choice.arms
+    if not choice.arms:
         report.ablate_command = None
-        report.suggestion = "; ".join(why) or "no ablation arm applies"
+        report.suggestion = "; ".join(choice.why) or "no ablation arm applies"
+        return
+    command = f"replay ablate {','.join(choice.arms)} --run-id {report.run_id}"
+    if choice.from_step is not None:
+        command += f" --from-step {choice.from_step}"
+    report.ablate_command = command
+    report.suggestion_reason = "; ".join(choice.why)
+    report.suggestion = command + "   # " + report.suggestion_reason
 
 
 def _fmt(value) -> str:
     if value is None:
         return "-"
     return f"{value:.4g}" if math.isfinite(value) else str(value)
-
-
-# ---- the child run -------------------------------------------------------------------------------------------------
-def record_child_run(store: Store, report: NanReport) -> str:
-    """A replay run under the examined run: report.md, report.json and the plot."""
-    from replaybisect.nan import report as report_nan
-
-    child = store.create_run(
-        "replay",
-        run_name=f"nan-step-{report.failing_step}",
-        parent_run_id=report.run_id,
-        tags={
-            "replaybisect.verb": "nan",
-            "replaybisect.category": report.category,
-            "replaybisect.failing_step": str(report.failing_step),
-            "replaybisect.snapshot_step": str(report.snapshot_step),
-            "replaybisect.reproduced": report.reproduced,
-            "replaybisect.module": report.module or "",
-        },
-    )
-    try:
-        report.replay_run_id = child
-        store.log_params(child, {"failing_step": report.failing_step, "snapshot_step": report.snapshot_step})
-        store.log_dict(child, report.to_json(), "report.json")
-        store.log_text(child, report_nan.markdown(report), "report.md")
-        figure = report_nan.figure(report)
-        try:
-            store.log_figure(child, figure, "nan_report.png")
-        finally:
-            from replaybisect.report import close_figure
-
-            close_figure(figure)
-    except BaseException:
-        store.finish_run(child, "crashed", "FAILED")
-        raise
-    store.finish_run(child, "ok")
-    return child

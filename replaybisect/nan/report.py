@@ -1,4 +1,4 @@
-"""Rendering of a `replay nan` report: rich (terminal), markdown (report.md) and the plot (PNG)."""
+"""A `replay nan` report: rich (terminal), markdown (report.md), the plot (PNG), and `publish` (the child run)."""
 
 from __future__ import annotations
 
@@ -131,3 +131,39 @@ def figure(report):
     fig.suptitle(f"run {report.run_id[:12]}  step {t}: {report.category}" + (f" in {report.module}" if report.module else ""))
     fig.tight_layout()
     return fig
+
+
+# ---- publishing: the child run ---------------------------------------------------------------------------------
+def publish(store, report) -> str:
+    """Record the report as a replay run under the examined run: report.md, report.json and the plot. Sets
+    `report.replay_run_id` (before report.json is written, so the file names its own run) and returns it."""
+    from replaybisect.report import close_figure
+
+    child = store.create_run(
+        "replay",
+        run_name=f"nan-step-{report.failing_step}",
+        parent_run_id=report.run_id,
+        tags={
+            "replaybisect.verb": "nan",
+            "replaybisect.category": report.category,
+            "replaybisect.failing_step": str(report.failing_step),
+            "replaybisect.snapshot_step": str(report.snapshot_step),
+            "replaybisect.reproduced": report.reproduced,
+            "replaybisect.module": report.module or "",
+        },
+    )
+    try:
+        report.replay_run_id = child
+        store.log_params(child, {"failing_step": report.failing_step, "snapshot_step": report.snapshot_step})
+        store.log_dict(child, report.to_json(), "report.json")
+        store.log_text(child, markdown(report), "report.md")
+        plot = figure(report)
+        try:
+            store.log_figure(child, plot, "nan_report.png")
+        finally:
+            close_figure(plot)
+    except BaseException:
+        store.finish_run(child, "crashed", "FAILED")
+        raise
+    store.finish_run(child, "ok")
+    return child
