@@ -1,3 +1,218 @@
-"""replaybisect: replay, ablate and bisect failing PyTorch training runs recorded to MLflow."""
+"""replaybisect: replay, ablate and bisect failing PyTorch training runs recorded to MLflow.
+
+The same work as the `replay` command, from Python (a notebook, a script, a CI job)::
+
+    import replaybisect as rb
+
+    run = rb.train(["train.steps=200", "optim.lr=3"])         # TrainResult (run.status == "nonfinite")
+    report = rb.find_nan(run.run_id)                           # NanReport: category, module, op, suggestion
+    fix = rb.ablate(run.run_id, ["lr", "clip", "precision"])   # AblationResult: a verdict per arm
+    rb.diagnose(run.run_id).findings                           # what the recorded curves show
+    rb.check(["model=cnn"]).checks                             # the checklist on a config (or run_id=...)
+    rb.bisect("v1.0", "main", repo=".").first_bad              # the commit that broke convergence
+
+Every function takes `tracking_uri` (default: $MLFLOW_TRACKING_URI, else ./mlflow.db) and, where the
+command records its findings as MLflow runs and artifacts, `publish` (True: as the command does).
+Bad input raises `ReplayError` (its message says what to do). Importing this package is cheap: torch
+and MLflow load on the first call.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Optional, Sequence
+
+from replaybisect.errors import ReplayError
+
+if TYPE_CHECKING:
+    from replaybisect.ablate.engine import AblationResult
+    from replaybisect.bisect.engine import BisectResult
+    from replaybisect.check.engine import CheckReport
+    from replaybisect.diagnose.engine import Diagnosis
+    from replaybisect.nan.engine import NanReport
+    from replaybisect.train.engine import TrainResult
 
 __version__ = "0.1.0"
+
+__all__ = [
+    "train", "find_nan", "ablate", "bisect", "check", "diagnose",
+    "TrainResult", "NanReport", "AblationResult", "BisectResult", "CheckReport", "Diagnosis",
+    "ReplayError",
+]
+
+# result types, imported on first use (they pull in torch)
+_RESULT_TYPES = {
+    "TrainResult": "replaybisect.train.engine",
+    "NanReport": "replaybisect.nan.engine",
+    "AblationResult": "replaybisect.ablate.engine",
+    "BisectResult": "replaybisect.bisect.engine",
+    "CheckReport": "replaybisect.check.engine",
+    "Diagnosis": "replaybisect.diagnose.engine",
+}
+
+
+def __getattr__(name: str):
+    if name in _RESULT_TYPES:
+        import importlib
+
+        return getattr(importlib.import_module(_RESULT_TYPES[name]), name)
+    raise AttributeError(f"module 'replaybisect' has no attribute {name!r}")
+
+
+def _store(tracking_uri: Optional[str]):
+    from replaybisect.store import open_store
+
+    return open_store(tracking_uri)
+
+
+def _trust(code_dirs: Sequence[str | Path], trust: Sequence[str]):
+    from replaybisect.core.trust import Trust
+
+    return Trust.from_user([str(d) for d in code_dirs], list(trust))
+
+
+def train(
+    overrides: Sequence[str] = (),
+    *,
+    config_dir: str | Path | None = None,
+    config_name: str = "config",
+    tracking_uri: Optional[str] = None,
+    run_name: Optional[str] = None,
+) -> "TrainResult":
+    """Train a Hydra config with the recorder on (as `replay train`). `config_dir` is your config folder
+    (default: the built-in example); `overrides` are Hydra overrides. A run that stops on a non-finite loss
+    returns with `status == "nonfinite"` (the command exits 3)."""
+    from replaybisect.core import config as config_mod
+    from replaybisect.train.engine import train as train_run
+
+    cfg = config_mod.compose(config_dir, config_name, list(overrides))
+    code_folder = Path(config_dir).resolve() if config_dir else Path.cwd()
+    return train_run(cfg, _store(tracking_uri), run_name=run_name, code_folder=code_folder)
+
+
+def find_nan(
+    run_id: str,
+    step: Optional[int] = None,
+    *,
+    tracking_uri: Optional[str] = None,
+    code_dirs: Sequence[str | Path] = (),
+    trust: Sequence[str] = (),
+    publish: bool = True,
+) -> "NanReport":
+    """Where the first NaN/Inf of a recorded run came from, and why (as `replay nan`): the state before the
+    failing step is restored, the replay checked against the logged losses, and the step re-run under probes.
+    `code_dirs`/`trust` say which of the stored config's `_target_`s may be built (see the README's trust model)."""
+    from replaybisect.nan.engine import find_nan as find
+
+    store = _store(tracking_uri)
+    report = find(store, run_id, step, trust=_trust(code_dirs, trust))
+    if publish:
+        from replaybisect.nan.report import publish as publish_report
+
+        publish_report(store, report)
+    return report
+
+
+def ablate(
+    run_id: str,
+    arms: Sequence[str] | str = ("lr", "clip", "precision"),
+    *,
+    from_step: Optional[int] = None,
+    horizon: Optional[int] = None,
+    workers: Optional[int] = None,
+    tracking_uri: Optional[str] = None,
+    code_dirs: Sequence[str | Path] = (),
+    trust: Sequence[str] = (),
+    publish: bool = True,
+) -> "AblationResult":
+    """Replay the failure once unchanged and once per one-variable change (as `replay ablate`); each arm gets a
+    verdict (fixes | delays | no-effect | worse)."""
+    from replaybisect.ablate import engine
+
+    store = _store(tracking_uri)
+    options = {"horizon": horizon} if horizon is not None else {}
+    result = engine.ablate(
+        store, run_id, list(arms) if not isinstance(arms, str) else arms,
+        from_step=from_step, workers=workers, trust=_trust(code_dirs, trust), **options,
+    )
+    if publish:
+        from replaybisect.ablate.report import publish as publish_report
+
+        publish_report(store, result)
+    return result
+
+
+def bisect(
+    good: str,
+    bad: str,
+    *,
+    repo: str | Path = ".",
+    overrides: Sequence[str] = (),
+    config_dir: str = "conf",
+    config_name: str = "config",
+    steps: Optional[int] = None,
+    seeds: int = 3,
+    workers: int = 1,
+    cmd: Optional[str] = None,
+    tracking_uri: Optional[str] = None,
+    publish: bool = True,
+) -> "BisectResult":
+    """The first commit on BAD's first-parent history that breaks convergence (as `replay bisect`). Trials run in
+    a private clone: the repository's working tree, index and branches are never touched."""
+    from replaybisect.bisect.engine import bisect as run_bisect
+
+    result = run_bisect(
+        good, bad, repo=repo, config_dir=config_dir, config_name=config_name, overrides=list(overrides),
+        steps=steps, seeds=seeds, workers=workers, cmd=cmd, tracking_uri=tracking_uri,
+    )
+    if publish:
+        from replaybisect.bisect.report import publish as publish_report
+
+        publish_report(_store(result.tracking_uri), result)
+    return result
+
+
+def check(
+    overrides: Sequence[str] = (),
+    *,
+    run_id: Optional[str] = None,
+    config_dir: str | Path | None = None,
+    config_name: str = "config",
+    only: Optional[Sequence[str]] = None,
+    tracking_uri: Optional[str] = None,
+    code_dirs: Sequence[str | Path] = (),
+    trust: Sequence[str] = (),
+    publish: bool = True,
+) -> "CheckReport":
+    """The 5-minute checklist (as `replay check`) on a config (`overrides`, `config_dir`) or on a recorded run
+    (`run_id`): overfit one batch, data sanity, loss/head, initialization, activations, gradient flow, LR range."""
+    from replaybisect.check.engine import CheckOptions
+    from replaybisect.check.engine import check as run_check
+    from replaybisect.core import config as config_mod
+
+    if run_id and (overrides or config_dir is not None):
+        raise ReplayError("pass either run_id or a config (config_dir/overrides), not both")
+    options = CheckOptions(only=list(only) if only else None)
+    cfg = None if run_id else config_mod.compose(config_dir, config_name, list(overrides))
+    store = _store(tracking_uri)
+    report = run_check(store, cfg=cfg, run_id=run_id, options=options, trust=_trust(code_dirs, trust) if run_id else None)
+    if publish:
+        from replaybisect.check.report import publish as publish_report
+
+        code_folder = None if run_id else (Path(config_dir).resolve() if config_dir else Path.cwd())
+        publish_report(store, report, cfg, code_folder=code_folder)
+    return report
+
+
+def diagnose(run_id: str, *, tracking_uri: Optional[str] = None, publish: bool = True) -> "Diagnosis":
+    """Read a run's recorded curves (no replay) and name the pathology and the next command (as `replay diagnose`)."""
+    from replaybisect.diagnose.engine import analyse, load_curves
+
+    store = _store(tracking_uri)
+    curves = load_curves(store, run_id)
+    result = analyse(curves)
+    if publish:
+        from replaybisect.diagnose.report import publish as publish_report
+
+        publish_report(store, result, curves)
+    return result

@@ -24,6 +24,7 @@ from typing import Any, Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from replaybisect.core.state import check_state, schema_error
 from replaybisect.errors import SnapshotError
 
 FORMAT = "replaybisect-snapshot/1"
@@ -249,13 +250,6 @@ def _bad(folder: Path, name: str, why: str) -> SnapshotError:
     return SnapshotError(f"snapshot {folder.name}: {name} {why}")
 
 
-def schema_error(error: ValidationError) -> str:
-    """The first problem pydantic found, as `where: what` (one line)."""
-    first = error.errors()[0]
-    where = ".".join(str(part) for part in first["loc"]) or "the top level"
-    return f"{where}: {first['msg']}"
-
-
 def _check_folder(folder: Path) -> None:
     """The folder and everything in it must be plain: no symlinks (checked before anything is opened), no
     special files, and only the format's own files (a pickle or torch.save file is never opened)."""
@@ -453,8 +447,6 @@ def _batch_tensor_names(step: int, shape: Any) -> list[str] | None:
 
 def load(folder: Path) -> Snapshot:
     """Verify and load a snapshot folder (safetensors and JSON only); any flaw is a SnapshotError."""
-    from replaybisect.core.state import check_state
-
     _check_folder(folder)
     manifest = read_manifest(folder)
     state = _parse_json(folder, STATE, read_verified(folder, STATE, manifest))

@@ -104,10 +104,15 @@ class StateJson(BaseModel):
         return value
 
 
+def schema_error(error: ValidationError) -> str:
+    """The first problem pydantic found, as `where: what` (one line)."""
+    first = error.errors()[0]
+    where = ".".join(str(part) for part in first["loc"]) or "the top level"
+    return f"{where}: {first['msg']}"
+
+
 def check_state(saved: Any, step: int, bad: Callable[[str], Exception]) -> StateJson:
     """Validate a snapshot's state.json (already parsed) for the snapshot of `step`; `bad(why)` makes the error."""
-    from replaybisect.core.snapshot import schema_error
-
     try:
         state = StateJson.model_validate(saved)
     except ValidationError as error:
