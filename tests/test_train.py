@@ -191,9 +191,10 @@ def test_planted_nan_stops_with_exit_3_tags_and_emergency_snapshot(workspace):
     nan_index = 700
     failing = _step_of_sample(nan_index, 32)
     project = _poisoned_project(workspace.path, nan_index)
-    run = workspace.replay("train", "--json", "--config-dir", str(project), "train.steps=60", "train.batch_size=32", "snapshot.every=10")
+    args = ("--config-dir", str(project), "train.steps=60", "train.batch_size=32", "snapshot.every=10")
+    run = workspace.replay("train", "--json", *args)
     assert run.returncode == 3, run.stderr
-    assert f"step {failing}" in run.stderr and "replay nan" in run.stdout + run.stderr or f"step {failing}" in run.stderr
+    assert f"step {failing}" in run.stderr, run.stderr  # --json: stdout is the JSON alone, the one line on stderr
     result = run.json()
     assert result["status"] == "nonfinite" and result["first_nonfinite_step"] == failing and result["stopped"]
 
@@ -240,6 +241,11 @@ def test_on_nonfinite_continue_goes_on(workspace):
     assert sorted(dict(store.metric_history(result["run_id"], "loss"))) == list(range(40))
     assert (store.local_artifact_dir(result["run_id"]) / "snapshots" / fmt.folder_name(failing) / fmt.MANIFEST).is_file()
 
+    human = workspace.replay("train", *args)  # without --json the summary names the next command
+    assert human.returncode == 3, human.stderr
+    assert f"step {failing}" in human.stdout + human.stderr
+    assert "replay nan --run-id " in human.stdout, human.stdout
+
 
 @pytest.mark.parametrize(
     "args, fragments",
@@ -256,7 +262,10 @@ def test_on_nonfinite_continue_goes_on(workspace):
 def test_bad_input_is_one_line_exit_2(workspace, args, fragments):
     result = workspace.replay("train", *args)
     assert_one_line_error(result, *fragments)
-    assert not (workspace.path / "mlruns").exists()  # nothing recorded
+    assert not (workspace.path / "mlruns").exists()  # nothing recorded: no file store ...
+    database = workspace.path / "mlflow.db"
+    if database.exists():  # ... and no run in the workspace's SQLite store, if one was opened at all
+        assert workspace.store().search_runs("", max_results=10) == []
 
 
 def test_help_does_not_import_torch_or_mlflow():

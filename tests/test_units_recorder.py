@@ -1,0 +1,127 @@
+"""recorder.py in-process: the Recorder on a tiny TrainState, the real training loop and a real SQLite store."""
+
+from __future__ import annotations
+
+import math
+import time
+
+import pytest
+import torch
+
+from replaybisect.core import config as config_mod
+from replaybisect.core import loop
+from replaybisect.core import snapshot as fmt
+from replaybisect.core.state import live_tensors
+from replaybisect.recorder import Recorder
+from replaybisect.store import open_store
+
+NAN_STEP = 3
+
+
+def tiny_cfg(*overrides: str):
+    return config_mod.compose(overrides=[
+        "model.hidden=8", "model.dropout=0.0", "train.device=cpu", "train.val_every=0", "train.batch_size=4",
+        "snapshot.layer_stats_every=0", *overrides,
+    ])
+
+
+def batch_of(step: int, nan_step: int | None = None):
+    generator = torch.Generator().manual_seed(step)
+    x = torch.randn(4, 64, generator=generator)
+    if step == nan_step:
+        x[1, 5] = math.nan
+    return x, torch.randint(0, 10, (4,), generator=generator)
+
+
+@pytest.fixture
+def store(tmp_path):
+    return open_store(f"sqlite:///{tmp_path / 'mlflow.db'}")
+
+
+def start(store, *overrides: str):
+    cfg = tiny_cfg(*overrides)
+    state = loop.build_state(cfg)
+    run_id = store.create_run("train")
+    return state, run_id, Recorder(store, run_id, cfg, state, {})
+
+
+def wait_for_writes(recorder: Recorder) -> None:
+    for job in list(recorder._jobs):
+        job.result()
+
+
+def logged_steps(store, run_id, key="loss") -> list[int]:
+    return [step for step, _ in store.metric_history(run_id, key)]
+
+
+def test_metrics_are_flushed_every_n_steps(store):
+    state, run_id, recorder = start(store, "snapshot.every=0", "snapshot.metrics_flush_every=3", "snapshot.metrics_flush_seconds=0")
+    loop.train_loop(state, batch_of, 0, 5, recorder)
+    wait_for_writes(recorder)
+    assert logged_steps(store, run_id) == [0, 1, 2]  # steps 3 and 4 wait for the next flush
+    assert logged_steps(store, run_id, "lr") == [0, 1, 2]
+    recorder.close()
+    assert logged_steps(store, run_id) == [0, 1, 2, 3, 4]  # close flushes the rest
+    assert {"loss", "lr", "grad_norm", "step_time", "data_time"} <= set(store.metric_keys(run_id))
+
+
+def test_metrics_are_flushed_after_the_flush_interval_however_few_steps_ran(store):
+    seconds = 1.5
+    state, run_id, recorder = start(store, "snapshot.every=0", "snapshot.metrics_flush_every=1000", f"snapshot.metrics_flush_seconds={seconds}")
+    started = time.monotonic()
+    loop.train_loop(state, batch_of, 0, 2, recorder)
+    wait_for_writes(recorder)
+    assert time.monotonic() - started < seconds, "the two steps took longer than the flush interval"
+    assert logged_steps(store, run_id) == []  # neither count nor time reached
+    time.sleep(seconds - (time.monotonic() - started) + 0.1)
+    loop.train_loop(state, batch_of, 2, 3, recorder)
+    wait_for_writes(recorder)
+    assert logged_steps(store, run_id) == [0, 1, 2]
+    recorder.close()
+
+
+def test_a_periodic_snapshot_verifies_and_reloads_the_tensors_and_batches(store):
+    state, run_id, recorder = start(store, "snapshot.every=2", "snapshot.metrics_flush_every=1000")
+    loop.train_loop(state, batch_of, 0, 2, recorder)
+    expected = {name: tensor.detach().clone() for name, tensor in live_tensors(state).items()}
+    assert any(name.startswith("optim/") for name in expected)  # AdamW moments exist after two steps
+    loop.train_loop(state, batch_of, 2, 4, recorder)  # the snapshot of step 2 is taken before step 2 runs
+    recorder.close()
+    assert recorder.snapshot_steps == [0, 2]
+
+    folder = store.local_artifact_dir(run_id) / fmt.SNAPSHOTS / fmt.folder_name(2)
+    manifest = fmt.verify(folder)
+    assert manifest.step == 2
+    loaded = fmt.load(folder)
+    assert loaded.step == 2 and loaded.state["reason"] == "periodic"
+    assert loaded.tensors.keys() == expected.keys()
+    for name, tensor in expected.items():
+        assert torch.equal(loaded.tensors[name], tensor), name
+    assert sorted(loaded.batches) == [2, 3]  # the interval's batches, for a replay without the data source
+    for step in (2, 3):
+        assert all(torch.equal(a, b) for a, b in zip(loaded.batches[step], batch_of(step)))
+    assert store.tags(run_id)["snapshot_steps"] == "0,2"
+
+
+def test_a_nonfinite_step_writes_the_emergency_snapshot_with_the_failing_batch(store):
+    state, run_id, recorder = start(store, "snapshot.every=100", "snapshot.keep_batches=false", "snapshot.on_nonfinite=stop")
+    stopped = loop.train_loop(state, lambda step: batch_of(step, NAN_STEP), 0, 10, recorder)
+    assert stopped is not None and stopped.step == NAN_STEP and stopped.nonfinite == "loss"
+    before_failing_step = {name: tensor.detach().clone() for name, tensor in live_tensors(state).items()}
+    recorder.close()
+    assert recorder.first_nonfinite_step == NAN_STEP and recorder.snapshot_steps == [0, NAN_STEP]
+
+    folder = store.local_artifact_dir(run_id) / fmt.SNAPSHOTS / fmt.folder_name(NAN_STEP)
+    fmt.verify(folder)
+    loaded = fmt.load(folder)
+    assert loaded.state["reason"] == "nonfinite"
+    assert list(loaded.batches) == [NAN_STEP]  # kept although keep_batches=false: it is the evidence
+    x, y = loaded.batches[NAN_STEP]
+    failing_x, failing_y = batch_of(NAN_STEP, NAN_STEP)
+    assert torch.equal(x.isnan(), failing_x.isnan()) and x.isnan().sum() == 1 and torch.equal(y, failing_y)
+    for name, tensor in before_failing_step.items():  # the state before the failing step, not after it
+        assert torch.equal(loaded.tensors[name], tensor), name
+    tags = store.tags(run_id)
+    assert tags["status"] == "nonfinite" and tags["first_nonfinite_step"] == str(NAN_STEP) and tags["nonfinite_what"] == "loss"
+    assert logged_steps(store, run_id) == [0, 1, 2, 3]
+    assert math.isnan(store.metric_history(run_id, "loss")[-1][1])
