@@ -59,9 +59,9 @@ def main() -> None:
     args = parser.parse_args()
 
     from replaybisect.core import config as config_mod
-    from replaybisect.ablate import engine as ablate_mod
+    from replaybisect.verbs.ablate import engine as ablate_mod
     from replaybisect.store import open_store
-    from replaybisect.train.engine import train
+    from replaybisect.verbs.train.engine import train
 
     folder = Path(tempfile.mkdtemp(prefix="ablate-bench-"))
     os.chdir(folder)

@@ -40,7 +40,7 @@ def per_check_seconds(overrides: list[str]) -> dict[str, float]:
     """Each check's own time, in process (imports and building excluded)."""
     from replaybisect.core import config as config_mod
     from replaybisect.core import loop
-    from replaybisect.check import engine as K
+    from replaybisect.verbs.check import engine as K
 
     cfg = config_mod.compose(None, None, overrides)
     if cfg.train.num_threads:

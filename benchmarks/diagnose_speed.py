@@ -73,8 +73,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
 
-    from replaybisect.diagnose.engine import analyse, load_curves
-    from replaybisect.diagnose.report import publish
+    from replaybisect.verbs.diagnose.engine import analyse, load_curves
+    from replaybisect.verbs.diagnose.report import publish
     from replaybisect.store import open_store
 
     folder = Path(tempfile.mkdtemp(prefix="diagnose-bench-"))

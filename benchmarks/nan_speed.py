@@ -38,13 +38,13 @@ def main() -> None:
 
     from replaybisect.core import config as config_mod
     from replaybisect.core import loop
-    from replaybisect.nan import engine as nan
-    from replaybisect.nan import probes
-    from replaybisect.nan.report import publish
+    from replaybisect.verbs.nan import engine as nan
+    from replaybisect.verbs.nan import probes
+    from replaybisect.verbs.nan.report import publish
     from replaybisect import restore as restore_mod
     from replaybisect.core.rng import capture_raw
     from replaybisect.store import open_store
-    from replaybisect.train.engine import train
+    from replaybisect.verbs.train.engine import train
 
     folder = Path(tempfile.mkdtemp(prefix="nan-speed-"))
     os.chdir(folder)  # MLflow's default artifact root (./mlruns) lands in the temp folder too

@@ -35,7 +35,7 @@ def child(mode: str, steps: int, folder: str) -> None:
 
     from replaybisect.core import config
     from replaybisect.store import open_store
-    from replaybisect.train.engine import train
+    from replaybisect.verbs.train.engine import train
 
     torch.set_num_threads(2)
     overrides = MODEL + [f"train.steps={steps}", "train.batch_size=64", "train.val_every=0", "snapshot.every=100", "snapshot.layer_stats_every=50"]

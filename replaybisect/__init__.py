@@ -25,12 +25,12 @@ from typing import TYPE_CHECKING, Optional, Sequence
 from replaybisect.errors import ReplayError
 
 if TYPE_CHECKING:
-    from replaybisect.ablate.engine import AblationResult
-    from replaybisect.bisect.engine import BisectResult
-    from replaybisect.check.engine import CheckReport
-    from replaybisect.diagnose.engine import Diagnosis
-    from replaybisect.nan.engine import NanReport
-    from replaybisect.train.engine import TrainResult
+    from replaybisect.verbs.ablate.engine import AblationResult
+    from replaybisect.verbs.bisect.engine import BisectResult
+    from replaybisect.verbs.check.engine import CheckReport
+    from replaybisect.verbs.diagnose.engine import Diagnosis
+    from replaybisect.verbs.nan.engine import NanReport
+    from replaybisect.verbs.train.engine import TrainResult
 
 __version__ = "0.1.0"
 
@@ -42,12 +42,12 @@ __all__ = [
 
 # result types, imported on first use (they pull in torch)
 _RESULT_TYPES = {
-    "TrainResult": "replaybisect.train.engine",
-    "NanReport": "replaybisect.nan.engine",
-    "AblationResult": "replaybisect.ablate.engine",
-    "BisectResult": "replaybisect.bisect.engine",
-    "CheckReport": "replaybisect.check.engine",
-    "Diagnosis": "replaybisect.diagnose.engine",
+    "TrainResult": "replaybisect.verbs.train.engine",
+    "NanReport": "replaybisect.verbs.nan.engine",
+    "AblationResult": "replaybisect.verbs.ablate.engine",
+    "BisectResult": "replaybisect.verbs.bisect.engine",
+    "CheckReport": "replaybisect.verbs.check.engine",
+    "Diagnosis": "replaybisect.verbs.diagnose.engine",
 }
 
 
@@ -83,7 +83,7 @@ def train(
     (default: the built-in example); `overrides` are Hydra overrides. A run that stops on a non-finite loss
     returns with `status == "nonfinite"` (the command exits 3)."""
     from replaybisect.core import config as config_mod
-    from replaybisect.train.engine import train as train_run
+    from replaybisect.verbs.train.engine import train as train_run
 
     cfg = config_mod.compose(config_dir, config_name, list(overrides))
     code_folder = Path(config_dir).resolve() if config_dir else Path.cwd()
@@ -102,12 +102,12 @@ def find_nan(
     """Where the first NaN/Inf of a recorded run came from, and why (as `replay nan`): the state before the
     failing step is restored, the replay checked against the logged losses, and the step re-run under probes.
     `code_dirs`/`trust` say which of the stored config's `_target_`s may be built (see the README's trust model)."""
-    from replaybisect.nan.engine import find_nan as find
+    from replaybisect.verbs.nan.engine import find_nan as find
 
     store = _store(tracking_uri)
     report = find(store, run_id, step, trust=_trust(code_dirs, trust))
     if publish:
-        from replaybisect.nan.report import publish as publish_report
+        from replaybisect.verbs.nan.report import publish as publish_report
 
         publish_report(store, report)
     return report
@@ -127,7 +127,7 @@ def ablate(
 ) -> "AblationResult":
     """Replay the failure once unchanged and once per one-variable change (as `replay ablate`); each arm gets a
     verdict (fixes | delays | no-effect | worse)."""
-    from replaybisect.ablate import engine
+    from replaybisect.verbs.ablate import engine
 
     store = _store(tracking_uri)
     options = {"horizon": horizon} if horizon is not None else {}
@@ -136,7 +136,7 @@ def ablate(
         from_step=from_step, workers=workers, trust=_trust(code_dirs, trust), **options,
     )
     if publish:
-        from replaybisect.ablate.report import publish as publish_report
+        from replaybisect.verbs.ablate.report import publish as publish_report
 
         publish_report(store, result)
     return result
@@ -159,14 +159,14 @@ def bisect(
 ) -> "BisectResult":
     """The first commit on BAD's first-parent history that breaks convergence (as `replay bisect`). Trials run in
     a private clone: the repository's working tree, index and branches are never touched."""
-    from replaybisect.bisect.engine import bisect as run_bisect
+    from replaybisect.verbs.bisect.engine import bisect as run_bisect
 
     result = run_bisect(
         good, bad, repo=repo, config_dir=config_dir, config_name=config_name, overrides=list(overrides),
         steps=steps, seeds=seeds, workers=workers, cmd=cmd, tracking_uri=tracking_uri,
     )
     if publish:
-        from replaybisect.bisect.report import publish as publish_report
+        from replaybisect.verbs.bisect.report import publish as publish_report
 
         publish_report(_store(result.tracking_uri), result)
     return result
@@ -186,8 +186,8 @@ def check(
 ) -> "CheckReport":
     """The 5-minute checklist (as `replay check`) on a config (`overrides`, `config_dir`) or on a recorded run
     (`run_id`): overfit one batch, data sanity, loss/head, initialization, activations, gradient flow, LR range."""
-    from replaybisect.check.engine import CheckOptions
-    from replaybisect.check.engine import check as run_check
+    from replaybisect.verbs.check.engine import CheckOptions
+    from replaybisect.verbs.check.engine import check as run_check
     from replaybisect.core import config as config_mod
 
     if run_id and (overrides or config_dir is not None):
@@ -197,7 +197,7 @@ def check(
     store = _store(tracking_uri)
     report = run_check(store, cfg=cfg, run_id=run_id, options=options, trust=_trust(code_dirs, trust) if run_id else None)
     if publish:
-        from replaybisect.check.report import publish as publish_report
+        from replaybisect.verbs.check.report import publish as publish_report
 
         code_folder = None if run_id else (Path(config_dir).resolve() if config_dir else Path.cwd())
         publish_report(store, report, cfg, code_folder=code_folder)
@@ -206,13 +206,13 @@ def check(
 
 def diagnose(run_id: str, *, tracking_uri: Optional[str] = None, publish: bool = True) -> "Diagnosis":
     """Read a run's recorded curves (no replay) and name the pathology and the next command (as `replay diagnose`)."""
-    from replaybisect.diagnose.engine import analyse, load_curves
+    from replaybisect.verbs.diagnose.engine import analyse, load_curves
 
     store = _store(tracking_uri)
     curves = load_curves(store, run_id)
     result = analyse(curves)
     if publish:
-        from replaybisect.diagnose.report import publish as publish_report
+        from replaybisect.verbs.diagnose.report import publish as publish_report
 
         publish_report(store, result, curves)
     return result

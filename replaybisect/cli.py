@@ -1,4 +1,4 @@
-"""The `replay` command. Each verb's command lives in replaybisect/<verb>/command.py.
+"""The `replay` command. Each verb's command lives in replaybisect/verbs/<verb>/command.py.
 
 Keep imports here and in the verb modules light: `replay --help` must not import torch or mlflow.
 Verb modules import the library inside their command function.
@@ -48,16 +48,16 @@ def _root(
     """Replay, ablate and bisect failing PyTorch training runs recorded to MLflow."""
 
 
-# verb -> replaybisect/<verb>/command.py; each defines `register(app)`.
+# verb -> replaybisect/verbs/<verb>/command.py; each defines `register(app)`.
 VERBS = ["train", "runs", "nan", "ablate", "bisect", "check", "diagnose"]
 
 
 def _register_verbs() -> None:
     for verb in VERBS:
         try:
-            module = importlib.import_module(f"replaybisect.{verb}.command")
+            module = importlib.import_module(f"replaybisect.verbs.{verb}.command")
         except ModuleNotFoundError as missing:
-            if missing.name == f"replaybisect.{verb}.command":
+            if missing.name == f"replaybisect.verbs.{verb}.command":
                 continue  # verb not built yet
             raise
         module.register(app)

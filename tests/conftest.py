@@ -93,7 +93,7 @@ def train_example(store, name: str, *overrides: str, env: dict[str, str] | None 
     from unittest import mock
 
     from replaybisect.core import config as config_mod
-    from replaybisect.train.engine import train
+    from replaybisect.verbs.train.engine import train
 
     folder = EXAMPLES / name
     with mock.patch.dict(os.environ, env or {}):

@@ -114,7 +114,7 @@ def test_nan_row_is_fixed_by_skip_batch_alone_same_verdicts_on_every_executor(ba
 
 def test_the_engine_alone_records_nothing(bad_row):
     """`ablate()` replays and judges without writing: no child run, no artifact, until the report publishes."""
-    from replaybisect.ablate.engine import ablate as ablate_engine
+    from replaybisect.verbs.ablate.engine import ablate as ablate_engine
 
     ws, run = bad_row
     store = ws.store()
@@ -183,7 +183,7 @@ def test_list_shows_every_intervention_without_importing_torch(workspace):
     assert [item["name"] for item in listed.json()["interventions"]] == ALL_ARMS
     assert all(item["description"] for item in listed.json()["interventions"])
     probe = subprocess.run(
-        [sys.executable, "-c", "import sys, replaybisect.ablate.command, replaybisect.ablate.interventions, replaybisect.ablate.report; print('torch' in sys.modules, 'mlflow' in sys.modules)"],
+        [sys.executable, "-c", "import sys, replaybisect.verbs.ablate.command, replaybisect.verbs.ablate.interventions, replaybisect.verbs.ablate.report; print('torch' in sys.modules, 'mlflow' in sys.modules)"],
         capture_output=True, text=True, check=True,
     )
     assert probe.stdout.strip() == "False False"

@@ -9,9 +9,9 @@ import pytest
 
 from replaybisect.core import config as config_mod
 from replaybisect.errors import ReplayError
-from replaybisect.ablate import engine as ablate_mod
-from replaybisect.ablate import interventions
-from replaybisect.ablate.interventions import ArmContext
+from replaybisect.verbs.ablate import engine as ablate_mod
+from replaybisect.verbs.ablate import interventions
+from replaybisect.verbs.ablate.interventions import ArmContext
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from conftest import REPLAY, Workspace
 
-from replaybisect.bisect.engine import (
+from replaybisect.verbs.bisect.engine import (
     SeedRun,
     Search,
     absolute_tracking_uri,
@@ -442,7 +442,7 @@ def test_demo_script_builds_a_repository_to_bisect(tmp_path):
 
 
 def test_trials_fork_from_the_preloaded_server_unless_the_worktree_shadows_a_preloaded_library(tmp_path):
-    from replaybisect.bisect.trial_process import Launcher, PlainProcess
+    from replaybisect.verbs.bisect.trial_process import Launcher, PlainProcess
 
     argv = [sys.executable, "-m", "replaybisect", "--help"]
     (tmp_path / "torch").mkdir()  # a worktree with its own `torch` package: the fork's preloaded torch would hide it

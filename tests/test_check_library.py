@@ -14,8 +14,8 @@ import torch
 
 from replaybisect.core import config as config_mod
 from replaybisect.core import loop
-from replaybisect.check import engine as K
-from replaybisect.check import lr_finder
+from replaybisect.verbs.check import engine as K
+from replaybisect.verbs.check import lr_finder
 
 PLANTS = Path(__file__).resolve().parents[1] / "examples" / "check_pathologies"
 SMALL = K.CheckOptions(overfit_steps=60, lr_steps=40)

@@ -146,7 +146,7 @@ def test_bad_input_leaves_an_existing_store_unchanged(store_with_a_run, args):
 def test_runs_limit_cap_is_mlflows():
     from mlflow.store.tracking import SEARCH_MAX_RESULTS_THRESHOLD
 
-    from replaybisect.runs.engine import MAX_LIMIT
+    from replaybisect.verbs.runs.engine import MAX_LIMIT
 
     assert MAX_LIMIT == SEARCH_MAX_RESULTS_THRESHOLD
 

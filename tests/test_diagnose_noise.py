@@ -18,7 +18,7 @@ import math
 import numpy as np
 import pytest
 
-from replaybisect.diagnose.engine import Curves, Series, analyse
+from replaybisect.verbs.diagnose.engine import Curves, Series, analyse
 
 
 def healthy_curves(seed: int, shape: str, steps: int, noise: float) -> Curves:

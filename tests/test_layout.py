@@ -98,12 +98,12 @@ def test_verb_layers_point_down():
     wrong = []
     for name, path in MODULES.items():
         parts = name.split(".")
-        if len(parts) != 3 or parts[2] not in LAYERS:
+        if len(parts) != 4 or parts[1] != "verbs" or parts[3] not in LAYERS:
             continue
-        verb, layer = parts[1], parts[2]
+        layer = parts[3]
         for target in imported_modules(path):
             tparts = target.split(".")
-            if len(tparts) == 3 and tparts[0] == NAME and tparts[2] in LAYERS and tparts[2] != layer:
-                if LAYERS.index(tparts[2]) < LAYERS.index(layer):
+            if len(tparts) == 4 and tparts[1] == "verbs" and tparts[3] in LAYERS and tparts[3] != layer:
+                if LAYERS.index(tparts[3]) < LAYERS.index(layer):
                     wrong.append(f"{name} -> {target}")
     assert wrong == [], wrong

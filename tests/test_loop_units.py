@@ -23,7 +23,7 @@ from torch import nn
 from replaybisect.core import config as config_mod
 from replaybisect.core import loop
 from replaybisect.core.rng import capture_raw, restore_raw
-from replaybisect.nan import probes
+from replaybisect.verbs.nan import probes
 from replaybisect.restore import ReplayHooks
 
 TINY = ["model.hidden=16", "train.batch_size=16", "train.steps=20", "train.device=cpu", "train.num_threads=1"]

@@ -230,7 +230,7 @@ def test_bad_input_is_one_line_exit_2(runs, cli):
 
 def test_step_option_refuses_a_finite_step(runs):
     from replaybisect.errors import ReplayError
-    from replaybisect.nan.engine import find_nan
+    from replaybisect.verbs.nan.engine import find_nan
 
     workspace, trained, _ = runs
     with pytest.raises(ReplayError, match="step 3 .* was finite"):
@@ -238,7 +238,7 @@ def test_step_option_refuses_a_finite_step(runs):
 
 
 def test_same_step_twice_gives_identical_reports(runs):
-    from replaybisect.nan.engine import find_nan
+    from replaybisect.verbs.nan.engine import find_nan
 
     workspace, trained, _ = runs
     store = workspace.store()
@@ -255,8 +255,8 @@ def test_probes_never_change_state_or_rng(runs):
     plain step gives bit-identical results before and after them."""
     from replaybisect.core import loop
     from replaybisect.core.rng import capture_raw, to_json
-    from replaybisect.nan import engine as nan
-    from replaybisect.nan import probes
+    from replaybisect.verbs.nan import engine as nan
+    from replaybisect.verbs.nan import probes
     from replaybisect import restore as restore_mod
 
     workspace, trained, _ = runs

@@ -118,7 +118,7 @@ def test_sigkill_leaves_the_loss_curve_up_to_the_last_seconds(sigkilled):
 def test_next_start_removes_only_dead_writers_temp_files(sigkilled):
     from replaybisect.core import config as config_mod
     from replaybisect.core import snapshot as fmt
-    from replaybisect.train.engine import train
+    from replaybisect.verbs.train.engine import train
 
     workspace, store, run, _ = sigkilled
     root = store.local_artifact_dir(run.info.run_id) / fmt.SNAPSHOTS

@@ -33,14 +33,14 @@ from replaybisect.core import snapshot as fmt
 NEWEST, PREVIOUS = 8, 4
 TRIED: Counter = Counter()
 MET: Counter = Counter()
-SETTINGS = settings(max_examples=60, deadline=None, database=None,
+SETTINGS = settings(max_examples=40, deadline=None, database=None,
                     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     from replaybisect.core import config as config_mod
-    from replaybisect.train.engine import train
+    from replaybisect.verbs.train.engine import train
 
     workspace = Workspace(tmp_path_factory.mktemp("fuzz"))
     store = workspace.store()
@@ -304,7 +304,7 @@ def test_manifest_fields(run, data):
     check_promise(run, "manifest fields", data.draw(json_field_edits(fmt.MANIFEST, manifest)))
 
 
-@settings(SETTINGS, max_examples=120)
+@settings(SETTINGS, max_examples=80)
 @given(data=st.data())
 def test_state_json_fields(run, data):
     state = json.loads((run[3] / fmt.folder_name(NEWEST) / fmt.STATE).read_text())

@@ -27,8 +27,8 @@ def diagnose_command(
 
     next: replay check --run-id 3f2a9c0d...
     """
-    from replaybisect.diagnose.engine import analyse, load_curves
-    from replaybisect.diagnose.report import print_diagnosis, publish
+    from replaybisect.verbs.diagnose.engine import analyse, load_curves
+    from replaybisect.verbs.diagnose.report import print_diagnosis, publish
     from replaybisect.store import open_store
 
     store = open_store(tracking_uri)

@@ -31,7 +31,7 @@ def _rows(result) -> list[tuple[Any, ...]]:
 
 
 def _definitions(result) -> str:
-    from replaybisect.ablate.engine import BLOWUP_FACTOR, FINAL_WINDOW
+    from replaybisect.verbs.ablate.engine import BLOWUP_FACTOR, FINAL_WINDOW
 
     reference = (
         f"the loss blows up when the mean of an arm's last {FINAL_WINDOW} losses exceeds {BLOWUP_FACTOR:g}x the "

@@ -7,7 +7,7 @@ from typing import Optional
 import typer
 
 from replaybisect.options import JsonFlag, TrackingUri, print_json
-from replaybisect.runs.engine import KINDS, MAX_LIMIT, STATUSES, check_filters
+from replaybisect.verbs.runs.engine import KINDS, MAX_LIMIT, STATUSES, check_filters
 
 
 def runs_command(
@@ -22,7 +22,7 @@ def runs_command(
         replay runs --status nonfinite
     """
     from replaybisect.report import print_runs
-    from replaybisect.runs.engine import recent_runs
+    from replaybisect.verbs.runs.engine import recent_runs
     from replaybisect.store import open_store
 
     kind_filter = None if kind == "all" else kind

@@ -26,7 +26,7 @@ from torch import nn
 from replaybisect.core import loop
 from replaybisect.errors import ReplayError
 from replaybisect.core.rng import isolated_rng, seed_everything
-from replaybisect.check import lr_finder
+from replaybisect.verbs.check import lr_finder
 
 __all__ = ["Check", "CheckContext", "CheckOptions", "CheckReport", "REGISTRY", "check", "register_check", "run_checks"]
 

@@ -23,8 +23,8 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from replaybisect.errors import ReplayError
-from replaybisect.ablate import interventions
-from replaybisect.ablate.interventions import BASELINE, ArmContext, Change
+from replaybisect.verbs.ablate import interventions
+from replaybisect.verbs.ablate.interventions import BASELINE, ArmContext, Change
 from replaybisect.core.jsonutil import to_jsonable as _json_float
 from replaybisect.core.trust import Trust
 

@@ -56,8 +56,8 @@ from typing import Callable, Sequence
 from urllib.parse import urlparse
 
 from replaybisect.errors import GitError, ReplayError
-from replaybisect.bisect.gitops import CommitInfo, PrivateClone, UserRepo, cache_root, clean_git_env
-from replaybisect.bisect.trial_process import Launcher, signal_group
+from replaybisect.verbs.bisect.gitops import CommitInfo, PrivateClone, UserRepo, cache_root, clean_git_env
+from replaybisect.verbs.bisect.trial_process import Launcher, signal_group
 
 __all__ = ["BisectResult", "Trial", "SeedRun", "bisect", "Search", "Baseline", "judge", "endpoint_baseline", "BisectAborted"]
 

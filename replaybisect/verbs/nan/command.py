@@ -37,8 +37,8 @@ def nan_command(
     Categories: data | forward | loss | backward | optimizer | corrupt-state | transient.
     Exit status 0 with a diagnosis; 2 for an unknown run, a run that never failed, no usable snapshot.
     """
-    from replaybisect.nan.engine import find_nan
-    from replaybisect.nan.report import print_rich, publish
+    from replaybisect.verbs.nan.engine import find_nan
+    from replaybisect.verbs.nan.report import print_rich, publish
     from replaybisect.store import open_store
 
     torch_device = None

@@ -8,7 +8,7 @@
      corrupted it), forward hooks, the loss, backward hooks, the update; then detect_anomaly for the op;
   5. the verdict: category, module, op, evidence, the loss / grad-norm history, the ablate arms to try.
 
-Nothing is written to the store here: `replaybisect.nan.report.publish` records the report as a child run.
+Nothing is written to the store here: `replaybisect.verbs.nan.report.publish` records the report as a child run.
 
 Every probe pass runs on a deep copy of the state under `isolated_rng()` with step t's RNG restored; the
 plain step is run again at the end and must give bit-identical results (checked and reported).
@@ -90,7 +90,7 @@ class NanReport:
     precision: str = "fp32"
 
     def to_json(self) -> dict[str, Any]:
-        from replaybisect.nan.probes import to_jsonable
+        from replaybisect.verbs.nan.probes import to_jsonable
 
         data = to_jsonable(self)
         # DESIGN §5 keys first
@@ -375,7 +375,7 @@ def _bits(value) -> Optional[str]:
 
 def _probe_step(state, step, batch, rng_at_step, dataset_rows, log) -> _StepResults:
     from replaybisect.core import rng
-    from replaybisect.nan import probes
+    from replaybisect.verbs.nan import probes
 
     live_before = fingerprint(state)
     rng_before = rng.to_json(rng.capture_raw())
@@ -417,7 +417,7 @@ def _classify(report: NanReport, results: _StepResults, restored, store, run_id,
 
 def _record_probe_facts(report: NanReport, results: _StepResults) -> None:
     """What every probe saw, kept on the report whatever the verdict."""
-    from replaybisect.nan.probes import to_jsonable
+    from replaybisect.verbs.nan.probes import to_jsonable
 
     probe, plain = results.probe, results.plain
     report.batch = results.batch
@@ -460,7 +460,7 @@ def _is_transient(report: NanReport, results: _StepResults, restored, run_id: st
 
 def _is_data(report: NanReport, results: _StepResults, model) -> bool:
     """The batch holds non-finite values."""
-    from replaybisect.nan.probes import display_module
+    from replaybisect.verbs.nan.probes import display_module
 
     if not results.batch:
         return False
@@ -485,7 +485,7 @@ def _loss_call(probe):
 
 def _is_forward(report: NanReport, results: _StepResults, state) -> bool:
     """The first module whose output is non-finite while its inputs were finite, inside the model."""
-    from replaybisect.nan.probes import display_module
+    from replaybisect.verbs.nan.probes import display_module
 
     probe = results.probe
     call = probe.first_forward
@@ -523,7 +523,7 @@ def _is_loss(report: NanReport, results: _StepResults, state) -> bool:
 
 def _is_backward(report: NanReport, results: _StepResults, state) -> bool:
     """Finite forward and loss, a gradient turns non-finite."""
-    from replaybisect.nan.probes import display_module
+    from replaybisect.verbs.nan.probes import display_module
 
     probe, anomaly = results.probe, results.anomaly
     if probe.grads_finite is not False:
@@ -576,7 +576,7 @@ def _name_forward_op(report: NanReport, op) -> None:
 
 
 def _forward_json(probe) -> dict[str, Any]:
-    from replaybisect.nan.probes import to_jsonable
+    from replaybisect.verbs.nan.probes import to_jsonable
 
     def call_json(call):
         if call is None:
@@ -598,7 +598,7 @@ def _forward_json(probe) -> dict[str, Any]:
 
 
 def _optimizer_verdict(report: NanReport, update, step: int, grad_norm) -> None:
-    from replaybisect.nan.probes import to_jsonable
+    from replaybisect.verbs.nan.probes import to_jsonable
 
     report.category, report.phase = "optimizer", "update"
     report.update = to_jsonable(update)
@@ -620,7 +620,7 @@ def _classify_corrupt(report: NanReport, results: _StepResults, restored, store,
     before k's optimizer.step(), non-finite after it -> `optimizer` at k (the update did it); weights made
     non-finite during k's forward (a module writing into its own parameters/buffers), non-finite at
     initialization, or no step found -> `corrupt-state`."""
-    from replaybisect.nan.probes import display_module
+    from replaybisect.verbs.nan.probes import display_module
 
     ev = report.evidence
     t = report.failing_step
@@ -671,7 +671,7 @@ class _StopWhenStateNonfinite(restore_mod.ReplayHooks):
         self.corrupted_at: Optional[int] = None
 
     def after_step(self, outcome, batch, step_time, data_time):
-        from replaybisect.nan import probes
+        from replaybisect.verbs.nan import probes
 
         keep_going = super().after_step(outcome, batch, step_time, data_time)
         if not probes.finiteness(self.state):
@@ -684,7 +684,7 @@ def find_corrupting_step(store, run_id, cfg, restored, t: int, warnings: list[st
     """Replay from the newest snapshot whose state is finite, checking the state after every step; then probe
     the first step that left it non-finite (from a fresh restore, on a copy)."""
     from replaybisect.core.rng import capture_raw
-    from replaybisect.nan import probes
+    from replaybisect.verbs.nan import probes
 
     start = earliest = None
     for snap_step in reversed([s for s in restore_mod.snapshot_steps(store, run_id) if s <= restored.step]):

@@ -47,7 +47,7 @@ def train_command(
         return
 
     from replaybisect.store import open_store
-    from replaybisect.train.engine import train
+    from replaybisect.verbs.train.engine import train
 
     store = open_store(tracking_uri)
     code_folder = config_dir.resolve() if config_dir else Path.cwd()

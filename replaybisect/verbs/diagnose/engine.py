@@ -964,5 +964,5 @@ def analyse(curves: Curves) -> Diagnosis:
 
 def diagnose(store: Store, run_id: str) -> Diagnosis:
     """Read the run's curves and name the pathologies; reads the store, writes nothing
-    (`replaybisect.diagnose.report.publish` attaches diagnosis.md and the annotated loss curve)."""
+    (`replaybisect.verbs.diagnose.report.publish` attaches diagnosis.md and the annotated loss curve)."""
     return analyse(load_curves(store, run_id))

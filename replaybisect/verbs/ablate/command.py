@@ -38,26 +38,26 @@ def ablate_command(
     "fixed by: lr, clip", and stores ablation.md, ablation.json and ablation.png on the run.
     """
     from replaybisect.errors import ReplayError
-    from replaybisect.ablate import interventions
+    from replaybisect.verbs.ablate import interventions
 
     if list_arms:
         entries = [(name, interventions.get(name).description) for name in interventions.names()]
         if as_json:
             print_json({"interventions": [{"name": n, "description": d} for n, d in entries]})
         else:
-            from replaybisect.ablate.report import print_list
+            from replaybisect.verbs.ablate.report import print_list
 
             print_list(entries)
         return
     if not run_id:
         raise ReplayError("pass --run-id ID of the failed run (find it with `replay runs --status nonfinite`)")
 
-    from replaybisect.ablate.engine import SubmititOptions, ablate, check_options
+    from replaybisect.verbs.ablate.engine import SubmititOptions, ablate, check_options
 
     # bad options are bad input before anything heavy is imported or any run is read
     check_options(arms, horizon=horizon, workers=workers, executor=executor, from_step=from_step)
 
-    from replaybisect.ablate.report import ArmProgress, print_result, publish
+    from replaybisect.verbs.ablate.report import ArmProgress, print_result, publish
     from replaybisect.store import open_store
 
     from replaybisect.core.trust import Trust

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from replaybisect.bisect.engine import BisectResult
+    from replaybisect.verbs.bisect.engine import BisectResult
 
 VERDICT_STYLE = {"good": "green", "bad": "red", "skip": "yellow"}
 VERDICT_COLOR = {"good": "tab:green", "bad": "tab:red", "skip": "tab:orange"}

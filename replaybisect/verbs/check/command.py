@@ -52,7 +52,7 @@ def check_command(
         raise ReplayError(f"--lr-min {lr_min} and --lr-max {lr_max} must be finite with 0 < lr-min < lr-max")
 
     from replaybisect.core import config as config_mod
-    from replaybisect.check.engine import CheckOptions, check, select
+    from replaybisect.verbs.check.engine import CheckOptions, check, select
 
     options = CheckOptions(
         overfit_steps=overfit_steps, overfit_samples=overfit_samples, lr_steps=lr_steps, lr_min=lr_min, lr_max=lr_max,
@@ -61,7 +61,7 @@ def check_command(
     select(options.only)  # an unknown check is bad input before the store is opened (or created)
     cfg = None if run_id else config_mod.compose(config_dir, config_name, list(ctx.args))
 
-    from replaybisect.check.report import print_check_report, publish
+    from replaybisect.verbs.check.report import print_check_report, publish
     from replaybisect.store import open_store
     from replaybisect.core.trust import Trust
 

@@ -55,8 +55,8 @@ def bisect_command(
     if threshold is not None and not math.isfinite(threshold):
         raise ReplayError(f"--threshold {threshold} must be a finite number (or leave it out: judged from the endpoints)")
 
-    from replaybisect.bisect.engine import bisect
-    from replaybisect.bisect.report import publish, render
+    from replaybisect.verbs.bisect.engine import bisect
+    from replaybisect.verbs.bisect.report import publish, render
 
     from replaybisect.options import stderr_console
 
