@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from replaybisect.errors import ReplayError
+from replaybisect.errors import ReplayError, SnapshotError
 from replaybisect.verbs.ablate import interventions
 from replaybisect.verbs.ablate.interventions import BASELINE, ArmContext, Change
 from replaybisect.core.jsonutil import to_jsonable as _json_float
@@ -241,6 +241,8 @@ def _replay_arm(spec: dict[str, Any], on_step: Optional[Callable[[int], None]] =
     snapshot = restore_mod.load_snapshot(store, run_id, spec["snapshot_step"])
     hooks = restore_mod.ReplayHooks(on_step=(lambda outcome: on_step(outcome.step)) if on_step else None)
     restored = restore_mod.restore(store, run_id, cfg=cfg if start > spec["snapshot_step"] else change.cfg, snapshot=snapshot)
+    if restored.step != spec["snapshot_step"]:  # every arm starts from the planned snapshot, or none runs
+        raise SnapshotError(f"snapshot {spec['snapshot_step']} does not apply to arm {spec['arm']!r} ({'; '.join(restored.warnings)})")
     state, stopped = _replay_prefix(restored, hooks, spec, change)
     hooks.lr_factor = change.lr_factor
     if stopped is None:
