@@ -226,6 +226,11 @@ def test_planted_nan_stops_with_exit_3_tags_and_emergency_snapshot(workspace):
     periodic = fmt.load(root / fmt.folder_name(failing - failing % 10))
     assert max(periodic.batches) == failing
 
+    human = workspace.replay("train", *args)  # without --json the summary names the next command
+    assert human.returncode == 3, human.stderr
+    assert f"step {failing}" in human.stdout + human.stderr
+    assert "replay nan --run-id " in human.stdout, human.stdout
+
 
 def test_on_nonfinite_continue_goes_on(workspace):
     nan_index = 700
@@ -240,11 +245,6 @@ def test_on_nonfinite_continue_goes_on(workspace):
     store = workspace.store()
     assert sorted(dict(store.metric_history(result["run_id"], "loss"))) == list(range(40))
     assert (store.local_artifact_dir(result["run_id"]) / "snapshots" / fmt.folder_name(failing) / fmt.MANIFEST).is_file()
-
-    human = workspace.replay("train", *args)  # without --json the summary names the next command
-    assert human.returncode == 3, human.stderr
-    assert f"step {failing}" in human.stdout + human.stderr
-    assert "replay nan --run-id " in human.stdout, human.stdout
 
 
 @pytest.mark.parametrize(
