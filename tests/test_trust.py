@@ -191,7 +191,7 @@ REFUSED = {
     "importlib.import_module": ({"loss": {"_target_": "importlib.import_module", "_args_": ["evil"]}}, "importlib.import_module"),
     "runpy.run_path": ({"loss": {"_target_": "runpy.run_path", "_args_": ["x.py"]}}, "runpy.run_path"),
     "torch.load re-exported by replaybisect": ({"model": {"_target_": "replaybisect.core.loop.torch.load", "f": "x"}}, "replaybisect.core.loop.torch.load"),
-    "os re-exported by replaybisect": ({"loss": {"_target_": "replaybisect.verbs.ablate.engine.os.system", "_args_": ["x"]}}, "ablate.os.system"),
+    "os re-exported by replaybisect": ({"loss": {"_target_": "replaybisect.verbs.ablate.engine.os.system", "_args_": ["x"]}}, "engine.os.system"),
     "a dunder walk": ({"loss": {"_target_": "replaybisect.core.loop.__builtins__"}}, "__builtins__"),
     "a private torch name": ({"loss": {"_target_": "torch._C._get_tracing_state"}}, "private"),
     "the attacker in _args_": ({"loss": {"_target_": "torch.nn.Sequential", "_args_": [{"_target_": "evil.MLP"}]}}, "loss._args_[0]._target_"),
