@@ -12,6 +12,8 @@ import sys
 
 import typer
 
+from replaybisect.options import owns_stdout
+
 app = typer.Typer(
     name="replay",
     help="Replay, ablate and bisect failing PyTorch training runs recorded to MLflow.",
@@ -61,6 +63,8 @@ def _register_verbs() -> None:
                 continue  # verb not built yet
             raise
         module.register(app)
+    for command in app.registered_commands:  # user code owns stdout while a command runs; our output is kept apart
+        command.callback = owns_stdout(command.callback)
 
 
 _register_verbs()

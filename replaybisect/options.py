@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import io
 import json
+import os
 import sys
 from typing import Any, Optional
 
@@ -20,9 +24,76 @@ TrustPrefixes = typer.Option(None, "--trust", help="Trust `_target_`s under this
 HYDRA_CONTEXT = {"allow_extra_args": True, "ignore_unknown_options": True}
 
 
-def print_json(data: dict[str, Any]) -> None:
-    sys.stdout.write(json.dumps(data, indent=2, default=json_default) + "\n")
+# ---- stdout belongs to the user's code while a command runs; ours is a saved copy ------------------------
+_ours: Optional[io.TextIOBase] = None  # the command's real stdout while user output is sent to stderr
+
+
+class _OurStdout:
+    """A stream that always writes to the command's real stdout (the JSON, the report), wherever sys.stdout
+    and file descriptor 1 point while user code runs."""
+
+    def _target(self):
+        return _ours if _ours is not None else sys.stdout
+
+    def write(self, text: str) -> int:
+        return self._target().write(text)
+
+    def flush(self) -> None:
+        self._target().flush()
+
+    def isatty(self) -> bool:
+        return self._target().isatty()
+
+    def fileno(self) -> int:
+        return self._target().fileno()
+
+    @property
+    def encoding(self) -> str:
+        return getattr(self._target(), "encoding", "utf-8")
+
+
+OUR_STDOUT = _OurStdout()
+
+
+@contextlib.contextmanager
+def user_output_to_stderr():
+    """Send whatever user code prints (Python, C extensions, child processes) to stderr, keeping the real stdout
+    for our own output (OUR_STDOUT): a model that prints cannot corrupt `--json`."""
+    global _ours
+    if _ours is not None:
+        yield
+        return
     sys.stdout.flush()
+    saved_fd = os.dup(1)
+    saved_stream = sys.stdout
+    _ours = io.TextIOWrapper(io.FileIO(saved_fd, "w", closefd=False), encoding=getattr(saved_stream, "encoding", None) or "utf-8",
+                             line_buffering=True)
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    try:
+        yield
+    finally:
+        sys.stderr.flush()
+        _ours.flush()
+        os.dup2(saved_fd, 1)
+        os.close(saved_fd)
+        sys.stdout, _ours = saved_stream, None
+
+
+def owns_stdout(command):
+    """A command wrapped in user_output_to_stderr (the signature is kept for typer)."""
+
+    @functools.wraps(command)
+    def wrapped(*args, **kwargs):
+        with user_output_to_stderr():
+            return command(*args, **kwargs)
+
+    return wrapped
+
+
+def print_json(data: dict[str, Any]) -> None:
+    OUR_STDOUT.write(json.dumps(data, indent=2, default=json_default) + "\n")
+    OUR_STDOUT.flush()
 
 
 def stderr_console():
@@ -34,7 +105,7 @@ def stderr_console():
 def stdout_console():
     from rich.console import Console
 
-    return Console()
+    return Console(file=OUR_STDOUT)
 
 
 class StepProgress:

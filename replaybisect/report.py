@@ -9,7 +9,9 @@ from typing import Any, Iterable, Sequence
 from rich.console import Console
 from rich.table import Table
 
-console = Console(width=None if sys.stdout.isatty() else 160)  # piped: wide tables, never cut run ids
+from replaybisect.options import OUR_STDOUT
+
+console = Console(file=OUR_STDOUT, width=None if sys.stdout.isatty() else 160)  # piped: wide tables, never cut run ids
 
 
 def fmt_number(value: Any, digits: int = 4) -> str:

@@ -6,6 +6,7 @@ import math
 import sys
 from typing import Any, Optional
 
+from replaybisect.options import OUR_STDOUT
 from replaybisect.report import close_figure, fmt_number, markdown_table, mlflow_ui_hint, new_figure
 
 VERDICT_STYLE = {
@@ -59,7 +60,7 @@ def print_result(result, console=None) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    console = console or Console()
+    console = console or Console(file=OUR_STDOUT)
     console.print(f"[bold]ablation[/bold] {_header(result)}")
     table = Table(title_justify="left", show_lines=False)
     for header in HEADERS:
@@ -89,7 +90,7 @@ def print_list(entries: list[tuple[str, str]], console=None) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    console = console or Console()
+    console = console or Console(file=OUR_STDOUT)
     table = Table(title="interventions (replay ablate ARM1,ARM2 --run-id ID)", title_justify="left")
     table.add_column("arm")
     table.add_column("change")

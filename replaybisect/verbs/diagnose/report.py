@@ -7,6 +7,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from replaybisect.options import OUR_STDOUT
 from replaybisect.report import close_figure, fmt_number, markdown_table, new_figure
 
 MARKDOWN = "diagnosis.md"
@@ -52,7 +53,7 @@ def print_diagnosis(result, console=None) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    console = console or Console()
+    console = console or Console(file=OUR_STDOUT)
     name = f" ({result.run_name})" if result.run_name else ""
     console.print(f"[bold]diagnosis of run[/bold] {result.run_id}{name}  status {result.status}")
     if result.healthy:

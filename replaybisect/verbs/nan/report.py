@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from replaybisect.options import OUR_STDOUT
 from replaybisect.report import fmt_number, mlflow_ui_hint, new_figure
 
 CATEGORY_STYLE = {
@@ -40,7 +41,7 @@ def print_rich(report, tracking_uri: str, console=None) -> None:
     from rich.console import Console
     from rich.markup import escape
 
-    console = console or Console()
+    console = console or Console(file=OUR_STDOUT)
     say = lambda text: console.print(text, soft_wrap=True)  # noqa: E731
     style = CATEGORY_STYLE.get(report.category, "bold")
     say(f"[bold]replay nan[/bold]  run {report.run_id}  step {report.failing_step}: [bold {style}]{report.category}[/bold {style}]"

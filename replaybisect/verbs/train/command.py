@@ -7,7 +7,7 @@ from typing import List, Optional
 
 import typer
 
-from replaybisect.options import HYDRA_CONTEXT, JsonFlag, StepProgress, TrackingUri, print_json
+from replaybisect.options import OUR_STDOUT, HYDRA_CONTEXT, JsonFlag, StepProgress, TrackingUri, print_json
 
 
 def train_command(
@@ -43,7 +43,7 @@ def train_command(
         extra_tags[key] = value
     cfg = config_mod.compose(config_dir, config_name, list(ctx.args))
     if show_config:
-        print(config_mod.to_yaml(cfg), end="")
+        print(config_mod.to_yaml(cfg), end="", file=OUR_STDOUT)
         return
 
     from replaybisect.store import open_store
