@@ -160,10 +160,13 @@ def needs_closure(optimizer) -> bool:
     return closure is not None and closure.default is inspect.Parameter.empty
 
 
-def build_optimizer(node, params):
-    """`optim` (a _partial_) called with the parameters; a bad value or a closure optimizer is a ConfigError."""
+def build_optimizer(node, params, model=None):
+    """`optim` (a _partial_) called with the parameters, or with the model when its factory asks for one (a
+    `configure_optimizers(model, ...)` that builds its own parameter groups); a bad value or a closure
+    optimizer is a ConfigError."""
     try:
-        optimizer = instantiate(node, "optim")(params=params)
+        factory = instantiate(node, "optim")
+        optimizer = factory(model=model) if model is not None and takes_model(factory) else factory(params=params)
     except (TypeError, ValueError) as error:  # e.g. optim.lr=-1 ("Invalid learning rate") or an unknown kwarg
         problem = _not_numbers(node) or _one_line(error)
         raise ConfigError(f"cannot build `optim`: {_clip_words(problem)}; fix the optim.* values") from None
@@ -171,6 +174,16 @@ def build_optimizer(node, params):
         raise ConfigError(f"`optim` is {type(optimizer).__name__}, whose step() needs a closure; closure optimizers are "
                           "not supported by the built-in step yet: use another optimizer (e.g. optim=adamw)")
     return optimizer
+
+
+def takes_model(factory) -> bool:
+    """An optimizer factory with a `model` parameter is called with the model instead of `params=`."""
+    import inspect
+
+    try:
+        return "model" in inspect.signature(factory).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 def _not_numbers(node) -> str | None:
@@ -193,7 +206,8 @@ def check_optimizer(cfg) -> None:
     """Build the optimizer once over a probe parameter: a bad optim.* value is caught before any run or store exists."""
     import torch
 
-    build_optimizer(cfg.optim, [torch.nn.Parameter(torch.zeros(2, 2))])
+    probe = torch.nn.Linear(2, 2)
+    build_optimizer(cfg.optim, list(probe.parameters()), model=probe)
 
 
 def _one_line(error: BaseException) -> str:

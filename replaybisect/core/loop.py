@@ -115,7 +115,7 @@ def build_state(cfg, device: torch.device | None = None) -> TrainState:
     if not isinstance(model, torch.nn.Module):
         raise ConfigError(f"`model` built a {type(model).__name__}, not a torch.nn.Module; point model._target_ at an nn.Module")
     model = model.to(device)
-    optimizer = build_optimizer(cfg.optim, model.parameters())  # a closure optimizer (LBFGS) is refused here
+    optimizer = build_optimizer(cfg.optim, model.parameters(), model=model)  # a closure optimizer (LBFGS) is refused here
     scheduler = instantiate(cfg.scheduler, "scheduler")(optimizer=optimizer) if cfg.get("scheduler") else None
     scaler = torch.amp.GradScaler(device.type) if cfg.train.precision == "fp16" else None
     loss_fn = instantiate(cfg.loss, "loss")
@@ -172,7 +172,7 @@ def _clone_model(state: TrainState, cfg, rebuild: bool) -> torch.nn.Module:
 def _clone_optimizer(state: TrainState, cfg, model: torch.nn.Module):
     if cfg is not None and cfg.get("optim") is not None:
         try:
-            optimizer = build_optimizer(cfg.optim, model.parameters())
+            optimizer = build_optimizer(cfg.optim, model.parameters(), model=model)
             scheduler = instantiate(cfg.scheduler, "scheduler")(optimizer=optimizer) if cfg.get("scheduler") else None
             optimizer.load_state_dict(copy.deepcopy(state.optimizer.state_dict()))
             if scheduler is not None and state.scheduler is not None:

@@ -25,3 +25,11 @@ class NoisyMLP(nn.Module):
         if self.blow_up_after and int(self.calls) > self.blow_up_after:
             out = out * torch.exp(torch.full_like(out, 1000.0))  # overflow to inf
         return out
+
+
+def configure_optimizers(model: nn.Module, weight_decay: float, lr: float, betas: tuple = (0.9, 0.95)):
+    """nanoGPT's recipe: decay the matrices, not the biases; it needs the model, not a flat parameter list."""
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=lr, betas=tuple(betas))
