@@ -227,6 +227,7 @@ class StepObserver:
 
 
 def _notify(observer, hook: str, *args) -> None:
+    """Call the observer's hook if it has one (no observer, or a hook it does not define: nothing)."""
     method = getattr(observer, hook, None)
     if method is not None:
         method(*args)
@@ -270,13 +271,9 @@ def run_step(
     optimizer.zero_grad(set_to_none=True)
 
     # 1. forward and loss
-    if observer is None:
-        with autocast(state):
-            loss = state.step_fn(model, batch, state.loss_fn)
-    else:
-        with _forward_context(observer, state), autocast(state):
-            loss = state.step_fn(model, batch, state.loss_fn)
-        _notify(observer, "after_forward", state, loss)
+    with _forward_context(observer, state), autocast(state):  # no observer: a null context
+        loss = state.step_fn(model, batch, state.loss_fn)
+    _notify(observer, "after_forward", state, loss)
     outcome.loss = float(loss.detach().float().item())
     if not math.isfinite(outcome.loss):
         outcome.nonfinite = "loss"
@@ -290,8 +287,7 @@ def run_step(
     grads = [p.grad for p in state.params if p.grad is not None]
     grad_norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
     outcome.grad_norm = float(grad_norm.item())
-    if observer is not None:
-        _notify(observer, "after_backward", state)
+    _notify(observer, "after_backward", state)
     if not math.isfinite(outcome.grad_norm) and scaler is None and outcome.nonfinite is None:
         # (with a GradScaler an overflowing gradient is routine: the scaler skips the step)
         outcome.nonfinite = "grad_norm"
@@ -301,8 +297,7 @@ def run_step(
     # 3. clip, update, schedule
     if state.clip_grad_norm is not None and grads:
         torch.nn.utils.clip_grads_with_norm_(state.params, state.clip_grad_norm, grad_norm)
-    if observer is not None:
-        _notify(observer, "before_update", state, outcome)
+    _notify(observer, "before_update", state, outcome)
     if scaler:
         scale_before = scaler.get_scale()
         scaler.step(optimizer)
@@ -313,8 +308,7 @@ def run_step(
     outcome.updated = not outcome.scaler_skipped
     if state.scheduler is not None:
         state.scheduler.step()
-    if observer is not None:
-        _notify(observer, "after_update", state)
+    _notify(observer, "after_update", state)
     return outcome
 
 
