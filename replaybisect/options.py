@@ -14,7 +14,7 @@ import typer
 
 from replaybisect.core.jsonutil import json_default
 
-TrackingUri = typer.Option(None, "--tracking-uri", help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db).")
+TrackingUri = typer.Option(None, "--tracking-uri", help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI, else the nearest mlflow.db in this folder or above, else ./mlflow.db).")
 JsonFlag = typer.Option(False, "--json", help="Print one JSON object on stdout (progress and logs go to stderr).")
 MAX_STEPS = 1_000_000  # bound on step-count options: a typo (1e20) is bad input, not hours of work or memory
 MAX_WORKERS = 256  # bound on parallel workers (processes, worktrees or SLURM jobs)
@@ -22,6 +22,43 @@ MAX_WORKERS = 256  # bound on parallel workers (processes, worktrees or SLURM jo
 CodeDirs = typer.Option(None, "--code-dir", help="A folder of your own code the run's `_target_`s may import from (repeatable; the working folder always counts).")
 TrustPrefixes = typer.Option(None, "--trust", help="Trust `_target_`s under this module prefix, e.g. mypkg (repeatable; also $REPLAYBISECT_TRUST=a,b).")
 HYDRA_CONTEXT = {"allow_extra_args": True, "ignore_unknown_options": True}
+
+
+# ---- the store line: "store: /abs/mlflow.db (why)" on stderr before whatever the command prints first ------
+_store_line: Optional[str] = None  # announced, not printed yet: bad input found before any output stays one line
+
+
+def announce_store(location, creating: bool = False) -> None:
+    """Print `location.line()` on stderr before the command's first output (report, JSON, progress)."""
+    global _store_line
+    _store_line = location.line(creating)
+
+
+def _print_store_line() -> None:
+    global _store_line
+    if _store_line is not None:
+        line, _store_line = _store_line, None
+        print(line, file=sys.stderr, flush=True)
+
+
+def run_store(tracking_uri: Optional[str], run_id: str):
+    """The store holding `run_id`, opened for a command that examines it: the run is looked up first (fast, before
+    MLflow or torch is imported), and a store that does not exist is never created."""
+    from replaybisect.store import locate_store, open_store, require_run
+
+    location = locate_store(tracking_uri)
+    require_run(location, run_id)
+    announce_store(location)
+    return open_store(location.uri)
+
+
+def recording_store(tracking_uri: Optional[str]):
+    """The store a recording command writes to (train, check with a config, bisect): created when new."""
+    from replaybisect.store import locate_store, open_store
+
+    location = locate_store(tracking_uri)
+    announce_store(location, creating=True)
+    return open_store(location.uri)
 
 
 # ---- stdout belongs to the user's code while a command runs; ours is a saved copy ------------------------
@@ -36,6 +73,7 @@ class _OurStdout:
         return _ours if _ours is not None else sys.stdout
 
     def write(self, text: str) -> int:
+        _print_store_line()
         return self._target().write(text)
 
     def flush(self) -> None:
@@ -53,6 +91,16 @@ class _OurStdout:
 
 
 OUR_STDOUT = _OurStdout()
+
+
+class _Stderr(_OurStdout):
+    """stderr for progress and logs, the store line first."""
+
+    def _target(self):
+        return sys.stderr
+
+
+OUR_STDERR = _Stderr()
 
 
 @contextlib.contextmanager
@@ -85,8 +133,12 @@ def owns_stdout(command):
 
     @functools.wraps(command)
     def wrapped(*args, **kwargs):
+        global _store_line
+        _store_line = None
         with user_output_to_stderr():
-            return command(*args, **kwargs)
+            result = command(*args, **kwargs)
+        _print_store_line()  # a command that printed nothing still says where it recorded
+        return result
 
     return wrapped
 
@@ -99,7 +151,12 @@ def print_json(data: dict[str, Any]) -> None:
 def stderr_console():
     from rich.console import Console
 
-    return Console(stderr=True)
+    return Console(file=OUR_STDERR)
+
+
+def say(text: str) -> None:
+    """One progress line on stderr (the store line first): also when stderr is piped, so long steps are not silent."""
+    print(text, file=OUR_STDERR, flush=True)
 
 
 def stdout_console():
@@ -109,13 +166,17 @@ def stdout_console():
 
 
 class StepProgress:
-    """A rich progress bar on stderr for long work; silent when stderr is not a terminal."""
+    """Progress of a long step on stderr: a rich bar on a terminal, else a line at the start and about every
+    LINE_SECONDS (`training: step 120/500`), so piped or logged output is never silent for minutes."""
+
+    LINE_SECONDS = 10.0
 
     def __init__(self, description: str, enabled: Optional[bool] = None):
         self.description = description
         self.enabled = sys.stderr.isatty() if enabled is None else enabled
         self._progress = None
         self._task = None
+        self._next_line = 0.0  # monotonic time of the next plain line
 
     def __enter__(self):
         if self.enabled:
@@ -130,6 +191,15 @@ class StepProgress:
 
     def update(self, completed: int, total: int) -> None:
         if self._progress is None:
+            import time
+
+            now = time.monotonic()
+            if now >= self._next_line or completed >= total:
+                if self._next_line == 0.0:
+                    say(f"{self.description}: {total} steps")
+                elif completed < total:
+                    say(f"{self.description}: step {completed}/{total}")
+                self._next_line = now + self.LINE_SECONDS
             return
         if self._task is None:
             self._task = self._progress.add_task(self.description, total=total)

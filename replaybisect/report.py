@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import sys
+from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 from rich.console import Console
@@ -11,7 +12,34 @@ from rich.table import Table
 
 from replaybisect.options import OUR_STDOUT
 
-console = Console(file=OUR_STDOUT, width=None if sys.stdout.isatty() else 160)  # piped: wide tables, never cut run ids
+def _piped_width() -> int:
+    """Piped output is as wide as $COLUMNS says, else 160: wide tables, never cut run ids."""
+    import os
+
+    columns = os.environ.get("COLUMNS", "")
+    return int(columns) if columns.isdigit() and int(columns) > 0 else 160
+
+
+console = Console(file=OUR_STDOUT, width=None if sys.stdout.isatty() else _piped_width())
+
+
+def print_table(table: Table, out: Console | None = None) -> None:
+    """A table when every word fits whole in the width, else the same facts as a plain list (one block per row):
+    a cell is never broken mid-word (`fails-agai` / `n`)."""
+    from rich.measure import Measurement
+
+    out = out or console
+    if Measurement.get(out, out.options.update_width(100_000), table).minimum <= out.width:  # longest words
+        out.print(table)
+        return
+    if table.title:
+        out.print(table.title)
+    headers = [str(column.header) for column in table.columns]
+    for cells in zip(*(list(column.cells) for column in table.columns)):
+        for index, (header, cell) in enumerate(zip(headers, cells)):
+            label = f"{header}: " if header else ""
+            out.print(f"{'- ' if index == 0 else '  '}{label}", end="")
+            out.print(cell, soft_wrap=True)
 
 
 def fmt_number(value: Any, digits: int = 4) -> str:
@@ -80,9 +108,13 @@ def print_train_result(result) -> None:
     console.print(f"  view: {mlflow_ui_hint(result.tracking_uri)}")
 
 
-def print_runs(summaries, tracking_uri: str) -> None:
+def print_runs(summaries, location) -> None:
     if not summaries:
-        console.print(f"no runs in {tracking_uri} yet; start one with [bold]replay train[/bold]")
+        if location.exists:
+            console.print(f"no runs yet in {location.shown}; start one with [bold]replay train[/bold]")
+        else:
+            console.print(f"no runs yet: no mlflow.db in {Path.cwd()} or a folder above it (the store would be "
+                          f"{location.shown}); start one with [bold]replay train[/bold]")
         return
     rows = []
     for run in summaries:
@@ -95,10 +127,10 @@ def print_runs(summaries, tracking_uri: str) -> None:
         if len(run.snapshot_steps) > 6:
             snapshots = "…," + snapshots
         rows.append((run.run_id, run.kind, status, run.steps, fmt_number(run.last_loss), snapshots, run.started[5:16].replace("T", " "), run.name))
-    table = Table(title=f"runs in {tracking_uri}", title_justify="left")
+    table = Table(title=f"runs in {location.shown}", title_justify="left")
     table.add_column("run id", no_wrap=True)
     for header in ("kind", "status", "steps", "last loss", "snapshots", "started", "name"):
         table.add_column(header)
     for row in rows:
         table.add_row(*(str(cell) if cell is not None else "-" for cell in row))
-    console.print(table)
+    print_table(table)

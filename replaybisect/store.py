@@ -16,15 +16,102 @@ from urllib.parse import urlparse
 
 from replaybisect.errors import RunNotFound, StoreUnreachable
 
-DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"
+STORE_FILE = "mlflow.db"  # the SQLite store replay finds upward from the working folder, like git finds .git
+DEFAULT_TRACKING_URI = f"sqlite:///{STORE_FILE}"
 DEFAULT_EXPERIMENT = "replaybisect"
 TAG = "replaybisect."  # prefix of every tag we write
 MAX_BATCH = 1000  # MLflow's limit of metrics per log_batch call
 
 
+@dataclass(frozen=True)
+class StoreLocation:
+    """Where a command records to and why: the rule users can predict (README, "Where runs are recorded")."""
+
+    uri: str  # absolute for SQLite and file stores
+    source: str  # "--tracking-uri" | "MLFLOW_TRACKING_URI" | "found" (nearest mlflow.db upward) | "new" (./mlflow.db)
+
+    @property
+    def shown(self) -> str:
+        """The store as users should read it: the database file's absolute path, or the URI."""
+        database = _sqlite_path(self.uri)
+        return str(database) if database is not None else self.uri
+
+    @property
+    def exists(self) -> bool:
+        """False for a SQLite file or file-store folder not created yet (a server always exists)."""
+        database = _sqlite_path(self.uri)
+        if database is not None:
+            return database.is_file()
+        parsed = urlparse(self.uri)
+        if parsed.scheme in ("", "file"):
+            return Path(parsed.path if parsed.scheme == "file" else self.uri).expanduser().exists()
+        return True
+
+    def line(self, creating: bool = False) -> str:
+        why = {"--tracking-uri": "from --tracking-uri", "MLFLOW_TRACKING_URI": "from MLFLOW_TRACKING_URI",
+               "found": "nearest mlflow.db", "new": "new" if creating else "none here or above yet"}[self.source]
+        return f"store: {self.shown} ({why})"
+
+
+def find_store_upward(start: Path | None = None) -> Path | None:
+    """The nearest `mlflow.db` in the working folder or a folder above it."""
+    folder = (start or Path.cwd()).resolve()
+    for candidate in (folder, *folder.parents):
+        if (candidate / STORE_FILE).is_file():
+            return candidate / STORE_FILE
+    return None
+
+
+def locate_store(cli_value: str | None = None, start: Path | None = None) -> StoreLocation:
+    """`--tracking-uri`, else MLFLOW_TRACKING_URI, else the nearest `mlflow.db` upward, else `./mlflow.db` (created
+    only by a command that records)."""
+    if cli_value:
+        return StoreLocation(absolute_uri(cli_value), "--tracking-uri")
+    if os.environ.get("MLFLOW_TRACKING_URI"):
+        return StoreLocation(absolute_uri(os.environ["MLFLOW_TRACKING_URI"]), "MLFLOW_TRACKING_URI")
+    found = find_store_upward(start)
+    if found is not None:
+        return StoreLocation(f"sqlite:///{found}", "found")
+    return StoreLocation(f"sqlite:///{(start or Path.cwd()).resolve() / STORE_FILE}", "new")
+
+
 def resolve_tracking_uri(cli_value: str | None = None) -> str:
-    """`--tracking-uri`, else MLflow's own rule (MLFLOW_TRACKING_URI), else a SQLite file here."""
-    return cli_value or os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_TRACKING_URI
+    """The tracking URI by the rule of locate_store (absolute, so child processes in other folders agree)."""
+    return locate_store(cli_value).uri
+
+
+def absolute_uri(uri: str) -> str:
+    """A relative SQLite or file-store path made absolute; other URIs unchanged."""
+    if uri.startswith("sqlite:///") and not uri.startswith("sqlite:////"):
+        path = uri[len("sqlite:///"):]
+        if path and path != ":memory:":
+            return "sqlite:///" + str(Path(path).expanduser().resolve())
+    if urlparse(uri).scheme == "" and "://" not in uri:
+        return str(Path(uri).expanduser().resolve())
+    return uri
+
+
+def require_run(location: StoreLocation, run_id: str) -> None:
+    """A run id not in the store is bad input, answered before MLflow or torch is imported and without creating
+    a store: a SQLite file is read directly (read-only); other stores are asked by open_store's client."""
+    if not location.exists:
+        raise RunNotFound(f"no run {run_id!r} in {location.shown}: no runs recorded there yet "
+                          "(record one with `replay train`, or pass --tracking-uri)")
+    database = _sqlite_path(location.uri)
+    if database is None:
+        return
+    import sqlite3
+
+    try:
+        connection = sqlite3.connect(f"{database.as_uri()}?mode=ro", uri=True, timeout=10)
+        try:
+            found = connection.execute("SELECT 1 FROM runs WHERE run_uuid = ?", (run_id,)).fetchone()
+        finally:
+            connection.close()
+    except sqlite3.Error:
+        return  # not a schema we know: MLflow's client answers
+    if found is None:
+        raise RunNotFound(f"no run {run_id!r} in {location.shown}; list runs with `replay runs`")
 
 
 def _quiet_mlflow() -> None:
@@ -120,7 +207,8 @@ class Store:
         try:
             return self.client.get_run(run_id)
         except MlflowException:
-            raise RunNotFound(f"no run {run_id!r} in {self.uri}; list runs with `replay runs`") from None
+            raise RunNotFound(f"no run {run_id!r} in {StoreLocation(self.uri, 'found').shown}; "
+                              "list runs with `replay runs`") from None
 
     def finish_run(self, run_id: str, status: str, mlflow_status: str = "FINISHED") -> None:
         self.set_tags(run_id, {"status": status})
@@ -263,7 +351,8 @@ def _creation_lock(uri: str):
 
 
 def open_store(tracking_uri: str | None = None) -> Store:
-    """Open the tracking store named by `--tracking-uri` / MLFLOW_TRACKING_URI / the SQLite default."""
+    """Open (or create) the tracking store named by `--tracking-uri` / MLFLOW_TRACKING_URI / the nearest
+    mlflow.db upward / ./mlflow.db. Read-only commands check `locate_store(...).exists` first."""
     uri = resolve_tracking_uri(tracking_uri)
     _quiet_mlflow()
     _check_reachable(uri)

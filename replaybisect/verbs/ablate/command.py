@@ -57,13 +57,13 @@ def ablate_command(
     # bad options are bad input before anything heavy is imported or any run is read
     check_options(arms, horizon=horizon, workers=workers, executor=executor, from_step=from_step)
 
-    from replaybisect.verbs.ablate.report import ArmProgress, print_result, publish
-    from replaybisect.store import open_store
-
     from replaybisect.core.trust import Trust
+    from replaybisect.options import run_store
 
     trust = Trust.from_user(code_dirs or (), trust_prefixes or ())
-    store = open_store(tracking_uri)
+    store = run_store(tracking_uri, run_id)  # an unknown run is answered before torch is imported
+    from replaybisect.verbs.ablate.report import ArmProgress, print_result, publish
+
     options = SubmititOptions(cluster=cluster, folder=executor_folder, partition=partition, timeout_min=time_min,
                               gpus_per_node=gpus, cpus_per_task=cpus, mem_gb=mem_gb)
     with ArmProgress() as bar:

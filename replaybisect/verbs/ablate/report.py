@@ -6,8 +6,9 @@ import math
 import sys
 from typing import Any, Optional
 
-from replaybisect.options import OUR_STDOUT
-from replaybisect.report import close_figure, fmt_number, markdown_table, mlflow_ui_hint, new_figure
+from replaybisect.report import close_figure, fmt_number, markdown_table, mlflow_ui_hint, new_figure, print_table
+from replaybisect.options import say, stderr_console
+from replaybisect.report import console as shared_console
 
 VERDICT_STYLE = {
     "fixes": "bold green",
@@ -57,20 +58,19 @@ def _header(result) -> str:
 
 # ---- rich -------------------------------------------------------------------------------------------
 def print_result(result, console=None) -> None:
-    from rich.console import Console
     from rich.table import Table
 
-    console = console or Console(file=OUR_STDOUT)
+    console = console or shared_console
     console.print(f"[bold]ablation[/bold] {_header(result)}")
     table = Table(title_justify="left", show_lines=False)
     for header in HEADERS:
-        table.add_column(header, overflow="fold")
+        table.add_column(header)
     for row in _rows(result):
         cells = [fmt_number(cell) for cell in row]
         style = VERDICT_STYLE.get(str(row[2]), "")
         cells[2] = f"[{style}]{cells[2]}[/{style}]" if style else cells[2]
         table.add_row(*cells)
-    console.print(table)
+    print_table(table, console)
     for arm in result.arms:
         if arm.note:
             console.print(f"  {arm.name}: {arm.note}")
@@ -87,20 +87,20 @@ def print_result(result, console=None) -> None:
 
 
 def print_list(entries: list[tuple[str, str]], console=None) -> None:
-    from rich.console import Console
     from rich.table import Table
 
-    console = console or Console(file=OUR_STDOUT)
+    console = console or shared_console
     table = Table(title="interventions (replay ablate ARM1,ARM2 --run-id ID)", title_justify="left")
     table.add_column("arm")
     table.add_column("change")
     for name, description in entries:
         table.add_row(name, description)
-    console.print(table)
+    print_table(table, console)
 
 
 class ArmProgress:
-    """One progress bar per arm on stderr while the arms run (silent when stderr is not a terminal)."""
+    """One progress bar per arm on stderr while the arms run; a line per arm started and finished when stderr is
+    not a terminal."""
 
     def __init__(self, enabled: Optional[bool] = None):
         self.enabled = sys.stderr.isatty() if enabled is None else enabled
@@ -115,7 +115,7 @@ class ArmProgress:
 
             self._progress = Progress(
                 TextColumn("{task.description:<12}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                console=Console(stderr=True), transient=True,
+                console=stderr_console(), transient=True,
             )
             self._progress.__enter__()
         return self
@@ -123,11 +123,14 @@ class ArmProgress:
     def plan(self, arms: list[str], start: int, end: int) -> None:
         self._start = start
         if self._progress is None:
+            say(f"ablate: replaying {len(arms)} arm(s) ({', '.join(arms)}) over steps {start}..{end - 1}")
             return
         for arm in arms:
             self._tasks[arm] = self._progress.add_task(arm, total=end - start)
 
     def update(self, arm: str, event: str, step: int) -> None:
+        if self._progress is None and event == "done":
+            say(f"  {arm}: done")
         if self._progress is None or arm not in self._tasks:
             return
         if event == "step":

@@ -58,8 +58,10 @@ def bisect_command(
     from replaybisect.verbs.bisect.engine import bisect
     from replaybisect.verbs.bisect.report import publish, render
 
-    from replaybisect.options import stderr_console
+    from replaybisect.options import announce_store, stderr_console
+    from replaybisect.store import locate_store
 
+    announce_store(locate_store(tracking_uri), creating=True)  # a store inside the repository is moved to the cache (said then)
     # `kill` (SIGTERM) stops the bisect as cleanly as Ctrl-C (main() raises Terminated, a KeyboardInterrupt)
     try:
         with _Progress(stderr_console()) as progress:

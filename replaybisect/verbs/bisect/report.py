@@ -36,6 +36,8 @@ def render(result: "BisectResult", console) -> None:
     from rich.panel import Panel
     from rich.table import Table
 
+    from replaybisect.report import print_table
+
     table = Table(title=f"tried commits ({result.n_trials} of {result.history_length}, {result.n_rounds} rounds, "
                         f"{result.workers} worker{'s' * (result.workers > 1)})")
     table.add_column("#", justify="right")
@@ -51,7 +53,7 @@ def render(result: "BisectResult", console) -> None:
         marker = " ◀" if trial.sha == result.first_bad else ""
         table.add_row(str(trial.position), trial.sha[:10] + marker, trial.subject, f"[{style}]{trial.verdict}[/]",
                       _metric_text(trial), _runs_text(trial), str(trial.round) if trial.round else "end", trial.note)
-    console.print(table)
+    print_table(table, console)
     lines = [f"[bold]{headline(result)}[/]"]
     if result.commit:
         lines += [f"author: {result.commit.author}", f"date:   {result.commit.date}"]

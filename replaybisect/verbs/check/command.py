@@ -51,6 +51,9 @@ def check_command(
     if not (0 < lr_min < lr_max < math.inf):
         raise ReplayError(f"--lr-min {lr_min} and --lr-max {lr_max} must be finite with 0 < lr-min < lr-max")
 
+    from replaybisect.options import recording_store, run_store
+
+    store = run_store(tracking_uri, run_id) if run_id else None  # an unknown run is answered before torch is imported
     from replaybisect.core import config as config_mod
     from replaybisect.verbs.check.engine import CheckOptions, check, select
 
@@ -62,11 +65,10 @@ def check_command(
     cfg = None if run_id else config_mod.compose(config_dir, config_name, list(ctx.args))
 
     from replaybisect.verbs.check.report import print_check_report, publish
-    from replaybisect.store import open_store
     from replaybisect.core.trust import Trust
 
     trust = Trust.from_user(code_dirs or (), trust_prefixes or ()) if run_id else None
-    store = open_store(tracking_uri)
+    store = store or recording_store(tracking_uri)
     code_folder = None if run_id else (config_dir.resolve() if config_dir else Path.cwd())
     report = check(store, cfg=cfg, run_id=run_id, options=options, trust=trust)
     publish(store, report, cfg, code_folder=code_folder)

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from replaybisect.report import close_figure, console, fmt_number, markdown_table, mlflow_ui_hint, new_figure
+from replaybisect.report import close_figure, console, fmt_number, markdown_table, mlflow_ui_hint, new_figure, print_table
 from replaybisect.core.jsonutil import json_default
 
 STYLE = {"pass": "green", "warn": "yellow", "fail": "bold red", "skip": "dim"}
@@ -56,7 +56,7 @@ def print_check_report(report) -> None:
     for check in report.checks:
         style = STYLE[check.status]
         table.add_row(check.name, f"[{style}]{MARK[check.status]}[/{style}]", _value(check.value), check.detail)
-    console.print(table)
+    print_table(table, console)
     counts = report.counts()
     style = STYLE[report.status]
     console.print(

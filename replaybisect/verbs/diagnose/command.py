@@ -27,11 +27,12 @@ def diagnose_command(
 
     next: replay check --run-id 3f2a9c0d...
     """
+    from replaybisect.options import run_store
+
+    store = run_store(tracking_uri, run_id)  # an unknown run is answered before anything heavy is imported
     from replaybisect.verbs.diagnose.engine import analyse, load_curves
     from replaybisect.verbs.diagnose.report import print_diagnosis, publish
-    from replaybisect.store import open_store
 
-    store = open_store(tracking_uri)
     curves = load_curves(store, run_id)
     result = analyse(curves)
     if not no_artifacts:

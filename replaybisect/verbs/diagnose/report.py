@@ -7,8 +7,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from replaybisect.options import OUR_STDOUT
-from replaybisect.report import close_figure, fmt_number, markdown_table, new_figure
+from replaybisect.report import close_figure, fmt_number, markdown_table, new_figure, print_table
+from replaybisect.report import console as shared_console
 
 MARKDOWN = "diagnosis.md"
 PLOT = "diagnosis_loss.png"
@@ -50,10 +50,9 @@ def _short(value: Any) -> str:
 
 # ---- rich -----------------------------------------------------------------------------------------------
 def print_diagnosis(result, console=None) -> None:
-    from rich.console import Console
     from rich.table import Table
 
-    console = console or Console(file=OUR_STDOUT)
+    console = console or shared_console
     name = f" ({result.run_name})" if result.run_name else ""
     console.print(f"[bold]diagnosis of run[/bold] {result.run_id}{name}  status {result.status}")
     if result.healthy:
@@ -75,7 +74,7 @@ def print_diagnosis(result, console=None) -> None:
     for key, label in SUMMARY_LABELS:
         if key in result.summary:
             table.add_row(label, fmt_number(result.summary[key]))
-    console.print(table)
+    print_table(table, console)
     if result.skipped:
         console.print("[dim]not checked: " + "; ".join(f"{p} ({why})" for p, why in result.skipped.items()) + "[/dim]")
     if result.artifacts:

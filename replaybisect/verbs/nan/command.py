@@ -37,9 +37,7 @@ def nan_command(
     Categories: data | forward | loss | backward | optimizer | corrupt-state | transient.
     Exit status 0 with a diagnosis; 2 for an unknown run, a run that never failed, no usable snapshot.
     """
-    from replaybisect.verbs.nan.engine import find_nan
-    from replaybisect.verbs.nan.report import print_rich, publish
-    from replaybisect.store import open_store
+    from replaybisect.options import run_store
 
     torch_device = None
     if device:  # a bad device is bad input before the store is opened
@@ -49,7 +47,10 @@ def nan_command(
     from replaybisect.core.trust import Trust
 
     trust = Trust.from_user(code_dirs or (), trust_prefixes or ())
-    store = open_store(tracking_uri)
+    store = run_store(tracking_uri, run_id)  # an unknown run is answered before torch is imported
+    from replaybisect.verbs.nan.engine import find_nan
+    from replaybisect.verbs.nan.report import print_rich, publish
+
     progress = stderr_console()
     report = find_nan(store, run_id, step, device=torch_device, trust=trust,
                       log=lambda message: progress.print(f"[dim]{message}[/dim]"))

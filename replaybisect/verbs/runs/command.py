@@ -21,18 +21,25 @@ def runs_command(
 
         replay runs --status nonfinite
     """
-    from replaybisect.report import print_runs
-    from replaybisect.verbs.runs.engine import recent_runs
-    from replaybisect.store import open_store
+    from replaybisect.options import announce_store
+    from replaybisect.store import locate_store
 
     kind_filter = None if kind == "all" else kind
-    check_filters(limit, kind_filter, status)  # before the store is opened (or created)
-    store = open_store(tracking_uri)
-    summaries = recent_runs(store, limit=limit, kind=kind_filter, status=status)
+    check_filters(limit, kind_filter, status)  # before the store is looked for
+    location = locate_store(tracking_uri)
+    announce_store(location)
+    summaries = []
+    if location.exists:  # reading never creates a store
+        from replaybisect.store import open_store
+        from replaybisect.verbs.runs.engine import recent_runs
+
+        summaries = recent_runs(open_store(location.uri), limit=limit, kind=kind_filter, status=status)
     if as_json:
-        print_json({"tracking_uri": store.uri, "runs": [s.to_json() for s in summaries]})
+        print_json({"tracking_uri": location.uri, "store": location.shown, "runs": [s.to_json() for s in summaries]})
     else:
-        print_runs(summaries, store.uri)
+        from replaybisect.report import print_runs
+
+        print_runs(summaries, location)
 
 
 def register(app: typer.Typer) -> None:

@@ -46,10 +46,11 @@ def train_command(
         print(config_mod.to_yaml(cfg), end="", file=OUR_STDOUT)
         return
 
-    from replaybisect.store import open_store
+    from replaybisect.options import recording_store, say
     from replaybisect.verbs.train.engine import train
 
-    store = open_store(tracking_uri)
+    store = recording_store(tracking_uri)
+    say("training: building the model, data and optimizer")
     code_folder = config_dir.resolve() if config_dir else Path.cwd()
     with StepProgress("training") as bar:
         result = train(
