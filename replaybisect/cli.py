@@ -21,6 +21,16 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     add_completion=False,
     rich_markup_mode=None,  # plain click help: rendering it with rich costs ~0.3 s of imports
+    epilog=(
+        "\b\n"  # click's no-rewrap marker: the example prints as written
+        "Example, a run that dies with loss=nan (from a clone of the repository):\n"
+        "  replay train --config-dir examples/nan_forward   # exit 3; prints the run id\n"
+        "  replay nan --run-id RUN_ID                       # -> forward, module `gate`, torch.exp\n"
+        "  replay ablate lr,clip --run-id RUN_ID --horizon 40\n"
+        "\n"
+        "Runs are recorded to the nearest mlflow.db in this folder or above (./mlflow.db is created by the first "
+        "command that records), or to $MLFLOW_TRACKING_URI / --tracking-uri. `replay COMMAND --help` for more."
+    ),
 )
 
 

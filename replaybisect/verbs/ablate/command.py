@@ -30,12 +30,16 @@ def ablate_command(
     trust_prefixes: Optional[list[str]] = TrustPrefixes,
 ):
     """Replay the failure once unchanged (the baseline) and once per single change, from the snapshot before
-    it over the same batches; say which change fixes, delays, does nothing or makes it worse.
+    it over the same batches; say which change fixes, delays, does nothing or makes it worse. Examples:
 
-        replay ablate lr,clip,precision --run-id 3f2a... --horizon 200 --workers 2
+    \b
+        replay ablate --list                                   # the arms: lr, clip, precision, warmup, ...
+        replay ablate lr,clip,precision --run-id 3f2a... --horizon 40
+        replay ablate lr --run-id 3f2a... --workers 2 --from-step 100
 
     prints a table (arm, change, verdict, first non-finite step, final loss) and a conclusion such as
-    "fixed by: lr, clip", and stores ablation.md, ablation.json and ablation.png on the run.
+    "fixed by: lr, clip". Each ablation is one MLflow run (`ablate @ step 47`) under the failed run,
+    holding one child run per arm, with ablation.md, ablation.json and ablation.png.
     """
     from replaybisect.errors import ReplayError
     from replaybisect.verbs.ablate import interventions
@@ -77,4 +81,4 @@ def ablate_command(
 
 
 def register(app: typer.Typer) -> None:
-    app.command("ablate")(ablate_command)
+    app.command("ablate", short_help="Which single change makes the failure go away.")(ablate_command)

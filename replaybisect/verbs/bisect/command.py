@@ -32,12 +32,16 @@ def bisect_command(
 ):
     """Find the first commit on BAD's first-parent history that fails, training each tried commit briefly.
 
-    Everything after the options is a Hydra override for the trials, e.g.
+    Everything after the options is a Hydra override for the trials. Examples:
 
+    \b
         replay bisect v1.2 main --steps 200 --workers 3 optim.lr=3e-3
+        replay bisect --repo /tmp/demo demo-good demo-bad --steps 40 --workers 2
+        replay bisect v1.2 main --cmd "pytest -x tests/test_model.py"
 
     prints a table of the tried commits and
 
+    \b
         first bad commit: 3f2a9c1e07 refactor the model
         author: Ada <ada@example.com>
         date:   2026-01-03T10:00:00+00:00
@@ -148,4 +152,4 @@ class _Progress:
 
 
 def register(app: typer.Typer) -> None:
-    app.command("bisect", context_settings=HYDRA_CONTEXT)(bisect_command)
+    app.command("bisect", context_settings=HYDRA_CONTEXT, short_help="Which commit broke convergence.")(bisect_command)

@@ -79,4 +79,4 @@ def check_command(
 
 
 def register(app: typer.Typer) -> None:
-    app.command("check", context_settings=HYDRA_CONTEXT)(check_command)
+    app.command("check", context_settings=HYDRA_CONTEXT, short_help="The 5-minute checklist on a config or a run.")(check_command)

@@ -44,4 +44,4 @@ def diagnose_command(
 
 
 def register(app: typer.Typer) -> None:
-    app.command("diagnose")(diagnose_command)
+    app.command("diagnose", short_help="Read the loss curves: which pathology, what next.")(diagnose_command)

@@ -63,4 +63,4 @@ def nan_command(
 
 
 def register(app: typer.Typer) -> None:
-    app.command("nan")(nan_command)
+    app.command("nan", short_help="Where the first NaN/Inf came from, and why.")(nan_command)

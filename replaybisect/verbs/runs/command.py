@@ -43,4 +43,4 @@ def runs_command(
 
 
 def register(app: typer.Typer) -> None:
-    app.command("runs")(runs_command)
+    app.command("runs", short_help="Recent runs: status, failing step, snapshots.")(runs_command)

@@ -24,9 +24,16 @@ def train_command(
 ):
     """Train a model from a Hydra config, recording metrics and snapshots to MLflow.
 
-    Everything after the options is a Hydra override, e.g.
+    Everything after the options is a Hydra override. Examples:
 
+    \b
+        replay train                                     # the built-in MLP on digits, 500 steps
         replay train train.steps=300 optim.lr=3e-3 model=cnn train.precision=bf16
+        replay train --config-dir examples/nan_forward   # a run that dies with loss=nan (exit 3)
+        replay train --config-dir conf train.steps=5000  # your own project's conf/config.yaml
+
+    Runs are recorded to the nearest mlflow.db in this folder or above (else ./mlflow.db is created), or to
+    $MLFLOW_TRACKING_URI / --tracking-uri.
 
     Exit status: 0 trained, 3 stopped on a non-finite loss or gradient (then run `replay nan --run-id ID`),
     2 bad config or store.
@@ -69,4 +76,4 @@ def train_command(
 
 
 def register(app: typer.Typer) -> None:
-    app.command("train", context_settings=HYDRA_CONTEXT)(train_command)
+    app.command("train", context_settings=HYDRA_CONTEXT, short_help="Train from a Hydra config, recording to MLflow.")(train_command)
