@@ -368,3 +368,54 @@ def open_store(tracking_uri: str | None = None) -> Store:
         first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise StoreUnreachable(f"cannot open tracking store {uri}: {first_line}; pass a working --tracking-uri") from None
     return Store(uri=uri, client=client)
+
+
+# ---- replay watch: the failed runs to triage, and claims written as tags --------------------------------
+WATCH_PAGE = 1000  # runs per search page
+
+
+def experiment_ids_named(store: Store, names: Iterable[str]) -> dict[str, str | None]:
+    """Experiment ids by name, None for one that does not exist (yet); nothing is created."""
+    found = {}
+    for name in names:
+        experiment = store.client.get_experiment_by_name(name)
+        found[name] = experiment.experiment_id if experiment is not None and experiment.lifecycle_stage == "active" else None
+    return found
+
+
+def all_experiment_ids(store: Store) -> list[str]:
+    return [experiment.experiment_id for experiment in store.client.search_experiments()]
+
+
+def search_all_runs(store: Store, experiment_ids: list[str], filter_string: str) -> list:
+    """Every active run matching the filter, page by page."""
+    runs, token = [], None
+    while experiment_ids:
+        page = store.client.search_runs(experiment_ids, filter_string=filter_string, max_results=WATCH_PAGE, page_token=token)
+        runs.extend(page)
+        token = page.token
+        if not token:
+            break
+    return runs
+
+
+def search_runs_without_tag(store: Store, experiment_ids: list[str], filter_string: str, tag: str) -> list:
+    """Runs matching the filter that do not carry `tag` (MLflow's `IS NULL`; a server too old for it is
+    searched without it and the tag checked here)."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        return search_all_runs(store, experiment_ids, f"{filter_string} and tags.`{tag}` IS NULL")
+    except MlflowException as error:
+        if "IS NULL" not in str(error):
+            raise
+    return [run for run in search_all_runs(store, experiment_ids, filter_string) if tag not in run.data.tags]
+
+
+def delete_tag(store: Store, run_id: str, key: str) -> None:
+    from mlflow.exceptions import MlflowException
+
+    try:
+        store.client.delete_tag(run_id, key)
+    except MlflowException:  # not there: nothing to delete
+        pass
