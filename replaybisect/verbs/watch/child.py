@@ -1,0 +1,46 @@
+"""The triage child's launcher: limits first, then `python -m replaybisect ARGS...` in their place.
+
+    python -m replaybisect.verbs.watch.child MEMORY_MB -- nan --run-id X --json ...
+
+The memory limit (RLIMIT_AS, inherited by the verb's own worker processes) makes a run that allocates too much
+fail with MemoryError instead of taking the watcher's machine down; the watcher enforces the time limit. The
+child dies with the watcher thread that started it (Linux PR_SET_PDEATHSIG), so a watcher killed with SIGKILL
+leaves no triage running on behind its expired claim. Standard library only: this runs before anything else.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import signal
+import sys
+
+PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() == 1:  # the parent died before prctl took effect
+        os._exit(137)
+
+
+def main(argv: list[str]) -> None:
+    memory_mb, separator, *verb_args = argv
+    if separator != "--":
+        raise SystemExit("usage: python -m replaybisect.verbs.watch.child MEMORY_MB -- VERB ARGS...")
+    _die_with_parent()
+    if int(memory_mb) > 0:
+        limit = int(memory_mb) * 1024 * 1024
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+    os.execv(sys.executable, [sys.executable, "-m", "replaybisect", *verb_args])
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

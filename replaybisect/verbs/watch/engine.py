@@ -1,0 +1,597 @@
+"""`replay watch`: poll a tracking server for failed runs and triage each exactly once.
+
+The claim protocol (README, "replay watch: how a run is claimed"), written entirely in the run's tags:
+
+    replaybisect.triage           running | done | failed   (absent: not triaged yet)
+    replaybisect.triage.claim     "<watcher id> until <unix time>"   the lease
+    replaybisect.triage.attempts  claims taken so far (a run whose watchers keep dying is given up, not retried forever)
+    replaybisect.triage.step      the step in progress (nan | ablate | diagnose)
+    replaybisect.triage.<step>    a finished step's one-line result: a restarted triage skips finished steps
+    replaybisect.triage.summary   the one-line answer (a column in the MLflow run list); .next the next command
+
+MLflow has no compare-and-set, so a claim is a tag write followed by a re-read after `settle` seconds: a watcher
+whose claim read-to-write took less than `settle` and whose claim is still there after `settle` owns the run (a
+rival that read the run before our write landed wrote within `settle` of its read, so before our re-read).
+The owner renews its lease every lease/3 and checks the tag each time; a watcher that finds its claim taken
+stops its triage. Wall-clock expiry times assume watchers' clocks agree to well within a lease (NTP).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Optional
+
+from replaybisect.errors import ReplayError
+from replaybisect.store import (
+    TAG, Store, all_experiment_ids, experiment_ids_named, search_all_runs, search_runs_without_tag,
+)
+
+TRIAGE = "triage"
+CLAIM = "triage.claim"
+ATTEMPTS = "triage.attempts"
+STEP = "triage.step"
+SUMMARY = "triage.summary"
+NEXT = "triage.next"
+REASON = "triage.reason"
+FINISHED_STATES = ("done", "failed")
+MAX_ATTEMPTS = 3  # claims of one run before it is given up (its watchers died mid-triage each time)
+ABLATE_ARMS = "lr,clip,precision"
+FAILED_STATUSES = ("FAILED", "KILLED")
+
+
+@dataclass
+class WatchOptions:
+    tracking_uri: str
+    experiments: list[str] = field(default_factory=list)  # empty: every experiment
+    interval: float = 30.0  # seconds between polls
+    workers: int = 1  # triages at once
+    lease: float = 120.0  # seconds a claim lasts unless renewed (renewed every lease/3)
+    settle: float = 2.0  # seconds between a claim and the re-read that confirms it
+    time_limit: float = 1800.0  # seconds per triage step (child process)
+    memory_mb: int = 8192  # address-space limit per triage child, MiB (0: none)
+    horizon: int = 200  # ablate: steps replayed past the failing step
+    grace: float = 20.0  # on SIGTERM: seconds in-flight triages may take to finish before their claims are released
+    code_dirs: list[str] = field(default_factory=list)
+    trust_prefixes: list[str] = field(default_factory=list)
+    ui_url: Optional[str] = None  # the MLflow UI users open (default: the tracking URI when it is http)
+
+    def check(self) -> None:
+        """Bad values are bad input, before the server is contacted."""
+        for name, value, low in (("--interval", self.interval, 0.1), ("--lease", self.lease, 1.0), ("--settle", self.settle, 0.0),
+                                 ("--time-limit", self.time_limit, 1.0), ("--grace", self.grace, 0.0)):
+            if not value >= low:
+                raise ReplayError(f"{name} {value} must be at least {low}")
+        if self.settle * 2 >= self.lease:
+            raise ReplayError(f"--settle {self.settle} must be under half of --lease {self.lease}")
+        if not 1 <= self.workers <= 64:
+            raise ReplayError(f"--workers {self.workers} must be between 1 and 64")
+        if self.memory_mb < 0 or 0 < self.memory_mb < 512:
+            raise ReplayError(f"--memory-mb {self.memory_mb} is too small for torch: use at least 512 (0: no limit)")
+
+
+@dataclass
+class Claim:
+    watcher_id: str
+    expires: float  # unix time
+
+    def render(self) -> str:
+        return f"{self.watcher_id} until {self.expires:.1f}"
+
+    @staticmethod
+    def parse(value: Optional[str]) -> Optional["Claim"]:
+        if not value or " until " not in value:
+            return None
+        watcher_id, _, expires = value.rpartition(" until ")
+        try:
+            return Claim(watcher_id, float(expires))
+        except ValueError:
+            return None
+
+    def live(self, now: Optional[float] = None) -> bool:
+        return self.expires > (time.time() if now is None else now)
+
+
+@dataclass
+class StepOutcome:
+    """One triage step's child process: its JSON result or why it failed."""
+
+    name: str
+    ok: bool
+    result: dict[str, Any] = field(default_factory=dict)
+    reason: str = ""
+    seconds: float = 0.0
+
+
+@dataclass
+class TriageResult:
+    run_id: str
+    run_name: str
+    experiment_id: str
+    failure: str  # nonfinite | failed | killed: why the run was picked
+    state: str  # done | failed
+    verdict: str  # the nan category or the diagnose verdict ("" when the triage failed)
+    summary: str  # the one line tagged on the run
+    next_command: str
+    reason: str = ""  # a failed triage's one-line reason
+    steps: list[str] = field(default_factory=list)  # the steps run by this watcher (resumed ones are not rerun)
+    results: dict[str, Any] = field(default_factory=dict)  # step -> its JSON
+    seconds: float = 0.0
+    watcher_id: str = ""
+    run_url: Optional[str] = None
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class Event:
+    """What the watcher did, for the log (rich lines or JSON lines) and the health line."""
+
+    kind: str  # start | poll | claimed | lost | step | done | failed | released | skipped | error | health | stop
+    message: str
+    run_id: Optional[str] = None
+    data: dict[str, Any] = field(default_factory=dict)
+    result: Optional[TriageResult] = None
+
+
+@dataclass
+class _Active:
+    """A run this watcher holds a claim on."""
+
+    run_id: str
+    claim: Claim
+    process: Optional[subprocess.Popen] = None
+    lost: bool = False  # another watcher holds the run now: stop
+    released: bool = False
+
+
+def new_watcher_id() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+
+
+def failure_of(run) -> Optional[str]:
+    """Why a training run needs triage (nonfinite | failed | killed), or None for a healthy or live run."""
+    tags = run.data.tags
+    if tags.get(TAG + "status") == "nonfinite" or tags.get(TAG + "first_nonfinite_step"):
+        return "nonfinite"
+    if run.info.status == "FAILED":
+        return "failed"
+    if run.info.status == "KILLED":
+        return "killed"
+    return None
+
+
+def plan_for(failure: str) -> list[str]:
+    return ["nan", "ablate"] if failure == "nonfinite" else ["diagnose"]
+
+
+def run_url(options: WatchOptions, run) -> Optional[str]:
+    base = options.ui_url or (options.tracking_uri if options.tracking_uri.startswith(("http://", "https://")) else None)
+    if not base:
+        return None
+    return f"{base.rstrip('/')}/#/experiments/{run.info.experiment_id}/runs/{run.info.run_id}"
+
+
+class Watcher:
+    """Polls, claims, triages in child processes, renews leases; thread-safe event reporting through `on_event`."""
+
+    def __init__(self, store: Store, options: WatchOptions, on_event: Callable[[Event], None],
+                 publish: Callable[[TriageResult], None] = lambda result: None):
+        self.store = store
+        self.options = options
+        self.on_event = on_event
+        self.publish = publish
+        self.watcher_id = new_watcher_id()
+        self.stopping = threading.Event()  # SIGTERM/SIGINT: no new claims
+        self.abandon = threading.Event()  # grace over: stop children, release claims
+        self._lock = threading.Lock()
+        self._active: dict[str, _Active] = {}
+        self._missing_experiments: set[str] = set()
+        self.started = time.time()
+        self.counts = {"polls": 0, "done": 0, "failed": 0, "lost": 0, "errors": 0}
+        self.last_poll: Optional[float] = None
+
+    # ---- the loop ---------------------------------------------------------------------------------------
+    def run(self, once: bool = False) -> dict[str, int]:
+        """Poll until stopped (or, with once, until nothing claimable is left); returns the counts."""
+        self.on_event(Event("start", f"watching {self.store.uri} as {self.watcher_id}", data=self.health()))
+        heartbeat = threading.Thread(target=self._renew_leases, name="replay-watch-leases", daemon=True)
+        heartbeat.start()
+        futures: set[Future] = set()
+        with ThreadPoolExecutor(max_workers=self.options.workers, thread_name_prefix="replay-watch-triage") as pool:
+            while not self.stopping.is_set():
+                claimed = self._poll(pool, futures)
+                futures = {f for f in futures if not f.done()}
+                if once and not futures and not claimed:
+                    break
+                if once:  # poll again when a triage ends (its slot is free)
+                    while futures and not self.stopping.is_set() and not wait(futures, timeout=1.0, return_when=FIRST_COMPLETED)[0]:
+                        pass
+                else:
+                    self.stopping.wait(self.options.interval)
+            self._finish_or_release(futures)
+        self.stopping.set()
+        return dict(self.counts)
+
+    def stop(self) -> None:
+        self.stopping.set()
+
+    def _poll(self, pool: ThreadPoolExecutor, futures: set[Future]) -> int:
+        """Claim up to the free worker slots; returns how many triages were started."""
+        free = self.options.workers - len([f for f in futures if not f.done()])
+        if free <= 0:
+            return 0
+        try:
+            candidates = self.candidates()
+        except ReplayError:
+            raise
+        except Exception as error:  # the server is down or restarting: try again next poll
+            self.counts["errors"] += 1
+            self.on_event(Event("error", f"poll failed: {_one_line(error)}"))
+            return 0
+        self.counts["polls"] += 1
+        self.last_poll = time.time()
+        started = 0
+        for run in candidates:
+            if started >= free or self.stopping.is_set():
+                break
+            with self._lock:
+                if run.info.run_id in self._active:
+                    continue
+            active = self._try_claim(run)
+            if active is None:
+                continue
+            futures.add(pool.submit(self._triage_guarded, run, active))
+            started += 1
+        return started
+
+    # ---- which runs ---------------------------------------------------------------------------------------
+    def experiment_ids(self) -> list[str]:
+        if not self.options.experiments:
+            return all_experiment_ids(self.store)
+        named = experiment_ids_named(self.store, self.options.experiments)
+        for name, experiment_id in named.items():
+            if experiment_id is None and name not in self._missing_experiments:
+                self._missing_experiments.add(name)
+                self.on_event(Event("skipped", f"experiment {name!r} does not exist (yet); watching for it"))
+        return [experiment_id for experiment_id in named.values() if experiment_id is not None]
+
+    def candidates(self) -> list:
+        """Training runs that failed (or went non-finite) with no finished triage and no live claim, oldest first."""
+        experiment_ids = self.experiment_ids()
+        train = f"tags.`{TAG}kind` = 'train'"
+        untriaged = [f"{train} and attributes.status = '{status}'" for status in FAILED_STATUSES]  # no IN for status
+        untriaged.append(f"{train} and tags.`{TAG}status` = 'nonfinite'")  # also a run that went on (on_nonfinite=continue)
+        found = [run for query in untriaged for run in search_runs_without_tag(self.store, experiment_ids, query, TAG + TRIAGE)]
+        found += search_all_runs(self.store, experiment_ids, f"{train} and tags.`{TAG}{TRIAGE}` = 'running'")
+        runs = {run.info.run_id: run for run in found}
+        now = time.time()
+        ready = [run for run in runs.values() if failure_of(run) and _claimable(run.data.tags, now)]
+        return sorted(ready, key=lambda run: run.info.start_time)
+
+    # ---- claims -----------------------------------------------------------------------------------------
+    def _try_claim(self, run) -> Optional[_Active]:
+        run_id = run.info.run_id
+        read_at = time.monotonic()
+        fresh = self.store.get_run(run_id)
+        tags = fresh.data.tags
+        if not _claimable(tags, time.time()):
+            return None
+        attempts = int(tags.get(TAG + ATTEMPTS, "0") or 0)
+        if attempts >= MAX_ATTEMPTS:
+            reason = f"given up after {attempts} attempts: the watchers triaging it stopped each time (crash, kill or memory)"
+            self._record_final(fresh, "failed", summary=f"triage failed: {reason}", next_command="", reason=reason)
+            self.on_event(Event("failed", reason, run_id))
+            return None
+        claim = Claim(self.watcher_id, time.time() + self.options.lease)
+        self.store.set_tags(run_id, {TRIAGE: "running", CLAIM: claim.render(), ATTEMPTS: attempts + 1})
+        if time.monotonic() - read_at >= self.options.settle:  # too slow to be sure no rival wrote meanwhile
+            self._release(_Active(run_id, claim), "claim took longer than --settle; trying again later")
+            return None
+        active = _Active(run_id, claim)
+        with self._lock:
+            self._active[run_id] = active
+        return active
+
+    def _confirm(self, active: _Active) -> bool:
+        """The re-read after `settle`: still ours?"""
+        time.sleep(self.options.settle)  # the full settle time, also when stopping: the proof needs it
+        current = Claim.parse(self.store.get_run(active.run_id).data.tags.get(TAG + CLAIM))
+        return current is not None and current.watcher_id == self.watcher_id
+
+    def _renew_leases(self) -> None:
+        period = self.options.lease / 3
+        while not (self.stopping.is_set() and not self._active):
+            time.sleep(min(period, 1.0) if self.stopping.is_set() else period)
+            with self._lock:
+                holding = [a for a in self._active.values() if not a.lost and not a.released]
+            for active in holding:
+                try:
+                    self._renew(active)
+                except Exception as error:
+                    self.on_event(Event("error", f"lease renewal failed: {_one_line(error)}", active.run_id))
+
+    def _renew(self, active: _Active) -> None:
+        current = Claim.parse(self.store.get_run(active.run_id).data.tags.get(TAG + CLAIM))
+        if active.released:
+            return
+        if current is None or current.watcher_id != self.watcher_id:
+            active.lost = True
+            _kill(active.process)
+            return
+        active.claim = Claim(self.watcher_id, time.time() + self.options.lease)
+        self.store.set_tags(active.run_id, {CLAIM: active.claim.render()})
+
+    def _release(self, active: _Active, why: str) -> None:
+        """Give the run back (its lease ends now); finished steps stay recorded, so the next watcher resumes."""
+        active.released = True
+        _kill(active.process)
+        try:
+            current = Claim.parse(self.store.get_run(active.run_id).data.tags.get(TAG + CLAIM))
+            if current is not None and current.watcher_id == self.watcher_id:
+                self.store.set_tags(active.run_id, {CLAIM: Claim(self.watcher_id, 0.0).render()})
+        except Exception as error:  # the lease expires on its own
+            why += f" (release not written: {_one_line(error)})"
+        self.on_event(Event("released", why, active.run_id))
+
+    # ---- the triage -------------------------------------------------------------------------------------
+    def _triage_guarded(self, run, active: _Active) -> Optional[TriageResult]:
+        try:
+            if not self._confirm(active):
+                if not self.abandon.is_set():
+                    self.on_event(Event("skipped", "claimed by another watcher", active.run_id))
+                return None
+            self.on_event(Event("claimed", f"{failure_of(run)} run: {' then '.join(plan_for(failure_of(run)))}", active.run_id,
+                                data={"run_name": run.info.run_name or "", "failure": failure_of(run)}))
+            return self._triage(run, active)
+        except Exception as error:
+            self.counts["errors"] += 1
+            self.on_event(Event("error", f"triage stopped: {_one_line(error)}", active.run_id))
+            if not active.released:
+                self._release(active, "released after an error; another poll resumes it")
+            return None
+        finally:
+            with self._lock:
+                self._active.pop(active.run_id, None)
+
+    def _triage(self, run, active: _Active) -> Optional[TriageResult]:
+        run_id = run.info.run_id
+        failure = failure_of(run)
+        started = time.monotonic()
+        tags = self.store.get_run(run_id).data.tags
+        step_lines: dict[str, str] = {}
+        results: dict[str, Any] = {}
+        ran: list[str] = []
+        for step in plan_for(failure):
+            if TAG + f"{TRIAGE}.{step}" in tags:  # finished before a restart: resume after it
+                step_lines[step] = tags[TAG + f"{TRIAGE}.{step}"]
+                step_lines.update({k[len(TAG):]: v for k, v in tags.items() if k.startswith(TAG + f"{TRIAGE}.{step}.")})
+                continue
+            if active.lost or active.released:
+                return self._stopped(active)
+            self.store.set_tags(run_id, {STEP: step})
+            self.on_event(Event("step", f"{step} started", run_id))
+            outcome = self._run_step(step, run_id, active)
+            if active.lost or active.released:
+                return self._stopped(active)
+            ran.append(step)
+            if not outcome.ok:
+                reason = f"{step}: {outcome.reason}"
+                found = "".join(f"; {name} found: {step_lines[f'{TRIAGE}.{name}']}" for name in plan_for(failure)
+                                if f"{TRIAGE}.{name}" in step_lines)
+                result = self._result(run, failure, "failed", "", f"triage failed: {reason}{found}", "", reason, ran, results, started)
+                return self._finish(run, active, result)
+            results[step] = outcome.result
+            lines = _step_lines(step, outcome.result)
+            self.store.set_tags(run_id, lines)  # progress: a restarted triage skips this step
+            step_lines.update(lines)
+            self.on_event(Event("step", f"{step} finished in {outcome.seconds:.1f} s: {lines[f'{TRIAGE}.{step}']}", run_id))
+        verdict, summary, next_command = _conclude(failure, run_id, step_lines)
+        result = self._result(run, failure, "done", verdict, summary, next_command, "", ran, results, started)
+        return self._finish(run, active, result)
+
+    def _result(self, run, failure, state, verdict, summary, next_command, reason, ran, results, started) -> TriageResult:
+        return TriageResult(run_id=run.info.run_id, run_name=run.info.run_name or "", experiment_id=run.info.experiment_id,
+                            failure=failure, state=state, verdict=verdict, summary=summary, next_command=next_command,
+                            reason=reason, steps=ran, results=results, seconds=round(time.monotonic() - started, 2),
+                            watcher_id=self.watcher_id, run_url=run_url(self.options, run))
+
+    def _stopped(self, active: _Active) -> None:
+        if active.lost:
+            self.counts["lost"] += 1
+            self.on_event(Event("lost", "another watcher took the run over (our lease had lapsed); stopped", active.run_id))
+        return None
+
+    def _finish(self, run, active: _Active, result: TriageResult) -> Optional[TriageResult]:
+        current = Claim.parse(self.store.get_run(run.info.run_id).data.tags.get(TAG + CLAIM))
+        if current is None or current.watcher_id != self.watcher_id:
+            active.lost = True
+            return self._stopped(active)
+        self.publish(result)
+        self._record_final(run, result.state, result.summary, result.next_command, result.reason)
+        active.released = True
+        self.counts[result.state] += 1
+        self.on_event(Event(result.state, result.summary, result.run_id, result=result))
+        return result
+
+    def _record_final(self, run, state: str, summary: str, next_command: str, reason: str) -> None:
+        tags = {TRIAGE: state, SUMMARY: _tag_line(summary), NEXT: _tag_line(next_command), STEP: "finished"}
+        if reason:
+            tags[REASON] = _tag_line(reason)
+        self.store.set_tags(run.info.run_id, tags)
+
+    def _run_step(self, step: str, run_id: str, active: _Active) -> StepOutcome:
+        """One verb in a child process with the memory and time limits; its JSON comes back on a pipe of ours."""
+        argv = [sys.executable, "-m", "replaybisect.verbs.watch.child", str(self.options.memory_mb), "--",
+                *self._verb_args(step, run_id)]
+        started = time.monotonic()
+        with tempfile.TemporaryFile() as stderr:
+            process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=stderr, stdin=subprocess.DEVNULL,
+                                       start_new_session=True)  # its own group: a timeout stops its workers too
+            active.process = process
+            try:
+                stdout, _ = process.communicate(timeout=self.options.time_limit)
+            except subprocess.TimeoutExpired:
+                _kill(process)
+                process.communicate()
+                return StepOutcome(step, False, reason=f"stopped at the time limit ({self.options.time_limit:.0f} s)",
+                                   seconds=time.monotonic() - started)
+            finally:
+                active.process = None
+            stderr.seek(0)
+            error_text = stderr.read().decode("utf-8", "replace")
+        seconds = time.monotonic() - started
+        if process.returncode == 0:
+            try:
+                import json
+
+                return StepOutcome(step, True, result=json.loads(stdout), seconds=seconds)
+            except ValueError:
+                return StepOutcome(step, False, reason="its JSON result did not parse", seconds=seconds)
+        return StepOutcome(step, False, reason=_failure_reason(process.returncode, error_text, self.options.memory_mb), seconds=seconds)
+
+    def _verb_args(self, step: str, run_id: str) -> list[str]:
+        common = ["--run-id", run_id, "--json", "--tracking-uri", self.store.uri]
+        trust = [arg for folder in self.options.code_dirs for arg in ("--code-dir", folder)]
+        trust += [arg for prefix in self.options.trust_prefixes for arg in ("--trust", prefix)]
+        if step == "nan":
+            return ["nan", *common, *trust]
+        if step == "ablate":
+            return ["ablate", ABLATE_ARMS, *common, "--horizon", str(self.options.horizon), *trust]
+        return ["diagnose", *common]
+
+    # ---- stopping -------------------------------------------------------------------------------------------
+    def _finish_or_release(self, futures: set[Future]) -> None:
+        pending = {f for f in futures if not f.done()}
+        if pending:
+            self.on_event(Event("stop", f"waiting up to {self.options.grace:.0f} s for {len(pending)} triage(s) to finish"))
+            deadline = time.monotonic() + self.options.grace
+            while pending and time.monotonic() < deadline and not self.abandon.is_set():  # a second signal: at once
+                pending = wait(pending, timeout=min(1.0, max(0.0, deadline - time.monotonic())))[1]
+        self.abandon.set()
+        with self._lock:
+            leftover = [a for a in self._active.values() if not a.released]
+        for active in leftover:
+            self._release(active, "released on shutdown; another watcher resumes it after its finished steps")
+        wait(futures, timeout=30)
+
+    def health(self) -> dict[str, Any]:
+        with self._lock:
+            active = sorted(self._active)
+        return {"watcher_id": self.watcher_id, "tracking_uri": self.store.uri, "uptime_s": round(time.time() - self.started, 1),
+                "last_poll_age_s": None if self.last_poll is None else round(time.time() - self.last_poll, 1),
+                "active": active, "workers": self.options.workers, **self.counts}
+
+
+# ---- the server-wide picture (`replay watch --status`) --------------------------------------------------
+def triage_status(store: Store, experiments: list[str]) -> dict[str, Any]:
+    """How many runs are waiting, being triaged (by whom, lease live or lapsed), done and failed."""
+    probe = Watcher(store, WatchOptions(tracking_uri=store.uri, experiments=experiments), on_event=lambda event: None)
+    experiment_ids = probe.experiment_ids()
+    train = f"tags.`{TAG}kind` = 'train'"
+    waiting = [run for run in probe.candidates() if TAG + TRIAGE not in run.data.tags]
+    counts = {state: len(search_all_runs(store, experiment_ids, f"{train} and tags.`{TAG}{TRIAGE}` = '{state}'"))
+              for state in FINISHED_STATES}
+    claims = []
+    now = time.time()
+    for run in search_all_runs(store, experiment_ids, f"{train} and tags.`{TAG}{TRIAGE}` = 'running'"):
+        claim = Claim.parse(run.data.tags.get(TAG + CLAIM))
+        claims.append({"run_id": run.info.run_id, "watcher_id": claim.watcher_id if claim else None,
+                       "lease_left_s": round(claim.expires - now, 1) if claim else None,
+                       "step": run.data.tags.get(TAG + STEP)})
+    return {"tracking_uri": store.uri, "waiting": len(waiting), "running": claims, **counts}
+
+
+# ---- helpers -------------------------------------------------------------------------------------------------
+def _claimable(tags: dict[str, str], now: float) -> bool:
+    if tags.get(TAG + TRIAGE) in FINISHED_STATES:
+        return False
+    claim = Claim.parse(tags.get(TAG + CLAIM))
+    return claim is None or not claim.live(now)
+
+
+def _kill(process: Optional[subprocess.Popen]) -> None:
+    if process is None or process.poll() is not None:
+        return
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _one_line(error: BaseException) -> str:
+    text = " ".join(str(error).split())
+    return f"{type(error).__name__}: {text}"[:300] if text else type(error).__name__
+
+
+def _tag_line(text: str) -> str:
+    return " ".join(text.split())[:500]  # one line; well under MLflow's tag value limit
+
+
+def _failure_reason(returncode: int, stderr: str, memory_mb: int) -> str:
+    lines = [line.strip() for line in stderr.splitlines() if line.strip()]
+    if returncode < 0:
+        return f"killed by {signal.Signals(-returncode).name}"
+    if any("MemoryError" in line or "std::bad_alloc" in line or "DefaultCPUAllocator" in line for line in lines[-20:]):
+        return f"ran out of memory (limit {memory_mb} MiB, --memory-mb)"
+    last = next((line for line in reversed(lines) if line.startswith("replay:")), lines[-1] if lines else "no output")
+    return f"exit {returncode}: {last.removeprefix('replay: ').removeprefix('error: ')}"
+
+
+def _step_lines(step: str, result: dict[str, Any]) -> dict[str, str]:
+    """A finished step's result as tags: enough to conclude the triage after a restart without rerunning it."""
+    if step == "nan":
+        where = f" in {result['module']}" if result.get("module") else ""
+        op = f" ({result['op']})" if result.get("op") else ""
+        line = f"{result.get('category')}{where}{op} at step {result.get('failing_step')}"
+        return {f"{TRIAGE}.nan": line, f"{TRIAGE}.nan.category": str(result.get("category")),
+                f"{TRIAGE}.nan.next": _command_part(result.get("suggestion") or "")}
+    if step == "ablate":
+        return {f"{TRIAGE}.ablate": _tag_line(result.get("conclusion") or result.get("status") or ""),
+                f"{TRIAGE}.ablate.fix": _fix_override(result)}
+    findings = result.get("findings") or []
+    return {f"{TRIAGE}.diagnose": _tag_line(result.get("verdict") or ""),
+            f"{TRIAGE}.diagnose.next": _command_part(findings[0]["next"]) if findings else ""}
+
+
+def _conclude(failure: str, run_id: str, lines: dict[str, str]) -> tuple[str, str, str]:
+    """(verdict, one-line summary, next command) from the steps' tag lines."""
+    if failure == "nonfinite":
+        fix = lines.get(f"{TRIAGE}.ablate.fix", "")
+        summary = f"{lines.get(f'{TRIAGE}.nan', '')}; ablate: {lines.get(f'{TRIAGE}.ablate', '')}"
+        if fix:
+            next_command = f"replay train {fix}"
+        else:
+            suggested = lines.get(f"{TRIAGE}.nan.next", "")
+            next_command = suggested if suggested and not suggested.startswith("replay ablate") else f"replay nan --run-id {run_id}"
+        return lines.get(f"{TRIAGE}.nan.category", ""), summary, next_command
+    verdict = lines.get(f"{TRIAGE}.diagnose", "")
+    return verdict, f"{failure} run: {verdict}", lines.get(f"{TRIAGE}.diagnose.next") or f"replay check --run-id {run_id}"
+
+
+_CHANGE = re.compile(r"^(?P<key>[\w.]+) \S+ -> (?P<value>\S+)$")  # an arm's change, e.g. "optim.lr 0.001 -> 0.0001"
+
+
+def _fix_override(result: dict[str, Any]) -> str:
+    """The Hydra override of the first arm that fixed the failure ("" when none did or its change is not one key)."""
+    for arm in result.get("arms") or []:
+        match = _CHANGE.match(arm.get("change") or "")
+        if arm.get("verdict") == "fixes" and match:
+            return f"{match['key']}={match['value']}"
+    return ""
+
+
+def _command_part(suggestion: str) -> str:
+    return _tag_line(suggestion.split("#", 1)[0])
+

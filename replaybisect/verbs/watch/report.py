@@ -1,0 +1,164 @@
+"""`replay watch` output: the log (rich lines on stderr, or JSON lines on stdout for log shippers), the triage
+report attached to the run (triage.md, triage.json), and the webhook notification (Slack/Mattermost shape)."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import threading
+import urllib.error
+import urllib.request
+from typing import Any, Optional
+
+from replaybisect.core.jsonutil import json_default
+from replaybisect.options import OUR_STDOUT
+from replaybisect.store import Store
+from replaybisect.verbs.watch.engine import Event, TriageResult
+
+REPORT_MD = "triage/triage.md"
+REPORT_JSON = "triage/triage.json"
+NOTIFY_TIMEOUT = 10  # seconds: a slow webhook must not hold a triage slot
+STYLE = {"done": "green", "failed": "red", "lost": "yellow", "released": "yellow", "error": "red", "claimed": "cyan", "health": "blue"}
+
+
+class EventLog:
+    """Called by the watcher's threads for each event: one log line each, and a notification for each finished triage."""
+
+    def __init__(self, as_json: bool = False, notify_url: Optional[str] = None):
+        self.as_json = as_json
+        self.notify_url = notify_url
+        self._lock = threading.Lock()
+        self._console = None
+        if not as_json:
+            from rich.console import Console
+
+            self._console = Console(stderr=True, log_path=False, soft_wrap=True)
+
+    def __call__(self, event: Event) -> None:
+        self.write(event)
+        if event.result is not None and self.notify_url:
+            self._notify(event.result)
+
+    def write(self, event: Event) -> None:
+        with self._lock:
+            if self.as_json:
+                OUR_STDOUT.write(json.dumps(event_json(event), default=json_default) + "\n")
+                OUR_STDOUT.flush()
+            else:
+                self._console.print(_rich_line(event), highlight=False)
+
+    def _notify(self, result: TriageResult) -> None:
+        try:
+            post_json(self.notify_url, notification(result))
+            self.write(Event("notified", f"notification sent to {_host(self.notify_url)}", result.run_id))
+        except (urllib.error.URLError, OSError, ValueError) as error:
+            reason = getattr(error, "reason", error)
+            self.write(Event("error", f"notification to {_host(self.notify_url)} failed: {reason}", result.run_id))
+
+
+def event_json(event: Event) -> dict[str, Any]:
+    data = {"time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="milliseconds"), "event": event.kind,
+            "run_id": event.run_id, "message": event.message, **event.data}
+    if event.result is not None:
+        result = event.result.to_json()
+        result.pop("results")  # the verbs' full JSON is in triage.json on the run
+        data["result"] = result
+    return data
+
+
+def _rich_line(event: Event) -> str:
+    from rich.markup import escape
+
+    style = STYLE.get(event.kind, "white")
+    clock = datetime.datetime.now().strftime("%H:%M:%S")
+    run = f" [bold]{event.run_id}[/bold]" if event.run_id else ""
+    text = f"[dim]{clock}[/dim] [{style}]{event.kind:<8}[/{style}]{run}  {escape(event.message)}"
+    indent = " " * 18
+    if event.result is not None and event.result.next_command:
+        text += f"\n{indent}next: {escape(event.result.next_command)}"
+    if event.result is not None and event.result.run_url:
+        text += f"\n{indent}{escape(event.result.run_url)}"
+    return text
+
+
+# ---- the notification --------------------------------------------------------------------------------
+def notification(result: TriageResult) -> dict[str, Any]:
+    """Slack and Mattermost incoming webhooks show `text`; the other fields are for machines reading the hook."""
+    name = f"{result.run_name} ({result.run_id})" if result.run_name else result.run_id
+    lines = [f"replay watch: {result.failure} run {name}: {result.summary}"]
+    if result.next_command:
+        lines.append(f"next: `{result.next_command}`")
+    if result.run_url:
+        lines.append(result.run_url)
+    return {
+        "text": "\n".join(lines),
+        "username": "replay watch",
+        "run_id": result.run_id,
+        "run_name": result.run_name,
+        "experiment_id": result.experiment_id,
+        "failure": result.failure,
+        "triage": result.state,
+        "verdict": result.verdict,
+        "summary": result.summary,
+        "next_command": result.next_command,
+        "reason": result.reason,
+        "run_url": result.run_url,
+        "watcher_id": result.watcher_id,
+    }
+
+
+def post_json(url: str, payload: dict[str, Any]) -> None:
+    request = urllib.request.Request(url, data=json.dumps(payload, default=json_default).encode(), method="POST",
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=NOTIFY_TIMEOUT) as response:
+        response.read()
+
+
+def _host(url: str) -> str:
+    from urllib.parse import urlparse
+
+    return urlparse(url).netloc or url
+
+
+# ---- the report on the run ------------------------------------------------------------------------------
+def publish(store: Store, result: TriageResult) -> None:
+    """triage.md and triage.json on the triaged run (the verbs' own reports are child runs and artifacts beside it)."""
+    store.log_text(result.run_id, markdown(result), REPORT_MD)
+    store.log_dict(result.run_id, result.to_json(), REPORT_JSON)
+
+
+def markdown(result: TriageResult) -> str:
+    lines = [f"# Triage of run {result.run_id}", "", f"- failure: {result.failure}", f"- triage: {result.state}",
+             f"- summary: {result.summary}"]
+    if result.next_command:
+        lines.append(f"- next: `{result.next_command}`")
+    if result.reason:
+        lines.append(f"- reason: {result.reason}")
+    lines += [f"- steps run: {', '.join(result.steps) or 'none (resumed)'}", f"- watcher: {result.watcher_id}",
+              f"- seconds: {result.seconds}", ""]
+    for step, data in result.results.items():
+        lines += [f"## {step}", "", "```json", json.dumps(data, indent=2, default=json_default)[:20000], "```", ""]
+    return "\n".join(lines)
+
+
+# ---- health -----------------------------------------------------------------------------------------------
+def health_line(health: dict[str, Any]) -> str:
+    age = health.get("last_poll_age_s")
+    return (f"watcher {health['watcher_id']} up {health['uptime_s']:.0f} s, {health['polls']} polls"
+            f" (last {'never' if age is None else f'{age:.0f} s ago'}), triaging {len(health['active'])}/{health['workers']}"
+            f" {' '.join(health['active'])}".rstrip()
+            + f", done {health['done']}, failed {health['failed']}, lost {health['lost']}, errors {health['errors']}")
+
+
+def print_status(status: dict[str, Any], as_json: bool) -> None:
+    """`replay watch --status`: the server's triage state in one line (JSON: one object)."""
+    if as_json:
+        OUR_STDOUT.write(json.dumps(status, default=json_default) + "\n")
+        OUR_STDOUT.flush()
+        return
+    running = ", ".join(f"{c['run_id']} by {c['watcher_id']} ({c['step'] or 'claimed'}, lease "
+                        f"{'lapsed' if (c['lease_left_s'] or 0) <= 0 else str(c['lease_left_s']) + ' s left'})"
+                        for c in status["running"])
+    OUR_STDOUT.write(f"triage on {status['tracking_uri']}: {status['waiting']} waiting, {len(status['running'])} running"
+                     f"{': ' + running if running else ''}, {status['done']} done, {status['failed']} failed\n")
+    OUR_STDOUT.flush()
