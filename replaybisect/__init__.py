@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 __version__ = "0.1.0"
 
 __all__ = [
-    "train", "find_nan", "ablate", "bisect", "check", "diagnose",
+    "train", "find_nan", "ablate", "bisect", "check", "diagnose", "Recorder", "NonFiniteStep",
     "TrainResult", "NanReport", "AblationResult", "BisectResult", "CheckReport", "Diagnosis",
     "ReplayError",
 ]
@@ -48,6 +48,8 @@ _RESULT_TYPES = {
     "BisectResult": "replaybisect.verbs.bisect.engine",
     "CheckReport": "replaybisect.verbs.check.engine",
     "Diagnosis": "replaybisect.verbs.diagnose.engine",
+    "Recorder": "replaybisect.user_loop",  # record your own training loop
+    "NonFiniteStep": "replaybisect.user_loop",
 }
 
 

@@ -162,6 +162,8 @@ class Restored:
         from replaybisect.core import loop
         from replaybisect.core.rng import isolated_rng
 
+        if self._batch_source is None and self.cfg.train.loop == "user":
+            self._batch_source = _RecordedBatchesAgain(self)
         if self._batch_source is None:
             with isolated_rng():  # building a dataset must not shift the restored RNG streams
                 try:
@@ -169,6 +171,28 @@ class Restored:
                 except (ConfigError, OSError) as error:
                     raise ReplayError(f"the run's stored batches end before this step and its data source cannot be built: {error}") from None
         return self._batch_source
+
+
+class _RecordedBatchesAgain:
+    """Past the last recorded batch of a run from the user's own loop (an ablation's horizon beyond the failure),
+    there is no data pipeline to ask: the recorded batches of the replay's snapshot interval come again, in
+    order, and a warning says so."""
+
+    def __init__(self, restored: "Restored"):
+        self.restored = restored
+        self.steps = sorted(step for step in restored._stored_batches if step >= restored.step)
+        if not self.steps:
+            raise ReplayError(f"run {restored.run_id} stored no batches from step {restored.step} on; it cannot be replayed")
+        self.warned = False
+
+    def batch(self, step: int):
+        if not self.warned:
+            self.warned = True
+            self.restored.warnings.append(
+                f"the run comes from your own loop and recorded batches up to step {self.steps[-1]}: steps from {step} on "
+                f"reuse the recorded batches of steps {self.steps[0]}..{self.steps[-1]} in order")
+        recorded = self.steps[(step - self.steps[0]) % len(self.steps)]
+        return self.restored._stored_batches[recorded]
 
 
 def restore(

@@ -68,7 +68,8 @@ USAGE = [
 CONFIG = [
     ("lr-not-number", ["optim.lr=abc"], ["optim.lr='abc' is not a number"]),
     ("lr-negative", ["optim.lr=-1"], ["cannot build `optim`", "Invalid learning rate: -1"]),
-    ("closure-optimizer", ["optim._target_=torch.optim.LBFGS", "~optim.weight_decay"], ["LBFGS", "needs a closure", "not supported"]),
+    ("closure-optimizer-fp16", ["optim._target_=torch.optim.LBFGS", "~optim.weight_decay", "train.precision=fp16"], ["LBFGS", "re-evaluates the loss", "bf16"]),
+    ("accumulate-uneven", ["train.batch_size=10", "train.accumulate=4"], ["train.batch_size=10", "train.accumulate=4", "multiple"]),
     ("yaml-syntax", ["--config-dir", "conf", "--config-name", "broken"], ["YAML syntax error", "broken.yaml line 3"]),
     ("long-override-key", [f"+{LONG_KEY}=1"], ["File name too long", "chars); check the overrides"]),
     ("long-override-value", [f"train.steps={LONG_VALUE}"], ["train.steps=xxx", "(10012 chars)"]),

@@ -16,6 +16,7 @@ BUILTIN_CONFIG_DIR = Path(__file__).parent.parent / "conf"  # replaybisect/conf 
 SCHEMA_NAME = "replaybisect_schema"
 ENTRY_NAME = "replaybisect_entry"
 PRECISIONS = ("fp32", "bf16", "fp16")
+LOOPS = ("builtin", "user")
 MAX_THREADS = 1024  # torch.set_num_threads(100000) exhausts memory mapping threads
 
 
@@ -29,6 +30,11 @@ class TrainConfig:
     """fp32 | bf16 | fp16 (autocast; fp16 uses a GradScaler)."""
     clip_grad_norm: Optional[float] = None
     """Max total gradient norm; null = no clipping. The pre-clip norm is always logged."""
+    accumulate: int = 1
+    """Micro-batches per optimizer step: the step's batch_size samples are split in `accumulate` equal parts."""
+    num_workers: int = 0
+    """DataLoader worker processes reading the dataset. Batch order stays a function of (seed, step) and each
+    sample's randomness is seeded by (seed, step, index), so the batches are the same for any worker count."""
     val_every: int = 100
     """Steps between validation passes (needs val_data)."""
     val_batches: int = 4
@@ -38,7 +44,12 @@ class TrainConfig:
     num_threads: Optional[int] = None
     """torch intra-op threads; null = torch's default. Recorded: replay uses the same count."""
     step_fn: Any = field(default_factory=lambda: {"_target_": "replaybisect.core.loop.supervised_step", "_partial_": True})
-    """(model, batch, loss_fn) -> scalar loss."""
+    """(model, batch, loss_fn) -> scalar loss. In a run recorded from your own loop (loop: user): your whole
+    step (forward, backward, clip, update), called with the arguments it names (see replaybisect.Recorder)."""
+    loop: str = "builtin"
+    """builtin: replaybisect's step. user: a run recorded from your own loop by replaybisect.Recorder."""
+    build: Any = None
+    """loop: user only: build(config) -> model, optimizer[, scheduler[, scaler]] (a dict or a tuple)."""
 
 
 @dataclass
@@ -71,6 +82,8 @@ class ReplayConfig:
     scheduler: Any = None
     train: TrainConfig = field(default_factory=TrainConfig)
     snapshot: SnapshotConfig = field(default_factory=SnapshotConfig)
+    user: Any = None
+    """loop: user only: your own config, handed back to your build and step functions on replay."""
 
 
 def add_code_paths(*folders: str | Path) -> None:
@@ -170,9 +183,6 @@ def build_optimizer(node, params, model=None):
     except (TypeError, ValueError) as error:  # e.g. optim.lr=-1 ("Invalid learning rate") or an unknown kwarg
         problem = _not_numbers(node) or _one_line(error)
         raise ConfigError(f"cannot build `optim`: {_clip_words(problem)}; fix the optim.* values") from None
-    if needs_closure(optimizer):
-        raise ConfigError(f"`optim` is {type(optimizer).__name__}, whose step() needs a closure; closure optimizers are "
-                          "not supported by the built-in step yet: use another optimizer (e.g. optim=adamw)")
     return optimizer
 
 
@@ -207,7 +217,21 @@ def check_optimizer(cfg) -> None:
     import torch
 
     probe = torch.nn.Linear(2, 2)
-    build_optimizer(cfg.optim, list(probe.parameters()), model=probe)
+    check_closure_optimizer(cfg, build_optimizer(cfg.optim, list(probe.parameters()), model=probe))
+
+
+def check_closure_optimizer(cfg, optimizer) -> None:
+    """LBFGS and the like re-evaluate the loss inside step(): a GradScaler cannot scale it, and a clip before
+    step() is undone by the optimizer's own evaluations."""
+    if not needs_closure(optimizer):
+        return
+    name = type(optimizer).__name__
+    if cfg.train.precision == "fp16":
+        raise ConfigError(f"`optim` is {name}, whose step() re-evaluates the loss: fp16 needs a GradScaler, which cannot "
+                          "scale it; use train.precision=bf16 or fp32")
+    if cfg.train.clip_grad_norm is not None:
+        raise ConfigError(f"`optim` is {name}, whose step() recomputes the gradients: train.clip_grad_norm would not apply; "
+                          "set train.clip_grad_norm=null")
 
 
 def _one_line(error: BaseException) -> str:
@@ -220,9 +244,14 @@ def _one_line(error: BaseException) -> str:
 
 def validate(cfg) -> None:
     """Checks that need no instantiation, all problems in one error."""
+    from omegaconf import OmegaConf
+
     problems = []
-    for key in ("model", "data", "optim"):
-        if cfg.get(key) is None:
+    if cfg.train.loop not in LOOPS:
+        problems.append(f"train.loop={cfg.train.loop!r} is not one of {', '.join(LOOPS)}")
+    required = ("train.build", "train.step_fn") if cfg.train.loop == "user" else ("model", "data", "optim")
+    for key in required:
+        if OmegaConf.select(cfg, key) is None:
             problems.append(f"`{key}` is not set (give it a _target_)")
     if not -(2**63) <= cfg.seed < 2**64:
         problems.append(f"seed={cfg.seed} is outside torch's seed range (-2**63 to 2**64-1)")
@@ -232,6 +261,13 @@ def validate(cfg) -> None:
         problems.append(f"train.steps={cfg.train.steps} must be positive")
     if cfg.train.batch_size <= 0:
         problems.append(f"train.batch_size={cfg.train.batch_size} must be positive")
+    if cfg.train.accumulate < 1:
+        problems.append(f"train.accumulate={cfg.train.accumulate} must be 1 or more")
+    elif cfg.train.batch_size > 0 and cfg.train.loop == "builtin" and cfg.train.batch_size % cfg.train.accumulate:
+        problems.append(f"train.batch_size={cfg.train.batch_size} does not split into train.accumulate={cfg.train.accumulate} equal micro-batches; "
+                        "make batch_size a multiple of accumulate")
+    if not 0 <= cfg.train.num_workers <= 256:
+        problems.append(f"train.num_workers={cfg.train.num_workers} must be between 0 and 256")
     if cfg.train.num_threads is not None and not 1 <= cfg.train.num_threads <= MAX_THREADS:
         problems.append(f"train.num_threads={cfg.train.num_threads} must be between 1 and {MAX_THREADS}, or null")
     if cfg.train.val_batches <= 0:

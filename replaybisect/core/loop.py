@@ -20,7 +20,9 @@ from typing import Any, Callable, Optional, Protocol
 import torch
 from torch.utils.data import default_collate
 
-from replaybisect.core.config import build_optimizer, instantiate
+from replaybisect.core import user_step
+from replaybisect.core.config import build_optimizer, check_closure_optimizer, instantiate, needs_closure
+from replaybisect.core.observer import StepObserver, forward_context as _forward_context, notify as _notify  # noqa: F401 (StepObserver: loop.StepObserver)
 from replaybisect.errors import ConfigError
 from replaybisect.core.rng import capture_raw, epoch_permutation_seed, isolated_rng, restore_raw, seed_everything
 
@@ -87,6 +89,9 @@ class TrainState:
     device: torch.device
     precision: str
     clip_grad_norm: Optional[float]
+    user_loop: bool = False  # the step is the user's own (a run recorded by replaybisect.Recorder): see core/user_step.py
+    user_config: Any = None  # loop: user: the user's config, handed to their build and step functions
+    accumulate: int = 1  # micro-batches per optimizer step (built-in step)
 
     @property
     def params(self) -> list[torch.nn.Parameter]:
@@ -109,13 +114,16 @@ def build_state(cfg, device: torch.device | None = None) -> TrainState:
     """Seed, then build model, optimizer, scheduler and scaler in a fixed order."""
     if cfg.train.num_threads:
         torch.set_num_threads(int(cfg.train.num_threads))
+    if cfg.train.loop == "user":
+        return _build_user_state(cfg)
     device = device or resolve_device(cfg.train.device)
     seed_everything(cfg.seed)
     model = instantiate(cfg.model, "model")
     if not isinstance(model, torch.nn.Module):
         raise ConfigError(f"`model` built a {type(model).__name__}, not a torch.nn.Module; point model._target_ at an nn.Module")
     model = model.to(device)
-    optimizer = build_optimizer(cfg.optim, model.parameters(), model=model)  # a closure optimizer (LBFGS) is refused here
+    optimizer = build_optimizer(cfg.optim, model.parameters(), model=model)
+    check_closure_optimizer(cfg, optimizer)
     scheduler = instantiate(cfg.scheduler, "scheduler")(optimizer=optimizer) if cfg.get("scheduler") else None
     scaler = torch.amp.GradScaler(device.type) if cfg.train.precision == "fp16" else None
     loss_fn = instantiate(cfg.loss, "loss")
@@ -131,6 +139,27 @@ def build_state(cfg, device: torch.device | None = None) -> TrainState:
         device=device,
         precision=cfg.train.precision,
         clip_grad_norm=cfg.train.clip_grad_norm,
+        accumulate=cfg.train.accumulate,
+    )
+
+
+def _build_user_state(cfg) -> TrainState:
+    """A run recorded from the user's own loop: their build(config) makes the objects (on the device they choose)."""
+    seed_everything(cfg.seed)
+    parts = user_step.build_parts(cfg)
+    return TrainState(
+        cfg=cfg,
+        model=parts["model"],
+        optimizer=parts["optimizer"],
+        scheduler=parts["scheduler"],
+        scaler=parts["scaler"],
+        loss_fn=None,
+        step_fn=parts["step_fn"],
+        device=user_step.model_device(parts["model"]),
+        precision=cfg.train.precision,
+        clip_grad_norm=cfg.train.clip_grad_norm,
+        user_loop=True,
+        user_config=parts["user_config"],
     )
 
 
@@ -145,6 +174,13 @@ def clone_state(state: TrainState, cfg=None) -> TrainState:
     then warns that `optimizer.step()` was overridden."""
     target = cfg if cfg is not None else state.cfg
     threads = torch.get_num_threads()
+    if state.user_loop:
+        with isolated_rng():
+            parts = user_step.rebuilt_copy(state, target)
+        torch.set_num_threads(threads)
+        return replace(state, cfg=target, model=parts["model"], optimizer=parts["optimizer"], scheduler=parts["scheduler"],
+                       scaler=parts["scaler"], step_fn=parts["step_fn"], precision=target.train.precision,
+                       clip_grad_norm=target.train.clip_grad_norm, user_config=parts["user_config"])
     with isolated_rng():  # building draws from (and seeds) the RNG streams
         model = _clone_model(state, target, rebuild=cfg is not None)
         optimizer, scheduler = _clone_optimizer(state, target, model)
@@ -154,8 +190,9 @@ def clone_state(state: TrainState, cfg=None) -> TrainState:
     if scaler is not None and state.scaler is not None:
         scaler.load_state_dict(copy.deepcopy(state.scaler.state_dict()))
     clip = target.train.clip_grad_norm if target is not None else state.clip_grad_norm
+    accumulate = target.train.accumulate if target is not None else state.accumulate
     return replace(state, cfg=target, model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler,
-                   loss_fn=copy.deepcopy(state.loss_fn), precision=precision, clip_grad_norm=clip)
+                   loss_fn=copy.deepcopy(state.loss_fn), precision=precision, clip_grad_norm=clip, accumulate=accumulate)
 
 
 def _clone_model(state: TrainState, cfg, rebuild: bool) -> torch.nn.Module:
@@ -205,39 +242,6 @@ class StepOutcome:
     scaler_skipped: bool = False  # fp16: the GradScaler skipped an overflowing step (normal)
 
 
-class StepObserver:
-    """Hooks into one step, for recorders, checks and probes; they may read and instrument (module hooks,
-    tensor hooks, a TorchFunctionMode), never change a value the step computes. Every hook is optional:
-    `run_step` calls only those an observer defines, so observers need not subclass this (it documents the order).
-
-      forward_context(state)        a context manager entered around forward and loss (outside autocast)
-      after_forward(state, loss)    the live loss tensor, before backward (to hook its autograd graph)
-      after_backward(state)         gradients unscaled, not yet clipped
-      before_update(state, outcome) gradients clipped, right before the optimizer (and scaler) step
-      after_update(state)           after the optimizer step and the scheduler step
-    """
-
-    def forward_context(self, state: TrainState):
-        return contextlib.nullcontext()
-
-    def after_forward(self, state: TrainState, loss: torch.Tensor) -> None: ...
-    def after_backward(self, state: TrainState) -> None: ...
-    def before_update(self, state: TrainState, outcome: "StepOutcome") -> None: ...
-    def after_update(self, state: TrainState) -> None: ...
-
-
-def _notify(observer, hook: str, *args) -> None:
-    """Call the observer's hook if it has one (no observer, or a hook it does not define: nothing)."""
-    method = getattr(observer, hook, None)
-    if method is not None:
-        method(*args)
-
-
-def _forward_context(observer, state: TrainState):
-    method = getattr(observer, "forward_context", None)
-    return method(state) if method is not None else contextlib.nullcontext()
-
-
 def autocast(state: TrainState):
     dtype = AUTOCAST_DTYPES[state.precision]
     if dtype is None:
@@ -265,23 +269,30 @@ def run_step(
 ) -> StepOutcome:
     """One optimizer step. With halt_on_nonfinite, a non-finite loss or grad norm returns before the
     update, so parameters, optimizer, scheduler and scaler still hold the state before this step."""
+    outcome = StepOutcome(step=step, loss=math.nan, lr=float(state.optimizer.param_groups[0]["lr"]))
+    if state.user_loop:  # the user's own step (forward, backward, update inside): same moments, same halting
+        user_step.run(state, outcome, batch, halt_on_nonfinite=halt_on_nonfinite, observer=observer)
+        return outcome
     model, optimizer, scaler = state.model, state.optimizer, state.scaler
-    outcome = StepOutcome(step=step, loss=math.nan, lr=float(optimizer.param_groups[0]["lr"]))
     model.train()
     optimizer.zero_grad(set_to_none=True)
 
-    # 1. forward and loss
-    with _forward_context(observer, state), autocast(state):  # no observer: a null context
-        loss = state.step_fn(model, batch, state.loss_fn)
-    _notify(observer, "after_forward", state, loss)
-    outcome.loss = float(loss.detach().float().item())
-    if not math.isfinite(outcome.loss):
-        outcome.nonfinite = "loss"
-        if halt_on_nonfinite:
-            return outcome
-
-    # 2. backward; fp16 scales the loss and unscales the gradients before measuring them
-    (scaler.scale(loss) if scaler else loss).backward()
+    # 1. forward, loss and backward, per micro-batch; fp16 scales the loss and unscales the gradients
+    micro_batches = split_batch(batch, state.accumulate)
+    total = None
+    for micro_batch in micro_batches:
+        with _forward_context(observer, state), autocast(state):  # no observer: a null context
+            loss = state.step_fn(model, micro_batch, state.loss_fn)
+        _notify(observer, "after_forward", state, loss)
+        part = loss / len(micro_batches) if len(micro_batches) > 1 else loss
+        total = part.detach().float() if total is None else total + part.detach().float()
+        if not math.isfinite(float(loss.detach().float().item())):
+            outcome.nonfinite = outcome.nonfinite or "loss"
+            if halt_on_nonfinite:
+                outcome.loss = float(total.item())
+                return outcome
+        (scaler.scale(part) if scaler else part).backward()
+    outcome.loss = float(total.item())
     if scaler:
         scaler.unscale_(optimizer)
     grads = [p.grad for p in state.params if p.grad is not None]
@@ -294,7 +305,7 @@ def run_step(
     if outcome.nonfinite and halt_on_nonfinite:
         return outcome
 
-    # 3. clip, update, schedule
+    # 2. clip, update, schedule
     if state.clip_grad_norm is not None and grads:
         torch.nn.utils.clip_grads_with_norm_(state.params, state.clip_grad_norm, grad_norm)
     _notify(observer, "before_update", state, outcome)
@@ -303,6 +314,8 @@ def run_step(
         scaler.step(optimizer)
         scaler.update()
         outcome.scaler_skipped = scaler.get_scale() < scale_before
+    elif needs_closure(optimizer):
+        optimizer.step(_closure(state, micro_batches))
     else:
         optimizer.step()
     outcome.updated = not outcome.scaler_skipped
@@ -310,6 +323,40 @@ def run_step(
         state.scheduler.step()
     _notify(observer, "after_update", state)
     return outcome
+
+
+def _closure(state: TrainState, micro_batches: list):
+    """For optimizers whose step re-evaluates the loss (LBFGS): forward and backward again on the same batch.
+    The step's first evaluation (above) is what is logged and observed; the closure's are the optimizer's own."""
+    def closure():
+        state.optimizer.zero_grad(set_to_none=True)
+        total = None
+        for micro_batch in micro_batches:
+            with autocast(state):
+                loss = state.step_fn(state.model, micro_batch, state.loss_fn)
+            part = loss / len(micro_batches) if len(micro_batches) > 1 else loss
+            part.backward()
+            total = part.detach() if total is None else total + part.detach()
+        return total
+
+    return closure
+
+
+def split_batch(batch, parts: int) -> list:
+    """`parts` micro-batches of equal size along the first dimension (train.accumulate): the step's batch, and
+    so the data order, is the same whatever the accumulation."""
+    if parts <= 1:
+        return [batch]
+    if isinstance(batch, torch.Tensor):
+        return list(batch.tensor_split(parts))
+    if isinstance(batch, dict):
+        pieces = {key: split_batch(value, parts) for key, value in batch.items()}
+        return [{key: pieces[key][i] for key in batch} for i in range(parts)]
+    if isinstance(batch, (list, tuple)):
+        pieces = [split_batch(value, parts) for value in batch]
+        return [type(batch)(piece[i] for piece in pieces) if type(batch) in (list, tuple) else tuple(piece[i] for piece in pieces)
+                for i in range(parts)]
+    return [batch] * parts
 
 
 @torch.no_grad()
@@ -384,18 +431,7 @@ def train_loop(
         hooks.before_step(step, state, rng_at_start)
         data_started = time.perf_counter()
         batch = batches(step)
-        device_batch = to_device(batch, state.device)
-        step_started = time.perf_counter()
-        outcome = run_step(state, step, device_batch, observer=hooks.observer(step))
-        keep_going = True
-        if outcome.nonfinite:
-            buffers.restore()  # undo the forward's in-place buffer updates: hooks see the state before the step
-            keep_going = hooks.on_nonfinite(outcome, batch)
-            if keep_going:
-                restore_raw(rng_at_start)
-                outcome = run_step(state, step, device_batch, halt_on_nonfinite=False)
-        step_ended = time.perf_counter()
-        keep_going = hooks.after_step(outcome, batch, step_ended - step_started, step_started - data_started) and keep_going
+        outcome, keep_going = take_step(state, step, batch, hooks, buffers, rng_at_start, data_started)
         if progress:
             progress(step)
         if not keep_going:
@@ -403,3 +439,23 @@ def train_loop(
         if val_dataset is not None and val_every and (step + 1) % val_every == 0:
             hooks.after_validation(step, validation_loss(state, val_dataset, state.cfg.train.val_batches))
     return None
+
+
+def take_step(state: TrainState, step: int, batch, hooks: LoopHooks, buffers: BufferGuard, rng_at_start: dict,
+              data_started: float) -> tuple[StepOutcome, bool]:
+    """One step as the loop takes it (also the user-loop recorder's `rec.step`): hooks.before_step has run and
+    the buffers are saved. A non-finite step is undone and shown to `hooks.on_nonfinite`; if they say go on,
+    it is taken again from the same RNG state. Returns the outcome and whether to go on."""
+    device_batch = to_device(batch, state.device)
+    step_started = time.perf_counter()
+    outcome = run_step(state, step, device_batch, observer=hooks.observer(step))
+    keep_going = True
+    if outcome.nonfinite:
+        buffers.restore()  # undo the forward's in-place buffer updates: hooks see the state before the step
+        keep_going = hooks.on_nonfinite(outcome, batch)
+        if keep_going:
+            restore_raw(rng_at_start)
+            outcome = run_step(state, step, device_batch, halt_on_nonfinite=False)
+    step_ended = time.perf_counter()
+    keep_going = hooks.after_step(outcome, batch, step_ended - step_started, step_started - data_started) and keep_going
+    return outcome, keep_going

@@ -185,17 +185,77 @@ def write_manifest(folder: Path, step: int, files: dict[str, dict]) -> None:
 
 
 def flatten_batch(step: int, batch) -> tuple[dict[str, torch.Tensor], Any]:
-    """A batch (tensor, tuple/list of tensors, or dict of tensors) as named tensors + its structure."""
+    """A batch as named tensors + its structure: a tensor, a tuple/list or dict of tensors (the flat shapes
+    `replay train` writes), or any nesting of lists, tuples and dicts of tensors and JSON scalars (a "tree":
+    micro-batches of a user's loop, a batch with its RNG state)."""
     if isinstance(batch, torch.Tensor):
         return {f"{step}/_": batch}, "tensor"
-    if isinstance(batch, dict):
+    if isinstance(batch, dict) and all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in batch.items()):
         return {f"{step}/{key}": value for key, value in batch.items()}, {"dict": list(batch)}
-    return {f"{step}/{index}": value for index, value in enumerate(batch)}, {"tuple": len(batch)}
+    if isinstance(batch, (list, tuple)) and all(isinstance(v, torch.Tensor) for v in batch):
+        return {f"{step}/{index}": value for index, value in enumerate(batch)}, {"tuple": len(batch)}
+    tensors: dict[str, torch.Tensor] = {}
+    return tensors, {"tree": _tree_of(batch, step, tensors, depth=0)}
+
+
+MAX_TREE_DEPTH = 16
+MAX_TREE_NODES = 100_000
+
+
+def _tree_of(value: Any, step: int, tensors: dict[str, torch.Tensor], depth: int) -> Any:
+    """One node of a tree structure: {"t": n} a tensor, {"list"|"tuple": [...]}, {"dict": [[key, node], ...]},
+    {"v": scalar}. Tensors are named <step>/<n> in order."""
+    if depth > MAX_TREE_DEPTH:
+        raise ValueError(f"a batch nested deeper than {MAX_TREE_DEPTH} levels cannot be stored")
+    if isinstance(value, torch.Tensor):
+        tensors[f"{step}/{len(tensors)}"] = value
+        return {"t": len(tensors) - 1}
+    if isinstance(value, dict):
+        return {"dict": [[str(k), _tree_of(v, step, tensors, depth + 1)] for k, v in value.items()]}
+    if isinstance(value, (list, tuple)):
+        return {type(value).__name__ if type(value) in (list, tuple) else "tuple": [_tree_of(v, step, tensors, depth + 1) for v in value]}
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return {"v": value}
+    raise TypeError(f"a batch holding a {type(value).__name__} cannot be stored: use tensors, lists, tuples, dicts and numbers")
+
+
+def _from_tree(node: Any, step: int, tensors: dict[str, torch.Tensor]) -> Any:
+    if "t" in node:
+        return tensors[f"{step}/{node['t']}"]
+    if "dict" in node:
+        return {key: _from_tree(child, step, tensors) for key, child in node["dict"]}
+    if "list" in node:
+        return [_from_tree(child, step, tensors) for child in node["list"]]
+    if "tuple" in node:
+        return tuple(_from_tree(child, step, tensors) for child in node["tuple"])
+    return node["v"]
+
+
+def _tree_tensor_names(node: Any, step: int, names: list[str], depth: int = 0) -> bool:
+    """Collect the tensor names a tree refers to; False when it is not a well-formed tree."""
+    if depth > MAX_TREE_DEPTH or not isinstance(node, dict) or len(node) != 1 or len(names) > MAX_TREE_NODES:
+        return False
+    (kind, value), = node.items()
+    if kind == "t":
+        if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= MAX_TREE_NODES:
+            return False
+        names.append(f"{step}/{value}")
+        return True
+    if kind in ("list", "tuple"):
+        return isinstance(value, list) and all(_tree_tensor_names(child, step, names, depth + 1) for child in value)
+    if kind == "dict":
+        return isinstance(value, list) and all(
+            isinstance(pair, list) and len(pair) == 2 and isinstance(pair[0], str) and _tree_tensor_names(pair[1], step, names, depth + 1)
+            for pair in value
+        )
+    return kind == "v" and (value is None or isinstance(value, (bool, int, float, str)))
 
 
 def unflatten_batch(step: int, tensors: dict[str, torch.Tensor], structure):
     if structure == "tensor":
         return tensors[f"{step}/_"]
+    if "tree" in structure:
+        return _from_tree(structure["tree"], step, tensors)
     if "dict" in structure:
         return {key: tensors[f"{step}/{key}"] for key in structure["dict"]}
     return tuple(tensors[f"{step}/{index}"] for index in range(structure["tuple"]))
@@ -206,7 +266,8 @@ def encode_batches(batches: dict[int, Any]) -> bytes:
     structure: dict[str, Any] = {}
     for step, batch in batches.items():
         named, shape = flatten_batch(step, batch)
-        tensors.update({key: value.detach().cpu().contiguous() for key, value in named.items()})
+        # copies: micro-batches are often views of one tensor, and safetensors refuses tensors that share memory
+        tensors.update({key: value.detach().to("cpu", copy=True).contiguous() for key, value in named.items()})
         structure[str(step)] = shape
     return encode_tensors(tensors, {"structure": json.dumps(structure)})
 
@@ -442,6 +503,9 @@ def _batch_tensor_names(step: int, shape: Any) -> list[str] | None:
             return [f"{step}/{k}" for k in keys]
         if isinstance(count, int) and not isinstance(count, bool) and 0 <= count <= 10_000:
             return [f"{step}/{i}" for i in range(count)]
+        names: list[str] = []
+        if "tree" in shape and _tree_tensor_names(shape["tree"], step, names):
+            return names
     return None
 
 

@@ -18,16 +18,6 @@ GRAD_NORM_TREND_EXPLODING_FACTOR = 10.0  # `replay nan`: fitted grad-norm growth
 GRAD_NORM_TREND_P = 0.01  # the rising trend must be significant (Chromium Pinpoint: p <= 0.01 is different)
 LAYER_GRAD_GROWTH_EXPLODING = 70.0  # `replay diagnose`: a layer's grad norm grew > 70x its early level
 #                                     (AUTOTRAINER's exploding ratio > 70, applied over time)
-LAYER_GRAD_NORM_EXPLODING_MIN = 1.0  # `replay diagnose`: ... and ended >= 1.0, the clip_grad_norm default of
-#                                      nanoGPT and Megatron-LM: growth from a tiny start to a small value
-#                                      (0.000562 -> 0.058 under clip 0.25) is not an explosion. Calibrated on the
-#                                      healthy test zoo (benchmarks/zoo_calibration.py)
-DIVERGENCE_RISE = 1.5  # our choice: the loss ends >= 1.5x its untrained level: it diverged (no healthy zoo run
-#                        rises at all); an exponential climb to a NaN is one divergence, not a run of spikes
-SLOW_FALL_MAX = 0.10  # calibrated on the test zoo: "loss falls very slowly" = under 10% below its untrained level
-#                       over the run (softmax-into-CE: 6%; the slowest healthy zoo run, the LSTM: >= 13%) ...
-SLOW_GRAD_NORM_MAX = 0.1  # ... with small gradients: median grad norm < 0.1 (healthy transformers: 0.1-5) that
-#                           do not grow (softmax's Jacobian shrinks them as the outputs saturate)
 
 # ---- vanishing / exploding gradients across layers ---------------------------------------------------
 GRAD_MEAN_ABS_VANISHING = 1e-7  # SageMaker Debugger, DeepDiagnosis: mean |g| < 1e-7 is a vanishing gradient

@@ -98,6 +98,8 @@ def _optimizer_default(cfg, key: str) -> tuple[bool, Any]:
 
     from hydra.utils import get_class
 
+    if cfg.get("optim") is None:  # a run of the user's own loop: the optimizer is built by their code
+        return False, None
     if key in cfg.optim:
         return True, cfg.optim[key]
     try:
@@ -191,6 +193,8 @@ def linear_warmup(cfg, ctx: ArmContext) -> Change:
 
 @intervention("eps", "multiply the Adam eps by 1000")
 def larger_eps(cfg, ctx: ArmContext) -> Change:
+    if cfg.train.loop == "user":  # the user's optimizer: scale the eps of its groups (where it has one)
+        return Change(cfg=cfg, params={"eps_factor": EPS_FACTOR}, summary=f"optimizer eps x{EPS_FACTOR:g}", group_scale={"eps": EPS_FACTOR})
     has_eps, old = _optimizer_default(cfg, "eps")
     if not has_eps or not isinstance(old, (int, float)):
         optimizer = str(cfg.optim.get("_target_", "the optimizer")).rsplit(".", 1)[-1]
@@ -218,6 +222,8 @@ def skip_failing_batch(cfg, ctx: ArmContext) -> Change:
 
 @intervention("seed", "another data-order and dropout seed from the replay's start: is the failure noise?")
 def other_seed(cfg, ctx: ArmContext) -> Change:
+    if cfg.train.loop == "user":
+        return Change(cfg, {}, "no data source", not_applicable="the run comes from your own loop: replay has its stored batches, not your data pipeline")
     new = int(cfg.seed) + 1
     return Change(
         cfg=_edit(cfg, seed=new),

@@ -309,25 +309,15 @@ class GradProbe:
     final_params: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)  # after the probe steps
 
 
-def parameter_owners(model: nn.Module) -> list[tuple[str, list[torch.Tensor]]]:
-    """(module, its own parameters) for every module that owns some, each parameter once: a tied weight
-    (GPT's lm_head.weight is wte.weight) belongs to the first module that holds it, so no layer is compared
-    with itself."""
-    seen: set[int] = set()
-    owners = []
-    for name, module in model.named_modules():
-        params = [p for p in module.parameters(recurse=False) if id(p) not in seen]
-        seen.update(id(p) for p in params)
-        if params:
-            owners.append((name or "model", params))
-    return owners
-
-
 class _GradObserver:
     def __init__(self, probe: GradProbe, model: nn.Module):
         self.probe = probe
         self.named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        self.owners = parameter_owners(model)
+        self.owners = [
+            (name or "model", [p for p in module.parameters(recurse=False)])
+            for name, module in model.named_modules()
+            if any(True for _ in module.parameters(recurse=False))
+        ]
         self.before: dict[str, list[torch.Tensor]] = {}
 
     def after_backward(self, state) -> None:
@@ -384,11 +374,10 @@ def grad_probe(state: loop.TrainState, batches: list) -> GradProbe:
 
         return hook
 
-    owners = {name for name, _ in parameter_owners(model)}
     handles = [
         module.register_forward_pre_hook(order_hook(name or "model"))
         for name, module in model.named_modules()
-        if (name or "model") in owners
+        if any(True for _ in module.parameters(recurse=False))
     ]
     observer = _GradObserver(probe, model)
     try:

@@ -30,8 +30,6 @@ from replaybisect.core.thresholds import (  # noqa: E402  (sources cited there)
     PLATEAU_MIN_LEVEL, PLATEAU_MIN_SHARE, PLATEAU_TREND_P, PLATEAU_TREND_SE, SPIKE_BASELINE_SAMPLES, SPIKE_FACTOR,
     DEAD_LAYER_ZERO_FRACTION as DEAD_ZERO_FRACTION,
     LAYER_GRAD_GROWTH_EXPLODING as EXPLODING_RATIO,
-    LAYER_GRAD_NORM_EXPLODING_MIN as EXPLODING_MIN_NORM,
-    DIVERGENCE_RISE, SLOW_FALL_MAX, SLOW_GRAD_NORM_MAX,
     LAYER_GRAD_NORM_VANISHING as VANISHING_ABSOLUTE,
     LAYER_GRAD_NORM_VANISHING_WITH_RATIO as VANISHING_NORM,
     LAYER_TO_LARGEST_GRAD_RATIO_VANISHING as VANISHING_RATIO,
@@ -77,7 +75,6 @@ class Curves:
     tags: dict[str, str]
     params: dict[str, str]
     run_name: str = ""
-    metric_keys: list[str] = field(default_factory=list)  # every metric the run logged (histories not all fetched)
 
     def get(self, key: str) -> Series:
         return self.metrics.get(key, EMPTY)
@@ -95,9 +92,7 @@ class Curves:
                 return int(tag)
             except ValueError:
                 pass
-        # with fp16 a GradScaler skips steps whose gradients overflow: routine, not a failure (only the loss counts)
-        keys = ("loss",) if self.params.get("train.precision") == "fp16" else ("loss", "grad_norm")
-        bad = [int(s.steps[~np.isfinite(s.values)][0]) for s in map(self.get, keys) if len(s) and not np.isfinite(s.values).all()]
+        bad = [int(s.steps[~np.isfinite(s.values)][0]) for s in (self.get("loss"), self.get("grad_norm")) if len(s) and not np.isfinite(s.values).all()]
         return min(bad) if bad else None
 
     @property
@@ -124,8 +119,7 @@ def load_curves(store: Store, run_id: str, workers: int = 8) -> Curves:
     else:
         metrics = dict(map(fetch, keys))
     tags = {k[len("replaybisect."):]: v for k, v in run.data.tags.items() if k.startswith("replaybisect.")}
-    return Curves(run_id=run_id, metrics=metrics, tags=tags, params=dict(run.data.params), run_name=run.info.run_name or "",
-                  metric_keys=sorted(run.data.metrics))
+    return Curves(run_id=run_id, metrics=metrics, tags=tags, params=dict(run.data.params), run_name=run.info.run_name or "")
 
 
 # ---- findings -------------------------------------------------------------------------------------------
@@ -399,163 +393,6 @@ def detect_flat(curves: Curves) -> list[Finding]:
     ]
 
 
-@detector("no-gradient")
-def detect_no_gradient(curves: Curves) -> list[Finding]:
-    """Modules whose parameters never get a gradient: the recorder logs weight_norm/<module> for every module with
-    parameters and grad_norm/<module> only for those with a gradient, so a module with weights and no (or only
-    zero) gradient norm at every recorded step sits on a detached branch or is frozen."""
-    weights = {k[len("weight_norm/"):] for k in curves.metric_keys if k.startswith("weight_norm/")}
-    grads = {m: s.before(curves.failing_step).finite() for m, s in curves.layers("grad_norm/").items()}
-    if not weights or not grads:
-        raise Skip("no weight_norm/<module> or grad_norm/<module> metrics (snapshot.layer_stats_every=0?)")
-    recorded = max(len(s) for s in grads.values())
-    if recorded < 3:
-        raise Skip(f"{recorded} recorded layer statistics (needs 3)")
-    learning = {m for m, s in grads.items() if len(s) and float(np.max(np.abs(s.values))) > 0}
-    silent = sorted(weights - learning)
-    if not silent or not learning:
-        return []  # nothing learns at all: flat-from-start says so
-    total_weights = len(weights)
-    return [
-        Finding(
-            "no-gradient",
-            f"{len(silent)} of {total_weights} modules never get a gradient ({', '.join(silent[:4])}{', ...' if len(silent) > 4 else ''}): "
-            "a detached branch (.detach(), .data, torch.no_grad in forward) or frozen parameters (requires_grad=False); "
-            "if the freeze is intended, ignore this",
-            {"modules": silent, "modules_with_gradient": sorted(learning), "stats_steps": recorded},
-            _cmd("check", curves) + "   # gradient flow: parameters with no gradient",
-            step=int(min(s.steps[0] for s in grads.values() if len(s))),
-            layer=silent[0],
-            source="Karpathy, \"A Recipe for Training Neural Networks\" (2019): use backprop to chart dependencies; "
-            "AUTOTRAINER / DeepDiagnosis: parameters without gradient do not learn",
-        )
-    ]
-
-
-@detector("slow-learning")
-def detect_slow_learning(curves: Curves) -> list[Finding]:
-    """The loss falls, but very slowly, and the gradients are small and shrinking: the signature of softmax fed
-    into cross-entropy (probabilities in [0, 1] as logits cap the loss at log(e + C - 1) - 1 for C classes)."""
-    loss = curves.healthy_loss
-    if len(loss) < 50:
-        raise Skip(f"{len(loss)} finite loss values (needs 50)")
-    grads = curves.get("grad_norm").before(curves.failing_step).finite()
-    if len(grads) < 20:
-        raise Skip(f"{len(grads)} finite grad_norm values (needs 20)")
-    initial = _initial_loss(loss)
-    _, end = _loss_levels(loss)
-    if initial <= 0:
-        return []
-    fall = (initial - end) / initial
-    from scipy.stats import kendalltau
-
-    thinned = loss.values[:: len(loss) // 2000 + 1]
-    tau, p_value = kendalltau(np.arange(len(thinned)), thinned)
-    edge = _edge_count(len(grads))
-    grad_median = float(np.median(grads.values))
-    grad_early, grad_late = float(np.median(grads.values[:edge])), float(np.median(grads.values[-edge:]))
-    if not (0 < fall < SLOW_FALL_MAX and tau < 0 and p_value < 0.01 and grad_median < SLOW_GRAD_NORM_MAX and grad_late <= grad_early):
-        return []
-    classes = math.exp(initial)
-    floor = math.log(math.e + classes - 1) - 1  # the lowest cross-entropy of probabilities over C = e^initial classes
-    return [
-        Finding(
-            "slow-learning",
-            f"the loss falls very slowly ({initial:.4g} -> {end:.4g}, {100 * fall:.1f}% in {int(loss.steps[-1] - loss.steps[0]) + 1} steps) "
-            f"with small, shrinking gradients (median grad norm {grad_median:.3g}, {grad_early:.3g} -> {grad_late:.3g}): "
-            f"likely softmax fed into cross-entropy (probabilities as logits: the loss cannot go below {floor:.3g} for "
-            f"~{classes:.0f} classes); feed the loss raw logits",
-            {
-                "loss_start": _round(initial), "loss_end": _round(end), "fall": _round(fall),
-                "grad_norm_median": _round(grad_median), "grad_norm_early": _round(grad_early), "grad_norm_late": _round(grad_late),
-                "trend_tau": _round(float(tau)), "probability_ce_floor": _round(floor),
-            },
-            _cmd("check", curves) + "   # loss/head mismatch: do the loss input rows sum to 1?",
-            step=int(loss.steps[0]),
-            source="Karpathy, \"A Recipe for Training Neural Networks\" (2019); PyTorch CrossEntropyLoss docs "
-            "(the input is expected to contain unnormalized logits)",
-        )
-    ]
-
-
-@detector("divergence")
-def detect_divergence(curves: Curves) -> list[Finding]:
-    """The loss climbs far above its untrained level (LR too high), or climbs exponentially into the NaN."""
-    loss = curves.healthy_loss
-    if len(loss) < 10:
-        raise Skip(f"{len(loss)} finite loss values (needs 10)")
-    climb = _climb_to_failure(curves)
-    if climb is not None:
-        return [climb]
-    if len(loss) < 20:
-        return []
-    # the untrained level: the first logged loss (an LR typo can make step 1 jump already), or the first 5's median
-    initial = min(_initial_loss(loss), float(loss.values[0]))
-    _, end = _loss_levels(loss)
-    sigma = noise_sigma(loss.values)
-    if not (initial > 0 and end > DIVERGENCE_RISE * initial and end - initial > 4 * sigma):
-        return []
-    smooth = rolling_median(loss.values, max(5, len(loss) // 20) | 1)
-    lowest = int(np.argmin(smooth))
-    start_step = int(loss.steps[lowest])
-    return [
-        Finding(
-            "divergence",
-            f"the loss diverged: from {initial:.4g} at the start it rose to {end:.4g} at the end (x{end / initial:.3g}), rising from "
-            f"step {start_step}: learning rate too high (a typo in lr?)",
-            {"loss_start": _round(initial), "loss_end": _round(end), "rise": _round(end / initial), "rising_from_step": start_step,
-             "lr": _round(float(curves.get("lr").values[0])) if len(curves.get("lr")) else None},
-            _cmd("ablate lr,warmup", curves) + "   # or an LR range test: " + _cmd("check", curves),
-            step=start_step,
-            source="Smith 2017, \"Cyclical Learning Rates\" (LR range test: the loss diverges above the largest usable LR)",
-        )
-    ]
-
-
-def _climb_to_failure(curves: Curves) -> Optional[Finding]:
-    """An exponential climb of the loss or the grad norm that ends in the failing step: one divergence."""
-    failing = curves.failing_step
-    if failing is None:
-        return None
-    for key in ("grad_norm", "loss"):
-        series = curves.get(key).before(failing).finite()
-        if len(series) < 10 or np.any(series.values <= 0):
-            continue
-        streak = _rising_streak(series.values)
-        if streak < 5:
-            continue
-        start = len(series) - streak
-        first, last = float(series.values[start]), float(series.values[-1])
-        if last < SPIKE_FACTOR * first:
-            continue
-        per_step = math.exp(math.log(last / first) / max(1, streak - 1))
-        return Finding(
-            "divergence",
-            f"{key} climbed exponentially from step {int(series.steps[start])} ({first:.3g}) to {last:.3g} at step "
-            f"{int(series.steps[-1])} (x{per_step:.3g} a step), then went non-finite at step {failing}: one divergence, not a run of spikes",
-            {"metric": key, "from_step": int(series.steps[start]), "to_step": int(series.steps[-1]), "from_value": _round(first),
-             "to_value": _round(last), "growth_per_step": _round(per_step), "failing_step": failing},
-            _cmd("ablate lr,clip,warmup", curves),
-            step=int(series.steps[start]),
-            source="Megatron-Core rerun machine: >= 10x the early level; Smith 2017 (the loss diverges above the usable LR)",
-        )
-    return None
-
-
-def _rising_streak(values: np.ndarray) -> int:
-    """How many of the last values rise (allowing a dip of a tenth), counted back from the end."""
-    count = 1
-    peak = values[-1]
-    for value in values[-2::-1]:
-        if value > peak * 1.1 or value <= 0:
-            break
-        peak = min(peak, value)
-        count += 1
-        if value < values[-1] / 1e6:
-            break
-    return count
-
-
 @detector("spikes")
 def detect_spikes(curves: Curves) -> list[Finding]:
     """Loss or gradient-norm values >= 10x the max |value| of the first 100 samples (Megatron-Core)."""
@@ -611,8 +448,7 @@ def _list_steps(steps: list[int], limit: int = 6) -> str:
 
 @detector("exploding-gradients")
 def detect_exploding(curves: Curves) -> list[Finding]:
-    """A layer's grad norm grows > 70x its early level (AUTOTRAINER) to >= 1 (a tiny start growing to a small value
-    is not an explosion), or turns non-finite."""
+    """A layer's grad norm grows > 70x its early level (AUTOTRAINER), or turns non-finite."""
     layers = curves.layers("grad_norm/")
     if not layers:
         raise Skip("no grad_norm/<module> metrics (snapshot.layer_stats_every=0?)")
@@ -631,7 +467,7 @@ def detect_exploding(curves: Curves) -> list[Finding]:
         total_early = total.values[np.isin(total.steps, finite.steps[:3])]
         if len(total_early) and early < 1e-3 * float(np.median(total_early)):
             continue  # the layer started with (almost) no gradient, e.g. behind a zero-initialised one: growing from ~0 is not exploding
-        if early > 0 and late / early > EXPLODING_RATIO and late >= EXPLODING_MIN_NORM:
+        if early > 0 and late / early > EXPLODING_RATIO:
             growth[module] = (late / early, early, late, int(finite.steps[-1]))
     if not nonfinite and not growth:
         return []
@@ -662,7 +498,7 @@ def detect_exploding(curves: Curves) -> list[Finding]:
                 _cmd("nan", curves) if curves.failing_step is not None else _cmd("ablate clip,lr", curves),
                 step=at,
                 layer=module,
-                source=f"AUTOTRAINER: exploding gradient ratio > {EXPLODING_RATIO:g}; and at least {EXPLODING_MIN_NORM:g}, the usual clip_grad_norm (nanoGPT, Megatron-LM)",
+                source=f"AUTOTRAINER: exploding gradient ratio > {EXPLODING_RATIO:g}",
             )
         )
     return findings
@@ -1039,9 +875,8 @@ def detect_input_bound(curves: Curves) -> list[Finding]:
 
 # ---- the analysis ----------------------------------------------------------------------------------------
 ORDER = [
-    "nan-at-start", "nan-after-k", "divergence", "dead-relu", "flat-from-start", "no-gradient", "exploding-gradients",
-    "vanishing-gradients", "update-ratio", "spikes", "oscillation", "slow-learning", "plateau", "overfitting",
-    "distribution-mismatch", "input-pipeline-bound",
+    "nan-at-start", "nan-after-k", "dead-relu", "flat-from-start", "exploding-gradients", "vanishing-gradients",
+    "update-ratio", "spikes", "oscillation", "plateau", "overfitting", "distribution-mismatch", "input-pipeline-bound",
 ]
 
 
@@ -1049,13 +884,8 @@ def _explain(findings: list[Finding]) -> list[Finding]:
     """Tie findings to what explains them: a layer that gets exactly no gradient because the ReLU after it
     is dead is a blocked path, not a vanishing one (dropped); a flat loss names its cause when one is found."""
     dead = [f.layer for f in findings if f.pattern == "dead-relu"]
-    climbs = [f.evidence["from_step"] for f in findings if f.pattern == "divergence" and "from_step" in f.evidence]
     kept = []
     for finding in findings:
-        if climbs and finding.pattern == "spikes" and all(step >= min(climbs) for step in finding.steps):
-            continue  # the climb into the NaN, not bad batches: the divergence finding says so
-        if finding.pattern == "flat-from-start" and any(f.pattern == "divergence" for f in findings):
-            continue  # a loss that rose far above its start is not flat: the divergence finding says what happened
         if dead and finding.pattern == "vanishing-gradients":
             layers = finding.evidence.get("layers", {})
             if layers and all((info.get("median_norm") or 0.0) <= 1e-12 for info in layers.values()):

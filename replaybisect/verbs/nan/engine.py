@@ -498,7 +498,7 @@ def _is_forward(report: NanReport, results: _StepResults, state) -> bool:
         report.evidence.append(f"  input {label}: {stats.brief()}")
     for label, stats in call.outputs[:3]:
         report.evidence.append(f"  output {label}: {stats.brief()}")
-    _name_forward_op(report, probe.forward_op, probe.intended_nonfinite)
+    _name_forward_op(report, probe.forward_op)
     return True
 
 
@@ -517,7 +517,7 @@ def _is_loss(report: NanReport, results: _StepResults, state) -> bool:
     if call is not None:
         for label, stats in call.inputs[:2]:
             report.evidence.append(f"  loss input {label}: {stats.brief()}")
-    _name_forward_op(report, probe.forward_op, probe.intended_nonfinite)
+    _name_forward_op(report, probe.forward_op)
     return True
 
 
@@ -563,21 +563,16 @@ def _not_isolated(report: NanReport, results: _StepResults) -> None:
     )
 
 
-def _name_forward_op(report: NanReport, op, intended: list[str] = ()) -> None:
+def _name_forward_op(report: NanReport, op) -> None:
     if op is None:
         return
     report.op = op.op
     report.source = op.source
     inputs = ", ".join(s.brief() for s in op.inputs[:2])
-    where = "outside the model (loss / step function)" if op.module is None else (op.module or "(root)")
     report.evidence.append(
-        f"the first op on the path to the non-finite loss to make a non-finite value its inputs do not explain: {op.op} in {where}"
+        f"the first op with finite inputs and a non-finite output: {op.op} in {op.module or '(root)'}"
         + (f" at {op.source}" if op.source else "") + f" (inputs {inputs} -> {op.output.brief()})"
     )
-    if intended:
-        report.evidence.append(
-            f"not counted: non-finite values made on request ({', '.join(intended[:3])} with a -inf/NaN argument, e.g. a causal mask)"
-        )
 
 
 def _forward_json(probe) -> dict[str, Any]:

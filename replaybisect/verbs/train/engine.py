@@ -102,8 +102,8 @@ def train(
             finally:
                 hooks.close()
     except BaseException as error:
-        failure = _as_disk_full(error, run_id, store)
-        _mark_ended(store, run_id, failure or error)
+        failure = as_disk_full(error, run_id, store)
+        mark_ended(store, run_id, failure or error)
         if failure is not None and failure is not error:
             raise failure from error
         raise
@@ -125,7 +125,7 @@ def train(
     )
 
 
-def _as_disk_full(error: BaseException, run_id: str, store: Store) -> DiskFull | None:
+def as_disk_full(error: BaseException, run_id: str, store: Store) -> DiskFull | None:
     """The one-line error for a full disk met outside the snapshot writer (config artifact, tags)."""
     if isinstance(error, DiskFull):
         return error
@@ -134,7 +134,7 @@ def _as_disk_full(error: BaseException, run_id: str, store: Store) -> DiskFull |
     return None
 
 
-def _mark_ended(store: Store, run_id: str, error: BaseException) -> None:
+def mark_ended(store: Store, run_id: str, error: BaseException) -> None:
     """Ctrl-C / SIGTERM: KILLED, "killed". A full disk: FAILED, "crashed", failure "disk-full". Else FAILED, "crashed".
     Best effort: when the store itself cannot be written (its disk is full), the error that stopped the run is what counts."""
     try:

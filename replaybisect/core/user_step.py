@@ -1,0 +1,318 @@
+"""The step of a run recorded from the user's own loop (`replaybisect.Recorder`, the Lightning callback).
+
+The user's step function does everything: forward, backward, clipping, the optimizer update, accumulation over
+micro-batches. This module runs it so that everything built on the built-in step works unchanged:
+
+  - observers see the same moments: `forward_context` around each forward (closed when `.backward()` is called),
+    `after_forward` with the tensor being backpropagated, `after_backward` and `before_update` in a global
+    optimizer pre-step hook (gradients unscaled by a GradScaler by then), `after_update` in a post-step hook;
+  - a non-finite loss or gradient stops the step before the optimizer update (`halt_on_nonfinite`);
+  - ablation arms act on the live objects: clipping in the pre-step hook (`train.clip_grad_norm`), fp32 by
+    turning every autocast region off (`train.precision=fp32`), the lr through the optimizer's own hooks;
+  - each stored batch carries the torch RNG state its step started with, so whatever the user's loop draws
+    between steps (sampling a batch, say) does not shift a replay's dropout masks.
+
+Replay rebuilds the objects with the user's importable `build(config)` (`train.build`), and calls the step
+function (`train.step_fn`) with the arguments it names, from STEP_ARGUMENTS.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import math
+from typing import Any, Callable, Optional
+
+import torch
+
+from replaybisect.core.observer import forward_context, notify
+from replaybisect.errors import ConfigError
+
+STEP_ARGUMENTS = ("model", "optimizer", "scheduler", "scaler", "batch", "config", "cfg", "step")
+RECORD_BATCH, RECORD_RNG = "batch", "rng"
+
+
+# ---- the step function's arguments ------------------------------------------------------------------------
+def step_arguments(step_fn: Callable) -> list[str]:
+    """The names the step function takes; a required one we cannot give is a ConfigError."""
+    try:
+        parameters = inspect.signature(step_fn).parameters.values()
+    except (TypeError, ValueError):
+        raise ConfigError(f"step_fn {step_fn!r} has no signature to read; pass a plain function") from None
+    names = []
+    for parameter in parameters:
+        if parameter.kind in (parameter.VAR_POSITIONAL, parameter.VAR_KEYWORD):
+            continue
+        if parameter.name in STEP_ARGUMENTS:
+            names.append(parameter.name)
+        elif parameter.default is parameter.empty:
+            raise ConfigError(f"step_fn's argument {parameter.name!r} is not one replaybisect can pass; name your "
+                              f"arguments from {', '.join(STEP_ARGUMENTS)}")
+    if "batch" not in names:
+        raise ConfigError("step_fn takes no `batch` argument; write it as train_step(model, optimizer, batch, ...)")
+    return names
+
+
+def call_step(state, batch, step: int):
+    values = {"model": state.model, "optimizer": state.optimizer, "scheduler": state.scheduler, "scaler": state.scaler,
+              "batch": batch, "config": state.user_config, "cfg": state.user_config, "step": step}
+    return state.step_fn(**{name: values[name] for name in step_arguments(state.step_fn)})
+
+
+def steps_scheduler_itself(step_fn: Callable) -> bool:
+    """A step function that takes `scheduler` steps it; otherwise the recorder steps the scheduler after the update."""
+    return "scheduler" in step_arguments(step_fn)
+
+
+# ---- building -----------------------------------------------------------------------------------------------
+def user_config(cfg):
+    """The user's own config, as their build and step functions get it: a (non-struct) DictConfig."""
+    from omegaconf import OmegaConf
+
+    node = cfg.get("user")
+    return OmegaConf.create(OmegaConf.to_container(node, resolve=True) if node is not None else {})
+
+
+def build_parts(cfg) -> dict[str, Any]:
+    """model, optimizer, scheduler, scaler from the user's build(config), and the step function."""
+    from replaybisect.core.config import instantiate
+
+    build = instantiate(cfg.train.build, "train.build")
+    config = user_config(cfg)
+    parts = unpack_parts(build(config), "train.build")
+    parts["step_fn"] = instantiate(cfg.train.step_fn, "train.step_fn")
+    parts["user_config"] = config
+    step_arguments(parts["step_fn"])
+    return parts
+
+
+def unpack_parts(built: Any, what: str) -> dict[str, Any]:
+    """A dict with model/optimizer[/scheduler/scaler], or a tuple in that order."""
+    if isinstance(built, dict):
+        parts = {key: built.get(key) for key in ("model", "optimizer", "scheduler", "scaler")}
+    elif isinstance(built, (tuple, list)) and 2 <= len(built) <= 4:
+        parts = dict(zip(("model", "optimizer", "scheduler", "scaler"), list(built) + [None] * (4 - len(built))))
+    else:
+        raise ConfigError(f"{what} returned a {type(built).__name__}; return (model, optimizer[, scheduler[, scaler]]) or a dict with those keys")
+    if not isinstance(parts["model"], torch.nn.Module):
+        raise ConfigError(f"{what} returned a {type(parts['model']).__name__} as the model; return a torch.nn.Module")
+    if not isinstance(parts["optimizer"], torch.optim.Optimizer):
+        raise ConfigError(f"{what} returned a {type(parts['optimizer']).__name__} as the optimizer; return a torch.optim.Optimizer")
+    return parts
+
+
+def model_device(model: torch.nn.Module) -> torch.device:
+    first = next(iter(model.parameters()), None)
+    return first.device if first is not None else torch.device("cpu")
+
+
+def rebuilt_copy(state, cfg) -> dict[str, Any]:
+    """Fresh objects from the user's build, holding copies of the state's weights, moments, schedule and scale."""
+    import copy
+
+    parts = build_parts(cfg)
+    parts["model"].load_state_dict(state.model.state_dict())
+    parts["optimizer"].load_state_dict(copy.deepcopy(state.optimizer.state_dict()))
+    for key in ("scheduler", "scaler"):
+        live = getattr(state, key)
+        if parts[key] is not None and live is not None:
+            parts[key].load_state_dict(copy.deepcopy(live.state_dict()))
+    return parts
+
+
+# ---- the stored batch: the user's batch and the RNG state its step started with ----------------------------
+def pack(batch: Any, device: torch.device) -> dict[str, Any]:
+    """The batch as the recorder stores it (copied: a loop may reuse its buffers) with the step's torch RNG."""
+    rng = {"torch": torch.get_rng_state()}
+    if device.type == "cuda":
+        rng["cuda"] = torch.cuda.get_rng_state(device)
+    return {RECORD_BATCH: _copied(batch), RECORD_RNG: rng}
+
+
+def _copied(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, dict):
+        return {key: _copied(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_copied(item) for item in value) if type(value) in (list, tuple) else tuple(_copied(item) for item in value)
+    return value
+
+
+def unpack(record: Any) -> tuple[Any, Optional[dict]]:
+    if isinstance(record, dict) and set(record) == {RECORD_BATCH, RECORD_RNG}:
+        return record[RECORD_BATCH], record[RECORD_RNG]
+    return record, None
+
+
+def restore_step_rng(rng: Optional[dict], device: torch.device) -> None:
+    if rng is None:
+        return
+    torch.set_rng_state(rng["torch"].cpu())
+    if "cuda" in rng and device.type == "cuda":
+        torch.cuda.set_rng_state(rng["cuda"].cpu(), device)
+
+
+# ---- precision: an fp32 arm turns every autocast region of the user's code off --------------------------
+@contextlib.contextmanager
+def autocast_off():
+    """Every `torch.autocast` (and torch.cuda/cpu.amp.autocast) entered inside runs disabled."""
+    autocast = torch.amp.autocast_mode.autocast
+    original = autocast.__enter__
+
+    def enter_disabled(self):
+        self._enabled = False
+        return original(self)
+
+    autocast.__enter__ = enter_disabled
+    try:
+        yield
+    finally:
+        autocast.__enter__ = original
+
+
+@contextlib.contextmanager
+def noting_precision(seen: list[str]):
+    """Notes the dtype of every enabled autocast region entered inside (fp32: none was): a run's precision."""
+    autocast = torch.amp.autocast_mode.autocast
+    original = autocast.__enter__
+    names = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+    def enter_noting(self):
+        if self._enabled:
+            seen.append(names.get(self.fast_dtype, "fp32"))
+        return original(self)
+
+    autocast.__enter__ = enter_noting
+    try:
+        yield
+    finally:
+        autocast.__enter__ = original
+
+
+# ---- one step --------------------------------------------------------------------------------------------
+class _Halt(BaseException):
+    """Stops the user's step before its optimizer update (a BaseException: a broad `except Exception` in the
+    user's step does not swallow it)."""
+
+
+def _finite(tensor: torch.Tensor) -> bool:
+    return bool(torch.isfinite(tensor.detach()).all())
+
+
+class _StepWatch:
+    """Observer calls, halting and the clip arm at the moments the user's step reaches."""
+
+    def __init__(self, state, outcome, observer, halt_on_nonfinite: bool):
+        self.state, self.outcome, self.observer, self.halt = state, outcome, observer, halt_on_nonfinite
+        self.backpropagated: list[torch.Tensor] = []
+        self._forward = None
+
+    # forward regions: open from the start (and after each backward) until the next backward or update
+    def begin_forward(self) -> None:
+        if self._forward is None and self.observer is not None:
+            self._forward = forward_context(self.observer, self.state)
+            self._forward.__enter__()
+
+    def end_forward(self) -> None:
+        opened, self._forward = self._forward, None
+        if opened is not None:
+            opened.__exit__(None, None, None)
+
+    def on_backward(self, tensor: torch.Tensor) -> None:
+        self.end_forward()
+        self.backpropagated.append(tensor.detach())
+        notify(self.observer, "after_forward", self.state, tensor)
+        if not _finite(tensor) and self.outcome.nonfinite is None:
+            self.outcome.nonfinite = "loss"
+            if self.halt:
+                raise _Halt
+
+    def before_update(self, optimizer, args, kwargs) -> None:
+        if optimizer is not self.state.optimizer:
+            return
+        self.end_forward()
+        params = self.state.params
+        grads = [p.grad for p in params if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
+        self.outcome.grad_norm = float(norm.item())
+        notify(self.observer, "after_backward", self.state)
+        if not math.isfinite(self.outcome.grad_norm) and self.state.scaler is None and self.outcome.nonfinite is None:
+            self.outcome.nonfinite = "grad_norm"
+        if self.outcome.nonfinite and self.halt:
+            raise _Halt
+        if self.state.clip_grad_norm is not None and grads:  # an ablation arm's clip (the user's own clip came first)
+            torch.nn.utils.clip_grads_with_norm_(params, self.state.clip_grad_norm, norm)
+        notify(self.observer, "before_update", self.state, self.outcome)
+
+    def after_update(self, optimizer, args, kwargs) -> None:
+        if optimizer is self.state.optimizer:
+            self.outcome.updated = True
+            notify(self.observer, "after_update", self.state)
+
+    @contextlib.contextmanager
+    def installed(self):
+        from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+        original_backward = torch.Tensor.backward
+        watch = self
+
+        def backward(tensor, *args, **kwargs):
+            watch.on_backward(tensor)
+            try:
+                return original_backward(tensor, *args, **kwargs)
+            finally:
+                watch.begin_forward()
+
+        # global hooks run before the optimizer's own pre-hooks (an arm's lr scaling) and after its post-hooks,
+        # so a halt never leaves an arm's scaled lr behind
+        handles = [register_optimizer_step_pre_hook(self.before_update), register_optimizer_step_post_hook(self.after_update)]
+        torch.Tensor.backward = backward
+        try:
+            self.begin_forward()
+            yield
+        finally:
+            self.end_forward()
+            torch.Tensor.backward = original_backward
+            for handle in handles:
+                handle.remove()
+
+
+def run(state, outcome, record, *, halt_on_nonfinite: bool, observer) -> None:
+    """Run the user's step on `record` (a stored batch), filling `outcome` (see loop.run_step)."""
+    batch, rng = unpack(record)
+    restore_step_rng(rng, state.device)
+    state.model.train()
+    state.optimizer.zero_grad(set_to_none=True)
+    scale_before = state.scaler.get_scale() if state.scaler is not None and state.scaler.is_enabled() else None
+    watch = _StepWatch(state, outcome, observer, halt_on_nonfinite)
+    # fp32 (an arm's precision, or a run that entered no autocast region) runs every autocast region disabled;
+    # None (the recorder's first step, before the precision is known) leaves the user's code alone
+    precision = autocast_off() if state.precision == "fp32" else contextlib.nullcontext()
+    returned = None
+    with precision, watch.installed():
+        try:
+            returned = call_step(state, batch, outcome.step)
+        except _Halt:
+            outcome.loss = float(sum(t.float().sum() for t in watch.backpropagated))
+            return
+    outcome.loss = _loss_value(returned, watch.backpropagated)
+    if not math.isfinite(outcome.loss) and outcome.nonfinite is None:
+        outcome.nonfinite = "loss"
+    if scale_before is not None:
+        outcome.scaler_skipped = state.scaler.get_scale() < scale_before
+        outcome.updated = outcome.updated and not outcome.scaler_skipped
+    if state.scheduler is not None and not steps_scheduler_itself(state.step_fn):
+        state.scheduler.step()
+
+
+def _loss_value(returned: Any, backpropagated: list[torch.Tensor]) -> float:
+    """What the step returned (a tensor or a number); a step that returns nothing logs the sum of what it
+    backpropagated (the mean loss, for micro-batch losses divided by their count)."""
+    if isinstance(returned, torch.Tensor):
+        return float(returned.detach().float().item())
+    if isinstance(returned, (int, float)):
+        return float(returned)
+    if returned is None and backpropagated:
+        return float(sum(t.float().sum() for t in backpropagated).item())
+    raise ConfigError(f"step_fn returned a {type(returned).__name__}; return the step's loss (a tensor or a number)")

@@ -1,0 +1,291 @@
+"""`replaybisect.Recorder`: record a training loop you wrote yourself, so `replay nan`, `replay ablate` and
+`replay check --run-id` can replay it bit for bit.
+
+    def build(cfg):                                   # importable: replay rebuilds the objects with it
+        model = GPT(cfg)
+        return model, configure_optimizers(model, cfg)
+
+    def train_step(model, optimizer, batch):          # your whole step; arguments passed by name
+        ...forward, backward, clip, optimizer.step()...
+        return loss
+
+    model, optimizer = build(cfg)
+    rec = replaybisect.Recorder(model, optimizer, step_fn=train_step, build=build, config=cfg)
+    for batch in batches:
+        rec.step(batch)
+    rec.close()
+
+The run is an ordinary replaybisect run in MLflow (metrics every step, snapshots with the batches): its stored
+config says `train.loop: user`, `train.build` and `train.step_fn` name your functions, and `user:` holds
+your config. A replay imports your module (it must not train on import: keep the loop under
+`if __name__ == "__main__":`), builds with `build(config)`, loads the snapshot and calls `train_step`.
+"""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import dataclasses
+import os
+import random
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from replaybisect.errors import ConfigError
+
+
+class NonFiniteStep(RuntimeError):
+    """A step's loss or gradient went non-finite; the run is recorded up to it (`replay nan --run-id ...`)."""
+
+    def __init__(self, message: str, run_id: str, step: int):
+        super().__init__(message)
+        self.run_id = run_id
+        self.step = step
+
+
+# ---- naming the user's functions so a replay can import them -------------------------------------------------
+def function_target(function: Callable, what: str) -> tuple[str, Path]:
+    """`module.function` a replay can import, and the folder it imports from."""
+    qualname = getattr(function, "__qualname__", "")
+    module_name = getattr(function, "__module__", None)
+    if not callable(function) or not module_name or "<" in qualname or "." in qualname:
+        raise ConfigError(f"{what}={function!r} is not a module-level function; define it at the top level of a module "
+                          "so a replay can import it")
+    module = sys.modules.get(module_name)
+    source = Path(getattr(module, "__file__", "") or "")
+    if not source.is_file():
+        raise ConfigError(f"{what}: cannot find the file of module {module_name}; define it in a .py file")
+    if module_name == "__main__":
+        module_name = source.stem
+        _check_import_is_quiet(source)
+    folder = source.resolve().parent
+    for _ in module_name.split(".")[1:]:  # a package module: the folder the top package is in
+        folder = folder.parent
+    return f"{module_name}.{qualname}", folder
+
+
+def _check_import_is_quiet(script: Path) -> None:
+    """A replay imports the script: training must not start on import."""
+    tree = ast.parse(script.read_text(encoding="utf-8"))
+    quiet = (ast.Import, ast.ImportFrom, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Assign, ast.AnnAssign)
+    for node in tree.body:
+        if isinstance(node, quiet) or (isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)):
+            continue
+        if isinstance(node, ast.If) and "__name__" in ast.unparse(node.test):
+            continue
+        raise ConfigError(f"{script.name} line {node.lineno} runs code when imported, and a replay imports {script.name} "
+                          "for build and step_fn: put the training under `if __name__ == \"__main__\":`")
+
+
+def plain_config(config: Any) -> dict:
+    """The user's config as plain data (a DictConfig, dict, dataclass or argparse Namespace)."""
+    from omegaconf import DictConfig, OmegaConf
+
+    if config is None:
+        return {}
+    if isinstance(config, DictConfig):
+        return OmegaConf.to_container(config, resolve=True)
+    if dataclasses.is_dataclass(config) and not isinstance(config, type):
+        return dataclasses.asdict(config)
+    if not isinstance(config, dict) and hasattr(config, "__dict__"):
+        config = vars(config)
+    if not isinstance(config, dict):
+        raise ConfigError(f"config is a {type(config).__name__}; pass a dict, a DictConfig, a dataclass or a Namespace")
+    try:
+        return OmegaConf.to_container(OmegaConf.create(config), resolve=True)
+    except Exception as error:
+        raise ConfigError(f"config cannot be stored as YAML ({str(error).splitlines()[0]}); keep it to numbers, strings, lists and dicts") from None
+
+
+def replay_config(*, step_target: str, build_target: str, config: dict, seed: int, precision: str,
+                  snapshot_every: int, layer_stats_every: int, on_nonfinite: str, steps: Optional[int]):
+    """The run's config in replaybisect's schema: what `replay` reads back."""
+    from omegaconf import OmegaConf
+
+    from replaybisect.core.config import ReplayConfig, validate
+
+    cfg = OmegaConf.merge(OmegaConf.structured(ReplayConfig), {
+        "seed": seed,
+        "loss": None,
+        "user": config,
+        "train": {"loop": "user", "step_fn": {"_target_": step_target, "_partial_": True},
+                  "build": {"_target_": build_target, "_partial_": True}, "precision": precision,
+                  "steps": steps or 1, "val_every": 0, "device": "auto"},
+        "snapshot": {"every": snapshot_every, "layer_stats_every": layer_stats_every, "on_nonfinite": on_nonfinite,
+                     "keep_batches": True},
+    })
+    validate(cfg)
+    return cfg
+
+
+# ---- the recorder ---------------------------------------------------------------------------------------------
+class Recorder:
+    """Records your loop: metrics to MLflow every step, snapshots (model, optimizer, scheduler, scaler, RNG) every
+    `snapshot_every` steps with every batch in between. `step(batch)` runs your step function on the batch.
+
+    step_fn(model, optimizer, batch, ...): one optimizer step: forward, backward, clipping, optimizer.step(),
+        micro-batch accumulation, all yours; it returns the loss. It gets the arguments it names from model,
+        optimizer, scheduler, scaler, batch, config (or cfg), step. If it takes no `scheduler`, the recorder steps
+        the scheduler after each update. Keep randomness inside it on torch's generators (dropout is).
+    build(config) -> (model, optimizer[, scheduler[, scaler]]) or a dict: how a replay makes the objects.
+    config: your config (a Hydra DictConfig, dict, dataclass, Namespace), stored with the run and given back to
+        build and step_fn on replay.
+    precision: noted from the autocast regions your first step enters, unless given (fp32 | bf16 | fp16).
+    on_nonfinite: "stop" (default: `step` raises NonFiniteStep, the run ends FAILED) or "continue".
+    """
+
+    def __init__(self, model, optimizer, *, step_fn: Callable, build: Callable, config: Any = None, scheduler=None,
+                 scaler=None, seed: Optional[int] = None, precision: Optional[str] = None,
+                 tracking_uri: Optional[str] = None, experiment: Optional[str] = None, run_name: Optional[str] = None,
+                 snapshot_every: int = 100, layer_stats_every: int = 50, on_nonfinite: str = "stop",
+                 steps: Optional[int] = None):
+        import torch
+
+        from replaybisect.core import user_step
+        from replaybisect.core.loop import BufferGuard, TrainState
+
+        parts = user_step.unpack_parts({"model": model, "optimizer": optimizer, "scheduler": scheduler, "scaler": scaler}, "Recorder")
+        user_step.step_arguments(step_fn)
+        step_target, step_folder = function_target(step_fn, "step_fn")
+        build_target, build_folder = function_target(build, "build")
+        if precision is not None and precision not in ("fp32", "bf16", "fp16"):
+            raise ConfigError(f"precision={precision!r} is not one of fp32, bf16, fp16")
+        self._config_plain = plain_config(config)
+        self._settings = dict(step_target=step_target, build_target=build_target, config=self._config_plain,
+                              seed=torch.initial_seed() if seed is None else seed, snapshot_every=snapshot_every,
+                              layer_stats_every=layer_stats_every, on_nonfinite=on_nonfinite, steps=steps)
+        self.cfg = replay_config(precision=precision or "fp32", **self._settings)  # validates before any run exists
+        self._precision_seen: Optional[list[str]] = None if precision else []  # noted on the first step
+        from omegaconf import OmegaConf
+
+        self.state = TrainState(cfg=self.cfg, model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler,
+                                loss_fn=None, step_fn=step_fn, device=user_step.model_device(model),
+                                precision=precision, clip_grad_norm=None, user_loop=True,
+                                user_config=OmegaConf.create(self._config_plain))
+        self._buffers = BufferGuard(model)
+        self._code_folder = step_folder
+        self.steps_taken = 0
+        self.last_loss: Optional[float] = None
+        self.first_nonfinite_step: Optional[int] = None
+        self._config_written = False
+        self._last_step_end: Optional[float] = None
+        self._closed = False
+        self._exit = contextlib.ExitStack()
+        self._start_run(tracking_uri, experiment, run_name, {step_folder, build_folder})
+
+    def _start_run(self, tracking_uri, experiment, run_name, folders: set[Path]) -> None:
+        from replaybisect.core.rng import isolated_rng
+        from replaybisect.errors import sigterm_raises
+        from replaybisect.recorder import Recorder as RecordingHooks
+        from replaybisect.store import open_store
+        from replaybisect.verbs.train.engine import git_info
+
+        self.store = open_store(tracking_uri)
+        tags = {f"replaybisect.{key}": value for key, value in git_info(self._code_folder).items()}
+        tags["replaybisect.code_dir"] = str(self._code_folder)
+        tags["replaybisect.loop"] = "user"
+        with isolated_rng():  # MLflow names runs with `random`: keep it off the user's streams
+            random.seed(os.urandom(8))
+            self.run_id = self.store.create_run("train", run_name=run_name, experiment=experiment, tags=tags)
+        self._hooks = RecordingHooks(self.store, self.run_id, self.cfg, self.state, {"seed": int(self.cfg.seed)})
+        self._exit.enter_context(sigterm_raises())
+        print(f"replaybisect: recording run {self.run_id} to {self.store.uri}", file=sys.stderr)
+
+    # ---- the loop ------------------------------------------------------------------------------------------
+    def step(self, batch) -> float:
+        """Run one step of your step function on `batch` and record it; returns the loss."""
+        from replaybisect.core import loop, user_step
+        from replaybisect.core.rng import capture_raw
+
+        if self._closed:
+            raise RuntimeError("this Recorder is closed; make a new one for another run")
+        step = self.steps_taken
+        try:
+            rng_at_start = capture_raw()
+            self._buffers.save()
+            self._hooks.before_step(step, self.state, rng_at_start)
+            record = user_step.pack(batch, self.state.device)
+            data_started = self._last_step_end if self._last_step_end is not None else time.perf_counter()
+            noting = user_step.noting_precision(self._precision_seen) if not self._config_written and self._precision_seen is not None else contextlib.nullcontext()
+            with noting:
+                outcome, keep_going = loop.take_step(self.state, step, record, self._hooks, self._buffers, rng_at_start, data_started)
+            self._last_step_end = time.perf_counter()
+            if not self._config_written:
+                self._write_config()
+        except BaseException as error:
+            self._fail(error)
+            raise
+        self.steps_taken = step + 1
+        self.last_loss = outcome.loss
+        if outcome.nonfinite and self.first_nonfinite_step is None:
+            self.first_nonfinite_step = step
+        if not keep_going:
+            self._finish("nonfinite", "FAILED")
+            raise NonFiniteStep(f"{outcome.nonfinite} is {outcome.loss if outcome.nonfinite == 'loss' else outcome.grad_norm} "
+                                f"at step {step}; find the cause with: replay nan --run-id {self.run_id}", self.run_id, step)
+        return outcome.loss
+
+    def _write_config(self) -> None:
+        from replaybisect.core import config as config_mod
+
+        if self._precision_seen is not None:  # the autocast dtype the first step ran under (fp16 if any region was)
+            seen = set(self._precision_seen)
+            detected = "fp16" if "fp16" in seen else "bf16" if "bf16" in seen else "fp32"
+            self._precision_seen = None
+            self.cfg = replay_config(precision=detected, **self._settings)
+            self.state.cfg, self.state.precision = self.cfg, detected
+        self.store.log_params(self.run_id, config_mod.flatten(self.cfg))
+        self.store.log_text(self.run_id, config_mod.to_yaml(self.cfg), "config.yaml")
+        self._config_written = True
+
+    # ---- the end ---------------------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Finish every pending write and end the run (FINISHED, or FAILED after a non-finite step)."""
+        if self._closed:
+            return
+        if self.first_nonfinite_step is not None:
+            self._finish("nonfinite", "FAILED")
+        else:
+            self._finish("ok", "FINISHED")
+
+    def _finish(self, status: str, mlflow_status: str) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if not self._config_written:
+                self._write_config()
+            self._hooks.close()
+        except BaseException as error:
+            self._closed = False
+            self._fail(error)
+            raise
+        finally:
+            self._exit.close()
+        self.store.finish_run(self.run_id, status, mlflow_status)
+
+    def _fail(self, error: BaseException) -> None:
+        """Ctrl-C / SIGTERM: KILLED; anything else FAILED; what was recorded stays."""
+        from replaybisect.verbs.train.engine import as_disk_full, mark_ended
+
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._hooks.close()
+        except BaseException:
+            pass
+        finally:
+            self._exit.close()
+        mark_ended(self.store, self.run_id, as_disk_full(error, self.run_id, self.store) or error)
+
+    def __enter__(self) -> "Recorder":
+        return self
+
+    def __exit__(self, kind, error, traceback) -> None:
+        if error is None or isinstance(error, NonFiniteStep):
+            self.close()
+        else:
+            self._fail(error)
