@@ -338,9 +338,11 @@ class Watcher:
         active.released = True
         _kill(active.process)
         try:
-            current = Claim.parse(self.store.get_run(active.run_id).data.tags.get(TAG + CLAIM))
+            tags = self.store.get_run(active.run_id).data.tags
+            current = Claim.parse(tags.get(TAG + CLAIM))
             if current is not None and current.watcher_id == self.watcher_id:
-                self.store.set_tags(active.run_id, {CLAIM: Claim(self.watcher_id, 0.0).render()})
+                attempts = max(0, int(tags.get(TAG + ATTEMPTS, "1") or 1) - 1)  # given back, not died: not an attempt
+                self.store.set_tags(active.run_id, {CLAIM: Claim(self.watcher_id, 0.0).render(), ATTEMPTS: attempts})
         except Exception as error:  # the lease expires on its own
             why += f" (release not written: {_one_line(error)})"
         self.on_event(Event("released", why, active.run_id))
@@ -375,7 +377,7 @@ class Watcher:
         ran: list[str] = []
         for step in plan_for(failure):
             if TAG + f"{TRIAGE}.{step}" in tags:  # finished before a restart: resume after it
-                step_lines[step] = tags[TAG + f"{TRIAGE}.{step}"]
+                step_lines[f"{TRIAGE}.{step}"] = tags[TAG + f"{TRIAGE}.{step}"]
                 step_lines.update({k[len(TAG):]: v for k, v in tags.items() if k.startswith(TAG + f"{TRIAGE}.{step}.")})
                 continue
             if active.lost or active.released:

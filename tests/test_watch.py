@@ -1,0 +1,318 @@
+"""`replay watch` end to end on real parts: PostgreSQL behind `mlflow server`, artifacts proxied by the server to an
+S3-compatible store (moto), runs recorded by the installed `replay train`, watchers run as the installed command.
+
+One server for the module; each test has its own experiment, so tests do not see each other's runs."""
+
+from __future__ import annotations
+
+import http.server
+import json
+import os
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import EXAMPLES, REPLAY, CliResult
+import watch_servers
+
+pytestmark = pytest.mark.slow
+
+TINY = ("train.steps=30",)  # nan_forward fails at step 20, nan_optimizer at step 1
+CRASHING_MODEL = '''
+import torch
+
+
+class CrashingMLP(torch.nn.Module):
+    """Raises in forward after `crash_after` calls: the run ends FAILED (crashed), not non-finite."""
+
+    def __init__(self, in_features: int = 64, out_features: int = 10, crash_after: int = 24):
+        super().__init__()
+        self.net = torch.nn.Linear(in_features, out_features)
+        self.crash_after = crash_after
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        if self.calls > self.crash_after:
+            raise RuntimeError("simulated crash in forward")
+        return self.net(x)
+'''
+CRASHING_CONFIG = """
+defaults:
+  - data: digits
+  - _self_
+model: {_target_: crashing.CrashingMLP, crash_after: 24}
+loss: {_target_: torch.nn.CrossEntropyLoss}
+optim: {_target_: torch.optim.AdamW, _partial_: true, lr: 1e-3}
+train: {steps: 40, batch_size: 32, val_every: 0}
+snapshot: {every: 5, layer_stats_every: 5}
+"""
+
+
+@pytest.fixture(scope="module")
+def team(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("team-server")
+    try:
+        with watch_servers.team_server(folder) as server:
+            yield server
+    except watch_servers.Unavailable as missing:
+        pytest.skip(str(missing))
+
+
+@pytest.fixture(scope="module")
+def project(tmp_path_factory) -> Path:
+    """The user's folder: a crashing model's config beside the examples (both trusted by conftest)."""
+    folder = tmp_path_factory.mktemp("watch-project")
+    (folder / "crash").mkdir()
+    (folder / "crash" / "crashing.py").write_text(CRASHING_MODEL)
+    (folder / "crash" / "config.yaml").write_text(CRASHING_CONFIG)
+    return folder
+
+
+def env_for(team, experiment: str, **extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(MLFLOW_TRACKING_URI=team.tracking_uri, MLFLOW_EXPERIMENT_NAME=experiment, PYTHONUNBUFFERED="1")
+    env.pop("REPLAYBISECT_FULL_ERROR", None)
+    env.update(extra)
+    return env
+
+
+def train_runs(team, project: Path, experiment: str, config_dirs: list[Path | None]) -> list[str]:
+    """`replay train --json` for each config folder (None: the built-in config, a healthy run), two at a time."""
+    run_ids = []
+    for start in range(0, len(config_dirs), 2):
+        processes = []
+        for config_dir in config_dirs[start:start + 2]:
+            args = [REPLAY, "train", "--json", "--tracking-uri", team.tracking_uri, *TINY]
+            if config_dir is not None:
+                args += ["--config-dir", str(config_dir)]
+            processes.append(subprocess.Popen(args, cwd=project, env=env_for(team, experiment), stdout=subprocess.PIPE,
+                                              stderr=subprocess.PIPE, text=True))
+        for process in processes:
+            stdout, stderr = process.communicate(timeout=300)
+            assert process.returncode in (0, 1, 3), stderr
+            if process.returncode == 1:  # the crashing model: its run id is in the store, not on stdout
+                run_ids.append(None)
+            else:
+                run_ids.append(json.loads(stdout)["run_id"])
+    return run_ids
+
+
+def crashed_run_ids(team, experiment: str) -> list[str]:
+    from mlflow import MlflowClient
+
+    client = MlflowClient(team.tracking_uri)
+    experiment_id = client.get_experiment_by_name(experiment).experiment_id
+    runs = client.search_runs([experiment_id], "tags.`replaybisect.status` = 'crashed'")
+    return sorted(run.info.run_id for run in runs)
+
+
+def watch_args(team, experiment: str, *extra: str) -> list[str]:
+    return [REPLAY, "watch", "--tracking-uri", team.tracking_uri, "--experiment", experiment, "--json", "--horizon", "5",
+            "--settle", "0.5", *extra]
+
+
+def run_watch(team, project: Path, experiment: str, *extra: str, env: dict | None = None) -> CliResult:
+    done = subprocess.run(watch_args(team, experiment, *extra), cwd=project, env=env or env_for(team, experiment),
+                          capture_output=True, text=True, timeout=600)
+    return CliResult(done.returncode, done.stdout, done.stderr)
+
+
+def events(output: str) -> list[dict]:
+    return [json.loads(line) for line in output.splitlines() if line.strip()]
+
+
+def tags_of(team, run_id: str) -> dict[str, str]:
+    from mlflow import MlflowClient
+
+    return MlflowClient(team.tracking_uri).get_run(run_id).data.tags
+
+
+def artifacts_here_and_below(team, run_id: str) -> set[str]:
+    """The run's artifact paths and its child runs' (the verbs' reports), walked through the server."""
+    from mlflow import MlflowClient
+
+    client = MlflowClient(team.tracking_uri)
+
+    def walk(rid: str, path: str | None = None) -> set[str]:
+        found = set()
+        for item in client.list_artifacts(rid, path):
+            found |= walk(rid, item.path) if item.is_dir else {item.path.rsplit("/", 1)[-1]}
+        return found
+
+    run = client.get_run(run_id)
+    found = walk(run_id)
+    for child in client.search_runs([run.info.experiment_id], f"tags.mlflow.parentRunId = '{run_id}'"):
+        found |= walk(child.info.run_id) - {"config.yaml"}
+        for grandchild in client.search_runs([run.info.experiment_id], f"tags.mlflow.parentRunId = '{child.info.run_id}'"):
+            found |= walk(grandchild.info.run_id) - {"config.yaml"}
+    return found
+
+
+class Receiver:
+    """A local webhook: collects the JSON bodies POSTed to it."""
+
+    def __init__(self):
+        received = self.received = []
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self):
+                body = self.rfile.read(int(self.headers["Content-Length"]))
+                received.append(json.loads(body))
+                self.send_response(200)
+                self.end_headers()
+                self.wfile.write(b"ok")
+
+            def log_message(self, *args):
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/hooks/triage"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.server.shutdown()
+
+
+def test_once_triages_the_failed_runs_and_leaves_the_healthy_one_alone(team, project):
+    experiment = "watch-once"
+    forward, optimizer, crashed_slot, healthy = train_runs(
+        team, project, experiment, [EXAMPLES / "nan_forward", EXAMPLES / "nan_optimizer", project / "crash", None])
+    assert crashed_slot is None
+    (crashed,) = crashed_run_ids(team, experiment)
+    receiver = Receiver()
+    try:
+        result = run_watch(team, project, experiment, "--once", "--workers", "2", "--notify-url", receiver.url)
+    finally:
+        receiver.close()
+    assert result.returncode == 0, result.stderr
+    log = events(result.stdout)
+    done = {event["run_id"]: event["result"] for event in log if event["event"] == "done"}
+    assert set(done) == {forward, optimizer, crashed}, log
+
+    # right categories, tags set
+    assert done[forward]["verdict"] == "forward" and done[optimizer]["verdict"] == "optimizer"
+    assert done[forward]["steps"] == ["nan", "ablate"] and done[crashed]["steps"] == ["diagnose"]
+    for run_id in (forward, optimizer, crashed):
+        tags = tags_of(team, run_id)
+        assert tags["replaybisect.triage"] == "done"
+        assert tags["replaybisect.triage.summary"] == done[run_id]["summary"] and "\n" not in done[run_id]["summary"]
+        assert tags["replaybisect.triage.attempts"] == "1"
+    assert tags_of(team, forward)["replaybisect.triage.summary"].startswith("forward in gate (torch.exp) at step 20; ablate: ")
+    assert tags_of(team, crashed)["replaybisect.triage.summary"].startswith("failed run: ")
+    assert not any(key.startswith("replaybisect.triage") for key in tags_of(team, healthy))
+
+    # reports attached (through the server to the object store)
+    forward_files = artifacts_here_and_below(team, forward)
+    assert {"report.md", "ablation.md", "triage.md", "triage.json"} <= forward_files, forward_files
+    assert {"diagnosis.md", "triage.json"} <= artifacts_here_and_below(team, crashed)
+
+    # one notification per triage, Slack/Mattermost-shaped
+    by_run = {message["run_id"]: message for message in receiver.received}
+    assert set(by_run) == {forward, optimizer, crashed} and len(receiver.received) == 3
+    message = by_run[forward]
+    assert message["triage"] == "done" and message["verdict"] == "forward" and message["failure"] == "nonfinite"
+    assert forward in message["text"] and message["summary"] in message["text"]
+    assert message["next_command"] and message["next_command"] in message["text"]
+    assert message["run_url"].startswith(f"{team.tracking_uri}/#/experiments/") and message["run_url"].endswith(f"/runs/{forward}")
+
+    # a second --once finds nothing to do
+    again = run_watch(team, project, experiment, "--once")
+    assert again.returncode == 0, again.stderr
+    assert [event["event"] for event in events(again.stdout)] == ["start", "stop"]
+    status = subprocess.run([REPLAY, "watch", "--status", "--json", "--tracking-uri", team.tracking_uri, "--experiment", experiment],
+                            cwd=project, env=env_for(team, experiment), capture_output=True, text=True, timeout=120)
+    assert json.loads(status.stdout) | {"tracking_uri": None} == {"tracking_uri": None, "waiting": 0, "running": [], "done": 3, "failed": 0}
+
+
+def test_two_watchers_triage_each_run_once_and_a_failed_triage_is_not_retried(team, project):
+    experiment = "watch-race"
+    train_runs(team, project, experiment, [project / "crash", project / "crash"])
+    (untrusted,) = train_runs(team, project, experiment, [EXAMPLES / "nan_forward"])
+    crashed = crashed_run_ids(team, experiment)
+    # the watchers trust only their working folder: the nan_forward run's model is not code they may build
+    untrusting = env_for(team, experiment, REPLAYBISECT_CODE_DIR="")
+    watchers = [subprocess.Popen(watch_args(team, experiment, "--once"), cwd=project, env=untrusting,
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    outputs = [watcher.communicate(timeout=300) for watcher in watchers]
+    assert [watcher.returncode for watcher in watchers] == [0, 0], [err for _, err in outputs]
+    finished = [event for stdout, _ in outputs for event in events(stdout) if event["event"] in ("done", "failed")]
+    assert sorted(event["run_id"] for event in finished) == sorted([*crashed, untrusted]), finished
+    for run_id in crashed:
+        assert tags_of(team, run_id)["replaybisect.triage"] == "done"
+
+    tags = tags_of(team, untrusted)
+    assert tags["replaybisect.triage"] == "failed"
+    reason = tags["replaybisect.triage.reason"]
+    assert reason.startswith("nan: exit 2: ") and "planted_forward" in reason and "\n" not in reason
+
+    again = run_watch(team, project, experiment, "--once", env=untrusting)
+    assert [event["event"] for event in events(again.stdout)] == ["start", "stop"]  # failed stays failed
+    assert tags_of(team, untrusted)["replaybisect.triage.attempts"] == "1"
+
+
+def _wait_for_tag(team, run_id: str, key: str, value: str, process: subprocess.Popen, timeout: float = 120) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if tags_of(team, run_id).get(key) == value:
+            return
+        assert process.poll() is None, process.communicate()
+        time.sleep(0.2)
+    pytest.fail(f"{key} never became {value!r}: {tags_of(team, run_id)}")
+
+
+def _processes_naming(run_id: str) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and run_id.encode() in (entry / "cmdline").read_bytes():
+                found.append(int(entry.name))
+        except OSError:
+            pass
+    return found
+
+
+def test_sigterm_releases_sigkill_leaves_a_lease_and_the_next_watcher_resumes(team, project):
+    experiment = "watch-kill"
+    (run_id,) = train_runs(team, project, experiment, [EXAMPLES / "nan_forward"])
+    lease = "4"
+
+    # 1. SIGTERM mid-nan with no grace: the claim is released at once (exit 143)
+    first = subprocess.Popen(watch_args(team, experiment, "--lease", lease, "--grace", "0"), cwd=project,
+                             env=env_for(team, experiment), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _wait_for_tag(team, run_id, "replaybisect.triage.step", "nan", first)
+    first.send_signal(signal.SIGTERM)
+    stdout, stderr = first.communicate(timeout=120)
+    assert first.returncode == 143, stderr
+    assert "released" in [event["event"] for event in events(stdout)]
+    assert tags_of(team, run_id)["replaybisect.triage.claim"].endswith(" until 0.0")
+
+    # 2. the next watcher takes it at once; SIGKILLed once nan is done, it leaves a live claim and no child behind
+    second = subprocess.Popen(watch_args(team, experiment, "--lease", lease), cwd=project, env=env_for(team, experiment),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _wait_for_tag(team, run_id, "replaybisect.triage.step", "ablate", second)
+    second.kill()
+    second.communicate(timeout=60)
+    tags = tags_of(team, run_id)
+    assert tags["replaybisect.triage"] == "running" and tags["replaybisect.triage.attempts"] == "1"  # a release is no attempt
+    assert tags["replaybisect.triage.nan"] == "forward in gate (torch.exp) at step 20"
+    time.sleep(1)
+    assert _processes_naming(run_id) == []  # the triage child died with its watcher
+
+    # 3. while the lease lasts nobody takes it; after it, a watcher resumes after the finished nan step
+    early = run_watch(team, project, experiment, "--once", "--lease", lease)
+    assert [event["event"] for event in events(early.stdout)] == ["start", "stop"]
+    time.sleep(float(lease))
+    last = run_watch(team, project, experiment, "--once", "--lease", lease)
+    assert last.returncode == 0, last.stderr
+    steps = [event["message"] for event in events(last.stdout) if event["event"] == "step"]
+    assert steps[0] == "ablate started" and not any(message.startswith("nan") for message in steps), steps
+    (done,) = [event["result"] for event in events(last.stdout) if event["event"] == "done"]
+    assert done["steps"] == ["ablate"] and done["verdict"] == "forward"
+    tags = tags_of(team, run_id)
+    assert tags["replaybisect.triage"] == "done" and tags["replaybisect.triage.attempts"] == "2"
+    assert tags["replaybisect.triage.summary"].startswith("forward in gate (torch.exp) at step 20; ablate: ")
