@@ -1,6 +1,6 @@
 """Every diagnostic threshold in one place, each with the public source it comes from (or "our choice").
 
-Sources are summarised in FIELD-NOTES.md. A name says what is compared with what: the same number
+Each source is public (papers, tools' docs and code). A name says what is compared with what: the same number
 with two meanings (e.g. "70x" as a first/last-layer ratio and as growth over time) gets two names.
 Pure constants: no imports, so any module (core, recorder, verbs) can use them.
 """
@@ -14,10 +14,20 @@ REPLAY_RELATIVE_TOLERANCE = 1e-3
 SPIKE_FACTOR = 10.0  # Megatron-Core rerun machine: a spike is >= 10x the max |value| of the first 100 samples
 SPIKE_BASELINE_SAMPLES = 100  # Megatron-Core: the first 100 samples
 GRAD_NORM_TREND_EXPLODING_FACTOR = 10.0  # `replay nan`: fitted grad-norm growth over the window that counts as
-#                                          exploding (Megatron-Core's spike factor, FIELD-NOTES)
+#                                          exploding (Megatron-Core rerun state machine's spike factor)
 GRAD_NORM_TREND_P = 0.01  # the rising trend must be significant (Chromium Pinpoint: p <= 0.01 is different)
 LAYER_GRAD_GROWTH_EXPLODING = 70.0  # `replay diagnose`: a layer's grad norm grew > 70x its early level
 #                                     (AUTOTRAINER's exploding ratio > 70, applied over time)
+LAYER_GRAD_NORM_EXPLODING_MIN = 1.0  # `replay diagnose`: ... and ended >= 1.0, the clip_grad_norm default of
+#                                      nanoGPT and Megatron-LM: growth from a tiny start to a small value
+#                                      (0.000562 -> 0.058 under clip 0.25) is not an explosion. Calibrated on the
+#                                      healthy test zoo (benchmarks/zoo_calibration.py)
+DIVERGENCE_RISE = 1.5  # our choice: the loss ends >= 1.5x its untrained level: it diverged (no healthy zoo run
+#                        rises at all); an exponential climb to a NaN is one divergence, not a run of spikes
+SLOW_FALL_MAX = 0.10  # calibrated on the test zoo: "loss falls very slowly" = under 10% below its untrained level
+#                       over the run (softmax-into-CE: 6%; the slowest healthy zoo run, the LSTM: >= 13%) ...
+SLOW_GRAD_NORM_MAX = 0.1  # ... with small gradients: median grad norm < 0.1 (healthy transformers: 0.1-5) that
+#                           do not grow (softmax's Jacobian shrinks them as the outputs saturate)
 
 # ---- vanishing / exploding gradients across layers ---------------------------------------------------
 GRAD_MEAN_ABS_VANISHING = 1e-7  # SageMaker Debugger, DeepDiagnosis: mean |g| < 1e-7 is a vanishing gradient
@@ -49,12 +59,12 @@ SIGMOID_EXTREME = (-23.0, 17.0)  # ... sigmoid below -23 or above 17 (SageMaker 
 
 # ---- updates ---------------------------------------------------------------------------------------
 UPDATE_RATIO_FAIL = (1e-8, 10.0)  # SageMaker Debugger: update/weight ratio ||dθ||/||θ|| outside [1e-8, 10] is pathological
-UPDATE_RATIO_WARN = (1e-6, 1e-1)  # our choice: ~1e-3 is healthy (FIELD-NOTES); Adam's first steps sit near 1e-2
+UPDATE_RATIO_WARN = (1e-6, 1e-1)  # our choice: ~1e-3 is healthy (Karpathy, CS231n notes); Adam's first steps sit near 1e-2
 
 # ---- overfitting and plateaus ------------------------------------------------------------------------
 OVERFIT_GAP = 0.1  # SageMaker Debugger overfit rule: (val - train) / train > 0.1 ...
 OVERFIT_PATIENCE = 3  # ... for this many evaluations in a row (SageMaker: "with patience")
-OVERFIT_RISE = 0.1  # validation 10% above its best: train down, val up after K (FIELD-NOTES triage table)
+OVERFIT_RISE = 0.1  # validation 10% above its best: train down, val up after K (SageMaker Debugger overfit rule)
 OVERFIT_TREND_P = 0.1  # ... rising as a trend since its best (Mann-Kendall p < 0.1), not noise around a floor
 OVERFIT_ONE_BATCH_PASS = 0.05  # Karpathy, "A Recipe for Training Neural Networks": overfit one batch to the lowest
 OVERFIT_ONE_BATCH_WARN = 0.5  # achievable loss. Ours: pass within 5% of the initial gap to the floor, warn within 50%
@@ -64,7 +74,7 @@ PLATEAU_TREND_SE = 1.0  # calibrated: no decrease across it beyond 1 standard er
 PLATEAU_TREND_P = 0.2  # calibrated: no downward Mann-Kendall trend at p < 0.2 (0/200 false plateaus)
 
 # ---- inputs and data -----------------------------------------------------------------------------------
-INPUT_BOUND_SHARE = 0.5  # FIELD-NOTES triage table: data_time >= step_time means the step waits on input ...
+INPUT_BOUND_SHARE = 0.5  # TensorFlow Profiler guide ("input-bound"): data_time >= step_time means the step waits on input ...
 INPUT_BOUND_MIN_SECONDS = 1e-3  # ... and at least 1 ms a batch: below that input time is noise (our choice)
 INPUT_STD_WARN = (1e-3, 10.0)  # LeCun et al., "Efficient BackProp": normalise inputs to ~unit variance; the band is ours
 INPUT_ABS_WARN = 1e3  # our choice: raw values in the thousands swamp the initialization scale
@@ -73,7 +83,7 @@ DIVERSITY_FAIL = 0.5  # our choice: batches hold under half the classes a shuffl
 DIVERSITY_WARN = 0.8  # our choice: under 80%; shuffled batches of the built-ins sit at 0.95-1.0
 INIT_LOSS_WARN = 1.5  # Karpathy's recipe: expect ln(C) at init; 1.5x is ours (healthy built-ins sit within 5% of it)
 PROB_ROW_TOL = 1e-3  # our choice: loss-input rows summing to 1 within this count as probabilities
-#                      (FIELD-NOTES triage: softmax fed into cross-entropy)
+#                      (softmax fed into cross-entropy: PyTorch CrossEntropyLoss expects unnormalized logits)
 
 # ---- LR range test (Smith 2017, "Cyclical Learning Rates"; Lightning, fastai, torch-lr-finder) --------------
 LR_FINDER_MIN = 1e-7  # start at 1e-7..1e-8 (Lightning min_lr=1e-8, fastai start_lr=1e-7)

@@ -33,7 +33,7 @@ __all__ = ["ablate", "run_arm", "judge_arm", "judge_baseline", "conclusion_text"
 
 DEFAULT_HORIZON = 200
 # "The loss blows up": the mean loss over the arm's last FINAL_WINDOW steps exceeds BLOWUP_FACTOR x the
-# pre-failure reference. 4x is the divergence criterion of LR range tests (FIELD-NOTES: Lightning, fastai,
+# pre-failure reference. 4x is the divergence criterion of LR range tests (Lightning, fastai,
 # torch-lr-finder stop at loss > 4x best); the mean over 10 steps keeps one noisy batch from deciding.
 BLOWUP_FACTOR = 4.0
 FINAL_WINDOW = 10

@@ -5,14 +5,14 @@ How it works
 1. The user's repository is only read. Trials run in worktrees of a private `git clone --shared` in the
    cache (gitops.PrivateClone), one worktree per worker, each trial a subprocess with the worktree first on
    PYTHONPATH: `python -m replaybisect train ...` (or the user's `--cmd`).
-2. Both endpoints are measured first over the same seeds (FIELD-NOTES "Bisection": verify the range first,
+2. Both endpoints are measured first over the same seeds (mozregression and Chromium bisect-builds verify the range first,
    as mozregression and Chromium's `--verify-range` do). GOOD must pass and BAD must fail.
 3. Verdict per commit (`judge`): a non-finite loss is `bad` at once; a commit that cannot be trained
    (bad config, `_target_` that does not import, crash) is `skip`. Otherwise, with seeds as blocks (the
    commit runs the endpoints' seeds, so init and data order are shared):
 
    a. Reproduction: a metric equal to GOOD's (or BAD's) at the same seed within 1e-3 relative
-      (FIELD-NOTES: Megatron-Core's replay tolerance) while 10x that far from the other endpoint's means the
+      (Megatron-Core rerun state machine's replay tolerance) while 10x that far from the other endpoint's means the
       commit trains like that endpoint: decided on one seed. On CPU most commits land here.
    b. Otherwise the statistical test, stated: u_s = x_s - (g_s + b_s) / 2 (the commit's metric minus the
       midpoint of GOOD and BAD at the same seed); z = mean(u) / (sigma_u / sqrt(n)) with
@@ -25,7 +25,7 @@ How it works
    GOOD; when p is unclear (<= 0.2) both endpoints get more seeds before BAD is declared passing (Pinpoint
    adds repeats when a comparison is unknown).
 4. Search over BAD's first-parent history: W workers test W commits per round, at the W points that split
-   the unknown range into W+1 equal parts (ceil(log_{W+1} N) rounds, FIELD-NOTES). Skipped commits are
+   the unknown range into W+1 equal parts (ceil(log_{W+1} N) rounds). Skipped commits are
    handled as `git bisect skip` does: the nearest untested commit is tried instead, and when only skipped
    commits are left the answer is the list of commits the first bad one could be.
 5. Every trial is an MLflow run (child of one `kind=bisect` run) tagged with a key of (tree hash, config
@@ -61,7 +61,7 @@ from replaybisect.verbs.bisect.trial_process import Launcher, signal_group
 
 __all__ = ["BisectResult", "Trial", "SeedRun", "bisect", "Search", "Baseline", "judge", "endpoint_baseline", "BisectAborted"]
 
-ALPHA = 0.01  # FIELD-NOTES "Bisection": Pinpoint calls two samples different at p <= 0.01
+ALPHA = 0.01  # Chromium Pinpoint calls two samples different at p <= 0.01
 Z_DECIDE = 2.5758293035489  # two-sided normal quantile for ALPHA (scipy.stats.norm.isf(0.005))
 UNCLEAR_P = 0.2  # endpoints with ALPHA < p <= this get more seeds before BAD is called passing
 MIN_NOISE_FRACTION = 0.05  # sigma floor as a fraction of the endpoint gap (deterministic CPU runs have 0 spread)

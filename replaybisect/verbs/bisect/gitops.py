@@ -2,7 +2,7 @@
 
 The user's repository is only ever *read* (`rev-parse`, `merge-base`); nothing in it is written, not its
 working tree, index, HEAD, refs, stashes or `.git/worktrees`. Trials check commits out in worktrees of a
-`git clone --shared --no-checkout` that lives in a cache folder (FIELD-NOTES "Bisection": `git worktree add`
+`git clone --shared --no-checkout` that lives in a cache folder (git-worktree(1): `git worktree add`
 in the user's repository would write under its `.git/worktrees`).
 """
 

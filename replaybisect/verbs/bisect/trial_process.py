@@ -1,7 +1,7 @@
 """Starting one bisect trial as a process of its own, in its worktree, with the worktree first on the path.
 
 A short trial of `python -m replaybisect train` spends most of its time importing torch, MLflow and Hydra
-(about 2 s each on these machines, FIELD-NOTES). So training trials are forked from a multiprocessing
+(about 2 s each, measured on 2-core CI machines). So training trials are forked from a multiprocessing
 *forkserver* that has imported those libraries once: each trial is still a fresh process of its own (own
 session, cwd, environment, stdout/stderr, exit status), but starts in a fraction of a second. The fork
 imports nothing of replaybisect or of the user's code before the trial sets its path, so the worktree's own

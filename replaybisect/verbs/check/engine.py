@@ -8,7 +8,7 @@ Side computations never touch the user's objects: every check that runs a model 
 of the state (model, optimizer, scheduler, scaler), inside `isolated_rng()`, and is seeded on its own so
 results do not depend on which checks ran before it. Steps go through `loop.run_step`, the one code path.
 
-Thresholds come from FIELD-NOTES.md (source named beside each); where no public number exists the
+Thresholds come from core/thresholds.py (the public source named beside each); where no public number exists the
 comment says "our choice" and why.
 """
 
@@ -309,15 +309,25 @@ class GradProbe:
     final_params: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)  # after the probe steps
 
 
+def parameter_owners(model: nn.Module) -> list[tuple[str, list[torch.Tensor]]]:
+    """(module, its own parameters) for every module that owns some, each parameter once: a tied weight
+    (GPT's lm_head.weight is wte.weight) belongs to the first module that holds it, so no layer is compared
+    with itself."""
+    seen: set[int] = set()
+    owners = []
+    for name, module in model.named_modules():
+        params = [p for p in module.parameters(recurse=False) if id(p) not in seen]
+        seen.update(id(p) for p in params)
+        if params:
+            owners.append((name or "model", params))
+    return owners
+
+
 class _GradObserver:
     def __init__(self, probe: GradProbe, model: nn.Module):
         self.probe = probe
         self.named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        self.owners = [
-            (name or "model", [p for p in module.parameters(recurse=False)])
-            for name, module in model.named_modules()
-            if any(True for _ in module.parameters(recurse=False))
-        ]
+        self.owners = parameter_owners(model)
         self.before: dict[str, list[torch.Tensor]] = {}
 
     def after_backward(self, state) -> None:
@@ -374,10 +384,11 @@ def grad_probe(state: loop.TrainState, batches: list) -> GradProbe:
 
         return hook
 
+    owners = {name for name, _ in parameter_owners(model)}
     handles = [
         module.register_forward_pre_hook(order_hook(name or "model"))
         for name, module in model.named_modules()
-        if any(True for _ in module.parameters(recurse=False))
+        if (name or "model") in owners
     ]
     observer = _GradObserver(probe, model)
     try:
@@ -1116,7 +1127,7 @@ def grad_vanishing(ctx: CheckContext) -> Check:
 
 @register_check("grad.update_ratio")
 def grad_update_ratio(ctx: CheckContext) -> Check:
-    """‖Δθ‖/‖θ‖ per step: about 1e-3 is healthy (FIELD-NOTES), outside [1e-8, 10] pathological (SageMaker)."""
+    """‖Δθ‖/‖θ‖ per step: about 1e-3 is healthy (Karpathy, CS231n notes), outside [1e-8, 10] pathological (SageMaker)."""
     probe = ctx.grads()
     error = _grad_error("grad.update_ratio", probe)
     if error:

@@ -2,7 +2,7 @@
 
 The learning rate grows exponentially from `lr_min` to `lr_max`, one optimizer step per batch, on a
 copy of the training state. The loss is smoothed, the sweep stops once it diverges, and the suggestion
-is the point of steepest descent of the smoothed curve. Defaults from FIELD-NOTES.md "LR range test":
+is the point of steepest descent of the smoothed curve. Defaults from Smith 2017 ("Cyclical Learning Rates") as Lightning, fastai and torch-lr-finder implement it:
 exponential from 1e-7 to 10 over ~100 steps, stop at loss > 4x best, smoothing 0.05, suggest the
 steepest-descent point skipping the first 10 and last 5 points (Lightning, fastai, torch-lr-finder).
 

@@ -1,6 +1,6 @@
 """`replay diagnose`: read a run's recorded curves and name the pathology they show.
 
-Reads the metrics only (no replay, no torch). The symptom table of FIELD-NOTES.md is a registry of small
+Reads the metrics only (no replay, no torch). The symptom -> cause table of public debugging guides (below) is a registry of small
 detectors: each takes the run's curves and returns findings with evidence (steps, numbers) and the next
 command to run. A healthy run gets a clean bill, never a list of guesses, so every threshold is a
 published one (cited beside it) applied to robust statistics (medians, medians of blocks, rolling
@@ -30,6 +30,8 @@ from replaybisect.core.thresholds import (  # noqa: E402  (sources cited there)
     PLATEAU_MIN_LEVEL, PLATEAU_MIN_SHARE, PLATEAU_TREND_P, PLATEAU_TREND_SE, SPIKE_BASELINE_SAMPLES, SPIKE_FACTOR,
     DEAD_LAYER_ZERO_FRACTION as DEAD_ZERO_FRACTION,
     LAYER_GRAD_GROWTH_EXPLODING as EXPLODING_RATIO,
+    LAYER_GRAD_NORM_EXPLODING_MIN as EXPLODING_MIN_NORM,
+    DIVERGENCE_RISE, SLOW_FALL_MAX, SLOW_GRAD_NORM_MAX,
     LAYER_GRAD_NORM_VANISHING as VANISHING_ABSOLUTE,
     LAYER_GRAD_NORM_VANISHING_WITH_RATIO as VANISHING_NORM,
     LAYER_TO_LARGEST_GRAD_RATIO_VANISHING as VANISHING_RATIO,
@@ -75,6 +77,7 @@ class Curves:
     tags: dict[str, str]
     params: dict[str, str]
     run_name: str = ""
+    metric_keys: list[str] = field(default_factory=list)  # every metric the run logged (histories not all fetched)
 
     def get(self, key: str) -> Series:
         return self.metrics.get(key, EMPTY)
@@ -92,7 +95,9 @@ class Curves:
                 return int(tag)
             except ValueError:
                 pass
-        bad = [int(s.steps[~np.isfinite(s.values)][0]) for s in (self.get("loss"), self.get("grad_norm")) if len(s) and not np.isfinite(s.values).all()]
+        # with fp16 a GradScaler skips steps whose gradients overflow: routine, not a failure (only the loss counts)
+        keys = ("loss",) if self.params.get("train.precision") == "fp16" else ("loss", "grad_norm")
+        bad = [int(s.steps[~np.isfinite(s.values)][0]) for s in map(self.get, keys) if len(s) and not np.isfinite(s.values).all()]
         return min(bad) if bad else None
 
     @property
@@ -119,7 +124,8 @@ def load_curves(store: Store, run_id: str, workers: int = 8) -> Curves:
     else:
         metrics = dict(map(fetch, keys))
     tags = {k[len("replaybisect."):]: v for k, v in run.data.tags.items() if k.startswith("replaybisect.")}
-    return Curves(run_id=run_id, metrics=metrics, tags=tags, params=dict(run.data.params), run_name=run.info.run_name or "")
+    return Curves(run_id=run_id, metrics=metrics, tags=tags, params=dict(run.data.params), run_name=run.info.run_name or "",
+                  metric_keys=sorted(run.data.metrics))
 
 
 # ---- findings -------------------------------------------------------------------------------------------
@@ -258,7 +264,7 @@ def _cmd(verb: str, curves: Curves, extra: str = "") -> str:
     return f"replay {verb} --run-id {curves.run_id}" + (f" {extra}" if extra else "")
 
 
-# ---- the detectors (FIELD-NOTES.md, "Symptoms -> causes") ------------------------------------------------
+# ---- the detectors (symptoms -> causes; each cites its public source) ------------------------------------------------
 @detector("nan")
 def detect_nan(curves: Curves) -> list[Finding]:
     """NaN at step 1 (data, weights, init) or NaN after K steps (LR, explosion, overflow, log(0), 0/0)."""
@@ -280,7 +286,7 @@ def detect_nan(curves: Curves) -> list[Finding]:
                 evidence,
                 _cmd("nan", curves),
                 step=failing,
-                source="FIELD-NOTES triage table: NaN at step 1 -> data / weights / init",
+                source="Karpathy, \"A Recipe for Training Neural Networks\" (2019): verify the data and the loss at init; Megatron-Core rerun state machine: NaN/Inf checks",
             )
         ]
     grads = curves.get("grad_norm").before(failing).finite()
@@ -293,7 +299,12 @@ def detect_nan(curves: Curves) -> list[Finding]:
         evidence["loss_min"] = _round(float(before.values.min()))
     growth = _growth(grads)
     evidence.update(growth)
-    cause = "exploding gradients" if growth.get("grad_norm_growth", 1.0) >= EXPLODING_RATIO else "LR too high, overflow, log(0) or 0/0"
+    if growth.get("grad_norm_growth", 1.0) >= EXPLODING_RATIO:
+        cause = "exploding gradients"
+    elif "grad_norm_growth" in growth and growth["grad_norm_growth"] < 2 and "grad_norm_growth_per_step" not in growth:
+        cause = "a sudden failure with no growth before it: a bad batch, or one op overflowing"
+    else:
+        cause = "LR too high, overflow, log(0) or 0/0"
     return [
         Finding(
             "nan-after-k",
@@ -303,7 +314,7 @@ def detect_nan(curves: Curves) -> list[Finding]:
             evidence,
             _cmd("nan", curves) + f"   # then: {_cmd('ablate lr,clip,precision', curves)}",
             step=failing,
-            source="FIELD-NOTES triage table: NaN after K steps -> LR / exploding gradients / overflow",
+            source="Pascanu et al. 2013 (exploding gradients); Micikevicius et al. 2018, Mixed Precision Training (fp16 overflow); Megatron-Core rerun state machine",
         )
     ]
 
@@ -388,9 +399,167 @@ def detect_flat(curves: Curves) -> list[Finding]:
             evidence,
             _cmd("check", curves) + "   # gradient flow: parameters with no or zero gradient",
             step=int(loss.steps[0]),
-            source="FIELD-NOTES triage table: flat from step 1 -> zero gradient",
+            source="AUTOTRAINER (Zhang et al., ICSE 2021): not converging; Karpathy's recipe: use backprop to chart dependencies",
         )
     ]
+
+
+@detector("no-gradient")
+def detect_no_gradient(curves: Curves) -> list[Finding]:
+    """Modules whose parameters never get a gradient: the recorder logs weight_norm/<module> for every module with
+    parameters and grad_norm/<module> only for those with a gradient, so a module with weights and no (or only
+    zero) gradient norm at every recorded step sits on a detached branch or is frozen."""
+    weights = {k[len("weight_norm/"):] for k in curves.metric_keys if k.startswith("weight_norm/")}
+    grads = {m: s.before(curves.failing_step).finite() for m, s in curves.layers("grad_norm/").items()}
+    if not weights or not grads:
+        raise Skip("no weight_norm/<module> or grad_norm/<module> metrics (snapshot.layer_stats_every=0?)")
+    recorded = max(len(s) for s in grads.values())
+    if recorded < 3:
+        raise Skip(f"{recorded} recorded layer statistics (needs 3)")
+    learning = {m for m, s in grads.items() if len(s) and float(np.max(np.abs(s.values))) > 0}
+    silent = sorted(weights - learning)
+    if not silent or not learning:
+        return []  # nothing learns at all: flat-from-start says so
+    total_weights = len(weights)
+    return [
+        Finding(
+            "no-gradient",
+            f"{len(silent)} of {total_weights} modules never get a gradient ({', '.join(silent[:4])}{', ...' if len(silent) > 4 else ''}): "
+            "a detached branch (.detach(), .data, torch.no_grad in forward) or frozen parameters (requires_grad=False); "
+            "if the freeze is intended, ignore this",
+            {"modules": silent, "modules_with_gradient": sorted(learning), "stats_steps": recorded},
+            _cmd("check", curves) + "   # gradient flow: parameters with no gradient",
+            step=int(min(s.steps[0] for s in grads.values() if len(s))),
+            layer=silent[0],
+            source="Karpathy, \"A Recipe for Training Neural Networks\" (2019): use backprop to chart dependencies; "
+            "AUTOTRAINER / DeepDiagnosis: parameters without gradient do not learn",
+        )
+    ]
+
+
+@detector("slow-learning")
+def detect_slow_learning(curves: Curves) -> list[Finding]:
+    """The loss falls, but very slowly, and the gradients are small and shrinking: the signature of softmax fed
+    into cross-entropy (probabilities in [0, 1] as logits cap the loss at log(e + C - 1) - 1 for C classes)."""
+    loss = curves.healthy_loss
+    if len(loss) < 50:
+        raise Skip(f"{len(loss)} finite loss values (needs 50)")
+    grads = curves.get("grad_norm").before(curves.failing_step).finite()
+    if len(grads) < 20:
+        raise Skip(f"{len(grads)} finite grad_norm values (needs 20)")
+    initial = _initial_loss(loss)
+    _, end = _loss_levels(loss)
+    if initial <= 0:
+        return []
+    fall = (initial - end) / initial
+    from scipy.stats import kendalltau
+
+    thinned = loss.values[:: len(loss) // 2000 + 1]
+    tau, p_value = kendalltau(np.arange(len(thinned)), thinned)
+    edge = _edge_count(len(grads))
+    grad_median = float(np.median(grads.values))
+    grad_early, grad_late = float(np.median(grads.values[:edge])), float(np.median(grads.values[-edge:]))
+    if not (0 < fall < SLOW_FALL_MAX and tau < 0 and p_value < 0.01 and grad_median < SLOW_GRAD_NORM_MAX and grad_late <= grad_early):
+        return []
+    classes = math.exp(initial)
+    floor = math.log(math.e + classes - 1) - 1  # the lowest cross-entropy of probabilities over C = e^initial classes
+    return [
+        Finding(
+            "slow-learning",
+            f"the loss falls very slowly ({initial:.4g} -> {end:.4g}, {100 * fall:.1f}% in {int(loss.steps[-1] - loss.steps[0]) + 1} steps) "
+            f"with small, shrinking gradients (median grad norm {grad_median:.3g}, {grad_early:.3g} -> {grad_late:.3g}): "
+            f"likely softmax fed into cross-entropy (probabilities as logits: the loss cannot go below {floor:.3g} for "
+            f"~{classes:.0f} classes); feed the loss raw logits",
+            {
+                "loss_start": _round(initial), "loss_end": _round(end), "fall": _round(fall),
+                "grad_norm_median": _round(grad_median), "grad_norm_early": _round(grad_early), "grad_norm_late": _round(grad_late),
+                "trend_tau": _round(float(tau)), "probability_ce_floor": _round(floor),
+            },
+            _cmd("check", curves) + "   # loss/head mismatch: do the loss input rows sum to 1?",
+            step=int(loss.steps[0]),
+            source="Karpathy, \"A Recipe for Training Neural Networks\" (2019); PyTorch CrossEntropyLoss docs "
+            "(the input is expected to contain unnormalized logits)",
+        )
+    ]
+
+
+@detector("divergence")
+def detect_divergence(curves: Curves) -> list[Finding]:
+    """The loss climbs far above its untrained level (LR too high), or climbs exponentially into the NaN."""
+    loss = curves.healthy_loss
+    if len(loss) < 10:
+        raise Skip(f"{len(loss)} finite loss values (needs 10)")
+    climb = _climb_to_failure(curves)
+    if climb is not None:
+        return [climb]
+    if len(loss) < 20:
+        return []
+    # the untrained level: the first logged loss (an LR typo can make step 1 jump already), or the first 5's median
+    initial = min(_initial_loss(loss), float(loss.values[0]))
+    _, end = _loss_levels(loss)
+    sigma = noise_sigma(loss.values)
+    noise = 4 * 1.25 * sigma / math.sqrt(_edge_count(len(loss)))  # 4 standard errors of the end level's median
+    if not (initial > 0 and end > DIVERGENCE_RISE * initial and end - initial > noise):
+        return []
+    smooth = rolling_median(loss.values, max(5, len(loss) // 20) | 1)
+    lowest = int(np.argmin(smooth))
+    start_step = int(loss.steps[lowest])
+    return [
+        Finding(
+            "divergence",
+            f"the loss diverged: from {initial:.4g} at the start it rose to {end:.4g} at the end (x{end / initial:.3g}), rising from "
+            f"step {start_step}: learning rate too high (a typo in lr?)",
+            {"loss_start": _round(initial), "loss_end": _round(end), "rise": _round(end / initial), "rising_from_step": start_step,
+             "lr": _round(float(curves.get("lr").values[0])) if len(curves.get("lr")) else None},
+            _cmd("ablate lr,warmup", curves) + "   # or an LR range test: " + _cmd("check", curves),
+            step=start_step,
+            source="Smith 2017, \"Cyclical Learning Rates\" (LR range test: the loss diverges above the largest usable LR)",
+        )
+    ]
+
+
+def _climb_to_failure(curves: Curves) -> Optional[Finding]:
+    """An exponential climb of the loss or the grad norm that ends in the failing step: one divergence."""
+    failing = curves.failing_step
+    if failing is None:
+        return None
+    for key in ("grad_norm", "loss"):
+        series = curves.get(key).before(failing).finite()
+        if len(series) < 10 or np.any(series.values <= 0):
+            continue
+        streak = _rising_streak(series.values)
+        if streak < 5:
+            continue
+        start = len(series) - streak
+        first, last = float(series.values[start]), float(series.values[-1])
+        if last < SPIKE_FACTOR * first:
+            continue
+        per_step = math.exp(math.log(last / first) / max(1, streak - 1))
+        return Finding(
+            "divergence",
+            f"{key} climbed exponentially from step {int(series.steps[start])} ({first:.3g}) to {last:.3g} at step "
+            f"{int(series.steps[-1])} (x{per_step:.3g} a step), then went non-finite at step {failing}: one divergence, not a run of spikes",
+            {"metric": key, "from_step": int(series.steps[start]), "to_step": int(series.steps[-1]), "from_value": _round(first),
+             "to_value": _round(last), "growth_per_step": _round(per_step), "failing_step": failing},
+            _cmd("ablate lr,clip,warmup", curves),
+            step=int(series.steps[start]),
+            source="Megatron-Core rerun machine: >= 10x the early level; Smith 2017 (the loss diverges above the usable LR)",
+        )
+    return None
+
+
+def _rising_streak(values: np.ndarray) -> int:
+    """How many of the last values rise (allowing a dip of a tenth), counted back from the end."""
+    count = 1
+    peak = values[-1]
+    for value in values[-2::-1]:
+        if value > peak * 1.1 or value <= 0:
+            break
+        peak = min(peak, value)
+        count += 1
+        if value < values[-1] / 1e6:
+            break
+    return count
 
 
 @detector("spikes")
@@ -448,7 +617,8 @@ def _list_steps(steps: list[int], limit: int = 6) -> str:
 
 @detector("exploding-gradients")
 def detect_exploding(curves: Curves) -> list[Finding]:
-    """A layer's grad norm grows > 70x its early level (AUTOTRAINER), or turns non-finite."""
+    """A layer's grad norm grows > 70x its early level (AUTOTRAINER) to >= 1 (a tiny start growing to a small value
+    is not an explosion), or turns non-finite."""
     layers = curves.layers("grad_norm/")
     if not layers:
         raise Skip("no grad_norm/<module> metrics (snapshot.layer_stats_every=0?)")
@@ -467,7 +637,7 @@ def detect_exploding(curves: Curves) -> list[Finding]:
         total_early = total.values[np.isin(total.steps, finite.steps[:3])]
         if len(total_early) and early < 1e-3 * float(np.median(total_early)):
             continue  # the layer started with (almost) no gradient, e.g. behind a zero-initialised one: growing from ~0 is not exploding
-        if early > 0 and late / early > EXPLODING_RATIO:
+        if early > 0 and late / early > EXPLODING_RATIO and late >= EXPLODING_MIN_NORM:
             growth[module] = (late / early, early, late, int(finite.steps[-1]))
     if not nonfinite and not growth:
         return []
@@ -498,7 +668,7 @@ def detect_exploding(curves: Curves) -> list[Finding]:
                 _cmd("nan", curves) if curves.failing_step is not None else _cmd("ablate clip,lr", curves),
                 step=at,
                 layer=module,
-                source=f"AUTOTRAINER: exploding gradient ratio > {EXPLODING_RATIO:g}",
+                source=f"AUTOTRAINER: exploding gradient ratio > {EXPLODING_RATIO:g}; and at least {EXPLODING_MIN_NORM:g}, the usual clip_grad_norm (nanoGPT, Megatron-LM)",
             )
         )
     return findings
@@ -682,7 +852,7 @@ def detect_plateau(curves: Curves) -> list[Finding]:
             evidence,
             _cmd("check", curves) + "   # LR range test",
             step=plateau_step,
-            source="FIELD-NOTES triage table: decrease then plateau -> LR too small, capacity",
+            source="Smith 2017, \"Cyclical Learning Rates\" (LR range test); Karpathy's recipe: overfit, then regularize",
         )
     ]
 
@@ -729,7 +899,7 @@ def detect_oscillation(curves: Curves) -> list[Finding]:
             },
             _cmd("ablate lr,warmup", curves),
             step=first_step,
-            source="FIELD-NOTES triage table: oscillating -> LR too high without diverging (lr arm /3../10, warmup)",
+            source="Smith 2017 (above the usable LR the loss oscillates or diverges); AUTOTRAINER: oscillating loss",
         )
     ]
 
@@ -836,7 +1006,7 @@ def detect_mismatch(curves: Curves) -> list[Finding]:
             },
             _cmd("check", curves) + "   # data sanity: compare train and validation preprocessing",
             step=int(val.steps[0]),
-            source="FIELD-NOTES triage table: train down, val flat from start -> distribution mismatch",
+            source="Zinkevich, \"Rules of Machine Learning\" #37 (training-serving skew); Karpathy's recipe: become one with the data",
         )
     ]
 
@@ -868,15 +1038,16 @@ def detect_input_bound(curves: Curves) -> list[Finding]:
             },
             f"python -m cProfile -s cumtime -m replaybisect train <your config> train.steps=20 snapshot.enabled=false   # where {target}.__getitem__ spends its time",
             step=int(data.steps[skip]),
-            source="FIELD-NOTES triage table: data_time high -> input-pipeline bound (data_time / step_time)",
+            source="TensorFlow Profiler guide: input-bound when the step waits on the input pipeline; PyTorch Profiler",
         )
     ]
 
 
 # ---- the analysis ----------------------------------------------------------------------------------------
 ORDER = [
-    "nan-at-start", "nan-after-k", "dead-relu", "flat-from-start", "exploding-gradients", "vanishing-gradients",
-    "update-ratio", "spikes", "oscillation", "plateau", "overfitting", "distribution-mismatch", "input-pipeline-bound",
+    "nan-at-start", "nan-after-k", "divergence", "dead-relu", "flat-from-start", "no-gradient", "exploding-gradients",
+    "vanishing-gradients", "update-ratio", "spikes", "oscillation", "slow-learning", "plateau", "overfitting",
+    "distribution-mismatch", "input-pipeline-bound",
 ]
 
 
@@ -884,8 +1055,15 @@ def _explain(findings: list[Finding]) -> list[Finding]:
     """Tie findings to what explains them: a layer that gets exactly no gradient because the ReLU after it
     is dead is a blocked path, not a vanishing one (dropped); a flat loss names its cause when one is found."""
     dead = [f.layer for f in findings if f.pattern == "dead-relu"]
+    climbs = [f.evidence["from_step"] for f in findings if f.pattern == "divergence" and "from_step" in f.evidence]
     kept = []
     for finding in findings:
+        if climbs and finding.pattern == "spikes" and all(step >= min(climbs) for step in finding.steps):
+            continue  # the climb into the NaN, not bad batches: the divergence finding says so
+        if finding.pattern == "flat-from-start" and any(f.pattern == "divergence" for f in findings):
+            continue  # a loss that rose far above its start is not flat: the divergence finding says what happened
+        if finding.pattern == "plateau" and any(f.pattern == "slow-learning" for f in findings):
+            continue  # the slow fall explains the flat stretch: slow-learning names the cause
         if dead and finding.pattern == "vanishing-gradients":
             layers = finding.evidence.get("layers", {})
             if layers and all((info.get("median_norm") or 0.0) <= 1e-12 for info in layers.values()):

@@ -166,6 +166,7 @@ COLORS = {
     "nan-at-start": "red", "nan-after-k": "red", "spikes": "crimson", "plateau": "purple", "overfitting": "darkorange",
     "distribution-mismatch": "brown", "oscillation": "magenta", "flat-from-start": "gray", "exploding-gradients": "red",
     "vanishing-gradients": "teal", "dead-relu": "black", "update-ratio": "olive", "input-pipeline-bound": "navy",
+    "divergence": "red", "no-gradient": "gray", "slow-learning": "purple",
 }
 
 
@@ -180,16 +181,19 @@ def _annotate(ax_loss, ax_grad, finding, curves) -> None:
         return
     if step is None:
         return
+    what = finding.evidence.get("nonfinite") or "loss"  # the metric that went non-finite: loss or grad_norm
     label = {
-        "nan-at-start": f"NaN at step {step}",
-        "nan-after-k": f"NaN at step {step}",
+        "nan-at-start": f"{what} non-finite at step {step}",
+        "nan-after-k": f"{what} non-finite at step {step}",
+        "divergence": f"diverging from {step}" + (f" ({finding.evidence['metric']})" if "metric" in finding.evidence else ""),
         "plateau": f"plateau from {step}",
         "overfitting": f"overfitting from {step}",
         "oscillation": f"oscillating from {step}",
         "flat-from-start": "flat from the start",
         "distribution-mismatch": "val flat (mismatch)",
     }.get(finding.pattern, f"{finding.pattern}{' ' + finding.layer if finding.layer else ''} @ {step}")
-    target = ax_grad if finding.pattern in ("exploding-gradients", "vanishing-gradients") else ax_loss
+    on_grad = finding.pattern in ("exploding-gradients", "vanishing-gradients") or (finding.pattern.startswith("nan") and what == "grad_norm")
+    target = ax_grad if on_grad else ax_loss
     target.axvline(step, color=color, linestyle="--", linewidth=1.2, label=label)
 
 

@@ -159,6 +159,11 @@ def find_nan(
         if at_target is not None and at_target.step == examined and replayed is not None:
             state_match = _state_match(state, rng_at_step, at_target, examined, batch)
         dataset_rows = _dataset_indices(snapshot, examined)
+        step0 = None
+        if replayed is None and snapshot.step == examined == 0:
+            log("step 0: rebuilding the state from the config to check the reproduction")
+            step0 = _reproduce_step0(cfg, state, rng_at_step, snapshot, batch, losses.get(0), tags.get("nonfinite_what"))
+            reproduced = step0["reproduced"]
 
         probes_started = time.perf_counter()
         result = _probe_step(state, examined, batch, rng_at_step, dataset_rows, log)
@@ -184,7 +189,11 @@ def find_nan(
             replay=replayed.to_json() if replayed is not None else {"reproduced": "unchecked", "start_step": snapshot.step, "end_step": snapshot.step},
             precision=state.precision,
         )
-        report.evidence.insert(0, _replay_sentence(report, replayed, stored_batch))
+        if step0 is not None:
+            report.replay = {**report.replay, **step0}
+            report.evidence.insert(0, step0["sentence"])
+        else:
+            report.evidence.insert(0, _replay_sentence(report, replayed, stored_batch))
         if state_match is not None:
             report.evidence.insert(1, f"the replayed state before step {examined} vs the snapshot the run saved there: {state_match}")
         report.loss_history = sorted((s, v) for s, v in losses.items() if s < examined)
@@ -268,6 +277,49 @@ def _replay_sentence(report: NanReport, replayed, stored_batch: bool) -> str:
     if replayed.mismatches:
         text += f" (max relative error {replayed.max_relative_error:.3g})"
     return text + f"; step {report.failing_step} uses {batch_from}"
+
+
+def _reproduce_step0(cfg, state, rng_at_step, snapshot, batch, logged_loss, recorded_what) -> dict[str, Any]:
+    """A failure at step 0 has no earlier snapshot to replay from. Its reproduction: build the state from the
+    config (construction is seeded), compare it with the step-0 snapshot bit for bit (tensors and RNG streams),
+    run step 0 from both, and compare the two outcomes with each other and with what the run logged.
+    exact: same state, bit-identical outcomes, and the logged outcome (the same loss, or non-finite as logged)."""
+    from replaybisect.core import loop
+    from replaybisect.core.rng import capture_raw, isolated_rng
+
+    with isolated_rng():
+        try:
+            built = loop.build_state(cfg, device=state.device)
+        except Exception as error:  # the config no longer builds (code changed): cannot check
+            return {"reproduced": "unchecked", "reproduced_from": "config",
+                    "sentence": f"step 0 has no earlier snapshot, and rebuilding the state from the config failed ({type(error).__name__}): reproduction unchecked"}
+        try:
+            loop.build_data(cfg)  # as `replay train` does before step 0: a dataset may draw from the RNG streams
+        except Exception:
+            pass  # the data source is gone (the stored batch is used): the RNG comparison then says so
+        state_match, differ = _compare_with_snapshot(built, capture_raw(), snapshot)
+        from_config, config_signature = plain_run(0, batch)(built)
+    from_snapshot, snapshot_signature = on_copy(state, rng_at_step, plain_run(0, batch))
+    # Python's `random` stream is drawn between building and step 0 by code outside the step (the tracking
+    # client): the step's tensors and torch's stream decide the step, so only those count as the state here
+    same_state = not [name for name in differ if name != "rng/python"]
+    same_outcome = config_signature[:2] == snapshot_signature[:2]
+    logged_nonfinite = logged_loss is not None and not math.isfinite(logged_loss)
+    if logged_loss is None or logged_nonfinite:
+        as_logged = from_snapshot.nonfinite is not None and (recorded_what is None or from_snapshot.nonfinite == recorded_what or logged_nonfinite)
+    else:
+        as_logged = _bits(from_snapshot.loss) == _bits(logged_loss)
+    reproduced = "exact" if same_state and same_outcome and as_logged else ("close" if same_outcome and as_logged else "diverged")
+    outcome = f"loss {from_snapshot.loss:.6g}" + (f", non-finite {from_snapshot.nonfinite.replace('_', ' ')}" if from_snapshot.nonfinite else "")
+    if same_state and differ:
+        state_match = "bit-identical tensors and torch RNG stream (Python's `random` stream differs: drawn outside the step)"
+    sentence = (
+        f"step 0 has no earlier snapshot: rebuilt the state from the config; vs the step-0 snapshot: {state_match}; "
+        f"step 0 from the config and from the snapshot: {'bit-identical outcomes' if same_outcome else 'different outcomes'} ({outcome}), "
+        f"{'as' if as_logged else 'not as'} the run logged: reproduced {reproduced}"
+    )
+    return {"reproduced": reproduced, "reproduced_from": "config", "state_vs_snapshot": state_match,
+            "same_outcome": same_outcome, "as_logged": as_logged, "sentence": sentence}
 
 
 def fingerprint(state) -> str:
@@ -498,7 +550,7 @@ def _is_forward(report: NanReport, results: _StepResults, state) -> bool:
         report.evidence.append(f"  input {label}: {stats.brief()}")
     for label, stats in call.outputs[:3]:
         report.evidence.append(f"  output {label}: {stats.brief()}")
-    _name_forward_op(report, probe.forward_op)
+    _name_forward_op(report, probe.forward_op, probe.intended_nonfinite)
     return True
 
 
@@ -517,7 +569,7 @@ def _is_loss(report: NanReport, results: _StepResults, state) -> bool:
     if call is not None:
         for label, stats in call.inputs[:2]:
             report.evidence.append(f"  loss input {label}: {stats.brief()}")
-    _name_forward_op(report, probe.forward_op)
+    _name_forward_op(report, probe.forward_op, probe.intended_nonfinite)
     return True
 
 
@@ -563,16 +615,21 @@ def _not_isolated(report: NanReport, results: _StepResults) -> None:
     )
 
 
-def _name_forward_op(report: NanReport, op) -> None:
+def _name_forward_op(report: NanReport, op, intended: list[str] = ()) -> None:
     if op is None:
         return
     report.op = op.op
     report.source = op.source
     inputs = ", ".join(s.brief() for s in op.inputs[:2])
+    where = "outside the model (loss / step function)" if op.module is None else (op.module or "(root)")
     report.evidence.append(
-        f"the first op with finite inputs and a non-finite output: {op.op} in {op.module or '(root)'}"
+        f"the first op on the path to the non-finite loss to make a non-finite value its inputs do not explain: {op.op} in {where}"
         + (f" at {op.source}" if op.source else "") + f" (inputs {inputs} -> {op.output.brief()})"
     )
+    if intended:
+        report.evidence.append(
+            f"not counted: non-finite values made on request ({', '.join(intended[:3])} with a -inf/NaN argument, e.g. a causal mask)"
+        )
 
 
 def _forward_json(probe) -> dict[str, Any]:

@@ -1,0 +1,218 @@
+"""The zoo (tests/zoo/): realistic models, healthy and with the plants real runs suffer from. `replay nan` must
+name the category, module, op and source line; `replay ablate` the arm that helps; `replay diagnose` the
+finding; and a healthy model gets no finding at all.
+
+Every run is trained once per module, in this process, through the same `train()` that `replay train` calls;
+the verbs' engines are called directly, and one `replay nan --json` runs as a user would. Five-seed false-alarm
+calibration of the healthy zoo: benchmarks/zoo_calibration.py (one seed here, to keep the suite fast).
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import Workspace
+
+ZOO = Path(__file__).resolve().parent / "zoo"
+
+# name: (config, overrides). Healthy models first; failing plants stop early, so they cost a few steps each.
+RUNS = {
+    "gpt": ("gpt", ()),
+    "lstm": ("lstm", ()),
+    "cnn": ("cnn", ()),
+    "ownloss": ("ownloss", ()),
+    "handwritten_softmax": ("gpt", ("model.plant=handwritten_softmax", "optim.lr=0.1")),
+    "fp16_attention": ("gpt", ("model.plant=fp16_attention", "train.precision=fp16", "optim.lr=0.1")),
+    "layernorm_overflow": ("gpt", ("model.plant=layernorm_overflow",)),
+    "nan_row": ("cnn", ("data.nan_row=700",)),
+    "detached": ("gpt", ("model.plant=detached_attention",)),
+    "softmax_ce": ("gpt", ("model.plant=softmax_output",)),
+    "lr_typo": ("gpt", ("optim.lr=3",)),
+    "lstm_lr_typo": ("lstm", ("optim.lr=2000",)),
+    "frozen": ("cnn", ("model.plant=frozen_first",)),
+}
+HEALTHY = ("gpt", "lstm", "cnn", "ownloss")
+FAILING = ("handwritten_softmax", "fp16_attention", "layernorm_overflow", "nan_row")
+
+
+@pytest.fixture(scope="module")
+def zoo(tmp_path_factory):
+    """Every zoo run trained once: (workspace, project folder, {name: TrainResult})."""
+    from replaybisect.core import config as config_mod
+    from replaybisect.verbs.train.engine import train
+
+    workspace = Workspace(tmp_path_factory.mktemp("zoo"))
+    project = workspace.path / "zoo"  # inside the suite's trusted temp folder (conftest)
+    shutil.copytree(ZOO, project, ignore=shutil.ignore_patterns("__pycache__"))
+    store = workspace.store()
+    trained = {}
+    for name, (config, overrides) in RUNS.items():
+        cfg = config_mod.compose(project, config, list(overrides))
+        trained[name] = train(cfg, store, code_folder=project)
+    for name, result in trained.items():
+        assert result.status == ("nonfinite" if name in FAILING else "ok"), (name, result)
+    return workspace, project, trained
+
+
+@pytest.fixture(scope="module")
+def nan_reports(zoo):
+    from replaybisect.core.trust import Trust
+    from replaybisect.verbs.nan.engine import find_nan
+
+    workspace, project, trained = zoo
+    store = workspace.store()
+    return {name: find_nan(store, trained[name].run_id, trust=Trust.from_user([project])) for name in FAILING}
+
+
+@pytest.fixture(scope="module")
+def diagnoses(zoo):
+    from replaybisect.verbs.diagnose.engine import diagnose
+
+    workspace, _, trained = zoo
+    store = workspace.store()
+    return {name: diagnose(store, result.run_id) for name, result in trained.items()}
+
+
+# ---- replay nan: the op that really went non-finite, not the causal mask's -inf -------------------------------
+NAN_EXPECTED = {
+    # name: (category, module (suffix), ops, source fragment)
+    "handwritten_softmax": ("forward", ".attn", ("torch.exp",), "att = torch.exp(att)"),
+    "fp16_attention": ("forward", ".attn", ("Tensor.matmul", "Tensor.__matmul__", "torch.matmul"), "@ k.transpose(-2, -1)"),
+    "layernorm_overflow": ("forward", "h.1.ln_2", ("torch.nn.functional.layer_norm",), "self.ln_2(x)"),
+    "nan_row": ("data", "conv1", (None,), None),
+}
+
+
+@pytest.mark.parametrize("name", list(NAN_EXPECTED))
+def test_nan_names_the_category_module_op_and_line(nan_reports, name):
+    report = nan_reports[name]
+    category, module, ops, source = NAN_EXPECTED[name]
+    assert report.category == category, report.evidence
+    assert report.module is not None and report.module.endswith(module), report.module
+    assert report.op in ops, (report.op, report.evidence)
+    assert report.op != "Tensor.masked_fill"  # the causal mask's -inf was asked for: never the fault
+    if source:
+        assert report.source and "zoo_models.py" in report.source and source in report.source, report.source
+    assert report.reproduced == "exact"
+
+
+def test_module_and_op_agree(nan_reports):
+    """The module reported is the one whose forward ran the op (the issue: module ln_2, op masked_fill in attn)."""
+    for name in ("handwritten_softmax", "fp16_attention", "layernorm_overflow"):
+        report = nan_reports[name]
+        assert report.forward["op"]["module"] == report.module, (name, report.module, report.forward["op"])
+
+
+def test_nan_cli_end_to_end(zoo):
+    """`replay nan --json` as a user runs it, from the project folder."""
+    workspace, project, trained = zoo
+    result = workspace.replay("nan", "--json", "--run-id", trained["handwritten_softmax"].run_id, "--code-dir", str(project))
+    assert result.returncode == 0, result.stderr
+    report = result.json()
+    assert (report["category"], report["op"]) == ("forward", "torch.exp")
+    assert "att = torch.exp(att)" in report["source"]
+
+
+# ---- replay ablate: which single change helps ------------------------------------------------------------------
+@pytest.mark.parametrize("name, arms, helps", [
+    ("fp16_attention", "precision,lr", {"precision": "fixes"}),
+    ("handwritten_softmax", "lr,clip", {"lr": "delays", "clip": "no-effect"}),
+    ("nan_row", "skip-batch", {"skip-batch": "delays"}),  # the row comes back next epoch: clean the data
+])
+def test_ablate_finds_the_arm(zoo, name, arms, helps):
+    from replaybisect.core.trust import Trust
+    from replaybisect.verbs.ablate.engine import ablate
+
+    workspace, project, trained = zoo
+    result = ablate(workspace.store(), trained[name].run_id, arms, workers=1, trust=Trust.from_user([project]))
+    verdicts = {arm.name: arm.verdict for arm in result.arms}
+    for arm, verdict in helps.items():
+        assert verdicts[arm] == verdict, verdicts
+
+
+# ---- replay diagnose: the finding, and none on healthy models ---------------------------------------------------
+@pytest.mark.parametrize("name", HEALTHY)
+def test_diagnose_healthy_models_have_no_finding(diagnoses, name):
+    diagnosis = diagnoses[name]
+    assert diagnosis.healthy, [f.summary for f in diagnosis.findings]
+
+
+DIAGNOSE_EXPECTED = {
+    "detached": ("no-gradient", "attn"),
+    "frozen": ("no-gradient", "1"),  # conv1 / bn1
+    "softmax_ce": ("slow-learning", None),
+    "lr_typo": ("divergence", None),
+    "lstm_lr_typo": ("divergence", None),
+    "handwritten_softmax": ("nan-after-k", None),
+    "nan_row": ("nan-after-k", None),
+}
+
+
+@pytest.mark.parametrize("name", list(DIAGNOSE_EXPECTED))
+def test_diagnose_names_the_plant(diagnoses, name):
+    pattern, layer = DIAGNOSE_EXPECTED[name]
+    findings = [f for f in diagnoses[name].findings if f.pattern == pattern]
+    assert findings, [f.summary for f in diagnoses[name].findings]
+    if layer:
+        assert layer in findings[0].layer, findings[0].layer
+
+
+def test_diagnose_reports_no_exploding_gradient_for_a_small_clipped_lstm(diagnoses):
+    """LSTM with clip 0.25: a layer's grad norm growing from ~1e-3 to ~0.1 is not an explosion."""
+    assert not [f for f in diagnoses["lstm"].findings if f.pattern == "exploding-gradients"]
+
+
+# ---- weight tying ----------------------------------------------------------------------------------------------
+def test_tied_weights_belong_to_one_module():
+    """grad.vanishing compares layers: GPT's lm_head.weight is wte.weight, so it is counted once, not compared with itself."""
+    sys.path.insert(0, str(ZOO))
+    try:
+        import zoo_models
+    finally:
+        sys.path.remove(str(ZOO))
+    from replaybisect.verbs.check.engine import parameter_owners
+
+    model = zoo_models.GPT()
+    owners = dict(parameter_owners(model))
+    assert "wte" in owners and "lm_head" not in owners
+    ids = [id(p) for params in owners.values() for p in params]
+    assert len(ids) == len(set(ids)) == len(list(model.parameters()))
+
+
+# ---- a failure at step 0 is reproduced from the config ----------------------------------------------------------
+def test_step0_failure_is_reproduced_from_the_config(tmp_path):
+    """No snapshot before step 0: rebuild the state from the config, compare it with the step-0 snapshot bit for bit,
+    run step 0 from both: `reproduced: exact`, not `unchecked`."""
+    import conftest
+    from replaybisect.core import config as config_mod
+    from replaybisect.core.trust import Trust
+    from replaybisect.verbs.nan.engine import find_nan
+    from replaybisect.verbs.train.engine import train
+
+    store = Workspace(tmp_path).store()
+    folder = conftest.EXAMPLES / "diagnose_pathologies"
+    run = train(config_mod.compose(folder, "nan_init", ["train.steps=3"]), store, code_folder=folder)
+    assert run.status == "nonfinite" and run.first_nonfinite_step == 0
+    report = find_nan(store, run.run_id, trust=Trust.from_user([folder]))
+    assert report.reproduced == "exact", report.evidence[0]
+    assert report.replay["reproduced_from"] == "config" and report.replay["same_outcome"] and report.replay["as_logged"]
+    assert "rebuilt the state from the config" in report.evidence[0]
+
+
+# ---- citations ---------------------------------------------------------------------------------------------------
+def test_reports_cite_public_sources_only():
+    """Reports and the code they come from cite public sources, never the team's internal notes."""
+    package = Path(__file__).resolve().parents[1] / "replaybisect"
+    internal = [f"{path.relative_to(package)}:{number}" for path in package.rglob("*.py")
+                for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
+                if "field-notes" in line.lower() or "field notes" in line.lower()]
+    assert not internal, internal
+
+
+def test_diagnose_findings_cite_a_source(diagnoses):
+    findings = [f for diagnosis in diagnoses.values() for f in diagnosis.findings]
+    assert findings and all(f.source for f in findings), [f.pattern for f in findings if not f.source]
