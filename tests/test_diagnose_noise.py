@@ -44,7 +44,8 @@ def healthy_curves(seed: int, shape: str, steps: int, noise: float) -> Curves:
         metrics[f"grad_norm/{layer}"] = Series(stats, grad[stats] * 0.5 ** (2 - index) * np.exp(0.2 * rng.standard_normal(len(stats))))
     for layer in ["net.1", "net.3"]:
         metrics[f"act_zero_frac/{layer}"] = Series(stats, np.clip(0.5 + 0.1 * rng.standard_normal(len(stats)), 0, 1))
-    return Curves(run_id="synthetic", metrics=metrics, tags={"status": "ok"}, params={})
+    weight_keys = [f"weight_norm/{layer}" for layer in ["net.0", "net.2", "net.4"]]  # recorded, as a real run does
+    return Curves(run_id="synthetic", metrics=metrics, tags={"status": "ok"}, params={}, metric_keys=sorted(list(metrics) + weight_keys))
 
 
 @pytest.mark.parametrize(

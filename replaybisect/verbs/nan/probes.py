@@ -288,10 +288,11 @@ class OpFinding:
     """The first torch op whose output is non-finite while its tensor inputs were finite."""
 
     op: str
-    module: str  # the module whose forward ran it
+    module: Optional[str]  # the module whose forward ran it ("" the root model; None outside the model)
     source: Optional[str]  # the user's line
     inputs: list[TensorStats]
     output: TensorStats
+    calls_done: int = 0  # module calls finished before it (its module's call is the next one of that name)
 
 
 @dataclass
@@ -323,6 +324,7 @@ class StepProbeResult:
     grads_finite: Optional[bool]
     update: Optional["UpdateFinding"]
     corrupted_in_forward: list[tuple[str, list[str]]]  # (module, own tensors it made non-finite)
+    intended_nonfinite: list[str] = field(default_factory=list)  # ops that made non-finite values on request
 
 
 @dataclass
@@ -337,30 +339,141 @@ class UpdateFinding:
 
 
 class _OpFinder(TorchFunctionMode):
-    """Sees every torch call in the forward; records the first with finite inputs and a non-finite output."""
+    """Sees every torch call in the forward and the loss; records each op that made a non-finite value nobody
+    asked for, and which of them each non-finite tensor descends from.
 
-    def __init__(self, current_module):
+    An op is a fault when its output holds a non-finite value that none of its inputs explains (for a
+    pointwise op, at the same position; for any other op, no non-finite input at all) and the op was not
+    asked for one: `masked_fill(mask, -inf)`, `torch.full(..., -inf)` or `torch.where(m, x, -inf)` make the
+    intended -inf of a causal mask, which a softmax then absorbs. So the hand-written `exp(att)` that
+    overflows after such a mask is the fault, and the mask is not."""
+
+    MAX_TRACKED = 4096  # non-finite tensors kept for lineage (a failing step has few)
+
+    def __init__(self, current_module, calls_done=lambda: 0):
         super().__init__()
         self.current_module = current_module
-        self.found: Optional[OpFinding] = None
+        self.calls_done = calls_done
+        self.faults: list[OpFinding] = []  # in execution order
+        self.intended: list[str] = []  # ops that made non-finite values on request (e.g. a -inf mask)
+        self.lineage: dict[int, tuple[torch.Tensor, frozenset]] = {}  # id -> (tensor kept alive, fault indices)
         self.paused = 0
+
+    @property
+    def found(self) -> Optional[OpFinding]:
+        return self.faults[0] if self.faults else None
+
+    def faults_behind(self, tensor: Any) -> list[OpFinding]:
+        """The faults whose non-finite values reached `tensor` (e.g. the loss), first first."""
+        entry = self.lineage.get(id(tensor)) if torch.is_tensor(tensor) else None
+        if entry is None or entry[0] is not tensor:
+            return []
+        return [self.faults[i] for i in sorted(entry[1])]
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if self.found is None and not self.paused:
-            outputs = [t for _, t in tensors_in(out) if is_float(t)]
-            if outputs and not all(all_finite(t) for t in outputs):
-                inputs = [t for _, t in tensors_in(list(args) + list((kwargs or {}).values())) if is_float(t)]
-                if all(all_finite(t) for t in inputs):
-                    bad = next(t for t in outputs if not all_finite(t))
-                    self.found = OpFinding(
+        if self.paused:
+            return out
+        self.paused += 1
+        try:
+            self._see(func, args, kwargs or {}, out)
+        finally:
+            self.paused -= 1
+        return out
+
+    def _see(self, func, args, kwargs, out) -> None:
+        bad_outputs = [t for _, t in tensors_in(out) if is_float(t) and not all_finite(t)]
+        if not bad_outputs:
+            return
+        inputs = [t for _, t in tensors_in(list(args) + list(kwargs.values())) if is_float(t)]
+        inherited: set[int] = set()
+        for tensor in inputs:
+            entry = self.lineage.get(id(tensor))
+            if entry is not None and entry[0] is tensor:
+                inherited |= entry[1]
+        if _makes_new_nonfinite(func, inputs, bad_outputs):
+            if _asks_for_nonfinite(args, kwargs):
+                self.intended.append(op_name(func))
+            else:
+                inherited.add(len(self.faults))
+                self.faults.append(
+                    OpFinding(
                         op=op_name(func),
                         module=self.current_module(),
-                        source=format_frame(user_frame(traceback.extract_stack()[:-1])),
+                        source=format_frame(user_frame(traceback.extract_stack()[:-2])),
                         inputs=[tensor_stats(t) for t in inputs[:4]],
-                        output=tensor_stats(bad),
+                        output=tensor_stats(bad_outputs[0]),
+                        calls_done=self.calls_done(),
                     )
-        return out
+                )
+        if len(self.lineage) < self.MAX_TRACKED:
+            for tensor in bad_outputs:
+                self.lineage[id(tensor)] = (tensor, frozenset(inherited))
+
+
+# Ops whose output element i depends on input element i only (after broadcasting), besides aten's pointwise tag.
+_ELEMENTWISE_EXTRA = {"to", "float", "half", "double", "bfloat16", "type", "clone", "contiguous", "detach", "type_as"}
+_DUNDER_ALIASES = {"truediv": "div", "floordiv": "floor_divide", "matmul": "matmul", "neg": "neg", "abs": "abs"}
+_POINTWISE_CACHE: dict[str, bool] = {}
+
+
+def _is_pointwise(func) -> bool:
+    name = getattr(func, "__name__", "") or ""
+    if name not in _POINTWISE_CACHE:
+        base = name
+        if base.startswith("__") and base.endswith("__"):
+            base = base[2:-2]
+            if base.startswith("r") and base[1:] in ("add", "sub", "mul", "truediv", "floordiv", "pow", "matmul", "mod"):
+                base = base[1:]
+            if base.startswith("i") and base[1:] in ("add", "sub", "mul", "truediv", "floordiv", "pow", "mod"):
+                base = base[1:]
+            base = _DUNDER_ALIASES.get(base, base)
+        base = base.rstrip("_")
+        pointwise = base in _ELEMENTWISE_EXTRA
+        packet = getattr(torch.ops.aten, base, None) if base and not pointwise else None
+        if packet is not None:
+            try:
+                pointwise = any(torch.Tag.pointwise in getattr(packet, o).tags for o in packet.overloads())
+            except Exception:
+                pointwise = False
+        _POINTWISE_CACHE[name] = pointwise
+    return _POINTWISE_CACHE[name]
+
+
+@torch.no_grad()
+def _makes_new_nonfinite(func, inputs: list[torch.Tensor], bad_outputs: list[torch.Tensor]) -> bool:
+    """True when an output's non-finite values are not explained by non-finite inputs: with all inputs finite;
+    for a pointwise op, at a position where every (broadcast) input was finite. Any other op that reads a
+    non-finite input (a matmul, a reduction, a softmax) passes it on: not new."""
+    nonfinite_inputs = [t for t in inputs if not all_finite(t)]
+    if not nonfinite_inputs:
+        return True
+    if not _is_pointwise(func):
+        return False
+    for output in bad_outputs:
+        try:
+            explained = torch.zeros(output.shape, dtype=torch.bool, device=output.device)
+            for tensor in nonfinite_inputs:
+                explained |= ~torch.isfinite(tensor.detach()).broadcast_to(output.shape)
+        except RuntimeError:  # shapes that do not line up: cannot map positions
+            return False
+        if bool((~torch.isfinite(output.detach()) & ~explained).any()):
+            return True
+    return False
+
+
+def _asks_for_nonfinite(args, kwargs) -> bool:
+    """A non-finite number among an op's arguments (a fill value, a -inf mask value): the caller asked for it."""
+    def nonfinite_scalar(value) -> bool:
+        if isinstance(value, float):
+            return not math.isfinite(value)
+        if torch.is_tensor(value) and value.numel() == 1 and is_float(value):
+            return not bool(torch.isfinite(value).all())
+        if isinstance(value, (list, tuple)):
+            return any(nonfinite_scalar(item) for item in value)
+        return False
+
+    return any(nonfinite_scalar(value) for value in list(args) + list(kwargs.values()))
 
 
 class StepProbe(loop.StepObserver):
@@ -383,7 +496,9 @@ class StepProbe(loop.StepObserver):
         self.corrupted: list[tuple[str, list[str]]] = []
         self._own_before: dict[str, dict[str, bool]] = {}
         self._keep_alive: list[torch.Tensor] = []
-        self.finder = _OpFinder(lambda: self.stack[-1] if self.stack else "")
+        # the module whose forward runs an op; None outside the model (the loss function, the step function)
+        self.finder = _OpFinder(lambda: self.stack[-1] if self.stack else None, lambda: len(self.calls))
+        self.loss_faults: list[OpFinding] = []
         self.layer_norms: dict[str, float] = {}
         self.update_watch: Optional[UpdateWatch] = None
         self.update: Optional[UpdateFinding] = None
@@ -482,6 +597,7 @@ class StepProbe(loop.StepObserver):
             self.handles = []
 
     def after_forward(self, state, loss: torch.Tensor) -> None:
+        self.loss_faults = self.finder.faults_behind(loss)
         if loss.requires_grad:
             self._node_hooks(loss)
 
@@ -511,7 +627,15 @@ class StepProbe(loop.StepObserver):
             self.handles, self.tensor_handles = [], []
 
         root_calls = [c for c in self.calls if c.module == ""]
-        first_forward = next((c for c in self.calls if c.inputs_finite and not c.outputs_finite), None)
+        # the op: the first fault on the path to the non-finite loss, else the first fault at all; its module's
+        # call (the next one of that name to finish) is the module reported, so module and op agree
+        forward_op = self.loss_faults[0] if self.loss_faults else self.finder.found
+        if forward_op is not None:
+            first_forward = None
+            if forward_op.module is not None:
+                first_forward = next((c for c in self.calls[forward_op.calls_done:] if c.module == forward_op.module), None)
+        else:
+            first_forward = next((c for c in self.calls if c.inputs_finite and not c.outputs_finite), None)
         first_bad = next((c for c in self.calls if not c.outputs_finite), None)
         backward_module, backward_detail = self._backward_culprit()
         return StepProbeResult(
@@ -520,7 +644,8 @@ class StepProbe(loop.StepObserver):
             forward_calls=self.calls,
             first_forward=first_forward,
             first_nonfinite_output=first_bad,
-            forward_op=self.finder.found,
+            forward_op=forward_op,
+            intended_nonfinite=list(dict.fromkeys(self.finder.intended)),
             model_output_finite=root_calls[-1].outputs_finite if root_calls else None,
             grad_events=self.grad_events,
             backward_module=backward_module,
