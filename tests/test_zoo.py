@@ -216,3 +216,10 @@ def test_reports_cite_public_sources_only():
 def test_diagnose_findings_cite_a_source(diagnoses):
     findings = [f for diagnosis in diagnoses.values() for f in diagnosis.findings]
     assert findings and all(f.source for f in findings), [f.pattern for f in findings if not f.source]
+
+
+def test_final_loss_agrees_between_train_and_diagnose(zoo, diagnoses):
+    """`replay diagnose`'s final loss is `replay train`'s: the last logged loss (the medians are named as such)."""
+    _, _, trained = zoo
+    for name in HEALTHY:
+        assert diagnoses[name].summary["loss_end"] == trained[name].final_loss, name

@@ -1088,8 +1088,11 @@ def summarise(curves: Curves) -> dict[str, Any]:
     summary: dict[str, Any] = {"steps_logged": int(len(loss))}
     if len(finite):
         start = _initial_loss(finite)
-        end = _loss_levels(finite)[1] if len(finite) >= 10 else float(finite.values[-1])
-        summary.update(first_step=int(finite.steps[0]), last_step=int(finite.steps[-1]), loss_start=_round(start), loss_end=_round(end))
+        # loss_end is the last logged (finite) loss: the same number `replay train` prints as its final loss;
+        # the detectors read robust levels (medians), given as loss_end_median
+        end_median = _loss_levels(finite)[1] if len(finite) >= 10 else float(finite.values[-1])
+        summary.update(first_step=int(finite.steps[0]), last_step=int(finite.steps[-1]), loss_start=_round(start),
+                       loss_end=float(finite.values[-1]), loss_end_median=_round(end_median))
     val = curves.get("val_loss").finite()
     if len(val):
         best = int(np.argmin(val.values))

@@ -646,7 +646,7 @@ class StepProbe(loop.StepObserver):
             first_nonfinite_output=first_bad,
             forward_op=forward_op,
             intended_nonfinite=list(dict.fromkeys(self.finder.intended)),
-            model_output_finite=root_calls[-1].outputs_finite if root_calls else None,
+            model_output_finite=all(c.outputs_finite for c in root_calls) if root_calls else None,  # every micro-batch
             grad_events=self.grad_events,
             backward_module=backward_module,
             backward_detail=backward_detail,
@@ -687,8 +687,11 @@ def _call_inputs(args, kwargs) -> list[tuple[str, torch.Tensor]]:
 @torch.no_grad()
 def per_module_grad_norms(state: "loop.TrainState") -> dict[str, float]:
     norms = {}
+    seen: set[int] = set()  # a tied weight (lm_head.weight is wte.weight) counts for its first module only
     for name, module in state.model.named_modules():
-        grads = [p.grad.detach().float() for p in module.parameters(recurse=False) if p.grad is not None]
+        own = [p for p in module.parameters(recurse=False) if id(p) not in seen]
+        seen.update(id(p) for p in own)
+        grads = [p.grad.detach().float() for p in own if p.grad is not None]
         if grads:
             norms[name or "(root)"] = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])))
     return norms

@@ -116,22 +116,54 @@ def figure(report):
     grad_ax.set_xlabel("step")
     grad_ax.legend(loc="best", fontsize=8)
 
-    names = list(report.layer_grad_norms)
-    norms = [report.layer_grad_norms[n] for n in names]
-    finite = [v for v in norms if math.isfinite(v) and v > 0]
-    top = max(finite) * 10 if finite else 1.0
-    heights = [v if (math.isfinite(v) and v > 0) else top for v in norms]
-    colors = ["tab:green" if math.isfinite(v) else "red" for v in norms]
-    if names:
-        layer_ax.barh(range(len(names)), heights, color=colors)
-        layer_ax.set_yticks(range(len(names)))
-        layer_ax.set_yticklabels(names, fontsize=7)
-        layer_ax.set_xscale("log")
-        layer_ax.invert_yaxis()
-    layer_ax.set_title(f"per-layer grad norm at step {t} (red: non-finite)")
+    _layer_panel(layer_ax, report)
     fig.suptitle(f"run {report.run_id[:12]}  step {t}: {report.category}" + (f" in {report.module}" if report.module else ""))
     fig.tight_layout()
     return fig
+
+
+def _layer_panel(ax, report) -> None:
+    """Per-layer grad norms at the failing step: finite ones as bars on a log axis, non-finite ones marked as such
+    (no bar: a NaN has no length), the culprit module (and its submodules) highlighted."""
+    t = report.failing_step
+    names = list(report.layer_grad_norms)
+    norms = [report.layer_grad_norms[n] for n in names]
+    if not names:
+        ax.set_title(f"per-layer grad norm at step {t}: none recorded")
+        ax.axis("off")
+        return
+    culprit = report.module or ""
+    is_culprit = [bool(culprit) and (n == culprit or n.startswith(culprit + ".")) for n in names]
+    finite = [v for v in norms if math.isfinite(v) and v > 0]
+    low = min(finite) / 10 if finite else 1e-3
+    high = max(finite) * 100 if finite else 1e3
+    for row, (value, hit) in enumerate(zip(norms, is_culprit)):
+        if math.isfinite(value) and value > 0:
+            ax.barh(row, value - low, left=low, color="tab:orange" if hit else "tab:green",
+                    edgecolor="black" if hit else "none", linewidth=1.5)
+        elif math.isfinite(value):  # exactly zero: no gradient reached it
+            ax.text(low * 1.2, row, "0", va="center", fontsize=7, color="gray")
+        else:
+            ax.axhspan(row - 0.4, row + 0.4, color="red", alpha=0.15 if not hit else 0.35, lw=0)
+            ax.text(low * 1.2, row, f"{'NaN' if math.isnan(value) else value} (non-finite)", va="center", fontsize=7, color="red")
+    ax.set_xscale("log")
+    ax.set_xlim(low, high)
+    ax.set_yticks(range(len(names)))
+    ax.set_yticklabels(names, fontsize=7)
+    for label, hit, value in zip(ax.get_yticklabels(), is_culprit, norms):
+        if hit:
+            label.set_color("red")
+            label.set_fontweight("bold")
+        elif not math.isfinite(value):
+            label.set_color("darkred")
+    ax.invert_yaxis()
+    ax.set_xlabel("gradient norm of the module's own parameters (log scale)")
+    title = f"per-layer grad norm at step {t}"
+    if culprit and any(is_culprit):
+        title += f"\nculprit: {culprit} (bold red)"
+    if any(not math.isfinite(v) for v in norms):
+        title += ("; " if "culprit" in title else "\n") + "red band: non-finite"
+    ax.set_title(title, fontsize=9)
 
 
 # ---- publishing: the child run ---------------------------------------------------------------------------------
