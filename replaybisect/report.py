@@ -90,6 +90,20 @@ def mlflow_ui_hint(tracking_uri: str) -> str:
     return f"mlflow ui --backend-store-uri {tracking_uri}"
 
 
+def run_label(cfg, config_dir=None, config_name: str = "config") -> str:
+    """What a training run is, readable in the MLflow UI: `train mlp/digits` (built-in config groups), `train
+    nan_forward` (a config folder), `train diagnose_pathologies/spikes` (another config in it)."""
+    from omegaconf import OmegaConf
+
+    def short(group: str) -> str:
+        target = OmegaConf.select(cfg, f"{group}._target_", default=None)
+        return str(target).rsplit(".", 1)[-1].lower() if target else ""
+
+    if config_dir is None:
+        return "train " + ("/".join(part for part in (short("model"), short("data")) if part) or "config")
+    return f"train {Path(config_dir).resolve().name}" + ("" if config_name in (None, "config") else f"/{config_name}")
+
+
 def print_train_result(result) -> None:
     status_style = "green" if result.status == "ok" else "bold red"
     console.print(f"[bold]run[/bold] {result.run_id}  status [{status_style}]{result.status}[/{status_style}]")

@@ -20,6 +20,10 @@ STORE_FILE = "mlflow.db"  # the SQLite store replay finds upward from the workin
 DEFAULT_TRACKING_URI = f"sqlite:///{STORE_FILE}"
 DEFAULT_EXPERIMENT = "replaybisect"
 TAG = "replaybisect."  # prefix of every tag we write
+DESCRIPTION_TAG = "mlflow.note.content"  # a run's description in the MLflow UI
+# MLflow 3 opens an experiment of this kind on its runs table (untagged ones may open on the GenAI overview)
+EXPERIMENT_KIND = {"mlflow.experimentKind": "custom_model_development"}
+ANSWERING_VERBS = ("nan", "ablate", "diagnose", "check")  # whose latest answer the examined run's description lists
 MAX_BATCH = 1000  # MLflow's limit of metrics per log_batch call
 
 
@@ -167,9 +171,11 @@ class Store:
         name = name or os.environ.get("MLFLOW_EXPERIMENT_NAME") or DEFAULT_EXPERIMENT
         experiment = self.client.get_experiment_by_name(name)
         if experiment is not None:
+            if not set(EXPERIMENT_KIND) <= set(experiment.tags):  # an experiment made before replay tagged its kind
+                self.client.set_experiment_tag(experiment.experiment_id, *next(iter(EXPERIMENT_KIND.items())))
             return experiment.experiment_id
         try:
-            return self.client.create_experiment(name, artifact_location=self._artifact_location(name))
+            return self.client.create_experiment(name, artifact_location=self._artifact_location(name), tags=EXPERIMENT_KIND)
         except Exception:  # created concurrently by another process
             return self.client.get_experiment_by_name(name).experiment_id
 
@@ -218,6 +224,32 @@ class Store:
         from mlflow.entities import RunTag
 
         self.client.log_batch(run_id, tags=[RunTag(prefix + key, str(value)) for key, value in tags.items()])
+
+    def describe(self, run_id: str, text: str) -> None:
+        """The run's description in the MLflow UI: its one-line answer."""
+        self.client.set_tag(run_id, DESCRIPTION_TAG, text)
+
+    def record_answer(self, examined_run_id: str, verb: str, answer: str, result_run_id: str | None = None) -> None:
+        """`verb`'s one-line answer about a run: the result run's description, and a line of the examined run's
+        description, which lists the latest answer of each verb with a link to the run that holds its report."""
+        answer = answer[:1000]  # a tag value's length is bounded
+        if result_run_id:
+            self.describe(result_run_id, answer)
+        self.set_tags(examined_run_id, {f"answer.{verb}": answer, f"answer.{verb}.run": result_run_id or ""})
+        run = self.get_run(examined_run_id)
+        tags = run.data.tags
+        lines = []
+        if tags.get(TAG + "status") == "nonfinite":
+            lines.append(f"non-finite {tags.get(TAG + 'nonfinite_what', 'loss').replace('_', ' ')} at step "
+                         f"{tags.get(TAG + 'first_nonfinite_step', '?')}")
+        for name in ANSWERING_VERBS:
+            line = tags.get(f"{TAG}answer.{name}")
+            if not line:
+                continue
+            holder = tags.get(f"{TAG}answer.{name}.run")
+            link = f" ([report](#/experiments/{run.info.experiment_id}/runs/{holder}))" if holder else ""
+            lines.append(f"**{name}**: {line}{link}")
+        self.describe(examined_run_id, "  \n".join(lines))
 
     def tags(self, run_id: str) -> dict[str, str]:
         """The run's replaybisect tags, without the prefix."""

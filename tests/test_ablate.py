@@ -97,19 +97,28 @@ def test_nan_row_is_fixed_by_skip_batch_alone_same_verdicts_on_every_executor(ba
             # CPU replays are bitwise deterministic: the numbers match too, not only the verdicts
             assert (arm["first_nonfinite_step"], arm["final_loss"]) == (by_name[arm["name"]]["first_nonfinite_step"], by_name[arm["name"]]["final_loss"])
 
-    # every arm is a child run of the failed run, with its change as params and its loss curve
+    # each ablation is one run under the failed run (`ablate @ step 25`), holding its arms as child runs with
+    # their change as params and their loss curve, and its own report: a second ablation overwrites nothing
     store = ws.store()
-    children = store.child_runs(run.run_id, "ablation-arm")
-    assert len(children) == 6 + 3 + 3  # the engine-only ablation in test_the_engine_alone_records_nothing adds none
+    ablations = store.child_runs(run.run_id, "ablation")
+    assert {a.info.run_id for a in ablations} == {one["report_run_id"], two["report_run_id"], submitit["report_run_id"]}
+    assert {a.info.run_name for a in ablations} == {"ablate @ step 25"}
+    assert store.child_runs(run.run_id, "ablation-arm") == []
+    children = store.child_runs(one["report_run_id"], "ablation-arm")
+    assert len(children) == 6
     skip = next(c for c in children if c.data.params.get("arm") == "skip-batch")
+    assert skip.info.run_name == "ablate @ step 25 / skip-batch"
     assert skip.data.params["change.skip_step"] == "25" and "dropped" in skip.data.params["change"]
     losses = store.metric_history(skip.info.run_id, "loss")
     assert [s for s, _ in losses] == [s for s in range(20, 40) if s != 25]
-    # the report lives on the failed run
-    names = {info.path for info in store.list_artifacts(run.run_id)}
-    assert {"ablation.md", "ablation.json", "ablation.png"} <= names
-    report = json.loads(store.read_artifact_text(run.run_id, "ablation.json"))
-    assert report["conclusion"] == submitit["conclusion"]
+    for result in (one, submitit):
+        names = {info.path for info in store.list_artifacts(result["report_run_id"])}
+        assert {"ablation.md", "ablation.json", "ablation.png"} <= names
+        report = json.loads(store.read_artifact_text(result["report_run_id"], "ablation.json"))
+        assert report["conclusion"] == result["conclusion"]
+    # the one-line answer is the ablation run's description and a line of the failed run's
+    assert store.get_run(submitit["report_run_id"]).data.tags["mlflow.note.content"] == submitit["conclusion"]
+    assert f"**ablate**: {submitit['conclusion']}" in store.get_run(run.run_id).data.tags["mlflow.note.content"]
 
 
 def test_the_engine_alone_records_nothing(bad_row):
@@ -118,12 +127,12 @@ def test_the_engine_alone_records_nothing(bad_row):
 
     ws, run = bad_row
     store = ws.store()
-    children_before = {c.info.run_id for c in store.child_runs(run.run_id, "ablation-arm")}
+    children_before = {c.info.run_id for c in store.child_runs(run.run_id)}
     artifacts_before = {info.path for info in store.list_artifacts(run.run_id)}
     result = ablate_engine(store, run.run_id, "skip-batch", horizon=5, workers=1)
     assert result.verdicts() == {"skip-batch": "fixes"} and result.baseline.verdict == "fails-again"
     assert result.artifacts == [] and result.baseline.run_id is None and result.arms[0].run_id is None
-    assert {c.info.run_id for c in store.child_runs(run.run_id, "ablation-arm")} == children_before
+    assert {c.info.run_id for c in store.child_runs(run.run_id)} == children_before
     assert {info.path for info in store.list_artifacts(run.run_id)} == artifacts_before
 
 

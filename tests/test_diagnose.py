@@ -133,19 +133,26 @@ def test_healthy_run_gets_a_clean_bill(planted, name):
 
 
 def test_healthy_report_and_artifacts_on_the_run(planted):
+    """The report is a child run of the diagnosed run (`diagnose: healthy`); a second diagnosis is a second child."""
     workspace, results = planted
     data = diagnose(planted, "healthy_mlp_digits")
-    run_id = data["run_id"]
+    run_id, report_run_id = data["run_id"], data["report_run_id"]
     assert sorted(data["artifacts"]) == ["diagnosis.json", "diagnosis.md", "diagnosis_loss.png"]
     store = workspace.store()
-    names = {info.path for info in store.list_artifacts(run_id)}
+    report_run = store.get_run(report_run_id)
+    assert report_run.data.tags["mlflow.parentRunId"] == run_id and report_run.info.run_name == "diagnose: healthy"
+    assert report_run.data.tags["mlflow.note.content"] == "no pathology found"
+    assert "**diagnose**: no pathology found" in store.get_run(run_id).data.tags["mlflow.note.content"]
+    names = {info.path for info in store.list_artifacts(report_run_id)}
     assert {"diagnosis.md", "diagnosis_loss.png", "diagnosis.json"} <= names
-    assert "No pathology found" in store.read_artifact_text(run_id, "diagnosis.md")
-    assert json.loads(store.read_artifact_text(run_id, "diagnosis.json"))["healthy"] is True
+    assert "No pathology found" in store.read_artifact_text(report_run_id, "diagnosis.md")
+    assert json.loads(store.read_artifact_text(report_run_id, "diagnosis.json"))["healthy"] is True
     assert store.tags(run_id)["diagnosis"] == "healthy"
-    png = store.local_artifact_dir(run_id) / "diagnosis_loss.png"
+    png = store.local_artifact_dir(report_run_id) / "diagnosis_loss.png"
     assert workspace.path in png.parents
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    again = workspace.replay("diagnose", "--run-id", run_id, "--json").json()
+    assert again["report_run_id"] != report_run_id and store.list_artifacts(report_run_id)  # nothing overwritten
 
 
 def test_nan_at_the_first_step(planted):
@@ -289,7 +296,7 @@ def test_rich_report_and_no_artifacts(planted):
     workspace, results = planted
     run_id = results["dead_relu"]["train"][1]["run_id"]
     quiet = diagnose(planted, "dead_relu", ("--json", "--no-artifacts"))
-    assert quiet["artifacts"] == []
+    assert quiet["artifacts"] == [] and quiet["report_run_id"] is None
     assert [f["pattern"] for f in quiet["findings"]] == [f["pattern"] for f in diagnose(planted, "dead_relu")["findings"]]
     report = diagnose(planted, "dead_relu", ())
     assert "dead-relu" in report and "net.1" in report

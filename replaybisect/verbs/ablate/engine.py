@@ -8,8 +8,8 @@
    fixes | delays | no-effect | worse (or not-applicable / error), from its first non-finite step and
    whether its loss blew up.
 4. The engine reads the store and writes nothing. `ablate.report.publish` (called by the command) makes every
-   replayed arm an MLflow child run (kind=ablation-arm) with its change as params and its loss curve, and puts
-   the report (ablation.md, ablation.json, ablation.png) on the failed run.
+   replayed arm an MLflow run (kind=ablation-arm) with its change as params and its loss curve, under one run per
+   ablation (kind=ablation, a child of the failed run) that holds the report (ablation.md, ablation.json, ablation.png).
 """
 
 from __future__ import annotations
@@ -117,6 +117,7 @@ class AblationResult:
     seconds: float = 0.0
     tracking_uri: str = ""
     artifacts: list[str] = field(default_factory=list)
+    report_run_id: Optional[str] = None  # the ablation's own run (its arms are children of it), set by report.publish
 
     def verdicts(self) -> dict[str, str]:
         return {arm.name: arm.verdict for arm in self.arms}
@@ -142,6 +143,7 @@ class AblationResult:
             "workers": self.workers,
             "seconds": round(self.seconds, 2),
             "artifacts": self.artifacts,
+            "report_run_id": self.report_run_id,
         }
 
 

@@ -82,7 +82,7 @@ def print_result(result, console=None) -> None:
     console.print(
         f"  {1 + sum(arm.verdict != 'not-applicable' for arm in result.arms)} replays on {result.executor} x{result.workers} "
         f"in {result.seconds:.1f}s; "
-        f"report on the run: {', '.join(result.artifacts) or '-'}; view: {mlflow_ui_hint(result.tracking_uri)}"
+        f"report: run {result.report_run_id or '-'} ({', '.join(result.artifacts) or '-'}); view: {mlflow_ui_hint(result.tracking_uri)}"
     )
 
 
@@ -215,9 +215,9 @@ def _arm_points(arm) -> list[tuple[str, float, int]]:
     return points
 
 
-def _record_arm(store, result, arm) -> None:
-    """One replayed arm as a child run of the examined run (kind=ablation-arm): its change as params, its curves."""
-    child = store.create_run("ablation-arm", run_name=f"ablate-{arm.name}", parent_run_id=result.run_id,
+def _record_arm(store, result, arm, label: str) -> None:
+    """One replayed arm as a child run of the ablation's run (kind=ablation-arm): its change as params, its curves."""
+    child = store.create_run("ablation-arm", run_name=f"{label} / {arm.name}", parent_run_id=result.report_run_id,
                              tags={"replaybisect.arm": arm.name})
     store.log_params(child, _arm_params(result, arm))
     if arm.verdict == "error":
@@ -231,22 +231,33 @@ def _record_arm(store, result, arm) -> None:
 
 
 def write_artifacts(store, result) -> list[str]:
-    """ablation.md, ablation.json and ablation.png on the examined run."""
+    """ablation.md, ablation.json and ablation.png on the ablation's run (each ablation keeps its own)."""
     result.artifacts = ["ablation.md", "ablation.json", "ablation.png"]
-    store.log_text(result.run_id, to_markdown(result), "ablation.md")
-    store.log_dict(result.run_id, result.to_json(), "ablation.json")
+    store.log_text(result.report_run_id, to_markdown(result), "ablation.md")
+    store.log_dict(result.report_run_id, result.to_json(), "ablation.json")
     figure = loss_figure(result)
     try:
-        store.log_figure(result.run_id, figure, "ablation.png")
+        store.log_figure(result.report_run_id, figure, "ablation.png")
     finally:
         close_figure(figure)
     return result.artifacts
 
 
 def publish(store, result) -> None:
-    """Record what `ablate()` found: every replayed arm (the baseline first) as a child run, then the report on
-    the examined run (its child-run ids in it)."""
-    for arm in [result.baseline, *result.arms]:
-        if arm.verdict != "not-applicable":
-            _record_arm(store, result, arm)
-    write_artifacts(store, result)
+    """Record what `ablate()` found as one run under the examined run (`ablate @ step 47`, kind=ablation): every
+    replayed arm (the baseline first) as its child (`ablate @ step 47 / lr`), the report on it, the conclusion as
+    its description and a line of the examined run's. A second ablation is a second run: nothing is overwritten."""
+    step = result.failing_step if result.failing_step is not None else result.start_step
+    label = f"ablate @ step {step}"
+    result.report_run_id = store.create_run("ablation", run_name=label, parent_run_id=result.run_id,
+                                            tags={"replaybisect.arms": ",".join(arm.name for arm in result.arms)})
+    try:
+        for arm in [result.baseline, *result.arms]:
+            if arm.verdict != "not-applicable":
+                _record_arm(store, result, arm, label)
+        write_artifacts(store, result)
+    except BaseException:
+        store.finish_run(result.report_run_id, "crashed", "FAILED")
+        raise
+    store.finish_run(result.report_run_id, "ok")
+    store.record_answer(result.run_id, "ablate", result.conclusion, result.report_run_id)

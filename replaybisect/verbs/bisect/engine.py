@@ -463,7 +463,7 @@ class TrainRunner:
         command = [sys.executable, "-m", "replaybisect", "train",
                    "--config-dir", str(worktree / self.config_dir), "--config-name", self.config_name,
                    "--json", "--tracking-uri", self.tracking_uri,
-                   "--parent-run-id", parent_run_id, "--kind", "bisect-trial",
+                   "--parent-run-id", parent_run_id, "--kind", "bisect-trial", "--run-name", f"{sha[:10]} seed {seed}",
                    "--tag", f"bisect_sha={sha}", "--tag", f"bisect_seed={seed}",
                    f"seed={seed}"]
         if self.steps is not None:

@@ -134,6 +134,7 @@ def publish(store, result: "BisectResult") -> None:
     finally:
         close_figure(figure)
     store.set_tags(run_id, summary_tags(result))
+    store.describe(run_id, headline(result))
 
 
 def summary_tags(result: "BisectResult") -> dict:

@@ -171,10 +171,22 @@ def publish(store, report, cfg=None, code_folder: Path | None = None) -> None:
     except BaseException:
         store.finish_run(check_run, "crashed", "FAILED")
         raise
+    if report.checked_run_id:
+        store.record_answer(report.checked_run_id, "check", answer(report), check_run)
+    else:
+        store.describe(check_run, answer(report))
+
+
+def answer(report) -> str:
+    """The one-line answer: the run descriptions in the MLflow UI."""
+    counts = report.counts()
+    failing = [c.name for c in report.checks if c.status == "fail"]
+    return (f"{report.status}: {counts['pass']} pass, {counts['warn']} warn, {counts['fail']} fail"
+            + (f" ({', '.join(failing)})" if failing else ""))
 
 
 def _run_name(report) -> str:
-    return f"check {report.checked_run_id[:8]}" if report.checked_run_id else "check"
+    return "check @ " + (f"run {report.checked_run_id[:8]}" if report.checked_run_id else "config")
 
 
 def _run_tags(report, code_folder: Path | None) -> dict[str, str]:

@@ -13,13 +13,14 @@ def diagnose_command(
     run_id: str = typer.Option(..., "--run-id", help="The run to read (see `replay runs`)."),
     tracking_uri: Optional[str] = TrackingUri,
     as_json: bool = JsonFlag,
-    no_artifacts: bool = typer.Option(False, "--no-artifacts", help="Do not attach diagnosis.md and the plot to the run."),
+    no_artifacts: bool = typer.Option(False, "--no-artifacts", help="Do not record the report (no child run with diagnosis.md and the plot)."),
 ):
     """Read a run's recorded metrics (no replay) and name what the curves show: NaN at the first step or
     after K steps, flat from the start, spikes, plateau, oscillation, overfitting, train/validation
     mismatch, exploding or vanishing gradients per layer, dead ReLUs, update/weight ratio out of range,
     input-pipeline bound. Each finding comes with its evidence and the next command to run; a healthy
-    run gets "no pathology found". diagnosis.md and an annotated loss curve are attached to the run.
+    run gets "no pathology found". diagnosis.md and an annotated loss curve are recorded in a child run
+    of the run (`diagnose: <verdict>`), whose description is the verdict.
 
     Example: replay diagnose --run-id 3f2a9c0d...
 
@@ -35,12 +36,11 @@ def diagnose_command(
 
     curves = load_curves(store, run_id)
     result = analyse(curves)
-    if not no_artifacts:
-        publish(store, result, curves)
+    report_run_id = None if no_artifacts else publish(store, result, curves)
     if as_json:
-        print_json(result.to_json())
+        print_json({**result.to_json(), "report_run_id": report_run_id})
     else:
-        print_diagnosis(result)
+        print_diagnosis(result, report_run_id=report_run_id)
 
 
 def register(app: typer.Typer) -> None:

@@ -50,7 +50,7 @@ def _short(value: Any) -> str:
 
 
 # ---- rich -----------------------------------------------------------------------------------------------
-def print_diagnosis(result, console=None) -> None:
+def print_diagnosis(result, console=None, report_run_id: str | None = None) -> None:
     from rich.table import Table
 
     console = console or shared_console
@@ -79,7 +79,8 @@ def print_diagnosis(result, console=None) -> None:
     if result.skipped:
         console.print("[dim]not checked: " + "; ".join(f"{p} ({why})" for p, why in result.skipped.items()) + "[/dim]")
     if result.artifacts:
-        console.print(f"[dim]attached to the run: {', '.join(result.artifacts)}[/dim]")
+        holder = f"child run {report_run_id}" if report_run_id else "the run"
+        console.print(f"[dim]report: {holder} ({', '.join(result.artifacts)})[/dim]")
 
 
 def _summary_sentence(summary: dict[str, Any]) -> str:
@@ -199,8 +200,13 @@ def _annotate(ax_loss, ax_grad, finding, curves) -> None:
 
 
 # ---- publishing: artifacts on the run ----------------------------------------------------------------------------------
-def publish(store, result, curves) -> list[str]:
-    """diagnosis.md, diagnosis.json and the annotated PNG, attached to the diagnosed run; a replaybisect.diagnosis tag."""
+def publish(store, result, curves) -> str:
+    """A child run of the diagnosed run (`diagnose: spikes`, kind=diagnosis) holding diagnosis.md, diagnosis.json
+    and the annotated PNG (a second diagnosis is a second run: nothing is overwritten); the verdict as its
+    description, a line of the diagnosed run's and its replaybisect.diagnosis tag. Returns the child run's id."""
+    verdict = "healthy" if result.healthy else ",".join(dict.fromkeys(f.pattern for f in result.findings)) or "not-enough-data"
+    child = store.create_run("diagnosis", run_name=f"diagnose: {verdict}", parent_run_id=result.run_id,
+                             tags={"replaybisect.diagnosis": verdict})
     figure = loss_figure(result, curves)
     result.artifacts = [MARKDOWN, JSON_FILE, PLOT]
     try:
@@ -209,9 +215,21 @@ def publish(store, result, curves) -> list[str]:
             figure.savefig(folder / PLOT, dpi=100)
             (folder / MARKDOWN).write_text(to_markdown(result), encoding="utf-8")
             (folder / JSON_FILE).write_text(json.dumps(result.to_json(), indent=2), encoding="utf-8")
-            store.log_artifacts(result.run_id, folder)
+            store.log_artifacts(child, folder)
+    except BaseException:
+        store.finish_run(child, "crashed", "FAILED")
+        raise
     finally:
         close_figure(figure)
-    verdict = "healthy" if result.healthy else ",".join(dict.fromkeys(f.pattern for f in result.findings)) or "not-enough-data"
+    store.finish_run(child, "ok")
     store.set_tags(result.run_id, {"diagnosis": verdict})
-    return result.artifacts
+    store.record_answer(result.run_id, "diagnose", answer(result), child)
+    return child
+
+
+def answer(result) -> str:
+    """The one-line answer: the run descriptions in the MLflow UI."""
+    if not result.findings:
+        return result.verdict
+    first = result.findings[0]
+    return f"{result.verdict}; next: {first.next}"

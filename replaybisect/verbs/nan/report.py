@@ -174,7 +174,7 @@ def publish(store, report) -> str:
 
     child = store.create_run(
         "replay",
-        run_name=f"nan-step-{report.failing_step}",
+        run_name=f"nan @ step {report.failing_step}",
         parent_run_id=report.run_id,
         tags={
             "replaybisect.verb": "nan",
@@ -199,4 +199,11 @@ def publish(store, report) -> str:
         store.finish_run(child, "crashed", "FAILED")
         raise
     store.finish_run(child, "ok")
+    store.record_answer(report.run_id, "nan", answer(report), child)
     return child
+
+
+def answer(report) -> str:
+    """The one-line answer: the run descriptions in the MLflow UI."""
+    where = (f" in {report.module}" if report.module else "") + (f", op {report.op}" if report.op else "")
+    return f"step {report.failing_step}: {report.category}{where} (replay {report.reproduced})"

@@ -8,7 +8,7 @@ from typing import Optional
 from replaybisect.errors import ReplayError
 from replaybisect.store import TAG, Store
 
-KINDS = ("train", "replay", "ablation-arm", "bisect", "bisect-trial", "check")
+KINDS = ("train", "replay", "ablation-arm", "bisect", "bisect-trial", "check", "ablation", "diagnosis")
 STATUSES = ("ok", "nonfinite", "crashed", "killed", "running")
 MAX_LIMIT = 50_000  # MLflow's SEARCH_MAX_RESULTS_THRESHOLD: a search asking for more is refused
 

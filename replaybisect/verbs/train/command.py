@@ -40,7 +40,7 @@ def train_command(
     """
     from replaybisect.core import config as config_mod
     from replaybisect.errors import NonFiniteStop, ReplayError
-    from replaybisect.report import print_train_result
+    from replaybisect.report import print_train_result, run_label
 
     extra_tags = {}
     for item in tag:
@@ -61,7 +61,7 @@ def train_command(
     code_folder = config_dir.resolve() if config_dir else Path.cwd()
     with StepProgress("training") as bar:
         result = train(
-            cfg, store, run_name=run_name, parent_run_id=parent_run_id, kind=kind,
+            cfg, store, run_name=run_name or run_label(cfg, config_dir, config_name), parent_run_id=parent_run_id, kind=kind,
             extra_tags=extra_tags, code_folder=code_folder, progress=bar.update,
         )
     if as_json:
