@@ -68,7 +68,7 @@ class WatchOptions:
 
     def check(self) -> None:
         """Bad values are bad input, before the server is contacted."""
-        for name, value, low in (("--interval", self.interval, 0.1), ("--lease", self.lease, 1.0), ("--settle", self.settle, 0.0),
+        for name, value, low in (("--interval", self.interval, 0.1), ("--lease", self.lease, 1.0), ("--settle", self.settle, 0.1),
                                  ("--time-limit", self.time_limit, 1.0), ("--grace", self.grace, 0.0)):
             if not value >= low:
                 raise ReplayError(f"{name} {value} must be at least {low}")
@@ -541,11 +541,15 @@ def _tag_line(text: str) -> str:
     return " ".join(text.split())[:500]  # one line; well under MLflow's tag value limit
 
 
+# how running out of address space (RLIMIT_AS) shows: Python, torch's allocator, the loader mapping a library
+OUT_OF_MEMORY = ("MemoryError", "std::bad_alloc", "DefaultCPUAllocator", "failed to map segment", "Cannot allocate memory")
+
+
 def _failure_reason(returncode: int, stderr: str, memory_mb: int) -> str:
     lines = [line.strip() for line in stderr.splitlines() if line.strip()]
     if returncode < 0:
         return f"killed by {signal.Signals(-returncode).name}"
-    if any("MemoryError" in line or "std::bad_alloc" in line or "DefaultCPUAllocator" in line for line in lines[-20:]):
+    if any(sign in line for line in lines[-20:] for sign in OUT_OF_MEMORY):
         return f"ran out of memory (limit {memory_mb} MiB, --memory-mb)"
     last = next((line for line in reversed(lines) if line.startswith("replay:")), lines[-1] if lines else "no output")
     return f"exit {returncode}: {last.removeprefix('replay: ').removeprefix('error: ')}"
