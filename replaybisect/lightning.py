@@ -1,0 +1,381 @@
+"""Record a PyTorch Lightning run so `replay nan`, `replay ablate` and `replay check --run-id` can replay it.
+
+    from replaybisect.lightning import ReplayCallback
+
+    trainer = L.Trainer(..., callbacks=[ReplayCallback()])
+    trainer.fit(model, data)
+
+The run is a user-loop run (`train.loop: user`, see user_loop.py): metrics every step, snapshots with the
+batches, and a config a replay rebuilds from. A replay needs no Trainer: `build` makes the LightningModule from
+its class and `hparams` (call `self.save_hyperparameters()` in `__init__`) and calls its `configure_optimizers`;
+`lightning_step` does one optimizer step the way Lightning's automatic optimization does it numerically
+(training_step under the Trainer's precision, backward, gradient clipping, optimizer and scheduler steps).
+The module's class is your code: a replay imports it only from the folder it runs in or a --code-dir.
+
+A non-finite loss or gradient stops training before the update: `trainer.fit` raises NonFiniteStep, the run
+ends FAILED and its last snapshot is the state before the failing step (`replay nan --run-id ...`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import math
+import os
+import random
+import sys
+import time
+import warnings
+from typing import Any, Optional
+
+import torch
+from lightning.pytorch import Callback
+
+from replaybisect.errors import ConfigError
+from replaybisect.user_loop import NonFiniteStep, function_target, plain_config, replay_config
+
+STEP_TARGET = "replaybisect.lightning.lightning_step"
+BUILD_TARGET = "replaybisect.lightning.build"
+PRECISIONS = {"32-true": "fp32", "32": "fp32", "bf16-mixed": "bf16", "16-mixed": "fp16"}
+AUTOCAST = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
+POSITION = "lightning"  # the stored batch: {"batch": what training_step got, POSITION: where Lightning was}
+
+
+# ---- replay: the objects and the step, without a Trainer ----------------------------------------------------
+def build(config) -> dict[str, Any]:
+    """The LightningModule from its class and hparams, on the recorded device, and its configure_optimizers."""
+    from lightning.pytorch.core.optimizer import _configure_optimizers
+
+    from replaybisect.core.config import instantiate
+
+    module_class = instantiate(config.module, "the LightningModule")
+    model = module_class(**{key: config.hparams[key] for key in config.hparams})
+    model = model.to(torch.device(config.trainer.device))
+    with _no_trainer_warnings():
+        optimizers, schedulers, _ = _configure_optimizers(model.configure_optimizers())
+    scaler = torch.amp.GradScaler(torch.device(config.trainer.device).type) if config.trainer.precision == "16-mixed" else None
+    scheduler = schedulers[0] if schedulers else None
+    if isinstance(scheduler, dict):
+        scheduler = scheduler["scheduler"]
+    return {"model": model, "optimizer": optimizers[0], "scheduler": scheduler, "scaler": scaler}
+
+
+def lightning_step(model, optimizer, scheduler, scaler, batch, config):
+    """One step of Lightning's automatic optimization: training_step under the precision's autocast, backward
+    (scaled for 16-mixed), unscale, the module's configure_gradient_clipping with the Trainer's settings,
+    optimizer (scaler) step, and the scheduler when Lightning stepped it at this batch. Returns the loss."""
+    trainer = config.trainer
+    inner, position = batch["batch"], batch[POSITION]
+    device = torch.device(trainer.device)
+    dtype = AUTOCAST.get(trainer.precision)
+    autocast = torch.autocast(device.type, dtype=dtype, cache_enabled=False) if dtype else contextlib.nullcontext()
+    with _no_trainer_warnings():
+        with autocast:
+            output = model.training_step(inner, position["batch_idx"]) if position["takes_batch_idx"] else model.training_step(inner)
+        loss = output["loss"] if isinstance(output, dict) else output
+        model.backward(scaler.scale(loss) if scaler is not None else loss)
+        if scaler is not None:
+            scaler.unscale_(optimizer)
+        # clipped in the optimizer's own pre-step hook: the recorder's observers see the gradients before the
+        # clip (as a recorded run's on_before_optimizer_step did), an ablation arm's clip then comes first
+        clip = optimizer.register_step_pre_hook(lambda *_: _clip(model, optimizer, trainer))
+        try:
+            if scaler is not None:
+                scaler.step(optimizer)
+                scaler.update()
+            else:
+                optimizer.step()
+        finally:
+            clip.remove()
+        if scheduler is not None and position["scheduler_step"]:
+            model.lr_scheduler_step(scheduler, None)
+    return loss
+
+
+def _clip(model, optimizer, trainer) -> None:
+    """The module's configure_gradient_clipping with the Trainer's value and algorithm; its clip_gradients
+    (which reads the Trainer) replaced by what Lightning's precision plugin does."""
+    def clip_gradients(optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
+        value = trainer.gradient_clip_val if gradient_clip_val is None else gradient_clip_val
+        algorithm = (trainer.gradient_clip_algorithm if gradient_clip_algorithm is None else gradient_clip_algorithm) or "norm"
+        if not value or value <= 0:
+            return
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        if str(algorithm).lower() == "value":
+            torch.nn.utils.clip_grad_value_(params, clip_value=value)
+        else:
+            torch.nn.utils.clip_grad_norm_(params, value)
+
+    model.clip_gradients = clip_gradients
+    try:
+        model.configure_gradient_clipping(optimizer, gradient_clip_val=trainer.gradient_clip_val,
+                                          gradient_clip_algorithm=trainer.gradient_clip_algorithm)
+    finally:
+        del model.clip_gradients
+
+
+@contextlib.contextmanager
+def _no_trainer_warnings():
+    """`self.log(...)` in a replayed training_step has no Trainer to log to: that is expected, not worth a warning."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*self.log.*")
+        warnings.filterwarnings("ignore", message=".*not registered on the model.*")
+        yield
+
+
+# ---- recording: what the Trainer runs, as the config a replay needs ---------------------------------------
+def _trainer_settings(trainer, pl_module) -> dict[str, Any]:
+    """The Trainer's numerics a replay repeats; a setup the replay cannot repeat is a one-line ConfigError."""
+    if not pl_module.automatic_optimization:
+        raise ConfigError("ReplayCallback records automatic optimization only; this module sets automatic_optimization = False")
+    if len(trainer.optimizers) != 1:
+        raise ConfigError(f"ReplayCallback records one optimizer; configure_optimizers returned {len(trainer.optimizers)}")
+    if trainer.accumulate_grad_batches != 1:
+        raise ConfigError(f"ReplayCallback does not record accumulate_grad_batches={trainer.accumulate_grad_batches} yet; "
+                          "use accumulate_grad_batches=1 (or accumulate inside a replaybisect.Recorder loop)")
+    precision = str(trainer.precision)
+    if precision not in PRECISIONS:
+        raise ConfigError(f"ReplayCallback records precision 32-true, bf16-mixed or 16-mixed; this Trainer uses {precision}")
+    configs = trainer.lr_scheduler_configs
+    if len(configs) > 1 or any(c.reduce_on_plateau for c in configs):
+        raise ConfigError("ReplayCallback records at most one learning-rate scheduler, not ReduceLROnPlateau")
+    if trainer.world_size != 1:
+        raise ConfigError(f"ReplayCallback records one process; this Trainer runs {trainer.world_size}")
+    algorithm = trainer.gradient_clip_algorithm
+    return {
+        "precision": precision,
+        "device": str(pl_module.device),
+        "gradient_clip_val": trainer.gradient_clip_val,
+        "gradient_clip_algorithm": getattr(algorithm, "value", algorithm),
+        "scheduler": {"interval": configs[0].interval, "frequency": configs[0].frequency} if configs else None,
+    }
+
+
+def _hparams(pl_module) -> dict[str, Any]:
+    """The module's hparams, checked to cover every argument its __init__ requires."""
+    hparams = plain_config(dict(pl_module.hparams))
+    signature = inspect.signature(type(pl_module).__init__)
+    missing = [name for name, p in list(signature.parameters.items())[1:]
+               if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD) and name not in hparams]
+    if missing:
+        raise ConfigError(f"{type(pl_module).__name__}.__init__ takes {', '.join(missing)}, which is not in its hparams; call "
+                          "self.save_hyperparameters() in __init__ so a replay can rebuild the module")
+    return hparams
+
+
+def _scheduler_steps(trainer, batch_idx: int) -> bool:
+    """Whether Lightning steps the scheduler after this batch (training_epoch_loop.update_lr_schedulers)."""
+    if not trainer.lr_scheduler_configs:
+        return False
+    config = trainer.lr_scheduler_configs[0]
+    if config.interval == "step":
+        return (batch_idx + 1) % config.frequency == 0
+    last_batch = trainer.fit_loop.epoch_loop._num_ready_batches_reached()
+    return bool(last_batch) and (trainer.current_epoch + 1) % config.frequency == 0
+
+
+class ReplayCallback(Callback):
+    """Records the Trainer's run to MLflow so it can be replayed bit for bit (`replay nan --run-id ...`).
+
+    tracking_uri: the store (default: $MLFLOW_TRACKING_URI, else ./mlflow.db). snapshot_every: a snapshot (model,
+    optimizer, scheduler, scaler, RNG) every N steps, with every batch in between. layer_stats_every: per-layer
+    statistics every N steps. on_nonfinite: "stop" (trainer.fit raises NonFiniteStep) or "continue".
+    """
+
+    def __init__(self, *, tracking_uri: Optional[str] = None, experiment: Optional[str] = None, run_name: Optional[str] = None,
+                 snapshot_every: int = 100, layer_stats_every: int = 50, on_nonfinite: str = "stop"):
+        self.tracking_uri, self.experiment, self.run_name = tracking_uri, experiment, run_name
+        self.snapshot_every, self.layer_stats_every, self.on_nonfinite = snapshot_every, layer_stats_every, on_nonfinite
+        self.run_id: Optional[str] = None
+        self.steps_taken = 0
+        self.first_nonfinite_step: Optional[int] = None
+        self._open = False
+        self._step: Optional[dict[str, Any]] = None  # the step in progress
+
+    # ---- the run ------------------------------------------------------------------------------------------
+    def on_train_start(self, trainer, pl_module) -> None:
+        from omegaconf import OmegaConf
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
+        from replaybisect.core.loop import BufferGuard, TrainState
+
+        settings = _trainer_settings(trainer, pl_module)
+        module_target, folder = function_target(type(pl_module), "the LightningModule")
+        user = {"module": {"_target_": module_target, "_partial_": True}, "hparams": _hparams(pl_module), "trainer": settings}
+        precision = PRECISIONS[settings["precision"]]
+        steps = trainer.max_steps if trainer.max_steps and trainer.max_steps > 0 else None
+        self.cfg = replay_config(step_target=STEP_TARGET, build_target=BUILD_TARGET, config=user, seed=torch.initial_seed(),
+                                 precision=precision, snapshot_every=self.snapshot_every,
+                                 layer_stats_every=self.layer_stats_every, on_nonfinite=self.on_nonfinite, steps=steps)
+        scaler = getattr(trainer.precision_plugin, "scaler", None)
+        configs = trainer.lr_scheduler_configs
+        self.state = TrainState(cfg=self.cfg, model=pl_module, optimizer=trainer.optimizers[0],
+                                scheduler=configs[0].scheduler if configs else None, scaler=scaler, loss_fn=None,
+                                step_fn=lightning_step, device=pl_module.device, precision=precision, clip_grad_norm=None,
+                                user_loop=True, user_config=OmegaConf.create(user))
+        self._buffers = BufferGuard(pl_module)
+        self._takes_batch_idx = _takes_batch_idx(pl_module)
+        self.steps_taken = 0
+        self.first_nonfinite_step = None
+        self._last_step_end: Optional[float] = None
+        self._start_run(folder)
+        self._post_hook = register_optimizer_step_post_hook(self._after_update)
+
+    def _start_run(self, folder) -> None:
+        from replaybisect.core import config as config_mod
+        from replaybisect.core.rng import isolated_rng
+        from replaybisect.recorder import Recorder as RecordingHooks
+        from replaybisect.store import open_store
+        from replaybisect.verbs.train.engine import git_info
+
+        self.store = open_store(self.tracking_uri)
+        tags = {f"replaybisect.{key}": value for key, value in git_info(folder).items()}
+        tags["replaybisect.code_dir"] = str(folder)
+        tags["replaybisect.loop"] = "user"
+        tags["replaybisect.trainer"] = "lightning"
+        with isolated_rng():  # MLflow names runs with `random`: keep it off the user's streams
+            random.seed(os.urandom(8))
+            self.run_id = self.store.create_run("train", run_name=self.run_name, experiment=self.experiment, tags=tags)
+        self._open = True
+        self.store.log_params(self.run_id, config_mod.flatten(self.cfg))
+        self.store.log_text(self.run_id, config_mod.to_yaml(self.cfg), "config.yaml")
+        self._hooks = RecordingHooks(self.store, self.run_id, self.cfg, self.state, {"seed": int(self.cfg.seed)})
+        print(f"replaybisect: recording run {self.run_id} to {self.store.uri}", file=sys.stderr)
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        self._finish("nonfinite" if self.first_nonfinite_step is not None else "ok",
+                     "FAILED" if self.first_nonfinite_step is not None else "FINISHED")
+
+    def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
+        if isinstance(exception, NonFiniteStep) or not self._open:
+            return
+        from replaybisect.verbs.train.engine import as_disk_full, mark_ended
+
+        self._close_hooks(quietly=True)
+        mark_ended(self.store, self.run_id, as_disk_full(exception, self.run_id, self.store) or exception)
+
+    def _finish(self, status: str, mlflow_status: str) -> None:
+        if not self._open:
+            return
+        self._close_hooks(quietly=False)
+        self.store.finish_run(self.run_id, status, mlflow_status)
+
+    def _close_hooks(self, quietly: bool) -> None:
+        self._open = False
+        self._post_hook.remove()
+        self._end_forward()
+        try:
+            self._hooks.close()
+        except BaseException:
+            if not quietly:
+                raise
+
+    # ---- one step: the moments of user_step's watch, at Lightning's hooks ---------------------------------------
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
+        from replaybisect.core import user_step
+        from replaybisect.core.loop import StepOutcome
+        from replaybisect.core.observer import forward_context
+        from replaybisect.core.rng import capture_raw
+
+        if not self._open:
+            return
+        step = self.steps_taken
+        rng_at_start = capture_raw()
+        self._buffers.save()
+        self._hooks.before_step(step, self.state, rng_at_start)
+        position = {"batch_idx": int(batch_idx), "takes_batch_idx": self._takes_batch_idx,
+                    "scheduler_step": _scheduler_steps(trainer, batch_idx)}
+        record = user_step.pack({"batch": batch, POSITION: position}, self.state.device)
+        scaler = self.state.scaler
+        observer = self._hooks.observer(step)
+        self._step = {
+            "record": record, "observer": observer, "started": time.perf_counter(),
+            "data_started": self._last_step_end if self._last_step_end is not None else time.perf_counter(),
+            "outcome": StepOutcome(step=step, loss=math.nan, lr=float(self.state.optimizer.param_groups[0]["lr"])),
+            "scale_before": scaler.get_scale() if scaler is not None and scaler.is_enabled() else None,
+            "forward": forward_context(observer, self.state),
+        }
+        self._step["forward"].__enter__()
+
+    def _end_forward(self) -> None:
+        opened = self._step.pop("forward", None) if self._step else None
+        if opened is not None:
+            opened.__exit__(None, None, None)
+
+    def on_before_backward(self, trainer, pl_module, loss) -> None:
+        from replaybisect.core.observer import notify
+
+        if not self._step:
+            return
+        self._end_forward()
+        outcome = self._step["outcome"]
+        notify(self._step["observer"], "after_forward", self.state, loss)
+        outcome.loss = float(loss.detach().float().item())
+        if not math.isfinite(outcome.loss) and outcome.nonfinite is None:
+            outcome.nonfinite = "loss"
+            self._nonfinite()
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        from replaybisect.core.observer import notify
+
+        if not self._step:
+            return
+        self._end_forward()
+        outcome = self._step["outcome"]
+        grads = [p.grad for p in self.state.params if p.grad is not None]
+        outcome.grad_norm = float((torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())).item())
+        notify(self._step["observer"], "after_backward", self.state)
+        if not math.isfinite(outcome.grad_norm) and self.state.scaler is None and outcome.nonfinite is None:
+            outcome.nonfinite = "grad_norm"
+            self._nonfinite()
+        notify(self._step["observer"], "before_update", self.state, outcome)
+
+    def _after_update(self, optimizer, args, kwargs) -> None:
+        from replaybisect.core.observer import notify
+
+        if self._step and optimizer is self.state.optimizer:
+            self._step["outcome"].updated = True
+            notify(self._step["observer"], "after_update", self.state)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
+        if not self._step:
+            return
+        step, self._step = self._step, None
+        outcome = step["outcome"]
+        loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+        if isinstance(loss, torch.Tensor):
+            outcome.loss = float(loss.detach().float().item())
+        if step["scale_before"] is not None:
+            outcome.scaler_skipped = self.state.scaler.get_scale() < step["scale_before"]
+            outcome.updated = outcome.updated and not outcome.scaler_skipped
+        self._last_step_end = time.perf_counter()
+        self._hooks.after_step(outcome, step["record"], self._last_step_end - step["started"], step["started"] - step["data_started"])
+        self.steps_taken = outcome.step + 1
+
+    def _nonfinite(self) -> None:
+        """The state is still the one before this step: the hooks save it with the failing batch. Stop: log the
+        step, end the run FAILED and raise; continue: put the forward's buffer updates back and go on."""
+        outcome, record = self._step["outcome"], self._step["record"]
+        self.first_nonfinite_step = outcome.step
+        after_forward = [b.detach().clone() for b in self._buffers.buffers]
+        self._buffers.restore()
+        keep_going = self._hooks.on_nonfinite(outcome, record)
+        if keep_going:
+            with torch.no_grad():
+                for buffer, value in zip(self._buffers.buffers, after_forward):
+                    buffer.copy_(value)
+            return
+        self._end_forward()
+        started, self._step = self._step["started"], None
+        self._hooks.after_step(outcome, record, time.perf_counter() - started, 0.0)
+        self._finish("nonfinite", "FAILED")
+        value = outcome.loss if outcome.nonfinite == "loss" else outcome.grad_norm
+        raise NonFiniteStep(f"{outcome.nonfinite} is {value} at step {outcome.step}; find the cause with: "
+                            f"replay nan --run-id {self.run_id}", self.run_id, outcome.step)
+
+
+def _takes_batch_idx(pl_module) -> bool:
+    """Lightning passes batch_idx when training_step takes a second argument (loops/training_epoch_loop)."""
+    from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
+
+    return bool(is_param_in_hook_signature(pl_module.training_step, "batch_idx", min_args=2))

@@ -1,0 +1,56 @@
+"""A LightningModule for the callback's tests: a small regressor whose prediction goes through exp (ExpHead), with
+dropout, a per-step StepLR, and a shuffling DataLoader. Too high a learning rate makes SGD diverge until the exp
+overflows: the planted NaN. Run: python lit_model.py PRECISION LR STEPS [CLIP]"""
+import sys
+
+import lightning as L
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, TensorDataset
+
+from replaybisect.lightning import ReplayCallback
+
+
+class ExpHead(nn.Module):
+    def forward(self, h):
+        return torch.exp(h)
+
+
+class LitRegressor(L.LightningModule):
+    def __init__(self, lr: float = 0.05, hidden: int = 16):
+        super().__init__()
+        self.save_hyperparameters()
+        self.body = nn.Sequential(nn.Linear(8, hidden), nn.Tanh(), nn.Dropout(0.1), nn.Linear(hidden, 1))
+        self.head = ExpHead()
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = F.mse_loss(self.head(self.body(x)).squeeze(-1), y)
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.SGD(self.parameters(), lr=self.hparams.lr, momentum=0.9)
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=10, gamma=0.9)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def data(samples: int = 256) -> DataLoader:
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(samples, 8, generator=generator)
+    y = torch.exp(0.5 * x[:, 0] - 0.3 * x[:, 1])
+    return DataLoader(TensorDataset(x, y), batch_size=16, shuffle=True)
+
+
+def main(precision: str, lr: float, steps: int, clip: float | None):
+    L.seed_everything(7, verbose=False)
+    model = LitRegressor(lr=lr)
+    trainer = L.Trainer(max_steps=steps, accelerator="cpu", devices=1, precision=precision, gradient_clip_val=clip,
+                        callbacks=[ReplayCallback(snapshot_every=10, layer_stats_every=5)],
+                        enable_progress_bar=False, logger=False, enable_checkpointing=False, enable_model_summary=False)
+    trainer.fit(model, data())
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], float(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4]) if len(sys.argv) > 4 else None)
