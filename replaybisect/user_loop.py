@@ -67,16 +67,20 @@ def function_target(function: Callable, what: str) -> tuple[str, Path]:
 
 
 def _check_import_is_quiet(script: Path) -> None:
-    """A replay imports the script: training must not start on import."""
+    """A replay imports the script: training must not start on import. Refused at the top level (outside an
+    `if __name__ == "__main__":` block): loops, `with` blocks, calls of the script's own functions, and
+    anything that makes a Recorder."""
     tree = ast.parse(script.read_text(encoding="utf-8"))
-    quiet = (ast.Import, ast.ImportFrom, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Assign, ast.AnnAssign)
+    own = {node.name for node in tree.body if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))}
     for node in tree.body:
-        if isinstance(node, quiet) or (isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Import, ast.ImportFrom)):
             continue
         if isinstance(node, ast.If) and "__name__" in ast.unparse(node.test):
             continue
-        raise ConfigError(f"{script.name} line {node.lineno} runs code when imported, and a replay imports {script.name} "
-                          "for build and step_fn: put the training under `if __name__ == \"__main__\":`")
+        calls_own = any(isinstance(sub, ast.Call) and isinstance(sub.func, ast.Name) and sub.func.id in own for sub in ast.walk(node))
+        if isinstance(node, (ast.For, ast.While, ast.With, ast.AsyncFor, ast.AsyncWith)) or calls_own or "Recorder(" in ast.unparse(node):
+            raise ConfigError(f"{script.name} line {node.lineno} runs code when imported, and a replay imports {script.name} "
+                              "for build and step_fn: put the training under `if __name__ == \"__main__\":`")
 
 
 def plain_config(config: Any) -> dict:

@@ -1,6 +1,6 @@
 """A hand-written GPT training loop as people write them (causal self-attention, 4 micro-batches per step,
 AdamW from a configure_optimizers factory, bf16 autocast), in a Hydra app, recorded by replaybisect.Recorder.
-The lines marked `# replaybisect` are all recording takes. Run: python gpt_loop.py [lr=0.003] [steps=100]"""
+The lines marked `# replaybisect` are all recording takes. Run: python gpt_loop.py [lr=0.01] [steps=100]"""
 import math
 
 import hydra
@@ -79,7 +79,8 @@ def train_step(model, optimizer, batch):
 
 def get_batch(cfg, generator):
     start = torch.randint(0, cfg.vocab, (cfg.micro * cfg.micro_batch, 1), generator=generator)
-    tokens = (start * 7 + torch.arange(cfg.T + 1) * 3) % cfg.vocab  # arithmetic sequences: learnable
+    noise = torch.randint(0, 4, (cfg.micro * cfg.micro_batch, cfg.T + 1), generator=generator)
+    tokens = (start + torch.arange(cfg.T + 1) * 3 + noise) % cfg.vocab  # noisy arithmetic sequences
     return [(tokens[i::cfg.micro, :-1], tokens[i::cfg.micro, 1:]) for i in range(cfg.micro)]
 
 

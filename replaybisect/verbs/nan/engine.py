@@ -337,6 +337,11 @@ def fingerprint(state) -> str:
 
 def _state_match(state, rng_raw, snapshot, step: int, batch) -> str:
     """Compare the replayed state before `step` with the snapshot the run saved there, bit for bit."""
+    from replaybisect.core import user_step
+
+    _, step_rng = user_step.unpack(batch)
+    if step_rng is not None:  # the user's own loop: the step runs with the torch RNG stored with its batch
+        rng_raw = {**rng_raw, "torch": step_rng["torch"]}
     text, _ = _compare_with_snapshot(state, rng_raw, snapshot)
     return text
 

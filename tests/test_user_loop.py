@@ -1,0 +1,163 @@
+"""Runs recorded from the user's own loop (replaybisect.Recorder): replays reproduce every logged loss exactly
+in fp32, bf16 and fp16, and `replay nan` / `replay ablate` answer on them as on `replay train` runs. Also the
+built-in step's gradient accumulation and closure optimizers (LBFGS), replayed exactly."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import EXAMPLES, FAST, assert_one_line_error
+
+HERE = Path(__file__).resolve().parent
+
+
+def _project(workspace, source: Path) -> Path:
+    target = workspace.path / source.name
+    shutil.copytree(source, target)
+    return target
+
+
+def _record(workspace, folder: Path, script: str, *args: str, expect_failure: bool = False) -> tuple[str, subprocess.CompletedProcess]:
+    done = subprocess.run([sys.executable, script, *args], cwd=folder, env=workspace.env(), capture_output=True, text=True, timeout=300)
+    assert (done.returncode != 0) == expect_failure, f"exit {done.returncode}\n{done.stdout}\n{done.stderr}"
+    run_id = re.search(r"recording run ([0-9a-f]{32})", done.stderr).group(1)
+    return run_id, done
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+def test_own_loop_replays_every_loss_exactly(workspace, precision):
+    """Dropout, micro-batches, a scheduler the recorder steps, a GradScaler, and batches drawn from the global RNG
+    between steps: replaying from every snapshot gives == losses."""
+    from replaybisect.restore import logged_losses, replay, restore, run_config
+
+    folder = _project(workspace, HERE / "user_loop")
+    run_id, done = _record(workspace, folder, "tiny_loop.py", precision, "30")
+    assert done.stdout.count("loss ") == 30  # the user's prints stay theirs
+    store = workspace.store()
+    assert run_config(store, run_id).train.precision == precision  # noted from the autocast the step entered
+    logged = logged_losses(store, run_id)
+    assert len(logged) == 30
+    for step in (0, 10, 20):
+        restored = restore(store, run_id, step)
+        replayed = replay(restored, 30, logged=logged)
+        assert replayed.reproduced == "exact", replayed.mismatches[:3]
+        assert replayed.losses == {s: logged[s] for s in range(step, 30)}
+
+
+def test_own_loop_planted_nan_is_found_by_replay_nan(workspace):
+    folder = _project(workspace, HERE / "user_loop")
+    run_id, done = _record(workspace, folder, "tiny_loop.py", "fp32", "30", "27", expect_failure=True)  # call 27: step 13
+    assert "NonFiniteStep" in done.stderr and f"replay nan --run-id {run_id}" in done.stderr
+    store = workspace.store()
+    assert store.tags(run_id)["first_nonfinite_step"] == "13"
+    result = workspace.replay("nan", "--run-id", run_id, "--json")
+    assert result.returncode == 0, result.stderr
+    report = result.json()
+    assert report["reproduced"] == "exact"
+    assert report["category"] == "forward" and report["failing_step"] == 13
+    assert report["op"] == "torch.sqrt" and "tiny_loop.py" in report["source"]
+    assert report["state_match"].startswith("bit-identical")
+
+
+def test_hand_written_gpt_loop_nan_and_ablate(workspace):
+    """The example: a ~40-line GPT loop (causal mask, 4 micro-batches, configure_optimizers, bf16 autocast) in a
+    Hydra app, recorded with a handful of added lines. Its planted overflow (a hand-written softmax at 10x the
+    learning rate) is found exactly, and ablation says the learning rate fixes it."""
+    folder = _project(workspace, EXAMPLES / "own_loop")
+    added = [line for line in (folder / "gpt_loop.py").read_text().splitlines() if "# replaybisect" in line]
+    assert 0 < len(added) <= 10
+    run_id, _ = _record(workspace, folder, "gpt_loop.py", "hydra.run.dir=outputs", expect_failure=True)
+
+    nan = _replay_in(workspace, folder, "nan", "--run-id", run_id, "--json")
+    assert nan["reproduced"] == "exact"
+    assert nan["category"] == "forward"
+    assert nan["module"].endswith(".attn") and nan["op"] == "torch.exp"
+    assert "gpt_loop.py" in nan["source"]
+
+    ablation = _replay_in(workspace, folder, "ablate", "lr,clip,precision", "--run-id", run_id, "--horizon", "30", "--json")
+    verdicts = {arm["name"]: arm["verdict"] for arm in ablation["arms"]}
+    assert verdicts["lr"] == "fixes", verdicts
+    assert verdicts["precision"] != "fixes", verdicts  # bf16 has fp32's range: fp32 does not cure an exp overflow
+
+
+def _replay_in(workspace, folder: Path, *args: str) -> dict:
+    """`replay ARGS` run in the project's folder (its code is trusted there, as for a user)."""
+    done = subprocess.run([shutil.which("replay") or str(Path(sys.executable).with_name("replay")), *args], cwd=folder,
+                          env=workspace.env(), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, f"exit {done.returncode}\n{done.stdout}\n{done.stderr}"
+    return json.loads(done.stdout)
+
+
+def test_recorder_refuses_what_a_replay_could_not_import(tmp_path, monkeypatch):
+    import torch
+
+    import replaybisect
+    from replaybisect.errors import ConfigError
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ConfigError, match="module-level function"):
+        replaybisect.Recorder(model, optimizer, step_fn=lambda model, batch: 0, build=lambda c: None)
+    sys.path.insert(0, str(HERE / "user_loop"))
+    try:
+        import tiny_loop
+
+        def local_step(model, optimizer, batch):
+            return 0.0
+
+        with pytest.raises(ConfigError, match="module-level function"):
+            replaybisect.Recorder(model, optimizer, step_fn=local_step, build=tiny_loop.build)
+        with pytest.raises(ConfigError, match="not one replaybisect can pass"):
+            replaybisect.Recorder(model, optimizer, step_fn=tiny_loop.main, build=tiny_loop.build)
+    finally:
+        sys.path.remove(str(HERE / "user_loop"))
+    assert not (tmp_path / "mlflow.db").exists()  # refused before any run exists
+
+
+def test_a_script_that_trains_on_import_is_refused(workspace):
+    script = workspace.path / "loop.py"
+    script.write_text(
+        "import torch, replaybisect\n"
+        "def build(config):\n    m = torch.nn.Linear(2, 1)\n    return m, torch.optim.SGD(m.parameters(), lr=0.1)\n"
+        "def step(model, optimizer, batch):\n    loss = model(batch).pow(2).mean()\n    loss.backward()\n    optimizer.step()\n    return loss\n"
+        "model, optimizer = build({})\n"
+        "rec = replaybisect.Recorder(model, optimizer, step_fn=step, build=build)\n"
+    )
+    done = subprocess.run([sys.executable, "loop.py"], cwd=workspace.path, env=workspace.env(), capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0
+    assert "loop.py line 10 runs code when imported" in done.stderr and 'if __name__ == "__main__":' in done.stderr
+
+
+@pytest.mark.parametrize("overrides", [
+    pytest.param(("train.accumulate=4",), id="accumulate"),
+    pytest.param(("optim._target_=torch.optim.LBFGS", "~optim.weight_decay", "optim.lr=0.5", "+optim.max_iter=3"), id="lbfgs"),
+])
+def test_builtin_step_variants_replay_exactly(workspace, overrides):
+    from replaybisect.restore import logged_losses, replay, restore
+
+    result = workspace.train(*FAST, "train.steps=20", *overrides)
+    store = workspace.store()
+    logged = logged_losses(store, result["run_id"])
+    assert len(logged) == 20 and all(value == value for value in logged.values())
+    assert logged[19] < logged[0]  # it learns
+    for step in (0, 10):
+        replayed = replay(restore(store, result["run_id"], step), 20, logged=logged)
+        assert replayed.reproduced == "exact", replayed.mismatches[:3]
+
+
+def test_accumulation_keeps_the_batch_and_the_mean_loss(workspace):
+    """accumulate=K splits each step's batch in K micro-batches: same data, same mean loss up to rounding."""
+    from replaybisect.restore import logged_losses
+
+    store = workspace.store()
+    plain = logged_losses(store, workspace.train(*FAST, "train.steps=1", "model.dropout=0")["run_id"])  # (dropout masks
+    split = logged_losses(store, workspace.train(*FAST, "train.steps=1", "model.dropout=0", "train.accumulate=4")["run_id"])  # differ in shape)
+    assert split[0] == pytest.approx(plain[0], rel=1e-5)
