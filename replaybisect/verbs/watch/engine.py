@@ -162,6 +162,8 @@ def new_watcher_id() -> str:
 
 def failure_of(run) -> Optional[str]:
     """Why a training run needs triage (nonfinite | failed | killed), or None for a healthy or live run."""
+    if run.info.status == "RUNNING":  # still training (on_nonfinite=continue tags early), or SIGKILLed: not ended
+        return None
     tags = run.data.tags
     if tags.get(TAG + "status") == "nonfinite" or tags.get(TAG + "first_nonfinite_step"):
         return "nonfinite"
@@ -249,7 +251,12 @@ class Watcher:
             with self._lock:
                 if run.info.run_id in self._active:
                     continue
-            active = self._try_claim(run)
+            try:
+                active = self._try_claim(run)
+            except Exception as error:  # a run deleted meanwhile, the server restarting: the next poll sees
+                self.counts["errors"] += 1
+                self.on_event(Event("error", f"claim failed: {_one_line(error)}", run.info.run_id))
+                continue
             if active is None:
                 continue
             futures.add(pool.submit(self._triage_guarded, run, active))
