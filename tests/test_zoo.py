@@ -223,3 +223,40 @@ def test_final_loss_agrees_between_train_and_diagnose(zoo, diagnoses):
     _, _, trained = zoo
     for name in HEALTHY:
         assert diagnoses[name].summary["loss_end"] == trained[name].final_loss, name
+
+
+# ---- diagnose on synthetic curves: a climb into the NaN, and what the plot says went non-finite ----------------------
+def _climbing_curves():
+    """Loss and grad norm healthy for 40 steps, then the grad norm climbs x1.5 a step for 22 steps and goes NaN."""
+    import numpy as np
+
+    from replaybisect.verbs.diagnose.engine import Curves, Series
+
+    rng = np.random.default_rng(0)
+    steps = np.arange(63)
+    grad = np.concatenate([0.5 * np.exp(0.1 * rng.standard_normal(40)), 0.5 * 1.5 ** np.arange(1, 23), [np.nan]])
+    loss = np.concatenate([2.3 * np.exp(-steps[:40] / 30) + 0.05 * rng.random(40), 0.7 + 0.02 * 1.3 ** np.arange(1, 23), [3.0]])
+    metrics = {"loss": Series(steps, loss), "grad_norm": Series(steps, grad), "lr": Series(steps, np.full(63, 1e-3))}
+    return Curves(run_id="synthetic", metrics=metrics, tags={"status": "nonfinite", "first_nonfinite_step": "62",
+                                                             "nonfinite_what": "grad_norm"}, params={})
+
+
+def test_an_exponential_climb_into_nan_is_one_divergence_not_spikes():
+    from replaybisect.verbs.diagnose.engine import analyse
+
+    diagnosis = analyse(_climbing_curves())
+    patterns = [f.pattern for f in diagnosis.findings]
+    assert "divergence" in patterns and "spikes" not in patterns, [f.summary for f in diagnosis.findings]
+    divergence = next(f for f in diagnosis.findings if f.pattern == "divergence")
+    assert divergence.evidence["metric"] == "grad_norm" and divergence.evidence["failing_step"] == 62
+
+
+def test_plot_legend_names_the_metric_that_went_nonfinite():
+    from replaybisect.verbs.diagnose.engine import analyse
+    from replaybisect.verbs.diagnose.report import loss_figure
+
+    curves = _climbing_curves()
+    figure = loss_figure(analyse(curves), curves)
+    labels = [text.get_text() for ax in figure.axes if ax.get_legend() for text in ax.get_legend().get_texts()]
+    assert any("grad_norm non-finite at step 62" in label for label in labels), labels
+    assert not any(label.startswith("NaN at step") for label in labels), labels

@@ -168,7 +168,19 @@ def to_markdown(result) -> str:
     runs = [f"- {arm.name}: {arm.run_id}" for arm in [result.baseline, *result.arms] if arm.run_id]
     if runs:
         lines += ["", "Child runs (kind=ablation-arm):", *runs]
+    lines += ["", "Sources:", *[f"- {source}" for source in SOURCES]]
     return "\n".join(lines) + "\n"
+
+
+# Public sources for the arms and the method (the report's citations)
+SOURCES = (
+    "one change at a time against a replayed baseline: Karpathy 2019, \"A Recipe for Training Neural Networks\"; "
+    "the replay tolerance of Megatron-Core's rerun state machine",
+    "lr: Smith 2017, \"Cyclical Learning Rates for Training Neural Networks\" (LR range test); warmup: Goyal et al. 2017, "
+    "\"Accurate, Large Minibatch SGD\"",
+    "clip: Pascanu, Mikolov, Bengio 2013, \"On the difficulty of training recurrent neural networks\"",
+    "precision: Micikevicius et al. 2018, \"Mixed Precision Training\"; eps: Kingma and Ba 2015, \"Adam\" (eps guards v = 0)",
+)
 
 
 def loss_figure(result):

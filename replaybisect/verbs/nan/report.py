@@ -83,7 +83,20 @@ def markdown(report) -> str:
     if report.isolation:
         lines += ["## Probe isolation", "", ", ".join(f"{k}: {v}" for k, v in report.isolation.items()), ""]
     lines += ["![loss and grad norm](nan_report.png)", ""]
+    lines += ["## Method and sources", ""] + [f"- {source}" for source in SOURCES] + [""]
     return "\n".join(lines)
+
+
+# Public sources for the method (the report's citations)
+SOURCES = (
+    "reproduction by replay from a snapshot, compared bit for bit with the recorded run: Megatron-Core's rerun state "
+    "machine (megatron/core/rerun_state_machine.py) re-runs a step to tell a transient fault from a reproducible one",
+    "the backward op: torch.autograd.detect_anomaly (PyTorch docs, \"Anomaly detection\"); the forward op: forward hooks "
+    "and a TorchFunctionMode (PyTorch docs, torch.overrides), as TensorBoard Debugger V2 finds the first non-finite op",
+    "exponential growth of the gradient norm before a NaN: Pascanu, Mikolov, Bengio 2013, \"On the difficulty of "
+    "training recurrent neural networks\"",
+    "fp16/bf16 overflow and loss scaling: Micikevicius et al. 2018, \"Mixed Precision Training\"",
+)
 
 
 def figure(report):
