@@ -161,3 +161,15 @@ def test_accumulation_keeps_the_batch_and_the_mean_loss(workspace):
     plain = logged_losses(store, workspace.train(*FAST, "train.steps=1", "model.dropout=0")["run_id"])  # (dropout masks
     split = logged_losses(store, workspace.train(*FAST, "train.steps=1", "model.dropout=0", "train.accumulate=4")["run_id"])  # differ in shape)
     assert split[0] == pytest.approx(plain[0], rel=1e-5)
+
+
+def test_check_on_an_own_loop_run(workspace):
+    """`replay check --run-id` on a run from the user's loop: the overfit test and the gradient probes run the
+    user's step (the loss floor is assumed 0: the loss is theirs)."""
+    folder = _project(workspace, HERE / "user_loop")
+    run_id, _ = _record(workspace, folder, "tiny_loop.py", "fp32", "12")
+    report = _replay_in(workspace, folder, "check", "--run-id", run_id, "--json", "--only", "overfit.one_batch,grad.missing,data.finite")
+    statuses = {check["name"]: check for check in report["checks"]}
+    assert statuses["grad.missing"]["status"] == "pass", statuses["grad.missing"]
+    assert statuses["data.finite"]["status"] == "pass"
+    assert statuses["overfit.one_batch"]["status"] in ("pass", "warn") and "your own step" in statuses["overfit.one_batch"]["detail"]

@@ -225,6 +225,8 @@ def _clone_optimizer(state: TrainState, cfg, model: torch.nn.Module):
 
 def build_data(cfg) -> tuple[BatchSource, Any]:
     """The training batch source and the validation dataset (or None)."""
+    if cfg.get("data") is None:
+        raise ConfigError("the run has no `data`: it comes from your own loop, and replays read its stored batches")
     dataset = instantiate(cfg.data, "data")
     val_dataset = instantiate(cfg.val_data, "val_data") if cfg.get("val_data") else None
     return BatchSource(dataset, cfg.train.batch_size, cfg.seed), val_dataset

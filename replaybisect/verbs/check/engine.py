@@ -23,7 +23,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
-from replaybisect.core import loop
+from replaybisect.core import loop, user_step
 from replaybisect.errors import ReplayError
 from replaybisect.core.rng import isolated_rng, seed_everything
 from replaybisect.verbs.check import lr_finder
@@ -91,8 +91,23 @@ def worst(statuses) -> str:
 
 
 # ---- batch structure ---------------------------------------------------------------------------------
+def merged_micro_batches(batch):
+    """A user loop's list of micro-batches (tuples or dicts of tensors, one structure) as one batch: every field
+    concatenated along dim 0. Anything else is returned as it is."""
+    if not isinstance(batch, (list, tuple)) or not batch or not all(isinstance(b, (list, tuple, dict)) for b in batch):
+        return batch
+    first = batch[0]
+    try:
+        if isinstance(first, dict):
+            return {key: torch.cat([b[key] for b in batch]) for key in first if isinstance(first[key], torch.Tensor)}
+        return tuple(torch.cat([b[i] for b in batch]) for i in range(len(first)) if isinstance(first[i], torch.Tensor))
+    except (KeyError, IndexError, TypeError, RuntimeError):  # micro-batches of different structures or shapes
+        return batch
+
+
 def batch_fields(batch) -> list[tuple[str, torch.Tensor]]:
     """Named tensors of a batch: (inputs, targets) tuples become `input`/`target`, dicts keep their keys."""
+    batch = merged_micro_batches(batch)
     if isinstance(batch, torch.Tensor):
         return [("input", batch)]
     if isinstance(batch, dict):
@@ -104,6 +119,7 @@ def batch_fields(batch) -> list[tuple[str, torch.Tensor]]:
 
 
 def batch_inputs(batch) -> Optional[torch.Tensor]:
+    batch = merged_micro_batches(batch)
     if isinstance(batch, dict):
         return batch.get("input")
     if isinstance(batch, (list, tuple)) and batch and isinstance(batch[0], torch.Tensor):
@@ -112,6 +128,7 @@ def batch_inputs(batch) -> Optional[torch.Tensor]:
 
 
 def batch_targets(batch) -> Optional[torch.Tensor]:
+    batch = merged_micro_batches(batch)
     if isinstance(batch, dict):
         return batch.get("target")
     if isinstance(batch, (list, tuple)) and len(batch) > 1 and isinstance(batch[1], torch.Tensor):
@@ -266,6 +283,13 @@ def forward_probe(state: loop.TrainState, batches: list) -> ForwardProbe:
             handles.append(module.register_forward_hook(zero_hook(name)))
         elif isinstance(module, SATURATING):
             handles.append(module.register_forward_hook(saturation_hook(name)))
+    if state.user_loop:  # the user's own step (backward and update inside): each batch on a fresh copy
+        try:
+            _user_step_passes(state, batches, probe, first_pass)
+        finally:
+            for handle in handles:
+                handle.remove()
+        return probe
     recording = RecordingLoss(state.loss_fn)
     try:
         model.train()
@@ -287,6 +311,28 @@ def forward_probe(state: loop.TrainState, batches: list) -> ForwardProbe:
         for handle in handles:
             handle.remove()
     return probe
+
+
+def _user_step_passes(state: loop.TrainState, batches: list, probe: ForwardProbe, first_pass: list[bool]) -> None:
+    """The forward statistics of a run from the user's own loop: their step on a copy per batch (the module hooks
+    are on `state.model`, which each copy's weights are loaded into), so no batch sees another's update."""
+    import copy
+
+    weights = copy.deepcopy(state.model.state_dict())
+    optimizer_state = copy.deepcopy(state.optimizer.state_dict())
+    for batch in batches:
+        state.model.load_state_dict(weights)
+        state.optimizer.load_state_dict(copy.deepcopy(optimizer_state))
+        try:
+            outcome = loop.run_step(state, 0, loop.to_device(batch, state.device), halt_on_nonfinite=False)
+            probe.losses.append(outcome.loss)
+        except Exception as error:
+            probe.errors.append(f"{type(error).__name__}: {_first_line(error)}")
+        probe.batches += 1
+        probe.samples += batch_size_of(batch)
+        first_pass[0] = False
+    state.model.load_state_dict(weights)
+    state.optimizer.load_state_dict(optimizer_state)
 
 
 @dataclass
@@ -617,15 +663,18 @@ def overfit_one_batch(ctx: CheckContext) -> Check:
                 f"non-finite {outcome.nonfinite.replace('_', ' ')} at overfit step {step} on {count} samples (lr {lr:.3g}); run the data and loss checks, then `replay nan`",
                 extra={"losses": losses},
             )
-    recording = RecordingLoss(state.loss_fn)
-    state.model.eval()
-    with torch.no_grad(), loop.autocast(state):
-        eval_loss = float(state.step_fn(state.model, device_batch, recording).float().item())
-    state.model.train()
+    if state.user_loop:  # the loss is computed inside the user's step: no eval pass, floor assumed 0
+        eval_loss, (floor, how) = math.nan, (0.0, "assumed 0: the loss is computed in your own step")
+    else:
+        recording = RecordingLoss(state.loss_fn)
+        state.model.eval()
+        with torch.no_grad(), loop.autocast(state):
+            eval_loss = float(state.step_fn(state.model, device_batch, recording).float().item())
+        state.model.train()
+        logits, targets = recording.calls[0] if recording.calls else (None, None)
+        classes = int(logits.shape[1]) if isinstance(logits, torch.Tensor) and logits.dim() >= 2 else None
+        floor, how = loss_floor(state.loss_fn, batch_inputs(batch), targets, classes)
     final = min(eval_loss, losses[-1]) if math.isfinite(eval_loss) else losses[-1]
-    logits, targets = recording.calls[0] if recording.calls else (None, None)
-    classes = int(logits.shape[1]) if isinstance(logits, torch.Tensor) and logits.dim() >= 2 else None
-    floor, how = loss_floor(state.loss_fn, batch_inputs(batch), targets, classes)
     initial = losses[0]
     extra = {"losses": losses, "floor": floor, "eval_loss": eval_loss, "samples": count, "seconds": time.perf_counter() - started}
     where = f"{count} samples, {opts.overfit_steps} steps at lr {lr:.3g}, scheduler off"
@@ -1333,6 +1382,8 @@ def check(
             restored = restore_mod.restore(store, run_id, cfg=cfg)
             warnings += restored.warnings
             state, batch_of, first_step = restored.state, restored.batch, restored.step
+            if cfg.train.loop == "user":  # the stored batch without the RNG state recorded with it
+                batch_of = lambda step: user_step.unpack(restored.batch(step))[0]  # noqa: E731
             snapshot_step = restored.step
             dataset, steps_per_epoch = None, None
             with isolated_rng():
