@@ -12,19 +12,21 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import itertools
 import math
 import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Optional, Protocol
 
 import torch
-from torch.utils.data import default_collate
+from torch.utils.data import DataLoader, Dataset, Sampler, default_collate
 
 from replaybisect.core import user_step
 from replaybisect.core.config import build_optimizer, check_closure_optimizer, instantiate, needs_closure
 from replaybisect.core.observer import StepObserver, forward_context as _forward_context, notify as _notify  # noqa: F401 (StepObserver: loop.StepObserver)
 from replaybisect.errors import ConfigError
-from replaybisect.core.rng import capture_raw, epoch_permutation_seed, isolated_rng, restore_raw, seed_everything
+from replaybisect.core.rng import (capture_raw, epoch_permutation_seed, isolated_rng, restore_raw, sample_seed, seed_everything,
+                                   seed_sample_streams)
 
 AUTOCAST_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -71,7 +73,88 @@ class BatchSource:
         return self._permutation[start : start + self.batch_size]
 
     def batch(self, step: int):
-        return default_collate([self.dataset[int(i)] for i in self.indices(step)])
+        return default_collate(read_samples(self.dataset, self.seed, step, [int(i) for i in self.indices(step)]))
+
+
+def read_samples(dataset, seed: int, step: int, indices: list[int]) -> list:
+    """Items `indices` of step `step`, each read under RNG streams seeded by (seed, step, index): a random
+    augmentation in __getitem__ draws the same numbers in any process, and the training streams are untouched."""
+    if getattr(type(dataset).__getitem__, "draws_no_randomness", False):
+        return [dataset[index] for index in indices]
+    with isolated_rng():
+        items = []
+        for index in indices:
+            seed_sample_streams(sample_seed(seed, step, index))
+            items.append(dataset[index])
+    return items
+
+
+class _StepBatches(Dataset):
+    """The DataLoader's view of a BatchSource: item `step` is the batch of step `step`, built in a worker."""
+
+    def __init__(self, source: BatchSource):
+        self.source = source
+
+    def __getitem__(self, step: int):
+        return self.source.batch(step)
+
+
+class _StepsFrom(Sampler):
+    """Steps `start`, `start`+1, ... for the DataLoader to hand its workers; `start` is set before each iter()."""
+
+    def __init__(self):
+        self.start = 0
+
+    def __iter__(self):
+        return itertools.count(self.start)
+
+
+def _as_built(batch):
+    return batch
+
+
+class WorkerBatches:
+    """BatchSource.batch(step) built ahead by DataLoader worker processes (train.num_workers): the same batches,
+    since each is the same pure function of (seed, step). Steps asked for in order come from the workers'
+    read-ahead; any other step restarts the read-ahead there (the workers persist)."""
+
+    def __init__(self, source: BatchSource, num_workers: int, start: int = 0):
+        self.steps = _StepsFrom()
+        self.loader = DataLoader(
+            _StepBatches(source), batch_size=None, sampler=self.steps, num_workers=num_workers, collate_fn=_as_built,
+            persistent_workers=True, generator=torch.Generator(),  # an explicit generator: the workers' seeds are not drawn from the training stream
+        )
+        self._restart(start)  # the workers start now, reading ahead from `start`
+
+    def _restart(self, step: int) -> None:
+        self.steps.start = step
+        self._iterator = iter(self.loader)
+        self._next_step = step
+
+    def __call__(self, step: int):
+        if self._iterator is None or step != self._next_step:
+            self._restart(step)
+        self._next_step = step + 1
+        return next(self._iterator)
+
+    def close(self) -> None:
+        if self._iterator is not None:
+            self._iterator._shutdown_workers()  # now, not when the loader is collected
+            self._iterator = None
+
+
+@contextlib.contextmanager
+def read_ahead(source: BatchSource, num_workers: int, start: int = 0):
+    """step -> batch for the loop: `source.batch` itself, or with num_workers > 0 the same batches built ahead by
+    worker processes from step `start` on (stopped on leaving the block)."""
+    if num_workers <= 0:
+        yield source.batch
+        return
+    batches = WorkerBatches(source, num_workers, start)
+    try:
+        yield batches
+    finally:
+        batches.close()
 
 
 # ---- state ---------------------------------------------------------------------------------

@@ -7,6 +7,8 @@ from pathlib import Path
 import torch
 from torch.utils.data import Dataset
 
+from replaybisect.core.rng import draws_no_randomness
+
 TEXT_FILE = Path(__file__).parent / "tiny_text.txt"
 
 
@@ -20,6 +22,7 @@ class TensorPairs(Dataset):
     def __len__(self) -> int:
         return len(self.inputs)
 
+    @draws_no_randomness
     def __getitem__(self, index: int):
         return self.inputs[index], self.targets[index]
 
@@ -76,6 +79,7 @@ class CharText(Dataset):
     def __len__(self) -> int:
         return len(self.tokens) - self.block_size - 1
 
+    @draws_no_randomness
     def __getitem__(self, index: int):
         window = self.tokens[index : index + self.block_size + 1]
         return window[:-1], window[1:]

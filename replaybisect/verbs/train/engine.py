@@ -93,14 +93,16 @@ def train(
             store.log_params(run_id, config_mod.flatten(cfg))
             store.log_text(run_id, config_mod.to_yaml(cfg), "config.yaml")
             data_position = {"seed": cfg.seed, "batch_size": cfg.train.batch_size, "dataset_len": len(batch_source.dataset)}
-            hooks = Recorder(store, run_id, cfg, state, data_position) if cfg.snapshot.enabled else NullHooks(cfg.snapshot.on_nonfinite == "stop")
+            # train.num_workers > 0: worker processes build the same batches ahead (started before the recorder's threads)
+            with loop.read_ahead(batch_source, cfg.train.num_workers) as batches:
+                hooks = Recorder(store, run_id, cfg, state, data_position) if cfg.snapshot.enabled else NullHooks(cfg.snapshot.on_nonfinite == "stop")
 
-            # 3. train
-            report = (lambda step: progress(step + 1, cfg.train.steps)) if progress else None
-            try:
-                stopped_by = loop.train_loop(state, batch_source.batch, 0, cfg.train.steps, hooks, val_dataset=val_dataset, progress=report)
-            finally:
-                hooks.close()
+                # 3. train
+                report = (lambda step: progress(step + 1, cfg.train.steps)) if progress else None
+                try:
+                    stopped_by = loop.train_loop(state, batches, 0, cfg.train.steps, hooks, val_dataset=val_dataset, progress=report)
+                finally:
+                    hooks.close()
     except BaseException as error:
         failure = as_disk_full(error, run_id, store)
         mark_ended(store, run_id, failure or error)
