@@ -9,7 +9,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
-from replaybisect.lightning import ReplayCallback
+from replaybisect.lightning import ReplayCallback  # replaybisect
 
 
 class ExpHead(nn.Module):
@@ -20,7 +20,7 @@ class ExpHead(nn.Module):
 class LitRegressor(L.LightningModule):
     def __init__(self, lr: float = 0.05, hidden: int = 16):
         super().__init__()
-        self.save_hyperparameters()
+        self.save_hyperparameters()  # replaybisect: a replay rebuilds the module from its hparams
         self.body = nn.Sequential(nn.Linear(8, hidden), nn.Tanh(), nn.Dropout(0.1), nn.Linear(hidden, 1))
         self.head = ExpHead()
 
@@ -47,7 +47,7 @@ def main(precision: str, lr: float, steps: int, clip: float | None):
     L.seed_everything(7, verbose=False)
     model = LitRegressor(lr=lr)
     trainer = L.Trainer(max_steps=steps, accelerator="cpu", devices=1, precision=precision, gradient_clip_val=clip,
-                        callbacks=[ReplayCallback(snapshot_every=10, layer_stats_every=5)],
+                        callbacks=[ReplayCallback(snapshot_every=10, layer_stats_every=5)],  # replaybisect
                         enable_progress_bar=False, logger=False, enable_checkpointing=False, enable_model_summary=False)
     trainer.fit(model, data())
 

@@ -1,0 +1,138 @@
+"""Runs recorded from PyTorch Lightning with replaybisect.lightning.ReplayCallback (the real `lightning` package):
+replays reproduce every logged loss exactly (fp32, bf16-mixed with gradient clipping), a planted overflow is found
+by `replay nan` and fixed by the learning rate in `replay ablate`, and setups a replay could not repeat are refused
+before any run exists."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("lightning")
+
+HERE = Path(__file__).resolve().parent
+MODEL = HERE / "lightning_model"
+
+
+def _record(workspace, *args: str, expect_failure: bool = False) -> tuple[Path, str, subprocess.CompletedProcess]:
+    """Copy the model's folder into the workspace and train it there with the callback (python lit_model.py ARGS)."""
+    folder = workspace.path / MODEL.name
+    if not folder.exists():
+        shutil.copytree(MODEL, folder)
+    done = subprocess.run([sys.executable, "lit_model.py", *args], cwd=folder, env=workspace.env(), capture_output=True,
+                          text=True, timeout=300)
+    assert (done.returncode != 0) == expect_failure, f"exit {done.returncode}\n{done.stdout}\n{done.stderr}"
+    run_id = re.search(r"recording run ([0-9a-f]{32})", done.stderr).group(1)
+    return folder, run_id, done
+
+
+def _replay_in(workspace, folder: Path, *args: str) -> dict:
+    """`replay ARGS --json` in the model's folder (its code is trusted there, as for a user)."""
+    done = subprocess.run([shutil.which("replay") or str(Path(sys.executable).with_name("replay")), *args, "--json"],
+                          cwd=folder, env=workspace.env(), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, f"exit {done.returncode}\n{done.stdout}\n{done.stderr}"
+    return json.loads(done.stdout)
+
+
+def _assert_replays_exactly(store, run_id: str, from_steps) -> dict[int, float]:
+    from replaybisect.restore import logged_losses, replay, restore
+
+    logged = logged_losses(store, run_id)
+    end = max(logged) + 1
+    for step in from_steps:
+        replayed = replay(restore(store, run_id, step), end, logged=logged)
+        assert replayed.reproduced == "exact", replayed.mismatches[:3]
+        assert sorted(replayed.losses) == list(range(step, end))
+    return logged
+
+
+def test_lightning_planted_overflow_nan_and_ablate(workspace):
+    """SGD at too high a learning rate diverges until ExpHead's exp overflows (step 23). The recorded fp32 run
+    replays exactly up to it, `replay nan` names torch.exp in `head`, and ablation says the learning rate fixes it."""
+    folder, run_id, done = _record(workspace, "32-true", "0.12", "60", expect_failure=True)
+    assert "NonFiniteStep" in done.stderr and f"replay nan --run-id {run_id}" in done.stderr
+    store = workspace.store()
+    tags = store.tags(run_id)
+    assert tags["first_nonfinite_step"] == "23" and tags["loop"] == "user"
+    assert store.get_run(run_id).info.status == "FAILED"
+    added = [line for line in (folder / "lit_model.py").read_text().splitlines() if "# replaybisect" in line]
+    assert len(added) == 3  # import, save_hyperparameters, the callback
+
+    logged = _assert_replays_exactly(store, run_id, (0,))  # 0..23: an epoch boundary (16 batches) and its reshuffle
+    assert sorted(logged) == list(range(24)) and not math.isfinite(logged[23])
+
+    nan = _replay_in(workspace, folder, "nan", "--run-id", run_id)
+    assert nan["reproduced"] == "exact" and nan["failing_step"] == 23
+    assert nan["category"] == "forward" and nan["module"] == "head" and nan["op"] == "torch.exp"
+    assert "lit_model.py" in nan["source"] and nan["state_match"].startswith("bit-identical")
+
+    ablation = _replay_in(workspace, folder, "ablate", "lr", "--run-id", run_id, "--horizon", "30")
+    assert ablation["baseline"]["reproduced"] == "exact"
+    assert {arm["name"]: arm["verdict"] for arm in ablation["arms"]} == {"lr": "fixes"}
+
+
+def test_lightning_bf16_with_clipping_replays_exactly(workspace):
+    """bf16-mixed autocast, gradient_clip_val, dropout, a per-step scheduler and a shuffling DataLoader across epochs."""
+    from replaybisect.restore import run_config
+
+    _, run_id, _ = _record(workspace, "bf16-mixed", "0.05", "30", "0.5")
+    store = workspace.store()
+    cfg = run_config(store, run_id)
+    assert cfg.train.precision == "bf16" and cfg.user.trainer.gradient_clip_val == 0.5
+    logged = _assert_replays_exactly(store, run_id, (0,))
+    assert len(logged) == 30
+
+
+def _fit_in_process(tmp_path, monkeypatch, **trainer_args):
+    import lightning as L
+
+    from replaybisect.lightning import ReplayCallback
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    sys.path.insert(0, str(MODEL))
+    try:
+        import lit_model
+
+        model = trainer_args.pop("model", None) or lit_model.LitRegressor()
+        trainer = L.Trainer(max_steps=2, accelerator="cpu", callbacks=[ReplayCallback()], enable_progress_bar=False,
+                            logger=False, enable_checkpointing=False, enable_model_summary=False, **trainer_args)
+        trainer.fit(model, lit_model.data(32))
+    finally:
+        sys.path.remove(str(MODEL))
+
+
+@pytest.mark.parametrize("trainer_args, message", [
+    pytest.param({"accumulate_grad_batches": 2}, "does not record accumulate_grad_batches=2", id="accumulation"),
+    pytest.param({"precision": "bf16-true"}, "this Trainer uses bf16-true", id="precision"),
+])
+def test_setups_a_replay_cannot_repeat_are_refused_before_a_run_exists(tmp_path, monkeypatch, trainer_args, message):
+    from replaybisect.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=message):
+        _fit_in_process(tmp_path, monkeypatch, **trainer_args)
+    assert not (tmp_path / "mlflow.db").exists()
+
+
+def test_a_module_without_saved_hparams_is_refused(tmp_path, monkeypatch):
+    from replaybisect.errors import ConfigError
+
+    (tmp_path / "unsaved_model.py").write_text(
+        "import lightning as L, torch\n"
+        "class Unsaved(L.LightningModule):\n"
+        "    def __init__(self, width):\n        super().__init__()\n        self.layer = torch.nn.Linear(8, width)\n"
+        "    def training_step(self, batch, batch_idx):\n        return self.layer(batch[0]).pow(2).mean()\n"
+        "    def configure_optimizers(self):\n        return torch.optim.SGD(self.parameters(), lr=0.1)\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import unsaved_model
+
+    with pytest.raises(ConfigError, match=r"takes width, which is not in its hparams; call self.save_hyperparameters\(\)"):
+        _fit_in_process(tmp_path, monkeypatch, model=unsaved_model.Unsaved(4))
+    assert not (tmp_path / "mlflow.db").exists()
