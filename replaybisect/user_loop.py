@@ -192,7 +192,8 @@ class Recorder:
         tags["replaybisect.loop"] = "user"
         with isolated_rng():  # MLflow names runs with `random`: keep it off the user's streams
             random.seed(os.urandom(8))
-            self.run_id = self.store.create_run("train", run_name=run_name, experiment=experiment, tags=tags)
+            name = run_name or f"train {self._settings['step_target'].rsplit('.', 1)[0]} (own loop)"
+            self.run_id = self.store.create_run("train", run_name=name, experiment=experiment, tags=tags)
         self._hooks = RecordingHooks(self.store, self.run_id, self.cfg, self.state, {"seed": int(self.cfg.seed)})
         self._exit.enter_context(sigterm_raises())
         print(f"replaybisect: recording run {self.run_id} to {self.store.uri}", file=sys.stderr)
