@@ -38,7 +38,8 @@ STEP_TARGET = "replaybisect.lightning.lightning_step"
 BUILD_TARGET = "replaybisect.lightning.build"
 PRECISIONS = {"32-true": "fp32", "32": "fp32", "bf16-mixed": "bf16", "16-mixed": "fp16"}
 AUTOCAST = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
-POSITION = "lightning"  # the stored batch: {"batch": what training_step got, POSITION: where Lightning was}
+# the stored batch of a step: what training_step got for each accumulated batch, and where Lightning was then
+MICRO_BATCHES, POSITION = "batches", "lightning"
 
 
 # ---- replay: the objects and the step, without a Trainer ----------------------------------------------------
@@ -61,19 +62,25 @@ def build(config) -> dict[str, Any]:
 
 
 def lightning_step(model, optimizer, scheduler, scaler, batch, config):
-    """One step of Lightning's automatic optimization: training_step under the precision's autocast, backward
-    (scaled for 16-mixed), unscale, the module's configure_gradient_clipping with the Trainer's settings,
-    optimizer (scaler) step, and the scheduler when Lightning stepped it at this batch. Returns the loss."""
+    """One step of Lightning's automatic optimization: for each accumulated batch, training_step under the
+    precision's autocast, its loss divided by accumulate_grad_batches, backward (scaled for 16-mixed); then
+    unscale, the module's configure_gradient_clipping with the Trainer's settings, the optimizer (scaler) step,
+    and the scheduler when Lightning stepped it after that batch. Returns the summed loss."""
+    from replaybisect.core.user_step import restore_step_rng
+
     trainer = config.trainer
-    inner, position = batch["batch"], batch[POSITION]
     device = torch.device(trainer.device)
     dtype = AUTOCAST.get(trainer.precision)
-    autocast = torch.autocast(device.type, dtype=dtype, cache_enabled=False) if dtype else contextlib.nullcontext()
+    total = None
     with _no_trainer_warnings():
-        with autocast:
-            output = model.training_step(inner, position["batch_idx"]) if position["takes_batch_idx"] else model.training_step(inner)
-        loss = output["loss"] if isinstance(output, dict) else output
-        model.backward(scaler.scale(loss) if scaler is not None else loss)
+        for inner, position in zip(batch[MICRO_BATCHES], batch[POSITION]):
+            if position["rng"] is not None:  # a later accumulated batch: the RNG state it started with
+                restore_step_rng(position["rng"], device)
+            with torch.autocast(device.type, dtype=dtype, cache_enabled=False) if dtype else contextlib.nullcontext():
+                output = model.training_step(inner, position["batch_idx"]) if position["takes_batch_idx"] else model.training_step(inner)
+            loss = (output["loss"] if isinstance(output, dict) else output) / position["accumulate"]
+            model.backward(scaler.scale(loss) if scaler is not None else loss)
+            total = loss.detach().float() if total is None else total + loss.detach().float()
         if scaler is not None:
             scaler.unscale_(optimizer)
         # clipped in the optimizer's own pre-step hook: the recorder's observers see the gradients before the
@@ -87,9 +94,9 @@ def lightning_step(model, optimizer, scheduler, scaler, batch, config):
                 optimizer.step()
         finally:
             clip.remove()
-        if scheduler is not None and position["scheduler_step"]:
+        if scheduler is not None and batch[POSITION][-1]["scheduler_step"]:
             model.lr_scheduler_step(scheduler, None)
-    return loss
+    return total
 
 
 def _clip(model, optimizer, trainer) -> None:
@@ -130,9 +137,6 @@ def _trainer_settings(trainer, pl_module) -> dict[str, Any]:
         raise ConfigError("ReplayCallback records automatic optimization only; this module sets automatic_optimization = False")
     if len(trainer.optimizers) != 1:
         raise ConfigError(f"ReplayCallback records one optimizer; configure_optimizers returned {len(trainer.optimizers)}")
-    if trainer.accumulate_grad_batches != 1:
-        raise ConfigError(f"ReplayCallback does not record accumulate_grad_batches={trainer.accumulate_grad_batches} yet; "
-                          "use accumulate_grad_batches=1 (or accumulate inside a replaybisect.Recorder loop)")
     precision = str(trainer.precision)
     if precision not in PRECISIONS:
         raise ConfigError(f"ReplayCallback records precision 32-true, bf16-mixed or 16-mixed; this Trainer uses {precision}")
@@ -272,30 +276,53 @@ class ReplayCallback(Callback):
 
     # ---- one step: the moments of user_step's watch, at Lightning's hooks ---------------------------------------
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
+        """A step begins with the first batch after an optimizer step; accumulated batches join it."""
+        from replaybisect.core import user_step
+        from replaybisect.core.observer import forward_context
+
+        if not self._open:
+            return
+        packed = user_step.pack(batch, self.state.device)  # a copy of the batch, and the torch RNG it starts with
+        position = {"batch_idx": int(batch_idx), "takes_batch_idx": self._takes_batch_idx, "rng": None,
+                    "accumulate": int(trainer.accumulate_grad_batches), "scheduler_step": _scheduler_steps(trainer, batch_idx)}
+        if self._step is None:
+            self._begin_step(packed, position)
+        else:
+            position["rng"] = packed[user_step.RECORD_RNG]
+            self._step["batches"].append(packed[user_step.RECORD_BATCH])
+            self._step["positions"].append(position)
+            self._step["forward"] = forward_context(self._step["observer"], self.state)
+            self._step["forward"].__enter__()
+
+    def _begin_step(self, packed: dict, position: dict) -> None:
         from replaybisect.core import user_step
         from replaybisect.core.loop import StepOutcome
         from replaybisect.core.observer import forward_context
         from replaybisect.core.rng import capture_raw
 
-        if not self._open:
-            return
         step = self.steps_taken
         rng_at_start = capture_raw()
         self._buffers.save()
         self._hooks.before_step(step, self.state, rng_at_start)
-        position = {"batch_idx": int(batch_idx), "takes_batch_idx": self._takes_batch_idx,
-                    "scheduler_step": _scheduler_steps(trainer, batch_idx)}
-        record = user_step.pack({"batch": batch, POSITION: position}, self.state.device)
+        batches, positions = [packed[user_step.RECORD_BATCH]], [position]
         scaler = self.state.scaler
         observer = self._hooks.observer(step)
         self._step = {
-            "record": record, "observer": observer, "started": time.perf_counter(),
+            "batches": batches, "positions": positions, "rng": packed[user_step.RECORD_RNG], "observer": observer,
+            "started": time.perf_counter(), "stepped": False, "loss": None, "backpropagated": [],
             "data_started": self._last_step_end if self._last_step_end is not None else time.perf_counter(),
             "outcome": StepOutcome(step=step, loss=math.nan, lr=float(self.state.optimizer.param_groups[0]["lr"])),
             "scale_before": scaler.get_scale() if scaler is not None and scaler.is_enabled() else None,
             "forward": forward_context(observer, self.state),
         }
         self._step["forward"].__enter__()
+
+    def _record(self) -> dict:
+        """The step's stored batch as user_step.pack shapes it (lists copied: later batches do not change it)."""
+        from replaybisect.core import user_step
+
+        return {user_step.RECORD_BATCH: {MICRO_BATCHES: list(self._step["batches"]), POSITION: list(self._step["positions"])},
+                user_step.RECORD_RNG: self._step["rng"]}
 
     def _end_forward(self) -> None:
         opened = self._step.pop("forward", None) if self._step else None
@@ -310,8 +337,8 @@ class ReplayCallback(Callback):
         self._end_forward()
         outcome = self._step["outcome"]
         notify(self._step["observer"], "after_forward", self.state, loss)
-        outcome.loss = float(loss.detach().float().item())
-        if not math.isfinite(outcome.loss) and outcome.nonfinite is None:
+        self._step["backpropagated"].append(loss.detach())
+        if not bool(torch.isfinite(loss.detach()).all()) and outcome.nonfinite is None:
             outcome.nonfinite = "loss"
             self._nonfinite()
 
@@ -321,6 +348,7 @@ class ReplayCallback(Callback):
         if not self._step:
             return
         self._end_forward()
+        self._step["stepped"] = True
         outcome = self._step["outcome"]
         grads = [p.grad for p in self.state.params if p.grad is not None]
         outcome.grad_norm = float((torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())).item())
@@ -338,25 +366,35 @@ class ReplayCallback(Callback):
             notify(self._step["observer"], "after_update", self.state)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
+        """The loss Lightning logged for this batch (divided by accumulate_grad_batches) joins the step's sum;
+        after the optimizer step the step is recorded."""
         if not self._step:
             return
-        step, self._step = self._step, None
-        outcome = step["outcome"]
         loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
         if isinstance(loss, torch.Tensor):
-            outcome.loss = float(loss.detach().float().item())
+            part = loss.detach().float()
+            self._step["loss"] = part if self._step["loss"] is None else self._step["loss"] + part
+        if not self._step["stepped"]:
+            return
+        step, record = self._step, self._record()
+        self._step = None
+        outcome = step["outcome"]
+        outcome.loss = float(step["loss"].item()) if step["loss"] is not None else math.nan
         if step["scale_before"] is not None:
             outcome.scaler_skipped = self.state.scaler.get_scale() < step["scale_before"]
             outcome.updated = outcome.updated and not outcome.scaler_skipped
         self._last_step_end = time.perf_counter()
-        self._hooks.after_step(outcome, step["record"], self._last_step_end - step["started"], step["started"] - step["data_started"])
+        self._hooks.after_step(outcome, record, self._last_step_end - step["started"], step["started"] - step["data_started"])
         self.steps_taken = outcome.step + 1
 
     def _nonfinite(self) -> None:
         """The state is still the one before this step: the hooks save it with the failing batch. Stop: log the
         step, end the run FAILED and raise; continue: put the forward's buffer updates back and go on."""
-        outcome, record = self._step["outcome"], self._step["record"]
-        self.first_nonfinite_step = outcome.step
+        outcome, record = self._step["outcome"], self._record()
+        # the loss of a halted step as user_step logs it: the sum of what was backpropagated so far
+        outcome.loss = float(sum(t.float().sum() for t in self._step["backpropagated"]))
+        if self.first_nonfinite_step is None:
+            self.first_nonfinite_step = outcome.step
         after_forward = [b.detach().clone() for b in self._buffers.buffers]
         self._buffers.restore()
         keep_going = self._hooks.on_nonfinite(outcome, record)

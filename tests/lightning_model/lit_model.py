@@ -36,21 +36,32 @@ class LitRegressor(L.LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
 
+class Jittered(TensorDataset):
+    """Per-sample noise drawn from torch's global RNG as items are loaded: draws between (and, with accumulation,
+    within) optimizer steps that a replay must not depend on."""
+
+    def __getitem__(self, index):
+        x, y = super().__getitem__(index)
+        return x + 0.01 * torch.randn(8), y
+
+
 def data(samples: int = 256) -> DataLoader:
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(samples, 8, generator=generator)
     y = torch.exp(0.5 * x[:, 0] - 0.3 * x[:, 1])
-    return DataLoader(TensorDataset(x, y), batch_size=16, shuffle=True)
+    return DataLoader(Jittered(x, y), batch_size=16, shuffle=True)
 
 
-def main(precision: str, lr: float, steps: int, clip: float | None):
+def main(precision: str, lr: float, steps: int, clip: float | None = None, accumulate: int = 1):
     L.seed_everything(7, verbose=False)
     model = LitRegressor(lr=lr)
     trainer = L.Trainer(max_steps=steps, accelerator="cpu", devices=1, precision=precision, gradient_clip_val=clip,
+                        accumulate_grad_batches=accumulate,
                         callbacks=[ReplayCallback(snapshot_every=10, layer_stats_every=5)],  # replaybisect
                         enable_progress_bar=False, logger=False, enable_checkpointing=False, enable_model_summary=False)
     trainer.fit(model, data())
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], float(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4]) if len(sys.argv) > 4 else None)
+    precision, lr, steps, clip, accumulate = (sys.argv[1:] + ["none", "1"])[:5]
+    main(precision, float(lr), int(steps), None if clip == "none" else float(clip), int(accumulate))
