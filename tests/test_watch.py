@@ -292,7 +292,7 @@ def test_sigterm_releases_sigkill_leaves_a_lease_and_the_next_watcher_resumes(te
     assert tags_of(team, run_id)["replaybisect.triage.claim"].endswith(" until 0.0")
 
     # 2. the next watcher takes it at once; SIGKILLed once nan is done, it leaves a live claim and no child behind
-    second = subprocess.Popen(watch_args(team, experiment, "--lease", lease), cwd=project, env=env_for(team, experiment),
+    second = subprocess.Popen(watch_args(team, experiment, "--lease", "10"), cwd=project, env=env_for(team, experiment),
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     _wait_for_tag(team, run_id, "replaybisect.triage.step", "ablate", second)
     second.kill()
@@ -304,9 +304,11 @@ def test_sigterm_releases_sigkill_leaves_a_lease_and_the_next_watcher_resumes(te
     assert _processes_naming(run_id) == []  # the triage child died with its watcher
 
     # 3. while the lease lasts nobody takes it; after it, a watcher resumes after the finished nan step
+    expires = float(tags["replaybisect.triage.claim"].rsplit(" until ", 1)[1])
     early = run_watch(team, project, experiment, "--once", "--lease", lease)
+    assert time.time() < expires, "the check came too late to see a live lease"
     assert [event["event"] for event in events(early.stdout)] == ["start", "stop"]
-    time.sleep(float(lease))
+    time.sleep(max(0.0, expires - time.time()) + 0.2)
     last = run_watch(team, project, experiment, "--once", "--lease", lease)
     assert last.returncode == 0, last.stderr
     steps = [event["message"] for event in events(last.stdout) if event["event"] == "step"]

@@ -62,9 +62,9 @@ def watch_command(
         raise ReplayError(f"--notify-url {notify_url!r} is not an http(s) URL; pass the webhook's address")
     if not location.exists:
         raise ReplayError(f"no tracking store at {location.shown} yet; pass --tracking-uri (e.g. http://mlflow:5000)")
-    announce_store(location)
     store = open_store(location.uri)
     if status:
+        announce_store(location)
         print_status(triage_status(store, options.experiments), as_json)
         return
 

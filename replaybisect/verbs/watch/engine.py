@@ -207,7 +207,8 @@ class Watcher:
     # ---- the loop ---------------------------------------------------------------------------------------
     def run(self, once: bool = False) -> dict[str, int]:
         """Poll until stopped (or, with once, until nothing claimable is left); returns the counts."""
-        self.on_event(Event("start", f"watching {self.store.uri} as {self.watcher_id}", data=self.health()))
+        watched = ", ".join(self.options.experiments) or "all experiments"
+        self.on_event(Event("start", f"watching {self.store.uri} ({watched}) as {self.watcher_id}", data=self.health()))
         heartbeat = threading.Thread(target=self._renew_leases, name="replay-watch-leases", daemon=True)
         heartbeat.start()
         futures: set[Future] = set()
