@@ -136,6 +136,15 @@ def test_a_script_that_trains_on_import_is_refused(workspace):
     assert "loop.py line 10 runs code when imported" in done.stderr and 'if __name__ == "__main__":' in done.stderr
 
 
+def _train_here(workspace, *overrides: str) -> str:
+    """`replay train` in this process (what the CLI does, without its start-up): the run id."""
+    from replaybisect.core import config as config_mod
+    from replaybisect.verbs.train.engine import train
+
+    cfg = config_mod.compose(None, "config", [*FAST, *overrides])
+    return train(cfg, workspace.store(), code_folder=workspace.path).run_id
+
+
 @pytest.mark.parametrize("overrides", [
     pytest.param(("train.accumulate=4",), id="accumulate"),
     pytest.param(("optim._target_=torch.optim.LBFGS", "~optim.weight_decay", "optim.lr=0.5", "+optim.max_iter=3"), id="lbfgs"),
@@ -143,23 +152,24 @@ def test_a_script_that_trains_on_import_is_refused(workspace):
 def test_builtin_step_variants_replay_exactly(workspace, overrides):
     from replaybisect.restore import logged_losses, replay, restore
 
-    result = workspace.train(*FAST, "train.steps=20", *overrides)
+    run_id = _train_here(workspace, "train.steps=20", *overrides)
     store = workspace.store()
-    logged = logged_losses(store, result["run_id"])
+    logged = logged_losses(store, run_id)
     assert len(logged) == 20 and all(value == value for value in logged.values())
     assert logged[19] < logged[0]  # it learns
     for step in (0, 10):
-        replayed = replay(restore(store, result["run_id"], step), 20, logged=logged)
+        replayed = replay(restore(store, run_id, step), 20, logged=logged)
         assert replayed.reproduced == "exact", replayed.mismatches[:3]
 
 
 def test_accumulation_keeps_the_batch_and_the_mean_loss(workspace):
-    """accumulate=K splits each step's batch in K micro-batches: same data, same mean loss up to rounding."""
+    """accumulate=K splits each step's batch in K micro-batches: same data, same mean loss up to rounding
+    (dropout off: its masks differ in shape)."""
     from replaybisect.restore import logged_losses
 
     store = workspace.store()
-    plain = logged_losses(store, workspace.train(*FAST, "train.steps=1", "model.dropout=0")["run_id"])  # (dropout masks
-    split = logged_losses(store, workspace.train(*FAST, "train.steps=1", "model.dropout=0", "train.accumulate=4")["run_id"])  # differ in shape)
+    plain = logged_losses(store, _train_here(workspace, "train.steps=1", "model.dropout=0"))
+    split = logged_losses(store, _train_here(workspace, "train.steps=1", "model.dropout=0", "train.accumulate=4"))
     assert split[0] == pytest.approx(plain[0], rel=1e-5)
 
 
