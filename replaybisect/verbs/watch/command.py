@@ -22,7 +22,7 @@ def watch_command(
     lease: float = typer.Option(120.0, "--lease", help="Seconds a claim lasts unless renewed; a dead watcher's runs are taken over after it."),
     settle: float = typer.Option(2.0, "--settle", help="Seconds between claiming a run and confirming the claim (two watchers racing)."),
     time_limit: float = typer.Option(1800.0, "--time-limit", help="Seconds each triage step (nan, ablate, diagnose) may run."),
-    memory_mb: int = typer.Option(8192, "--memory-mb", help="Address-space limit of each triage process in MiB (0: none)."),
+    memory_mb: int = typer.Option(8192, "--memory-mb", help="Address-space limit of each triage process in MiB (0: none; use 0 where triage runs on a GPU: CUDA reserves far more than it uses)."),
     horizon: int = typer.Option(200, "--horizon", min=1, max=1_000_000, help="ablate: steps replayed past the failing step."),
     grace: float = typer.Option(20.0, "--grace", help="On SIGTERM: seconds running triages may take to finish before their claims are released."),
     status: bool = typer.Option(False, "--status", help="Print the server's triage state in one line and exit."),
