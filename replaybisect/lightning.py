@@ -251,28 +251,36 @@ class ReplayCallback(Callback):
                      "FAILED" if self.first_nonfinite_step is not None else "FINISHED")
 
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
+        """Ctrl-C: KILLED; anything else FAILED ("crashed"); what was recorded stays. NonFiniteStep ended the run itself."""
         if isinstance(exception, NonFiniteStep) or not self._open:
             return
-        from replaybisect.verbs.train.engine import as_disk_full, mark_ended
-
-        self._close_hooks(quietly=True)
-        mark_ended(self.store, self.run_id, as_disk_full(exception, self.run_id, self.store) or exception)
+        try:
+            self._close_hooks()
+        except BaseException:
+            pass
+        self._mark_ended(exception)
 
     def _finish(self, status: str, mlflow_status: str) -> None:
         if not self._open:
             return
-        self._close_hooks(quietly=False)
+        try:
+            self._close_hooks()
+        except BaseException as error:  # a write that failed (a full disk): the run ends FAILED, and the error says why
+            self._mark_ended(error)
+            raise
         self.store.finish_run(self.run_id, status, mlflow_status)
 
-    def _close_hooks(self, quietly: bool) -> None:
+    def _close_hooks(self) -> None:
+        """Finish every pending write (raises the first that failed)."""
         self._open = False
         self._post_hook.remove()
         self._end_forward()
-        try:
-            self._hooks.close()
-        except BaseException:
-            if not quietly:
-                raise
+        self._hooks.close()
+
+    def _mark_ended(self, error: BaseException) -> None:
+        from replaybisect.verbs.train.engine import as_disk_full, mark_ended
+
+        mark_ended(self.store, self.run_id, as_disk_full(error, self.run_id, self.store) or error)
 
     # ---- one step: the moments of user_step's watch, at Lightning's hooks ---------------------------------------
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:

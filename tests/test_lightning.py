@@ -102,7 +102,8 @@ def _fit_in_process(tmp_path, monkeypatch, **trainer_args):
         import lit_model
 
         model = trainer_args.pop("model", None) or lit_model.LitRegressor()
-        trainer = L.Trainer(max_steps=2, accelerator="cpu", callbacks=[ReplayCallback()], enable_progress_bar=False,
+        trainer_args = {"max_steps": 2, **trainer_args}
+        trainer = L.Trainer(accelerator="cpu", callbacks=[ReplayCallback()], enable_progress_bar=False,
                             logger=False, enable_checkpointing=False, enable_model_summary=False, **trainer_args)
         trainer.fit(model, lit_model.data(32))
     finally:
@@ -151,3 +152,27 @@ def test_a_module_without_saved_hparams_is_refused(tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match=r"takes width, which is not in its hparams; call self.save_hyperparameters\(\)"):
         _fit_in_process(tmp_path, monkeypatch, model=unsaved_model.Unsaved(4))
     assert not (tmp_path / "mlflow.db").exists()
+
+
+def test_a_crash_ends_the_run_failed_and_keeps_what_was_recorded(tmp_path, monkeypatch):
+    from replaybisect.restore import logged_losses
+    from replaybisect.store import open_store
+
+    (tmp_path / "crashing_model.py").write_text(
+        "import lit_model\n"
+        "class Crashing(lit_model.LitRegressor):\n"
+        "    def training_step(self, batch, batch_idx):\n"
+        "        if self.global_step == 3:\n            raise RuntimeError('boom')\n"
+        "        return super().training_step(batch, batch_idx)\n"
+    )
+    monkeypatch.syspath_prepend(str(MODEL))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import crashing_model
+
+    with pytest.raises(RuntimeError, match="boom"):
+        _fit_in_process(tmp_path, monkeypatch, model=crashing_model.Crashing(), max_steps=10)
+    store = open_store(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    (run,) = store.search_runs()
+    run_id = run.info.run_id
+    assert run.info.status == "FAILED" and store.tags(run_id)["status"] == "crashed"
+    assert sorted(logged_losses(store, run_id)) == [0, 1, 2]
