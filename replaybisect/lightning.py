@@ -222,10 +222,10 @@ class ReplayCallback(Callback):
         self.steps_taken = 0
         self.first_nonfinite_step = None
         self._last_step_end: Optional[float] = None
-        self._start_run(folder)
+        self._start_run(folder, self.run_name or f"train {module_target.rsplit('.', 1)[0]} (lightning)")
         self._post_hook = register_optimizer_step_post_hook(self._after_update)
 
-    def _start_run(self, folder) -> None:
+    def _start_run(self, folder, run_name: str) -> None:
         from replaybisect.core import config as config_mod
         from replaybisect.core.rng import isolated_rng
         from replaybisect.recorder import Recorder as RecordingHooks
@@ -239,7 +239,7 @@ class ReplayCallback(Callback):
         tags["replaybisect.trainer"] = "lightning"
         with isolated_rng():  # MLflow names runs with `random`: keep it off the user's streams
             random.seed(os.urandom(8))
-            self.run_id = self.store.create_run("train", run_name=self.run_name, experiment=self.experiment, tags=tags)
+            self.run_id = self.store.create_run("train", run_name=run_name, experiment=self.experiment, tags=tags)
         self._open = True
         self.store.log_params(self.run_id, config_mod.flatten(self.cfg))
         self.store.log_text(self.run_id, config_mod.to_yaml(self.cfg), "config.yaml")
