@@ -126,6 +126,12 @@ def events(output: str) -> list[dict]:
     return [json.loads(line) for line in output.splitlines() if line.strip()]
 
 
+def run_of(team, run_id: str):
+    from mlflow import MlflowClient
+
+    return MlflowClient(team.tracking_uri).get_run(run_id)
+
+
 def tags_of(team, run_id: str) -> dict[str, str]:
     from mlflow import MlflowClient
 
@@ -210,6 +216,14 @@ def test_once_triages_the_failed_runs_and_leaves_the_healthy_one_alone(team, pro
     forward_files = artifacts_here_and_below(team, forward)
     assert {"report.md", "ablation.md", "triage.md", "triage.json"} <= forward_files, forward_files
     assert {"diagnosis.md", "triage.json"} <= artifacts_here_and_below(team, crashed)
+    if team.s3_endpoint:  # and they are objects in the bucket, not files beside the server
+        import boto3
+
+        experiment_id = run_of(team, forward).info.experiment_id
+        listing = boto3.client("s3", endpoint_url=team.s3_endpoint, **watch_servers.boto_credentials()).list_objects_v2(
+            Bucket=watch_servers.BUCKET, Prefix=f"{experiment_id}/{forward}/artifacts/")
+        keys = {item["Key"].split("/artifacts/", 1)[1] for item in listing.get("Contents", [])}
+        assert {"triage/triage.json", "config.yaml"} <= keys and any(k.startswith("snapshots/") for k in keys), keys
 
     # one notification per triage, Slack/Mattermost-shaped
     by_run = {message["run_id"]: message for message in receiver.received}

@@ -13,7 +13,7 @@ import sys
 import tempfile
 import time
 import urllib.request
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -101,14 +101,14 @@ def s3_server(folder: Path):
         _wait_http(endpoint + "/moto-api/", process, "moto S3 server", timeout=60)
         import boto3
 
-        boto3.client("s3", endpoint_url=endpoint, **_boto_credentials()).create_bucket(Bucket=BUCKET)
+        boto3.client("s3", endpoint_url=endpoint, **boto_credentials()).create_bucket(Bucket=BUCKET)
         yield endpoint
     finally:
         process.terminate()
         process.wait(timeout=30)
 
 
-def _boto_credentials() -> dict[str, str]:
+def boto_credentials() -> dict[str, str]:
     return {"aws_access_key_id": S3_CREDENTIALS["AWS_ACCESS_KEY_ID"], "aws_secret_access_key": S3_CREDENTIALS["AWS_SECRET_ACCESS_KEY"],
             "region_name": S3_CREDENTIALS["AWS_DEFAULT_REGION"]}
 
@@ -123,16 +123,18 @@ class TeamServer:
 
 @contextmanager
 def team_server(folder: Path, *, s3: bool = True):
-    """`mlflow server` on PostgreSQL with artifacts proxied (--serve-artifacts) to S3 (moto) or, with s3=False,
-    to a local folder."""
-    with postgres() as backend_uri:
+    """`mlflow server` on PostgreSQL with artifacts proxied (--serve-artifacts) to S3 (moto) or, with s3=False or
+    when no S3 server can run here, to a local folder (the server's proxied artifact store)."""
+    with postgres() as backend_uri, ExitStack() as stack:
+        endpoint = None
         if s3:
-            with s3_server(folder) as endpoint:
-                with _mlflow_server(folder, backend_uri, f"s3://{BUCKET}/", endpoint) as server:
-                    yield server
-        else:
-            with _mlflow_server(folder, backend_uri, str(folder / "artifacts"), None) as server:
-                yield server
+            try:
+                endpoint = stack.enter_context(s3_server(folder))
+            except Unavailable:
+                pass
+        destination = f"s3://{BUCKET}/" if endpoint else str(folder / "artifacts")
+        with _mlflow_server(folder, backend_uri, destination, endpoint) as server:
+            yield server
 
 
 @contextmanager
