@@ -107,3 +107,20 @@ def test_sigusr1_logs_a_health_line_and_sigterm_stops_an_idle_watcher(workspace)
     stdout, stderr = watcher.communicate(timeout=60)
     assert watcher.returncode == 143, stderr
     assert _events(stdout)[-1]["event"] == "stop"
+
+
+def test_sigterm_lets_a_running_triage_finish_within_the_grace(workspace):
+    store = workspace.store()
+    run_id = store.create_run("train")  # a crashed run's record: metrics only, which is all diagnose reads
+    store.log_metrics(run_id, [("loss", 2.0 - step * 0.01, step) for step in range(30)])
+    store.finish_run(run_id, "crashed", "FAILED")
+    watcher = subprocess.Popen([REPLAY, "watch", "--json", "--settle", "0.2", "--grace", "120"], cwd=workspace.path,
+                               env=workspace.env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    for line in watcher.stdout:
+        if json.loads(line)["message"] == "diagnose started":
+            break
+    watcher.send_signal(signal.SIGTERM)
+    stdout, stderr = watcher.communicate(timeout=120)
+    assert watcher.returncode == 143, stderr
+    assert [e["event"] for e in _events(stdout)][-3:] == ["step", "done", "stop"]
+    assert store.tags(run_id)["triage"] == "done"
