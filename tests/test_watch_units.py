@@ -124,3 +124,29 @@ def test_sigterm_lets_a_running_triage_finish_within_the_grace(workspace):
     assert watcher.returncode == 143, stderr
     assert [e["event"] for e in _events(stdout)][-3:] == ["step", "done", "stop"]
     assert store.tags(run_id)["triage"] == "done"
+
+
+def test_a_watcher_frozen_past_its_lease_loses_the_run_and_writes_nothing(workspace):
+    store = workspace.store()
+    run_id = store.create_run("train")
+    store.log_metrics(run_id, [("loss", 2.0 - step * 0.01, step) for step in range(30)])
+    store.finish_run(run_id, "crashed", "FAILED")
+    frozen = subprocess.Popen([REPLAY, "watch", "--json", "--settle", "0.2", "--lease", "2"], cwd=workspace.path,
+                              env=workspace.env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    for line in frozen.stdout:
+        if json.loads(line)["message"] == "diagnose started":
+            break
+    frozen.send_signal(signal.SIGSTOP)  # a stalled VM or a long GC pause: the lease lapses
+    try:
+        time.sleep(2.5)
+        other = workspace.replay("watch", "--once", "--json", "--settle", "0.2", "--lease", "2")
+        assert [e["event"] for e in _events(other.stdout)].count("done") == 1, other.stdout
+        summary = store.tags(run_id)["triage.summary"]
+    finally:
+        frozen.send_signal(signal.SIGCONT)
+    time.sleep(3)  # it wakes: its diagnose child's answer or its next lease renewal finds the claim taken
+    frozen.send_signal(signal.SIGTERM)
+    stdout, _ = frozen.communicate(timeout=60)
+    woken = [e["event"] for e in _events(stdout)]
+    assert "lost" in woken and "done" not in woken, woken
+    assert store.tags(run_id)["triage.summary"] == summary and store.tags(run_id)["triage.attempts"] == "2"

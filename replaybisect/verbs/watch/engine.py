@@ -388,12 +388,12 @@ class Watcher:
                 step_lines[f"{TRIAGE}.{step}"] = tags[TAG + f"{TRIAGE}.{step}"]
                 step_lines.update({k[len(TAG):]: v for k, v in tags.items() if k.startswith(TAG + f"{TRIAGE}.{step}.")})
                 continue
-            if active.lost or active.released:
+            if active.released or not self._owns(active):
                 return self._stopped(active)
             self.store.set_tags(run_id, {STEP: step})
             self.on_event(Event("step", f"{step} started", run_id))
             outcome = self._run_step(step, run_id, active)
-            if active.lost or active.released:
+            if active.released or not self._owns(active):  # every write waits for this check: a lapsed owner writes nothing
                 return self._stopped(active)
             ran.append(step)
             if not outcome.ok:
@@ -423,10 +423,15 @@ class Watcher:
             self.on_event(Event("lost", "another watcher took the run over (our lease had lapsed); stopped", active.run_id))
         return None
 
+    def _owns(self, active: _Active) -> bool:
+        """Re-read the claim: still ours? (A watcher that stalled past its lease finds a rival's.)"""
+        if not active.lost:
+            current = Claim.parse(self.store.get_run(active.run_id).data.tags.get(TAG + CLAIM))
+            active.lost = current is None or current.watcher_id != self.watcher_id
+        return not active.lost
+
     def _finish(self, run, active: _Active, result: TriageResult) -> Optional[TriageResult]:
-        current = Claim.parse(self.store.get_run(run.info.run_id).data.tags.get(TAG + CLAIM))
-        if current is None or current.watcher_id != self.watcher_id:
-            active.lost = True
+        if not self._owns(active):
             return self._stopped(active)
         self.publish(result)
         self._record_final(run, result.state, result.summary, result.next_command, result.reason)
