@@ -568,6 +568,8 @@ def _is_loss(report: NanReport, results: _StepResults, state) -> bool:
     call = _loss_call(probe)
     if call is not None:
         report.module = f"{call.module} ({call.type})"
+    elif state.loss_fn is None:  # a run from the user's own loop: the loss is computed in their step
+        report.module = "loss (computed in your step function)"
     else:
         report.module = f"loss ({getattr(state.loss_fn, '__name__', type(state.loss_fn).__name__)})"
     report.evidence.append(f"forward: every module's output is finite; the loss is {probe.loss}")
