@@ -129,6 +129,8 @@ def _quiet_mlflow() -> None:
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "30")
     # MLflow writes "View run ... at" to stdout for server stores: stdout is ours (--json).
     os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
+    # Its artifact downloads draw tqdm bars on stderr: an error must stay one line, progress is ours to show.
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
 
 
 def _check_reachable(uri: str) -> None:
