@@ -46,6 +46,7 @@ def watch_command(
     seconds. SIGTERM finishes running triages within --grace seconds or releases them; SIGUSR1 logs a health line.
     """
     import signal
+    import threading
 
     from replaybisect.errors import ReplayError
     from replaybisect.options import announce_store
@@ -78,9 +79,15 @@ def watch_command(
             watcher.abandon.set()  # a second signal: release at once
         watcher.stop()
 
+    def log_health() -> None:
+        health = watcher.health()
+        log(Event("health", health_line(health), data=health))
+
+    def on_health(signum, frame):  # off the signal handler: the main thread may hold the locks the log takes
+        threading.Thread(target=log_health, daemon=True).start()
+
     previous = {sig: signal.signal(sig, on_stop) for sig in (signal.SIGTERM, signal.SIGINT)}
-    previous[signal.SIGUSR1] = signal.signal(signal.SIGUSR1, lambda signum, frame: log(Event("health", health_line(watcher.health()),
-                                                                                               data=watcher.health())))
+    previous[signal.SIGUSR1] = signal.signal(signal.SIGUSR1, on_health)
     try:
         counts = watcher.run(once=once)
     finally:
