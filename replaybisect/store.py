@@ -444,12 +444,3 @@ def search_runs_without_tag(store: Store, experiment_ids: list[str], filter_stri
         if "IS NULL" not in str(error):
             raise
     return [run for run in search_all_runs(store, experiment_ids, filter_string) if tag not in run.data.tags]
-
-
-def delete_tag(store: Store, run_id: str, key: str) -> None:
-    from mlflow.exceptions import MlflowException
-
-    try:
-        store.client.delete_tag(run_id, key)
-    except MlflowException:  # not there: nothing to delete
-        pass
