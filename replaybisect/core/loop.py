@@ -2,7 +2,8 @@
 
 Reads top to bottom:
   1. build everything from the config (seeded, so construction is reproducible);
-  2. the batch of step t is a pure function of (seed, t): no iterator state to save;
+  2. the batch of step t is a pure function of (seed, t): no iterator state to save; each item is read under RNG
+     streams seeded by (seed, t, index), so DataLoader workers (train.num_workers) build the same batches;
   3. one step: forward under autocast -> loss -> backward (scaled for fp16) -> pre-clip grad norm
      -> optional clip -> optimizer update -> scheduler;
   4. the loop runs steps and hands each outcome to a recorder (or a replay comparator).
@@ -14,7 +15,10 @@ import contextlib
 import copy
 import itertools
 import math
+import signal
+import sys
 import time
+import traceback
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Optional, Protocol
 
@@ -48,7 +52,8 @@ def sequence_step(model, batch, loss_fn):
 # ---- data: batch of step t = f(seed, t) ---------------------------------------------------
 @dataclass
 class BatchSource:
-    """Data order as a pure function of (seed, step): a per-epoch permutation seeded by (seed, epoch)."""
+    """Data order as a pure function of (seed, step): a per-epoch permutation seeded by (seed, epoch); items read
+    under streams seeded by (seed, step, index). Reads in this process, in any order (replays, checks)."""
 
     dataset: Any
     batch_size: int
@@ -113,6 +118,24 @@ def _as_built(batch):
     return batch
 
 
+def _leave_stopping_to_the_main_process(worker_id: int) -> None:
+    """Ctrl-C and SIGTERM (sent to the whole process group by a terminal or SLURM) end the run through the main
+    process, which stops the workers: a worker that died of them first would turn a clean stop into a crash.
+    A main process stopped while it fetched a batch's tensors drops the connection multiprocessing's fd-sharing
+    thread is serving; that thread's traceback (through sys.excepthook) would break the one line a stopped run prints."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    default_hook = sys.excepthook
+
+    def quiet_when_the_reader_left(kind, error, trace) -> None:
+        if issubclass(kind, (ConnectionError, EOFError)) and any(
+                frame.filename.endswith("resource_sharer.py") for frame in traceback.extract_tb(trace)):
+            return
+        default_hook(kind, error, trace)
+
+    sys.excepthook = quiet_when_the_reader_left
+
+
 class WorkerBatches:
     """BatchSource.batch(step) built ahead by DataLoader worker processes (train.num_workers): the same batches,
     since each is the same pure function of (seed, step). Steps asked for in order come from the workers'
@@ -122,7 +145,7 @@ class WorkerBatches:
         self.steps = _StepsFrom()
         self.loader = DataLoader(
             _StepBatches(source), batch_size=None, sampler=self.steps, num_workers=num_workers, collate_fn=_as_built,
-            persistent_workers=True, generator=torch.Generator(),  # an explicit generator: the workers' seeds are not drawn from the training stream
+            worker_init_fn=_leave_stopping_to_the_main_process, persistent_workers=True, generator=torch.Generator(),  # an explicit generator: the workers' seeds are not drawn from the training stream
         )
         self._restart(start)  # the workers start now, reading ahead from `start`
 
