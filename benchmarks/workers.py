@@ -1,17 +1,18 @@
 """DataLoader workers on a data-bound run: `replay train` with train.num_workers=0 and 2, steps/s and the ratio.
 
-The dataset does real CPU work per item, as an image pipeline does: each read decodes a 384x384 JPEG (Pillow), takes
+The dataset does real CPU work per item, as an image pipeline does: each read decodes a 512x512 JPEG (Pillow, ~2 ms on these machines), takes
 a random crop resized to 32x32 and a random flip (torch.randint / torch.rand: per-sample randomness). With
 `--work sleep` each read instead sleeps `--sleep-ms` (a disk or network read that leaves the CPU free) and returns
 a stored 32x32 image with the random flip. The model is a small CNN, so the step waits for data.
 
 Each configuration trains through the real `train()` (recorder on: metrics, snapshots every 50 steps) in its own
 process, alternating 0 and 2 workers. Reported: steps/s over the wall time of `train()` (run creation, snapshots and
-worker start-up included) and in steady state (1 / (median data wait + median step time), from the logged metrics).
+worker start-up included), the headline, and in the loop alone (1 / (mean data wait + mean step time), from the
+logged data_time and step_time: no run creation, start-up or recorder work).
 The load average is printed: on a shared machine, decoding in workers only helps when cores are free.
 The two worker counts must log identical losses (the same batches), which this script checks.
 
-    python benchmarks/workers.py [--work decode|sleep] [--steps 100] [--batch-size 16] [--repeats 2]
+    python benchmarks/workers.py [--work decode|sleep] [--steps 200] [--batch-size 16] [--repeats 2]
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from torch.utils.data import Dataset
 class JpegImages(Dataset):
     """n JPEG images (size x size), decoded on every read with a random crop to 32x32 and a random flip."""
 
-    def __init__(self, n=256, size=384, work="decode", sleep_ms=3.0):
+    def __init__(self, n=256, size=512, work="decode", sleep_ms=3.0):
         rng = np.random.default_rng(0)
         self.blobs, self.small = [], []
         for _ in range(n):
@@ -112,7 +113,7 @@ def child(folder: str, workers: int, work: str, steps: int, batch_size: int, sle
     step_time = [value for _, value in store.metric_history(result.run_id, "step_time")]
     losses = logged_losses(store, result.run_id)
     print(json.dumps({"workers": workers, "seconds": seconds, "steps": result.steps_completed,
-                      "data_time": statistics.median(data_time), "step_time": statistics.median(step_time),
+                      "data_time": statistics.mean(data_time), "step_time": statistics.mean(step_time),
                       "losses": [losses[step] for step in sorted(losses)]}))
 
 
@@ -133,7 +134,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--work", choices=["decode", "sleep"], default="decode")
     parser.add_argument("--sleep-ms", type=float, default=3.0)
-    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--child", type=int)
@@ -163,7 +164,7 @@ def main() -> None:
                 runs[workers].append(json.loads(done.stdout.strip().splitlines()[-1]))
     same = all(run["losses"] == runs[0][0]["losses"] for measured in runs.values() for run in measured)
     rate = {workers: statistics.median(run["steps"] / run["seconds"] for run in measured) for workers, measured in runs.items()}
-    what = "decode a 384x384 JPEG + random crop/flip" if args.work == "decode" else f"sleep {args.sleep_ms:g} ms + random flip"
+    what = "decode a 512x512 JPEG + random crop/flip" if args.work == "decode" else f"sleep {args.sleep_ms:g} ms + random flip"
     print(f"data-bound run: per item {what} ({per_item * 1e3:.2f} ms in-process), batch {args.batch_size}, "
           f"small CNN, {args.steps} steps, {args.repeats} runs each, {os.cpu_count()} CPU cores")
     steady = {}
@@ -171,9 +172,9 @@ def main() -> None:
         data = statistics.median(run["data_time"] for run in measured)
         step = statistics.median(run["step_time"] for run in measured)
         steady[workers] = 1 / (data + step)
-        print(f"  num_workers={workers}: {rate[workers]:.2f} steps/s wall, {steady[workers]:.1f} steps/s steady "
-              f"(median data wait {data * 1e3:.1f} ms, step {step * 1e3:.1f} ms)")
-    print(f"ratio 2 workers / 0 workers: {rate[2] / rate[0]:.2f}x wall, {steady[2] / steady[0]:.2f}x steady   "
+        print(f"  num_workers={workers}: {rate[workers]:.2f} steps/s wall, {steady[workers]:.1f} steps/s in the loop "
+              f"(mean data wait {data * 1e3:.1f} ms, step {step * 1e3:.1f} ms)")
+    print(f"ratio 2 workers / 0 workers: {rate[2] / rate[0]:.2f}x wall, {steady[2] / steady[0]:.2f}x in the loop   "
           f"identical losses: {same}   load average (1 min) at the end: {os.getloadavg()[0]:.1f}")
 
 
