@@ -21,6 +21,7 @@ DEFAULT_TRACKING_URI = f"sqlite:///{STORE_FILE}"
 DEFAULT_EXPERIMENT = "replaybisect"
 TAG = "replaybisect."  # prefix of every tag we write
 DESCRIPTION_TAG = "mlflow.note.content"  # a run's description in the MLflow UI
+MAX_DESCRIPTION = 8000  # MLflow's MAX_TAG_VAL_LENGTH
 # MLflow 3 opens an experiment of this kind on its runs table (untagged ones may open on the GenAI overview)
 EXPERIMENT_KIND = {"mlflow.experimentKind": "custom_model_development"}
 ANSWERING_VERBS = ("nan", "ablate", "diagnose", "check")  # whose latest answer the examined run's description lists
@@ -231,27 +232,26 @@ class Store:
         """The run's description in the MLflow UI: its one-line answer."""
         self.client.set_tag(run_id, DESCRIPTION_TAG, text)
 
-    def record_answer(self, examined_run_id: str, verb: str, answer: str, result_run_id: str | None = None) -> None:
-        """`verb`'s one-line answer about a run: the result run's description, and a line of the examined run's
-        description, which lists the latest answer of each verb with a link to the run that holds its report."""
-        answer = answer[:1000]  # a tag value's length is bounded
+    def record_answer(self, examined_run_id: str, verb: str, answer: str, result_run_id: str | None = None,
+                      report: str = "") -> None:
+        """`verb`'s one-line answer about a run: the result run's description (the answer first, the runs table shows
+        it; then the markdown report, so one click on the run shows it), and a line of the examined run's description,
+        which lists the latest answer of each verb (plain text)."""
+        answer = answer[:1000]
         if result_run_id:
-            self.describe(result_run_id, answer)
+            self.describe(result_run_id, f"{answer}\n\n{report}"[:MAX_DESCRIPTION] if report else answer)
         self.set_tags(examined_run_id, {f"answer.{verb}": answer, f"answer.{verb}.run": result_run_id or ""})
         run = self.get_run(examined_run_id)
         tags = run.data.tags
         lines = []
         if tags.get(TAG + "status") == "nonfinite":
             lines.append(f"non-finite {tags.get(TAG + 'nonfinite_what', 'loss').replace('_', ' ')} at step "
-                         f"{tags.get(TAG + 'first_nonfinite_step', '?')}")
+                         f"{tags.get(TAG + 'first_nonfinite_step', '?')}.")
         for name in ANSWERING_VERBS:
             line = tags.get(f"{TAG}answer.{name}")
-            if not line:
-                continue
-            holder = tags.get(f"{TAG}answer.{name}.run")
-            link = f" ([report](#/experiments/{run.info.experiment_id}/runs/{holder}))" if holder else ""
-            lines.append(f"**{name}**: {line}{link}")
-        self.describe(examined_run_id, "  \n".join(lines))
+            if line:
+                lines.append(f"{name}: {line.rstrip('.')}.")
+        self.describe(examined_run_id, "\n".join(lines))
 
     def tags(self, run_id: str) -> dict[str, str]:
         """The run's replaybisect tags, without the prefix."""

@@ -102,7 +102,8 @@ def test_nan_row_is_fixed_by_skip_batch_alone_same_verdicts_on_every_executor(ba
     store = ws.store()
     ablations = store.child_runs(run.run_id, "ablation")
     assert {a.info.run_id for a in ablations} == {one["report_run_id"], two["report_run_id"], submitit["report_run_id"]}
-    assert {a.info.run_name for a in ablations} == {"ablate @ step 25"}
+    assert {a.info.run_name for a in ablations} == {f"ablate @ step 25 ({', '.join(arm['name'] for arm in one['arms'])})",
+                                                    "ablate @ step 25 (lr, skip-batch)"}
     assert store.child_runs(run.run_id, "ablation-arm") == []
     children = store.child_runs(one["report_run_id"], "ablation-arm")
     assert len(children) == 6
@@ -117,8 +118,8 @@ def test_nan_row_is_fixed_by_skip_batch_alone_same_verdicts_on_every_executor(ba
         report = json.loads(store.read_artifact_text(result["report_run_id"], "ablation.json"))
         assert report["conclusion"] == result["conclusion"]
     # the one-line answer is the ablation run's description and a line of the failed run's
-    assert store.get_run(submitit["report_run_id"]).data.tags["mlflow.note.content"] == submitit["conclusion"]
-    assert f"**ablate**: {submitit['conclusion']}" in store.get_run(run.run_id).data.tags["mlflow.note.content"]
+    assert store.get_run(submitit["report_run_id"]).data.tags["mlflow.note.content"].startswith(submitit["conclusion"] + "\n\n# Ablation")
+    assert f"ablate: {submitit['conclusion'].rstrip('.')}." in store.get_run(run.run_id).data.tags["mlflow.note.content"]
 
 
 def test_the_engine_alone_records_nothing(bad_row):

@@ -141,8 +141,8 @@ def test_healthy_report_and_artifacts_on_the_run(planted):
     store = workspace.store()
     report_run = store.get_run(report_run_id)
     assert report_run.data.tags["mlflow.parentRunId"] == run_id and report_run.info.run_name == "diagnose: healthy"
-    assert report_run.data.tags["mlflow.note.content"] == "no pathology found"
-    assert "**diagnose**: no pathology found" in store.get_run(run_id).data.tags["mlflow.note.content"]
+    assert report_run.data.tags["mlflow.note.content"].startswith("no pathology found\n\n")
+    assert "diagnose: no pathology found." in store.get_run(run_id).data.tags["mlflow.note.content"]
     names = {info.path for info in store.list_artifacts(report_run_id)}
     assert {"diagnosis.md", "diagnosis_loss.png", "diagnosis.json"} <= names
     assert "No pathology found" in store.read_artifact_text(report_run_id, "diagnosis.md")

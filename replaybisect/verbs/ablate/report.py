@@ -236,6 +236,8 @@ def _record_arm(store, result, arm, label: str) -> None:
         store.finish_run(child, "crashed", "FAILED")
         return
     store.log_metrics(child, _arm_points(arm))
+    store.describe(child, arm.verdict + (f" (first non-finite step {arm.first_nonfinite_step})" if arm.first_nonfinite_step is not None
+                                         else f" (final loss {fmt_number(arm.final_loss)})"))
     if arm.first_nonfinite_step is not None:
         store.set_tags(child, {"first_nonfinite_step": arm.first_nonfinite_step, "nonfinite_what": arm.nonfinite_what})
     store.finish_run(child, "nonfinite" if arm.first_nonfinite_step is not None else "ok")
@@ -256,12 +258,13 @@ def write_artifacts(store, result) -> list[str]:
 
 
 def publish(store, result) -> None:
-    """Record what `ablate()` found as one run under the examined run (`ablate @ step 47`, kind=ablation): every
+    """Record what `ablate()` found as one run under the examined run (`ablate @ step 47 (lr, clip)`, kind=ablation): every
     replayed arm (the baseline first) as its child (`ablate @ step 47 / lr`), the report on it, the conclusion as
     its description and a line of the examined run's. A second ablation is a second run: nothing is overwritten."""
     step = result.failing_step if result.failing_step is not None else result.start_step
     label = f"ablate @ step {step}"
-    result.report_run_id = store.create_run("ablation", run_name=label, parent_run_id=result.run_id,
+    arms = ", ".join(arm.name for arm in result.arms)
+    result.report_run_id = store.create_run("ablation", run_name=f"{label} ({arms})", parent_run_id=result.run_id,
                                             tags={"replaybisect.arms": ",".join(arm.name for arm in result.arms)})
     try:
         for arm in [result.baseline, *result.arms]:
@@ -272,4 +275,4 @@ def publish(store, result) -> None:
         store.finish_run(result.report_run_id, "crashed", "FAILED")
         raise
     store.finish_run(result.report_run_id, "ok")
-    store.record_answer(result.run_id, "ablate", result.conclusion, result.report_run_id)
+    store.record_answer(result.run_id, "ablate", result.conclusion, result.report_run_id, report=to_markdown(result))

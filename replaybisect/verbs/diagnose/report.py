@@ -205,7 +205,7 @@ def publish(store, result, curves) -> str:
     and the annotated PNG (a second diagnosis is a second run: nothing is overwritten); the verdict as its
     description, a line of the diagnosed run's and its replaybisect.diagnosis tag. Returns the child run's id."""
     verdict = "healthy" if result.healthy else ",".join(dict.fromkeys(f.pattern for f in result.findings)) or "not-enough-data"
-    child = store.create_run("diagnosis", run_name=f"diagnose: {verdict}", parent_run_id=result.run_id,
+    child = store.create_run("diagnosis", run_name=f"diagnose: {verdict.replace(',', ', ')}", parent_run_id=result.run_id,
                              tags={"replaybisect.diagnosis": verdict})
     figure = loss_figure(result, curves)
     result.artifacts = [MARKDOWN, JSON_FILE, PLOT]
@@ -223,7 +223,7 @@ def publish(store, result, curves) -> str:
         close_figure(figure)
     store.finish_run(child, "ok")
     store.set_tags(result.run_id, {"diagnosis": verdict})
-    store.record_answer(result.run_id, "diagnose", answer(result), child)
+    store.record_answer(result.run_id, "diagnose", answer(result), child, report=to_markdown(result))
     return child
 
 

@@ -212,11 +212,11 @@ def publish(store, report) -> str:
         store.finish_run(child, "crashed", "FAILED")
         raise
     store.finish_run(child, "ok")
-    store.record_answer(report.run_id, "nan", answer(report), child)
+    store.record_answer(report.run_id, "nan", answer(report), child, report=markdown(report))
     return child
 
 
 def answer(report) -> str:
     """The one-line answer: the run descriptions in the MLflow UI."""
     where = (f" in {report.module}" if report.module else "") + (f", op {report.op}" if report.op else "")
-    return f"step {report.failing_step}: {report.category}{where} (replay {report.reproduced})"
+    return f"{report.category}{where} (replay {report.reproduced})"
