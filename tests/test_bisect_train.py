@@ -48,7 +48,7 @@ def clear(tmp_path_factory):
 def test_clear_regression_is_found_with_the_broken_commit_skipped(clear):
     workspace, repo, shas, before, report = clear
     assert report["first_bad"] == shas[REGRESSION_AT]
-    assert report["subject"] == "refactor the model (clear regression)"
+    assert report["subject"] == "refactor the model"
     assert "conf/config.yaml" in report["diffstat"] and report["author"].startswith("Demo Author")
     by_sha = {trial["sha"]: trial for trial in report["trials"]}
     assert by_sha[shas[BROKEN_AT]]["verdict"] == "skip"

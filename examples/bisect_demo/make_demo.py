@@ -1,6 +1,6 @@
 """Build a git repository to try `replay bisect` on: a tiny regression model trained from its own code.
 
-    python examples/bisect_demo/make_demo.py /tmp/demo            # 40 commits, a regression at commit 27
+    python examples/bisect_demo/make_demo.py /tmp/demo            # 40 commits, one of them a regression
     replay bisect --repo /tmp/demo demo-good demo-bad --steps 40 --workers 2
 
 The repository's `conf/config.yaml` points `_target_`s at its own `model.py` and `data.py`. Most commits
@@ -124,7 +124,7 @@ def linear_history(path: str | Path, *, commits: int = 40, regression_at: int = 
         elif index == regression_at:
             repo.code(**REGRESSIONS[kind])
             regressed = True
-            shas.append(repo.commit(f"refactor the model ({kind} regression)"))
+            shas.append(repo.commit("refactor the model"))  # the subject does not give the answer away
         elif broken_at is not None and index == broken_at:
             repo.code(**(REGRESSIONS[kind] if regressed else CLEAN), broken=True)
             shas.append(repo.commit("import a helper that is not there"))
@@ -150,8 +150,9 @@ def main() -> None:
         parser.error(f"{args.path} exists and is not empty")
     _, shas = linear_history(args.path, commits=args.commits, regression_at=args.regression_at, kind=args.kind,
                              broken_at=args.broken_at)
-    print(f"built {args.path}: {len(shas)} commits; the regression is {shas[args.regression_at][:10]}")
-    print(f"try: replay bisect --repo {args.path} demo-good demo-bad --workers 2")
+    # the answer is for `replay bisect` to find, not for this script to print
+    print(f"built {args.path}: {len(shas)} commits between tags demo-good and demo-bad; one of them slows convergence")
+    print(f"find it: replay bisect --repo {args.path} demo-good demo-bad --steps 40 --workers 2")
 
 
 if __name__ == "__main__":

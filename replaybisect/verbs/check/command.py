@@ -70,7 +70,9 @@ def check_command(
     trust = Trust.from_user(code_dirs or (), trust_prefixes or ()) if run_id else None
     store = store or recording_store(tracking_uri)
     code_folder = None if run_id else (config_dir.resolve() if config_dir else Path.cwd())
-    report = check(store, cfg=cfg, run_id=run_id, options=options, trust=trust)
+    from replaybisect.options import say
+
+    report = check(store, cfg=cfg, run_id=run_id, options=options, trust=trust, progress=lambda name: say(f"check: {name}"))
     publish(store, report, cfg, code_folder=code_folder)
     if as_json:
         print_json(report.to_json())
