@@ -145,7 +145,9 @@ class WorkerBatches:
         self.steps = _StepsFrom()
         self.loader = DataLoader(
             _StepBatches(source), batch_size=None, sampler=self.steps, num_workers=num_workers, collate_fn=_as_built,
-            worker_init_fn=_leave_stopping_to_the_main_process, persistent_workers=True, generator=torch.Generator(),  # an explicit generator: the workers' seeds are not drawn from the training stream
+            worker_init_fn=_leave_stopping_to_the_main_process, persistent_workers=True,
+            generator=torch.Generator(),  # an explicit generator: the workers' seeds are not drawn from the training stream
+            multiprocessing_context="fork" if sys.platform == "linux" else None,  # start in milliseconds (3.14 defaults to forkserver)
         )
         self._restart(start)  # the workers start now, reading ahead from `start`
 
