@@ -84,13 +84,13 @@ def close_figure(figure) -> None:
     plt.close(figure)
 
 
-UI_RUNS = "#/experiments?workflowType=machine_learning"  # MLflow 3's UI opens on its GenAI pages otherwise
+UI_SWITCH = "pick Model training (top left)"  # MLflow 3's UI opens experiments on its GenAI pages otherwise
 
 
 def mlflow_ui_hint(tracking_uri: str) -> str:
     if tracking_uri.startswith(("http://", "https://")):
-        return f"open {tracking_uri.rstrip('/')}/{UI_RUNS}"
-    return f"mlflow ui --backend-store-uri {tracking_uri}, then open http://127.0.0.1:5000/{UI_RUNS}"
+        return f"open {tracking_uri} and {UI_SWITCH}"
+    return f"mlflow ui --backend-store-uri {tracking_uri}, open http://127.0.0.1:5000 and {UI_SWITCH}"
 
 
 def run_label(cfg, config_dir=None, config_name: str = "config") -> str:
