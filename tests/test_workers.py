@@ -41,6 +41,8 @@ class JitterPoints(Dataset):
         return len(self.inputs)
 
     def __getitem__(self, index):
+        if index == 0:
+            print("reading item 0")  # user code owns stdout, in worker processes too: --json must still parse
         draw = torch.rand(())
         jitter = 0.1 * torch.randn(8) + float(np.random.uniform(-0.05, 0.05)) + random.gauss(0.0, 0.05)
         x = self.inputs[index] + jitter
