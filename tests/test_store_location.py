@@ -29,6 +29,8 @@ def test_runs_from_a_folder_and_its_subfolder_land_in_one_store(tmp_path):
     first = _replay(project, "train", "--json", *TINY)
     assert first.returncode == 0, first.stderr
     assert first.stderr.splitlines()[0] == f"store: {project / 'mlflow.db'} (new)"
+    assert "training: 3 steps" in first.stderr  # progress on stderr, also when it is piped
+    assert first.json()["run_id"] and project.joinpath("mlflow.db").exists()
     second = _replay(sub, "train", "--json", *TINY)
     assert second.returncode == 0, second.stderr
     assert second.stderr.splitlines()[0] == f"store: {project / 'mlflow.db'} (nearest mlflow.db)"
@@ -40,6 +42,7 @@ def test_runs_from_a_folder_and_its_subfolder_land_in_one_store(tmp_path):
         runs = json.loads(listed.stdout)
         assert runs["store"] == str(project / "mlflow.db")
         assert {run["run_id"] for run in runs["runs"]} == {first.json()["run_id"], second.json()["run_id"]}
+        assert {run["name"] for run in runs["runs"]} == {"train mlp/digits"}  # readable in the MLflow UI
 
     # an unknown run in an existing store: one line naming the store's absolute path, the store unchanged
     before = (project / "mlflow.db").read_bytes()
