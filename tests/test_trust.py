@@ -136,7 +136,8 @@ def test_code_dir_trusts_the_users_own_module_and_ablation_workers_inherit_it(sc
     assert scene.markers() == [scene.project / "MARKER"]
     arms = trusted.json()["arms"]
     assert [arm["name"] for arm in arms] == ["lr"] and arms[0]["verdict"] != "error", arms
-    assert scene.children() == before + 2  # baseline and lr, each built in a worker process
+    assert scene.children() == before + 1  # the ablation's run, holding baseline and lr, each built in a worker process
+    assert len(scene.store.child_runs(trusted.json()["report_run_id"], "ablation-arm")) == 2
 
 
 def test_trust_prefix_trusts_an_importable_package_that_importability_alone_does_not(scene):
