@@ -88,8 +88,11 @@ def train(
     from replaybisect.verbs.train.engine import train as train_run
 
     cfg = config_mod.compose(config_dir, config_name, list(overrides))
+    from replaybisect.report import run_label
+
     code_folder = Path(config_dir).resolve() if config_dir else Path.cwd()
-    return train_run(cfg, _store(tracking_uri), run_name=run_name, code_folder=code_folder)
+    return train_run(cfg, _store(tracking_uri), run_name=run_name or run_label(cfg, config_dir, config_name),
+                     code_folder=code_folder)
 
 
 def find_nan(
