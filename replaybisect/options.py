@@ -170,13 +170,20 @@ class StepProgress:
     LINE_SECONDS (`training: step 120/500`), so piped or logged output is never silent for minutes."""
 
     LINE_SECONDS = 10.0
+    STARTING_SECONDS = 2.0  # a slow start says what it is doing; a config that fails at once stays one error line
 
-    def __init__(self, description: str, enabled: Optional[bool] = None):
+    def __init__(self, description: str, enabled: Optional[bool] = None, starting: Optional[str] = None):
         self.description = description
         self.enabled = sys.stderr.isatty() if enabled is None else enabled
         self._progress = None
         self._task = None
         self._next_line = 0.0  # monotonic time of the next plain line
+        self._starting = None
+        if starting and not self.enabled:
+            import threading
+
+            self._starting = threading.Timer(self.STARTING_SECONDS, say, [f"{description}: {starting}"])
+            self._starting.daemon = True
 
     def __enter__(self):
         if self.enabled:
@@ -187,9 +194,13 @@ class StepProgress:
                 console=stderr_console(), transient=True,
             )
             self._progress.__enter__()
+        if self._starting is not None:
+            self._starting.start()
         return self
 
     def update(self, completed: int, total: int) -> None:
+        if self._starting is not None:
+            self._starting.cancel()
         if self._progress is None:
             import time
 
@@ -206,6 +217,8 @@ class StepProgress:
         self._progress.update(self._task, completed=completed)
 
     def __exit__(self, *exc):
+        if self._starting is not None:
+            self._starting.cancel()
         if self._progress is not None:
             self._progress.__exit__(*exc)
         return False

@@ -53,13 +53,12 @@ def train_command(
         print(config_mod.to_yaml(cfg), end="", file=OUR_STDOUT)
         return
 
-    from replaybisect.options import recording_store, say
+    from replaybisect.options import recording_store
     from replaybisect.verbs.train.engine import train
 
     store = recording_store(tracking_uri)
-    say("training: building the model, data and optimizer")
     code_folder = config_dir.resolve() if config_dir else Path.cwd()
-    with StepProgress("training") as bar:
+    with StepProgress("training", starting="building the model, data and optimizer") as bar:
         result = train(
             cfg, store, run_name=run_name or run_label(cfg, config_dir, config_name), parent_run_id=parent_run_id, kind=kind,
             extra_tags=extra_tags, code_folder=code_folder, progress=bar.update,
