@@ -101,6 +101,12 @@ def train_example(store, name: str, *overrides: str, env: dict[str, str] | None 
         return train(cfg, store, code_folder=folder)
 
 
+def outcome_lines(stderr: str) -> list[str]:
+    """stderr without the lines every command may print before its outcome: where it records (`store: ...`)
+    and its progress (`training: ...`)."""
+    return [line for line in stderr.splitlines() if line.strip() and not line.startswith(("store: ", "training: "))]
+
+
 def assert_one_line_error(result: CliResult, *fragments: str) -> None:
     """Bad input: exit 2, one line on stderr naming the problem, no traceback."""
     assert result.returncode == 2, f"exit {result.returncode}\n{result.stdout}\n{result.stderr}"

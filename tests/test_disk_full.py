@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import Workspace
+from conftest import Workspace, outcome_lines
 
 
 def _mount_small_fs(folder: Path, scratch: Path, size: str = "2M") -> str | None:
@@ -55,7 +55,7 @@ def full_disk_run(tmp_path_factory):
 def test_a_full_disk_is_one_line_naming_what_and_where(full_disk_run):
     _, _, result, artifacts = full_disk_run
     assert result.returncode == 1, result.stderr
-    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    lines = outcome_lines(result.stderr)
     assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
     assert "no space left on device writing snapshot step-" in lines[0] and str(artifacts) in lines[0]
     assert "snapshot.every" in lines[0]  # what to do
@@ -101,7 +101,7 @@ def test_a_full_tracking_store_is_one_line_too(tmp_path):
             "model.hidden=16", "snapshot.metrics_flush_every=1000000", "snapshot.metrics_flush_seconds=1", timeout=300,
         )
         assert result.returncode == 1, result.stderr
-        lines = [line for line in result.stderr.splitlines() if line.strip()]
+        lines = outcome_lines(result.stderr)
         assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
         assert "no space left on device writing metrics to the tracking store" in lines[0] and "mlflow.db" in lines[0]
         (run,) = workspace.store().search_runs("")

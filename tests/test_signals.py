@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import EXAMPLES, REPLAY, Workspace
+from conftest import EXAMPLES, REPLAY, Workspace, outcome_lines
 
 SLOW_RUN = ("train.steps=1000000", "train.batch_size=32", "train.val_every=0", "model.hidden=32", "snapshot.layer_stats_every=0")
 NO_COUNT_FLUSH = "snapshot.metrics_flush_every=1000000"  # only the time rule (or the stop) can flush metrics
@@ -69,7 +69,7 @@ def test_sigterm_flushes_metrics_finishes_the_snapshot_and_marks_the_run_killed(
     _, stderr = process.communicate(timeout=60)
 
     assert process.returncode == 143, stderr
-    lines = [line for line in stderr.splitlines() if line.strip()]
+    lines = outcome_lines(stderr)
     assert len(lines) == 1 and "terminated" in lines[0] and "Traceback" not in stderr, stderr
     run = _only_run(store)
     assert run.info.status == "KILLED" and run.data.tags["replaybisect.status"] == "killed"
@@ -157,14 +157,14 @@ def test_sigterm_stops_other_verbs_with_one_line_and_exit_143(workspace):
     process.send_signal(signal.SIGTERM)
     _, stderr = process.communicate(timeout=60)
     assert process.returncode == 143, stderr
-    lines = [line for line in stderr.splitlines() if line.strip()]
+    lines = outcome_lines(stderr)
     assert len(lines) == 1 and "terminated" in lines[0], stderr
 
 
 def test_a_stop_without_the_recorder_does_not_claim_a_snapshot(workspace):
     result = workspace.replay("train", "--config-dir", str(EXAMPLES / "nan_loss"), "snapshot.enabled=false")
     assert result.returncode == 3, result.stderr
-    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    lines = outcome_lines(result.stderr)
     assert len(lines) == 1 and "non-finite" in lines[0], result.stderr
     assert "saved)" not in lines[0] and "snapshot.enabled=false" in lines[0]
     assert "state before it is saved" not in result.stdout and "replay nan --run-id" not in result.stdout
