@@ -10,6 +10,13 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+import signal
+
+# A suite started in the background (`.ci/run &` from a script) inherits SIGINT ignored, and so would every `replay`
+# it starts: the Ctrl-C tests need the signal delivered as a terminal would.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
 # Tiny test models run fastest on one thread, and a 2-core CI machine runs several processes at once.
 # Runs record their thread count and replays restore it, so this changes speed, not results.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
