@@ -85,6 +85,7 @@ def test_hand_written_gpt_loop_nan_and_ablate(workspace):
     verdicts = {arm["name"]: arm["verdict"] for arm in ablation["arms"]}
     assert verdicts["lr"] == "fixes", verdicts
     assert verdicts["precision"] != "fixes", verdicts  # bf16 has fp32's range: fp32 does not cure an exp overflow
+    assert any("reuse the recorded batches" in warning for warning in ablation["warnings"])  # past the failure: said
 
 
 def _replay_in(workspace, folder: Path, *args: str) -> dict:

@@ -736,6 +736,9 @@ def _arm_outcome(name: str, change: Change, raw: Optional[dict], plan: _ArmPlan,
         outcome.reason = f"the arm crashed: {raw['error']}"
     else:
         _finish_outcome(outcome, raw)
+        for warning in raw.get("warnings", []):  # e.g. a user-loop run's recorded batches reused past the failure
+            if warning not in plan.warnings:
+                plan.warnings.append(warning)
         if inconclusive:
             outcome.verdict, outcome.reason = "inconclusive", "the baseline did not fail again as recorded"
         else:

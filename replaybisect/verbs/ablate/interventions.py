@@ -151,6 +151,13 @@ def clip_gradients(cfg, ctx: ArmContext) -> Change:
         if suggested is not None
         else ""
     )
+    if cfg.train.loop == "user" and old is None:  # the user's step may clip too: ours comes after theirs
+        return Change(
+            cfg=_edit(cfg, **{"train.clip_grad_norm": CLIP_MAX_NORM}),
+            params={"train.clip_grad_norm": CLIP_MAX_NORM, "suggested_clip": suggested},
+            summary=f"clip the gradient norm at {CLIP_MAX_NORM} before each update (after any clipping in your step)",
+            note=note,
+        )
     if old is not None and old <= CLIP_MAX_NORM:
         return Change(cfg, {}, f"train.clip_grad_norm is already {_fmt(old)}", note=note,
                       not_applicable=f"the run already clips at {_fmt(old)} <= {CLIP_MAX_NORM}")
