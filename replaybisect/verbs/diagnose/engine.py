@@ -274,7 +274,7 @@ def detect_nan(curves: Curves) -> list[Finding]:
     what = curves.tags.get("nonfinite_what") or _nonfinite_what(curves, failing)
     loss = curves.get("loss").finite()
     first_step = int(min([failing] + ([int(loss.steps[0])] if len(loss) else [])))
-    evidence: dict[str, Any] = {"failing_step": failing, "nonfinite": what, "steps_completed": int(np.sum(curves.get("loss").steps < failing))}
+    evidence: dict[str, Any] = {"failing_step": failing, "nonfinite": what, "finite_steps_before": int(np.sum(curves.get("loss").steps < failing))}
     precision = curves.params.get("train.precision")
     if precision:
         evidence["precision"] = precision
