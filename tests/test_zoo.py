@@ -251,6 +251,28 @@ def test_an_exponential_climb_into_nan_is_one_divergence_not_spikes():
     assert divergence.evidence["metric"] == "grad_norm" and divergence.evidence["failing_step"] == 62
 
 
+def test_a_smooth_loss_climb_under_a_noisy_grad_norm_dates_the_divergence_from_the_loss():
+    """A warmup into an unstable LR: the loss rises x5 a step from step 12, the grad norm climbs too but jumps
+    around; the climb starts where the loss began rising, and the values on the way up are not spikes."""
+    import numpy as np
+
+    from replaybisect.verbs.diagnose.engine import Curves, Series, analyse
+
+    rng = np.random.default_rng(1)
+    steps = np.arange(48)
+    loss = np.concatenate([20 * np.exp(0.3 * rng.standard_normal(12)), 14.0 * 5.0 ** np.arange(35), [np.inf]])
+    grad = np.concatenate([10 * np.exp(0.3 * rng.standard_normal(12)), 20 * 3.0 ** np.arange(35) * np.exp(2 * rng.standard_normal(35)),
+                           [np.inf]])
+    curves = Curves(run_id="synthetic", metrics={"loss": Series(steps, loss), "grad_norm": Series(steps, grad),
+                                                 "lr": Series(steps, np.linspace(0.01, 0.6, 48))},
+                    tags={"status": "nonfinite", "first_nonfinite_step": "47", "nonfinite_what": "grad_norm"}, params={})
+    diagnosis = analyse(curves)
+    patterns = [f.pattern for f in diagnosis.findings]
+    assert "divergence" in patterns and "spikes" not in patterns, [f.summary for f in diagnosis.findings]
+    divergence = next(f for f in diagnosis.findings if f.pattern == "divergence")
+    assert divergence.evidence["metric"] == "loss" and divergence.evidence["from_step"] == 12
+
+
 def test_plot_legend_names_the_metric_that_went_nonfinite():
     from replaybisect.verbs.diagnose.engine import analyse
     from replaybisect.verbs.diagnose.report import loss_figure

@@ -448,7 +448,7 @@ def judge_arm(arm: ArmOutcome, failing_step: Optional[int], baseline_failed: boo
                 f"; final mean loss {arm.final_loss_mean:.4g} <= {threshold:.4g}" if threshold is not None and arm.final_loss_mean is not None else ""
             )
     elif first > failing_step:
-        arm.verdict, arm.reason = "delays", f"non-finite {arm.nonfinite_what} at step {first}, {first - failing_step} steps later"
+        arm.verdict, arm.reason = "delays", f"non-finite {arm.nonfinite_what} at step {first}, {first - failing_step} step{'' if first - failing_step == 1 else 's'} later"
     elif first == failing_step:
         arm.verdict, arm.reason = "no-effect", f"non-finite {arm.nonfinite_what} at step {first}, as the baseline"
     else:

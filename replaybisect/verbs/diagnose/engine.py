@@ -523,29 +523,34 @@ def _climb_to_failure(curves: Curves) -> Optional[Finding]:
     failing = curves.failing_step
     if failing is None:
         return None
-    for key in ("grad_norm", "loss"):
-        series = curves.get(key).before(failing).finite()
-        if len(series) < 10 or np.any(series.values <= 0):
-            continue
-        streak = _rising_streak(series.values)
-        if streak < 5:
-            continue
-        start = len(series) - streak
-        first, last = float(series.values[start]), float(series.values[-1])
-        if last < SPIKE_FACTOR * first:
-            continue
-        per_step = math.exp(math.log(last / first) / max(1, streak - 1))
-        return Finding(
-            "divergence",
-            f"{key} climbed exponentially from step {int(series.steps[start])} ({first:.3g}) to {last:.3g} at step "
-            f"{int(series.steps[-1])} (x{per_step:.3g} a step), then went non-finite at step {failing}: one divergence, not a run of spikes",
-            {"metric": key, "from_step": int(series.steps[start]), "to_step": int(series.steps[-1]), "from_value": _round(first),
-             "to_value": _round(last), "growth_per_step": _round(per_step), "failing_step": failing},
-            _cmd("ablate lr,clip,warmup", curves),
-            step=int(series.steps[start]),
-            source="Megatron-Core rerun machine: >= 10x the early level; Smith 2017 (the loss diverges above the usable LR)",
-        )
-    return None
+    climbs = [finding for key in ("grad_norm", "loss") if (finding := _climb_of(curves, key, failing)) is not None]
+    # the metric whose climb started first tells the whole divergence (a noisy grad norm can hide its early climb)
+    return min(climbs, key=lambda finding: finding.evidence["from_step"], default=None)
+
+
+def _climb_of(curves: Curves, key: str, failing: int) -> Optional[Finding]:
+    """The exponential climb of one metric into the failing step, or None."""
+    series = curves.get(key).before(failing).finite()
+    if len(series) < 10 or np.any(series.values <= 0):
+        return None
+    streak = _rising_streak(series.values)
+    if streak < 5:
+        return None
+    start = len(series) - streak
+    first, last = float(series.values[start]), float(series.values[-1])
+    if last < SPIKE_FACTOR * first:
+        return None
+    per_step = math.exp(math.log(last / first) / max(1, streak - 1))
+    return Finding(
+        "divergence",
+        f"{key} climbed exponentially from step {int(series.steps[start])} ({first:.3g}) to {last:.3g} at step "
+        f"{int(series.steps[-1])} (x{per_step:.3g} a step), then went non-finite at step {failing}: one divergence, not a run of spikes",
+        {"metric": key, "from_step": int(series.steps[start]), "to_step": int(series.steps[-1]), "from_value": _round(first),
+         "to_value": _round(last), "growth_per_step": _round(per_step), "failing_step": failing},
+        _cmd("ablate lr,clip,warmup", curves),
+        step=int(series.steps[start]),
+        source="Megatron-Core rerun machine: >= 10x the early level; Smith 2017 (the loss diverges above the usable LR)",
+    )
 
 
 def _rising_streak(values: np.ndarray) -> int:
@@ -557,8 +562,6 @@ def _rising_streak(values: np.ndarray) -> int:
             break
         peak = min(peak, value)
         count += 1
-        if value < values[-1] / 1e6:
-            break
     return count
 
 
