@@ -98,10 +98,14 @@ class TensorStats:
 
     def brief(self) -> str:
         text = f"{self.dtype}{self.shape}"
+        if self.finite:
+            if self.min is not None:
+                text += f" range [{self.min:.3g}, {self.max:.3g}] mean|x| {self.abs_mean:.3g}"
+            return text
+        counts = ", ".join(f"{count} {kind}" for kind, count in (("nan", self.nan), ("inf", self.inf)) if count)
+        text += f" {self.nan + self.inf} of {math.prod(self.shape)} non-finite ({counts})"
         if self.min is not None:
-            text += f" range [{self.min:.3g}, {self.max:.3g}] mean|x| {self.abs_mean:.3g}"
-        if not self.finite:
-            text += f" nan={self.nan} inf={self.inf}"
+            text += f"; the finite ones in [{self.min:.3g}, {self.max:.3g}], mean|x| {self.abs_mean:.3g}"
         return text
 
 
