@@ -44,7 +44,7 @@ def render(result: "BisectResult", console) -> None:
     table.add_column("commit")
     table.add_column("subject", overflow="fold", max_width=48)
     table.add_column("verdict")
-    table.add_column(result.metric_name if result.mode == "train" else "", justify="right")
+    table.add_column(f"{result.metric_name} (seed mean)" if result.mode == "train" else "", justify="right")
     table.add_column("seeds", justify="right")
     table.add_column("round", justify="right")
     table.add_column("why", overflow="fold", max_width=48)
@@ -82,7 +82,7 @@ def to_markdown(result: "BisectResult") -> str:
     rows = [(trial.position, f"`{trial.sha[:10]}`", trial.subject, trial.verdict,
              _metric_text(trial) if result.mode == "train" else ", ".join(run.detail for run in trial.runs),
              ", ".join(map(str, trial.seeds)), trial.round or "end", trial.note) for trial in result.trials]
-    out.append(markdown_table(["#", "commit", "subject", "verdict", result.metric_name if result.mode == "train" else "outcome",
+    out.append(markdown_table(["#", "commit", "subject", "verdict", f"{result.metric_name} (seed mean)" if result.mode == "train" else "outcome",
                                "seeds", "round", "why"], rows))
     return "\n".join(out) + "\n"
 
