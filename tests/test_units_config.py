@@ -44,7 +44,9 @@ def test_a_user_folder_composes_and_can_use_the_built_in_groups(tmp_path):
     [
         ("missing", None, [], ["does not exist"]),
         (None, "nosuch", [], ["no nosuch.yaml"]),
-        (None, None, ["train.stpes=5"], ["train.stpes"]),
+        (None, None, ["train.stpes=5"], ["no key 'train.stpes'", "did you mean train.steps?", "+train.stpes=5"]),
+        (None, None, ["optim.lr=0.1", "trian.seed=1"], ["no key 'trian.seed'"]),
+        (None, None, ["model=mpl"], ["no model 'mpl'", "did you mean model=mlp?", "char_transformer, cnn, mlp"]),
         (None, None, ["train.precision=fp8"], ["fp8", "fp32, bf16, fp16"]),
         (None, None, ["train.steps=0", "train.batch_size=-1"], ["train.steps=0", "train.batch_size=-1"]),
         (None, None, ["seed=-9223372036854775809"], ["seed=", "outside torch's seed range"]),

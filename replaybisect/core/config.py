@@ -138,7 +138,8 @@ def compose(config_dir: str | Path | None = None, config_name: str | None = None
         with initialize_config_dir(config_dir=str(config_dir), version_base="1.3"):
             cfg = hydra_compose(config_name=ENTRY_NAME, overrides=overrides)
     except (HydraException, OmegaConfBaseException, ValueError) as error:
-        raise ConfigError(_clip_words(_one_line(error)) + "; see `replay train --help` for overrides") from None
+        problem = _override_problem(_one_line(error), config_dir, config_name, overrides)
+        raise ConfigError(_clip_words(problem) + "; see `replay train --help` for overrides") from None
     except YAMLError as error:
         raise ConfigError(_yaml_problem(error)) from None
     except OSError as error:  # e.g. an over-long `+key=` override, which Hydra looks up as a file name
@@ -151,6 +152,36 @@ def compose(config_dir: str | Path | None = None, config_name: str | None = None
     validate(cfg)
     check_optimizer(cfg)
     return cfg
+
+
+def _override_problem(text: str, config_dir: Path, config_name: str, overrides: list[str]) -> str:
+    """Hydra's message for a misspelled key or group option, said the way a user fixes it: the key or option
+    that was probably meant (Hydra suggests `+key=` for a typo and lists its config search path)."""
+    import difflib
+    import re
+
+    unknown_option = re.match(r"In '[^']*': Could not find '([^']+)/([^']+)' Available options in '[^']+': (.*?) Config search path", text)
+    if unknown_option:
+        group, option, choices = unknown_option[1], unknown_option[2], unknown_option[3].split()
+        close = difflib.get_close_matches(option, choices, n=1)
+        return (f"no {group} '{option}'" + (f"; did you mean {group}={close[0]}?" if close else "")
+                + f" (options: {', '.join(choices)})")
+    unknown_key = re.match(r"Could not override '([^']+)'\. To append to your config use \+(\S+)", text)
+    if unknown_key:
+        key = unknown_key[1]
+        rest = [item for item in overrides if not item.lstrip("+~").startswith((key + "=", "hydra.searchpath="))]
+        close = difflib.get_close_matches(key, _known_keys(config_dir, config_name, rest), n=1)
+        return (f"no key '{key}' in the config" + (f"; did you mean {close[0]}?" if close else "")
+                + f" (a new key is added with +{unknown_key[2]})")
+    return text
+
+
+def _known_keys(config_dir: Path, config_name: str, overrides: list[str]) -> list[str]:
+    """Every dotted key of the config composed without the override that failed (none when that fails too)."""
+    try:
+        return list(flatten(compose(config_dir, config_name, overrides)))
+    except ConfigError:
+        return []
 
 
 def _yaml_problem(error) -> str:
