@@ -31,6 +31,7 @@ from typing import Any, Optional
 import torch
 from lightning.pytorch import Callback
 
+from replaybisect.core.user_step import LIGHTNING_BATCHES, LIGHTNING_POSITIONS
 from replaybisect.errors import ConfigError
 from replaybisect.user_loop import NonFiniteStep, function_target, plain_config, replay_config
 
@@ -39,7 +40,7 @@ BUILD_TARGET = "replaybisect.lightning.build"
 PRECISIONS = {"32-true": "fp32", "32": "fp32", "bf16-mixed": "bf16", "16-mixed": "fp16"}
 AUTOCAST = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
 # the stored batch of a step: what training_step got for each accumulated batch, and where Lightning was then
-MICRO_BATCHES, POSITION = "batches", "lightning"
+MICRO_BATCHES, POSITION = LIGHTNING_BATCHES, LIGHTNING_POSITIONS
 
 
 # ---- replay: the objects and the step, without a Trainer ----------------------------------------------------

@@ -83,12 +83,17 @@ def test_lightning_bf16_clipping_accumulation_replays_exactly(workspace):
     one), dropout, a per-step scheduler, a shuffling DataLoader whose items draw noise from the global RNG."""
     from replaybisect.restore import run_config
 
-    _, run_id, _ = _record(workspace, "bf16-mixed", "0.05", "12", "0.5", "3")
+    folder, run_id, _ = _record(workspace, "bf16-mixed", "0.05", "12", "0.5", "3")
     store = workspace.store()
     cfg = run_config(store, run_id)
     assert cfg.train.precision == "bf16" and cfg.user.trainer.gradient_clip_val == 0.5
     logged = _assert_replays_exactly(store, run_id, (0,))
     assert len(logged) == 12  # optimizer steps, 36 batches
+
+    # `replay check` reads the data inside a Lightning step's stored batch (its accumulated micro-batches)
+    report = _replay_in(workspace, folder, "check", "--run-id", run_id, "--only", "data.finite,data.input_scale")
+    statuses = {check["name"]: check for check in report["checks"]}
+    assert statuses["data.finite"]["status"] == "pass" and statuses["data.input_scale"]["status"] == "pass", statuses
 
 
 def _fit_in_process(tmp_path, monkeypatch, **trainer_args):

@@ -9,8 +9,8 @@ micro-batches. This module runs it so that everything built on the built-in step
   - a non-finite loss or gradient stops the step before the optimizer update (`halt_on_nonfinite`);
   - ablation arms act on the live objects: clipping in the pre-step hook (`train.clip_grad_norm`), fp32 by
     turning every autocast region off (`train.precision=fp32`), the lr through the optimizer's own hooks;
-  - each stored batch carries the torch RNG state its step started with, so whatever the user's loop draws
-    between steps (sampling a batch, say) does not shift a replay's dropout masks.
+  - each stored batch carries the RNG states its step started with (torch, CUDA, Python, NumPy), so whatever
+    the user's loop draws between steps (sampling a batch, say) does not shift a replay's dropout masks.
 
 Replay rebuilds the objects with the user's importable `build(config)` (`train.build`), and calls the step
 function (`train.step_fn`) with the arguments it names, from STEP_ARGUMENTS.
@@ -21,15 +21,19 @@ from __future__ import annotations
 import contextlib
 import inspect
 import math
+import random
 from typing import Any, Callable, Optional
 
+import numpy as np
 import torch
 
 from replaybisect.core.observer import forward_context, notify
-from replaybisect.errors import ConfigError
+from replaybisect.errors import ConfigError, SnapshotError
 
 STEP_ARGUMENTS = ("model", "optimizer", "scheduler", "scaler", "batch", "config", "cfg", "step")
 RECORD_BATCH, RECORD_RNG = "batch", "rng"
+# A Lightning step's stored batch: its micro-batches, and where each sat in Lightning's loop (replaybisect.lightning)
+LIGHTNING_BATCHES, LIGHTNING_POSITIONS = "batches", "lightning"
 
 
 # ---- the step function's arguments ------------------------------------------------------------------------
@@ -122,11 +126,23 @@ def rebuilt_copy(state, cfg) -> dict[str, Any]:
 
 # ---- the stored batch: the user's batch and the RNG state its step started with ----------------------------
 def pack(batch: Any, device: torch.device) -> dict[str, Any]:
-    """The batch as the recorder stores it (copied: a loop may reuse its buffers) with the step's torch RNG."""
-    rng = {"torch": torch.get_rng_state()}
+    """The batch as the recorder stores it (copied: a loop may reuse its buffers) with the RNG states its step
+    starts with: torch (and CUDA), Python's `random` and NumPy's global generator, as tensors and numbers."""
+    version, internal, gauss_next = random.getstate()
+    kind, keys, position, has_gauss, cached_gaussian = np.random.get_state()
+    rng = {
+        "torch": torch.get_rng_state(),
+        "python": _words(internal), "python_gauss": gauss_next,
+        "numpy": _words(keys), "numpy_position": int(position), "numpy_gauss": [int(has_gauss), float(cached_gaussian)],
+    }
     if device.type == "cuda":
         rng["cuda"] = torch.cuda.get_rng_state(device)
     return {RECORD_BATCH: _copied(batch), RECORD_RNG: rng}
+
+
+def _words(values) -> torch.Tensor:
+    """Mersenne Twister words (uint32) as an int32 tensor of the same bits."""
+    return torch.from_numpy(np.asarray(values, dtype=np.uint32).view(np.int32).copy())
 
 
 def _copied(value: Any) -> Any:
@@ -139,6 +155,13 @@ def _copied(value: Any) -> Any:
     return value
 
 
+def data_of(batch: Any) -> Any:
+    """The data of a stored batch without the bookkeeping around it: a Lightning step's list of micro-batches."""
+    if isinstance(batch, dict) and set(batch) == {LIGHTNING_BATCHES, LIGHTNING_POSITIONS}:
+        return batch[LIGHTNING_BATCHES]
+    return batch
+
+
 def unpack(record: Any) -> tuple[Any, Optional[dict]]:
     if isinstance(record, dict) and set(record) == {RECORD_BATCH, RECORD_RNG}:
         return record[RECORD_BATCH], record[RECORD_RNG]
@@ -146,11 +169,37 @@ def unpack(record: Any) -> tuple[Any, Optional[dict]]:
 
 
 def restore_step_rng(rng: Optional[dict], device: torch.device) -> None:
+    """Set the RNG streams a recorded step started with (runs recorded before Python and NumPy were stored per
+    step restore torch's only)."""
     if rng is None:
         return
     torch.set_rng_state(rng["torch"].cpu())
     if "cuda" in rng and device.type == "cuda":
         torch.cuda.set_rng_state(rng["cuda"].cpu(), device)
+    streams = raw_streams(rng)
+    if "python" in streams:
+        try:
+            random.setstate(streams["python"])
+            np.random.set_state(streams["numpy"])
+        except (TypeError, ValueError) as error:
+            raise SnapshotError(f"a stored batch's Python/NumPy RNG state is damaged ({error}); record the run again") from None
+
+
+def raw_streams(rng: dict) -> dict[str, Any]:
+    """A stored batch's RNG states in `core.rng.capture_raw`'s form (torch, and Python/NumPy where stored)."""
+    streams = {"torch": rng["torch"]}
+    if "python" in rng:
+        try:
+            has_gauss, cached_gaussian = rng["numpy_gauss"]
+            streams["python"] = (3, tuple(int(word) for word in _unsigned(rng["python"])), rng["python_gauss"])
+            streams["numpy"] = ("MT19937", _unsigned(rng["numpy"]), int(rng["numpy_position"]), int(has_gauss), float(cached_gaussian))
+        except (TypeError, ValueError, KeyError) as error:
+            raise SnapshotError(f"a stored batch's Python/NumPy RNG state is damaged ({error}); record the run again") from None
+    return streams
+
+
+def _unsigned(words: torch.Tensor) -> np.ndarray:
+    return words.cpu().numpy().astype(np.int32, copy=False).view(np.uint32)
 
 
 # ---- precision: an fp32 arm turns every autocast region of the user's code off --------------------------

@@ -1,7 +1,10 @@
 """A user's own loop for the tests: an MLP with dropout, two micro-batches per step, a StepLR the recorder
-steps, a GradScaler under fp16, and batches drawn from the global torch RNG between steps (what a replay must
-not depend on). Run: python tiny_loop.py PRECISION STEPS [nan_at]"""
+steps, a GradScaler under fp16, batches drawn from the global torch, Python and NumPy RNGs between steps (what a
+replay must not depend on), and a step that draws from all three. Run: python tiny_loop.py PRECISION STEPS [nan_at]"""
+import random
 import sys
+
+import numpy as np
 
 import torch
 import torch.nn as nn
@@ -37,9 +40,10 @@ def build(config):
 
 def train_step(model, optimizer, batch, scaler, config):
     total = 0.0
+    jitter = (1 + 0.01 * random.random()) * (1 + 0.01 * float(np.random.rand()))  # a step drawing from Python and NumPy
     for x, y in batch:
         with torch.autocast("cpu", dtype=DTYPES.get(config["precision"], torch.float32), enabled=config["precision"] != "fp32"):
-            loss = F.cross_entropy(model(x), y) / len(batch)
+            loss = F.cross_entropy(model(x), y) * jitter / len(batch)
         (scaler.scale(loss) if scaler else loss).backward()
         total += loss.detach()
     if scaler:
@@ -57,7 +61,8 @@ def main(precision, steps, nan_at):
                                 step_fn=train_step, build=build, config=config, snapshot_every=10, layer_stats_every=5)
     with rec:
         for _ in range(steps):
-            x = torch.randn(16, 8)  # the loop draws from the global RNG between steps
+            x = torch.randn(16, 8)  # the loop draws from the global RNGs between steps
+            x[:, 2:] += random.gauss(0, 1) + float(np.random.randn())
             y = (x[:, 0] > 0).long() + 2 * (x[:, 1] > 0).long()
             print("loss", rec.step([(x[:8], y[:8]), (x[8:], y[8:])]))  # user code prints to stdout
     print("run", rec.run_id)

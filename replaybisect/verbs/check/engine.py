@@ -94,6 +94,7 @@ def worst(statuses) -> str:
 def merged_micro_batches(batch):
     """A user loop's list of micro-batches (tuples or dicts of tensors, one structure) as one batch: every field
     concatenated along dim 0. Anything else is returned as it is."""
+    batch = user_step.data_of(batch)
     if not isinstance(batch, (list, tuple)) or not batch or not all(isinstance(b, (list, tuple, dict)) for b in batch):
         return batch
     first = batch[0]

@@ -340,8 +340,8 @@ def _state_match(state, rng_raw, snapshot, step: int, batch) -> str:
     from replaybisect.core import user_step
 
     _, step_rng = user_step.unpack(batch)
-    if step_rng is not None:  # the user's own loop: the step runs with the torch RNG stored with its batch
-        rng_raw = {**rng_raw, "torch": step_rng["torch"]}
+    if step_rng is not None:  # the user's own loop: the step runs with the RNG states stored with its batch
+        rng_raw = {**rng_raw, **user_step.raw_streams(step_rng)}
     text, _ = _compare_with_snapshot(state, rng_raw, snapshot)
     return text
 
