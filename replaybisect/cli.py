@@ -109,13 +109,64 @@ def main() -> None:
         if isinstance(error, typer.Abort):
             print("replay: interrupted", file=sys.stderr)
             sys.exit(130)
-        if not _is_usage_error(error) or os.environ.get("REPLAYBISECT_FULL_ERROR") == "1":
+        if os.environ.get("REPLAYBISECT_FULL_ERROR") == "1":
             raise
+        if not _is_usage_error(error):
+            _report_crash(error)
+            sys.exit(1)
         if type(error).__name__ == "NoArgsIsHelpError":  # bare `replay`: its message is the help
             print(error.format_message())
             sys.exit(0)
         print(_usage_line(error), file=sys.stderr)
         sys.exit(2)
+
+
+# ---- an exception nobody caught: the traceback from the user's code down, then one line -------------------
+_OURS = (os.path.dirname(os.path.abspath(__file__)), os.path.dirname(os.path.abspath(typer.__file__)),
+         os.path.dirname(os.path.abspath(os.__file__)))  # replaybisect, typer (and its click), the standard library
+_QUOTED_FRAME = r'File "([^"]+)", line (\d+), in (\S+)'  # a frame in a traceback quoted as text
+
+
+def _is_user_frame(filename: str) -> bool:
+    path = os.path.abspath(filename)
+    return not (path.startswith(_OURS) or "site-packages" in path or "dist-packages" in path
+                or filename.startswith("<") or os.path.basename(path) == "replay")
+
+
+def _report_crash(error: BaseException) -> None:
+    """Code of the user's (a model, a dataset, a step function) raised: the traceback from its first frame on, so
+    the user reads their own code first, then one line. Without any frame of theirs it is our own bug: all of it."""
+    import re
+    import traceback
+
+    frames = traceback.extract_tb(error.__traceback__)
+    first = next((i for i, frame in enumerate(frames) if _is_user_frame(frame.filename)), None)
+    if first is not None:
+        shown = traceback.TracebackException.from_exception(error)
+        shown.stack = traceback.StackSummary.from_list(frames[first:])
+        lines = "".join(list(shown.format())[1:]).rstrip("\n").splitlines()
+        last = frames[-1] if _is_user_frame(frames[-1].filename) else [f for f in frames if _is_user_frame(f.filename)][-1]
+        where, raised = (last.filename, last.lineno, last.name), f"{type(error).__name__}: {_first_line(error)}"
+    else:  # an exception DataLoader re-raised from a worker process: the worker's traceback is its message
+        quoted = str(error).splitlines()
+        starts = [i for i, line in enumerate(quoted) if (m := re.search(_QUOTED_FRAME, line)) and _is_user_frame(m[1])]
+        if not starts:
+            traceback.print_exception(error)
+            print(f"replay: internal error: {type(error).__name__}: {_first_line(error)}; please report it with the "
+                  f"traceback above", file=sys.stderr)
+            return
+        lines = quoted[starts[0]:] + [note for note in getattr(error, "__notes__", [])]
+        where = re.search(_QUOTED_FRAME, quoted[starts[-1]]).groups()
+        raised = quoted[-1].strip()
+    print("Traceback (from your code; REPLAYBISECT_FULL_ERROR=1 shows all of it):", file=sys.stderr)
+    print("\n".join(lines), file=sys.stderr)
+    print(f"replay: error: your code raised {raised} ({os.path.basename(where[0])}:{where[1]} in {where[2]}); fix it "
+          f"and run the command again", file=sys.stderr)
+
+
+def _first_line(error: BaseException) -> str:
+    lines = [line for line in str(error).splitlines() if line.strip()]
+    return " ".join(lines[0].split()) if lines else "(no message)"
 
 
 def _is_usage_error(error: Exception) -> bool:

@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import random
+import re
 import textwrap
 
 import numpy as np
@@ -31,7 +32,8 @@ from torch.utils.data import Dataset
 class JitterPoints(Dataset):
     """Points of 4 classes with random jitter per read; nan_below > 0 makes an item NaN when its draw is below it."""
 
-    def __init__(self, n: int = 96, nan_below: float = 0.0):
+    def __init__(self, n: int = 96, nan_below: float = 0.0, fail_at: int = -1):
+        self.fail_at = fail_at  # an item whose read raises, as a missing file would
         generator = torch.Generator().manual_seed(7)
         self.targets = torch.randint(0, 4, (n,), generator=generator)
         self.inputs = torch.randn(4, 8, generator=generator)[self.targets] * 2 + torch.randn(n, 8, generator=generator)
@@ -41,6 +43,8 @@ class JitterPoints(Dataset):
         return len(self.inputs)
 
     def __getitem__(self, index):
+        if index == self.fail_at:
+            raise KeyError(f"label file missing for item {index}")
         if index == 0:
             print("reading item 0")  # user code owns stdout, in worker processes too: --json must still parse
         draw = torch.rand(())
@@ -186,3 +190,20 @@ def test_nan_from_the_augmentation_under_workers_is_reproduced_exactly(workspace
     found = report.json()
     assert found["failing_step"] == failing and found["reproduced"] == "exact", found
     assert found["category"] == "data", found
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_dataset_that_raises_shows_its_own_traceback_then_one_line(workspace, project, workers):
+    """The user's bug is shown from the user's frame down (not typer's and the loop's), the same with workers, and
+    the run that crashed is marked so, its records kept."""
+    result = workspace.replay("train", "--config-dir", str(project), "+data.fail_at=37", f"train.num_workers={workers}")
+    assert result.returncode == 1, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert lines[-1] == ("replay: error: your code raised KeyError: 'label file missing for item 37' "
+                         "(jitter_data.py:24 in __getitem__); fix it and run the command again"), result.stderr
+    traceback_lines = lines[lines.index(next(line for line in lines if line.startswith("Traceback"))):]
+    assert traceback_lines[1].strip().startswith(f'File "{project / "jitter_data.py"}", line 24'), result.stderr
+    assert not any(part in result.stderr for part in ("typer", "replaybisect/", "worker.py")), result.stderr
+    crashed = re.search(r"replaybisect: run ([0-9a-f]{32}) ended as crashed", result.stderr)
+    assert crashed, result.stderr
+    assert workspace.store().get_run(crashed.group(1)).info.status == "FAILED"

@@ -147,7 +147,9 @@ def mark_ended(store: Store, run_id: str, error: BaseException) -> None:
             store.set_tags(run_id, {"failure": "disk-full", "error": str(error)[:1000]})
         store.finish_run(run_id, "crashed", "FAILED")
     except Exception:
-        pass
+        return
+    if isinstance(error, Exception) and not isinstance(error, DiskFull):  # printed under the traceback
+        error.add_note(f"replaybisect: run {run_id} ended as crashed (FAILED); what it recorded is kept")
 
 
 def _remove_stale_temps(store: Store, run_id: str) -> None:
