@@ -207,7 +207,7 @@ class StepProgress:
             now = time.monotonic()
             if now >= self._next_line or completed >= total:
                 if self._next_line == 0.0:
-                    say(f"{self.description}: {total} steps")
+                    say(f"{self.description}: {total} step{'' if total == 1 else 's'}")
                 elif completed < total:
                     say(f"{self.description}: step {completed}/{total}")
                 self._next_line = now + self.LINE_SECONDS

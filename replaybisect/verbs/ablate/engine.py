@@ -452,7 +452,7 @@ def judge_arm(arm: ArmOutcome, failing_step: Optional[int], baseline_failed: boo
     elif first == failing_step:
         arm.verdict, arm.reason = "no-effect", f"non-finite {arm.nonfinite_what} at step {first}, as the baseline"
     else:
-        arm.verdict, arm.reason = "worse", f"non-finite {arm.nonfinite_what} at step {first}, {failing_step - first} steps earlier"
+        arm.verdict, arm.reason = "worse", f"non-finite {arm.nonfinite_what} at step {first}, {failing_step - first} step{'' if failing_step - first == 1 else 's'} earlier"
 
 
 def judge_baseline(baseline: ArmOutcome, failing_step: Optional[int], threshold: Optional[float], end: int) -> tuple[bool, Optional[str]]:
