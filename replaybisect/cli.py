@@ -122,46 +122,80 @@ def main() -> None:
 
 
 # ---- an exception nobody caught: the traceback from the user's code down, then one line -------------------
-_OURS = (os.path.dirname(os.path.abspath(__file__)), os.path.dirname(os.path.abspath(typer.__file__)),
-         os.path.dirname(os.path.abspath(os.__file__)))  # replaybisect, typer (and its click), the standard library
+_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
+_NOT_USERS = (_PACKAGE, os.path.dirname(os.path.abspath(typer.__file__)) + os.sep,
+              os.path.dirname(os.path.abspath(os.__file__)) + os.sep)  # replaybisect, typer (and its click), the stdlib
 _QUOTED_FRAME = r'File "([^"]+)", line (\d+), in (\S+)'  # a frame in a traceback quoted as text
+
+
+def _is_ours(filename: str) -> bool:
+    return os.path.abspath(filename).startswith(_PACKAGE)
 
 
 def _is_user_frame(filename: str) -> bool:
     path = os.path.abspath(filename)
-    return not (path.startswith(_OURS) or "site-packages" in path or "dist-packages" in path
+    return not (path.startswith(_NOT_USERS) or "site-packages" in path or "dist-packages" in path
                 or filename.startswith("<") or os.path.basename(path) == "replay")
 
 
 def _report_crash(error: BaseException) -> None:
-    """Code of the user's (a model, a dataset, a step function) raised: the traceback from its first frame on, so
-    the user reads their own code first, then one line. Without any frame of theirs it is our own bug: all of it."""
+    """An exception nobody caught. Raised in replaybisect's own code: our bug, all of the traceback. Raised below a
+    frame of the user's (a model, a dataset, a step): the traceback from that frame on, so the user reads their
+    own code first, then one line. Anything else (a library called by our loop, a user package installed in
+    site-packages): all of it, and one neutral line naming where it was raised."""
     import re
     import traceback
 
     frames = traceback.extract_tb(error.__traceback__)
-    first = next((i for i, frame in enumerate(frames) if _is_user_frame(frame.filename)), None)
-    if first is not None:
+    quoted = _quoted_worker_traceback(error)  # DataLoader re-raises a worker's exception with its traceback as text
+    if quoted is not None:
+        lines, raised = quoted
+        sites = [match.groups() for line in lines if (match := re.search(_QUOTED_FRAME, line))]
+    else:
+        sites = [(frame.filename, frame.lineno, frame.name) for frame in frames]
+        raised = f"{type(error).__name__}: {_first_line(error)}"
+    if not sites or _is_ours(sites[-1][0]):
+        traceback.print_exception(error)
+        print(f"replay: internal error: {raised}; please report it with the traceback above", file=sys.stderr)
+        return
+    users = [site for site in sites if _is_user_frame(site[0])]
+    if not users:
+        traceback.print_exception(error)
+        print(f"replay: error: {raised} (raised in {_site(sites[-1])})", file=sys.stderr)
+        return
+    if quoted is None:
+        first = next(i for i, frame in enumerate(frames) if _is_user_frame(frame.filename))
         shown = traceback.TracebackException.from_exception(error)
         shown.stack = traceback.StackSummary.from_list(frames[first:])
+        shown.__cause__ = shown.__context__ = None  # the chain is in REPLAYBISECT_FULL_ERROR=1's traceback
         lines = "".join(list(shown.format())[1:]).rstrip("\n").splitlines()
-        last = frames[-1] if _is_user_frame(frames[-1].filename) else [f for f in frames if _is_user_frame(f.filename)][-1]
-        where, raised = (last.filename, last.lineno, last.name), f"{type(error).__name__}: {_first_line(error)}"
-    else:  # an exception DataLoader re-raised from a worker process: the worker's traceback is its message
-        quoted = str(error).splitlines()
-        starts = [i for i, line in enumerate(quoted) if (m := re.search(_QUOTED_FRAME, line)) and _is_user_frame(m[1])]
-        if not starts:
-            traceback.print_exception(error)
-            print(f"replay: internal error: {type(error).__name__}: {_first_line(error)}; please report it with the "
-                  f"traceback above", file=sys.stderr)
-            return
-        lines = quoted[starts[0]:] + [note for note in getattr(error, "__notes__", [])]
-        where = re.search(_QUOTED_FRAME, quoted[starts[-1]]).groups()
-        raised = quoted[-1].strip()
     print("Traceback (from your code; REPLAYBISECT_FULL_ERROR=1 shows all of it):", file=sys.stderr)
     print("\n".join(lines), file=sys.stderr)
-    print(f"replay: error: your code raised {raised} ({os.path.basename(where[0])}:{where[1]} in {where[2]}); fix it "
-          f"and run the command again", file=sys.stderr)
+    print(f"replay: error: your code raised {raised} ({_site(users[-1])}); fix it and run the command again", file=sys.stderr)
+
+
+def _quoted_worker_traceback(error: BaseException):
+    """(lines from the first user frame on, plus the error's notes; 'Type: message') of the
+    traceback quoted in a DataLoader worker error's message, or None."""
+    import re
+
+    text = str(error)
+    if "Original Traceback (most recent call last):" not in text:
+        return None
+    quoted = text.split("Original Traceback (most recent call last):", 1)[1].strip("\n").splitlines()
+    frames = [i for i, line in enumerate(quoted) if re.search(_QUOTED_FRAME, line)]
+    if not frames:
+        return None
+    users = [i for i in frames if _is_user_frame(re.search(_QUOTED_FRAME, quoted[i])[1])]
+    after = quoted[frames[-1] + 1:]
+    raised = next((line.strip() for line in after if line and not line.startswith(" ")), type(error).__name__)
+    start = users[0] if users else frames[0]
+    return quoted[start:] + list(getattr(error, "__notes__", [])), raised
+
+
+def _site(site) -> str:
+    filename, lineno, name = site
+    return f"{os.path.basename(filename)}:{lineno} in {name}"
 
 
 def _first_line(error: BaseException) -> str:

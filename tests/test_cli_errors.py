@@ -170,3 +170,51 @@ def test_version_prints_the_installed_version_without_torch(tmp_path):
     probe = workspace.replay("--version", env=workspace.env(PYTHONPROFILEIMPORTTIME="1"))
     imported = {line.split("|")[-1].strip().split(".")[0] for line in probe.stderr.splitlines() if "|" in line}
     assert "typer" in imported and not imported & {"torch", "mlflow"}
+
+
+# ---- an exception nobody caught: whose it is decides what is shown ------------------------------------------
+def _caught(run, drop_caller_frames: int = 1) -> BaseException:
+    try:
+        run()
+    except Exception as error:  # noqa: BLE001 - the point is to report any exception
+        for _ in range(drop_caller_frames):  # this test's own frames are a user's; drop them where they are not the point
+            error.__traceback__ = error.__traceback__.tb_next
+        return error
+    raise AssertionError("nothing was raised")
+
+
+def _users_model():
+    import torch
+
+    return torch.zeros(2, 3) @ torch.zeros(2, 3)  # a shape bug in "user code" (this file), raised inside torch
+
+
+def test_a_crash_below_user_code_shows_its_traceback_from_the_users_frame(capsys):
+    from replaybisect.cli import _report_crash
+
+    _report_crash(_caught(_users_model))
+    stderr = capsys.readouterr().err.strip().splitlines()
+    assert stderr[0].startswith("Traceback (from your code") and "test_cli_errors.py" in stderr[1] and "_users_model" in stderr[1]
+    assert stderr[-1].startswith("replay: error: your code raised RuntimeError: mat1 and mat2 shapes cannot be multiplied")
+    assert "(test_cli_errors.py:" in stderr[-1] and "in _users_model); fix it" in stderr[-1]
+
+
+def test_a_crash_in_our_own_code_is_an_internal_error_to_report(capsys):
+    from replaybisect.cli import _report_crash
+    from replaybisect.core import user_step
+
+    _report_crash(_caught(lambda: user_step._unsigned(None), drop_caller_frames=2))
+    stderr = capsys.readouterr().err.strip().splitlines()
+    assert stderr[0] == "Traceback (most recent call last):" and "user_step.py" in stderr[-4]
+    assert stderr[-1] == "replay: internal error: TypeError: Mersenne Twister words are not an int32 tensor; please report it with the traceback above"
+
+
+def test_a_crash_in_a_library_with_no_user_frame_names_where_it_was_raised(capsys):
+    import json
+
+    from replaybisect.cli import _report_crash
+
+    _report_crash(_caught(lambda: json.loads("{"), drop_caller_frames=2))
+    stderr = capsys.readouterr().err.strip().splitlines()
+    assert stderr[0] == "Traceback (most recent call last):"
+    assert stderr[-1].startswith("replay: error: JSONDecodeError: Expecting property name") and "(raised in decoder.py:" in stderr[-1]

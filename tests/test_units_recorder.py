@@ -125,3 +125,47 @@ def test_a_nonfinite_step_writes_the_emergency_snapshot_with_the_failing_batch(s
     assert tags["status"] == "nonfinite" and tags["first_nonfinite_step"] == str(NAN_STEP) and tags["nonfinite_what"] == "loss"
     assert logged_steps(store, run_id) == [0, 1, 2, 3]
     assert math.isnan(store.metric_history(run_id, "loss")[-1][1])
+
+
+# ---- a user-loop step's stored RNG states: restored exactly, and checked like a snapshot's ---------------------
+def _packed_rng():
+    import random
+
+    import numpy as np
+
+    from replaybisect.core import user_step
+
+    random.gauss(0, 1), np.random.randn()  # both generators hold a cached gaussian
+    return user_step.pack([torch.ones(2)], torch.device("cpu"))[user_step.RECORD_RNG]
+
+
+def _draws():
+    import random
+
+    import numpy as np
+
+    return random.random(), random.gauss(0, 1), float(np.random.rand()), float(np.random.randn()), float(torch.rand(()))
+
+
+def test_a_stored_step_restores_torch_python_and_numpy_streams():
+    from replaybisect.core import user_step
+
+    rng = _packed_rng()
+    first = _draws()
+    user_step.restore_step_rng(rng, torch.device("cpu"))
+    assert _draws() == first
+    user_step.restore_step_rng({"torch": rng["torch"]}, torch.device("cpu"))  # a run recorded before: torch only
+    assert _draws()[-1] == first[-1]
+
+
+@pytest.mark.parametrize("key, value", [
+    ("numpy_position", 100_000_000), ("numpy_position", -5), ("python_gauss", "x"), ("numpy_gauss", [1]),
+    ("python", torch.zeros(3, dtype=torch.int32)), ("numpy", torch.zeros(624)), ("torch", torch.zeros(3, dtype=torch.uint8)),
+])
+def test_a_damaged_stored_rng_state_is_a_snapshot_error_not_a_bad_state(key, value):
+    from replaybisect.core import user_step
+    from replaybisect.errors import SnapshotError
+
+    rng = {**_packed_rng(), key: value}
+    with pytest.raises(SnapshotError, match="RNG state is damaged"):
+        user_step.restore_step_rng(rng, torch.device("cpu"))

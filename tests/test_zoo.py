@@ -273,6 +273,23 @@ def test_a_smooth_loss_climb_under_a_noisy_grad_norm_dates_the_divergence_from_t
     assert divergence.evidence["metric"] == "loss" and divergence.evidence["from_step"] == 12
 
 
+def test_a_climb_after_a_plateau_starts_where_the_rise_does():
+    """Flat within 1% for 40 steps, then x3 a step into inf: the divergence starts at the plateau's end (not at
+    step 0 at a slower rate), and the climb's swings are not also called an oscillation."""
+    import numpy as np
+
+    from replaybisect.verbs.diagnose.engine import Curves, Series, analyse
+
+    rng = np.random.default_rng(0)
+    steps = np.arange(61)
+    loss = np.concatenate([2.3 * (1 + 0.01 * rng.standard_normal(40)), 2.3 * 3.0 ** np.arange(1, 21), [np.inf]])
+    curves = Curves(run_id="synthetic", metrics={"loss": Series(steps, loss), "lr": Series(steps, np.full(61, 1e-3))},
+                    tags={"status": "nonfinite", "first_nonfinite_step": "60", "nonfinite_what": "loss"}, params={})
+    findings = {f.pattern: f for f in analyse(curves).findings}
+    assert set(findings) == {"nan-after-k", "divergence"}, [f.summary for f in findings.values()]
+    assert findings["divergence"].evidence["from_step"] == 39 and findings["divergence"].evidence["growth_per_step"] > 2.5
+
+
 def test_plot_legend_names_the_metric_that_went_nonfinite():
     from replaybisect.verbs.diagnose.engine import analyse
     from replaybisect.verbs.diagnose.report import loss_figure

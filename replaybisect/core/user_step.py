@@ -157,7 +157,7 @@ def _copied(value: Any) -> Any:
 
 def data_of(batch: Any) -> Any:
     """The data of a stored batch without the bookkeeping around it: a Lightning step's list of micro-batches."""
-    if isinstance(batch, dict) and set(batch) == {LIGHTNING_BATCHES, LIGHTNING_POSITIONS}:
+    if isinstance(batch, dict) and set(batch) == {LIGHTNING_BATCHES, LIGHTNING_POSITIONS} and isinstance(batch[LIGHTNING_BATCHES], list):
         return batch[LIGHTNING_BATCHES]
     return batch
 
@@ -173,33 +173,45 @@ def restore_step_rng(rng: Optional[dict], device: torch.device) -> None:
     step restore torch's only)."""
     if rng is None:
         return
-    torch.set_rng_state(rng["torch"].cpu())
+    streams = raw_streams(rng)
+    torch.set_rng_state(streams["torch"].cpu())
     if "cuda" in rng and device.type == "cuda":
         torch.cuda.set_rng_state(rng["cuda"].cpu(), device)
-    streams = raw_streams(rng)
     if "python" in streams:
-        try:
-            random.setstate(streams["python"])
-            np.random.set_state(streams["numpy"])
-        except (TypeError, ValueError) as error:
-            raise SnapshotError(f"a stored batch's Python/NumPy RNG state is damaged ({error}); record the run again") from None
+        random.setstate(streams["python"])
+        np.random.set_state(streams["numpy"])
 
 
 def raw_streams(rng: dict) -> dict[str, Any]:
-    """A stored batch's RNG states in `core.rng.capture_raw`'s form (torch, and Python/NumPy where stored)."""
-    streams = {"torch": rng["torch"]}
-    if "python" in rng:
-        try:
-            has_gauss, cached_gaussian = rng["numpy_gauss"]
-            streams["python"] = (3, tuple(int(word) for word in _unsigned(rng["python"])), rng["python_gauss"])
-            streams["numpy"] = ("MT19937", _unsigned(rng["numpy"]), int(rng["numpy_position"]), int(has_gauss), float(cached_gaussian))
-        except (TypeError, ValueError, KeyError) as error:
-            raise SnapshotError(f"a stored batch's Python/NumPy RNG state is damaged ({error}); record the run again") from None
+    """A stored batch's RNG states in `core.rng.capture_raw`'s form (torch, and Python/NumPy where stored), checked
+    as a snapshot's streams are (sizes, ranges, types): a damaged store is a SnapshotError, never a bad state."""
+    from pydantic import ValidationError
+
+    from replaybisect.core.rng import TORCH_STATE_BYTES, NumpyStream, PythonStream
+
+    torch_state = rng.get("torch") if isinstance(rng, dict) else None
+    if not isinstance(torch_state, torch.Tensor) or torch_state.dtype != torch.uint8 or torch_state.numel() != TORCH_STATE_BYTES:
+        raise SnapshotError("a stored batch's torch RNG state is damaged; record the run again")
+    streams: dict[str, Any] = {"torch": torch_state}
+    if "python" not in rng:  # recorded before Python and NumPy were stored per step
+        return streams
+    try:
+        has_gauss, cached_gaussian = rng["numpy_gauss"]
+        python = PythonStream.model_validate({"version": 3, "internal": [int(w) for w in _unsigned(rng["python"])],
+                                              "gauss_next": rng["python_gauss"]})
+        numpy = NumpyStream.model_validate({"kind": "MT19937", "keys": [int(w) for w in _unsigned(rng["numpy"])],
+                                            "pos": rng["numpy_position"], "has_gauss": has_gauss, "cached_gaussian": cached_gaussian})
+    except (TypeError, ValueError, KeyError, AttributeError, ValidationError) as error:
+        raise SnapshotError(f"a stored batch's Python/NumPy RNG state is damaged ({type(error).__name__}); record the run again") from None
+    streams["python"] = (3, tuple(python.internal), python.gauss_next)
+    streams["numpy"] = ("MT19937", np.array(numpy.keys, dtype=np.uint32), numpy.pos, numpy.has_gauss, numpy.cached_gaussian)
     return streams
 
 
 def _unsigned(words: torch.Tensor) -> np.ndarray:
-    return words.cpu().numpy().astype(np.int32, copy=False).view(np.uint32)
+    if not isinstance(words, torch.Tensor) or words.dtype != torch.int32:
+        raise TypeError("Mersenne Twister words are not an int32 tensor")
+    return words.cpu().numpy().view(np.uint32)
 
 
 # ---- precision: an fp32 arm turns every autocast region of the user's code off --------------------------

@@ -533,10 +533,10 @@ def _climb_of(curves: Curves, key: str, failing: int) -> Optional[Finding]:
     series = curves.get(key).before(failing).finite()
     if len(series) < 10 or np.any(series.values <= 0):
         return None
-    streak = _rising_streak(series.values)
+    start = _climb_start(series.values, len(series) - _rising_streak(series.values))
+    streak = len(series) - start
     if streak < 5:
         return None
-    start = len(series) - streak
     first, last = float(series.values[start]), float(series.values[-1])
     if last < SPIKE_FACTOR * first:
         return None
@@ -551,6 +551,14 @@ def _climb_of(curves: Curves, key: str, failing: int) -> Optional[Finding]:
         step=int(series.steps[start]),
         source="Megatron-Core rerun machine: >= 10x the early level; Smith 2017 (the loss diverges above the usable LR)",
     )
+
+
+def _climb_start(values: np.ndarray, start: int) -> int:
+    """The streak's start moved past a flat head (a plateau within a tenth is part of the streak, not the climb):
+    the climb begins with its first rise of more than a tenth."""
+    while start < len(values) - 1 and values[start + 1] <= 1.1 * values[start]:
+        start += 1
+    return start
 
 
 def _rising_streak(values: np.ndarray) -> int:
@@ -1063,8 +1071,8 @@ def _explain(findings: list[Finding]) -> list[Finding]:
     for finding in findings:
         if climbs and finding.pattern == "spikes" and all(step >= min(climbs) for step in finding.steps):
             continue  # the climb into the NaN, not bad batches: the divergence finding says so
-        if finding.pattern == "flat-from-start" and any(f.pattern == "divergence" for f in findings):
-            continue  # a loss that rose far above its start is not flat: the divergence finding says what happened
+        if finding.pattern in ("flat-from-start", "oscillation") and any(f.pattern == "divergence" for f in findings):
+            continue  # a loss that rose far above its start is neither flat nor oscillating: the divergence says what happened
         if finding.pattern == "plateau" and any(f.pattern == "slow-learning" for f in findings):
             continue  # the slow fall explains the flat stretch: slow-learning names the cause
         if dead and finding.pattern == "vanishing-gradients":

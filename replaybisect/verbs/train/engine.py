@@ -148,7 +148,7 @@ def mark_ended(store: Store, run_id: str, error: BaseException) -> None:
         store.finish_run(run_id, "crashed", "FAILED")
     except Exception:
         return
-    if isinstance(error, Exception) and not isinstance(error, DiskFull):  # printed under the traceback
+    if isinstance(error, Exception) and not isinstance(error, DiskFull) and hasattr(error, "add_note"):  # Python >= 3.11
         error.add_note(f"replaybisect: run {run_id} ended as crashed (FAILED); what it recorded is kept")
 
 
