@@ -31,7 +31,7 @@ from typing import Any, Optional
 import torch
 from lightning.pytorch import Callback
 
-from replaybisect.core.user_step import LIGHTNING_BATCHES, LIGHTNING_POSITIONS
+from replaybisect.core.user_step import LIGHTNING_BATCHES, LIGHTNING_POSITIONS, NO_LOSS
 from replaybisect.errors import ConfigError
 from replaybisect.user_loop import NonFiniteStep, function_target, plain_config, replay_config
 
@@ -79,25 +79,29 @@ def lightning_step(model, optimizer, scheduler, scaler, batch, config):
                 restore_step_rng(position["rng"], device)
             with torch.autocast(device.type, dtype=dtype, cache_enabled=False) if dtype else contextlib.nullcontext():
                 output = model.training_step(inner, position["batch_idx"]) if position["takes_batch_idx"] else model.training_step(inner)
-            loss = (output["loss"] if isinstance(output, dict) else output) / position["accumulate"]
+            loss = output.get("loss") if isinstance(output, dict) else output
+            if loss is None:  # training_step skipped this batch, as Lightning allows: no backward
+                continue
+            loss = loss / position["accumulate"]
             model.backward(scaler.scale(loss) if scaler is not None else loss)
             total = loss.detach().float() if total is None else total + loss.detach().float()
-        if scaler is not None:
+        skipped = total is None and scaler is not None  # Lightning's AMP plugin then skips unscale, step and update
+        if scaler is not None and not skipped:
             scaler.unscale_(optimizer)
         # clipped in the optimizer's own pre-step hook: the recorder's observers see the gradients before the
         # clip (as a recorded run's on_before_optimizer_step did), an ablation arm's clip then comes first
         clip = optimizer.register_step_pre_hook(lambda *_: _clip(model, optimizer, trainer))
         try:
-            if scaler is not None:
+            if scaler is not None and not skipped:
                 scaler.step(optimizer)
                 scaler.update()
-            else:
-                optimizer.step()
+            elif scaler is None:
+                optimizer.step()  # with no gradient (every batch skipped) the optimizer updates nothing, as in Lightning
         finally:
             clip.remove()
         if scheduler is not None and batch[POSITION][-1]["scheduler_step"]:
             model.lr_scheduler_step(scheduler, None)
-    return total
+    return total if total is not None else NO_LOSS
 
 
 def _clip(model, optimizer, trainer) -> None:

@@ -167,7 +167,10 @@ class Recorder:
 
     def after_step(self, outcome: StepOutcome, batch, step_time: float, data_time: float) -> bool:
         step = outcome.step
-        self.metrics += [("loss", outcome.loss, step), ("lr", outcome.lr, step), ("step_time", step_time, step), ("data_time", data_time, step)]
+        # a NaN loss that is no failure is a step without a loss (Lightning's training_step returned None): not logged
+        has_loss = not (math.isnan(outcome.loss) and outcome.nonfinite is None)
+        self.metrics += [("loss", outcome.loss, step)] if has_loss else []
+        self.metrics += [("lr", outcome.lr, step), ("step_time", step_time, step), ("data_time", data_time, step)]
         if outcome.grad_norm is not None:
             self.metrics.append(("grad_norm", outcome.grad_norm, step))
         if self._stats is not None:
@@ -175,7 +178,8 @@ class Recorder:
             self._stats = None
         if self._open_snapshot is not None and step != self.first_nonfinite_step:
             self._keep_batch(step, batch)
-        self.last_loss = outcome.loss
+        if has_loss:
+            self.last_loss = outcome.loss
         self.steps_completed = step + 1
         if (step + 1) % self.flush_every == 0 or time.monotonic() >= self._next_flush:
             self._flush_metrics()

@@ -96,6 +96,17 @@ def test_lightning_bf16_clipping_accumulation_replays_exactly(workspace):
     assert statuses["data.finite"]["status"] == "pass" and statuses["data.input_scale"]["status"] == "pass", statuses
 
 
+@pytest.mark.parametrize("precision", ["32-true", "16-mixed"])
+def test_batches_skipped_by_training_step_returning_none_replay_exactly(workspace, precision):
+    """training_step returns None for some batches (Lightning skips their backward): with 2 accumulated batches one
+    step is half skipped and one wholly (no loss logged, not a failure; 16-mixed skips its scaler step)."""
+    _, run_id, _ = _record(workspace, precision, "0.05", "9", "none", "2", "skip")
+    store = workspace.store()
+    assert store.get_run(run_id).info.status == "FINISHED"
+    logged = _assert_replays_exactly(store, run_id, (0,))
+    assert sorted(logged) == [0, 1, 2, 4, 5, 6, 8] and all(math.isfinite(loss) for loss in logged.values()), logged  # 6-7, 14-15
+
+
 def _fit_in_process(tmp_path, monkeypatch, **trainer_args):
     import lightning as L
 

@@ -32,6 +32,7 @@ from replaybisect.errors import ConfigError, SnapshotError
 
 STEP_ARGUMENTS = ("model", "optimizer", "scheduler", "scaler", "batch", "config", "cfg", "step")
 RECORD_BATCH, RECORD_RNG = "batch", "rng"
+NO_LOSS = type("NoLoss", (), {"__repr__": lambda self: "NO_LOSS"})()  # a step whose every batch was skipped: no loss, no failure
 # A Lightning step's stored batch: its micro-batches, and where each sat in Lightning's loop (replaybisect.lightning)
 LIGHTNING_BATCHES, LIGHTNING_POSITIONS = "batches", "lightning"
 
@@ -357,9 +358,12 @@ def run(state, outcome, record, *, halt_on_nonfinite: bool, observer) -> None:
         except _Halt:
             outcome.loss = float(sum(t.float().sum() for t in watch.backpropagated))
             return
-    outcome.loss = _loss_value(returned, watch.backpropagated)
-    if not math.isfinite(outcome.loss) and outcome.nonfinite is None:
-        outcome.nonfinite = "loss"
+    if returned is NO_LOSS:  # NaN and no failure: the recorder logs no loss for it (Lightning's training_step -> None)
+        outcome.loss = math.nan
+    else:
+        outcome.loss = _loss_value(returned, watch.backpropagated)
+        if not math.isfinite(outcome.loss) and outcome.nonfinite is None:
+            outcome.nonfinite = "loss"
     if scale_before is not None:
         outcome.scaler_skipped = state.scaler.get_scale() < scale_before
         outcome.updated = outcome.updated and not outcome.scaler_skipped

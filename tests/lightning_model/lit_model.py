@@ -1,6 +1,7 @@
 """A LightningModule for the callback's tests: a small regressor whose prediction goes through exp (ExpHead), with
 dropout, a per-step StepLR, and a shuffling DataLoader. Too high a learning rate makes SGD diverge until the exp
-overflows: the planted NaN. Run: python lit_model.py PRECISION LR STEPS [CLIP]"""
+overflows: the planted NaN. Run: python lit_model.py PRECISION LR STEPS [CLIP [ACCUMULATE [skip]]] (skip: training_step
+returns None for some batches, as Lightning allows)"""
 import sys
 
 import lightning as L
@@ -18,7 +19,7 @@ class ExpHead(nn.Module):
 
 
 class LitRegressor(L.LightningModule):
-    def __init__(self, lr: float = 0.05, hidden: int = 16):
+    def __init__(self, lr: float = 0.05, hidden: int = 16, skip: bool = False):
         super().__init__()
         self.save_hyperparameters()  # replaybisect: a replay rebuilds the module from its hparams
         self.body = nn.Sequential(nn.Linear(8, hidden), nn.Tanh(), nn.Dropout(0.1), nn.Linear(hidden, 1))
@@ -26,6 +27,8 @@ class LitRegressor(L.LightningModule):
 
     def training_step(self, batch, batch_idx):
         x, y = batch
+        if self.hparams.skip and batch_idx % 8 in (3, 6, 7):  # with 2 accumulated batches: one step half, one wholly skipped
+            return None
         loss = F.mse_loss(self.head(self.body(x)).squeeze(-1), y)
         self.log("train_loss", loss)
         return loss
@@ -52,9 +55,9 @@ def data(samples: int = 256) -> DataLoader:
     return DataLoader(Jittered(x, y), batch_size=16, shuffle=True)
 
 
-def main(precision: str, lr: float, steps: int, clip: float | None = None, accumulate: int = 1):
+def main(precision: str, lr: float, steps: int, clip: float | None = None, accumulate: int = 1, skip: bool = False):
     L.seed_everything(7, verbose=False)
-    model = LitRegressor(lr=lr)
+    model = LitRegressor(lr=lr, skip=skip)
     trainer = L.Trainer(max_steps=steps, accelerator="cpu", devices=1, precision=precision, gradient_clip_val=clip,
                         accumulate_grad_batches=accumulate,
                         callbacks=[ReplayCallback(snapshot_every=10, layer_stats_every=5)],  # replaybisect
@@ -63,5 +66,5 @@ def main(precision: str, lr: float, steps: int, clip: float | None = None, accum
 
 
 if __name__ == "__main__":
-    precision, lr, steps, clip, accumulate = (sys.argv[1:] + ["none", "1"])[:5]
-    main(precision, float(lr), int(steps), None if clip == "none" else float(clip), int(accumulate))
+    precision, lr, steps, clip, accumulate, skip = sys.argv[1:] + ["none", "1", ""][len(sys.argv) - 4:]
+    main(precision, float(lr), int(steps), None if clip == "none" else float(clip), int(accumulate), skip == "skip")
