@@ -169,3 +169,62 @@ def test_a_damaged_stored_rng_state_is_a_snapshot_error_not_a_bad_state(key, val
     rng = {**_packed_rng(), key: value}
     with pytest.raises(SnapshotError, match="RNG state is damaged"):
         user_step.restore_step_rng(rng, torch.device("cpu"))
+
+
+# ---- batch containers: namedtuples come back as namedtuples; what cannot is said at record time ------------------
+def test_a_namedtuple_batch_round_trips_through_the_snapshot_format():
+    from collections import namedtuple
+
+    from replaybisect.core import user_step
+
+    Micro = namedtuple("Micro", ["x", "y"])
+    batch = [Micro(torch.ones(2), torch.zeros(2, dtype=torch.long)), Micro(torch.full((2,), 3.0), torch.ones(2, dtype=torch.long))]
+    stored = user_step.pack(batch, torch.device("cpu"))
+    assert type(stored[user_step.RECORD_BATCH][0]) is Micro  # the copy keeps the user's type
+    tensors, structure = fmt.flatten_batch(7, stored)
+    assert fmt._batch_tensor_names(7, structure) is not None
+    back, _ = user_step.unpack(fmt.unflatten_batch(7, tensors, structure))
+    assert [type(m).__name__ for m in back] == ["Micro", "Micro"] and back[1]._fields == ("x", "y")
+    assert torch.equal(back[1].x, batch[1].x) and torch.equal(back[0].y, batch[0].y)
+
+
+@pytest.mark.parametrize("spec", [
+    {"name": "Micro", "fields": ["x", "_y"], "items": [{"v": 1}, {"v": 2}]},  # namedtuple refuses _names
+    {"name": "Micro", "fields": ["x", "class"], "items": [{"v": 1}, {"v": 2}]},  # a keyword
+    {"name": "1Micro", "fields": ["x"], "items": [{"v": 1}]},
+    {"name": "Micro", "fields": ["x", "x"], "items": [{"v": 1}, {"v": 2}]},
+    {"name": "Micro", "fields": ["x"], "items": [{"v": 1}, {"v": 2}]},  # more items than fields
+    {"name": "Micro", "fields": ["x"], "items": [{"v": 1}], "extra": 1},
+])
+def test_a_malformed_stored_namedtuple_is_not_a_batch(spec):
+    assert fmt._batch_tensor_names(3, {"tree": {"namedtuple": spec}}) is None
+
+
+def test_a_batch_container_a_replay_cannot_rebuild_is_said_once_at_record_time():
+    from replaybisect.core import user_step
+
+    class Encoding(dict):  # a dict with attribute access, as tokenizers return
+        __getattr__ = dict.__getitem__
+
+    batch = Encoding(input_ids=torch.ones(2, 3))
+    with pytest.warns(UserWarning, match="batch's Encoding is stored as a plain dict"):
+        user_step.pack(batch, torch.device("cpu"))
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        user_step.pack(Encoding(input_ids=torch.ones(2, 3)), torch.device("cpu"))  # once per type
+
+
+def test_a_batch_holding_what_a_snapshot_cannot_store_is_refused_at_its_first_step():
+    from dataclasses import dataclass
+
+    from replaybisect.core import user_step
+    from replaybisect.errors import ConfigError
+
+    @dataclass
+    class Batch:
+        x: torch.Tensor
+
+    with pytest.raises(ConfigError, match="holds a Batch, which a snapshot cannot store.*dataclasses.asdict"):
+        user_step.pack([Batch(torch.ones(2))], torch.device("cpu"))

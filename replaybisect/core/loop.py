@@ -26,6 +26,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler, default_collate
 
 from replaybisect.core import user_step
+from replaybisect.core.snapshot import like
 from replaybisect.core.config import build_optimizer, check_closure_optimizer, instantiate, needs_closure
 from replaybisect.core.observer import StepObserver, forward_context as _forward_context, notify as _notify  # noqa: F401 (StepObserver: loop.StepObserver)
 from replaybisect.errors import ConfigError
@@ -365,7 +366,7 @@ def to_device(batch, device: torch.device):
     if isinstance(batch, dict):
         return {key: to_device(value, device) for key, value in batch.items()}
     if isinstance(batch, (list, tuple)):
-        return type(batch)(to_device(value, device) for value in batch)
+        return like(batch, [to_device(value, device) for value in batch])
     return batch
 
 
@@ -464,8 +465,7 @@ def split_batch(batch, parts: int) -> list:
         return [{key: pieces[key][i] for key in batch} for i in range(parts)]
     if isinstance(batch, (list, tuple)):
         pieces = [split_batch(value, parts) for value in batch]
-        return [type(batch)(piece[i] for piece in pieces) if type(batch) in (list, tuple) else tuple(piece[i] for piece in pieces)
-                for i in range(parts)]
+        return [like(batch, [piece[i] for piece in pieces]) for i in range(parts)]
     return [batch] * parts
 
 

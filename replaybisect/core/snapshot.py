@@ -9,8 +9,11 @@ snapshots/step-000400/
 
 from __future__ import annotations
 
+import collections
+import functools
 import hashlib
 import json
+import keyword
 import math
 import os
 import re
@@ -204,7 +207,7 @@ MAX_TREE_NODES = 100_000
 
 def _tree_of(value: Any, step: int, tensors: dict[str, torch.Tensor], depth: int) -> Any:
     """One node of a tree structure: {"t": n} a tensor, {"list"|"tuple": [...]}, {"dict": [[key, node], ...]},
-    {"v": scalar}. Tensors are named <step>/<n> in order."""
+    {"namedtuple": {"name", "fields", "items"}}, {"v": scalar}. Tensors are named <step>/<n> in order."""
     if depth > MAX_TREE_DEPTH:
         raise ValueError(f"a batch nested deeper than {MAX_TREE_DEPTH} levels cannot be stored")
     if isinstance(value, torch.Tensor):
@@ -212,6 +215,9 @@ def _tree_of(value: Any, step: int, tensors: dict[str, torch.Tensor], depth: int
         return {"t": len(tensors) - 1}
     if isinstance(value, dict):
         return {"dict": [[str(k), _tree_of(v, step, tensors, depth + 1)] for k, v in value.items()]}
+    if is_namedtuple(value):  # stored by name and fields: a replay rebuilds an equivalent type, importing nothing
+        return {"namedtuple": {"name": type(value).__name__, "fields": list(value._fields),
+                               "items": [_tree_of(v, step, tensors, depth + 1) for v in value]}}
     if isinstance(value, (list, tuple)):
         return {type(value).__name__ if type(value) in (list, tuple) else "tuple": [_tree_of(v, step, tensors, depth + 1) for v in value]}
     if value is None or isinstance(value, (bool, int, float, str)):
@@ -219,9 +225,29 @@ def _tree_of(value: Any, step: int, tensors: dict[str, torch.Tensor], depth: int
     raise TypeError(f"a batch holding a {type(value).__name__} cannot be stored: use tensors, lists, tuples, dicts and numbers")
 
 
+def is_namedtuple(value: Any) -> bool:
+    return isinstance(value, tuple) and isinstance(getattr(type(value), "_fields", None), tuple)
+
+
+def like(sequence: list | tuple, items) -> list | tuple:
+    """`items` in a sequence of the same kind as `sequence`: a list, a tuple, the same namedtuple (which takes its
+    fields as arguments); any other list or tuple subclass becomes a plain tuple, as a snapshot stores it."""
+    if is_namedtuple(sequence):
+        return type(sequence)(*items)
+    return type(sequence)(items) if type(sequence) in (list, tuple) else tuple(items)
+
+
+@functools.lru_cache(maxsize=256)
+def _namedtuple_type(name: str, fields: tuple[str, ...]):
+    return collections.namedtuple(name, fields)
+
+
 def _from_tree(node: Any, step: int, tensors: dict[str, torch.Tensor]) -> Any:
     if "t" in node:
         return tensors[f"{step}/{node['t']}"]
+    if "namedtuple" in node:
+        spec = node["namedtuple"]
+        return _namedtuple_type(spec["name"], tuple(spec["fields"]))(*(_from_tree(child, step, tensors) for child in spec["items"]))
     if "dict" in node:
         return {key: _from_tree(child, step, tensors) for key, child in node["dict"]}
     if "list" in node:
@@ -243,12 +269,25 @@ def _tree_tensor_names(node: Any, step: int, names: list[str], depth: int = 0) -
         return True
     if kind in ("list", "tuple"):
         return isinstance(value, list) and all(_tree_tensor_names(child, step, names, depth + 1) for child in value)
+    if kind == "namedtuple":
+        return (isinstance(value, dict) and set(value) == {"name", "fields", "items"} and _namedtuple_spec_ok(value)
+                and all(_tree_tensor_names(child, step, names, depth + 1) for child in value["items"]))
     if kind == "dict":
         return isinstance(value, list) and all(
             isinstance(pair, list) and len(pair) == 2 and isinstance(pair[0], str) and _tree_tensor_names(pair[1], step, names, depth + 1)
             for pair in value
         )
     return kind == "v" and (value is None or isinstance(value, (bool, int, float, str)))
+
+
+def _namedtuple_spec_ok(spec: dict) -> bool:
+    """A name and fields collections.namedtuple accepts, as many fields as items."""
+    name, fields, items = spec["name"], spec["fields"], spec["items"]
+    if not (isinstance(name, str) and isinstance(fields, list) and isinstance(items, list) and len(fields) == len(items)):
+        return False
+    words = [name, *fields]
+    return (all(isinstance(w, str) and w.isidentifier() and not keyword.iskeyword(w) for w in words)
+            and not any(field.startswith("_") for field in fields) and len(set(fields)) == len(fields) and len(name) <= 200)
 
 
 def unflatten_batch(step: int, tensors: dict[str, torch.Tensor], structure):

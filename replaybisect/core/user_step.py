@@ -18,10 +18,12 @@ function (`train.step_fn`) with the arguments it names, from STEP_ARGUMENTS.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import inspect
 import math
 import random
+import warnings
 from typing import Any, Callable, Optional
 
 import numpy as np
@@ -147,13 +149,24 @@ def _words(values) -> torch.Tensor:
 
 
 def _copied(value: Any) -> Any:
+    from replaybisect.core.snapshot import is_namedtuple, like
+
     if isinstance(value, torch.Tensor):
         return value.detach().clone()
     if isinstance(value, dict):
+        if type(value) not in (dict, collections.OrderedDict, collections.defaultdict):
+            _warn_plain(type(value), "dict", 'batch["key"]')
         return {key: _copied(item) for key, item in value.items()}
     if isinstance(value, (list, tuple)):
-        return type(value)(_copied(item) for item in value) if type(value) in (list, tuple) else tuple(_copied(item) for item in value)
-    return value
+        if type(value) not in (list, tuple) and not is_namedtuple(value):
+            _warn_plain(type(value), "tuple", "batch[0]")
+        return like(value, [_copied(item) for item in value])
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    # said at the first step, not when the first snapshot is written
+    raise ConfigError(f"your batch holds a {type(value).__name__}, which a snapshot cannot store (tensors, numbers, strings, "
+                      f"and lists, tuples, namedtuples and dicts of them): pass e.g. a dict or tuple of its fields "
+                      f"(dataclasses.asdict / astuple for a dataclass)")
 
 
 def data_of(batch: Any) -> Any:
@@ -161,6 +174,18 @@ def data_of(batch: Any) -> Any:
     if isinstance(batch, dict) and set(batch) == {LIGHTNING_BATCHES, LIGHTNING_POSITIONS} and isinstance(batch[LIGHTNING_BATCHES], list):
         return batch[LIGHTNING_BATCHES]
     return batch
+
+
+def _warn_plain(kind: type, stored_as: str, access: str) -> None:
+    """A batch container a replay cannot rebuild: said once per type, at record time."""
+    if kind in _WARNED:
+        return
+    _WARNED.add(kind)
+    warnings.warn(f"replaybisect: your batch's {kind.__name__} is stored as a plain {stored_as}: a replay hands your "
+                  f"step a {stored_as} there (use {access}, or pass a dict, tuple or namedtuple)", stacklevel=4)
+
+
+_WARNED: set[type] = set()
 
 
 def unpack(record: Any) -> tuple[Any, Optional[dict]]:

@@ -1,8 +1,10 @@
 """A user's own loop for the tests: an MLP with dropout, two micro-batches per step, a StepLR the recorder
 steps, a GradScaler under fp16, batches drawn from the global torch, Python and NumPy RNGs between steps (what a
-replay must not depend on), and a step that draws from all three. Run: python tiny_loop.py PRECISION STEPS [nan_at]"""
+replay must not depend on), a step that draws from all three, and micro-batches as namedtuples (read by field name).
+Run: python tiny_loop.py PRECISION STEPS [nan_at]"""
 import random
 import sys
+from collections import namedtuple
 
 import numpy as np
 
@@ -13,6 +15,7 @@ import torch.nn.functional as F
 import replaybisect
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+Micro = namedtuple("Micro", ["x", "y"])
 
 
 class Net(nn.Module):
@@ -41,7 +44,8 @@ def build(config):
 def train_step(model, optimizer, batch, scaler, config):
     total = 0.0
     jitter = (1 + 0.01 * random.random()) * (1 + 0.01 * float(np.random.rand()))  # a step drawing from Python and NumPy
-    for x, y in batch:
+    for micro in batch:
+        x, y = micro.x, micro.y
         with torch.autocast("cpu", dtype=DTYPES.get(config["precision"], torch.float32), enabled=config["precision"] != "fp32"):
             loss = F.cross_entropy(model(x), y) * jitter / len(batch)
         (scaler.scale(loss) if scaler else loss).backward()
@@ -64,7 +68,7 @@ def main(precision, steps, nan_at):
             x = torch.randn(16, 8)  # the loop draws from the global RNGs between steps
             x[:, 2:] += random.gauss(0, 1) + float(np.random.randn())
             y = (x[:, 0] > 0).long() + 2 * (x[:, 1] > 0).long()
-            print("loss", rec.step([(x[:8], y[:8]), (x[8:], y[8:])]))  # user code prints to stdout
+            print("loss", rec.step([Micro(x[:8], y[:8]), Micro(x[8:], y[8:])]))  # user code prints to stdout
     print("run", rec.run_id)
 
 

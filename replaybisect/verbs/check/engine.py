@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from replaybisect.core import loop, user_step
+from replaybisect.core.snapshot import like
 from replaybisect.errors import ReplayError
 from replaybisect.core.rng import isolated_rng, seed_everything
 from replaybisect.verbs.check import lr_finder
@@ -144,7 +145,7 @@ def slice_batch(batch, count: int):
     if isinstance(batch, dict):
         return {k: slice_batch(v, count) for k, v in batch.items()}
     if isinstance(batch, (list, tuple)):
-        return type(batch)(slice_batch(v, count) for v in batch)
+        return like(batch, [slice_batch(v, count) for v in batch])
     return batch
 
 
