@@ -72,20 +72,22 @@ def lightning_step(model, optimizer, scheduler, scaler, batch, config):
     trainer = config.trainer
     device = torch.device(trainer.device)
     dtype = AUTOCAST.get(trainer.precision)
-    total = None
+    total, last_loss = None, None
     with _no_trainer_warnings():
         for inner, position in zip(batch[MICRO_BATCHES], batch[POSITION]):
             if position["rng"] is not None:  # a later accumulated batch: the RNG state it started with
                 restore_step_rng(position["rng"], device)
             with torch.autocast(device.type, dtype=dtype, cache_enabled=False) if dtype else contextlib.nullcontext():
                 output = model.training_step(inner, position["batch_idx"]) if position["takes_batch_idx"] else model.training_step(inner)
-            loss = output.get("loss") if isinstance(output, dict) else output
+            loss = last_loss = output.get("loss") if isinstance(output, dict) else output
             if loss is None:  # training_step skipped this batch, as Lightning allows: no backward
                 continue
             loss = loss / position["accumulate"]
             model.backward(scaler.scale(loss) if scaler is not None else loss)
             total = loss.detach().float() if total is None else total + loss.detach().float()
-        skipped = total is None and scaler is not None  # Lightning's AMP plugin then skips unscale, step and update
+        # Lightning's AMP plugin skips unscale, step and update when the last batch (the one its optimizer closure
+        # runs) had no loss, whatever the earlier accumulated batches backpropagated
+        skipped = scaler is not None and last_loss is None
         if scaler is not None and not skipped:
             scaler.unscale_(optimizer)
         # clipped in the optimizer's own pre-step hook: the recorder's observers see the gradients before the

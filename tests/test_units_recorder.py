@@ -228,3 +228,38 @@ def test_a_batch_holding_what_a_snapshot_cannot_store_is_refused_at_its_first_st
 
     with pytest.raises(ConfigError, match="holds a Batch, which a snapshot cannot store.*dataclasses.asdict"):
         user_step.pack([Batch(torch.ones(2))], torch.device("cpu"))
+
+
+def test_a_namedtuple_a_snapshot_cannot_name_is_stored_as_a_tuple_with_a_warning():
+    from collections import namedtuple
+
+    from replaybisect.core import user_step
+
+    Row = namedtuple("Row", ["x", "1"], rename=True)  # fields x, _1 (as pandas' itertuples makes)
+    with pytest.warns(UserWarning, match="batch's Row is stored as a plain tuple"):
+        stored = user_step.pack([Row(torch.ones(2), torch.zeros(2))], torch.device("cpu"))
+    tensors, structure = fmt.flatten_batch(4, stored)
+    assert fmt._batch_tensor_names(4, structure) is not None  # the batches of the snapshot stay loadable
+    back, _ = user_step.unpack(fmt.unflatten_batch(4, tensors, structure))
+    assert type(back[0]) is tuple and torch.equal(back[0][0], torch.ones(2))
+
+
+def test_namedtuple_names_python_would_read_as_one_are_not_a_batch():
+    spec = {"name": "Micro", "fields": ["\ufb01", "fi"], "items": [{"v": 1}, {"v": 2}]}  # the ligature normalises to "fi"
+    assert fmt._batch_tensor_names(3, {"tree": {"namedtuple": spec}}) is None
+
+
+def test_a_namedtuple_of_tensors_from_replay_train_keeps_its_type_and_values():
+    from collections import namedtuple
+
+    class Pair(namedtuple("Pair", ["x", "y"])):
+        def __new__(cls, x, y):  # a constructor that transforms: copies must not run it again
+            return super().__new__(cls, x * 2, y)
+
+    pair = Pair(torch.ones(2), torch.zeros(2))
+    tensors, structure = fmt.flatten_batch(5, pair)
+    assert "tree" in structure  # not the flat tuple layout, which would lose the type
+    back = fmt.unflatten_batch(5, tensors, structure)
+    assert back._fields == ("x", "y") and torch.equal(back.x, pair.x)
+    moved = loop.to_device(pair, torch.device("cpu"))
+    assert type(moved) is Pair and torch.equal(moved.x, pair.x)  # _make, not Pair(...) again

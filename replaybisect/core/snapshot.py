@@ -195,7 +195,7 @@ def flatten_batch(step: int, batch) -> tuple[dict[str, torch.Tensor], Any]:
         return {f"{step}/_": batch}, "tensor"
     if isinstance(batch, dict) and all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in batch.items()):
         return {f"{step}/{key}": value for key, value in batch.items()}, {"dict": list(batch)}
-    if isinstance(batch, (list, tuple)) and all(isinstance(v, torch.Tensor) for v in batch):
+    if type(batch) in (list, tuple) and all(isinstance(v, torch.Tensor) for v in batch):  # a namedtuple goes in a tree
         return {f"{step}/{index}": value for index, value in enumerate(batch)}, {"tuple": len(batch)}
     tensors: dict[str, torch.Tensor] = {}
     return tensors, {"tree": _tree_of(batch, step, tensors, depth=0)}
@@ -215,7 +215,7 @@ def _tree_of(value: Any, step: int, tensors: dict[str, torch.Tensor], depth: int
         return {"t": len(tensors) - 1}
     if isinstance(value, dict):
         return {"dict": [[str(k), _tree_of(v, step, tensors, depth + 1)] for k, v in value.items()]}
-    if is_namedtuple(value):  # stored by name and fields: a replay rebuilds an equivalent type, importing nothing
+    if is_namedtuple(value) and storable_namedtuple(value):  # by name and fields: rebuilt as an equivalent type, importing nothing
         return {"namedtuple": {"name": type(value).__name__, "fields": list(value._fields),
                                "items": [_tree_of(v, step, tensors, depth + 1) for v in value]}}
     if isinstance(value, (list, tuple)):
@@ -229,11 +229,16 @@ def is_namedtuple(value: Any) -> bool:
     return isinstance(value, tuple) and isinstance(getattr(type(value), "_fields", None), tuple)
 
 
+def storable_namedtuple(value: tuple) -> bool:
+    """A namedtuple whose name and fields a snapshot can hold (see _namedtuple_spec_ok), e.g. not pandas' `_1`."""
+    return _namedtuple_spec_ok({"name": type(value).__name__, "fields": list(value._fields), "items": list(value)})
+
+
 def like(sequence: list | tuple, items) -> list | tuple:
-    """`items` in a sequence of the same kind as `sequence`: a list, a tuple, the same namedtuple (which takes its
-    fields as arguments); any other list or tuple subclass becomes a plain tuple, as a snapshot stores it."""
+    """`items` in a sequence of the same kind as `sequence`: a list, a tuple, the same namedtuple (`_make`: no
+    constructor of a subclass runs again); any other list or tuple subclass becomes a plain tuple, as stored."""
     if is_namedtuple(sequence):
-        return type(sequence)(*items)
+        return type(sequence)._make(items)
     return type(sequence)(items) if type(sequence) in (list, tuple) else tuple(items)
 
 
@@ -281,13 +286,14 @@ def _tree_tensor_names(node: Any, step: int, names: list[str], depth: int = 0) -
 
 
 def _namedtuple_spec_ok(spec: dict) -> bool:
-    """A name and fields collections.namedtuple accepts, as many fields as items."""
+    """A name and fields collections.namedtuple accepts (ASCII: no two names that Python reads as one), as many
+    fields as items, within bounds."""
     name, fields, items = spec["name"], spec["fields"], spec["items"]
-    if not (isinstance(name, str) and isinstance(fields, list) and isinstance(items, list) and len(fields) == len(items)):
+    if not (isinstance(name, str) and isinstance(fields, list) and isinstance(items, list) and len(fields) == len(items) <= 1000):
         return False
     words = [name, *fields]
-    return (all(isinstance(w, str) and w.isidentifier() and not keyword.iskeyword(w) for w in words)
-            and not any(field.startswith("_") for field in fields) and len(set(fields)) == len(fields) and len(name) <= 200)
+    return (all(isinstance(w, str) and w.isascii() and w.isidentifier() and not keyword.iskeyword(w) and len(w) <= 200 for w in words)
+            and not any(field.startswith("_") for field in fields) and len(set(fields)) == len(fields))
 
 
 def unflatten_batch(step: int, tensors: dict[str, torch.Tensor], structure):

@@ -149,7 +149,7 @@ def _words(values) -> torch.Tensor:
 
 
 def _copied(value: Any) -> Any:
-    from replaybisect.core.snapshot import is_namedtuple, like
+    from replaybisect.core.snapshot import is_namedtuple, like, storable_namedtuple
 
     if isinstance(value, torch.Tensor):
         return value.detach().clone()
@@ -158,15 +158,17 @@ def _copied(value: Any) -> Any:
             _warn_plain(type(value), "dict", 'batch["key"]')
         return {key: _copied(item) for key, item in value.items()}
     if isinstance(value, (list, tuple)):
-        if type(value) not in (list, tuple) and not is_namedtuple(value):
-            _warn_plain(type(value), "tuple", "batch[0]")
-        return like(value, [_copied(item) for item in value])
+        items = [_copied(item) for item in value]
+        if type(value) in (list, tuple) or (is_namedtuple(value) and storable_namedtuple(value)):
+            return like(value, items)
+        _warn_plain(type(value), "tuple", "batch[0]")
+        return tuple(items)
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
     # said at the first step, not when the first snapshot is written
     raise ConfigError(f"your batch holds a {type(value).__name__}, which a snapshot cannot store (tensors, numbers, strings, "
                       f"and lists, tuples, namedtuples and dicts of them): pass e.g. a dict or tuple of its fields "
-                      f"(dataclasses.asdict / astuple for a dataclass)")
+                      f"(dataclasses.asdict for a dataclass, .item() or a tensor for a NumPy value)")
 
 
 def data_of(batch: Any) -> Any:
