@@ -154,6 +154,8 @@ def _report_crash(error: BaseException) -> None:
     else:
         sites = [(frame.filename, frame.lineno, frame.name) for frame in frames]
         raised = f"{type(error).__name__}: {_first_line(error)}"
+    if any(isinstance(cause, MemoryError) for cause in _chain(error)) and not isinstance(error, MemoryError):
+        raised += " (caused by MemoryError: out of memory)"  # a library may wrap it (MLflow's session does)
     if not sites or _is_ours(sites[-1][0]):
         traceback.print_exception(error)
         print(f"replay: internal error: {raised}; please report it with the traceback above", file=sys.stderr)
@@ -191,6 +193,15 @@ def _quoted_worker_traceback(error: BaseException):
     raised = next((line.strip() for line in after if line and not line.startswith(" ")), type(error).__name__)
     start = users[0] if users else frames[0]
     return quoted[start:] + list(getattr(error, "__notes__", [])), raised
+
+
+def _chain(error: BaseException):
+    """The exception and what caused it or was being handled, innermost last."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        yield error
+        error = error.__cause__ or error.__context__
 
 
 def _site(site) -> str:

@@ -218,3 +218,21 @@ def test_a_crash_in_a_library_with_no_user_frame_names_where_it_was_raised(capsy
     stderr = capsys.readouterr().err.strip().splitlines()
     assert stderr[0] == "Traceback (most recent call last):"
     assert stderr[-1].startswith("replay: error: JSONDecodeError: Expecting property name") and "(raised in decoder.py:" in stderr[-1]
+
+
+def test_a_crash_caused_by_running_out_of_memory_says_so_in_its_last_line(capsys):
+    """A library may wrap a MemoryError (MLflow's SQL session does): the one line still says out of memory, which is
+    what `replay watch` reads to report a triage that hit its --memory-mb."""
+    import json
+
+    from replaybisect.cli import _report_crash
+
+    def wrapped():
+        try:
+            raise MemoryError()
+        except MemoryError:
+            json.loads("{")  # the library's own error, raised while handling it
+
+    _report_crash(_caught(wrapped, drop_caller_frames=2))
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith("replay: error: JSONDecodeError") and "(caused by MemoryError: out of memory)" in last, last
