@@ -122,51 +122,35 @@ def main() -> None:
 
 
 # ---- an exception nobody caught: the traceback from the user's code down, then one line -------------------
-_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
-_NOT_USERS = (_PACKAGE, os.path.dirname(os.path.abspath(typer.__file__)) + os.sep,
-              os.path.dirname(os.path.abspath(os.__file__)) + os.sep)  # replaybisect, typer (and its click), the stdlib
-_QUOTED_FRAME = r'File "([^"]+)", line (\d+), in (\S+)'  # a frame in a traceback quoted as text
-
-
-def _is_ours(filename: str) -> bool:
-    return os.path.abspath(filename).startswith(_PACKAGE)
-
-
-def _is_user_frame(filename: str) -> bool:
-    path = os.path.abspath(filename)
-    return not (path.startswith(_NOT_USERS) or "site-packages" in path or "dist-packages" in path
-                or filename.startswith("<") or os.path.basename(path) == "replay")
-
-
 def _report_crash(error: BaseException) -> None:
     """An exception nobody caught. Raised in replaybisect's own code: our bug, all of the traceback. Raised below a
     frame of the user's (a model, a dataset, a step): the traceback from that frame on, so the user reads their
     own code first, then one line. Anything else (a library called by our loop, a user package installed in
     site-packages): all of it, and one neutral line naming where it was raised."""
-    import re
     import traceback
+
+    from replaybisect.frames import is_ours, is_user_code
 
     frames = traceback.extract_tb(error.__traceback__)
     quoted = _quoted_worker_traceback(error)  # DataLoader re-raises a worker's exception with its traceback as text
     if quoted is not None:
-        lines, raised = quoted
-        sites = [match.groups() for line in lines if (match := re.search(_QUOTED_FRAME, line))]
+        lines, sites, raised = quoted
     else:
         sites = [(frame.filename, frame.lineno, frame.name) for frame in frames]
         raised = f"{type(error).__name__}: {_first_line(error)}"
     if any(isinstance(cause, MemoryError) for cause in _chain(error)) and not isinstance(error, MemoryError):
         raised += " (caused by MemoryError: out of memory)"  # a library may wrap it (MLflow's session does)
-    if not sites or _is_ours(sites[-1][0]):
+    if not sites or is_ours(sites[-1][0]):
         traceback.print_exception(error)
         print(f"replay: internal error: {raised}; please report it with the traceback above", file=sys.stderr)
         return
-    users = [site for site in sites if _is_user_frame(site[0])]
+    users = [site for site in sites if is_user_code(site[0])]
     if not users:
         traceback.print_exception(error)
         print(f"replay: error: {raised} (raised in {_site(sites[-1])})", file=sys.stderr)
         return
     if quoted is None:
-        first = next(i for i, frame in enumerate(frames) if _is_user_frame(frame.filename))
+        first = next(i for i, frame in enumerate(frames) if is_user_code(frame.filename))
         shown = traceback.TracebackException.from_exception(error)
         shown.stack = traceback.StackSummary.from_list(frames[first:])
         shown.__cause__ = shown.__context__ = None  # the chain is in REPLAYBISECT_FULL_ERROR=1's traceback
@@ -177,22 +161,20 @@ def _report_crash(error: BaseException) -> None:
 
 
 def _quoted_worker_traceback(error: BaseException):
-    """(lines from the first user frame on, plus the error's notes; 'Type: message') of the
-    traceback quoted in a DataLoader worker error's message, or None."""
-    import re
+    """(lines from the first user frame on, plus the error's notes; its frames as (file, line, function);
+    'Type: message') of the traceback quoted in a DataLoader worker error's message, or None."""
+    from replaybisect.frames import QUOTED_FRAME, is_user_code
 
     text = str(error)
     if "Original Traceback (most recent call last):" not in text:
         return None
     quoted = text.split("Original Traceback (most recent call last):", 1)[1].strip("\n").splitlines()
-    frames = [i for i, line in enumerate(quoted) if re.search(_QUOTED_FRAME, line)]
-    if not frames:
+    found = [(i, match.groups()) for i, line in enumerate(quoted) if (match := QUOTED_FRAME.search(line))]
+    if not found:
         return None
-    users = [i for i in frames if _is_user_frame(re.search(_QUOTED_FRAME, quoted[i])[1])]
-    after = quoted[frames[-1] + 1:]
-    raised = next((line.strip() for line in after if line and not line.startswith(" ")), type(error).__name__)
-    start = users[0] if users else frames[0]
-    return quoted[start:] + list(getattr(error, "__notes__", [])), raised
+    start = next((i for i, site in found if is_user_code(site[0])), found[0][0])
+    raised = next((line.strip() for line in quoted[found[-1][0] + 1:] if line and not line.startswith(" ")), type(error).__name__)
+    return quoted[start:] + list(getattr(error, "__notes__", [])), [site for _, site in found], raised
 
 
 def _chain(error: BaseException):

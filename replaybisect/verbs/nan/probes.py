@@ -25,7 +25,6 @@ import contextlib
 import math
 import os
 import re
-import sys
 import traceback
 import warnings
 from dataclasses import dataclass, field
@@ -36,11 +35,9 @@ from torch.overrides import TorchFunctionMode
 
 from replaybisect.core import loop
 from replaybisect.core.jsonutil import to_jsonable  # noqa: F401  (re-exported for nan.engine)
+from replaybisect.frames import QUOTED_FRAME, is_ours, is_user_code
 
-_TORCH_DIR = os.path.dirname(torch.__file__)
-_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # replaybisect/
-_STDLIB_DIR = os.path.dirname(os.__file__)
-_ENV_DIRS = tuple({os.path.abspath(p) + os.sep for p in (sys.prefix, sys.exec_prefix, sys.base_prefix)})
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep  # also when torch is not under site-packages (a source build)
 
 
 # ---- small helpers ----------------------------------------------------------------------------------
@@ -133,15 +130,10 @@ def tensor_stats(tensor: torch.Tensor) -> TensorStats:
 def user_frame(frames: list[traceback.FrameSummary]) -> Optional[traceback.FrameSummary]:
     """The innermost frame of the user's code inside the step: after replaybisect's own frames (whoever called
     replaybisect is not the step), and not torch, the standard library or installed packages."""
-    ours = [i for i, frame in enumerate(frames) if os.path.abspath(frame.filename).startswith(_PACKAGE_DIR)]
+    ours = [i for i, frame in enumerate(frames) if is_ours(frame.filename)]
     if ours:
         frames = frames[ours[-1] + 1 :]
-    for frame in reversed(frames):
-        path = os.path.abspath(frame.filename)
-        if path.startswith((_TORCH_DIR, _PACKAGE_DIR, _STDLIB_DIR) + _ENV_DIRS) or "site-packages" in path or frame.filename.startswith("<"):
-            continue
-        return frame
-    return None
+    return next((frame for frame in reversed(frames) if is_user_code(frame.filename, (_TORCH_DIR,))), None)
 
 
 def format_frame(frame: Optional[traceback.FrameSummary]) -> Optional[str]:
@@ -781,7 +773,7 @@ class AnomalyFinding:
 
 _ERROR_IN = re.compile(r"Error detected in (\w+)\.")
 _FUNCTION_NAN = re.compile(r"Function '(\w+)' returned nan values")
-_FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)\n\s*(.*)')
+_FRAME = re.compile(QUOTED_FRAME.pattern + r"\n\s*(.*)")  # with the frame's code line
 
 
 class _FirstBadNode(loop.StepObserver):
@@ -859,5 +851,5 @@ def _source(lines: list[str]) -> Optional[str]:
 def _frames(text: str) -> list[str]:
     """The traceback's frames inside the step: those after replaybisect's own (its callers are not the step)."""
     frames = [m for m in _FRAME.finditer(text)]
-    ours = [i for i, m in enumerate(frames) if os.path.abspath(m.group(1)).startswith(_PACKAGE_DIR)]
+    ours = [i for i, m in enumerate(frames) if is_ours(m.group(1))]
     return [m.group(0) for m in frames[(ours[-1] + 1 if ours else 0):]]

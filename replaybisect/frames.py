@@ -1,0 +1,25 @@
+"""Whose code a traceback frame runs: replaybisect's, the user's, or a library's. Used by `replay nan` to name the
+user's source line and by the CLI to show a crash from the user's code down (imports nothing heavy)."""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+
+PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep  # replaybisect/
+# the standard library and the environment's own folders (its bin/ scripts, its site-packages)
+_LIBRARY_DIRS = (os.path.dirname(os.path.abspath(os.__file__)) + os.sep,) + tuple(
+    {os.path.abspath(prefix) + os.sep for prefix in (sys.prefix, sys.exec_prefix, sys.base_prefix)})
+QUOTED_FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')  # a frame in a traceback quoted as text
+
+
+def is_ours(filename: str) -> bool:
+    return os.path.abspath(filename).startswith(PACKAGE_DIR)
+
+
+def is_user_code(filename: str, libraries: tuple[str, ...] = ()) -> bool:
+    """Not replaybisect, the standard library, installed packages or generated code; `libraries`: more folders."""
+    path = os.path.abspath(filename)
+    return not (path.startswith((PACKAGE_DIR, *_LIBRARY_DIRS, *libraries)) or "site-packages" in path
+                or "dist-packages" in path or filename.startswith("<"))
