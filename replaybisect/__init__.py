@@ -85,11 +85,10 @@ def train(
     (default: the built-in example); `overrides` are Hydra overrides. A run that stops on a non-finite loss
     returns with `status == "nonfinite"` (the command exits 3)."""
     from replaybisect.core import config as config_mod
+    from replaybisect.report import run_label
     from replaybisect.verbs.train.engine import train as train_run
 
     cfg = config_mod.compose(config_dir, config_name, list(overrides))
-    from replaybisect.report import run_label
-
     code_folder = Path(config_dir).resolve() if config_dir else Path.cwd()
     return train_run(cfg, _store(tracking_uri), run_name=run_name or run_label(cfg, config_dir, config_name),
                      code_folder=code_folder)

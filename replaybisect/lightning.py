@@ -39,8 +39,6 @@ STEP_TARGET = "replaybisect.lightning.lightning_step"
 BUILD_TARGET = "replaybisect.lightning.build"
 PRECISIONS = {"32-true": "fp32", "32": "fp32", "bf16-mixed": "bf16", "16-mixed": "fp16"}
 AUTOCAST = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
-# the stored batch of a step: what training_step got for each accumulated batch, and where Lightning was then
-MICRO_BATCHES, POSITION = LIGHTNING_BATCHES, LIGHTNING_POSITIONS
 
 
 # ---- replay: the objects and the step, without a Trainer ----------------------------------------------------
@@ -74,7 +72,7 @@ def lightning_step(model, optimizer, scheduler, scaler, batch, config):
     dtype = AUTOCAST.get(trainer.precision)
     total, last_loss = None, None
     with _no_trainer_warnings():
-        for inner, position in zip(batch[MICRO_BATCHES], batch[POSITION]):
+        for inner, position in zip(batch[LIGHTNING_BATCHES], batch[LIGHTNING_POSITIONS]):
             if position["rng"] is not None:  # a later accumulated batch: the RNG state it started with
                 restore_step_rng(position["rng"], device)
             with torch.autocast(device.type, dtype=dtype, cache_enabled=False) if dtype else contextlib.nullcontext():
@@ -86,22 +84,23 @@ def lightning_step(model, optimizer, scheduler, scaler, batch, config):
             model.backward(scaler.scale(loss) if scaler is not None else loss)
             total = loss.detach().float() if total is None else total + loss.detach().float()
         # Lightning's AMP plugin skips unscale, step and update when the last batch (the one its optimizer closure
-        # runs) had no loss, whatever the earlier accumulated batches backpropagated
-        skipped = scaler is not None and last_loss is None
-        if scaler is not None and not skipped:
+        # runs) had no loss, whatever the earlier accumulated batches backpropagated; without a scaler the optimizer
+        # steps (with no gradient, when every batch was skipped, it updates nothing)
+        scaling = scaler is not None and last_loss is not None
+        if scaling:
             scaler.unscale_(optimizer)
         # clipped in the optimizer's own pre-step hook: the recorder's observers see the gradients before the
         # clip (as a recorded run's on_before_optimizer_step did), an ablation arm's clip then comes first
         clip = optimizer.register_step_pre_hook(lambda *_: _clip(model, optimizer, trainer))
         try:
-            if scaler is not None and not skipped:
+            if scaling:
                 scaler.step(optimizer)
                 scaler.update()
             elif scaler is None:
-                optimizer.step()  # with no gradient (every batch skipped) the optimizer updates nothing, as in Lightning
+                optimizer.step()
         finally:
             clip.remove()
-        if scheduler is not None and batch[POSITION][-1]["scheduler_step"]:
+        if scheduler is not None and batch[LIGHTNING_POSITIONS][-1]["scheduler_step"]:
             model.lr_scheduler_step(scheduler, None)
     return total if total is not None else NO_LOSS
 
@@ -297,7 +296,7 @@ class ReplayCallback(Callback):
 
         if not self._open:
             return
-        packed = user_step.pack(batch, self.state.device)  # a copy of the batch, and the torch RNG it starts with
+        packed = user_step.pack(batch, self.state.device)  # a copy of the batch, and the RNG states it starts with
         position = {"batch_idx": int(batch_idx), "takes_batch_idx": self._takes_batch_idx, "rng": None,
                     "accumulate": int(trainer.accumulate_grad_batches), "scheduler_step": _scheduler_steps(trainer, batch_idx)}
         if self._step is None:
@@ -336,7 +335,7 @@ class ReplayCallback(Callback):
         """The step's stored batch as user_step.pack shapes it (lists copied: later batches do not change it)."""
         from replaybisect.core import user_step
 
-        return {user_step.RECORD_BATCH: {MICRO_BATCHES: list(self._step["batches"]), POSITION: list(self._step["positions"])},
+        return {user_step.RECORD_BATCH: {LIGHTNING_BATCHES: list(self._step["batches"]), LIGHTNING_POSITIONS: list(self._step["positions"])},
                 user_step.RECORD_RNG: self._step["rng"]}
 
     def _end_forward(self) -> None:

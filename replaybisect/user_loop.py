@@ -211,7 +211,7 @@ class Recorder:
             rng_at_start = capture_raw()
             self._buffers.save()
             self._hooks.before_step(step, self.state, rng_at_start)
-            record = user_step.pack(batch, self.state.device)
+            record = user_step.pack(batch, self.state.device, rng_at_start)
             data_started = self._last_step_end if self._last_step_end is not None else time.perf_counter()
             noting = user_step.noting_precision(self._precision_seen) if not self._config_written and self._precision_seen is not None else contextlib.nullcontext()
             with noting:

@@ -109,16 +109,28 @@ def test_sigusr1_logs_a_health_line_and_sigterm_stops_an_idle_watcher(workspace)
     assert _events(stdout)[-1]["event"] == "stop"
 
 
-def test_sigterm_lets_a_running_triage_finish_within_the_grace(workspace):
-    store = workspace.store()
-    run_id = store.create_run("train")  # a crashed run's record: metrics only, which is all diagnose reads
+def _crashed_run(store) -> str:
+    """A crashed run's record: metrics only, which is all diagnose reads."""
+    run_id = store.create_run("train")
     store.log_metrics(run_id, [("loss", 2.0 - step * 0.01, step) for step in range(30)])
     store.finish_run(run_id, "crashed", "FAILED")
-    watcher = subprocess.Popen([REPLAY, "watch", "--json", "--settle", "0.2", "--grace", "120"], cwd=workspace.path,
+    return run_id
+
+
+def _watcher_diagnosing(workspace, *args: str) -> subprocess.Popen:
+    """`replay watch --json ARGS`, returned once it has started diagnosing a run."""
+    watcher = subprocess.Popen([REPLAY, "watch", "--json", "--settle", "0.2", *args], cwd=workspace.path,
                                env=workspace.env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     for line in watcher.stdout:
         if json.loads(line)["message"] == "diagnose started":
             break
+    return watcher
+
+
+def test_sigterm_lets_a_running_triage_finish_within_the_grace(workspace):
+    store = workspace.store()
+    run_id = _crashed_run(store)
+    watcher = _watcher_diagnosing(workspace, "--grace", "120")
     watcher.send_signal(signal.SIGTERM)
     stdout, stderr = watcher.communicate(timeout=120)
     assert watcher.returncode == 143, stderr
@@ -128,14 +140,8 @@ def test_sigterm_lets_a_running_triage_finish_within_the_grace(workspace):
 
 def test_a_watcher_frozen_past_its_lease_loses_the_run_and_writes_nothing(workspace):
     store = workspace.store()
-    run_id = store.create_run("train")
-    store.log_metrics(run_id, [("loss", 2.0 - step * 0.01, step) for step in range(30)])
-    store.finish_run(run_id, "crashed", "FAILED")
-    frozen = subprocess.Popen([REPLAY, "watch", "--json", "--settle", "0.2", "--lease", "2"], cwd=workspace.path,
-                              env=workspace.env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    for line in frozen.stdout:
-        if json.loads(line)["message"] == "diagnose started":
-            break
+    run_id = _crashed_run(store)
+    frozen = _watcher_diagnosing(workspace, "--lease", "2")
     frozen.send_signal(signal.SIGSTOP)  # a stalled VM or a long GC pause: the lease lapses
     try:
         time.sleep(2.5)

@@ -128,13 +128,17 @@ def rebuilt_copy(state, cfg) -> dict[str, Any]:
 
 
 # ---- the stored batch: the user's batch and the RNG state its step started with ----------------------------
-def pack(batch: Any, device: torch.device) -> dict[str, Any]:
+def pack(batch: Any, device: torch.device, raw: Optional[dict[str, Any]] = None) -> dict[str, Any]:
     """The batch as the recorder stores it (copied: a loop may reuse its buffers) with the RNG states its step
-    starts with: torch (and CUDA), Python's `random` and NumPy's global generator, as tensors and numbers."""
-    version, internal, gauss_next = random.getstate()
-    kind, keys, position, has_gauss, cached_gaussian = np.random.get_state()
+    starts with: torch (and CUDA), Python's `random` and NumPy's global generator, as tensors and numbers.
+    `raw`: those states as `core.rng.capture_raw` took them at this moment, when the caller has them."""
+    from replaybisect.core.rng import capture_raw
+
+    raw = raw if raw is not None else capture_raw()
+    version, internal, gauss_next = raw["python"]
+    kind, keys, position, has_gauss, cached_gaussian = raw["numpy"]
     rng = {
-        "torch": torch.get_rng_state(),
+        "torch": raw["torch"],
         "python": _words(internal), "python_gauss": gauss_next,
         "numpy": _words(keys), "numpy_position": int(position), "numpy_gauss": [int(has_gauss), float(cached_gaussian)],
     }
