@@ -168,3 +168,32 @@ def test_a_stop_without_the_recorder_does_not_claim_a_snapshot(workspace):
     assert len(lines) == 1 and "non-finite" in lines[0], result.stderr
     assert "saved)" not in lines[0] and "snapshot.enabled=false" in lines[0]
     assert "state before it is saved" not in result.stdout and "replay nan --run-id" not in result.stdout
+
+
+def test_ctrl_c_with_dataloader_workers_stops_in_one_line_and_leaves_no_worker(workspace):
+    """Ctrl-C reaches the whole process group, workers included: they leave the stop to the main process, which
+    ends the run KILLED with one line (no worker traceback), and no worker outlives it."""
+    store = workspace.store()
+    name = f"workers-{os.getpid()}-{time.time_ns()}"  # in every worker's command line too (they are forks)
+    process = subprocess.Popen([REPLAY, "train", "--run-name", name, *SLOW_RUN, "train.num_workers=2", "snapshot.every=5"],
+                               cwd=workspace.path, env=workspace.env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               start_new_session=True)
+    _wait_for(lambda: len(_snapshot_steps_tag(store)) >= 2, process, "two snapshots")
+    os.killpg(process.pid, signal.SIGINT)  # as a terminal sends it: to the whole group
+    _, stderr = process.communicate(timeout=60)
+
+    assert process.returncode == 130, stderr
+    lines = outcome_lines(stderr)
+    assert len(lines) == 1 and "interrupted" in lines[0] and "Traceback" not in stderr, stderr
+    run = _only_run(store)
+    assert run.info.run_name == name and run.info.status == "KILLED"
+    time.sleep(0.5)
+    survivors = [pid for pid in os.listdir("/proc") if pid.isdigit() and name in _cmdline(pid)]
+    assert survivors == [], survivors
+
+
+def _cmdline(pid: str) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
