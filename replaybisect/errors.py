@@ -18,6 +18,10 @@ class ConfigError(ReplayError):
     """The config does not compose, validate or instantiate."""
 
 
+class UntrustedConfig(ConfigError):
+    """A stored config names code that is not trusted here, a code/pickle loader, or an object of the wrong kind."""
+
+
 class RunNotFound(ReplayError):
     """No such run in the tracking store."""
 

@@ -32,7 +32,7 @@ def run_config(store: Store, run_id: str, trust: Optional[Trust] = None):
         text = store.read_artifact_text(run_id, "config.yaml")
     except Exception:
         raise ReplayError(f"run {run_id} has no config.yaml artifact: it was not recorded by `replay train`") from None
-    cfg = config_mod.from_yaml(text)
+    cfg = config_mod.from_yaml(text, source=f"the stored config.yaml of run {run_id}")
     artifacts = store.local_artifact_dir(run_id)  # <root>/<experiment>/<run>/artifacts: never a code folder
     admit(cfg, trust, code_dir, source=f"run {run_id}", artifact_root=artifacts.parents[2] if artifacts else None)
     return cfg

@@ -20,6 +20,7 @@ import yaml
 import conftest
 from conftest import Workspace, assert_one_line_error
 from replaybisect import restore as restore_mod
+from replaybisect.errors import ReplayError
 from replaybisect.core.trust import BUILTIN_PREFIXES, CODE_DIR_ENV, TRUST_ENV, Trust, UntrustedConfig
 
 # A module that announces every import of it: a harmless stand-in for an attacker's payload. Its model is the
@@ -203,6 +204,24 @@ REFUSED = {
     "an installed but untrusted package": ({"model": {"_target_": "hydra.utils.get_method", "path": "os.system"}}, "hydra.utils.get_method"),
     "a target that is not a name": ({"model._target_": ["evil", "MLP"]}, "not a dotted name"),
     "an env interpolation": ({"model.hidden": "${oc.env:HOME}"}, "oc.env"),
+    "a resolver interpolation": ({"model.hidden": "${python:__import__('os').system('x')}"}, "interpolation"),
+    # kinds: under a trusted prefix, only what the key needs
+    "a torch function that writes a file": ({"model": {"_target_": "torch.UntypedStorage.from_file", "filename": "x", "shared": True,
+                                                       "nbytes": 1}}, "torch.nn.Module subclass"),
+    "collect_env.run nested in modules": ({"model": {"_target_": "torch.nn.Sequential", "_args_": [
+        {"_target_": "torch.nn.Identity", "_args_": [{"_target_": "torch.utils.collect_env.run", "_args_": ["touch x"]}]},
+        {"_target_": "torch.nn.Linear", "_args_": [64, 10]}]}}, "model._args_[0]._args_[0]._target_"),
+    "a torch function nested in a module": ({"model": {"_target_": "torch.nn.Identity", "_args_": [
+        {"_target_": "torch.manual_seed", "_args_": [1]}]}}, "model._args_[0]._target_"),
+    "a module where the optimizer goes": ({"optim": {"_target_": "torch.nn.Linear", "_partial_": True}}, "torch.optim.Optimizer subclass"),
+    "an optimizer where the data goes": ({"data": {"_target_": "torch.optim.SGD", "params": []}}, "Dataset subclass"),
+    "a torch function as the step": ({"train.step_fn": {"_target_": "torch.save", "_partial_": True}}, "train.step_fn._target_"),
+    # replaybisect contributes only its registry
+    "replaybisect.train": ({"model": {"_target_": "replaybisect.train", "config_dir": "/tmp/conf"}}, "replaybisect.train"),
+    "replaybisect.check": ({"model": {"_target_": "replaybisect.check"}}, "replaybisect.check"),
+    "replaybisect compose": ({"model": {"_target_": "replaybisect.core.config.compose", "config_dir": "/tmp"}}, "compose"),
+    "a registered step function as the model": ({"model": {"_target_": "replaybisect.core.loop.supervised_step"}}, "registered"),
+    "hydra's instantiate": ({"model": {"_target_": "hydra.utils.instantiate", "config": {}}}, "hydra.utils.instantiate"),
 }
 
 
@@ -275,3 +294,121 @@ def test_the_unchanged_run_replays_from_anywhere(scene):
     cfg = restore_mod.run_config(scene.store, scene.run_id, untrusted(scene))
     assert cfg.model._target_ == "replaybisect.models.MLP" and scene.markers() == []
     assert str(scene.attacker) not in sys.path
+
+
+# ---- the issue's attacks, end to end: a marker the payload would write must never appear ---------------------------
+def _shell_payload(marker: Path) -> dict:
+    """torch.utils.collect_env.run runs its argument with shell=True: under the old prefix allow-list, trusted."""
+    return {"model": {"_target_": "torch.nn.Sequential", "_args_": [
+        {"_target_": "torch.nn.Identity", "_args_": [{"_target_": "torch.utils.collect_env.run", "_args_": [f"touch {marker}"]}]},
+        {"_target_": "torch.nn.Linear", "_args_": [64, 10]}]}}
+
+
+def _write_payload(marker: Path) -> dict:
+    """UntypedStorage.from_file(shared=True) creates a file: a torch function no deny-list names, refused by kind."""
+    return {"model": {"_target_": "torch.nn.Identity", "_args_": [
+        {"_target_": "torch.UntypedStorage.from_file", "_args_": [str(marker), True, 8]}]}}
+
+
+@pytest.mark.parametrize("verb", sorted(VERBS))
+def test_a_torch_function_never_runs_from_a_stored_config(scene, verb, tmp_path):
+    marker = tmp_path / "RAN"
+    for payload, named in ((_shell_payload(marker), "collect_env.run"), (_write_payload(marker), "from_file")):
+        scene.tamper(payload, code_dir=scene.workspace.path)
+        before = scene.children()
+        result = scene.replay(*VERBS[verb], scene.run_id, "--trust", "torch")
+        assert_one_line_error(result, "refused", named, "model._args_[0]")
+        assert not marker.exists() and scene.children() == before
+
+
+def _run_id_starting_with_a_letter(store, experiment: str) -> str:
+    while True:  # MLflow run ids are hex: a module path needs one that starts with a-f
+        run_id = store.create_run("upload", experiment=experiment)
+        if run_id[0].isalpha():
+            return run_id
+
+
+def test_a_module_uploaded_to_the_stores_artifact_folder_is_never_imported(scene):
+    """`replay` run in the folder that holds mlflow.db and mlruns/ (the README's layout): an uploaded module is
+    reachable as a namespace package `mlruns.<experiment>.<run>.artifacts.<module>` from the working folder."""
+    store = scene.store
+    upload_run = _run_id_starting_with_a_letter(store, "replaybisect")
+    payload = scene.workspace.path / "upload" / "evilmod.py"
+    payload.parent.mkdir(exist_ok=True)
+    payload.write_text(PLANTED)
+    store.log_artifact(upload_run, payload)
+    artifacts = store.local_artifact_dir(upload_run)
+    assert (artifacts / "evilmod.py").is_file() and artifacts.is_relative_to(scene.workspace.path)
+    dotted = ".".join(artifacts.relative_to(scene.workspace.path).parts + ("evilmod", "MLP"))
+    scene.tamper({"model._target_": dotted}, code_dir=scene.workspace.path)
+    result = scene.replay("nan", "--run-id", scene.run_id)
+    assert_one_line_error(result, "untrusted", dotted, "model._target_")
+    assert not (artifacts / "MARKER").exists()
+    # the same, with the artifact folder itself as a --code-dir and the run's tag pointing at it: never a code folder
+    scene.tamper({"model._target_": "evilmod.MLP"}, code_dir=artifacts)
+    with pytest.raises(UntrustedConfig, match="evilmod.MLP"):
+        restore_mod.run_config(store, scene.run_id, Trust(roots=(str(scene.workspace.path.resolve()),), prefixes=BUILTIN_PREFIXES))
+    assert not (artifacts / "MARKER").exists()
+    payload.unlink()
+
+
+def test_the_users_own_code_builds_anything_it_defines(scene):
+    """Kinds bind libraries, not the user: a function of their own (a nanoGPT-style configure_optimizers, a step)
+    builds from their folder, and a library class of the right kind nested in their module is fine."""
+    (scene.project / "own_parts.py").write_text(textwrap.dedent(
+        """
+        import torch
+        from torch import nn
+
+
+        def make_model(hidden=8):
+            return nn.Sequential(nn.Linear(64, hidden), nn.ReLU(), nn.Linear(hidden, 10))
+
+
+        def configure_optimizers(model, lr=0.1):
+            return torch.optim.SGD(model.parameters(), lr=lr)
+        """
+    ))
+    scene.tamper({"model": {"_target_": "own_parts.make_model", "hidden": 16},
+                  "optim": {"_target_": "own_parts.configure_optimizers", "_partial_": True, "lr": 0.1},
+                  "loss": {"_target_": "own_parts.nn.CrossEntropyLoss"}}, code_dir=scene.project)
+    trust = Trust(roots=(str(scene.workspace.path.resolve()), str(scene.project)), prefixes=BUILTIN_PREFIXES)
+    cfg = restore_mod.run_config(scene.store, scene.run_id, trust)
+    assert cfg.optim._target_ == "own_parts.configure_optimizers"
+    # a library function re-exported by the user's module is still a library function
+    scene.tamper({"model": {"_target_": "own_parts.torch.manual_seed", "_args_": [0]}}, code_dir=scene.project)
+    with pytest.raises(UntrustedConfig, match="own_parts.torch.manual_seed"):
+        restore_mod.run_config(scene.store, scene.run_id, trust)
+
+
+STORED_TEXTS = {
+    # (the stored config.yaml's text, what the one line says)
+    "bad YAML": ("model: {_target_: [unclosed\n", "not valid YAML"),
+    "a list": ("- model\n- data\n", "not a mapping"),
+    "an unknown key": ("bogus_key: 1\n", "does not fit the run schema"),
+    "a wrong type": ("train:\n  steps: many\n", "does not fit the run schema"),
+    "a python tag": ("model: !!python/object/apply:os.system ['touch x']\n", "YAML tag"),
+    "a python name tag": ("model: !!python/name:os.system\n", "YAML tag"),
+    "an alias bomb": ("a: &a [x, x, x, x, x, x, x, x, x]\n" + "".join(
+        f"{chr(98 + i)}: &{chr(98 + i)} [*{chr(97 + i)}, *{chr(97 + i)}, *{chr(97 + i)}, *{chr(97 + i)}, *{chr(97 + i)}, "
+        f"*{chr(97 + i)}, *{chr(97 + i)}, *{chr(97 + i)}, *{chr(97 + i)}]\n" for i in range(9)), "anchor or alias"),
+    "too deep": ("model: " + "[" * 200 + "]" * 200 + "\n", "deeper"),
+    "too big": ("model: {hidden: 1}\n" + "# " + "x" * 1_100_000 + "\n", "over 1 MB"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(STORED_TEXTS))
+def test_a_stored_config_that_replaybisect_never_wrote_is_one_line(scene, case):
+    text, named = STORED_TEXTS[case]
+    scene.store.log_text(scene.run_id, text, "config.yaml")
+    with pytest.raises(ReplayError) as refused:
+        restore_mod.run_config(scene.store, scene.run_id, untrusted(scene))
+    message = str(refused.value)
+    assert named.lower() in message.lower() and "\n" not in message and len(message) < 600, message
+    assert scene.markers() == []
+
+
+def test_a_stored_alias_bomb_is_one_line_at_the_command_line(scene):
+    scene.store.log_text(scene.run_id, STORED_TEXTS["an alias bomb"][0], "config.yaml")
+    result = scene.replay("nan", "--run-id", scene.run_id)
+    assert_one_line_error(result, "alias")

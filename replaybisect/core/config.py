@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from replaybisect.errors import ConfigError
+from replaybisect.errors import ConfigError, UntrustedConfig
 
 BUILTIN_CONFIG_DIR = Path(__file__).parent.parent / "conf"  # replaybisect/conf (this module is in replaybisect/core)
 SCHEMA_NAME = "replaybisect_schema"
@@ -323,13 +323,64 @@ def _current_targets(text: str) -> str:
     return text
 
 
-def from_yaml(text: str):
-    """Rebuild a run's config from the config.yaml MLflow stored with it, re-validated by the schema."""
-    from omegaconf import OmegaConf
+MAX_STORED_CONFIG_BYTES = 1_000_000
+MAX_STORED_CONFIG_DEPTH = 64
+MAX_STORED_CONFIG_NODES = 100_000
 
-    cfg = OmegaConf.merge(OmegaConf.structured(ReplayConfig), OmegaConf.create(_current_targets(text)))
+
+def from_yaml(text: str, source: str = "the stored config"):
+    """Rebuild a run's config from the config.yaml MLflow stored with it, re-validated by the schema.
+
+    The text is untrusted: it is parsed as plain YAML only after a bounded scan (size, depth, node count; no
+    anchors, aliases or tags, which `OmegaConf.to_yaml` never writes and an alias bomb needs), and anything the
+    schema does not accept is a one-line ConfigError."""
+    from omegaconf import DictConfig, OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+    from yaml import YAMLError
+
+    _check_plain_yaml(text, source)
+    try:
+        stored = OmegaConf.create(_current_targets(text))
+        if not isinstance(stored, DictConfig):
+            raise ConfigError(f"{source} is a {type(stored).__name__.removesuffix('Config').lower()}, not a mapping of "
+                              "config keys; it was not written by replaybisect (re-record the run)")
+        cfg = OmegaConf.merge(OmegaConf.structured(ReplayConfig), stored)
+    except YAMLError as error:
+        raise ConfigError(f"{source} is not valid YAML ({_one_line(error)[:200]}); re-record the run") from None
+    except OmegaConfBaseException as error:
+        raise ConfigError(f"{source} does not fit the run schema: {_clip_words(_one_line(error))[:300]}; re-record the run") from None
     OmegaConf.set_struct(cfg, True)
     return cfg
+
+
+def _check_plain_yaml(text: str, source: str) -> None:
+    """Refuse, before building anything from it, YAML that is too big or deep or uses anchors, aliases or tags."""
+    import yaml
+
+    if not isinstance(text, str) or len(text.encode("utf-8", "surrogatepass")) > MAX_STORED_CONFIG_BYTES:
+        raise ConfigError(f"{source} is over {MAX_STORED_CONFIG_BYTES // 1_000_000} MB; it was not written by replaybisect (re-record the run)")
+    depth = nodes = 0
+    try:
+        for event in yaml.parse(text, Loader=yaml.SafeLoader):
+            if isinstance(event, yaml.AliasEvent) or getattr(event, "anchor", None):
+                raise ConfigError(f"{source} uses a YAML anchor or alias, which replaybisect never writes (and an alias "
+                                  "can expand without bound); re-record the run")
+            if getattr(event, "tag", None):  # an explicit tag: `!!python/object/apply:...`, `!!binary`, ...
+                raise ConfigError(f"{source} has the YAML tag {event.tag[:80]}, which replaybisect never writes; re-record the run")
+            if isinstance(event, yaml.ScalarEvent) and "${" in event.value:
+                raise UntrustedConfig(f"refused interpolation {event.value[:80]!r} in {source}: a recorded config is stored "
+                                  "resolved, and an interpolation can read the environment or run a resolver; nothing was run")
+            if isinstance(event, (yaml.MappingStartEvent, yaml.SequenceStartEvent)):
+                depth += 1
+                if depth > MAX_STORED_CONFIG_DEPTH:
+                    raise ConfigError(f"{source} nests deeper than {MAX_STORED_CONFIG_DEPTH} levels; re-record the run")
+            elif isinstance(event, (yaml.MappingEndEvent, yaml.SequenceEndEvent)):
+                depth -= 1
+            nodes += 1
+            if nodes > MAX_STORED_CONFIG_NODES:
+                raise ConfigError(f"{source} has over {MAX_STORED_CONFIG_NODES} YAML nodes; re-record the run")
+    except yaml.YAMLError as error:
+        raise ConfigError(f"{source} is not valid YAML ({_one_line(error)[:200]}); re-record the run") from None
 
 
 def to_yaml(cfg) -> str:

@@ -1,37 +1,76 @@
-"""The trust boundary: a config read back from a tracking store is untrusted input.
+"""The trust boundary: a config read back from a tracking store is untrusted input, and a config is code.
 
-Anyone who can write runs to a shared tracking server can write a run's `config.yaml` and its tags. Before
-anything of such a config is imported or built, `admit` walks all of it and accepts a `_target_` only when
+Anyone who can write runs to a shared tracking server can write a run's `config.yaml` and its tags. A list of
+trusted module prefixes cannot make that safe (`torch` alone holds functions that start processes, load code or
+write files), so a stored config builds by **kind**: each key may build only what it needs.
 
-- its dotted path is under an allow-listed prefix (torch, replaybisect, the user's `--trust` prefixes), or
-- its top-level module is a file in the user's own project: the folder `replay` runs in or a `--code-dir`
-  (found with `PathFinder.find_spec` on those folders only, which executes nothing),
+- From a library (torch, or replaybisect's short registry), per key: `model`, `loss` and every object nested in a
+  config (`_args_`, keyword arguments) only `torch.nn.Module` subclasses; `optim` only `torch.optim.Optimizer`
+  subclasses; `scheduler` only LR scheduler subclasses; `data`/`val_data` only `Dataset` subclasses; functions
+  (`train.step_fn`, `train.build`) only from the registry. Nothing else of a library is ever built.
+- From the user's own code, anything it defines: modules that are real files (never a namespace package) under
+  the working folder or a `--code-dir`, never inside an MLflow artifact folder of any store; or an installed
+  package the user named with `--trust`.
 
-and refuses, whatever the prefix, the calls and flags that load pickles or code (torch.load, numpy.load,
-mlflow's load_model, os/subprocess/importlib, `weights_only: false`, `allow_pickle: true`, ...) and
-interpolations (`${oc.env:...}` reads the environment). The run's `replaybisect.code_dir` tag is only a
-hint: its folder is imported from when it lies inside a trusted folder, never otherwise.
+`admit` decides all of it before any call: first everything decidable from the names alone (and `importlib`'s
+finders, which execute nothing), then, only when every target passed, it imports the modules (torch's, the
+user's own) and checks each object's kind and where it was defined. Loader flags (`weights_only: false`, ...),
+interpolations and the calls that load pickles or code are refused whatever the user trusts.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
 from replaybisect.core import config as config_mod
-from replaybisect.errors import ConfigError, ReplayError
+from replaybisect.errors import ConfigError, ReplayError, UntrustedConfig
 
-BUILTIN_PREFIXES = ("torch", "replaybisect")
+LIBRARY_PREFIX = "torch"  # importable to check a kind; builds only the classes each key may build
+OWN_PREFIX = "replaybisect"  # contributes only REGISTRY
+BUILTIN_PREFIXES = (LIBRARY_PREFIX, OWN_PREFIX)
 TRUST_ENV = "REPLAYBISECT_TRUST"  # comma-separated module prefixes, like --trust
 CODE_DIR_ENV = "REPLAYBISECT_CODE_DIR"  # folders separated by os.pathsep, like --code-dir
 
 _DOTTED = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
+_RUN_ID = re.compile(r"^[0-9a-f]{32}$")
+ARTIFACT_FOLDER_NAMES = ("mlruns", "mlartifacts")  # MLflow's default artifact roots
 
-# Refused in a stored config under any prefix. A pattern matches a dotted path when any segment-aligned
-# tail of the path starts with it, so re-exports (`replaybisect.core.loop.torch.load`) are caught without importing.
+# ---- what each key may build from a library -------------------------------------------------------------------
+MODULE = ("a torch.nn.Module subclass", ("torch.nn.Module",))
+OPTIMIZER = ("a torch.optim.Optimizer subclass", ("torch.optim.Optimizer",))
+SCHEDULER = ("an LR scheduler subclass", ("torch.optim.lr_scheduler.LRScheduler", "torch.optim.lr_scheduler.ReduceLROnPlateau"))
+DATASET = ("a torch.utils.data.Dataset subclass", ("torch.utils.data.Dataset",))
+BLOCK = ("a Module, Optimizer, LR scheduler or Dataset subclass", MODULE[1] + OPTIMIZER[1] + SCHEDULER[1] + DATASET[1])
+FUNCTION = ("a function from replaybisect's registry", ())
+
+KINDS = {  # the key of a config's top-level object -> (what it is called, the base classes a library class needs)
+    "model": MODULE, "loss": MODULE, "optim": OPTIMIZER, "scheduler": SCHEDULER, "data": DATASET, "val_data": DATASET,
+    "train.step_fn": FUNCTION, "train.build": FUNCTION, "user": BLOCK,
+}
+NESTED = {"user": BLOCK}  # what an object nested inside a key's object may be; default MODULE
+
+# replaybisect's registry: its built-in step functions, models and datasets, each with the keys it may fill.
+_MODELS, _DATA = ("model", "user"), ("data", "val_data", "user")
+REGISTRY = {
+    "replaybisect.core.loop.supervised_step": ("train.step_fn",),
+    "replaybisect.core.loop.sequence_step": ("train.step_fn",),
+    "replaybisect.lightning.lightning_step": ("train.step_fn",),
+    "replaybisect.lightning.build": ("train.build",),
+    "replaybisect.models.MLP": _MODELS,
+    "replaybisect.models.SmallCNN": _MODELS,
+    "replaybisect.models.CharTransformer": _MODELS,
+    "replaybisect.data.Digits": _DATA,
+    "replaybisect.data.Blobs": _DATA,
+    "replaybisect.data.CharText": _DATA,
+}
+
+# Refused in a stored config whatever the user trusts. A pattern matches a dotted path when any segment-aligned
+# tail of the path starts with it, so re-exports (`mymodule.torch.load`) are caught without importing.
 DENIED = tuple(
     pattern.split(".")
     for pattern in (
@@ -44,24 +83,21 @@ DENIED = tuple(
         "torch.hub", "torch.utils.model_zoo", "torch.utils.cpp_extension", "torch.utils.benchmark",
         "torch.ops.load_library", "torch.classes.load_library", "torch._ops", "torch.distributed",
         "torch.multiprocessing", "torch.fx", "torch.export.load", "torch.utils.data.datapipes",
+        "torch.utils.collect_env",
         # numpy's pickle loaders (np: the usual alias, reached through a module that imported it)
         "numpy.load", "numpy.lib.npyio", "numpy.lib.format", "numpy.ma.load", "np.load",
-        # MLflow loads models with cloudpickle
-        "mlflow",
+        # MLflow loads models with cloudpickle; replaybisect's own verbs compose and build unchecked configs
+        "mlflow", "hydra", "omegaconf",
     )
 )
 
 
-class UntrustedConfig(ConfigError):
-    """A stored config names code that is not trusted here, or a code/pickle loader."""
-
-
 @dataclass(frozen=True)
 class Trust:
-    """The user's decision: which folders hold their own code, and which module prefixes they trust."""
+    """The user's decision: which folders hold their own code, and which installed packages are their code too."""
 
     roots: tuple[str, ...]  # resolved folders: the working folder first, then --code-dir and $REPLAYBISECT_CODE_DIR
-    prefixes: tuple[str, ...]  # allow-listed dotted prefixes: torch, replaybisect, then --trust and $REPLAYBISECT_TRUST
+    prefixes: tuple[str, ...]  # torch, replaybisect (by kind and registry), then --trust and $REPLAYBISECT_TRUST
 
     @classmethod
     def from_user(cls, code_dirs: tuple[str | Path, ...] | list = (), prefixes: tuple[str, ...] | list = ()) -> "Trust":
@@ -72,8 +108,8 @@ class Trust:
         for option, folders in (("--code-dir", code_dirs), (f"${CODE_DIR_ENV}", env_dirs)):
             for folder in folders:
                 path = Path(folder).expanduser()
-                if not path.is_dir():
-                    raise ReplayError(f"{option} {folder} is not a folder; pass the folder that holds your modules")
+                if "\0" in str(folder) or not path.is_dir():
+                    raise ReplayError(f"{option} {str(folder)[:200]!r} is not a folder; pass the folder that holds your modules")
                 roots.append(path.resolve())
         trusted = list(BUILTIN_PREFIXES)
         for option, names in (("--trust", prefixes), (f"${TRUST_ENV}", env_prefixes)):
@@ -92,22 +128,28 @@ class Trust:
     def from_json(cls, data: dict[str, list[str]]) -> "Trust":
         return cls(roots=tuple(data["roots"]), prefixes=tuple(data["prefixes"]))
 
+    @property
+    def own_prefixes(self) -> tuple[str, ...]:
+        """The installed packages the user said are their own code (--trust). torch and replaybisect stay what
+        they are (kinds and a registry) whatever --trust says: `--trust torch` does not make torch.load buildable."""
+        return tuple(p for p in self.prefixes if not any(_under(p, builtin) for builtin in BUILTIN_PREFIXES))
+
     def import_folders(self, code_dir_tag: Optional[str], artifact_root: Optional[Path] = None) -> tuple[list[Path], bool]:
         """The folders a stored config's modules may come from, and whether the run's code_dir tag was ignored.
-        The tag's folder (and its parent, as `replay train` adds it) counts only when it resolves inside a root,
-        and never inside the store's own artifact folder (anyone who can write runs writes files there)."""
+        The tag only picks among the user's own folders: its folder (and its parent, as `replay train` adds it)
+        counts when it resolves inside a root and outside every artifact folder."""
         folders = [Path(root) for root in self.roots]
         if not code_dir_tag:
             return folders, False
-        tagged = Path(code_dir_tag)
-        if not tagged.is_absolute():
+        if len(code_dir_tag) > 4096 or "\0" in code_dir_tag or not Path(code_dir_tag).is_absolute():
             return folders, True
-        uploaded = Trust(roots=(os.path.realpath(artifact_root),), prefixes=()) if artifact_root else None
-        candidates = [
-            folder for folder in (tagged.resolve(), tagged.resolve().parent)
-            if folder.is_dir() and self.inside(folder) and not (uploaded and uploaded.inside(folder))
-        ]
-        if tagged.resolve() not in candidates:
+        try:
+            tagged = Path(code_dir_tag).resolve()
+            candidates = [folder for folder in (tagged, tagged.parent)
+                          if folder.is_dir() and self.inside(folder) and not self.uploaded(folder, artifact_root)]
+        except OSError:  # a name too long for the file system
+            return folders, True
+        if tagged not in candidates:
             return folders, True
         return list(dict.fromkeys([*candidates, *folders])), False
 
@@ -115,31 +157,65 @@ class Trust:
         real = Path(os.path.realpath(path))
         return any(real == Path(root) or real.is_relative_to(root) for root in self.roots)
 
+    def uploaded(self, path: Path, artifact_root: Optional[Path] = None) -> bool:
+        """Whether `path` lies where a tracking store keeps uploaded files: the store's own artifact root, a folder
+        named like MLflow's default roots, or a run's `<run id>/artifacts` folder, of any store."""
+        real = Path(os.path.realpath(path))
+        if artifact_root is not None and real.is_relative_to(os.path.realpath(artifact_root)):
+            return True
+        root = next((Path(r) for r in self.roots if real == Path(r) or real.is_relative_to(r)), None)
+        parts = real.relative_to(root).parts if root else real.parts
+        return any(part in ARTIFACT_FOLDER_NAMES or (part == "artifacts" and index and _RUN_ID.match(parts[index - 1]))
+                   for index, part in enumerate(parts))
+
     def allowed_prefix(self, target: str) -> bool:
-        return any(target == prefix or target.startswith(prefix + ".") for prefix in self.prefixes)
+        return any(_under(target, prefix) for prefix in self.prefixes)
+
+
+def _under(path: str, prefix: str) -> bool:
+    return path == prefix or path.startswith(prefix + ".")
 
 
 @dataclass
 class _Target:
     path: str
-    key: str
-    by_prefix: bool
+    key: str  # where the `_target_` is: model._args_[0]._target_
+    kind: tuple[str, tuple[str, ...]]  # what a library object may be there
+    source: str  # "library", "registry", "own" (a --trust package) or "file" (a module file in the user's folders)
 
 
 def admit(cfg, trust: Trust, code_dir_tag: Optional[str], source: str, artifact_root: Optional[Path] = None) -> list[Path]:
     """Check a stored config before anything of it is imported or built; the folders its modules import from.
 
-    Raises UntrustedConfig (exit 2) naming the first refused target or flag and how to trust it."""
+    Raises UntrustedConfig (exit 2) naming the first refused target or flag, and how to trust it if it can be."""
     from omegaconf import OmegaConf
 
     tree = OmegaConf.to_container(cfg, resolve=False)  # interpolations stay text: they are refused, not resolved
     folders, tag_ignored = trust.import_folders(code_dir_tag, artifact_root)
-    targets = [_check_static(path, key, trust, folders, source, code_dir_tag if tag_ignored else None)
-               for path, key in _walk(tree, "", source)]
+    context = _Context(trust, folders, source, code_dir_tag if tag_ignored else None, artifact_root)
+    targets = [_check_static(path, key, context) for path, key in _walk(tree, "", source)]
+    for target in targets:  # libraries first: they need none of the user's folders on sys.path
+        if target.source != "file":
+            _check_resolved(target, context)
+    path_before = list(sys.path)
     config_mod.add_code_paths(*folders)
-    for target in targets:
-        _check_resolved(target, trust, source)
+    try:
+        for target in targets:
+            if target.source == "file":
+                _check_resolved(target, context)
+    except ReplayError:
+        sys.path[:] = path_before  # a refused config leaves no folder of it on sys.path
+        raise
     return folders
+
+
+@dataclass
+class _Context:
+    trust: Trust
+    folders: list[Path]
+    source: str  # "run X", for the messages
+    ignored_tag: Optional[str]
+    artifact_root: Optional[Path]
 
 
 def _walk(node: Any, key: str, source: str) -> Iterator[tuple[str, str]]:
@@ -157,8 +233,8 @@ def _walk(node: Any, key: str, source: str) -> Iterator[tuple[str, str]]:
             yield from _walk(value, f"{key}[{index}]", source)
     elif isinstance(node, str) and "${" in node:
         raise UntrustedConfig(
-            f"refused interpolation {node!r} at {key} in the stored config of {source}: a recorded config is stored "
-            "resolved, and an interpolation can read the environment; nothing was run"
+            f"refused interpolation {node[:80]!r} at {key} in the stored config of {source}: a recorded config is stored "
+            "resolved, and an interpolation can read the environment or run a resolver; nothing was run"
         )
 
 
@@ -178,6 +254,20 @@ def _check_flag(name: str, value: Any, key: str, source: str) -> None:
         )
 
 
+def kind_at(key: str) -> tuple[str, tuple[str, ...]] | None:
+    """What a library object may be at the `_target_` key `key` (None: this key builds nothing)."""
+    node = key.removesuffix("._target_")
+    top = next((name for name in KINDS if node == name or node.startswith((name + ".", name + "["))), None)
+    if top is None:
+        return None
+    return KINDS[top] if node == top else NESTED.get(top, MODULE)
+
+
+def _registry_allows(path: str, key: str) -> bool:
+    node = key.removesuffix("._target_")
+    return any(node == allowed or (allowed == "user" and node.startswith(("user.", "user["))) for allowed in REGISTRY.get(path, ()))
+
+
 def _denied(path: str) -> bool:
     parts = path.split(".")
     if any("pickle" in part.lower() or (part.startswith("__") and part.endswith("__")) for part in parts):
@@ -192,40 +282,82 @@ def _refuse_denied(path: str, key: str, source: str, via: str = "") -> Untrusted
     )
 
 
-def _check_static(path: Any, key: str, trust: Trust, folders: list[Path], source: str, ignored_tag: Optional[str]) -> _Target:
-    """Everything decidable without importing: the name's shape, the deny-list, a prefix or a project file."""
-    from importlib.machinery import PathFinder
-
-    if not isinstance(path, str) or not _DOTTED.match(path):
-        raise UntrustedConfig(f"refused `_target_` {path!r} at {key} in the stored config of {source}: not a dotted name; nothing was run")
-    if _denied(path):
-        raise _refuse_denied(path, key, source)
-    if trust.allowed_prefix(path):
-        if any(part.startswith("_") for part in path.split(".")):
-            raise UntrustedConfig(f"refused `_target_` {path} at {key} in the stored config of {source}: a private name; nothing was run")
-        return _Target(path, key, by_prefix=True)
-    top = path.split(".")[0]
-    spec = PathFinder.find_spec(top, [str(folder) for folder in folders])  # finds, never executes
-    if spec is not None and _spec_inside(spec, trust):
-        return _Target(path, key, by_prefix=False)
-    where = "this folder" + (" or a --code-dir" if len(trust.roots) > 1 else "")
-    hint = f" (the run's code_dir tag {ignored_tag} is not inside {where}, so it is not used)" if ignored_tag else ""
-    raise UntrustedConfig(
-        f"untrusted `_target_` {path} at {key} in the stored config of {source}: {top} is not a module in {where}{hint} "
-        f"and not under a trusted prefix; if you trust it, pass --code-dir DIR (the folder holding {top}) or --trust {top}"
+def _refuse_kind(path: str, key: str, kind: tuple[str, tuple[str, ...]] | None, source: str, why: str) -> UntrustedConfig:
+    node = key.removesuffix("._target_")
+    allowed = f"builds only {kind[0]} from a library" if kind else "builds no object"
+    return UntrustedConfig(
+        f"refused `_target_` {path} at {key} in the stored config of {source}: {why}; `{node}` {allowed} "
+        "(your own code from this folder or a --code-dir may build anything it defines); nothing was run"
     )
 
 
-def _spec_inside(spec, trust: Trust) -> bool:
-    locations = [spec.origin] if spec.origin and spec.has_location else list(spec.submodule_search_locations or [])
-    return bool(locations) and all(trust.inside(Path(location)) for location in locations)
+def _check_static(path: Any, key: str, context: _Context) -> _Target:
+    """Everything decidable without importing: the name's shape, the deny-list, the key's kind, where it comes from."""
+    source, trust = context.source, context.trust
+    if not isinstance(path, str) or not _DOTTED.match(path) or len(path) > 300:
+        raise UntrustedConfig(f"refused `_target_` {str(path)[:80]!r} at {key} in the stored config of {source}: not a dotted name; nothing was run")
+    if _denied(path):
+        raise _refuse_denied(path, key, source)
+    kind = kind_at(key)
+    if kind is None:
+        raise _refuse_kind(path, key, kind, source, "this key takes a value, not an object")
+    if _under(path, OWN_PREFIX):
+        if not _registry_allows(path, key):
+            raise _refuse_kind(path, key, kind, source, "replaybisect builds only its registered step functions, models and datasets, each in its place")
+        return _Target(path, key, kind, "registry")
+    if any(_under(path, prefix) for prefix in trust.own_prefixes):
+        _refuse_private(path, key, source)
+        return _Target(path, key, kind, "own")
+    if _under(path, LIBRARY_PREFIX):
+        _refuse_private(path, key, source)
+        if not kind[1]:
+            raise _refuse_kind(path, key, kind, source, "a library function")
+        return _Target(path, key, kind, "library")
+    if _module_files(path, context):
+        return _Target(path, key, kind, "file")
+    where = "this folder" + (" or a --code-dir" if len(trust.roots) > 1 else "")
+    top = path.split(".")[0]
+    tag = "".join(c if c.isprintable() else "?" for c in context.ignored_tag[:200]) if context.ignored_tag else ""
+    hint = f" (the run's code_dir tag {tag} is not inside {where}, so it is not used)" if context.ignored_tag else ""
+    raise UntrustedConfig(
+        f"untrusted `_target_` {path} at {key} in the stored config of {source}: {top} is not a module file in {where}{hint}; "
+        f"if you trust it, pass --code-dir DIR (the folder holding {top}) or --trust {top}"
+    )
 
 
-def _check_resolved(target: _Target, trust: Trust, source: str) -> None:
-    """After the static check passed for every target: import only trusted modules, and refuse a name that is
-    an alias of a denied callable (`mymodule.T.load` where mymodule did `import torch as T`)."""
-    import sys
+def _refuse_private(path: str, key: str, source: str) -> None:
+    if any(part.startswith("_") for part in path.split(".")):
+        raise UntrustedConfig(f"refused `_target_` {path} at {key} in the stored config of {source}: a private name; nothing was run")
 
+
+def _module_files(path: str, context: _Context) -> list[str]:
+    """The files of the modules a dotted path imports from the user's folders (found, never executed): each a real
+    file inside a root and outside every artifact folder. Empty when any is not (a namespace package, an upload)."""
+    from importlib.machinery import PathFinder
+
+    parts = path.split(".")
+    locations: list[str] = [str(folder) for folder in context.folders]
+    files = []
+    for end in range(1, len(parts)):  # the last part is the object, never a module
+        spec = PathFinder.find_spec(".".join(parts[:end]), locations)
+        if spec is None:
+            break
+        if not (spec.has_location and spec.origin and os.path.isfile(spec.origin)):
+            return []  # a namespace package: any folder of that name, an artifact folder included
+        origin = Path(spec.origin)
+        if not context.trust.inside(origin) or context.trust.uploaded(origin, context.artifact_root):
+            return []
+        files.append(str(origin))
+        if not spec.submodule_search_locations:
+            break
+        locations = list(spec.submodule_search_locations)
+    return files
+
+
+def _check_resolved(target: _Target, context: _Context) -> None:
+    """After every target passed the static check: import, then check the object itself before anything calls it.
+    A library object must be a class of the key's kind; an alias of a denied callable is refused (`mymodule.T.load`
+    where mymodule did `import torch as T`); the user's own modules must still come from their folders."""
     from hydra.utils import get_object
 
     try:
@@ -233,20 +365,46 @@ def _check_resolved(target: _Target, trust: Trust, source: str) -> None:
     except Exception as error:  # ImportError, AttributeError, or the user's module failing to import
         reason = " ".join(str(error).split()) or type(error).__name__
         raise ConfigError(
-            f"cannot build `{target.key.removesuffix('._target_')}`: {target.path}: {reason}; "
+            f"cannot build `{target.key.removesuffix('._target_')}`: {target.path}: {reason[:300]}; "
             "if it lives in another folder, pass --code-dir DIR"
         ) from None
     origin = _origin(obj)
     if origin and _denied(origin):
-        raise _refuse_denied(target.path, target.key, source, via=f" (= {origin})")
-    if not target.by_prefix:
-        module = sys.modules.get(target.path.split(".")[0])
-        files = [getattr(module, "__file__", None)] if getattr(module, "__file__", None) else list(getattr(module, "__path__", []))
-        if not files or not all(trust.inside(Path(file)) for file in files):
-            raise UntrustedConfig(
-                f"untrusted `_target_` {target.path} at {target.key} in the stored config of {source}: its module was "
-                f"imported from {files[0] if files else 'nowhere'}, outside this folder and --code-dir; pass --code-dir DIR or --trust"
-            )
+        raise _refuse_denied(target.path, target.key, context.source, via=f" (= {origin})")
+    if target.source == "file":
+        _check_own_file(target, context)
+    if target.source == "registry" or _defined_by_user(obj, target, context):
+        return
+    if not _of_kind(obj, target.kind[1]):
+        what = "a function" if callable(obj) and not isinstance(obj, type) else f"{origin or type(obj).__name__}"
+        raise _refuse_kind(target.path, target.key, target.kind, context.source, f"{what} is not {target.kind[0]}" if target.kind[1] else "a library function")
+
+
+def _check_own_file(target: _Target, context: _Context) -> None:
+    module = sys.modules.get(target.path.split(".")[0])
+    files = [getattr(module, "__file__", None)] if getattr(module, "__file__", None) else list(getattr(module, "__path__", []))
+    if not files or not all(context.trust.inside(Path(f)) and not context.trust.uploaded(Path(f), context.artifact_root) for f in files):
+        raise UntrustedConfig(
+            f"untrusted `_target_` {target.path} at {target.key} in the stored config of {context.source}: its module was "
+            f"imported from {files[0] if files else 'nowhere'}, outside this folder and --code-dir; pass --code-dir DIR or --trust"
+        )
+
+
+def _defined_by_user(obj: Any, target: _Target, context: _Context) -> bool:
+    """Whether the object was defined by the user's own code: a module file in their folders, or a --trust package."""
+    module_name = getattr(obj if hasattr(obj, "__module__") else type(obj), "__module__", None) or ""
+    if any(_under(module_name, prefix) for prefix in context.trust.own_prefixes):
+        return True
+    if target.source != "file":
+        return False
+    module_file = getattr(sys.modules.get(module_name), "__file__", None)
+    return bool(module_file) and context.trust.inside(Path(module_file)) and not context.trust.uploaded(Path(module_file), context.artifact_root)
+
+
+def _of_kind(obj: Any, bases: tuple[str, ...]) -> bool:
+    from hydra.utils import get_class
+
+    return isinstance(obj, type) and any(issubclass(obj, get_class(base)) for base in bases)
 
 
 def _origin(obj: Any) -> str:
