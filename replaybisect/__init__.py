@@ -67,6 +67,17 @@ def _store(tracking_uri: Optional[str]):
     return open_store(tracking_uri)
 
 
+def _arguments(*, tracking_uri=None, run_id="-", step=None, run_name=None) -> None:
+    """The arguments every function shares, checked at the call: one-line ReplayErrors (run_id "-": not taken)."""
+    from replaybisect.core import arguments
+
+    arguments.tracking_uri(tracking_uri)
+    if run_id != "-":
+        arguments.run_id(run_id)
+    arguments.count(step, "step", optional=True)
+    arguments.text(run_name, "run_name")
+
+
 def _trust(code_dirs: Sequence[str | Path], trust: Sequence[str]):
     from replaybisect.core.trust import Trust
 
@@ -84,6 +95,7 @@ def train(
     """Train a Hydra config with the recorder on (as `replay train`). `config_dir` is your config folder
     (default: the built-in example); `overrides` are Hydra overrides. A run that stops on a non-finite loss
     returns with `status == "nonfinite"` (the command exits 3)."""
+    _arguments(tracking_uri=tracking_uri, run_name=run_name)
     from replaybisect.core import config as config_mod
     from replaybisect.report import run_label
     from replaybisect.verbs.train.engine import train as train_run
@@ -106,6 +118,7 @@ def find_nan(
     """Where the first NaN/Inf of a recorded run came from, and why (as `replay nan`): the state before the
     failing step is restored, the replay checked against the logged losses, and the step re-run under probes.
     `code_dirs`/`trust` say which of the stored config's `_target_`s may be built (see the README's trust model)."""
+    _arguments(tracking_uri=tracking_uri, run_id=run_id, step=step)
     from replaybisect.verbs.nan.engine import find_nan as find
 
     store = _store(tracking_uri)
@@ -131,6 +144,7 @@ def ablate(
 ) -> "AblationResult":
     """Replay the failure once unchanged and once per one-variable change (as `replay ablate`); each arm gets a
     verdict (fixes | delays | no-effect | worse)."""
+    _arguments(tracking_uri=tracking_uri, run_id=run_id)
     from replaybisect.verbs.ablate import engine
 
     store = _store(tracking_uri)
@@ -163,6 +177,7 @@ def bisect(
 ) -> "BisectResult":
     """The first commit on BAD's first-parent history that breaks convergence (as `replay bisect`). Trials run in
     a private clone: the repository's working tree, index and branches are never touched."""
+    _arguments(tracking_uri=tracking_uri)
     from replaybisect.verbs.bisect.engine import bisect as run_bisect
 
     result = run_bisect(
@@ -190,6 +205,7 @@ def check(
 ) -> "CheckReport":
     """The 5-minute checklist (as `replay check`) on a config (`overrides`, `config_dir`) or on a recorded run
     (`run_id`): overfit one batch, data sanity, loss/head, initialization, activations, gradient flow, LR range."""
+    _arguments(tracking_uri=tracking_uri, run_id=run_id if run_id is not None else "-")
     from replaybisect.verbs.check.engine import CheckOptions
     from replaybisect.verbs.check.engine import check as run_check
     from replaybisect.core import config as config_mod
@@ -210,6 +226,7 @@ def check(
 
 def diagnose(run_id: str, *, tracking_uri: Optional[str] = None, publish: bool = True) -> "Diagnosis":
     """Read a run's recorded curves (no replay) and name the pathology and the next command (as `replay diagnose`)."""
+    _arguments(tracking_uri=tracking_uri, run_id=run_id)
     from replaybisect.verbs.diagnose.engine import analyse, load_curves
 
     store = _store(tracking_uri)

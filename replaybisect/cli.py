@@ -81,44 +81,85 @@ _register_verbs()
 
 
 def main() -> None:
-    from replaybisect.errors import NonFiniteStop, ReplayError, interruption, sigterm_raises
+    """The command's outcome in one line and its exit status. SIGTERM stops a verb like Ctrl-C (exit 143); once the
+    command is over, a SIGTERM during the interpreter's shutdown (threads joined, MLflow's and multiprocessing's exit
+    handlers) still says so in one line and exits 143, instead of the default death by signal with no line."""
+    import signal
+
+    from replaybisect.errors import Terminated, interruption
+
+    # outside the command (from here, and during the shutdown after it): a SIGTERM prints its line and exits 143;
+    # inside, sigterm_raises replaces this handler and puts it back when the command is over
+    signal.signal(signal.SIGTERM, _terminated_at_exit)
+    try:
+        exit_code = _run()
+    except KeyboardInterrupt as stop:  # Ctrl-C or SIGTERM while an outcome line was being printed
+        line, exit_code = interruption(stop)
+        print(line, file=sys.stderr)
+    if Terminated.received:  # the terminated line is out: a second SIGTERM during the shutdown adds nothing
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    sys.exit(exit_code)
+
+
+def _terminated_at_exit(signum, frame) -> None:
+    """SIGTERM after the command's outcome: the line, then exit 143 at once (the outcome is already printed)."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001 - a closed or broken stream: the exit matters more
+            pass
+    try:
+        os.write(2, b"replay: terminated (SIGTERM)\n")
+    finally:
+        os._exit(143)
+
+
+def _run():
+    """Run the command; its exit status (what sys.exit gets), its outcome printed."""
+    from replaybisect.errors import sigterm_raises
+
+    with sigterm_raises():  # SIGTERM stops a verb like Ctrl-C, exit 143 (also while its outcome is printed)
+        return _outcome()
+
+
+def _outcome():
+    """The command's exit status, its outcome line printed (an error, a stop, a crash)."""
+    from replaybisect.errors import NonFiniteStop, ReplayError, interruption
 
     try:
-        with sigterm_raises():  # SIGTERM stops a verb like Ctrl-C, exit 143
-            exit_code = app(standalone_mode=False)
+        exit_code = app(standalone_mode=False)
         if exit_code == 130:  # typer turns Ctrl-C (and SIGTERM) into exit code 130, silently
             line, exit_code = interruption()
             print(line, file=sys.stderr)
-        if isinstance(exit_code, int) and exit_code:
-            sys.exit(exit_code)
+        return exit_code if isinstance(exit_code, int) and exit_code else 0
     except ReplayError as error:
         if os.environ.get("REPLAYBISECT_FULL_ERROR") == "1":
             raise
         print(f"replay: error: {' '.join(str(error).split())}", file=sys.stderr)
-        sys.exit(error.exit_code)
+        return error.exit_code
     except NonFiniteStop as stop:
         print(f"replay: {stop}", file=sys.stderr)
-        sys.exit(stop.exit_code)
+        return stop.exit_code
     except KeyboardInterrupt as stop:
         line, code = interruption(stop)
         print(line, file=sys.stderr)
-        sys.exit(code)
-    except SystemExit:
-        raise
+        return code
+    except SystemExit as exit:
+        return exit.code
     except Exception as error:  # click usage errors arrive here in non-standalone mode
         if isinstance(error, typer.Abort):
             print("replay: interrupted", file=sys.stderr)
-            sys.exit(130)
+            return 130
         if os.environ.get("REPLAYBISECT_FULL_ERROR") == "1":
             raise
         if not _is_usage_error(error):
             _report_crash(error)
-            sys.exit(1)
+            return 1
         if type(error).__name__ == "NoArgsIsHelpError":  # bare `replay`: its message is the help
             print(error.format_message())
-            sys.exit(0)
+            return 0
         print(_usage_line(error), file=sys.stderr)
-        sys.exit(2)
+        return 2
 
 
 # ---- an exception nobody caught: the traceback from the user's code down, then one line -------------------

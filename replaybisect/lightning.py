@@ -194,6 +194,11 @@ class ReplayCallback(Callback):
 
     def __init__(self, *, tracking_uri: Optional[str] = None, experiment: Optional[str] = None, run_name: Optional[str] = None,
                  snapshot_every: int = 100, layer_stats_every: int = 50, on_nonfinite: str = "stop"):
+        from replaybisect.core import arguments
+
+        arguments.tracking_uri(tracking_uri)
+        arguments.text(experiment, "experiment")
+        arguments.text(run_name, "run_name")
         self.tracking_uri, self.experiment, self.run_name = tracking_uri, experiment, run_name
         self.snapshot_every, self.layer_stats_every, self.on_nonfinite = snapshot_every, layer_stats_every, on_nonfinite
         self.run_id: Optional[str] = None
@@ -201,6 +206,23 @@ class ReplayCallback(Callback):
         self.first_nonfinite_step: Optional[int] = None
         self._open = False
         self._step: Optional[dict[str, Any]] = None  # the step in progress
+
+    # A strategy that trains in new processes (ddp_spawn, or any spawn/forkserver launcher) pickles the Trainer,
+    # callbacks included, in this process before it starts them: the place to refuse it before any process or run
+    # exists (in the new processes the refusal would come back as a ProcessRaisedException quoting a traceback).
+    # Copies (copy.deepcopy) stay possible.
+    def __getstate__(self):
+        raise ConfigError("ReplayCallback records in the process that calls trainer.fit, and this Trainer's strategy starts "
+                          "the training in new processes (ddp_spawn, or another spawning strategy); train on one device "
+                          "with strategy='auto' (devices=1) to record it")
+
+    def __deepcopy__(self, memo):
+        import copy
+
+        clone = object.__new__(type(self))
+        memo[id(self)] = clone
+        clone.__dict__.update(copy.deepcopy(self.__dict__, memo))
+        return clone
 
     # ---- the run ------------------------------------------------------------------------------------------
     def on_train_start(self, trainer, pl_module) -> None:

@@ -137,7 +137,7 @@ def print_runs(summaries, location) -> None:
     for run in summaries:
         status = run.status
         if status == "nonfinite":
-            status = f"[red]nonfinite @ {run.first_nonfinite_step}[/red]"
+            status = f"[red]nonfinite @ {'?' if run.first_nonfinite_step is None else run.first_nonfinite_step}[/red]"
         elif status == "ok":
             status = "[green]ok[/green]"
         snapshots = ",".join(str(s) for s in run.snapshot_steps[-6:])

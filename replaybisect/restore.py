@@ -5,9 +5,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 import os
+import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
@@ -40,9 +42,11 @@ def run_config(store: Store, run_id: str, trust: Optional[Trust] = None):
 
 def failing_step(store: Store, run_id: str) -> Optional[int]:
     """The first non-finite step: the run's tag, else the first non-finite loss or grad_norm logged."""
-    tag = store.tags(run_id).get("first_nonfinite_step")
-    if tag not in (None, ""):
-        return int(tag)
+    from replaybisect.core.tags import step_tag
+
+    tag = step_tag(store.tags(run_id), "first_nonfinite_step", run_id)  # a tag that is not a step: one line
+    if tag is not None:
+        return tag
     steps = [
         step
         for key in ("loss", "grad_norm")
@@ -122,6 +126,14 @@ class Restored:
     _loaded_snapshots: set[int] = field(default_factory=set, repr=False)
     _batch_source: Any = field(default=None, repr=False)
     _listed_steps: Optional[list[int]] = field(default=None, repr=False)
+    _batch_origin: dict[int, str] = field(default_factory=dict, repr=False)  # step -> the snapshot folder storing its batch
+    last_stored_step: Optional[int] = field(default=None, repr=False)  # the step of the last batch served, when a stored one
+
+    def take_batches(self, snapshot: fmt.Snapshot) -> None:
+        """Serve the batches `snapshot` stored (each checked when first served)."""
+        self._stored_batches.update(snapshot.batches)
+        self._batch_origin.update(dict.fromkeys(snapshot.batches, snapshot.folder.name))
+        self._loaded_snapshots.add(snapshot.step)
 
     @property
     def step(self) -> int:
@@ -132,8 +144,29 @@ class Restored:
         if step not in self._stored_batches:
             self._load_batches_covering(step)
         if step in self._stored_batches:
-            return self._stored_batches[step]
+            batch = self._stored_batches[step]
+            self._check_stored_batch(step, batch)
+            self.last_stored_step = step
+            return batch
+        self.last_stored_step = None
         return self._data_source().batch(step)
+
+    def _check_stored_batch(self, step: int, batch) -> None:
+        """A snapshot's batch is untrusted input like the rest of it (its manifest can be rewritten to match): a
+        built-in loop's batch is the collated batch of train.batch_size samples, every tensor in it that many rows."""
+        if self.cfg.train.loop != "builtin":
+            return
+        import torch
+
+        size = self.cfg.train.batch_size
+        for tensor in _tensors_in(batch):
+            rows = tensor.shape[0] if isinstance(tensor, torch.Tensor) and tensor.dim() else None
+            if rows != size:
+                held = f"a tensor of {rows} rows" if rows is not None else f"a {type(tensor).__name__} that is not {size} rows"
+                raise SnapshotError(
+                    f"run {self.run_id}: the batch of step {step} stored in snapshot {self._batch_origin.get(step, '?')} holds "
+                    f"{held}, but every batch of the run has train.batch_size={size} rows: its batches were changed after "
+                    "recording; re-record the run or examine an earlier step (--step)")
 
     def has_stored_batch(self, step: int) -> bool:
         self._load_batches_covering(step)
@@ -152,7 +185,7 @@ class Restored:
                 return
             self._loaded_snapshots.add(snap_step)
             try:
-                self._stored_batches.update(load_snapshot(self.store, self.run_id, snap_step).batches)
+                self.take_batches(load_snapshot(self.store, self.run_id, snap_step))
             except SnapshotError:
                 continue  # an unverifiable snapshot: try an older one, else the data source
             if step in self._stored_batches:
@@ -226,10 +259,45 @@ def restore(
             warnings.append(f"snapshot {candidate.folder.name}: {error}; using an earlier snapshot")
             continue
         restored = Restored(store=store, run_id=run_id, cfg=cfg, state=state, snapshot=candidate, warnings=warnings)
-        restored._stored_batches.update(candidate.batches)
-        restored._loaded_snapshots.add(candidate.step)
+        restored.take_batches(candidate)
         return restored
     raise _none_verifies(store, run_id, step if snapshot is None else snapshot.step, warnings)
+
+
+def _tensors_in(batch) -> Iterator[Any]:
+    """The leaves of a stored batch's structure (tensors, and the scalars a tree may hold)."""
+    if isinstance(batch, dict):
+        for value in batch.values():
+            yield from _tensors_in(value)
+    elif isinstance(batch, (list, tuple)):
+        for value in batch:
+            yield from _tensors_in(value)
+    elif batch is not None and not isinstance(batch, str):
+        yield batch
+
+
+@contextlib.contextmanager
+def stored_batch_errors(restored: "Restored"):
+    """A replayed step (`loop.run_step`) that raises on a batch the run stored, at a step the run trained through,
+    says so in one line (a SnapshotError naming the batch and what it raised): a snapshot's batches rewritten with
+    labels of the wrong type or range, or tensors of the wrong width, make the model or the loss raise, not a crash."""
+    try:
+        yield
+    except (ReplayError, MemoryError):
+        raise
+    except Exception as error:
+        step = restored.last_stored_step
+        frames = traceback.extract_tb(error.__traceback__)
+        in_step = any(frame.name == "run_step" and frame.filename.endswith(os.path.join("core", "loop.py")) for frame in frames)
+        if step is None or not in_step:
+            raise
+        where = f" ({os.path.basename(frames[-1].filename)}:{frames[-1].lineno} in {frames[-1].name})" if frames else ""
+        message = " ".join(str(error).split())[:200] or "(no message)"
+        raise SnapshotError(
+            f"run {restored.run_id}: replaying step {step} on the batch stored in snapshot "
+            f"{restored._batch_origin.get(step, '?')} raised {type(error).__name__}: {message}{where}; the run trained "
+            "on that step, so the stored batch does not fit the model and loss (its batches were changed after "
+            "recording, or the code changed since); re-record the run or examine an earlier step (--step)") from error
 
 
 # ---- replay ----------------------------------------------------------------------------------------------

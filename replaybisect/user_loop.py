@@ -150,6 +150,17 @@ class Recorder:
         from replaybisect.core import user_step
         from replaybisect.core.loop import BufferGuard, TrainState
 
+        from replaybisect.core import arguments
+
+        # every argument checked before anything is recorded: a wrong kind is a one-line ReplayError here
+        arguments.tracking_uri(tracking_uri)
+        arguments.text(experiment, "experiment")
+        arguments.text(run_name, "run_name")
+        seed = None if seed is None else arguments.integer(seed, "seed")
+        arguments.count(snapshot_every, "snapshot_every")
+        arguments.count(layer_stats_every, "layer_stats_every")
+        arguments.count(steps, "steps", minimum=1, optional=True)
+        arguments.text(on_nonfinite, "on_nonfinite")
         parts = user_step.unpack_parts({"model": model, "optimizer": optimizer, "scheduler": scheduler, "scaler": scaler}, "Recorder")
         user_step.step_arguments(step_fn)
         step_target, step_folder = function_target(step_fn, "step_fn")

@@ -247,8 +247,16 @@ def check_optimizer(cfg) -> None:
     """Build the optimizer once over a probe parameter: a bad optim.* value is caught before any run or store exists."""
     import torch
 
+    import math
+
     probe = torch.nn.Linear(2, 2)
-    check_closure_optimizer(cfg, build_optimizer(cfg.optim, list(probe.parameters()), model=probe))
+    optimizer = build_optimizer(cfg.optim, list(probe.parameters()), model=probe)
+    for group in optimizer.param_groups:  # torch refuses a negative lr, not an infinite one (which trains to NaN at once)
+        lr = group.get("lr")
+        number = isinstance(lr, (int, float)) and not isinstance(lr, bool) or isinstance(lr, torch.Tensor) and lr.numel() == 1
+        if number and not (math.isfinite(float(lr)) and float(lr) >= 0):
+            raise ConfigError(f"cannot build `optim`: its learning rate {float(lr)} is not a finite number >= 0; fix optim.lr")
+    check_closure_optimizer(cfg, optimizer)
 
 
 def check_closure_optimizer(cfg, optimizer) -> None:
@@ -276,7 +284,13 @@ def _one_line(error: BaseException) -> str:
 def validate(cfg) -> None:
     """Checks that need no instantiation, all problems in one error."""
     from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
 
+    try:  # every interpolation (`${oc.env:...}`) resolves now, before any store or run exists, not mid-run
+        OmegaConf.to_container(cfg, resolve=True)
+    except OmegaConfBaseException as error:
+        key = getattr(error, "full_key", None)
+        raise ConfigError(f"bad config: cannot resolve {key or 'a value'}: {_clip_words(_one_line(error))[:300]}") from None
     problems = []
     if cfg.train.loop not in LOOPS:
         problems.append(f"train.loop={cfg.train.loop!r} is not one of {', '.join(LOOPS)}")
@@ -309,6 +323,13 @@ def validate(cfg) -> None:
         problems.append("train.val_every, snapshot.every and snapshot.layer_stats_every must be >= 0")
     if cfg.snapshot.on_nonfinite not in ("stop", "continue"):
         problems.append(f"snapshot.on_nonfinite={cfg.snapshot.on_nonfinite!r} is not one of stop, continue")
+    if cfg.train.loop == "builtin" and cfg.train.device != "auto":  # a device that is not here: before any store or run
+        from replaybisect.core.loop import resolve_device
+
+        try:
+            resolve_device(cfg.train.device)
+        except ConfigError as error:
+            problems.append(str(error))
     if problems:
         raise ConfigError("bad config: " + "; ".join(problems))
 

@@ -105,7 +105,30 @@ def unpack_parts(built: Any, what: str) -> dict[str, Any]:
         raise ConfigError(f"{what} returned a {type(parts['model']).__name__} as the model; return a torch.nn.Module")
     if not isinstance(parts["optimizer"], torch.optim.Optimizer):
         raise ConfigError(f"{what} returned a {type(parts['optimizer']).__name__} as the optimizer; return a torch.optim.Optimizer")
+    scheduler, scaler = parts["scheduler"], parts["scaler"]
+    if scheduler is not None and not _has_methods(scheduler, SCHEDULER_METHODS):
+        raise ConfigError(f"{what} got {_kind(scheduler)} as the scheduler, not a learning-rate scheduler (its "
+                          f"{', '.join(SCHEDULER_METHODS)}); pass a torch.optim.lr_scheduler object built on the optimizer, or None")
+    if scheduler is not None and getattr(scheduler, "optimizer", parts["optimizer"]) is not parts["optimizer"]:
+        raise ConfigError(f"{what} got a scheduler ({type(scheduler).__name__}) built on another optimizer than its own; "
+                          "build it on the optimizer passed with it")
+    if scaler is not None and not _has_methods(scaler, SCALER_METHODS):
+        raise ConfigError(f"{what} got {_kind(scaler)} as the scaler, not a gradient scaler (its {', '.join(SCALER_METHODS)}); "
+                          "pass a torch.amp.GradScaler, or None")
     return parts
+
+
+SCHEDULER_METHODS = ("step", "state_dict", "load_state_dict")  # what recording and replaying a scheduler calls
+SCALER_METHODS = ("scale", "unscale_", "step", "update", "get_scale", "state_dict", "load_state_dict")
+
+
+def _has_methods(value: Any, names: tuple[str, ...]) -> bool:
+    return not isinstance(value, type) and all(callable(getattr(value, name, None)) for name in names)
+
+
+def _kind(value: Any) -> str:
+    text = repr(value)
+    return f"{type(value).__name__} {text if len(text) <= 40 else text[:37] + '...'}"
 
 
 def model_device(model: torch.nn.Module) -> torch.device:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import typer
@@ -60,12 +61,16 @@ def ablate_command(
 
     # bad options are bad input before anything heavy is imported or any run is read
     check_options(arms, horizon=horizon, workers=workers, executor=executor, from_step=from_step)
+    _check_submitit(executor, cluster, executor_folder)
 
     from replaybisect.core.trust import Trust
     from replaybisect.options import run_store
 
     trust = Trust.from_user(code_dirs or (), trust_prefixes or ())
     store = run_store(tracking_uri, run_id)  # an unknown run is answered before torch is imported
+    from replaybisect.core.tags import step_tag
+
+    step_tag(store.tags(run_id), "first_nonfinite_step", run_id)  # a damaged tag too (torch is not imported yet)
     from replaybisect.verbs.ablate.report import ArmProgress, print_result, publish
 
     options = SubmititOptions(cluster=cluster, folder=executor_folder, partition=partition, timeout_min=time_min,
@@ -78,6 +83,31 @@ def ablate_command(
         print_json(result.to_json())
     else:
         print_result(result)
+
+
+SUBMITIT_CLUSTERS = ("slurm", "local", "debug")  # what submitit.AutoExecutor runs on
+
+
+def _check_submitit(executor: str, cluster: Optional[str], folder: str) -> None:
+    """The submitit options, before any run is read: a cluster submitit knows, a job folder that can be a folder."""
+    from pathlib import Path
+
+    from replaybisect.errors import ReplayError
+
+    if cluster is not None and cluster not in SUBMITIT_CLUSTERS:
+        raise ReplayError(f"--cluster {cluster[:80]!r} is not a submitit cluster; use {', '.join(SUBMITIT_CLUSTERS)} "
+                          "(or leave it out: slurm when sbatch exists, else local)")
+    if executor != "submitit":
+        return
+    path = Path(folder).expanduser().absolute()
+    existing = next((p for p in (path, *path.parents) if os.path.lexists(p)), None)
+    if existing is None:
+        return
+    if not existing.is_dir():
+        where = "" if existing == path else f": {existing}"
+        raise ReplayError(f"--executor-folder {folder[:200]}{where} is a file, not a folder; pass a folder for submitit's job files")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ReplayError(f"--executor-folder {folder[:200]}: {existing} is not writable; pass a folder you can write to")
 
 
 def register(app: typer.Typer) -> None:

@@ -245,12 +245,13 @@ def _replay_arm(spec: dict[str, Any], on_step: Optional[Callable[[int], None]] =
     restored = restore_mod.restore(store, run_id, cfg=cfg if start > spec["snapshot_step"] else change.cfg, snapshot=snapshot)
     if restored.step != spec["snapshot_step"]:  # every arm starts from the planned snapshot, or none runs
         raise SnapshotError(f"snapshot {spec['snapshot_step']} does not apply to arm {spec['arm']!r} ({'; '.join(restored.warnings)})")
-    state, stopped = _replay_prefix(restored, hooks, spec, change)
-    hooks.lr_factor = change.lr_factor
-    if stopped is None:
-        _apply_optimizer_changes(state, change, hooks)
-        batches = _arm_batches(change, restored.batch, start)
-        stopped = _replay_suffix(state, batches, hooks, change, start, spec["end_step"])
+    with restore_mod.stored_batch_errors(restored):  # a stored batch the step raises on: one line, not a crash
+        state, stopped = _replay_prefix(restored, hooks, spec, change)
+        hooks.lr_factor = change.lr_factor
+        if stopped is None:
+            _apply_optimizer_changes(state, change, hooks)
+            batches = _arm_batches(change, restored.batch, start)
+            stopped = _replay_suffix(state, batches, hooks, change, start, spec["end_step"])
     first = hooks.first_nonfinite
     return {
         "arm": spec["arm"],

@@ -19,6 +19,7 @@ from typing import Any, Callable, Optional
 import numpy as np
 
 from replaybisect.errors import ReplayError
+from replaybisect.core.tags import step_tag
 from replaybisect.core.jsonutil import to_jsonable as _jsonable
 from replaybisect.store import Store
 
@@ -89,12 +90,9 @@ class Curves:
     @property
     def failing_step(self) -> Optional[int]:
         """The first non-finite step: the recorder's tag, else the first non-finite loss / grad_norm logged."""
-        tag = self.tags.get("first_nonfinite_step")
-        if tag not in (None, ""):
-            try:
-                return int(tag)
-            except ValueError:
-                pass
+        tag = step_tag(self.tags, "first_nonfinite_step", self.run_id)  # checked by load_curves: a step or None
+        if tag is not None:
+            return tag
         # with fp16 a GradScaler skips steps whose gradients overflow: routine, not a failure (only the loss counts)
         keys = ("loss",) if self.params.get("train.precision") == "fp16" else ("loss", "grad_norm")
         bad = [int(s.steps[~np.isfinite(s.values)][0]) for s in map(self.get, keys) if len(s) and not np.isfinite(s.values).all()]
@@ -124,6 +122,7 @@ def load_curves(store: Store, run_id: str, workers: int = 8) -> Curves:
     else:
         metrics = dict(map(fetch, keys))
     tags = {k[len("replaybisect."):]: v for k, v in run.data.tags.items() if k.startswith("replaybisect.")}
+    step_tag(tags, "first_nonfinite_step", run_id)  # a tag that is not a step is bad input: one line, before any analysis
     return Curves(run_id=run_id, metrics=metrics, tags=tags, params=dict(run.data.params), run_name=run.info.run_name or "",
                   metric_keys=sorted(run.data.metrics))
 

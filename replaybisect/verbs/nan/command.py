@@ -43,11 +43,14 @@ def nan_command(
     if device:  # a bad device is bad input before the store is opened
         from replaybisect.core.loop import resolve_device
 
-        torch_device = resolve_device(device)
+        torch_device = resolve_device(device, "--device")
     from replaybisect.core.trust import Trust
 
     trust = Trust.from_user(code_dirs or (), trust_prefixes or ())
     store = run_store(tracking_uri, run_id)  # an unknown run is answered before torch is imported
+    from replaybisect.core.tags import step_tag
+
+    step_tag(store.tags(run_id), "first_nonfinite_step", run_id)  # a damaged tag too (torch is not imported yet)
     from replaybisect.verbs.nan.engine import find_nan
     from replaybisect.verbs.nan.report import print_rich, publish
 

@@ -139,35 +139,37 @@ def find_nan(
         warnings.extend(restored.warnings)
         state = restored.state
         evidence: list[str] = []
-        replayed = restore_mod.replay(
-            restored, target, logged=losses, stop_on_nonfinite=cfg.snapshot.on_nonfinite == "stop"
-        ) if target > snapshot.step else None
-        examined = target
-        if replayed is not None and replayed.stopped is not None:
-            examined = replayed.stopped.step
-            evidence.append(
-                f"the replay went non-finite at step {examined}, before the recorded failing step {target}: "
-                f"the replay does not follow the recorded run; examining step {examined}"
-            )
-        reproduced = "unchecked" if replayed is None else ("diverged" if examined != target else replayed.reproduced)
-        timings["replay_s"] = time.perf_counter() - started
-        rng_at_step = capture_raw()
+        # a step that raises on a batch the run stored (rewritten after recording) is one line, not a crash
+        with restore_mod.stored_batch_errors(restored):
+            replayed = restore_mod.replay(
+                restored, target, logged=losses, stop_on_nonfinite=cfg.snapshot.on_nonfinite == "stop"
+            ) if target > snapshot.step else None
+            examined = target
+            if replayed is not None and replayed.stopped is not None:
+                examined = replayed.stopped.step
+                evidence.append(
+                    f"the replay went non-finite at step {examined}, before the recorded failing step {target}: "
+                    f"the replay does not follow the recorded run; examining step {examined}"
+                )
+            reproduced = "unchecked" if replayed is None else ("diverged" if examined != target else replayed.reproduced)
+            timings["replay_s"] = time.perf_counter() - started
+            rng_at_step = capture_raw()
 
-        batch = loop.to_device(restored.batch(examined), state.device)
-        stored_batch = restored.has_stored_batch(examined)
-        state_match = None
-        if at_target is not None and at_target.step == examined and replayed is not None:
-            state_match = _state_match(state, rng_at_step, at_target, examined, batch)
-        dataset_rows = _dataset_indices(snapshot, examined)
-        step0 = None
-        if replayed is None and snapshot.step == examined == 0:
-            log("step 0: rebuilding the state from the config to check the reproduction")
-            step0 = _reproduce_step0(cfg, state, rng_at_step, snapshot, batch, losses.get(0), tags.get("nonfinite_what"))
-            reproduced = step0["reproduced"]
+            batch = loop.to_device(restored.batch(examined), state.device)
+            stored_batch = restored.has_stored_batch(examined)
+            state_match = None
+            if at_target is not None and at_target.step == examined and replayed is not None:
+                state_match = _state_match(state, rng_at_step, at_target, examined, batch)
+            dataset_rows = _dataset_indices(snapshot, examined)
+            step0 = None
+            if replayed is None and snapshot.step == examined == 0:
+                log("step 0: rebuilding the state from the config to check the reproduction")
+                step0 = _reproduce_step0(cfg, state, rng_at_step, snapshot, batch, losses.get(0), tags.get("nonfinite_what"))
+                reproduced = step0["reproduced"]
 
-        probes_started = time.perf_counter()
-        result = _probe_step(state, examined, batch, rng_at_step, dataset_rows, log)
-        timings["probes_s"] = time.perf_counter() - probes_started
+            probes_started = time.perf_counter()
+            result = _probe_step(state, examined, batch, rng_at_step, dataset_rows, log)
+            timings["probes_s"] = time.perf_counter() - probes_started
 
         report = NanReport(
             run_id=run_id,

@@ -6,6 +6,7 @@ from dataclasses import asdict, dataclass
 from typing import Optional
 
 from replaybisect.errors import ReplayError
+from replaybisect.core.tags import step_tag_or_none
 from replaybisect.store import TAG, Store
 
 KINDS = ("train", "replay", "ablation-arm", "bisect", "bisect-trial", "check", "ablation", "diagnosis")
@@ -35,7 +36,7 @@ def _summary(run) -> RunSummary:
 
     tags = run.data.tags
     snapshot_tag = tags.get(TAG + "snapshot_steps", "")
-    first = tags.get(TAG + "first_nonfinite_step")
+    first = step_tag_or_none({"step": tags.get(TAG + "first_nonfinite_step")}, "step")
     status = tags.get(TAG + "status", "")
     if status == "running" and run.info.status in ("FAILED", "KILLED"):
         status = "crashed"
@@ -44,7 +45,7 @@ def _summary(run) -> RunSummary:
         name=run.info.run_name or "",
         kind=tags.get(TAG + "kind", ""),
         status=status,
-        first_nonfinite_step=int(first) if first not in (None, "") else None,
+        first_nonfinite_step=first,  # None also for a tag that is not a step: one damaged run does not hide the list
         steps=None,
         last_loss=run.data.metrics.get("loss"),
         snapshot_steps=[int(s) for s in snapshot_tag.split(",") if s],
