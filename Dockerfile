@@ -14,6 +14,11 @@ COPY pyproject.toml README.md ./
 COPY replaybisect ./replaybisect
 RUN pip install --no-cache-dir .
 
+# An unprivileged user for the service: `replay watch` will not triage as root (a stored run's config is untrusted
+# input). deploy/compose.yaml runs the watcher as it; `docker run --user replay ... watch` does too. The CLI verbs keep
+# the image's default user, so they can write to the mounted folder.
+RUN useradd --system --uid 10001 --user-group --create-home --home-dir /home/replay --shell /usr/sbin/nologin replay
+
 # The user's folder (MLflow store, configs, code) is mounted here; `sqlite:///mlflow.db` resolves in it.
 WORKDIR /work
 ENV MLFLOW_TRACKING_URI=sqlite:///mlflow.db

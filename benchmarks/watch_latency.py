@@ -96,7 +96,7 @@ def main() -> None:
 
         client = MlflowClient(server.tracking_uri)
         client.create_experiment(EXPERIMENT)
-        watcher = subprocess.Popen([REPLAY, "watch", "--tracking-uri", server.tracking_uri, "--experiment", EXPERIMENT, "--json",
+        watcher = subprocess.Popen([REPLAY, "watch", *watch_servers.ALLOW_ROOT, "--tracking-uri", server.tracking_uri, "--experiment", EXPERIMENT, "--json",
                                     "--interval", str(args.interval), "--horizon", "5"], cwd=folder, env=env,
                                    stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
         events: queue.Queue = queue.Queue()

@@ -112,7 +112,7 @@ def crashed_run_ids(team, experiment: str) -> list[str]:
 
 
 def watch_args(team, experiment: str, *extra: str) -> list[str]:
-    return [REPLAY, "watch", "--tracking-uri", team.tracking_uri, "--experiment", experiment, "--json", "--horizon", "5",
+    return [REPLAY, "watch", *watch_servers.ALLOW_ROOT, "--tracking-uri", team.tracking_uri, "--experiment", experiment, "--json", "--horizon", "5",
             "--settle", "0.5", *extra]
 
 
@@ -332,3 +332,48 @@ def test_sigterm_releases_sigkill_leaves_a_lease_and_the_next_watcher_resumes(te
     tags = tags_of(team, run_id)
     assert tags["replaybisect.triage"] == "done" and tags["replaybisect.triage.attempts"] == "2"
     assert tags["replaybisect.triage.summary"].startswith("forward in gate (torch.exp) at step 20; ablate: ")
+
+
+def test_an_outage_mid_triage_is_waited_out_not_a_verdict(team, monkeypatch):
+    """PostgreSQL stops as the triage's child starts: the child cannot open the store and the watcher's own reads
+    fail. The watcher waits for the server (backoff), runs the step again and finishes: done, one attempt, nothing
+    released or given up (it used to log RunNotFound, release, and the run ended 'given up after 3 attempts')."""
+    from replaybisect.store import open_store
+    from replaybisect.verbs.watch.engine import Watcher, WatchOptions
+
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")  # fail fast while the database is down (children too)
+    experiment = "watch-outage"
+    store = open_store(team.tracking_uri)
+    run_id = store.create_run("train", experiment=experiment)  # a crashed run's record: metrics, all diagnose reads
+    store.log_metrics(run_id, [("loss", 2.0 - step * 0.01, step) for step in range(30)])
+    store.finish_run(run_id, "crashed", "FAILED")
+
+    events, down, restarted = [], threading.Event(), threading.Event()
+
+    def restart() -> None:
+        if down.is_set() and not restarted.is_set():
+            restarted.set()
+            team.database.start()
+
+    def on_event(event) -> None:
+        events.append(event)
+        if event.kind == "step" and event.message == "diagnose started" and not down.is_set():
+            down.set()
+            team.database.stop()
+        elif event.kind == "outage" and down.is_set() and not restarted.is_set():
+            threading.Timer(2.0, restart).start()  # back a little later: the watcher keeps trying meanwhile
+
+    options = WatchOptions(tracking_uri=store.uri, experiments=[experiment], settle=1.0, lease=60, allow_root=True)
+    fallback = threading.Timer(120, restart)  # so that the server comes back whatever the watcher does
+    fallback.start()
+    try:
+        counts = Watcher(store, options, on_event=on_event).run(once=True)
+    finally:
+        fallback.cancel()
+        restart()
+    log = [(event.kind, event.message) for event in events]
+    assert down.is_set() and any(kind == "outage" for kind, _ in log), log
+    assert counts["done"] == 1 and counts["errors"] == 0 and not any(kind == "released" for kind, _ in log), log
+    tags = tags_of(team, run_id)
+    assert tags["replaybisect.triage"] == "done" and tags["replaybisect.triage.attempts"] == "1", tags
+    assert tags["replaybisect.triage.summary"].startswith("failed run: ")

@@ -1,18 +1,30 @@
 """`replay watch` without a server: bad input, the claim format, failure reasons, the notification shape, and the
-child limits (memory, time) and signals on a real SQLite store with the installed command."""
+child limits (memory, time), signals, who triage runs as and where, and a trickling webhook, on a real SQLite store
+with the installed command."""
 
 from __future__ import annotations
 
 import json
+import os
 import signal
+import socket
 import subprocess
+import threading
 import time
+from pathlib import Path
 
 import pytest
+import yaml
 
-from conftest import REPLAY, assert_one_line_error, train_example
-from replaybisect.verbs.watch.engine import Claim, TriageResult, _conclude, _failure_reason, _fix_override
-from replaybisect.verbs.watch.report import notification
+from conftest import EXAMPLES, REPLAY, assert_one_line_error, train_example
+from watch_servers import ALLOW_ROOT
+from replaybisect.errors import ReplayError
+from replaybisect.verbs.watch.engine import (
+    Claim, Event, TriageResult, Watcher, WatchOptions, _conclude, _failure_reason, _fix_override, _outage,
+)
+from replaybisect.verbs.watch.report import EventLog, notification, post_json
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.parametrize("args, fragment", [
@@ -21,18 +33,74 @@ from replaybisect.verbs.watch.report import notification
     (["--workers", "0"], "--workers"),
     (["--memory-mb", "100"], "--memory-mb"),
     (["--notify-url", "ftp://hooks.example/x"], "--notify-url"),
+    (["--interval", "inf"], "--interval"),
+    (["--notify-url", "http://[::1"], "--notify-url"),
 ])
 def test_bad_options_are_one_line_and_exit_2(workspace, args, fragment):
     assert_one_line_error(workspace.replay("watch", "--once", *args), fragment)
     assert not (workspace.path / "mlflow.db").exists()
 
 
+BAD_OPTIONS = [  # (WatchOptions fields, environment, what the one line names): each failed every run it touched, or crashed
+    ({"code_dirs": ["/nonexistent"]}, {}, "--code-dir"),
+    ({}, {"REPLAYBISECT_CODE_DIR": "/nonexistent"}, "REPLAYBISECT_CODE_DIR"),
+    ({"trust_prefixes": ["1bad"]}, {}, "--trust"),
+    ({}, {"REPLAYBISECT_TRUST": "1bad"}, "REPLAYBISECT_TRUST"),
+    ({"memory_mb": 99999999999999999999}, {}, "--memory-mb"),
+    ({"interval": float("inf")}, {}, "--interval"),
+    ({"time_limit": float("inf")}, {}, "--time-limit"),
+    ({"lease": float("inf")}, {}, "--lease"),
+    ({"grace": 1e300}, {}, "--grace"),
+    ({"notify_timeout": float("inf")}, {}, "--notify-timeout"),
+    ({"notify_url": "http://"}, {}, "--notify-url"),
+    ({"notify_url": "http://[::1"}, {}, "--notify-url"),
+    ({"notify_url": "http://exa mple.com/x"}, {}, "--notify-url"),
+    ({"notify_url": "https://hooks.example:99999/x"}, {}, "--notify-url"),
+    ({"ui_url": "http://"}, {}, "--ui-url"),
+]
+
+
+@pytest.mark.parametrize("fields, environment, fragment", BAD_OPTIONS)
+def test_a_watchers_own_bad_options_are_refused_at_start(monkeypatch, fields, environment, fragment):
+    for name, value in environment.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ReplayError, match=fragment.replace("$", r"\$")) as refused:
+        WatchOptions(tracking_uri="sqlite:///unused.db", **fields).check()
+    assert "\n" not in str(refused.value)
+
+
 def test_no_store_and_an_unreachable_server_are_bad_input(workspace):
     env = workspace.env()
     env.pop("MLFLOW_TRACKING_URI")
-    assert_one_line_error(workspace.replay("watch", "--once", env=env), "no tracking store")
+    assert_one_line_error(workspace.replay("watch", "--once", *ALLOW_ROOT, env=env), "no tracking store")
     assert not (workspace.path / "mlflow.db").exists()
-    assert_one_line_error(workspace.replay("watch", "--once", "--tracking-uri", "http://127.0.0.1:9"), "unreachable")
+    assert_one_line_error(workspace.replay("watch", "--once", *ALLOW_ROOT, "--tracking-uri", "http://127.0.0.1:9"), "unreachable")
+
+
+def test_an_outage_is_told_from_a_missing_run_by_the_servers_answer(workspace, monkeypatch):
+    """Real errors: a server that does not answer is an outage (waited out); a run the store says does not exist is not."""
+    from mlflow import MlflowClient
+
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    with pytest.raises(Exception) as down:
+        MlflowClient("http://127.0.0.1:9").get_run("0" * 32)
+    assert _outage(down.value)
+    with pytest.raises(ReplayError) as missing:
+        workspace.store().get_run("0" * 32)
+    assert not _outage(missing.value)
+
+
+def test_a_lease_that_lapsed_in_an_outage_is_left_to_its_watcher():
+    """Another watcher's lapsed claim is taken over only after a lease without an outage (its watcher may be alive
+    and renew it as soon as the server answers); a released claim is free at once."""
+    watcher = Watcher(None, WatchOptions(tracking_uri="sqlite:///unused.db", lease=60), on_event=lambda event: None)
+    now = time.time()
+    lapsed = {"replaybisect.triage": "running", "replaybisect.triage.claim": Claim("other-1", now - 5).render()}
+    released = {"replaybisect.triage": "running", "replaybisect.triage.claim": Claim("other-1", 0.0).render()}
+    assert watcher._claimable(lapsed, now) and watcher._claimable(released, now)
+    watcher._outage_seen = now - 10
+    assert not watcher._claimable(lapsed, now) and watcher._claimable(released, now)
+    assert watcher._claimable(lapsed, now + 60)
 
 
 def test_claim_round_trip_and_expiry():
@@ -82,20 +150,20 @@ def _events(stdout: str) -> list[dict]:
 def test_memory_and_time_limits_fail_the_triage_once_with_the_reason(workspace):
     store = workspace.store()
     run_id = train_example(store, "nan_optimizer", "train.steps=5").run_id
-    low_memory = workspace.replay("watch", "--once", "--json", "--memory-mb", "1024", "--settle", "0.2")
+    low_memory = workspace.replay("watch", "--once", *ALLOW_ROOT, "--json", "--memory-mb", "1024", "--settle", "0.2")
     assert low_memory.returncode == 0, low_memory.stderr
     tags = store.tags(run_id)
     assert tags["triage"] == "failed" and tags["triage.reason"] == "nan: ran out of memory (limit 1024 MiB, --memory-mb)"
 
     other = train_example(store, "nan_optimizer", "train.steps=5").run_id
-    slow = workspace.replay("watch", "--once", "--json", "--time-limit", "1", "--settle", "0.2")
+    slow = workspace.replay("watch", "--once", *ALLOW_ROOT, "--json", "--time-limit", "1", "--settle", "0.2")
     assert [e["run_id"] for e in _events(slow.stdout) if e["event"] == "failed"] == [other]  # the first is not retried
     assert store.tags(other)["triage.reason"] == "nan: stopped at the time limit (1 s)"
 
 
 def test_sigusr1_logs_a_health_line_and_sigterm_stops_an_idle_watcher(workspace):
     workspace.store()  # an empty store: nothing to triage
-    watcher = subprocess.Popen([REPLAY, "watch", "--json", "--interval", "60"], cwd=workspace.path, env=workspace.env(),
+    watcher = subprocess.Popen([REPLAY, "watch", *ALLOW_ROOT, "--json", "--interval", "60"], cwd=workspace.path, env=workspace.env(),
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     first = json.loads(watcher.stdout.readline())
     assert first["event"] == "start"
@@ -119,7 +187,7 @@ def _crashed_run(store) -> str:
 
 def _watcher_diagnosing(workspace, *args: str) -> subprocess.Popen:
     """`replay watch --json ARGS`, returned once it has started diagnosing a run."""
-    watcher = subprocess.Popen([REPLAY, "watch", "--json", "--settle", "0.2", *args], cwd=workspace.path,
+    watcher = subprocess.Popen([REPLAY, "watch", *ALLOW_ROOT, "--json", "--settle", "0.2", *args], cwd=workspace.path,
                                env=workspace.env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     for line in watcher.stdout:
         if json.loads(line)["message"] == "diagnose started":
@@ -127,15 +195,100 @@ def _watcher_diagnosing(workspace, *args: str) -> subprocess.Popen:
     return watcher
 
 
+class TricklingWebhook:
+    """A webhook on 127.0.0.1 that reads the POST, then answers a header byte every `every` seconds for `lasting`
+    seconds: no socket read ever waits long, so only a total deadline ends the request."""
+
+    def __init__(self, every: float = 0.5, lasting: float = 60.0):
+        self.received: list[bytes] = []
+        self.server = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.server.getsockname()[1]}/hooks/triage"
+        self.every, self.lasting = every, lasting
+        self.closed = threading.Event()
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while not self.closed.is_set():
+            try:
+                connection, _ = self.server.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._answer, args=(connection,), daemon=True).start()
+
+    def _answer(self, connection: socket.socket) -> None:
+        with connection:
+            data = b""
+            while b"\r\n\r\n" not in data:
+                data += connection.recv(65536)
+            head, _, body = data.partition(b"\r\n\r\n")
+            length = int(next(line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")))
+            while len(body) < length:
+                body += connection.recv(65536)
+            self.received.append(body)
+            answer = b"HTTP/1.1 200 OK\r\n" + b"X-Slow: yes\r\n" * 1000
+            deadline = time.monotonic() + self.lasting
+            for byte in answer:
+                if self.closed.is_set() or time.monotonic() > deadline:
+                    return
+                try:
+                    connection.sendall(bytes([byte]))
+                except OSError:
+                    return
+                time.sleep(self.every)
+
+    def close(self) -> None:
+        self.closed.set()
+        self.server.close()
+
+
+def test_a_trickling_webhook_is_cut_at_its_deadline_and_never_holds_a_triage(capsys):
+    hook = TricklingWebhook()
+    try:
+        started = time.monotonic()
+        with pytest.raises(OSError, match="no answer within 1.5 s"):
+            post_json(hook.url, {"text": "hello"}, 1.5)
+        assert time.monotonic() - started < 4
+
+        log = EventLog(as_json=True, notify_url=hook.url, notify_timeout=1.5)
+        result = TriageResult(run_id="abc", run_name="", experiment_id="1", failure="failed", state="done", verdict="v",
+                              summary="failed run: v", next_command="")
+        started = time.monotonic()
+        log(Event("done", result.summary, "abc", result=result))
+        assert time.monotonic() - started < 0.5  # the triage thread that logged its result goes on at once
+        log.close()
+        assert time.monotonic() - started < 4
+    finally:
+        hook.close()
+    events = _events(capsys.readouterr().out)
+    assert [e["event"] for e in events] == ["done", "error"], events
+    assert events[1]["message"] == "notification to " + hook.url.split("/")[2] + " failed: no answer within 1.5 s"
+    assert len(hook.received) == 2 and json.loads(hook.received[1])["run_id"] == "abc"
+
+
 def test_sigterm_lets_a_running_triage_finish_within_the_grace(workspace):
+    """... and a webhook that trickles its answer holds neither the triage nor the exit (--notify-timeout)."""
     store = workspace.store()
     run_id = _crashed_run(store)
-    watcher = _watcher_diagnosing(workspace, "--grace", "120")
-    watcher.send_signal(signal.SIGTERM)
-    stdout, stderr = watcher.communicate(timeout=120)
+    hook = TricklingWebhook()
+    try:
+        watcher = _watcher_diagnosing(workspace, "--grace", "120", "--notify-url", hook.url, "--notify-timeout", "3")
+        watcher.send_signal(signal.SIGTERM)
+        stdout, stderr = watcher.communicate(timeout=120)
+    finally:
+        hook.close()
     assert watcher.returncode == 143, stderr
-    assert [e["event"] for e in _events(stdout)][-3:] == ["step", "done", "stop"]
-    assert store.tags(run_id)["triage"] == "done"
+    events = _events(stdout)
+    assert [e["event"] for e in events][-4:] == ["step", "done", "error", "stop"], events
+    assert events[-2]["message"].endswith("no answer within 3 s") or "not sent" in events[-2]["message"]
+    took = (_time(events[-1]) - _time(events[-3])).total_seconds()
+    assert took < 8, f"{took:.1f} s from the triage's end to the exit"
+    assert store.tags(run_id)["triage"] == "done" and len(hook.received) == 1
+
+
+def _time(event: dict):
+    import datetime
+
+    return datetime.datetime.fromisoformat(event["time"])
 
 
 def test_a_watcher_frozen_past_its_lease_loses_the_run_and_writes_nothing(workspace):
@@ -145,7 +298,7 @@ def test_a_watcher_frozen_past_its_lease_loses_the_run_and_writes_nothing(worksp
     frozen.send_signal(signal.SIGSTOP)  # a stalled VM or a long GC pause: the lease lapses
     try:
         time.sleep(2.5)
-        other = workspace.replay("watch", "--once", "--json", "--settle", "0.2", "--lease", "2")
+        other = workspace.replay("watch", "--once", *ALLOW_ROOT, "--json", "--settle", "0.2", "--lease", "2")
         assert [e["event"] for e in _events(other.stdout)].count("done") == 1, other.stdout
         summary = store.tags(run_id)["triage.summary"]
     finally:
@@ -156,3 +309,76 @@ def test_a_watcher_frozen_past_its_lease_loses_the_run_and_writes_nothing(worksp
     woken = [e["event"] for e in _events(stdout)]
     assert "lost" in woken and "done" not in woken, woken
     assert store.tags(run_id)["triage.summary"] == summary and store.tags(run_id)["triage.attempts"] == "2"
+
+
+# ---- who triage runs as, and where ----------------------------------------------------------------------
+def _replace_config(workspace, run_id: str, config: dict) -> None:
+    """What any user who can write runs can do: replace a run's config.yaml (MLflow has no write protection)."""
+    from mlflow import MlflowClient
+
+    folder = workspace.path / "upload"
+    folder.mkdir(exist_ok=True)
+    (folder / "config.yaml").write_text(yaml.safe_dump(config))
+    MlflowClient(workspace.tracking_uri).log_artifact(run_id, str(folder / "config.yaml"))
+
+
+def test_a_refused_start_touches_no_run(workspace):
+    """A hostile run waits (its config.yaml replaced: a torch function that runs a shell command). A watcher whose own
+    options are bad (they used to fail every run they touched, for good), or one started as root without
+    --allow-root, says so in one line, exit 2: nothing run, the run untouched."""
+    store = workspace.store()
+    run_id = _crashed_run(store)
+    marker = workspace.path / "MARKER"
+    _replace_config(workspace, run_id, {"model": {"_target_": "torch.nn.Sequential", "_args_": [
+        {"_target_": "torch.utils.collect_env.run", "_args_": [f"touch {marker}"]}]}})
+    for args, fragment in ((["--code-dir", "/nonexistent"], "--code-dir"), (["--memory-mb", "99999999999999999999"], "--memory-mb")):
+        assert_one_line_error(workspace.replay("watch", "--once", *ALLOW_ROOT, *args), fragment)
+    if os.geteuid() == 0:
+        assert_one_line_error(workspace.replay("watch", "--once"), "root", "--allow-root")
+    assert not marker.exists()
+    assert not any(key.startswith("triage") for key in store.tags(run_id))
+
+
+EVIL_MODULE = """
+import torch
+
+open({marker!r}, "w").write("imported")
+
+
+class Boom(torch.nn.Module):
+    def __init__(self, *args, **kwargs):
+        super().__init__()
+"""
+
+
+def test_triage_runs_in_a_scratch_folder_not_the_watchers(workspace):
+    """A module lying in the folder the watcher was started in is not the user's code to a triage child: the child
+    works in a fresh scratch folder, so a stored config naming it is refused and the module never imported."""
+    from replaybisect.core import config as config_mod
+
+    store = workspace.store()
+    config = yaml.safe_load(config_mod.to_yaml(config_mod.compose(EXAMPLES / "nan_optimizer", "config", [])))
+    config["model"] = {"_target_": "evilmod.Boom"}
+    run_id = store.create_run("train")  # a non-finite run's record, as far as nan reads before the config
+    store.set_tags(run_id, {"first_nonfinite_step": 3})
+    store.finish_run(run_id, "nonfinite", "FAILED")
+    _replace_config(workspace, run_id, config)
+    marker = workspace.path / "MARKER"
+    (workspace.path / "evilmod.py").write_text(EVIL_MODULE.format(marker=str(marker)))
+    # the examples are the only code folder (conftest's default also trusts every temporary folder, this one too)
+    result = workspace.replay("watch", "--once", *ALLOW_ROOT, "--json", "--settle", "0.5",
+                              env=workspace.env(REPLAYBISECT_CODE_DIR=str(EXAMPLES)))
+    assert result.returncode == 0, result.stderr
+    assert not marker.exists()
+    tags = store.tags(run_id)
+    assert tags["triage"] == "failed" and tags["triage.reason"].startswith("nan: exit 2: ") and "evilmod" in tags["triage.reason"], tags
+    assert not list(workspace.path.glob("replay-triage-*"))
+
+
+def test_the_compose_file_runs_the_watcher_as_the_images_unprivileged_user():
+    compose = yaml.safe_load((ROOT / "deploy" / "compose.yaml").read_text())
+    watch = compose["services"]["watch"]
+    assert watch.get("user") not in (None, "root", "0", 0) and not str(watch["user"]).startswith(("0:", "root:"))
+    assert "--allow-root" not in watch["command"]
+    user = str(watch["user"]).split(":")[0]
+    assert f"useradd" in (ROOT / "Dockerfile").read_text() and f" {user}" in (ROOT / "Dockerfile").read_text()

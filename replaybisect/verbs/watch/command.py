@@ -18,6 +18,8 @@ def watch_command(
     workers: int = typer.Option(1, "--workers", help="Triages at once (each a child process)."),
     notify_url: Optional[str] = typer.Option(None, "--notify-url", envvar="REPLAYBISECT_NOTIFY_URL",
                                              help="POST each result here (Slack/Mattermost incoming-webhook JSON)."),
+    notify_timeout: float = typer.Option(10.0, "--notify-timeout", help="Seconds one notification may take in all; posted "
+                                         "off the triage, so a slow webhook never holds a run (on shutdown: at most this long more)."),
     ui_url: Optional[str] = typer.Option(None, "--ui-url", help="The MLflow UI address for links (default: the tracking URI when it is http)."),
     lease: float = typer.Option(120.0, "--lease", help="Seconds a claim lasts unless renewed; a dead watcher's runs are taken over after it."),
     settle: float = typer.Option(2.0, "--settle", help="Seconds between claiming a run and confirming the claim (two watchers racing)."),
@@ -30,6 +32,8 @@ def watch_command(
     as_json: bool = typer.Option(False, "--json", help="Log JSON lines on stdout (one event each), for log shippers."),
     code_dirs: Optional[list[str]] = CodeDirs,
     trust_prefixes: Optional[list[str]] = TrustPrefixes,
+    allow_root: bool = typer.Option(False, "--allow-root", help="Triage as root (refused by default: a stored run's config "
+                                    "is untrusted input; run the watcher as an unprivileged user instead)."),
 ):
     """Watch a tracking server and triage every training run that failed or went non-finite, once: `replay nan`
     then `replay ablate lr,clip,precision` for a non-finite run, `replay diagnose` for the rest, each in a child
@@ -44,6 +48,8 @@ def watch_command(
 
     Watchers may run side by side: a run is claimed with a lease tag (--lease) and re-checked after --settle
     seconds. SIGTERM finishes running triages within --grace seconds or releases them; SIGUSR1 logs a health line.
+    An outage of the tracking server is waited out (retried with backoff), never a verdict on a run. Triage runs as
+    the watcher's user (never root without --allow-root) in a fresh scratch folder: pass your code with --code-dir.
     """
     import signal
     import threading
@@ -55,12 +61,14 @@ def watch_command(
     from replaybisect.verbs.watch.report import EventLog, health_line, print_status, publish
 
     location = locate_store(tracking_uri)
+    notify_url = notify_url or None  # REPLAYBISECT_NOTIFY_URL= (empty, as compose passes it unset): no notifications
     options = WatchOptions(tracking_uri=location.uri, experiments=list(experiments or []), interval=interval, workers=workers,
                            lease=lease, settle=settle, time_limit=time_limit, memory_mb=memory_mb, horizon=horizon, grace=grace,
-                           code_dirs=list(code_dirs or []), trust_prefixes=list(trust_prefixes or []), ui_url=ui_url)
-    options.check()
-    if notify_url and not notify_url.startswith(("http://", "https://")):
-        raise ReplayError(f"--notify-url {notify_url!r} is not an http(s) URL; pass the webhook's address")
+                           code_dirs=list(code_dirs or []), trust_prefixes=list(trust_prefixes or []), ui_url=ui_url,
+                           notify_url=notify_url, notify_timeout=notify_timeout, allow_root=allow_root)
+    options.check()  # every option, before the server is contacted: a watcher's own mistake never fails a run
+    if not status:
+        options.check_user()
     if not location.exists:
         raise ReplayError(f"no tracking store at {location.shown} yet; pass --tracking-uri (e.g. http://mlflow:5000)")
     store = open_store(location.uri)
@@ -69,7 +77,7 @@ def watch_command(
         print_status(triage_status(store, options.experiments), as_json)
         return
 
-    log = EventLog(as_json=as_json, notify_url=notify_url)
+    log = EventLog(as_json=as_json, notify_url=notify_url, notify_timeout=notify_timeout)
     watcher = Watcher(store, options, on_event=log, publish=lambda result: publish(store, result))
     received: list[str] = []
 
@@ -90,6 +98,7 @@ def watch_command(
     previous[signal.SIGUSR1] = signal.signal(signal.SIGUSR1, on_health)
     try:
         counts = watcher.run(once=once)
+        log.close()  # the notifications still queued: at most --notify-timeout more
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)

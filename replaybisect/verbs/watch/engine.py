@@ -18,8 +18,10 @@ stops its triage. Wall-clock expiry times assume watchers' clocks agree to well 
 
 from __future__ import annotations
 
+import math
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -32,7 +34,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Optional
 
-from replaybisect.errors import ReplayError
+from replaybisect.errors import ReplayError, StoreUnreachable
 from replaybisect.store import (
     TAG, Store, all_experiment_ids, experiment_ids_named, search_all_runs, search_runs_without_tag,
 )
@@ -48,6 +50,20 @@ FINISHED_STATES = ("done", "failed")
 MAX_ATTEMPTS = 3  # claims of one run before it is given up (its watchers died mid-triage each time)
 ABLATE_ARMS = "lr,clip,precision"
 FAILED_STATUSES = ("FAILED", "KILLED")
+# An outage of the tracking server (restarting, its database down) is waited out, never a verdict on a run:
+BACKOFF_FIRST, BACKOFF_MAX = 1.0, 30.0  # seconds between tries of a store call, doubling
+STORE_RERUNS = 3  # a step whose child said the store failed while the store answers us: run again this often at most
+# MLflow's error codes for a request that is wrong (not a server in trouble): retrying cannot help
+REQUEST_ERRORS = ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE", "BAD_REQUEST", "INVALID_STATE",
+                  "RESOURCE_ALREADY_EXISTS", "INVALID_REQUEST", "ENDPOINT_NOT_FOUND")
+# what a triage child prints when it could not reach the tracking store (replay's own lines, MLflow's client)
+STORE_TROUBLE = re.compile(r"cannot open tracking store|tracking server \S+ is unreachable|API request to \S+ failed|"
+                           r"Max retries exceeded|TEMPORARILY_UNAVAILABLE")
+# bounds of the options: finite, and within what the timers (threading's TIMEOUT_MAX) and setrlimit can take
+BOUNDS = {"--interval": (0.1, 86400.0), "--lease": (1.0, 86400.0), "--settle": (0.1, 3600.0),
+          "--time-limit": (1.0, 7 * 86400.0), "--grace": (0.0, 3600.0), "--notify-timeout": (1.0, 300.0)}
+CODE_DIR_ENV = "REPLAYBISECT_CODE_DIR"  # core/trust.py's: folders of the user's code, os.pathsep-separated
+MAX_MEMORY_MB = 1 << 30  # 1 PiB: far above any machine, far below what RLIMIT_AS (a C long of bytes) can hold
 
 
 @dataclass
@@ -65,19 +81,67 @@ class WatchOptions:
     code_dirs: list[str] = field(default_factory=list)
     trust_prefixes: list[str] = field(default_factory=list)
     ui_url: Optional[str] = None  # the MLflow UI users open (default: the tracking URI when it is http)
+    notify_url: Optional[str] = None  # checked here; the log (report.EventLog) posts to it
+    notify_timeout: float = 10.0  # seconds one notification may take in all (connect, send, answer)
+    allow_root: bool = False  # run triage as root (refused by default: a stored config is untrusted input)
 
     def check(self) -> None:
-        """Bad values are bad input, before the server is contacted."""
-        for name, value, low in (("--interval", self.interval, 0.1), ("--lease", self.lease, 1.0), ("--settle", self.settle, 0.1),
-                                 ("--time-limit", self.time_limit, 1.0), ("--grace", self.grace, 0.0)):
-            if not value >= low:
-                raise ReplayError(f"{name} {value} must be at least {low}")
+        """Bad values are bad input, before the server is contacted: a watcher's own mistake must never be written
+        on the runs it would touch as their triage's failure."""
+        for name, value in (("--interval", self.interval), ("--lease", self.lease), ("--settle", self.settle),
+                            ("--time-limit", self.time_limit), ("--grace", self.grace), ("--notify-timeout", self.notify_timeout)):
+            low, high = BOUNDS[name]
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and low <= value <= high):
+                raise ReplayError(f"{name} {value} must be a number of seconds from {low:g} to {high:g}")
         if self.settle * 2 >= self.lease:
             raise ReplayError(f"--settle {self.settle} must be under half of --lease {self.lease}")
         if not 1 <= self.workers <= 64:
             raise ReplayError(f"--workers {self.workers} must be between 1 and 64")
         if self.memory_mb < 0 or 0 < self.memory_mb < 512:
             raise ReplayError(f"--memory-mb {self.memory_mb} is too small for torch: use at least 512 (0: no limit)")
+        if self.memory_mb > MAX_MEMORY_MB:
+            raise ReplayError(f"--memory-mb {self.memory_mb} is more than {MAX_MEMORY_MB} (1 PiB); pass 0 for no limit")
+        for option, url, example in (("--notify-url (or $REPLAYBISECT_NOTIFY_URL)", self.notify_url, "https://hooks.slack.com/services/..."),
+                                     ("--ui-url", self.ui_url, "http://mlflow.example.com:5000")):
+            if url is not None:
+                check_http_url(option, url, example)
+        self.check_trust()
+
+    def check_trust(self) -> None:
+        """The folders and prefixes the triage children will be given (options and environment), checked as they
+        will check them, and readable here (the children run as this user)."""
+        from replaybisect.core.trust import Trust
+
+        Trust.from_user(list(self.code_dirs), list(self.trust_prefixes))  # one line for a missing folder or a bad prefix
+        env_dirs = [part for part in os.environ.get(CODE_DIR_ENV, "").split(os.pathsep) if part.strip()]
+        for option, folders in (("--code-dir", self.code_dirs), (f"${CODE_DIR_ENV}", env_dirs)):
+            for folder in folders:
+                if not os.access(os.path.expanduser(folder), os.R_OK | os.X_OK):
+                    raise ReplayError(f"{option} {folder!r} is not readable by this user (uid {os.geteuid()}), "
+                                      "who runs the triage; make it readable or pass another folder")
+
+    def check_user(self) -> None:
+        """Triage builds what a stored run's config names, and anyone who can write runs can write that config:
+        it never runs as root unless the operator says so."""
+        if os.geteuid() == 0 and not self.allow_root:
+            raise ReplayError("replay watch will not triage as root (a stored run's config is untrusted input): run it "
+                              "as an unprivileged user (deploy/compose.yaml does), or pass --allow-root")
+
+
+def check_http_url(option: str, url: str, example: str) -> None:
+    """An http(s) URL with a host, no spaces or control characters, a valid port: or one line of bad input."""
+    from urllib.parse import urlsplit
+
+    problem = f"{option} {url[:200]!r} is not an http(s) URL with a host; pass an address such as {example}"
+    if any(ch.isspace() or not ch.isprintable() for ch in url):
+        raise ReplayError(problem)
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 (raises ValueError for a port out of range or not a number)
+    except ValueError:
+        raise ReplayError(problem) from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ReplayError(problem)
 
 
 @dataclass
@@ -111,6 +175,7 @@ class StepOutcome:
     result: dict[str, Any] = field(default_factory=dict)
     reason: str = ""
     seconds: float = 0.0
+    detail: str = ""  # the end of the child's stderr (a failure's evidence: was it the tracking server?)
 
 
 @dataclass
@@ -138,7 +203,7 @@ class TriageResult:
 class Event:
     """What the watcher did, for the log (rich lines or JSON lines) and the health line."""
 
-    kind: str  # start | poll | claimed | lost | step | done | failed | released | skipped | error | health | stop
+    kind: str  # start | poll | claimed | lost | step | done | failed | released | skipped | outage | error | health | stop
     message: str
     run_id: Optional[str] = None
     data: dict[str, Any] = field(default_factory=dict)
@@ -185,6 +250,10 @@ def run_url(options: WatchOptions, run) -> Optional[str]:
     return f"{base.rstrip('/')}/#/experiments/{run.info.experiment_id}/runs/{run.info.run_id}"
 
 
+class _Abandoned(Exception):
+    """The grace is over (--grace, or a second signal): a triage waiting out an outage gives its run back."""
+
+
 class Watcher:
     """Polls, claims, triages in child processes, renews leases; thread-safe event reporting through `on_event`."""
 
@@ -199,6 +268,8 @@ class Watcher:
         self.abandon = threading.Event()  # grace over: stop children, release claims
         self._lock = threading.Lock()
         self._active: dict[str, _Active] = {}
+        self._unsettled: dict[str, Claim] = {}  # claims written or released during an outage: maybe landed, maybe not
+        self._outage_seen = -math.inf  # time.time() of the last store call that failed for the server's reasons
         self._missing_experiments: set[str] = set()
         self.started = time.time()
         self.counts = {"polls": 0, "done": 0, "failed": 0, "lost": 0, "errors": 0}
@@ -232,6 +303,7 @@ class Watcher:
 
     def _poll(self, pool: ThreadPoolExecutor, futures: set[Future]) -> int:
         """Claim up to the free worker slots; returns how many triages were started."""
+        self._settle_claims()
         free = self.options.workers - len([f for f in futures if not f.done()])
         if free <= 0:
             return 0
@@ -240,6 +312,7 @@ class Watcher:
         except ReplayError:
             raise
         except Exception as error:  # the server is down or restarting: try again next poll
+            self._note(error)
             self.counts["errors"] += 1
             self.on_event(Event("error", f"poll failed: {_one_line(error)}"))
             return 0
@@ -255,6 +328,7 @@ class Watcher:
             try:
                 active = self._try_claim(run)
             except Exception as error:  # a run deleted meanwhile, the server restarting: the next poll sees
+                self._note(error)
                 self.counts["errors"] += 1
                 self.on_event(Event("error", f"claim failed: {_one_line(error)}", run.info.run_id))
                 continue
@@ -263,6 +337,60 @@ class Watcher:
             futures.add(pool.submit(self._triage_guarded, run, active))
             started += 1
         return started
+
+    # ---- the tracking server's outages ----------------------------------------------------------------------
+    def _note(self, error: BaseException) -> bool:
+        """Remember an outage (for `_may_take_over`); True when `error` is one."""
+        if _outage(error):
+            self._outage_seen = time.time()
+            return True
+        return False
+
+    def _may_take_over(self, now: float) -> bool:
+        """Another watcher's lapsed claim is taken over only when this watcher has seen the server answer for a whole
+        lease: a lease that lapsed during an outage belongs to a live watcher that could not renew it, and that
+        watcher renews it as soon as the server is back (a takeover would count an attempt the run never failed)."""
+        return now - self._outage_seen >= self.options.lease
+
+    def _call(self, fn: Callable, *args, run_id: Optional[str] = None):
+        """A store call of a triage, retried with backoff while the tracking server is unavailable (restarting, its
+        database down): an outage is waited out, never a verdict on the run. Raises what is not an outage (the run
+        deleted, a bad request), and _Abandoned when the grace is over."""
+        delay = BACKOFF_FIRST
+        while True:
+            if self.abandon.is_set():
+                raise _Abandoned()
+            try:
+                return fn(*args)
+            except Exception as error:
+                if not self._note(error):
+                    raise
+                self.on_event(Event("outage", f"tracking server unavailable ({_one_line(_cause(error))}); "
+                                              f"trying again in {delay:g} s", run_id))
+            if self.abandon.wait(delay):
+                raise _Abandoned()
+            delay = min(delay * 2, BACKOFF_MAX)
+
+    def _store_answers(self, run_id: str) -> bool:
+        try:
+            self.store.get_run(run_id)
+        except Exception as error:
+            return not self._note(error)
+        return True
+
+    def _settle_claims(self) -> None:
+        """Claims whose write or release failed during an outage may have landed: give each back once the server
+        answers (an attempt that never started is not counted)."""
+        with self._lock:
+            unsettled = list(self._unsettled)
+        for run_id in unsettled:
+            try:
+                self._give_back(run_id)
+            except Exception as error:
+                if self._note(error):
+                    continue  # still down: the next poll tries again
+            with self._lock:
+                self._unsettled.pop(run_id, None)
 
     # ---- which runs ---------------------------------------------------------------------------------------
     def experiment_ids(self) -> list[str]:
@@ -285,8 +413,11 @@ class Watcher:
         found += search_all_runs(self.store, experiment_ids, f"{train} and tags.`{TAG}{TRIAGE}` = 'running'")
         runs = {run.info.run_id: run for run in found}
         now = time.time()
-        ready = [run for run in runs.values() if failure_of(run) and _claimable(run.data.tags, now)]
+        ready = [run for run in runs.values() if failure_of(run) and self._claimable(run.data.tags, now)]
         return sorted(ready, key=lambda run: run.info.start_time)
+
+    def _claimable(self, tags: dict[str, str], now: float) -> bool:
+        return _claimable(tags, now, self.watcher_id, take_over=self._may_take_over(now))
 
     # ---- claims -----------------------------------------------------------------------------------------
     def _try_claim(self, run) -> Optional[_Active]:
@@ -294,7 +425,7 @@ class Watcher:
         read_at = time.monotonic()
         fresh = self.store.get_run(run_id)
         tags = fresh.data.tags
-        if not _claimable(tags, time.time()):
+        if not self._claimable(tags, time.time()):
             return None
         attempts = int(tags.get(TAG + ATTEMPTS, "0") or 0)
         if attempts >= MAX_ATTEMPTS:
@@ -303,7 +434,12 @@ class Watcher:
             self.on_event(Event("failed", reason, run_id))
             return None
         claim = Claim(self.watcher_id, time.time() + self.options.lease)
-        self.store.set_tags(run_id, {TRIAGE: "running", CLAIM: claim.render(), ATTEMPTS: attempts + 1})
+        try:
+            self.store.set_tags(run_id, {TRIAGE: "running", CLAIM: claim.render(), ATTEMPTS: attempts + 1})
+        except Exception:
+            with self._lock:
+                self._unsettled[run_id] = claim  # it may have landed: given back when the server answers
+            raise
         if time.monotonic() - read_at >= self.options.settle:  # too slow to be sure no rival wrote meanwhile
             self._release(_Active(run_id, claim), "claim took longer than --settle; trying again later")
             return None
@@ -315,20 +451,28 @@ class Watcher:
     def _confirm(self, active: _Active) -> bool:
         """The re-read after `settle`: still ours?"""
         time.sleep(self.options.settle)  # the full settle time, also when stopping: the proof needs it
-        current = Claim.parse(self.store.get_run(active.run_id).data.tags.get(TAG + CLAIM))
+        current = Claim.parse(self._call(self.store.get_run, active.run_id, run_id=active.run_id).data.tags.get(TAG + CLAIM))
         return current is not None and current.watcher_id == self.watcher_id
 
     def _renew_leases(self) -> None:
         period = self.options.lease / 3
+        delay = period  # after a failed renewal: sooner, doubling (an outage's end is caught within seconds)
         while not (self.stopping.is_set() and not self._active):
-            time.sleep(min(period, 1.0) if self.stopping.is_set() else period)
+            time.sleep(min(delay, 1.0) if self.stopping.is_set() else delay)
             with self._lock:
                 holding = [a for a in self._active.values() if not a.lost and not a.released]
+            failed = False
             for active in holding:
                 try:
                     self._renew(active)
                 except Exception as error:
-                    self.on_event(Event("error", f"lease renewal failed: {_one_line(error)}", active.run_id))
+                    failed = True
+                    kind = "outage" if self._note(error) else "error"
+                    self.on_event(Event(kind, f"lease renewal failed: {_one_line(_cause(error))}", active.run_id))
+            if not failed:
+                delay = period
+            else:  # 1 s, then doubling up to the period
+                delay = BACKOFF_FIRST if delay >= period else min(delay * 2, period)
 
     def _renew(self, active: _Active) -> None:
         current = Claim.parse(self.store.get_run(active.run_id).data.tags.get(TAG + CLAIM))
@@ -341,18 +485,28 @@ class Watcher:
         active.claim = Claim(self.watcher_id, time.time() + self.options.lease)
         self.store.set_tags(active.run_id, {CLAIM: active.claim.render()})
 
+    def _give_back(self, run_id: str) -> None:
+        """Our claim on the run ends now and its attempt is not counted (a release, not a death); once only."""
+        tags = self.store.get_run(run_id).data.tags
+        current = Claim.parse(tags.get(TAG + CLAIM))
+        if current is not None and current.watcher_id == self.watcher_id and current.expires > 0:
+            attempts = max(0, int(tags.get(TAG + ATTEMPTS, "1") or 1) - 1)
+            self.store.set_tags(run_id, {CLAIM: Claim(self.watcher_id, 0.0).render(), ATTEMPTS: attempts})
+
     def _release(self, active: _Active, why: str) -> None:
         """Give the run back (its lease ends now); finished steps stay recorded, so the next watcher resumes."""
-        active.released = True
+        with self._lock:
+            if active.released:  # finished, or released by another thread already
+                return
+            active.released = True
         _kill(active.process)
         try:
-            tags = self.store.get_run(active.run_id).data.tags
-            current = Claim.parse(tags.get(TAG + CLAIM))
-            if current is not None and current.watcher_id == self.watcher_id:
-                attempts = max(0, int(tags.get(TAG + ATTEMPTS, "1") or 1) - 1)  # given back, not died: not an attempt
-                self.store.set_tags(active.run_id, {CLAIM: Claim(self.watcher_id, 0.0).render(), ATTEMPTS: attempts})
-        except Exception as error:  # the lease expires on its own
-            why += f" (release not written: {_one_line(error)})"
+            self._give_back(active.run_id)
+        except Exception as error:  # the lease expires on its own; after an outage, the next poll gives it back
+            if self._note(error):
+                with self._lock:
+                    self._unsettled[active.run_id] = active.claim
+            why += f" (release not written yet: {_one_line(error)})"
         self.on_event(Event("released", why, active.run_id))
 
     # ---- the triage -------------------------------------------------------------------------------------
@@ -365,11 +519,13 @@ class Watcher:
             self.on_event(Event("claimed", f"{failure_of(run)} run: {' then '.join(plan_for(failure_of(run)))}", active.run_id,
                                 data={"run_name": run.info.run_name or "", "failure": failure_of(run)}))
             return self._triage(run, active)
+        except _Abandoned:
+            self._release(active, "released on shutdown; another watcher resumes it after its finished steps")
+            return None
         except Exception as error:
             self.counts["errors"] += 1
             self.on_event(Event("error", f"triage stopped: {_one_line(error)}", active.run_id))
-            if not active.released:
-                self._release(active, "released after an error; another poll resumes it")
+            self._release(active, "released after an error; another poll resumes it")
             return None
         finally:
             with self._lock:
@@ -379,37 +535,61 @@ class Watcher:
         run_id = run.info.run_id
         failure = failure_of(run)
         started = time.monotonic()
-        tags = self.store.get_run(run_id).data.tags
+        tags = self._call(self.store.get_run, run_id, run_id=run_id).data.tags
         step_lines: dict[str, str] = {}
         results: dict[str, Any] = {}
         ran: list[str] = []
-        for step in plan_for(failure):
-            if TAG + f"{TRIAGE}.{step}" in tags:  # finished before a restart: resume after it
-                step_lines[f"{TRIAGE}.{step}"] = tags[TAG + f"{TRIAGE}.{step}"]
-                step_lines.update({k[len(TAG):]: v for k, v in tags.items() if k.startswith(TAG + f"{TRIAGE}.{step}.")})
-                continue
-            if active.released or not self._owns(active):
-                return self._stopped(active)
-            self.store.set_tags(run_id, {STEP: step})
-            self.on_event(Event("step", f"{step} started", run_id))
-            outcome = self._run_step(step, run_id, active)
-            if active.released or not self._owns(active):  # every write waits for this check: a lapsed owner writes nothing
-                return self._stopped(active)
-            ran.append(step)
-            if not outcome.ok:
-                reason = f"{step}: {outcome.reason}"
-                found = "".join(f"; {name} found: {step_lines[f'{TRIAGE}.{name}']}" for name in plan_for(failure)
-                                if f"{TRIAGE}.{name}" in step_lines)
-                result = self._result(run, failure, "failed", "", f"triage failed: {reason}{found}", "", reason, ran, results, started)
-                return self._finish(run, active, result)
-            results[step] = outcome.result
-            lines = _step_lines(step, outcome.result)
-            self.store.set_tags(run_id, lines)  # progress: a restarted triage skips this step
-            step_lines.update(lines)
-            self.on_event(Event("step", f"{step} finished in {outcome.seconds:.1f} s: {lines[f'{TRIAGE}.{step}']}", run_id))
+        scratch = _scratch_folder()
+        try:
+            for step in plan_for(failure):
+                if TAG + f"{TRIAGE}.{step}" in tags:  # finished before a restart: resume after it
+                    step_lines[f"{TRIAGE}.{step}"] = tags[TAG + f"{TRIAGE}.{step}"]
+                    step_lines.update({k[len(TAG):]: v for k, v in tags.items() if k.startswith(TAG + f"{TRIAGE}.{step}.")})
+                    continue
+                if active.released or not self._owns(active):
+                    return self._stopped(active)
+                self._call(self.store.set_tags, run_id, {STEP: step}, run_id=run_id)
+                self.on_event(Event("step", f"{step} started", run_id))
+                outcome = self._run_step_through_outages(step, run_id, active, scratch)
+                if active.released or not self._owns(active):  # every write waits for this check: a lapsed owner writes nothing
+                    return self._stopped(active)
+                ran.append(step)
+                if not outcome.ok:
+                    reason = f"{step}: {outcome.reason}"
+                    found = "".join(f"; {name} found: {step_lines[f'{TRIAGE}.{name}']}" for name in plan_for(failure)
+                                    if f"{TRIAGE}.{name}" in step_lines)
+                    result = self._result(run, failure, "failed", "", f"triage failed: {reason}{found}", "", reason, ran, results, started)
+                    return self._finish(run, active, result)
+                results[step] = outcome.result
+                lines = _step_lines(step, outcome.result)
+                self._call(self.store.set_tags, run_id, lines, run_id=run_id)  # progress: a restarted triage skips this step
+                step_lines.update(lines)
+                self.on_event(Event("step", f"{step} finished in {outcome.seconds:.1f} s: {lines[f'{TRIAGE}.{step}']}", run_id))
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
         verdict, summary, next_command = _conclude(failure, run_id, step_lines)
         result = self._result(run, failure, "done", verdict, summary, next_command, "", ran, results, started)
         return self._finish(run, active, result)
+
+    def _run_step_through_outages(self, step: str, run_id: str, active: _Active, scratch: str) -> StepOutcome:
+        """A step that failed because the tracking server did not answer (its child could not open the store, or the
+        server is down now) runs again once the server answers: an outage is never the run's verdict."""
+        reruns = 0
+        while True:
+            outcome = self._run_step(step, run_id, active, scratch)
+            if outcome.ok or active.released or active.lost or self.abandon.is_set():
+                return outcome
+            answers = self._store_answers(run_id)
+            said = bool(STORE_TROUBLE.search(outcome.detail)) or f"no run {run_id!r}" in outcome.detail
+            if answers and (not said or reruns >= STORE_RERUNS):
+                return outcome
+            if answers:
+                reruns += 1
+            self.on_event(Event("outage", f"{step} could not reach the tracking server ({outcome.reason}); "
+                                          "running it again when the server answers", run_id))
+            if answers and self.abandon.wait(BACKOFF_FIRST * 2 ** reruns):
+                raise _Abandoned()
+            self._call(self.store.get_run, run_id, run_id=run_id)  # waits out the outage
 
     def _result(self, run, failure, state, verdict, summary, next_command, reason, ran, results, started) -> TriageResult:
         return TriageResult(run_id=run.info.run_id, run_name=run.info.run_name or "", experiment_id=run.info.experiment_id,
@@ -426,16 +606,20 @@ class Watcher:
     def _owns(self, active: _Active) -> bool:
         """Re-read the claim: still ours? (A watcher that stalled past its lease finds a rival's.)"""
         if not active.lost:
-            current = Claim.parse(self.store.get_run(active.run_id).data.tags.get(TAG + CLAIM))
+            run = self._call(self.store.get_run, active.run_id, run_id=active.run_id)
+            current = Claim.parse(run.data.tags.get(TAG + CLAIM))
             active.lost = current is None or current.watcher_id != self.watcher_id
         return not active.lost
 
     def _finish(self, run, active: _Active, result: TriageResult) -> Optional[TriageResult]:
         if not self._owns(active):
             return self._stopped(active)
-        self.publish(result)
-        self._record_final(run, result.state, result.summary, result.next_command, result.reason)
-        active.released = True
+        self._call(self.publish, result, run_id=result.run_id)
+        if not self._owns(active):  # publishing may have waited out an outage
+            return self._stopped(active)
+        self._call(self._record_final, run, result.state, result.summary, result.next_command, result.reason, run_id=result.run_id)
+        with self._lock:
+            active.released = True
         self.counts[result.state] += 1
         self.on_event(Event(result.state, result.summary, result.run_id, result=result))
         return result
@@ -446,13 +630,19 @@ class Watcher:
             tags[REASON] = _tag_line(reason)
         self.store.set_tags(run.info.run_id, tags)
 
-    def _run_step(self, step: str, run_id: str, active: _Active) -> StepOutcome:
-        """One verb in a child process with the memory and time limits; its JSON comes back on a pipe of ours."""
+    def _run_step(self, step: str, run_id: str, active: _Active, scratch: str) -> StepOutcome:
+        """One verb in a child process with the memory and time limits; its JSON comes back on a pipe of ours. It runs
+        in the triage's scratch folder (never the watcher's working folder: nothing there is trusted or importable)
+        with its caches and temporary files there too."""
         argv = [sys.executable, "-m", "replaybisect.verbs.watch.child", str(self.options.memory_mb), "--",
                 *self._verb_args(step, run_id)]
+        work = os.path.join(scratch, "work")
+        env = dict(os.environ, PWD=work, TMPDIR=os.path.join(scratch, "tmp"), REPLAYBISECT_CACHE=os.path.join(scratch, "cache"))
+        if env.get(CODE_DIR_ENV):  # the folders as the watcher reads them, not relative to the child's scratch folder
+            env[CODE_DIR_ENV] = os.pathsep.join(_absolute(part) for part in env[CODE_DIR_ENV].split(os.pathsep) if part.strip())
         started = time.monotonic()
         with tempfile.TemporaryFile() as stderr:
-            process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=stderr, stdin=subprocess.DEVNULL,
+            process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=stderr, stdin=subprocess.DEVNULL, cwd=work, env=env,
                                        start_new_session=True)  # its own group: a timeout stops its workers too
             active.process = process
             try:
@@ -474,11 +664,12 @@ class Watcher:
                 return StepOutcome(step, True, result=json.loads(stdout), seconds=seconds)
             except ValueError:
                 return StepOutcome(step, False, reason="its JSON result did not parse", seconds=seconds)
-        return StepOutcome(step, False, reason=_failure_reason(process.returncode, error_text, self.options.memory_mb), seconds=seconds)
+        return StepOutcome(step, False, reason=_failure_reason(process.returncode, error_text, self.options.memory_mb),
+                           seconds=seconds, detail="\n".join(error_text.splitlines()[-40:]))
 
     def _verb_args(self, step: str, run_id: str) -> list[str]:
         common = ["--run-id", run_id, "--json", "--tracking-uri", self.store.uri]
-        trust = [arg for folder in self.options.code_dirs for arg in ("--code-dir", folder)]
+        trust = [arg for folder in self.options.code_dirs for arg in ("--code-dir", _absolute(folder))]
         trust += [arg for prefix in self.options.trust_prefixes for arg in ("--trust", prefix)]
         if step == "nan":
             return ["nan", *common, *trust]
@@ -529,11 +720,52 @@ def triage_status(store: Store, experiments: list[str]) -> dict[str, Any]:
 
 
 # ---- helpers -------------------------------------------------------------------------------------------------
-def _claimable(tags: dict[str, str], now: float) -> bool:
+def _claimable(tags: dict[str, str], now: float, watcher_id: str = "", take_over: bool = True) -> bool:
+    """Not finished, and no live claim. A lapsed claim of another watcher is taken over only with `take_over`; one
+    given back (expiry 0) or our own is free."""
     if tags.get(TAG + TRIAGE) in FINISHED_STATES:
         return False
     claim = Claim.parse(tags.get(TAG + CLAIM))
-    return claim is None or not claim.live(now)
+    if claim is None or claim.expires <= 0 or claim.watcher_id == watcher_id:
+        return claim is None or not claim.live(now)
+    return not claim.live(now) and take_over
+
+
+def _outage(error: BaseException) -> bool:
+    """The tracking server failed us, not the request: unreachable, restarting, its database down (MLflow's 5xx,
+    connection errors, a store that does not open). A run that does not exist or a bad request is not an outage."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        code = getattr(error, "error_code", None)
+        if isinstance(code, str):
+            return code not in REQUEST_ERRORS
+        if isinstance(error, (OSError, StoreUnreachable)):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
+
+
+def _cause(error: BaseException) -> BaseException:
+    """The server's own error under ours (Store.get_run says RunNotFound for whatever MLflow raised)."""
+    if getattr(error, "error_code", None) is None and not isinstance(error, OSError):
+        inner = error.__cause__ or error.__context__
+        if inner is not None and (getattr(inner, "error_code", None) is not None or isinstance(inner, OSError)):
+            return inner
+    return error
+
+
+def _absolute(folder: str) -> str:
+    return os.path.abspath(os.path.expanduser(folder))
+
+
+def _scratch_folder() -> str:
+    """A fresh folder for one triage: work/ (the children's working folder, empty), cache/ (snapshot downloads),
+    tmp/ (their temporary files); removed when the triage ends."""
+    scratch = tempfile.mkdtemp(prefix="replay-triage-")
+    for name in ("work", "cache", "tmp"):
+        os.mkdir(os.path.join(scratch, name))
+    return scratch
 
 
 def _kill(process: Optional[subprocess.Popen]) -> None:

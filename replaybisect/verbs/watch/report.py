@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import datetime
 import json
+import queue
+import socket
 import threading
-import urllib.error
+import time
 import urllib.request
 from typing import Any, Optional
 
@@ -17,18 +19,24 @@ from replaybisect.verbs.watch.engine import Event, TriageResult
 
 REPORT_MD = "triage/triage.md"
 REPORT_JSON = "triage/triage.json"
-NOTIFY_TIMEOUT = 10  # seconds: a slow webhook must not hold a triage slot
-STYLE = {"done": "green", "failed": "red", "lost": "yellow", "released": "yellow", "error": "red", "claimed": "cyan", "health": "blue"}
+NOTIFY_TIMEOUT = 10.0  # seconds one notification may take in all (--notify-timeout)
+STYLE = {"done": "green", "failed": "red", "lost": "yellow", "released": "yellow", "outage": "yellow", "error": "red",
+         "claimed": "cyan", "health": "blue"}
 
 
 class EventLog:
-    """Called by the watcher's threads for each event: one log line each, and a notification for each finished triage."""
+    """Called by the watcher's threads for each event: one log line each, and a notification for each finished triage.
+    Notifications are posted by a thread of their own, each within a total deadline (`notify_timeout`), so a slow or
+    trickling webhook never holds a triage slot; close() gives the queued ones at most `notify_timeout` more."""
 
-    def __init__(self, as_json: bool = False, notify_url: Optional[str] = None):
+    def __init__(self, as_json: bool = False, notify_url: Optional[str] = None, notify_timeout: float = NOTIFY_TIMEOUT):
         self.as_json = as_json
         self.notify_url = notify_url
+        self.notify_timeout = notify_timeout
         self._lock = threading.Lock()
         self._console = None
+        self._queue: "queue.Queue[Optional[TriageResult]]" = queue.Queue()
+        self._sender: Optional[threading.Thread] = None
         if not as_json:
             from rich.console import Console
 
@@ -37,7 +45,11 @@ class EventLog:
     def __call__(self, event: Event) -> None:
         self.write(event)
         if event.result is not None and self.notify_url:
-            self._notify(event.result)
+            with self._lock:
+                if self._sender is None:
+                    self._sender = threading.Thread(target=self._send_queued, name="replay-watch-notify", daemon=True)
+                    self._sender.start()
+            self._queue.put(event.result)
 
     def write(self, event: Event) -> None:
         with self._lock:
@@ -47,13 +59,47 @@ class EventLog:
             else:
                 self._console.print(_rich_line(event), highlight=False)
 
+    def close(self) -> None:
+        """Wait for the queued notifications, `notify_timeout` seconds at most in all; say what was not sent."""
+        if self._sender is None:
+            return
+        self._queue.put(None)
+        self._sender.join(self.notify_timeout + 1.0)  # the one in flight is cut at its own deadline before this
+        unsent = [item for item in _drain(self._queue) if item is not None]
+        if self._sender.is_alive():
+            unsent.append(None)  # the one in flight
+        if unsent:
+            self.write(Event("error", f"{len(unsent)} notification(s) to {_host(self.notify_url)} not sent: "
+                                      f"the webhook did not answer within {self.notify_timeout:g} s before shutdown"))
+
+    def _send_queued(self) -> None:
+        while True:
+            result = self._queue.get()
+            if result is None:
+                return
+            self._notify(result)
+
     def _notify(self, result: TriageResult) -> None:
         try:
-            post_json(self.notify_url, notification(result))
+            post_json(self.notify_url, notification(result), self.notify_timeout)
             self.write(Event("notified", f"notification sent to {_host(self.notify_url)}", result.run_id))
-        except (urllib.error.URLError, OSError, ValueError) as error:
-            reason = getattr(error, "reason", error)
+        except Exception as error:  # whatever it was, one line: this thread posts the next one
+            reason = getattr(error, "reason", None) or _one_line_error(error)
             self.write(Event("error", f"notification to {_host(self.notify_url)} failed: {reason}", result.run_id))
+
+
+def _drain(items: queue.Queue) -> list:
+    drained = []
+    while True:
+        try:
+            drained.append(items.get_nowait())
+        except queue.Empty:
+            return drained
+
+
+def _one_line_error(error: BaseException) -> str:
+    text = " ".join(str(error).split())
+    return text or type(error).__name__
 
 
 def event_json(event: Event) -> dict[str, Any]:
@@ -107,11 +153,70 @@ def notification(result: TriageResult) -> dict[str, Any]:
     }
 
 
-def post_json(url: str, payload: dict[str, Any]) -> None:
+class NotifyDeadline(OSError):
+    """The webhook did not answer within the total deadline."""
+
+
+class _Watched:
+    """A urllib handler mixin that keeps the connections it opens, so a deadline can cut them (urllib's own timeout
+    is per socket operation: a server trickling a byte at a time never reaches it). Proxies work as with urlopen."""
+
+    def __init__(self, connections: list, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._connections = connections
+
+    def do_open(self, http_class, request, **kwargs):
+        def opened(*args, **kw):
+            connection = http_class(*args, **kw)
+            self._connections.append(connection)
+            return connection
+
+        return super().do_open(opened, request, **kwargs)
+
+
+class _HTTPHandler(_Watched, urllib.request.HTTPHandler):
+    pass
+
+
+class _HTTPSHandler(_Watched, urllib.request.HTTPSHandler):
+    pass
+
+
+def post_json(url: str, payload: dict[str, Any], timeout: float = NOTIFY_TIMEOUT) -> None:
+    """POST `payload` as JSON and read the answer, all within `timeout` seconds (connect, send, answer, body)."""
+    connections: list = []
+    expired = threading.Event()
+
+    def cut() -> None:
+        expired.set()
+        for connection in list(connections):
+            sock = getattr(connection, "sock", None)
+            if sock is not None:
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)  # a blocked read returns at once
+                except OSError:
+                    pass
+
+    opener = urllib.request.build_opener(_HTTPHandler(connections), _HTTPSHandler(connections))
     request = urllib.request.Request(url, data=json.dumps(payload, default=json_default).encode(), method="POST",
                                      headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=NOTIFY_TIMEOUT) as response:
-        response.read()
+    timer = threading.Timer(timeout, cut)
+    timer.daemon = True
+    started = time.monotonic()
+    timer.start()
+    try:
+        with opener.open(request, timeout=timeout) as response:
+            response.read()
+    except Exception as error:
+        if expired.is_set() or time.monotonic() - started >= timeout:
+            raise NotifyDeadline(f"no answer within {timeout:g} s") from None
+        raise
+    finally:
+        timer.cancel()
+        for connection in connections:
+            connection.close()
+    if expired.is_set():
+        raise NotifyDeadline(f"no answer within {timeout:g} s")
 
 
 def _host(url: str) -> str:
