@@ -62,9 +62,19 @@ def __getattr__(name: str):
 
 
 def _store(tracking_uri: Optional[str]):
+    """The store a recording function writes to: created when new."""
     from replaybisect.store import open_store
 
     return open_store(tracking_uri)
+
+
+def _run_store(tracking_uri: Optional[str], run_id: str):
+    """The store holding `run_id`, for a function that examines it: looked up first, and never created."""
+    from replaybisect.store import locate_store, open_store, require_run
+
+    location = locate_store(tracking_uri)
+    require_run(location, run_id)
+    return open_store(location.uri, create=False)
 
 
 def _arguments(*, tracking_uri=None, run_id="-", step=None, run_name=None) -> None:
@@ -102,7 +112,7 @@ def train(
 
     cfg = config_mod.compose(config_dir, config_name, list(overrides))
     code_folder = Path(config_dir).resolve() if config_dir else Path.cwd()
-    return train_run(cfg, _store(tracking_uri), run_name=run_name or run_label(cfg, config_dir, config_name),
+    return train_run(cfg, lambda: _store(tracking_uri), run_name=run_name or run_label(cfg, config_dir, config_name),
                      code_folder=code_folder)
 
 
@@ -121,7 +131,7 @@ def find_nan(
     _arguments(tracking_uri=tracking_uri, run_id=run_id, step=step)
     from replaybisect.verbs.nan.engine import find_nan as find
 
-    store = _store(tracking_uri)
+    store = _run_store(tracking_uri, run_id)
     report = find(store, run_id, step, trust=_trust(code_dirs, trust))
     if publish:
         from replaybisect.verbs.nan.report import publish as publish_report
@@ -147,7 +157,7 @@ def ablate(
     _arguments(tracking_uri=tracking_uri, run_id=run_id)
     from replaybisect.verbs.ablate import engine
 
-    store = _store(tracking_uri)
+    store = _run_store(tracking_uri, run_id)
     options = {"horizon": horizon} if horizon is not None else {}
     result = engine.ablate(
         store, run_id, list(arms) if not isinstance(arms, str) else arms,
@@ -212,13 +222,17 @@ def check(
 
     if run_id and (overrides or config_dir is not None):
         raise ReplayError("pass either run_id or a config (config_dir/overrides), not both")
+    from replaybisect.verbs.check.engine import select
+
     options = CheckOptions(only=list(only) if only else None)
+    select(options.only)  # an unknown check is bad input before any store is opened
     cfg = None if run_id else config_mod.compose(config_dir, config_name, list(overrides))
-    store = _store(tracking_uri)
+    store = _run_store(tracking_uri, run_id) if run_id else None  # a config needs a store only to publish
     report = run_check(store, cfg=cfg, run_id=run_id, options=options, trust=_trust(code_dirs, trust) if run_id else None)
     if publish:
         from replaybisect.verbs.check.report import publish as publish_report
 
+        store = store or _store(tracking_uri)
         code_folder = None if run_id else (Path(config_dir).resolve() if config_dir else Path.cwd())
         publish_report(store, report, cfg, code_folder=code_folder)
     return report
@@ -229,7 +243,7 @@ def diagnose(run_id: str, *, tracking_uri: Optional[str] = None, publish: bool =
     _arguments(tracking_uri=tracking_uri, run_id=run_id)
     from replaybisect.verbs.diagnose.engine import analyse, load_curves
 
-    store = _store(tracking_uri)
+    store = _run_store(tracking_uri, run_id)
     curves = load_curves(store, run_id)
     result = analyse(curves)
     if publish:

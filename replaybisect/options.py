@@ -49,15 +49,23 @@ def run_store(tracking_uri: Optional[str], run_id: str):
     location = locate_store(tracking_uri)
     require_run(location, run_id)
     announce_store(location)
-    return open_store(location.uri)
+    return open_store(location.uri, create=False)
 
 
-def recording_store(tracking_uri: Optional[str]):
-    """The store a recording command writes to (train, check with a config, bisect): created when new."""
-    from replaybisect.store import locate_store, open_store
+def recording_store(tracking_uri: Optional[str], later: bool = False):
+    """The store a recording command writes to (train, check with a config, bisect): created when new.
+    `later=True`: what can be checked without creating it is checked now (an unreachable server, a missing folder,
+    a file that is not a store), and a function that opens (or creates) it is returned, for the command to call once
+    its input has been validated and built: bad input never creates a store."""
+    import functools
+
+    from replaybisect.store import check_store, locate_store, open_store
 
     location = locate_store(tracking_uri)
     announce_store(location, creating=True)
+    if later:
+        check_store(location.uri)
+        return functools.partial(open_store, location.uri)
     return open_store(location.uri)
 
 

@@ -236,7 +236,7 @@ def _replay_arm(spec: dict[str, Any], on_step: Optional[Callable[[int], None]] =
     from replaybisect.store import open_store
 
     started = time.perf_counter()
-    store = open_store(spec["tracking_uri"])
+    store = open_store(spec["tracking_uri"], create=False)  # the parent opened it: it exists
     run_id, start = spec["run_id"], spec["start_step"]
     cfg = restore_mod.run_config(store, run_id, Trust.from_json(spec["trust"]))  # the user's decision, not the run's tag
     change = _arm_change(cfg, spec)

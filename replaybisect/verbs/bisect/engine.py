@@ -68,6 +68,15 @@ MIN_NOISE_FRACTION = 0.05  # sigma floor as a fraction of the endpoint gap (dete
 from replaybisect.core.thresholds import REPLAY_RELATIVE_TOLERANCE as REPRODUCE_RTOL  # noqa: E402  (Megatron-Core)
 MIN_EFFECT_OF_SPREAD = 0.1  # a BAD less than a tenth of GOOD's seed spread worse is "equal within noise"
 TAIL_FRACTION = 0.1  # the metric: mean over the last 10% of logged steps (DESIGN §5)
+# What `replay train` logs (replaybisect/recorder.py): a trial's --metric is one of these, or a per-layer one
+TRAIN_METRICS = ("loss", "val_loss", "grad_norm", "lr", "param_norm", "update_ratio", "step_time", "data_time",
+                 "snapshot_blocking_time")
+LAYER_METRICS = ("grad_norm/", "weight_norm/", "act_zero_frac/", "act_sat_frac/")  # + the layer's module name
+
+
+def is_train_metric(name: str) -> bool:
+    """Whether `replay train` logs a metric of this name (a trial's --metric)."""
+    return name in TRAIN_METRICS or (name.startswith(LAYER_METRICS) and not name.endswith("/"))
 TRIAL_THREADS = "1"  # OMP_NUM_THREADS of a trial when the user has not set it
 CRASH_RETRIES = 1  # a trial that crashed (exit 1) or was killed runs once more before its commit is skipped
 OUTPUT_TAIL = 4000  # characters of a trial's output kept with its run
@@ -908,6 +917,9 @@ def bisect(
                           "commit), e.g. --config-dir conf")
     if cmd is not None and not cmd.strip():
         raise ReplayError("--cmd is empty; pass the command to run at each commit")
+    if cmd is None and not is_train_metric(metric):
+        raise ReplayError(f"--metric {metric!r} is not a metric `replay train` logs; choose one of {', '.join(TRAIN_METRICS)} "
+                          f"or a layer's ({', '.join(prefix + 'LAYER' for prefix in LAYER_METRICS)})")
 
     # 1. Read-only questions to the user's repository: nothing is written there.
     user = UserRepo.open(repo)
@@ -918,7 +930,15 @@ def bisect(
     if not user.is_ancestor(good_sha, bad_sha):
         raise GitError(f"GOOD {good_sha[:10]} is not an ancestor of BAD {bad_sha[:10]}; "
                        "pass a GOOD commit that BAD's history contains (see `git log --graph`)")
+    if cmd is None:  # each trial trains the config as the commit has it: one missing at an endpoint is bad input
+        config_file = (Path(config_dir) / config_name).as_posix()
+        config_file += "" if config_file.endswith((".yaml", ".yml")) else ".yaml"
+        for sha, what in ((good_sha, "GOOD"), (bad_sha, "BAD")):
+            if not user.has_file(sha, config_file):
+                raise ReplayError(f"--config-dir {config_dir} --config-name {config_name}: {config_file} is not in {what} "
+                                  f"{sha[:10]}; pass the config folder (relative to the repository root) and name it trains")
 
+    # 2. Only now, with the input valid, the store (created when new).
     from replaybisect.store import open_store, resolve_tracking_uri
 
     store = open_store(_store_outside_repo(absolute_tracking_uri(resolve_tracking_uri(tracking_uri)), user))
@@ -928,7 +948,7 @@ def bisect(
 
     launcher = Launcher()  # its forkserver starts with the first trial run: a fully cached bisect never imports torch
 
-    # 2. A private clone in the cache, one worktree per worker; removed on the way out, Ctrl-C included.
+    # 3. A private clone in the cache, one worktree per worker; removed on the way out, Ctrl-C included.
     with PrivateClone(user, workers) as clone:
         history = [good_sha] + clone.first_parent_range(good_sha, bad_sha)
         subjects = clone.subjects(history)

@@ -85,6 +85,12 @@ class UserRepo:
         except subprocess.CalledProcessError:
             raise GitError(f"{what} {rev!r} is not a commit in {self.path}; check it with `git log --oneline`") from None
 
+    def has_file(self, sha: str, path: str) -> bool:
+        """Whether commit `sha` holds the file `path` (relative to the repository root); read-only."""
+        done = subprocess.run(["git", "cat-file", "-e", f"{sha}:{path}"], cwd=self.path, env=clean_git_env(),
+                              capture_output=True)
+        return done.returncode == 0
+
     def is_ancestor(self, older: str, newer: str) -> bool:
         done = subprocess.run(["git", "merge-base", "--is-ancestor", older, newer], cwd=self.path,
                               env=clean_git_env(), capture_output=True)

@@ -68,11 +68,14 @@ def check_command(
     from replaybisect.core.trust import Trust
 
     trust = Trust.from_user(code_dirs or (), trust_prefixes or ()) if run_id else None
-    store = store or recording_store(tracking_uri)
+    # a config's checks need no store: it is opened (created) only to record the report, so a config that does not
+    # build creates nothing
+    open_later = None if store else recording_store(tracking_uri, later=True)
     code_folder = None if run_id else (config_dir.resolve() if config_dir else Path.cwd())
     from replaybisect.options import say
 
     report = check(store, cfg=cfg, run_id=run_id, options=options, trust=trust, progress=lambda name: say(f"check: {name}"))
+    store = store or open_later()
     publish(store, report, cfg, code_folder=code_folder)
     if as_json:
         print_json(report.to_json())

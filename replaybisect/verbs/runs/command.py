@@ -33,7 +33,7 @@ def runs_command(
         from replaybisect.store import open_store
         from replaybisect.verbs.runs.engine import recent_runs
 
-        summaries = recent_runs(open_store(location.uri), limit=limit, kind=kind_filter, status=status)
+        summaries = recent_runs(open_store(location.uri, create=False), limit=limit, kind=kind_filter, status=status)
     if as_json:
         print_json({"tracking_uri": location.uri, "store": location.shown, "runs": [s.to_json() for s in summaries]})
     else:

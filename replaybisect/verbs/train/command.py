@@ -56,7 +56,7 @@ def train_command(
     from replaybisect.options import recording_store
     from replaybisect.verbs.train.engine import train
 
-    store = recording_store(tracking_uri)
+    store = recording_store(tracking_uri, later=True)  # opened (created) once the config has built: bad input creates nothing
     code_folder = config_dir.resolve() if config_dir else Path.cwd()
     with StepProgress("training", starting="building the model, data and optimizer") as bar:
         result = train(

@@ -57,7 +57,7 @@ def git_info(folder: Path) -> dict[str, str]:
 
 def train(
     cfg,
-    store: Store,
+    store: Store | Callable[[], Store],
     *,
     run_name: str | None = None,
     parent_run_id: str | None = None,
@@ -70,7 +70,8 @@ def train(
 
     Ctrl-C and SIGTERM (raised as Terminated while training, in the main thread) end the run KILLED with
     status "killed" after flushing metrics and finishing the snapshot in flight; a full disk ends it FAILED
-    with status "crashed" and failure "disk-full"; any other error FAILED/"crashed"."""
+    with status "crashed" and failure "disk-full"; any other error FAILED/"crashed". `store` may be a function
+    that opens it: called once the model and data have built, so a config that does not build creates no store."""
     from replaybisect.core import loop
     from replaybisect.recorder import NullHooks, Recorder
     from replaybisect.core.rng import isolated_rng
@@ -78,6 +79,8 @@ def train(
     # 1. build first: a config that does not build never creates a run
     state = loop.build_state(cfg)
     batch_source, val_dataset = loop.build_data(cfg)
+    if not isinstance(store, Store):
+        store = store()
 
     # 2. the run: params, config, tags
     code_folder = code_folder or Path.cwd()
