@@ -9,7 +9,9 @@ import http.server
 import json
 import os
 import signal
+import socket
 import subprocess
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -311,6 +313,8 @@ def test_sigterm_releases_sigkill_leaves_a_lease_and_the_next_watcher_resumes(te
     _wait_for_tag(team, run_id, "replaybisect.triage.step", "ablate", second)
     second.kill()
     second.communicate(timeout=60)
+    left = list(Path(tempfile.gettempdir()).glob(f"replay-triage-{socket.gethostname()}-{second.pid}-*"))
+    assert left, "the killed watcher's scratch folder"
     tags = tags_of(team, run_id)
     assert tags["replaybisect.triage"] == "running" and tags["replaybisect.triage.attempts"] == "1"  # a release is no attempt
     assert tags["replaybisect.triage.nan"] == "forward in gate (torch.exp) at step 20"
@@ -329,6 +333,7 @@ def test_sigterm_releases_sigkill_leaves_a_lease_and_the_next_watcher_resumes(te
     assert steps[0] == "ablate started" and not any(message.startswith("nan") for message in steps), steps
     (done,) = [event["result"] for event in events(last.stdout) if event["event"] == "done"]
     assert done["steps"] == ["ablate"] and done["verdict"] == "forward"
+    assert not any(folder.exists() for folder in left)  # removed by the next watcher
     tags = tags_of(team, run_id)
     assert tags["replaybisect.triage"] == "done" and tags["replaybisect.triage.attempts"] == "2"
     assert tags["replaybisect.triage.summary"].startswith("forward in gate (torch.exp) at step 20; ablate: ")

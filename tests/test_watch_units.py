@@ -9,6 +9,7 @@ import os
 import signal
 import socket
 import subprocess
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -372,7 +373,8 @@ def test_triage_runs_in_a_scratch_folder_not_the_watchers(workspace):
     assert not marker.exists()
     tags = store.tags(run_id)
     assert tags["triage"] == "failed" and tags["triage.reason"].startswith("nan: exit 2: ") and "evilmod" in tags["triage.reason"], tags
-    assert not list(workspace.path.glob("replay-triage-*"))
+    watcher_pid = _events(result.stdout)[0]["watcher_id"].split("-")[-2]
+    assert not list(Path(tempfile.gettempdir()).glob(f"replay-triage-*-{watcher_pid}-*"))  # its scratch folder removed
 
 
 def test_the_compose_file_runs_the_watcher_as_the_images_unprivileged_user():

@@ -280,6 +280,7 @@ class Watcher:
         """Poll until stopped (or, with once, until nothing claimable is left); returns the counts."""
         watched = ", ".join(self.options.experiments) or "all experiments"
         self.on_event(Event("start", f"watching {self.store.uri} ({watched}) as {self.watcher_id}", data=self.health()))
+        remove_dead_scratch_folders()  # a watcher killed with SIGKILL could not remove its own
         heartbeat = threading.Thread(target=self._renew_leases, name="replay-watch-leases", daemon=True)
         heartbeat.start()
         futures: set[Future] = set()
@@ -759,13 +760,41 @@ def _absolute(folder: str) -> str:
     return os.path.abspath(os.path.expanduser(folder))
 
 
+SCRATCH_PREFIX = "replay-triage-"
+
+
 def _scratch_folder() -> str:
     """A fresh folder for one triage: work/ (the children's working folder, empty), cache/ (snapshot downloads),
-    tmp/ (their temporary files); removed when the triage ends."""
-    scratch = tempfile.mkdtemp(prefix="replay-triage-")
+    tmp/ (their temporary files); removed when the triage ends. Its name says whose it is (host and watcher pid),
+    so a watcher killed with SIGKILL leaves one that the next watcher on this host removes."""
+    scratch = tempfile.mkdtemp(prefix=f"{SCRATCH_PREFIX}{socket.gethostname()}-{os.getpid()}-")
     for name in ("work", "cache", "tmp"):
         os.mkdir(os.path.join(scratch, name))
     return scratch
+
+
+def remove_dead_scratch_folders() -> list[str]:
+    """Scratch folders of watchers of this host (and PID namespace) that are gone; returns the ones removed."""
+    removed = []
+    prefix = f"{SCRATCH_PREFIX}{socket.gethostname()}-"
+    try:
+        names = os.listdir(tempfile.gettempdir())
+    except OSError:
+        return removed
+    for name in names:
+        pid = name[len(prefix):].split("-", 1)[0] if name.startswith(prefix) else ""
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            os.kill(int(pid), 0)
+            continue  # alive
+        except ProcessLookupError:
+            pass
+        except OSError:  # another user's: alive, or not ours to remove
+            continue
+        shutil.rmtree(os.path.join(tempfile.gettempdir(), name), ignore_errors=True)
+        removed.append(name)
+    return removed
 
 
 def _kill(process: Optional[subprocess.Popen]) -> None:
