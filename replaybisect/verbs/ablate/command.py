@@ -85,7 +85,7 @@ def ablate_command(
         print_result(result)
 
 
-SUBMITIT_CLUSTERS = ("slurm", "local", "debug")  # what submitit.AutoExecutor runs on
+SUBMITIT_CLUSTERS = ("slurm", "local", "debug")  # what submitit.AutoExecutor runs on (without plugins)
 
 
 def _check_submitit(executor: str, cluster: Optional[str], folder: str) -> None:
@@ -94,9 +94,16 @@ def _check_submitit(executor: str, cluster: Optional[str], folder: str) -> None:
 
     from replaybisect.errors import ReplayError
 
-    if cluster is not None and cluster not in SUBMITIT_CLUSTERS:
-        raise ReplayError(f"--cluster {cluster[:80]!r} is not a submitit cluster; use {', '.join(SUBMITIT_CLUSTERS)} "
-                          "(or leave it out: slurm when sbatch exists, else local)")
+    if cluster is not None:
+        try:  # submitit's own registry: its executor plugins count too
+            from submitit.core.plugins import get_executors
+
+            known = tuple(get_executors())
+        except Exception:  # noqa: BLE001 - submitit missing or changed: its built-in executors
+            known = SUBMITIT_CLUSTERS
+        if cluster not in known:
+            raise ReplayError(f"--cluster {cluster[:80]!r} is not a submitit cluster; use {', '.join(known)} "
+                              "(or leave it out: slurm when sbatch exists, else local)")
     if executor != "submitit":
         return
     path = Path(folder).expanduser().absolute()
