@@ -25,7 +25,7 @@ import pytest
 
 from conftest import EXAMPLES, Workspace, assert_one_line_error, train_example
 
-try:  # at collection: composing the built-in config puts replaybisect/ on sys.path, where lightning.py is ours
+try:
     import lightning
 except ImportError:
     lightning = None
@@ -91,7 +91,7 @@ def test_nan_on_a_device_this_machine_lacks_is_one_line(tmp_path):
 
 
 def test_nan_device_meta_is_not_a_device_to_replay_on():
-    from replaybisect.core.loop import resolve_device
+    from replaybisect.core.device import resolve_device
     from replaybisect.errors import ConfigError
 
     with pytest.raises(ConfigError, match="--device 'meta' is not a device"):

@@ -104,3 +104,13 @@ def test_flatten_of_a_composed_config_names_every_leaf():
     flat = config_mod.flatten(config_mod.compose(overrides=["train.steps=9"]))
     assert flat["train.steps"] == 9 and flat["model._target_"] == "replaybisect.models.MLP"
     assert flat["train.clip_grad_norm"] == "null"
+
+
+def test_composing_the_built_in_config_puts_none_of_replaybisects_folders_on_sys_path():
+    """replaybisect/ on sys.path would make `import lightning` find replaybisect/lightning.py (a notebook that
+    calls rb.train() and then imports lightning)."""
+    import sys
+
+    package = str(config_mod.BUILTIN_CONFIG_DIR.parent.resolve())
+    config_mod.compose()
+    assert package not in sys.path and str(config_mod.BUILTIN_CONFIG_DIR) not in sys.path

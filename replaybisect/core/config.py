@@ -126,7 +126,8 @@ def compose(config_dir: str | Path | None = None, config_name: str | None = None
     if not (config_dir / f"{config_name}.yaml").is_file():
         raise ConfigError(f"no {config_name}.yaml in {config_dir}; pass --config-name with one of its configs")
     overrides = list(overrides or [])
-    add_code_paths(Path.cwd(), config_dir.parent, config_dir)
+    # the user's folders, never replaybisect's own (its package folder would shadow `lightning` with lightning.py)
+    add_code_paths(Path.cwd(), *([] if config_dir == BUILTIN_CONFIG_DIR else [config_dir.parent, config_dir]))
     if config_dir != BUILTIN_CONFIG_DIR:
         # Built-in groups (model=mlp, data=digits, ...) are available to user configs too.
         overrides.append(f"hydra.searchpath=[file://{BUILTIN_CONFIG_DIR}]")
@@ -324,7 +325,7 @@ def validate(cfg) -> None:
     if cfg.snapshot.on_nonfinite not in ("stop", "continue"):
         problems.append(f"snapshot.on_nonfinite={cfg.snapshot.on_nonfinite!r} is not one of stop, continue")
     if cfg.train.loop == "builtin" and cfg.train.device != "auto":  # a device that is not here: before any store or run
-        from replaybisect.core.loop import resolve_device
+        from replaybisect.core.device import resolve_device
 
         try:
             resolve_device(cfg.train.device)

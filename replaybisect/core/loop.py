@@ -27,6 +27,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler, default_collate
 
 from replaybisect.core import user_step
 from replaybisect.core.snapshot import like
+from replaybisect.core.device import resolve_device
 from replaybisect.core.config import build_optimizer, check_closure_optimizer, instantiate, needs_closure
 from replaybisect.core.observer import StepObserver, forward_context as _forward_context, notify as _notify  # noqa: F401 (StepObserver: loop.StepObserver)
 from replaybisect.errors import ConfigError
@@ -207,33 +208,6 @@ class TrainState:
         return [p for group in self.optimizer.param_groups for p in group["params"]]
 
 
-DEVICE_TYPES = ("cpu", "cuda", "mps")  # what a run trains and replays on (meta, xla, ... hold no numbers to replay)
-
-
-def resolve_device(name: str, option: str = "train.device") -> torch.device:
-    """The device `name` names, checked to exist here: auto | cpu | cuda | cuda:N | mps. `option` is how the
-    user gave it (train.device=..., --device ...), for the one-line error."""
-    given = f"{option}={name!r}" if option.startswith("train.") else f"{option} {name!r}"
-    if not isinstance(name, str):
-        raise ConfigError(f"{given} is not a device name; use auto, cpu, cuda or cuda:N")
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(name)
-    except (RuntimeError, ValueError):
-        device = None
-    if device is None or device.type not in DEVICE_TYPES:
-        raise ConfigError(f"{given[:120]} is not a device to train on; use auto, cpu, cuda or cuda:N")
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ConfigError(f"{given} but CUDA is not available here; use cpu")
-        count = torch.cuda.device_count()
-        if device.index is not None and device.index >= count:
-            raise ConfigError(f"{given} but this machine has {count} CUDA device{'' if count == 1 else 's'} "
-                              f"(cuda:0{'' if count == 1 else f'..cuda:{count - 1}'})")
-    if device.type == "mps" and not (torch.backends.mps.is_built() and torch.backends.mps.is_available()):
-        raise ConfigError(f"{given} but MPS (Apple's GPU) is not available here; use cpu")
-    return device
 
 
 def build_state(cfg, device: torch.device | None = None) -> TrainState:

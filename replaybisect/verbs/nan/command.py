@@ -41,7 +41,7 @@ def nan_command(
 
     torch_device = None
     if device:  # a bad device is bad input before the store is opened
-        from replaybisect.core.loop import resolve_device
+        from replaybisect.core.device import resolve_device
 
         torch_device = resolve_device(device, "--device")
     from replaybisect.core.trust import Trust
