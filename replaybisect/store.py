@@ -539,6 +539,59 @@ def _creation_lock(database: Path):
                     lock_path.unlink()
 
 
+def _template_path() -> Path | None:
+    """Where a freshly migrated, empty store of this MLflow's schema is kept: MLflow runs some 70 migrations to
+    make a new store (seconds), and their result is the same for every new store of one MLflow version."""
+    head, _ = _schema_head()
+    if head is None:
+        return None
+    import mlflow
+
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "replaybisect" / "stores"
+    return cache / f"mlflow-{mlflow.__version__}-{head}.db"
+
+
+def _copy_template(temp: Path, artifact_root: Path) -> bool:
+    """Make `temp` a copy of the kept template, its Default experiment's artifact folder set as MLflow would set it
+    (`<artifact root>/0`); False when there is no sound template (then MLflow migrates `temp` itself)."""
+    import shutil
+    import sqlite3
+
+    template = _template_path()
+    if template is None or not template.is_file():
+        return False
+    state = inspect_sqlite(template)
+    if state.kind != "current" or state.holds_data:
+        return False
+    shutil.copyfile(template, temp)
+    now = int(time.time() * 1000)
+    connection = sqlite3.connect(temp)
+    try:
+        with connection:
+            connection.execute("UPDATE experiments SET artifact_location = ?, creation_time = ?, last_update_time = ? "
+                               "WHERE experiment_id = 0", (str(artifact_root / "0"), now, now))
+    finally:
+        connection.close()
+    return True
+
+
+def _save_template(migrated: Path) -> None:
+    """Keep a copy of a store MLflow just migrated, for the next new store (best effort: a cache)."""
+    import shutil
+
+    template = _template_path()
+    if template is None or template.is_file():
+        return
+    partial = template.with_name(f".{template.name}.{os.getpid()}-{os.urandom(3).hex()}")
+    try:
+        template.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(migrated, partial)
+        os.replace(partial, template)
+    except OSError:  # a read-only or full home: the next store migrates again
+        with suppress(OSError):
+            partial.unlink()
+
+
 def _build_sqlite_store(database: Path) -> None:
     """Create (or rebuild, when found half-made and holding nothing) the store at `database` atomically:
     MLflow's migrations run on a temp file beside it, which is fsynced and then renamed into place, so
@@ -560,12 +613,14 @@ def _build_sqlite_store(database: Path) -> None:
         temp = database.with_name(f"{CREATING.format(name=database.name)}{os.getpid()}-{os.urandom(3).hex()}")
         temp_uri = f"sqlite:///{temp}"
         try:
-            try:
-                SqlAlchemyStore(temp_uri, str(database.parent / "mlruns"))  # every migration, and the Default experiment
-            finally:  # MLflow keeps an engine per URI: closed, so no connection outlives the temp file
-                engine = getattr(SqlAlchemyStore, "_engine_map", {}).pop(temp_uri, None)
-                if engine is not None:
-                    engine.dispose()
+            if not _copy_template(temp, database.parent / "mlruns"):
+                try:
+                    SqlAlchemyStore(temp_uri, str(database.parent / "mlruns"))  # every migration, and the Default experiment
+                finally:  # MLflow keeps an engine per URI: closed, so no connection outlives the temp file
+                    engine = getattr(SqlAlchemyStore, "_engine_map", {}).pop(temp_uri, None)
+                    if engine is not None:
+                        engine.dispose()
+                _save_template(temp)
             _fsync(temp)
             if state.kind == "missing":
                 try:

@@ -103,3 +103,39 @@ def test_artifacts_of_a_sqlite_store_live_beside_the_database(store, tmp_path):
     run_id = store.create_run("train")
     folder = store.local_artifact_dir(run_id)
     assert folder is not None and folder.is_relative_to(tmp_path / "mlruns")
+
+
+def test_a_new_store_made_from_the_kept_template_is_the_store_mlflow_migrates(tmp_path, monkeypatch):
+    """The first new store runs MLflow's migrations and keeps the result; the next is a copy of it (seconds
+    faster), with the same schema and version and its Default experiment's artifact folder beside it."""
+    import sqlite3
+
+    from replaybisect import store as store_mod
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    template = store_mod._template_path()
+    assert template is not None and not template.exists()
+
+    def schema(database):
+        connection = sqlite3.connect(database)
+        try:
+            tables = sorted(connection.execute("SELECT type, name, sql FROM sqlite_master WHERE name NOT LIKE 'sqlite_%'"))
+            version = connection.execute("SELECT version_num FROM alembic_version").fetchall()
+            default = connection.execute("SELECT name, artifact_location FROM experiments WHERE experiment_id = 0").fetchall()
+            return tables, version, default
+        finally:
+            connection.close()
+
+    migrated, copied = tmp_path / "a" / "mlflow.db", tmp_path / "b" / "mlflow.db"
+    for database in (migrated, copied):
+        database.parent.mkdir()
+        open_store(f"sqlite:///{database}")
+        assert template.is_file()
+    tables_a, version_a, default_a = schema(migrated)
+    tables_b, version_b, default_b = schema(copied)
+    assert tables_a == tables_b and version_a == version_b
+    assert default_a == [("Default", str(migrated.parent / "mlruns" / "0"))]
+    assert default_b == [("Default", str(copied.parent / "mlruns" / "0"))]
+    assert store_mod.inspect_sqlite(copied).kind == "current"
+    run_id = open_store(f"sqlite:///{copied}").create_run("train")
+    assert open_store(f"sqlite:///{copied}").tags(run_id)["kind"] == "train"
