@@ -128,10 +128,10 @@ def print_train_result(result) -> None:
 def print_runs(summaries, location) -> None:
     if not summaries:
         if location.exists:
-            console.print(f"no runs yet in {location.shown}; start one with [bold]replay train[/bold]")
+            console.print(f"no runs yet in {location.shown}; start one with [bold]replay train[/bold]", soft_wrap=True)
         else:
             console.print(f"no runs yet: no mlflow.db in {Path.cwd()} or a folder above it (the store would be "
-                          f"{location.shown}); start one with [bold]replay train[/bold]")
+                          f"{location.shown}); start one with [bold]replay train[/bold]", soft_wrap=True)  # paths unbroken
         return
     rows = []
     for run in summaries:

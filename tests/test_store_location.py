@@ -90,3 +90,12 @@ def test_piped_tables_keep_whole_words(tmp_path):
             assert _words(entry["description"]) <= _words(narrow.stdout), (columns, entry, narrow.stdout)
     listed = _replay(tmp_path, "ablate", "--list", COLUMNS="20").stdout
     assert "- arm: lr" in listed and "│" not in listed  # too narrow for whole words: a plain list
+
+
+def test_no_runs_yet_names_a_long_folder_unbroken(tmp_path):
+    """Piped output is 80 columns wide to rich: a path must not be cut by a line break (copy-paste)."""
+    deep = tmp_path / ("a_folder_with_a_long_name_" * 3) / "and_another_one_below_it"
+    deep.mkdir(parents=True)
+    result = _replay(deep, "runs")
+    assert result.returncode == 0, result.stderr
+    assert f"no mlflow.db in {deep} or a folder above it" in result.stdout.splitlines()[0]
