@@ -36,7 +36,7 @@ PLANTS: dict[str, tuple[tuple[str, ...], tuple[str, ...], int]] = {
     "detached": (user("detached"), ("train.steps=120",), 0),  # detached logits: no gradient anywhere
     "spikes": (user("spikes"), (), 0),  # garbage rows come round once an epoch
     "plateau": (user("plateau"), (), 0),  # the LR drops 1000x after 15 steps
-    "oscillation": (user("oscillation"), (), 0),  # plain SGD at lr 1.0
+    "oscillation": (user("oscillation"), (), 0),  # plain SGD at lr 0.9
     "overfit": (user("overfit"), (), 0),  # 64 training digits
     "mismatch": (user("mismatch"), (), 0),  # validation digits mirrored and inverted
     # a deep sigmoid MLP: vanishing gradients

@@ -119,9 +119,9 @@ def test_nan_cli_end_to_end(zoo):
 
 # ---- replay ablate: which single change helps ------------------------------------------------------------------
 @pytest.mark.parametrize("name, arms, helps", [
-    ("fp16_attention", "precision,lr", {"precision": "fixes"}),
-    ("handwritten_softmax", "lr,clip", {"lr": "delays", "clip": "no-effect"}),
-    ("nan_row", "skip-batch", {"skip-batch": "delays"}),  # the row comes back next epoch: clean the data
+    ("fp16_attention", "precision,lr", {"precision": ("fixes",)}),
+    ("handwritten_softmax", "lr,clip", {"lr": ("delays", "fixes"), "clip": "no-effect"}),  # lr/10: later or never
+    ("nan_row", "skip-batch", {"skip-batch": ("delays",)}),  # the row comes back next epoch: clean the data
 ])
 def test_ablate_finds_the_arm(zoo, name, arms, helps):
     from replaybisect.core.trust import Trust
@@ -131,7 +131,7 @@ def test_ablate_finds_the_arm(zoo, name, arms, helps):
     result = ablate(workspace.store(), trained[name].run_id, arms, workers=1, trust=Trust.from_user([project]))
     verdicts = {arm.name: arm.verdict for arm in result.arms}
     for arm, verdict in helps.items():
-        assert verdicts[arm] == verdict, verdicts
+        assert verdicts[arm] in ((verdict,) if isinstance(verdict, str) else verdict), verdicts
 
 
 # ---- replay diagnose: the finding, and none on healthy models ---------------------------------------------------
