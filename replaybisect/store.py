@@ -6,6 +6,7 @@ import functools
 import logging
 import math
 import os
+import re
 import sys
 import time
 import urllib.error
@@ -389,20 +390,48 @@ class SqliteState:
 
 
 @functools.lru_cache(maxsize=1)
-def _schema_head() -> tuple[str | None, Any]:
-    """(this MLflow's newest schema revision, its alembic script directory); (None, None) when MLflow hides them."""
+def _schema_script() -> Any:
+    """MLflow's alembic script directory (reading its ~70 migration files takes most of a second); None when hidden."""
     try:
         from alembic.script import ScriptDirectory
         from mlflow.store.db.utils import _get_alembic_config
 
-        script = ScriptDirectory.from_config(_get_alembic_config(db_url=""))
-        heads = script.get_heads()
-        return (heads[0] if len(heads) == 1 else None), script
+        return ScriptDirectory.from_config(_get_alembic_config(db_url=""))
     except Exception:  # noqa: BLE001 - a private MLflow API that moved: the schema is then MLflow's own business
-        return None, None
+        return None
+
+
+@functools.lru_cache(maxsize=1)
+def _schema_head() -> tuple[str | None, Any]:
+    """(this MLflow's newest schema revision, its alembic script directory or None when not needed to find it).
+    The head is kept beside the store templates, per MLflow version: every command that opens a store asks."""
+    import mlflow
+
+    kept = _stores_cache() / f"mlflow-{mlflow.__version__}.head"
+    try:
+        head = kept.read_text(encoding="ascii").strip()
+        if re.fullmatch(r"[0-9a-f]{6,40}", head):
+            return head, None
+    except (OSError, UnicodeDecodeError):
+        pass
+    script = _schema_script()
+    heads = script.get_heads() if script is not None else []
+    head = heads[0] if len(heads) == 1 else None
+    if head is not None:
+        partial = kept.with_name(f".{kept.name}.{os.getpid()}")
+        with suppress(OSError):
+            kept.parent.mkdir(parents=True, exist_ok=True)
+            partial.write_text(head, encoding="ascii")
+            os.replace(partial, kept)
+    return head, script
+
+
+def _stores_cache() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "replaybisect" / "stores"
 
 
 def _known_revision(script, revision: str) -> bool:
+    script = script if script is not None else _schema_script()
     try:
         return script is not None and script.get_revision(revision) is not None
     except Exception:  # noqa: BLE001 - alembic: unknown revision
@@ -547,8 +576,7 @@ def _template_path() -> Path | None:
         return None
     import mlflow
 
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "replaybisect" / "stores"
-    return cache / f"mlflow-{mlflow.__version__}-{head}.db"
+    return _stores_cache() / f"mlflow-{mlflow.__version__}-{head}.db"
 
 
 def _copy_template(temp: Path, artifact_root: Path) -> bool:
