@@ -217,6 +217,10 @@ class _Context:
     ignored_tag: Optional[str]
     artifact_root: Optional[Path]
 
+    def own_file(self, path: str | Path) -> bool:
+        """A file of the user's: inside their folders and outside every artifact folder."""
+        return self.trust.inside(Path(path)) and not self.trust.uploaded(Path(path), self.artifact_root)
+
 
 def _walk(node: Any, key: str, source: str) -> Iterator[tuple[str, str]]:
     """(target, key) for every `_target_` anywhere; refuses loader flags and interpolations on the way."""
@@ -345,7 +349,7 @@ def _module_files(path: str, context: _Context) -> list[str]:
         if not (spec.has_location and spec.origin and os.path.isfile(spec.origin)):
             return []  # a namespace package: any folder of that name, an artifact folder included
         origin = Path(spec.origin)
-        if not context.trust.inside(origin) or context.trust.uploaded(origin, context.artifact_root):
+        if not context.own_file(origin):
             return []
         files.append(str(origin))
         if not spec.submodule_search_locations:
@@ -383,7 +387,7 @@ def _check_resolved(target: _Target, context: _Context) -> None:
 def _check_own_file(target: _Target, context: _Context) -> None:
     module = sys.modules.get(target.path.split(".")[0])
     files = [getattr(module, "__file__", None)] if getattr(module, "__file__", None) else list(getattr(module, "__path__", []))
-    if not files or not all(context.trust.inside(Path(f)) and not context.trust.uploaded(Path(f), context.artifact_root) for f in files):
+    if not files or not all(context.own_file(f) for f in files):
         raise UntrustedConfig(
             f"untrusted `_target_` {target.path} at {target.key} in the stored config of {context.source}: its module was "
             f"imported from {files[0] if files else 'nowhere'}, outside this folder and --code-dir; pass --code-dir DIR or --trust"
@@ -398,7 +402,7 @@ def _defined_by_user(obj: Any, target: _Target, context: _Context) -> bool:
     if target.source != "file":
         return False
     module_file = getattr(sys.modules.get(module_name), "__file__", None)
-    return bool(module_file) and context.trust.inside(Path(module_file)) and not context.trust.uploaded(Path(module_file), context.artifact_root)
+    return bool(module_file) and context.own_file(module_file)
 
 
 def _of_kind(obj: Any, bases: tuple[str, ...]) -> bool:
