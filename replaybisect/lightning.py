@@ -31,6 +31,7 @@ from typing import Any, Optional
 import torch
 from lightning.pytorch import Callback
 
+from replaybisect.core import guard
 from replaybisect.core.user_step import LIGHTNING_BATCHES, LIGHTNING_POSITIONS, NO_LOSS
 from replaybisect.errors import ConfigError
 from replaybisect.user_loop import NonFiniteStep, function_target, plain_config, replay_config
@@ -348,7 +349,7 @@ class ReplayCallback(Callback):
             "started": time.perf_counter(), "stepped": False, "loss": None, "backpropagated": [],
             "data_started": self._last_step_end if self._last_step_end is not None else time.perf_counter(),
             "outcome": StepOutcome(step=step, loss=math.nan, lr=float(self.state.optimizer.param_groups[0]["lr"])),
-            "scale_before": scaler.get_scale() if scaler is not None and scaler.is_enabled() else None,
+            "scale_before": scaler.get_scale() if guard.scaler_enabled(scaler) else None,
             "forward": forward_context(observer, self.state),
         }
         self._step["forward"].__enter__()
@@ -386,10 +387,10 @@ class ReplayCallback(Callback):
         self._end_forward()
         self._step["stepped"] = True
         outcome = self._step["outcome"]
-        grads = [p.grad for p in self.state.params if p.grad is not None]
-        outcome.grad_norm = float((torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())).item())
+        grads = guard.gradients(self.state.params)
+        outcome.grad_norm = float(guard.total_norm(grads).item())
         notify(self._step["observer"], "after_backward", self.state)
-        if not math.isfinite(outcome.grad_norm) and self.state.scaler is None and outcome.nonfinite is None:
+        if outcome.nonfinite is None and guard.nonfinite_gradient(grads, outcome.grad_norm, self.state.scaler):
             outcome.nonfinite = "grad_norm"
             self._nonfinite()
         notify(self._step["observer"], "before_update", self.state, outcome)

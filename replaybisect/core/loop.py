@@ -25,7 +25,7 @@ from typing import Any, Callable, Optional, Protocol
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler, default_collate
 
-from replaybisect.core import user_step
+from replaybisect.core import guard, user_step
 from replaybisect.core.snapshot import like
 from replaybisect.core.device import resolve_device
 from replaybisect.core.config import build_optimizer, check_closure_optimizer, instantiate, needs_closure
@@ -397,12 +397,11 @@ def run_step(
     outcome.loss = float(total.item())
     if scaler:
         scaler.unscale_(optimizer)
-    grads = [p.grad for p in state.params if p.grad is not None]
-    grad_norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
+    grads = guard.gradients(state.params)
+    grad_norm = guard.total_norm(grads)
     outcome.grad_norm = float(grad_norm.item())
     _notify(observer, "after_backward", state)
-    if not math.isfinite(outcome.grad_norm) and scaler is None and outcome.nonfinite is None:
-        # (with a GradScaler an overflowing gradient is routine: the scaler skips the step)
+    if outcome.nonfinite is None and guard.nonfinite_gradient(grads, outcome.grad_norm, scaler):
         outcome.nonfinite = "grad_norm"
     if outcome.nonfinite and halt_on_nonfinite:
         return outcome

@@ -29,6 +29,7 @@ from typing import Any, Callable, Optional
 import numpy as np
 import torch
 
+from replaybisect.core import guard
 from replaybisect.core.observer import forward_context, notify
 from replaybisect.errors import ConfigError, SnapshotError
 
@@ -119,7 +120,7 @@ def unpack_parts(built: Any, what: str) -> dict[str, Any]:
 
 
 SCHEDULER_METHODS = ("step", "state_dict", "load_state_dict")  # what recording and replaying a scheduler calls
-SCALER_METHODS = ("scale", "unscale_", "step", "update", "get_scale", "state_dict", "load_state_dict")
+SCALER_METHODS = ("scale", "unscale_", "step", "update", "get_scale", "is_enabled", "state_dict", "load_state_dict")
 
 
 def _has_methods(value: Any, names: tuple[str, ...]) -> bool:
@@ -349,11 +350,11 @@ class _StepWatch:
             return
         self.end_forward()
         params = self.state.params
-        grads = [p.grad for p in params if p.grad is not None]
-        norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
+        grads = guard.gradients(params)
+        norm = guard.total_norm(grads)
         self.outcome.grad_norm = float(norm.item())
         notify(self.observer, "after_backward", self.state)
-        if not math.isfinite(self.outcome.grad_norm) and self.state.scaler is None and self.outcome.nonfinite is None:
+        if self.outcome.nonfinite is None and guard.nonfinite_gradient(grads, self.outcome.grad_norm, self.state.scaler):
             self.outcome.nonfinite = "grad_norm"
         if self.outcome.nonfinite and self.halt:
             raise _Halt
@@ -400,7 +401,7 @@ def run(state, outcome, record, *, halt_on_nonfinite: bool, observer) -> None:
     restore_step_rng(rng, state.device)
     state.model.train()
     state.optimizer.zero_grad(set_to_none=True)
-    scale_before = state.scaler.get_scale() if state.scaler is not None and state.scaler.is_enabled() else None
+    scale_before = state.scaler.get_scale() if guard.scaler_enabled(state.scaler) else None
     watch = _StepWatch(state, outcome, observer, halt_on_nonfinite)
     # fp32 (an arm's precision, or a run that entered no autocast region) runs every autocast region disabled;
     # None (the recorder's first step, before the precision is known) leaves the user's code alone
