@@ -142,7 +142,7 @@ def find_nan(
 
 def ablate(
     run_id: str,
-    arms: Sequence[str] | str = ("lr", "clip", "precision"),
+    arms: Optional[Sequence[str] | str] = None,
     *,
     from_step: Optional[int] = None,
     horizon: Optional[int] = None,
@@ -151,17 +151,23 @@ def ablate(
     code_dirs: Sequence[str | Path] = (),
     trust: Sequence[str] = (),
     publish: bool = True,
+    patch: Optional[str | Path] = None,
+    sweep: Optional[str] = None,
 ) -> "AblationResult":
     """Replay the failure once unchanged and once per one-variable change (as `replay ablate`); each arm gets a
-    verdict (fixes | delays | no-effect | worse)."""
+    verdict (fixes | delays | no-effect | worse). Arms take values (`"lr=x0.3"`, `"clip=265"`); `patch` replays your
+    changed module(s) as one more arm; `sweep="lr"` (or "clip") searches the stable range instead of arms.
+    Default arms: lr, clip, precision (none with `patch` or `sweep`)."""
     _arguments(tracking_uri=tracking_uri, run_id=run_id)
     from replaybisect.verbs.ablate import engine
 
     store = _run_store(tracking_uri, run_id)
     options = {"horizon": horizon} if horizon is not None else {}
+    if arms is None and patch is None and sweep is None:
+        arms = ("lr", "clip", "precision")
     result = engine.ablate(
-        store, run_id, list(arms) if not isinstance(arms, str) else arms,
-        from_step=from_step, workers=workers, trust=_trust(code_dirs, trust), **options,
+        store, run_id, list(arms) if arms is not None and not isinstance(arms, str) else arms,
+        from_step=from_step, workers=workers, trust=_trust(code_dirs, trust), patch=patch, sweep=sweep, **options,
     )
     if publish:
         from replaybisect.verbs.ablate.report import publish as publish_report
@@ -205,6 +211,7 @@ def check(
     overrides: Sequence[str] = (),
     *,
     run_id: Optional[str] = None,
+    step: Optional[int] = None,
     config_dir: str | Path | None = None,
     config_name: str = "config",
     only: Optional[Sequence[str]] = None,
@@ -214,8 +221,9 @@ def check(
     publish: bool = True,
 ) -> "CheckReport":
     """The 5-minute checklist (as `replay check`) on a config (`overrides`, `config_dir`) or on a recorded run
-    (`run_id`): overfit one batch, data sanity, loss/head, initialization, activations, gradient flow, LR range."""
-    _arguments(tracking_uri=tracking_uri, run_id=run_id if run_id is not None else "-")
+    (`run_id`, at a healthy snapshot, or the one at or before `step`): overfit one batch, data sanity, loss/head,
+    initialization, activations, gradient flow, LR range."""
+    _arguments(tracking_uri=tracking_uri, run_id=run_id if run_id is not None else "-", step=step)
     from replaybisect.verbs.check.engine import CheckOptions
     from replaybisect.verbs.check.engine import check as run_check
     from replaybisect.core import config as config_mod
@@ -228,7 +236,7 @@ def check(
     select(options.only)  # an unknown check is bad input before any store is opened
     cfg = None if run_id else config_mod.compose(config_dir, config_name, list(overrides))
     store = _run_store(tracking_uri, run_id) if run_id else None  # a config needs a store only to publish
-    report = run_check(store, cfg=cfg, run_id=run_id, options=options, trust=_trust(code_dirs, trust) if run_id else None)
+    report = run_check(store, cfg=cfg, run_id=run_id, step=step, options=options, trust=_trust(code_dirs, trust) if run_id else None)
     if publish:
         from replaybisect.verbs.check.report import publish as publish_report
 

@@ -11,7 +11,7 @@ from replaybisect.options import MAX_STEPS, MAX_WORKERS, CodeDirs, JsonFlag, Tra
 
 
 def ablate_command(
-    arms: Optional[str] = typer.Argument(None, help="Comma-separated arms, e.g. lr,clip,precision (default: all; see --list)."),
+    arms: Optional[str] = typer.Argument(None, help="Comma-separated arms, bare or with a value: lr,clip,precision or lr=x0.3,clip=265 (default: all; see --list)."),
     run_id: Optional[str] = typer.Option(None, "--run-id", help="The failed run to ablate."),
     from_step: Optional[int] = typer.Option(None, "--from-step", help="Apply the changes from this step (default: the snapshot before the failure)."),
     horizon: int = typer.Option(200, "--horizon", max=MAX_STEPS, help="Replay this many steps past the failing step."),
@@ -24,6 +24,8 @@ def ablate_command(
     cpus: Optional[int] = typer.Option(None, "--cpus", min=1, help="CPUs per job (submitit)."),
     mem_gb: Optional[float] = typer.Option(None, "--mem-gb", min=0.001, help="Memory per job in GB (submitit)."),
     executor_folder: str = typer.Option(".replaybisect/submitit", "--executor-folder", help="submitit's job folder (shared file system on SLURM)."),
+    sweep: Optional[str] = typer.Option(None, "--sweep", help="lr | clip: find the largest lr factor (clip threshold) that fixes the failure, by bisection; instead of arms."),
+    patch: Optional[str] = typer.Option(None, "--patch", help="Your changed module (fix.py) or a folder of them: replay the failure with it in place of the recorded code."),
     list_arms: bool = typer.Option(False, "--list", help="List the interventions and exit."),
     tracking_uri: Optional[str] = TrackingUri,
     as_json: bool = JsonFlag,
@@ -36,11 +38,16 @@ def ablate_command(
     \b
         replay ablate --list                                   # the arms: lr, clip, precision, warmup, ...
         replay ablate lr,clip,precision --run-id 3f2a... --horizon 40
+        replay ablate lr=x0.3,clip=265 --run-id 3f2a...      # arms with values
+        replay ablate --sweep lr --run-id 3f2a...              # how far must the lr come down?
+        replay ablate --patch fix.py --run-id 3f2a...          # does my code change fix it?
         replay ablate lr --run-id 3f2a... --workers 2 --from-step 100
 
     prints a table (arm, change, verdict, first non-finite step, final loss) and a conclusion such as
-    "fixed by: lr, clip". Each ablation is one MLflow run (`ablate @ step 47`) under the failed run,
-    holding one child run per arm, with ablation.md, ablation.json and ablation.png.
+    "fixed by: lr=x0.1, clip=1"; a clip arm adds one at the run's own 95th-percentile norm, so the threshold it
+    suggests is printed with its verdict. Each ablation is one MLflow run (`ablate @ step 47: fixed by lr=x0.1`)
+    under the failed run, holding one child run per arm (`lr=x0.1: fixes · ablate @ step 47`), with ablation.md,
+    ablation.json and ablation.png.
     """
     from replaybisect.errors import ReplayError
     from replaybisect.verbs.ablate import interventions
@@ -60,7 +67,7 @@ def ablate_command(
     from replaybisect.verbs.ablate.engine import SubmititOptions, ablate, check_options
 
     # bad options are bad input before anything heavy is imported or any run is read
-    check_options(arms, horizon=horizon, workers=workers, executor=executor, from_step=from_step)
+    check_options(arms, horizon=horizon, workers=workers, executor=executor, from_step=from_step, patch=patch, sweep=sweep)
     _check_submitit(executor, cluster, executor_folder)
 
     from replaybisect.core.trust import Trust
@@ -77,7 +84,7 @@ def ablate_command(
                               gpus_per_node=gpus, cpus_per_task=cpus, mem_gb=mem_gb)
     with ArmProgress() as bar:
         result = ablate(store, run_id, arms, from_step=from_step, horizon=horizon, workers=workers, executor=executor,
-                        submitit_options=options, progress=bar.update, on_plan=bar.plan, trust=trust)
+                        submitit_options=options, progress=bar.update, on_plan=bar.plan, trust=trust, patch=patch, sweep=sweep)
     publish(store, result)
     if as_json:
         print_json(result.to_json())

@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import statistics
@@ -24,9 +25,10 @@ from typing import Any, Callable, Optional
 
 from replaybisect.errors import ReplayError, SnapshotError
 from replaybisect.verbs.ablate import interventions
-from replaybisect.verbs.ablate.interventions import BASELINE, ArmContext, Change
+from replaybisect.verbs.ablate.interventions import BASELINE, ArmContext, ArmSpec, Change
 from replaybisect.core.jsonutil import to_jsonable as _json_float
 from replaybisect.core.trust import Trust
+from replaybisect.verbs.ablate.patch import PATCH_ARM, Patch, patched_config, patched_modules
 
 __all__ = ["ablate", "run_arm", "judge_arm", "judge_baseline", "conclusion_text", "divergence_onset", "parse_arms",
            "AblationResult", "ArmOutcome", "DEFAULT_HORIZON", "BLOWUP_FACTOR"]
@@ -55,6 +57,10 @@ class ArmOutcome:
     name: str
     change: str
     params: dict[str, Any] = field(default_factory=dict)
+    label: str = ""  # the arm with the value it ran at (`lr=x0.1`, also for a bare `lr`)
+    intervention: str = ""  # lr, clip, ...; "patch" for --patch; "" for the baseline
+    value: Any = None  # the value asked for (None: the intervention's default)
+    suggested: str = ""  # why the report added this arm (a value it suggests, run to prove it)
     verdict: str = ""
     reason: str = ""
     first_nonfinite_step: Optional[int] = None
@@ -75,6 +81,9 @@ class ArmOutcome:
     def to_json(self) -> dict[str, Any]:
         data = {
             "name": self.name,
+            "label": self.label or self.name,
+            "intervention": self.intervention,
+            "value": self.value,
             "change": self.change,
             "verdict": self.verdict,
             "reason": self.reason,
@@ -88,6 +97,8 @@ class ArmOutcome:
         }
         if self.note:
             data["note"] = self.note
+        if self.suggested:
+            data["suggested"] = self.suggested
         if self.error:
             data["error"] = self.error
         if self.reproduced is not None:
@@ -118,6 +129,13 @@ class AblationResult:
     tracking_uri: str = ""
     artifacts: list[str] = field(default_factory=list)
     report_run_id: Optional[str] = None  # the ablation's own run (its arms are children of it), set by report.publish
+    patch: Optional[str] = None  # what --patch replaced (its summary), when given
+    sweep: Optional[dict[str, Any]] = None  # --sweep's search: its rounds, the stable range and the arms that prove it
+
+    @property
+    def replays(self) -> int:
+        """The replays this ablation ran: the baseline and every arm that was not skipped as not applicable."""
+        return 1 + sum(arm.verdict != "not-applicable" for arm in self.arms)
 
     def verdicts(self) -> dict[str, str]:
         return {arm.name: arm.verdict for arm in self.arms}
@@ -138,7 +156,11 @@ class AblationResult:
             "arms": [arm.to_json() for arm in self.arms],
             "conclusion": self.conclusion,
             "suggested_clip": self.suggested_clip,
+            "suggested_clip_verdict": next((a.verdict for a in self.arms if a.suggested and a.intervention == "clip"), None),
+            "patch": self.patch,
+            "sweep": self.sweep,
             "warnings": self.warnings,
+            "replays": self.replays,
             "executor": self.executor,
             "workers": self.workers,
             "seconds": round(self.seconds, 2),
@@ -171,11 +193,18 @@ def _arm_change(cfg, spec: dict[str, Any]) -> Change:
     """The arm's change, applied to the run's config (the baseline's: none)."""
     if spec["arm"] == BASELINE:
         return interventions.baseline_change(cfg)
+    if spec.get("patch"):
+        return patch_change(cfg, Patch.from_json(spec["patch"]))
     ctx = ArmContext(failing_step=spec["failing_step"], start_step=spec["start_step"], end_step=spec["end_step"])
-    return interventions.get(spec["arm"]).apply(cfg, ctx)
+    return interventions.get(spec["intervention"]).apply(cfg, ctx, spec["value"])
 
 
-def _replay_prefix(restored, hooks, spec: dict[str, Any], change: Change):
+def patch_change(cfg, patch: Patch) -> Change:
+    """The --patch arm: the run's config building the patch's classes (modules it replaces need no change)."""
+    return Change(cfg=patched_config(cfg, patch), params={"patch": patch.path}, summary=patch.summary())
+
+
+def _replay_prefix(restored, hooks, spec: dict[str, Any], change: Change, patching: Callable[[], None]):
     """The unchanged steps from the snapshot to the arms' start (--from-step after the snapshot).
     Returns (the live state, the step outcome that stopped the replay or None)."""
     from replaybisect.core import loop
@@ -186,6 +215,7 @@ def _replay_prefix(restored, hooks, spec: dict[str, Any], change: Change):
         return state, None
     stopped = loop.train_loop(state, restored.batch, snapshot_step, start, hooks)
     if stopped is None and spec["arm"] != BASELINE:
+        patching()  # a patch applies from the arms' start: the steps before it ran the recorded code
         state = loop.clone_state(state, change.cfg)  # the live state in objects built from the arm's config
     return state, stopped
 
@@ -242,16 +272,23 @@ def _replay_arm(spec: dict[str, Any], on_step: Optional[Callable[[int], None]] =
     change = _arm_change(cfg, spec)
     snapshot = restore_mod.load_snapshot(store, run_id, spec["snapshot_step"])
     hooks = restore_mod.ReplayHooks(on_step=(lambda outcome: on_step(outcome.step)) if on_step else None)
-    restored = restore_mod.restore(store, run_id, cfg=cfg if start > spec["snapshot_step"] else change.cfg, snapshot=snapshot)
-    if restored.step != spec["snapshot_step"]:  # every arm starts from the planned snapshot, or none runs
-        raise SnapshotError(f"snapshot {spec['snapshot_step']} does not apply to arm {spec['arm']!r} ({'; '.join(restored.warnings)})")
-    with restore_mod.stored_batch_errors(restored):  # a stored batch the step raises on: one line, not a crash
-        state, stopped = _replay_prefix(restored, hooks, spec, change)
-        hooks.lr_factor = change.lr_factor
-        if stopped is None:
-            _apply_optimizer_changes(state, change, hooks)
-            batches = _arm_batches(change, restored.batch, start)
-            stopped = _replay_suffix(state, batches, hooks, change, start, spec["end_step"])
+    with contextlib.ExitStack() as patches:  # a --patch arm imports the user's changed modules while it runs
+        def patching() -> None:
+            if spec.get("patch"):
+                patches.enter_context(patched_modules(Patch.from_json(spec["patch"])))
+
+        if start <= spec["snapshot_step"]:
+            patching()
+        restored = restore_mod.restore(store, run_id, cfg=cfg if start > spec["snapshot_step"] else change.cfg, snapshot=snapshot)
+        if restored.step != spec["snapshot_step"]:  # every arm starts from the planned snapshot, or none runs
+            raise SnapshotError(f"snapshot {spec['snapshot_step']} does not apply to arm {spec['arm']!r} ({'; '.join(restored.warnings)})")
+        with restore_mod.stored_batch_errors(restored):  # a stored batch the step raises on: one line, not a crash
+            state, stopped = _replay_prefix(restored, hooks, spec, change, patching)
+            hooks.lr_factor = change.lr_factor
+            if stopped is None:
+                _apply_optimizer_changes(state, change, hooks)
+                batches = _arm_batches(change, restored.batch, start)
+                stopped = _replay_suffix(state, batches, hooks, change, start, spec["end_step"])
     first = hooks.first_nonfinite
     return {
         "arm": spec["arm"],
@@ -484,37 +521,46 @@ def judge_baseline(baseline: ArmOutcome, failing_step: Optional[int], threshold:
     return False, baseline.reason
 
 
-def conclusion_text(result_arms: list[ArmOutcome], failing_step: Optional[int], inconclusive: Optional[str],
-                suggested_clip: Optional[float]) -> str:
+def _proven_suggestion(arm: ArmOutcome) -> str:
+    """A value the report suggests, with the verdict of the arm that ran it."""
+    where = f" (non-finite at step {arm.first_nonfinite_step})" if arm.first_nonfinite_step is not None else ""
+    return f"suggested {arm.intervention} {arm.label.partition('=')[2]} ({arm.suggested}), run as arm {arm.label}: {arm.verdict}{where}"
+
+
+def conclusion_text(result_arms: list[ArmOutcome], failing_step: Optional[int], inconclusive: Optional[str]) -> str:
+    """One line: which arms (with the values they ran at) fix, delay or worsen the failure; every value suggested
+    is printed with the verdict of the arm that ran it."""
     if inconclusive:
         return f"inconclusive: {inconclusive}"
     by_verdict: dict[str, list[str]] = {}
+    kinds = {arm.intervention or arm.name for arm in result_arms if arm.verdict == "fixes"}
+    seed = next((arm for arm in result_arms if (arm.intervention or arm.name) == "seed"), None)
+    seed_fails = seed is not None and seed.verdict in ("no-effect", "delays", "worse")
     for arm in result_arms:
-        by_verdict.setdefault(arm.verdict, []).append(arm.name)
+        if (seed_fails and arm is seed) or arm.intervention == PATCH_ARM:  # seed: "is it noise?", not "does it help"
+            continue
+        by_verdict.setdefault(arm.verdict, []).append(arm.label or arm.name)
     if failing_step is None:
         worse = by_verdict.get("worse", [])
         return ("the run did not fail; " + (f"made worse by: {', '.join(worse)}" if worse else "no arm changed that"))
-    seed = next((arm for arm in result_arms if arm.name == "seed"), None)
-    if seed is not None and seed.verdict in ("no-effect", "delays", "worse"):
-        # The seed arm answers "is it noise?", not "does it help": another seed failing too means systematic.
-        for names in by_verdict.values():
-            if "seed" in names:
-                names.remove("seed")
     fixes = by_verdict.get("fixes", [])
+    patch = next((arm for arm in result_arms if arm.intervention == PATCH_ARM), None)
     parts = []
+    if patch is not None:
+        parts.append(f"fixed by your patch ({patch.reason})" if patch.verdict == "fixes"
+                     else f"your patch does not fix it: {patch.verdict} ({patch.reason})")
     if fixes:
         parts.append(f"fixed by: {', '.join(fixes)}")
-        if "skip-batch" in fixes:
+        if "skip-batch" in kinds:
             parts.append("the failing batch itself triggers it: inspect it (`replay nan`) and the data pipeline")
-        if "seed" in fixes:
+        if "seed" in kinds:
             parts.append("another seed avoids it: the failure depends on the data order or random draws")
-        if "precision" in fixes:
+        if "precision" in kinds:
             parts.append("reduced-precision overflow/underflow: keep the failing ops in fp32 or use bf16")
-        if "clip" in fixes and suggested_clip is not None:
-            parts.append(f"suggested clip threshold {suggested_clip:.3g} (95th percentile of recorded norms)")
-    else:
+    elif patch is None or len(result_arms) > 1:
         parts.append("no single change fixes the failure")
-    if seed is not None and seed.verdict in ("no-effect", "delays", "worse"):
+    parts += [_proven_suggestion(arm) for arm in result_arms if arm.suggested and arm.verdict != "not-applicable"]
+    if seed_fails:
         where = f"at step {seed.first_nonfinite_step}" if seed.first_nonfinite_step is not None else "(its loss blew up)"
         parts.append(f"another seed fails too {where}: the failure is systematic, not noise")
     if by_verdict.get("delays"):
@@ -525,22 +571,22 @@ def conclusion_text(result_arms: list[ArmOutcome], failing_step: Optional[int], 
 
 
 # ---- the command -------------------------------------------------------------------------------------
-def parse_arms(arms: Optional[str | list[str]]) -> list[str]:
-    """'lr,clip' -> ['lr', 'clip']; None/empty -> every registered intervention."""
+def parse_arms(arms: Optional[str | list[str]], default_all: bool = True) -> list[ArmSpec]:
+    """'lr,clip=265' -> [ArmSpec('lr'), ArmSpec('clip', 265.0)]; None/empty -> every registered intervention (or none
+    when not `default_all`). Unknown arms and bad values are one-line errors, before anything runs."""
     if arms is None or (isinstance(arms, str) and not arms.strip()):
-        return interventions.names()
+        return [ArmSpec(name) for name in interventions.names()] if default_all else []
     items = arms.split(",") if isinstance(arms, str) else [a for part in arms for a in part.split(",")]
-    names = []
+    specs: list[ArmSpec] = []
     for item in (i.strip() for i in items):
         if not item:
             continue
-        if item not in interventions.REGISTRY:
-            raise ReplayError(f"unknown arm {item!r}; valid arms: {', '.join(interventions.names())}")
-        if item not in names:
-            names.append(item)
-    if not names:
+        spec = interventions.parse_arm(item)
+        if spec.label not in {s.label for s in specs}:  # `lr` and `lr=x0.1` are one arm
+            specs.append(spec)
+    if not specs:
         raise ReplayError(f"no arms given; valid arms: {', '.join(interventions.names())}")
-    return names
+    return specs
 
 
 def _auto_workers(store, run_id: str, cfg, snapshot, total_steps: int, tasks: int, executor: str) -> int:
@@ -555,9 +601,22 @@ def _auto_workers(store, run_id: str, cfg, snapshot, total_steps: int, tasks: in
     return 1 if estimate < AUTO_IN_PROCESS_SECONDS else parallel
 
 
-def check_options(arms, *, horizon: int, workers: Optional[int], executor: str, from_step: Optional[int]) -> list[str]:
+SWEEPS = ("lr", "clip")  # the interventions whose value --sweep searches
+
+
+def check_options(arms, *, horizon: int, workers: Optional[int], executor: str, from_step: Optional[int],
+                  patch: Optional[str] = None, sweep: Optional[str] = None) -> list[ArmSpec]:
     """Everything about the options that is wrong before any run is read (light: no torch, no MLflow)."""
-    names = parse_arms(arms)
+    if sweep is not None and sweep not in SWEEPS:
+        raise ReplayError(f"--sweep {sweep[:80]!r} cannot be swept; --sweep takes {' or '.join(SWEEPS)} (a number to search), "
+                          f"or try {sweep[:80]} as an arm: replay ablate {sweep[:80]}")
+    if sweep is not None and (patch is not None or (arms and str(arms).strip())):
+        raise ReplayError(f"--sweep {sweep} runs its own arms; leave out the arms{' and --patch' if patch else ''} (run them in another `replay ablate`)")
+    names = parse_arms(arms, default_all=patch is None) if sweep is None else []
+    if patch is not None:
+        from replaybisect.verbs.ablate.patch import check_path
+
+        check_path(patch)
     if horizon <= 0:
         raise ReplayError(f"--horizon {horizon} must be a positive number of steps past the failing step (e.g. --horizon {DEFAULT_HORIZON})")
     if workers is not None and workers < 1:
@@ -632,6 +691,8 @@ class _ArmPlan:
     threshold: Optional[float]
     grad_norms: list[float]
     changes: dict[str, Change]
+    specs: list[ArmSpec]  # the arms asked for, then those the report adds (a suggested value), then the patch
+    patch: Optional[Patch]
     runnable: list[str]
     estimated_steps: int
     warnings: list[str]
@@ -670,7 +731,20 @@ def _healthy_grad_norms(store, run_id: str, onset: Optional[int], failing_step: 
     return [v for s, v in store.metric_history(run_id, "grad_norm") if s < until]
 
 
-def _plan_arms(store, run_id: str, names: list[str], from_step: Optional[int], horizon: int, trust: Trust):
+def _suggested_arms(specs: list[ArmSpec], grad_norms: list[float]) -> list[ArmSpec]:
+    """The values the report suggests, as arms: a clip arm adds one at the run's own percentile threshold, so the
+    suggestion is printed with the verdict of its replay (nothing is suggested that did not run)."""
+    threshold = interventions.suggested_clip(grad_norms)
+    if threshold is None or not any(spec.intervention == "clip" for spec in specs):
+        return []
+    suggested = ArmSpec("clip", threshold, suggested=interventions.clip_suggestion_note(grad_norms))
+    if any(spec.intervention == "clip" and spec.label == suggested.label for spec in specs):
+        return []
+    return [suggested]
+
+
+def _plan_arms(store, run_id: str, specs: list[ArmSpec], from_step: Optional[int], horizon: int, trust: Trust,
+               patch_path: Optional[Path] = None):
     """(the arms' plan, the snapshot they start from)."""
     from replaybisect import restore as restore_mod
 
@@ -685,22 +759,35 @@ def _plan_arms(store, run_id: str, names: list[str], from_step: Optional[int], h
     reference, threshold = _reference_loss(logged, start, anchor, onset)
     grad_norms = _healthy_grad_norms(store, run_id, onset, failing_step)
     ctx = ArmContext(failing_step=failing_step, start_step=start, end_step=end, grad_norms=grad_norms)
-    changes = {name: interventions.get(name).apply(cfg, ctx) for name in names}
-    runnable = [BASELINE] + [name for name in names if changes[name].not_applicable is None]
+    specs = specs + _suggested_arms(specs, grad_norms)
+    changes = {spec.name: interventions.get(spec.intervention).apply(cfg, ctx, spec.value) for spec in specs}
+    patch = None
+    if patch_path is not None:
+        from replaybisect.verbs.ablate.patch import load_patch
+
+        patch = load_patch(patch_path, cfg)
+        specs = specs + [ArmSpec(PATCH_ARM)]
+        changes[PATCH_ARM] = patch_change(cfg, patch)
+    runnable = [BASELINE] + [spec.name for spec in specs if changes[spec.name].not_applicable is None]
     return _ArmPlan(cfg=cfg, failing_step=failing_step, onset=onset, snapshot_step=snapshot.step, start=start, end=end,
                     logged=logged, reference=reference, threshold=threshold, grad_norms=grad_norms, changes=changes,
-                    runnable=runnable, estimated_steps=len(runnable) * (end - snapshot.step), warnings=warnings), snapshot
+                    specs=specs, patch=patch, runnable=runnable, estimated_steps=len(runnable) * (end - snapshot.step),
+                    warnings=warnings), snapshot
 
 
 def _arm_specs(store, run_id: str, plan: _ArmPlan, trust: Trust) -> list[dict[str, Any]]:
     """One JSON-safe spec per runnable arm: what a worker needs to replay it."""
     uri = _absolute_uri(store.uri)
-    return [
-        {"tracking_uri": uri, "run_id": run_id, "arm": name, "snapshot_step": plan.snapshot_step, "start_step": plan.start,
-         "end_step": plan.end, "failing_step": plan.failing_step,
-         "params": plan.changes[name].params if name in plan.changes else {}, "trust": trust.to_json()}
-        for name in plan.runnable
-    ]
+    by_name = {spec.name: spec for spec in plan.specs}
+    specs = []
+    for name in plan.runnable:
+        arm = by_name.get(name)
+        specs.append({"tracking_uri": uri, "run_id": run_id, "arm": name, "snapshot_step": plan.snapshot_step,
+                      "start_step": plan.start, "end_step": plan.end, "failing_step": plan.failing_step,
+                      "intervention": arm.intervention if arm else None, "value": arm.value if arm else None,
+                      "patch": plan.patch.to_json() if name == PATCH_ARM and plan.patch else None,
+                      "params": plan.changes[name].params if name in plan.changes else {}, "trust": trust.to_json()})
+    return specs
 
 
 def _run_arms(specs: list[dict], executor: str, workers: int, submitit_options: Optional[SubmititOptions],
@@ -727,9 +814,12 @@ def _baseline_outcome(raw: dict, plan: _ArmPlan) -> tuple[ArmOutcome, bool, Opti
     return baseline, baseline_failed, inconclusive
 
 
-def _arm_outcome(name: str, change: Change, raw: Optional[dict], plan: _ArmPlan, baseline_failed: bool,
+def _arm_outcome(spec: ArmSpec, change: Change, raw: Optional[dict], plan: _ArmPlan, baseline_failed: bool,
                  inconclusive: Optional[str]) -> ArmOutcome:
-    outcome = ArmOutcome(name=name, change=change.summary, params=change.params, note=change.note)
+    patched = spec.intervention == PATCH_ARM
+    outcome = ArmOutcome(name=spec.name, change=change.summary, params=change.params, note=change.note,
+                         label=spec.name if patched else spec.label, intervention=spec.intervention, value=spec.value,
+                         suggested=spec.suggested)
     if change.not_applicable:
         outcome.verdict, outcome.reason = "not-applicable", change.not_applicable
     elif "error" in raw:
@@ -760,29 +850,36 @@ def ablate(
     progress: Optional[Callable[[str, str, int], None]] = None,
     on_plan: Optional[Callable[[list[str], int, int], None]] = None,
     trust: Optional[Trust] = None,
+    patch: Optional[str | Path] = None,
+    sweep: Optional[str] = None,
 ) -> AblationResult:
     """Replay the failure of `run_id` unchanged (the baseline) and once per arm, in parallel; judge each arm.
     Reads the store and writes nothing: `ablate.report.publish(store, result)` records the arms' child runs
     and the report.
 
+    `arms`: names, with a value or not (`lr=x0.3,clip=265,precision`). `patch`: a .py file or a folder of the user's
+    changed modules, replayed as one more arm. `sweep`: "lr" or "clip", searched for the stable range instead of arms.
     `progress(arm, "step"|"done", step)` reports work as it happens; `on_plan(arm_names, start, end)` is
-    called once the arms and steps are known.
+    called once the arms and steps are known (per round for a sweep).
     """
-    names = check_options(arms, horizon=horizon, workers=workers, executor=executor, from_step=from_step)
+    patch = str(patch) if patch is not None else None
+    specs = check_options(arms, horizon=horizon, workers=workers, executor=executor, from_step=from_step, patch=patch, sweep=sweep)
     started = time.perf_counter()
     trust = trust or Trust.from_user()  # the workers inherit it
-    plan, snapshot = _plan_arms(store, run_id, names, from_step, horizon, trust)
-    if workers is None:
-        workers = _auto_workers(store, run_id, plan.cfg, snapshot, plan.estimated_steps, len(plan.runnable), executor)
-    if on_plan:
-        on_plan(plan.runnable, plan.snapshot_step, plan.end)
-    raw = _run_arms(_arm_specs(store, run_id, plan, trust), executor, workers, submitit_options, progress)
+    from replaybisect.verbs.ablate.patch import check_path
 
-    baseline, baseline_failed, inconclusive = _baseline_outcome(raw[BASELINE], plan)
-    outcomes = [_arm_outcome(name, plan.changes[name], raw.get(name), plan, baseline_failed, inconclusive) for name in names]
-    suggested_clip = interventions.percentile(plan.grad_norms, interventions.CLIP_PERCENTILE)
-    if plan.failing_step is None:
-        inconclusive = None
+    plan, snapshot = _plan_arms(store, run_id, specs, from_step, horizon, trust, check_path(patch) if patch else None)
+    runner = _Runner(store, run_id, plan, trust, executor, workers, submitit_options, progress, on_plan)
+    if sweep is not None:
+        from replaybisect.verbs.ablate.sweep import run_sweep
+
+        runner.workers = workers or _auto_workers(store, run_id, plan.cfg, snapshot, 8 * (plan.end - plan.snapshot_step), 8, executor)
+        outcomes, sweep_result = run_sweep(sweep, plan, runner)
+        conclusion = sweep_result.pop("conclusion")
+    else:
+        runner.workers = workers or _auto_workers(store, run_id, plan.cfg, snapshot, plan.estimated_steps, len(plan.runnable), executor)
+        outcomes, sweep_result = runner.run(plan.specs), None
+        conclusion = conclusion_text(outcomes, plan.failing_step, runner.inconclusive)
     return AblationResult(
         run_id=run_id,
         failing_step=plan.failing_step,
@@ -792,18 +889,60 @@ def ablate(
         horizon=horizon,
         reference_loss=plan.reference,
         blowup_threshold=plan.threshold,
-        baseline=baseline,
+        baseline=runner.baseline,
         arms=outcomes,
-        status="inconclusive" if inconclusive else "conclusive",
-        conclusion=conclusion_text(outcomes, plan.failing_step, inconclusive, suggested_clip),
-        suggested_clip=suggested_clip,
+        status="inconclusive" if runner.inconclusive and plan.failing_step is not None else "conclusive",
+        conclusion=conclusion,
+        suggested_clip=next((arm.value for arm in outcomes if arm.suggested and arm.intervention == "clip"), None),
         divergence_onset=plan.onset,
         warnings=plan.warnings,
         executor=executor,
-        workers=workers,
+        workers=runner.workers,
         seconds=time.perf_counter() - started,
         tracking_uri=store.uri,
+        patch=plan.patch.summary() if plan.patch else None,
+        sweep=sweep_result,
     )
+
+
+class _Runner:
+    """Runs arms from the plan's snapshot (the baseline with the first batch) and judges them against the baseline."""
+
+    def __init__(self, store, run_id: str, plan: _ArmPlan, trust: Trust, executor: str, workers: Optional[int],
+                 submitit_options: Optional[SubmititOptions], progress: Optional[ProgressFn], on_plan):
+        self.store, self.run_id, self.plan, self.trust = store, run_id, plan, trust
+        self.executor, self.workers, self.submitit_options = executor, workers or 1, submitit_options
+        self.progress, self.on_plan = progress, on_plan
+        self.baseline: Optional[ArmOutcome] = None
+        self.baseline_failed = False
+        self.inconclusive: Optional[str] = None
+
+    def add(self, specs: list[ArmSpec]) -> list[ArmSpec]:
+        """Specs not yet in the plan, with their changes: for a sweep's later rounds."""
+        ctx = ArmContext(failing_step=self.plan.failing_step, start_step=self.plan.start, end_step=self.plan.end,
+                         grad_norms=self.plan.grad_norms)
+        known = {spec.name for spec in self.plan.specs}
+        new = [spec for spec in specs if spec.name not in known]
+        for spec in new:
+            self.plan.changes[spec.name] = interventions.get(spec.intervention).apply(self.plan.cfg, ctx, spec.value)
+            self.plan.specs.append(spec)
+            if self.plan.changes[spec.name].not_applicable is None:
+                self.plan.runnable.append(spec.name)
+        return new
+
+    def run(self, specs: list[ArmSpec]) -> list[ArmOutcome]:
+        """Replay the specs' arms (and the baseline, the first time), in parallel; their judged outcomes."""
+        names = {spec.name for spec in specs} | ({BASELINE} if self.baseline is None else set())
+        runnable = [name for name in self.plan.runnable if name in names]
+        if self.on_plan:
+            self.on_plan(runnable, self.plan.snapshot_step, self.plan.end)
+        every = _arm_specs(self.store, self.run_id, self.plan, self.trust)
+        raw = _run_arms([spec for spec in every if spec["arm"] in runnable], self.executor, self.workers,
+                        self.submitit_options, self.progress) if runnable else {}
+        if self.baseline is None:
+            self.baseline, self.baseline_failed, self.inconclusive = _baseline_outcome(raw[BASELINE], self.plan)
+        return [_arm_outcome(spec, self.plan.changes[spec.name], raw.get(spec.name), self.plan, self.baseline_failed,
+                             self.inconclusive) for spec in specs]
 
 
 def _reproduced(losses: dict[int, float], logged: dict[int, float], failing_step: Optional[int]) -> str:

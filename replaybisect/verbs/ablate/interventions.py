@@ -16,7 +16,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
-__all__ = ["ArmContext", "Change", "Intervention", "REGISTRY", "BASELINE", "names", "get", "baseline_change"]
+__all__ = ["ArmContext", "ArmSpec", "Change", "Intervention", "REGISTRY", "BASELINE", "names", "get", "parse_arm",
+           "baseline_change", "suggested_clip"]
 
 BASELINE = "baseline"
 LR_DIVISOR = 10.0  # the field's first move: drop the LR 10x
@@ -54,15 +55,42 @@ class Change:
 class Intervention:
     name: str
     description: str
-    apply: Callable[[Any, ArmContext], Change]
+    apply: Callable[[Any, ArmContext, Any], Change]  # (config, context, the arm's value or None: the default)
+    parse: Optional[Callable[[str], Any]] = None  # the text after `name=` -> the value; ValueError says what is expected
+    show: Callable[[Any], str] = str  # a value -> its text in an arm's label (`lr=x0.1`)
+    default: Any = None  # the bare name's value (None: decided per run, e.g. the warmup's length)
+
+
+@dataclass(frozen=True)
+class ArmSpec:
+    """One arm as asked for: an intervention and its value (None: the bare name, the intervention's default)."""
+
+    intervention: str
+    value: Any = None
+    suggested: str = ""  # why the report added this arm (a value it suggests, proven by running it)
+
+    @property
+    def name(self) -> str:
+        """The arm's name in results: the bare name, or `name=value` as the value is shown."""
+        if self.value is None:
+            return self.intervention
+        return f"{self.intervention}={get(self.intervention).show(self.value)}"
+
+    @property
+    def label(self) -> str:
+        """The arm with the value it runs at, for names people read (`lr=x0.1`, even for a bare `lr`)."""
+        intervention = get(self.intervention)
+        value = self.value if self.value is not None else intervention.default
+        return self.intervention if value is None else f"{self.intervention}={intervention.show(value)}"
 
 
 REGISTRY: dict[str, Intervention] = {}
 
 
-def intervention(name: str, description: str):
-    def register(function: Callable[[Any, ArmContext], Change]):
-        REGISTRY[name] = Intervention(name, description, function)
+def intervention(name: str, description: str, parse: Optional[Callable[[str], Any]] = None,
+                 show: Callable[[Any], str] = str, default: Any = None):
+    def register(function: Callable[[Any, ArmContext, Any], Change]):
+        REGISTRY[name] = Intervention(name, description, function, parse, show, default)
         return function
 
     return register
@@ -74,6 +102,96 @@ def names() -> list[str]:
 
 def get(name: str) -> Intervention:
     return REGISTRY[name]
+
+
+def parse_arm(text: str) -> ArmSpec:
+    """'lr' | 'lr=x0.3' | 'clip=265' -> ArmSpec; a ReplayError (one line) for an unknown arm or a bad value."""
+    from replaybisect.errors import ReplayError
+
+    name, has_value, raw = (part.strip() for part in text.partition("="))
+    if name not in REGISTRY:
+        raise ReplayError(f"unknown arm {name!r}; valid arms: {', '.join(names())}")
+    if not has_value:
+        return ArmSpec(name)
+    intervention = get(name)
+    if intervention.parse is None:
+        raise ReplayError(f"arm {name!r} takes no value (got {text.strip()[:80]!r}); pass it bare: {name}")
+    try:
+        return ArmSpec(name, intervention.parse(raw))
+    except ValueError as error:
+        raise ReplayError(f"arm {text.strip()[:80]!r}: {error}") from None
+
+
+# ---- values ------------------------------------------------------------------------------------
+def _number(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError(f"{text[:40]!r} is not a number") from None
+    if not math.isfinite(value):
+        raise ValueError(f"{text[:40]!r} is not a finite number")
+    return value
+
+
+def parse_factor(text: str) -> float:
+    """'x0.3' (or '0.3x', '/10') -> a positive multiplier."""
+    hint = "give a factor such as x0.3 (or /10)"
+    if text.startswith(("x", "*")):
+        factor = _number(text[1:])
+    elif text.endswith("x"):
+        factor = _number(text[:-1])
+    elif text.startswith("/"):
+        divisor = _number(text[1:])
+        if divisor <= 0:
+            raise ValueError(f"{text!r}: the divisor must be positive; {hint}")
+        factor = 1 / divisor
+    else:
+        raise ValueError(f"{text[:40]!r} is not a factor; {hint}")
+    if factor <= 0:
+        raise ValueError(f"{text!r}: the factor must be positive; {hint}")
+    return factor
+
+
+def show_factor(factor: float) -> str:
+    return f"x{factor:.3g}"
+
+
+def parse_positive(text: str) -> float:
+    value = _number(text)
+    if value <= 0:
+        raise ValueError(f"{text!r} must be a positive number (e.g. clip=1.0)")
+    return value
+
+
+def parse_steps(text: str) -> int:
+    if not text.isdigit() or int(text) <= 0:
+        raise ValueError(f"{text[:40]!r} must be a positive number of steps (e.g. warmup=20)")
+    return int(text)
+
+
+def parse_step(text: str) -> int:
+    if not text.isdigit():
+        raise ValueError(f"{text[:40]!r} must be a step number >= 0 (e.g. skip-batch=47)")
+    return int(text)
+
+
+def parse_seed(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"{text[:40]!r} must be an integer seed (e.g. seed=1)") from None
+
+
+def parse_precision(text: str) -> str:
+    from replaybisect.core.config import PRECISIONS
+
+    if text not in PRECISIONS:
+        raise ValueError(f"{text[:40]!r} is not a precision; use one of {', '.join(PRECISIONS)}")
+    return text
+
+
+def show_number(value: float) -> str:
+    return f"{value:.4g}"
 
 
 # ---- helpers -----------------------------------------------------------------------------------
@@ -126,58 +244,61 @@ def baseline_change(cfg) -> Change:
 
 
 # ---- the registry ------------------------------------------------------------------------------
-@intervention("lr", "divide the learning rate by 10 (at every update, on top of any scheduler)")
-def lower_lr(cfg, ctx: ArmContext) -> Change:
+@intervention("lr", "multiply the learning rate (default x0.1) at every update, on top of any scheduler; lr=x0.3 for another factor",
+              parse=parse_factor, show=show_factor, default=1 / LR_DIVISOR)
+def lower_lr(cfg, ctx: ArmContext, factor: Optional[float]) -> Change:
+    factor = 1 / LR_DIVISOR if factor is None else factor
     has_lr, old = _optimizer_default(cfg, "lr")
-    new = old / LR_DIVISOR if isinstance(old, (int, float)) else None
-    summary = f"optim.lr {_fmt(old)} -> {_fmt(new)}" if new is not None else "learning rate x0.1"
+    new = old * factor if isinstance(old, (int, float)) else None
+    summary = f"optim.lr {_fmt(old)} -> {_fmt(new)}" if new is not None else f"learning rate {show_factor(factor)}"
     # The scheduler keeps its own schedule; the multiplier scales what it sets, at the update only,
     # so closed-form and chainable schedulers alike see the recorded values.
     return Change(
         cfg=_edit(cfg, **{"optim.lr": new}) if new is not None and has_lr else cfg,
-        params={"optim.lr": new if new is not None else "x0.1", "lr_factor": 1 / LR_DIVISOR},
+        params={"optim.lr": new if new is not None else show_factor(factor), "lr_factor": factor},
         summary=summary,
-        lr_factor=lambda step: 1 / LR_DIVISOR,
+        lr_factor=lambda step: factor,
     )
 
 
-@intervention("clip", "clip the total gradient norm at 1.0 (reports this run's 95th-percentile norm as a threshold)")
-def clip_gradients(cfg, ctx: ArmContext) -> Change:
+def suggested_clip(grad_norms: list[float]) -> Optional[float]:
+    """A clip threshold from this run's own norms (3 significant digits: the value shown is the value run)."""
+    value = percentile(grad_norms, CLIP_PERCENTILE)
+    return float(f"{value:.3g}") if value is not None and value > 0 else None
+
+
+def clip_suggestion_note(grad_norms: list[float]) -> str:
+    return f"the {CLIP_PERCENTILE:.0f}th percentile of the {len(grad_norms)} gradient norms recorded before the failure"
+
+
+@intervention("clip", f"clip the total gradient norm (default at {CLIP_MAX_NORM}; clip=265 for another threshold); "
+              f"adds an arm at this run's {CLIP_PERCENTILE:.0f}th-percentile norm",
+              parse=parse_positive, show=show_number, default=CLIP_MAX_NORM)
+def clip_gradients(cfg, ctx: ArmContext, threshold: Optional[float]) -> Change:
+    threshold = CLIP_MAX_NORM if threshold is None else threshold
     old = cfg.train.clip_grad_norm
-    suggested = percentile(ctx.grad_norms, CLIP_PERCENTILE)
-    note = (
-        f"suggested threshold: {suggested:.3g} (the {CLIP_PERCENTILE:.0f}th percentile of this run's {len(ctx.grad_norms)} "
-        "recorded pre-clip gradient norms; clipping should be rare, not constant)"
-        if suggested is not None
-        else ""
-    )
+    if old is not None and old <= threshold:
+        return Change(cfg, {}, f"train.clip_grad_norm is already {_fmt(old)}",
+                      not_applicable=f"the run already clips at {_fmt(old)} <= {_fmt(threshold)}")
+    edited = _edit(cfg, **{"train.clip_grad_norm": threshold})
     if cfg.train.loop == "user" and old is None:  # the user's step may clip too: ours comes after theirs
-        return Change(
-            cfg=_edit(cfg, **{"train.clip_grad_norm": CLIP_MAX_NORM}),
-            params={"train.clip_grad_norm": CLIP_MAX_NORM, "suggested_clip": suggested},
-            summary=f"clip the gradient norm at {CLIP_MAX_NORM} before each update (after any clipping in your step)",
-            note=note,
-        )
-    if old is not None and old <= CLIP_MAX_NORM:
-        return Change(cfg, {}, f"train.clip_grad_norm is already {_fmt(old)}", note=note,
-                      not_applicable=f"the run already clips at {_fmt(old)} <= {CLIP_MAX_NORM}")
-    return Change(
-        cfg=_edit(cfg, **{"train.clip_grad_norm": CLIP_MAX_NORM}),
-        params={"train.clip_grad_norm": CLIP_MAX_NORM, "suggested_clip": suggested},
-        summary=f"train.clip_grad_norm {_fmt(old) if old is not None else 'off'} -> {CLIP_MAX_NORM}",
-        note=note,
-    )
+        return Change(cfg=edited, params={"train.clip_grad_norm": threshold},
+                      summary=f"clip the gradient norm at {_fmt(threshold)} before each update (after any clipping in your step)")
+    return Change(cfg=edited, params={"train.clip_grad_norm": threshold},
+                  summary=f"train.clip_grad_norm {_fmt(old) if old is not None else 'off'} -> {_fmt(threshold)}")
 
 
-@intervention("precision", "train in fp32 instead of bf16/fp16 autocast")
-def full_precision(cfg, ctx: ArmContext) -> Change:
+@intervention("precision", "train in another precision (default fp32, instead of bf16/fp16 autocast)",
+              parse=parse_precision, default="fp32")
+def full_precision(cfg, ctx: ArmContext, precision: Optional[str]) -> Change:
+    precision = precision or "fp32"
     old = cfg.train.precision
-    if old == "fp32":
-        return Change(cfg, {}, "train.precision is already fp32", not_applicable="the run already trains in fp32")
+    if old == precision:
+        return Change(cfg, {}, f"train.precision is already {old}", not_applicable=f"the run already trains in {old}")
     return Change(
-        cfg=_edit(cfg, **{"train.precision": "fp32"}),
-        params={"train.precision": "fp32"},
-        summary=f"train.precision {old} -> fp32",
+        cfg=_edit(cfg, **{"train.precision": precision}),
+        params={"train.precision": precision},
+        summary=f"train.precision {old} -> {precision}",
     )
 
 
@@ -186,9 +307,10 @@ def warmup_steps(ctx: ArmContext) -> int:
     return max(1, (ctx.end_step - ctx.start_step) // 2)
 
 
-@intervention("warmup", "linear learning-rate warmup from the replay's start, reaching the full rate halfway through")
-def linear_warmup(cfg, ctx: ArmContext) -> Change:
-    length = warmup_steps(ctx)
+@intervention("warmup", "linear learning-rate warmup from the replay's start, reaching the full rate halfway through "
+              "(warmup=20: in 20 steps)", parse=parse_steps)
+def linear_warmup(cfg, ctx: ArmContext, steps: Optional[int]) -> Change:
+    length = steps or warmup_steps(ctx)
     start = ctx.start_step
     return Change(
         cfg=cfg,
@@ -198,40 +320,49 @@ def linear_warmup(cfg, ctx: ArmContext) -> Change:
     )
 
 
-@intervention("eps", "multiply the Adam eps by 1000")
-def larger_eps(cfg, ctx: ArmContext) -> Change:
+@intervention("eps", "multiply the Adam eps (default x1000; eps=x100 for another factor)",
+              parse=parse_factor, show=show_factor, default=EPS_FACTOR)
+def larger_eps(cfg, ctx: ArmContext, factor: Optional[float]) -> Change:
+    factor = EPS_FACTOR if factor is None else factor
     if cfg.train.loop == "user":  # the user's optimizer: scale the eps of its groups (where it has one)
-        return Change(cfg=cfg, params={"eps_factor": EPS_FACTOR}, summary=f"optimizer eps x{EPS_FACTOR:g}", group_scale={"eps": EPS_FACTOR})
+        return Change(cfg=cfg, params={"eps_factor": factor}, summary=f"optimizer eps {show_factor(factor)}", group_scale={"eps": factor})
     has_eps, old = _optimizer_default(cfg, "eps")
     if not has_eps or not isinstance(old, (int, float)):
         optimizer = str(cfg.optim.get("_target_", "the optimizer")).rsplit(".", 1)[-1]
         return Change(cfg, {}, "no eps", not_applicable=f"{optimizer} has no eps")
-    new = float(old) * EPS_FACTOR
+    new = float(old) * factor
     return Change(
         cfg=_edit(cfg, **{"optim.eps": new}),
         params={"optim.eps": new},
         summary=f"optim.eps {_fmt(float(old))} -> {_fmt(new)}",
-        group_scale={"eps": EPS_FACTOR},
+        group_scale={"eps": factor},
     )
 
 
-@intervention("skip-batch", "drop the failing step's batch (no forward, no update) and go on with the next")
-def skip_failing_batch(cfg, ctx: ArmContext) -> Change:
-    if ctx.failing_step is None:
+@intervention("skip-batch", "drop the failing step's batch (no forward, no update) and go on with the next "
+              "(skip-batch=47: another step's)", parse=parse_step)
+def skip_failing_batch(cfg, ctx: ArmContext, step: Optional[int]) -> Change:
+    step = ctx.failing_step if step is None else step
+    if step is None:
         return Change(cfg, {}, "no failing batch", not_applicable="the run never failed: there is no failing batch to drop")
+    if not ctx.start_step <= step < ctx.end_step:
+        return Change(cfg, {}, f"batch of step {step}", not_applicable=f"step {step} is outside the replay ({ctx.start_step}..{ctx.end_step - 1})")
     return Change(
         cfg=cfg,
-        params={"skip_step": ctx.failing_step},
-        summary=f"batch of step {ctx.failing_step} dropped",
-        skip_steps=frozenset({ctx.failing_step}),
+        params={"skip_step": step},
+        summary=f"batch of step {step} dropped",
+        skip_steps=frozenset({step}),
     )
 
 
-@intervention("seed", "another data-order and dropout seed from the replay's start: is the failure noise?")
-def other_seed(cfg, ctx: ArmContext) -> Change:
+@intervention("seed", "another data-order and dropout seed from the replay's start (default: the run's + 1; seed=7 for "
+              "another): is the failure noise?", parse=parse_seed)
+def other_seed(cfg, ctx: ArmContext, seed: Optional[int]) -> Change:
     if cfg.train.loop == "user":
         return Change(cfg, {}, "no data source", not_applicable="the run comes from your own loop: replay has its stored batches, not your data pipeline")
-    new = int(cfg.seed) + 1
+    new = int(cfg.seed) + 1 if seed is None else seed
+    if new == int(cfg.seed):
+        return Change(cfg, {}, f"seed {new}", not_applicable=f"the run's seed is already {new}")
     return Change(
         cfg=_edit(cfg, seed=new),
         params={"seed": new},

@@ -28,7 +28,7 @@ def _rows(result) -> list[tuple[Any, ...]]:
     rows = [("baseline", result.baseline.change, result.baseline.verdict, result.baseline.first_nonfinite_step,
              result.baseline.final_loss, result.baseline.reason)]
     for arm in result.arms:
-        rows.append((arm.name, arm.change, arm.verdict, arm.first_nonfinite_step, arm.final_loss, arm.reason))
+        rows.append((arm.label or arm.name, arm.change, arm.verdict, arm.first_nonfinite_step, arm.final_loss, arm.reason))
     return rows
 
 
@@ -56,6 +56,23 @@ def _header(result) -> str:
     return f"run {result.run_id} {failing}{climb}; arms replayed {start} to step {result.end_step - 1} (horizon {result.horizon})"
 
 
+def _notes(result) -> list[str]:
+    """What an arm's row cannot say: its note, why the report added it (a suggested value), the patch, the sweep."""
+    lines = [f"{arm.label or arm.name}: {arm.note}" for arm in result.arms if arm.note]
+    lines += [f"{arm.label}: added to prove a suggested value: {arm.suggested}" for arm in result.arms if arm.suggested]
+    if result.patch:
+        lines.append(f"patch: {result.patch} (the same snapshot and batches as the baseline)")
+    if result.sweep:
+        rounds = "; ".join(f"round {i + 1}: {', '.join(names)}" for i, names in enumerate(result.sweep["rounds"]))
+        lines.append(f"sweep {result.sweep['knob']} over {result.sweep['range'][0]:.3g}..{result.sweep['range'][1]:.3g} "
+                     f"(bisection in log, stops within x{result.sweep['precision']}): {rounds}")
+    return lines
+
+
+def _cost(result) -> str:
+    return f"{result.replays} replays on {result.executor} x{result.workers} in {result.seconds:.1f}s"
+
+
 # ---- rich -------------------------------------------------------------------------------------------
 def print_result(result, console=None) -> None:
     from rich.table import Table
@@ -71,17 +88,15 @@ def print_result(result, console=None) -> None:
         cells[2] = f"[{style}]{cells[2]}[/{style}]" if style else cells[2]
         table.add_row(*cells)
     print_table(table, console)
-    for arm in result.arms:
-        if arm.note:
-            console.print(f"  {arm.name}: {arm.note}")
+    for line in _notes(result):
+        console.print(f"  {line}")
     for warning in result.warnings:
         console.print(f"  [yellow]warning[/yellow] {warning}")
     style = "magenta" if result.status == "inconclusive" else "bold"
     console.print(f"[{style}]conclusion[/{style}] {result.conclusion}")
     console.print(f"  [dim]{_definitions(result)}[/dim]")
     console.print(
-        f"  {1 + sum(arm.verdict != 'not-applicable' for arm in result.arms)} replays on {result.executor} x{result.workers} "
-        f"in {result.seconds:.1f}s; "
+        f"  {_cost(result)}; "
         f"report: run {result.report_run_id or '-'} ({', '.join(result.artifacts) or '-'}); view: {mlflow_ui_hint(result.tracking_uri)}"
     )
 
@@ -158,14 +173,16 @@ def to_markdown(result) -> str:
         "",
         _definitions(result),
         "",
+        _cost(result) + ".",
+        "",
         f"Baseline losses against the recorded ones before the failure: {result.baseline.reproduced}.",
     ]
-    notes = [f"- {arm.name}: {arm.note}" for arm in result.arms if arm.note]
+    notes = [f"- {line}" for line in _notes(result)]
     if notes:
         lines += ["", *notes]
     if result.warnings:
         lines += ["", "Warnings:", *[f"- {w}" for w in result.warnings]]
-    runs = [f"- {arm.name}: {arm.run_id}" for arm in [result.baseline, *result.arms] if arm.run_id]
+    runs = [f"- {arm.label or arm.name}: {arm.run_id}" for arm in [result.baseline, *result.arms] if arm.run_id]
     if runs:
         lines += ["", "Child runs (kind=ablation-arm):", *runs]
     lines += ["", "Sources:", *[f"- {source}" for source in SOURCES]]
@@ -227,9 +244,32 @@ def _arm_points(arm) -> list[tuple[str, float, int]]:
     return points
 
 
-def _record_arm(store, result, arm, label: str) -> None:
+def arm_run_name(arm, where: str) -> str:
+    """The arm and its verdict first: MLflow's runs view shows a nested run's name in ~14 characters."""
+    return f"{arm.label or arm.name}: {arm.verdict} · {where}"
+
+
+def ablation_run_name(result, where: str) -> str:
+    """The answer first (`fixed by lr=x0.1 · ablate @ step 47`): the run name is the one column MLflow always shows."""
+    if result.status == "inconclusive":
+        answer = "inconclusive"
+    elif result.sweep:
+        sweep = result.sweep
+        shown = next((arm.label for arm in result.arms if arm.name == sweep.get("stable_arm")), None)
+        answer = f"stable {shown.replace('=', ' <= ')}" if shown else f"no stable {sweep['knob']}"
+        where = f"{where} sweep {sweep['knob']}"
+    else:
+        patch = next((arm for arm in result.arms if arm.intervention == "patch"), None)
+        fixes = [arm.label or arm.name for arm in result.arms if arm.verdict == "fixes" and arm is not patch]
+        answer = ("your patch fixes" if patch.verdict == "fixes" else f"your patch: {patch.verdict}") if patch else ""
+        if fixes or not patch:
+            answer += ("; " if answer else "") + (f"fixed by {', '.join(fixes)}" if fixes else "no single fix")
+    return f"{answer} · {where} ({', '.join(arm.name for arm in result.arms)})"[:250]
+
+
+def _record_arm(store, result, arm, where: str) -> None:
     """One replayed arm as a child run of the ablation's run (kind=ablation-arm): its change as params, its curves."""
-    child = store.create_run("ablation-arm", run_name=f"{label} / {arm.name}", parent_run_id=result.report_run_id,
+    child = store.create_run("ablation-arm", run_name=arm_run_name(arm, where), parent_run_id=result.report_run_id,
                              tags={"replaybisect.arm": arm.name})
     store.log_params(child, _arm_params(result, arm))
     if arm.verdict == "error":
@@ -258,18 +298,20 @@ def write_artifacts(store, result) -> list[str]:
 
 
 def publish(store, result) -> None:
-    """Record what `ablate()` found as one run under the examined run (`ablate @ step 47 (lr, clip)`, kind=ablation): every
-    replayed arm (the baseline first) as its child (`ablate @ step 47 / lr`), the report on it, the conclusion as
-    its description and a line of the examined run's. A second ablation is a second run: nothing is overwritten."""
+    """Record what `ablate()` found as one run under the examined run (`fixed by lr=x0.1 · ablate @ step 47 (lr, clip)`,
+    kind=ablation): every replayed arm (the baseline first) as its child (`lr=x0.1: fixes · ablate @ step 47`), the
+    report on it, the conclusion as its description and a line of the examined run's. A second ablation is a second
+    run: nothing is overwritten."""
     step = result.failing_step if result.failing_step is not None else result.start_step
-    label = f"ablate @ step {step}"
-    arms = ", ".join(arm.name for arm in result.arms)
-    result.report_run_id = store.create_run("ablation", run_name=f"{label} ({arms})", parent_run_id=result.run_id,
+    where = f"ablate @ step {step}"
+    result.report_run_id = store.create_run("ablation", run_name=ablation_run_name(result, where), parent_run_id=result.run_id,
                                             tags={"replaybisect.arms": ",".join(arm.name for arm in result.arms)})
     try:
         for arm in [result.baseline, *result.arms]:
             if arm.verdict != "not-applicable":
-                _record_arm(store, result, arm, label)
+                _record_arm(store, result, arm, where)
+        if result.sweep and result.sweep.get("stable_arm"):
+            result.sweep["stable_run_id"] = next(arm.run_id for arm in result.arms if arm.name == result.sweep["stable_arm"])
         write_artifacts(store, result)
     except BaseException:
         store.finish_run(result.report_run_id, "crashed", "FAILED")

@@ -1,0 +1,168 @@
+"""`replay ablate --sweep lr|clip`: how far the learning rate must come down (how tight the clipping must be) for the
+failure to go away, found by bisection on the value's logarithm and proven by the arms that ran.
+
+Both knobs are safer small: a smaller lr factor, a smaller clip threshold. The search keeps a bracket
+(the largest value known stable, the smallest known to fail) and replaces it each round by `workers` values spread
+evenly (in log) inside it, run in parallel; it stops when the bracket is narrower than PRECISION (a ratio), so it
+takes about log2(log(range) / log(PRECISION)) rounds with one worker, fewer with more. Stable means the arm's
+verdict is `fixes`: finite through the horizon and the loss not blown up. Every value in the answer is an arm that ran.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from replaybisect.errors import ReplayError
+from replaybisect.verbs.ablate.interventions import ArmSpec, get
+
+LR_FACTOR_RANGE = (1e-3, 1.0)  # lr x0.001 .. x1 (x1 is the baseline, which failed)
+CLIP_BELOW_HEALTHY = 4.0  # the clip search starts at the smallest healthy norm / 4: clipping every step
+PRECISION = 1.25  # stop when the smallest failing value is within 25% of the largest stable one
+MAX_ROUNDS = 12
+
+
+@dataclass
+class _Search:
+    knob: str
+    safe: float  # the range's safe end (tested first)
+    risky: float  # the range's risky end
+    risky_known_to_fail: bool  # lr x1 is the baseline
+    tested: dict[float, Any] = field(default_factory=dict)  # value -> ArmOutcome
+    rounds: list[list[str]] = field(default_factory=list)
+
+    def stable(self, value: float) -> bool:
+        return self.tested[value].verdict == "fixes"
+
+    def bracket(self) -> tuple[Optional[float], Optional[float]]:
+        """(the largest stable value below the smallest failing one, the smallest failing value) as tested so far."""
+        failing = [v for v in self.tested if not self.stable(v)] + ([self.risky] if self.risky_known_to_fail else [])
+        high = min(failing) if failing else None
+        stable = [v for v in self.tested if self.stable(v) and (high is None or v < high)]
+        return (max(stable) if stable else None), high
+
+    def next_values(self, count: int) -> list[float]:
+        """The values the next round runs (empty: the search is over)."""
+        low, high = self.bracket()
+        if self.safe not in self.tested:  # first round: the safe end, and points toward the risky end
+            ends = [self.safe] + ([] if self.risky_known_to_fail else [self.risky])
+            inner = _spread(self.safe, self.risky, max(0, count - len(ends)))
+            return _new(self, ends[:count] + inner)
+        if low is None:  # even the safe end fails: nothing in the range is stable
+            return []
+        if high is None:
+            return [] if self.risky in self.tested else _new(self, [self.risky] + _spread(low, self.risky, count - 1))
+        if high / low <= PRECISION or len(self.rounds) >= MAX_ROUNDS:
+            return []
+        return _new(self, _spread(low, high, count))
+
+
+def _round3(value: float) -> float:
+    """3 significant digits: the value an arm's name shows is the value it runs."""
+    return float(f"{value:.3g}")
+
+
+def _spread(low: float, high: float, count: int) -> list[float]:
+    """`count` values strictly inside (low, high), evenly spaced in log."""
+    if count <= 0:
+        return []
+    ratio = math.log(high / low)
+    return [_round3(low * math.exp(ratio * i / (count + 1))) for i in range(1, count + 1)]
+
+
+def _new(search: _Search, values: list[float]) -> list[float]:
+    low, high = search.bracket()
+    inside = [v for v in values if v not in search.tested and (low is None or v > low or v == search.safe)
+              and (high is None or v < high)]
+    return sorted(set(inside))
+
+
+def _search(knob: str, plan, runner) -> _Search:
+    if knob == "lr":
+        return _Search(knob, LR_FACTOR_RANGE[0], LR_FACTOR_RANGE[1], risky_known_to_fail=True)
+    healthy = [v for v in plan.grad_norms if math.isfinite(v) and v > 0]
+    recorded = [v for step, v in runner.store.metric_history(runner.run_id, "grad_norm")
+                if math.isfinite(v) and v > 0 and (plan.failing_step is None or step < plan.failing_step)]
+    if not healthy or not recorded:
+        raise ReplayError(f"run {runner.run_id} recorded no finite gradient norm before the failure: nothing to sweep "
+                          "clip thresholds over; try `replay ablate clip=1.0`")
+    safe, risky = _round3(min(healthy) / CLIP_BELOW_HEALTHY), _round3(max(recorded))
+    if risky <= safe * PRECISION:
+        risky = _round3(safe * PRECISION * PRECISION)
+    # A threshold at the largest norm recorded before the failure clips nothing the baseline did not: it fails too
+    # unless the clip at the failing step itself saves it; it is run, not assumed.
+    return _Search(knob, safe, risky, risky_known_to_fail=False)
+
+
+def run_sweep(knob: str, plan, runner) -> tuple[list, dict[str, Any]]:
+    """(the sweep's arms, sorted by value; what it found: the stable range, the arms proving it, its cost)."""
+    if plan.failing_step is None:
+        raise ReplayError(f"run {runner.run_id} never failed: --sweep {knob} searches the values that make a failure go away")
+    started = time.perf_counter()
+    search = _search(knob, plan, runner)
+    while True:
+        values = search.next_values(max(1, runner.workers))
+        if not values:
+            break
+        specs = [ArmSpec(knob, value) for value in values]
+        runner.add(specs)
+        outcomes = runner.run(specs)
+        search.rounds.append([spec.name for spec in specs])
+        for value, outcome in zip(values, outcomes):
+            search.tested[value] = outcome
+        if runner.inconclusive:
+            break
+    arms = [search.tested[value] for value in sorted(search.tested)]
+    return arms, _summary(search, runner, time.perf_counter() - started)
+
+
+def _summary(search: _Search, runner, seconds: float) -> dict[str, Any]:
+    low, high = search.bracket()
+    stable_arm = search.tested.get(low) if low is not None else None
+    failing_arm = search.tested.get(high) if high is not None else None
+    non_monotone = sorted(v for v in search.tested if search.stable(v) and high is not None and v > high)
+    replays = 1 + len(search.tested)
+    data = {
+        "knob": search.knob,
+        "range": [search.safe, search.risky],
+        "precision": PRECISION,
+        "stable_max": low,
+        "fails_min": high,
+        "stable_arm": stable_arm.name if stable_arm else None,
+        "stable_run_id": None,  # set when the arms are recorded (report.publish)
+        "fails_arm": failing_arm.name if failing_arm else ("baseline" if high is not None else None),
+        "rounds": search.rounds,
+        "replays": replays,
+        "seconds": round(seconds, 2),
+        "non_monotone": non_monotone,
+    }
+    data["conclusion"] = _conclusion(search, low, high, stable_arm, failing_arm, runner, replays, seconds, non_monotone)
+    return data
+
+
+def _shown(knob: str, value: float) -> str:
+    return f"{knob}={get(knob).show(value)}"
+
+
+def _conclusion(search: _Search, low, high, stable_arm, failing_arm, runner, replays: int, seconds: float,
+                non_monotone: list[float]) -> str:
+    cost = f"{replays} replays (baseline + {replays - 1} arms) in {len(search.rounds)} rounds, {seconds:.1f}s"
+    if runner.inconclusive:
+        return f"inconclusive: {runner.inconclusive}; {cost}"
+    what = "lr factor" if search.knob == "lr" else "clip threshold"
+    end = runner.plan.end - 1
+    if low is None:
+        return (f"no {what} in {_shown(search.knob, search.safe)}..{_shown(search.knob, search.risky)} fixes the failure: even "
+                f"{_shown(search.knob, search.safe)} is {search.tested[search.safe].verdict} ({search.tested[search.safe].reason}); {cost}")
+    if high is None:
+        return (f"every {what} tried up to {_shown(search.knob, search.risky)} stays finite through step {end}: "
+                f"{stable_arm.name} fixes ({stable_arm.change}); {cost}")
+    failing = (f"{failing_arm.name} {failing_arm.verdict} ({failing_arm.reason})" if failing_arm is not None
+               else f"x1 (the baseline) fails at step {runner.plan.failing_step}")
+    text = (f"stable for {what} <= {get(search.knob).show(low)}: {stable_arm.name} fixes ({stable_arm.change}; "
+            f"{stable_arm.reason}); {failing}; {cost}")
+    if non_monotone:
+        text += f"; not monotone: {', '.join(_shown(search.knob, v) for v in non_monotone)} also fix"
+    return text
