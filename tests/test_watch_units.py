@@ -21,9 +21,10 @@ from conftest import EXAMPLES, REPLAY, assert_one_line_error, train_example
 from watch_servers import ALLOW_ROOT
 from replaybisect.errors import ReplayError
 from replaybisect.verbs.watch.engine import (
-    Claim, Event, TriageResult, Watcher, WatchOptions, _conclude, _failure_reason, _fix_override, _outage,
+    Claim, Event, TriageResult, Watcher, WatchOptions, _failure_reason, _outage,
 )
-from replaybisect.verbs.watch.report import EventLog, notification, post_json
+from replaybisect.verbs.watch.answer import ablate_args, conclude, step_lines
+from replaybisect.verbs.watch.report import EventLog, markdown, notification, post_json
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -120,16 +121,112 @@ def test_failure_reasons_are_one_line():
     assert _failure_reason(1, "", 0) == "exit 1: no output"
 
 
-def test_next_command_from_the_first_fixing_arm():
-    ablation = {"arms": [{"name": "precision", "change": "train.precision is already fp32", "verdict": "not-applicable"},
-                         {"name": "lr", "change": "optim.lr 0.001 -> 0.0001", "verdict": "fixes"}]}
-    assert _fix_override(ablation) == "optim.lr=0.0001"
-    lines = {"triage.nan": "forward in gate (torch.exp) at step 20", "triage.nan.category": "forward",
-             "triage.nan.next": "replay ablate lr,clip --run-id R", "triage.ablate": "fixed by: lr", "triage.ablate.fix": "optim.lr=0.0001"}
-    assert _conclude("nonfinite", "R", lines) == ("forward", "forward in gate (torch.exp) at step 20; ablate: fixed by: lr",
-                                                 "replay train optim.lr=0.0001")
-    lines["triage.ablate.fix"] = ""
-    assert _conclude("nonfinite", "R", lines)[2] == "replay nan --run-id R"  # ablate already ran: not suggested again
+NAN_FORWARD = {  # replay nan --json on examples/nan_forward (the fields a triage reads, and a long history it must not print)
+    "run_id": "R", "failing_step": 20, "snapshot_step": 15, "reproduced": "exact", "category": "forward", "phase": "forward",
+    "module": "gate", "op": "torch.exp", "source": "/p/nan_forward/planted_forward.py:24 in forward: weights = torch.exp(x)",
+    "evidence": ["replayed 5 step(s) 15..19 from the snapshot of step 15: losses exact",
+                 "the batch is finite; parameters, buffers and optimizer state before the step are finite",
+                 "forward: gate (NaiveSoftmaxGate) is the first module whose output is non-finite while its inputs were finite",
+                 "  input input[0]: float32[32, 32] range [-0.932, 1.1]",
+                 "the first op to make a non-finite value its inputs do not explain: torch.exp in gate"],
+    "suggestion": "replay ablate lr,clip --run-id R   # lr / clip: smaller updates keep activations in range longer",
+    "ablate_command": "replay ablate lr,clip --run-id R", "arms": ["lr", "clip"], "replay_run_id": "N1",
+    "loss_history": [[step, 2.3 - step / 100] for step in range(400)], "layer_grad_norms": {f"l{i}": 0.1 for i in range(50)},
+}
+
+
+def _arm(name: str, change: str, verdict: str, **extra) -> dict:
+    return {"name": name, "change": change, "verdict": verdict, "first_nonfinite_step": None if verdict == "fixes" else 20,
+            "final_loss": 0.53, "steps_run": 10, "run_id": f"arm-{name}", **extra}
+
+
+def _ablation(*arms: dict, conclusion: str = "fixed by: lr") -> dict:
+    return {"run_id": "R", "failing_step": 20, "start_step": 15, "end_step": 25, "status": "conclusive", "conclusion": conclusion,
+            "baseline": _arm("baseline", "none", "fails-again"), "arms": list(arms), "report_run_id": "A1"}
+
+
+def _lines(*results: tuple[str, dict]) -> dict:
+    lines = {}
+    for step, result in results:
+        lines.update(step_lines(step, result))
+    return lines
+
+
+TRAINED = {"replaybisect.config_dir": "/p/nan_forward", "replaybisect.overrides": '["train.steps=30", "optim.lr=3e-3"]'}
+
+
+def test_the_next_command_is_the_proven_fix_as_a_replay_train_override():
+    lr_fixes = _ablation(_arm("precision", "train.precision is already fp32", "not-applicable"),
+                         _arm("lr", "optim.lr 0.003 -> 0.0003", "fixes"), _arm("clip", "train.clip_grad_norm off -> 1", "fixes"))
+    lines = _lines(("nan", NAN_FORWARD), ("ablate", lr_fixes))
+    concluded = conclude("nonfinite", "R", lines, "train nan_forward", TRAINED, ["nan", "ablate"])
+    assert concluded.verdict == "forward"
+    assert concluded.summary == "forward in gate (torch.exp) at step 20; ablate: fixed by: lr"
+    # the run's own config folder and overrides, its lr replaced by the proven one
+    assert concluded.next_command == "replay train --config-dir /p/nan_forward train.steps=30 optim.lr=0.0003"
+    assert concluded.fix == "lr: optim.lr 0.003 -> 0.0003 (finite over steps 15..24, final loss 0.53; without it the replay goes non-finite at step 20)"
+    # a value the ablation suggested and proved (its clip threshold) is preferred over the first fixing arm
+    suggested = _arm("clip=0.489", "train.clip_grad_norm off -> 0.489", "fixes", label="clip=0.489", suggested="95th percentile")
+    lines = _lines(("nan", NAN_FORWARD), ("ablate", _ablation(*lr_fixes["arms"], suggested)))
+    assert conclude("nonfinite", "R", lines, "x", TRAINED, ["nan", "ablate"]).next_command.endswith(" train.clip_grad_norm=0.489")
+    # a run recorded before `replay train` tagged its arguments: its name and code folder say the config folder
+    older = {"replaybisect.code_dir": "/p/nan_forward"}
+    lines = _lines(("nan", NAN_FORWARD), ("ablate", lr_fixes))
+    assert conclude("nonfinite", "R", lines, "train nan_forward", older, ["nan", "ablate"]).next_command == \
+        "replay train --config-dir /p/nan_forward optim.lr=0.0003"
+    assert conclude("nonfinite", "R", lines, "train mlp/digits", {"replaybisect.code_dir": "/home/me"}, ["nan", "ablate"]).next_command == \
+        "replay train optim.lr=0.0003"
+    # your own loop (or Lightning): the change to make in your code, proven
+    own = conclude("nonfinite", "R", lines, "train gpt_loop (own loop)", {"replaybisect.loop": "user"}, ["nan", "ablate"])
+    assert own.next_command == "in your training code: optim.lr 0.003 -> 0.0003 (the ablation's lr arm trains past the failure)"
+
+
+@pytest.mark.parametrize("failure, results, expected", [
+    # no arm fixes: the op and line nan named (it used to say `replay nan --run-id R`, a verb the triage had run)
+    ("nonfinite", [("nan", NAN_FORWARD), ("ablate", _ablation(_arm("lr", "optim.lr 0.001 -> 0.0001", "no-effect"), conclusion="no single change fixes the failure"))],
+     "change torch.exp in gate at /p/nan_forward/planted_forward.py:24 in forward: it makes the first non-finite value"),
+    # no op named, no fix: nan's `replay ablate` already ran; the checklist of the run's state has not
+    ("nonfinite", [("nan", NAN_FORWARD | {"op": None, "module": None, "category": "divergence"}), ("ablate", _ablation(conclusion="no single change fixes the failure"))],
+     "replay check --run-id R"),
+    # a transient failure: nan's advice, which is no command
+    ("nonfinite", [("nan", NAN_FORWARD | {"op": None, "category": "transient", "suggestion": "no code change needed: resume from the snapshot of step 15", "ablate_command": None}),
+                   ("ablate", _ablation(conclusion="the run did not fail; no arm changed that"))],
+     "no code change needed: resume from the snapshot of step 15"),
+    ("failed", [("diagnose", {"verdict": "spikes", "findings": [{"summary": "3 spikes", "next": "replay diagnose --run-id R  # again"}], "report_run_id": "D1"})],
+     "replay check --run-id R"),
+    ("failed", [("diagnose", {"verdict": "plateau", "findings": [{"summary": "flat", "next": "replay check --run-id R --only lr"}]})],
+     "replay check --run-id R --only lr"),
+])
+def test_the_next_command_is_never_a_verb_the_triage_ran(failure, results, expected):
+    ran = [step for step, _ in results]
+    concluded = conclude(failure, "R", _lines(*results), "train x", TRAINED, ran)
+    assert concluded.next_command == expected
+    assert concluded.next_command.split()[:2] not in (["replay", step] for step in ran)
+
+
+def test_ablate_tries_the_arms_nan_suggests_and_the_standard_ones():
+    assert ablate_args(_lines(("nan", NAN_FORWARD))) == ["lr,clip,precision"]
+    optimizer = NAN_FORWARD | {"ablate_command": "replay ablate eps,lr=x0.3,clip --run-id R --from-step 3"}
+    assert ablate_args(_lines(("nan", optimizer))) == ["eps,lr=x0.3,clip,precision", "--from-step", "3"]
+    assert ablate_args({}) == ["lr,clip,precision"]  # nan gave no command (transient)
+
+
+def test_triage_md_is_a_short_report_not_json():
+    lines = _lines(("nan", NAN_FORWARD), ("ablate", _ablation(_arm("lr", "optim.lr 0.003 -> 0.0003", "fixes"))))
+    concluded = conclude("nonfinite", "R", lines, "train nan_forward", TRAINED, ["nan", "ablate"])
+    links = [{"step": "nan", "name": "nan @ step 20", "run_id": "N1", "url": "http://mlflow:5000/#/experiments/1/runs/N1", "path": "#/experiments/1/runs/N1"},
+             {"step": "fix", "name": "ablate @ step 20 / lr", "run_id": "arm-lr", "url": None, "path": "#/experiments/1/runs/arm-lr"}]
+    result = TriageResult(run_id="R", run_name="train nan_forward", experiment_id="1", failure="nonfinite", state="done",
+                          verdict=concluded.verdict, summary=concluded.summary, next_command=concluded.next_command,
+                          evidence=concluded.evidence, fix=concluded.fix, links=links, steps=["nan", "ablate"],
+                          results={"nan": NAN_FORWARD, "ablate": _ablation()}, seconds=41.5, watcher_id="w-1")
+    text = markdown(result)
+    assert '{"' not in text and "```json" not in text and len(text.splitlines()) < 30, text
+    assert f"**{concluded.summary}**" in text and f"`{concluded.next_command}`" in text and concluded.fix in text
+    assert "- the first op to make a non-finite value its inputs do not explain: torch.exp in gate" in text
+    assert "  input input[0]" not in text  # nan's indented detail stays in its own report
+    assert "- replay nan: `nan @ step 20`, run N1, http://mlflow:5000/#/experiments/1/runs/N1" in text
+    assert "- the fixing arm: `ablate @ step 20 / lr`, run arm-lr, MLflow UI #/experiments/1/runs/arm-lr" in text
 
 
 def test_notification_is_webhook_shaped():

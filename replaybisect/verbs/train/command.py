@@ -48,6 +48,7 @@ def train_command(
         if not sep:
             raise ReplayError(f"--tag {item!r} is not key=value")
         extra_tags[key] = value
+    extra_tags.update(how_trained(config_dir, config_name, list(ctx.args)))
     cfg = config_mod.compose(config_dir, config_name, list(ctx.args))
     if show_config:
         print(config_mod.to_yaml(cfg), end="", file=OUR_STDOUT)
@@ -72,6 +73,20 @@ def train_command(
             result.first_nonfinite_step, (result.nonfinite_what or "loss").replace("_", " "), result.run_id,
             snapshot_saved=result.first_nonfinite_step in result.snapshot_steps,
         )
+
+
+def how_trained(config_dir: Optional[Path], config_name: str, overrides: list[str]) -> dict[str, str]:
+    """Tags saying how to train the run again (`replay watch` proposes a proven fix as this command plus an override)."""
+    import json
+
+    tags = {"replaybisect.overrides": json.dumps(overrides)}
+    if len(tags["replaybisect.overrides"]) > 4000:  # MLflow keeps tag values under 5000 characters (older servers)
+        tags = {}
+    if config_dir is not None:
+        tags["replaybisect.config_dir"] = str(config_dir.resolve())
+    if config_name != "config":
+        tags["replaybisect.config_name"] = config_name
+    return tags
 
 
 def register(app: typer.Typer) -> None:

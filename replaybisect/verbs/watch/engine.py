@@ -38,6 +38,9 @@ from replaybisect.errors import ReplayError, StoreUnreachable
 from replaybisect.store import (
     TAG, Store, all_experiment_ids, experiment_ids_named, search_all_runs, search_runs_without_tag,
 )
+from replaybisect.verbs.watch.answer import (
+    Conclusion, ablate_args, conclude, evidence_of, result_runs, step_lines, tag_line,
+)
 
 TRIAGE = "triage"
 CLAIM = "triage.claim"
@@ -48,7 +51,6 @@ NEXT = "triage.next"
 REASON = "triage.reason"
 FINISHED_STATES = ("done", "failed")
 MAX_ATTEMPTS = 3  # claims of one run before it is given up (its watchers died mid-triage each time)
-ABLATE_ARMS = "lr,clip,precision"
 FAILED_STATUSES = ("FAILED", "KILLED")
 # An outage of the tracking server (restarting, its database down) is waited out, never a verdict on a run:
 BACKOFF_FIRST, BACKOFF_MAX = 1.0, 30.0  # seconds between tries of a store call, doubling
@@ -189,6 +191,9 @@ class TriageResult:
     summary: str  # the one line tagged on the run
     next_command: str
     reason: str = ""  # a failed triage's one-line reason
+    evidence: list[str] = field(default_factory=list)  # a few lines of the verbs' evidence
+    fix: str = ""  # the fix the ablation proved, in one line ("" when none did)
+    links: list[dict[str, Any]] = field(default_factory=list)  # the verbs' result runs: step, name, run_id, url, path
     steps: list[str] = field(default_factory=list)  # the steps run by this watcher (resumed ones are not rerun)
     results: dict[str, Any] = field(default_factory=dict)  # step -> its JSON
     seconds: float = 0.0
@@ -243,11 +248,12 @@ def plan_for(failure: str) -> list[str]:
     return ["nan", "ablate"] if failure == "nonfinite" else ["diagnose"]
 
 
-def run_url(options: WatchOptions, run) -> Optional[str]:
+def run_url(options: WatchOptions, experiment_id: str, run_id: str) -> Optional[str]:
+    """The run's page in the MLflow UI (None when the watcher knows no UI address: a local store)."""
     base = options.ui_url or (options.tracking_uri if options.tracking_uri.startswith(("http://", "https://")) else None)
     if not base:
         return None
-    return f"{base.rstrip('/')}/#/experiments/{run.info.experiment_id}/runs/{run.info.run_id}"
+    return f"{base.rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}"
 
 
 class _Abandoned(Exception):
@@ -537,47 +543,47 @@ class Watcher:
         failure = failure_of(run)
         started = time.monotonic()
         tags = self._call(self.store.get_run, run_id, run_id=run_id).data.tags
-        step_lines: dict[str, str] = {}
+        lines: dict[str, str] = {}  # the finished steps' results as tags (resumed steps' from the run)
         results: dict[str, Any] = {}
         ran: list[str] = []
         scratch = _scratch_folder()
         try:
             for step in plan_for(failure):
                 if TAG + f"{TRIAGE}.{step}" in tags:  # finished before a restart: resume after it
-                    step_lines[f"{TRIAGE}.{step}"] = tags[TAG + f"{TRIAGE}.{step}"]
-                    step_lines.update({k[len(TAG):]: v for k, v in tags.items() if k.startswith(TAG + f"{TRIAGE}.{step}.")})
+                    lines[f"{TRIAGE}.{step}"] = tags[TAG + f"{TRIAGE}.{step}"]
+                    lines.update({k[len(TAG):]: v for k, v in tags.items() if k.startswith(TAG + f"{TRIAGE}.{step}.")})
                     continue
                 if active.released or not self._owns(active):
                     return self._stopped(active)
                 self._call(self.store.set_tags, run_id, {STEP: step}, run_id=run_id)
                 self.on_event(Event("step", f"{step} started", run_id))
-                outcome = self._run_step_through_outages(step, run_id, active, scratch)
+                outcome = self._run_step_through_outages(step, run_id, active, scratch, lines)
                 if active.released or not self._owns(active):  # every write waits for this check: a lapsed owner writes nothing
                     return self._stopped(active)
                 ran.append(step)
                 if not outcome.ok:
                     reason = f"{step}: {outcome.reason}"
-                    found = "".join(f"; {name} found: {step_lines[f'{TRIAGE}.{name}']}" for name in plan_for(failure)
-                                    if f"{TRIAGE}.{name}" in step_lines)
-                    result = self._result(run, failure, "failed", "", f"triage failed: {reason}{found}", "", reason, ran, results, started)
-                    return self._finish(run, active, result)
+                    found = "".join(f"; {name} found: {lines[f'{TRIAGE}.{name}']}" for name in plan_for(failure)
+                                    if f"{TRIAGE}.{name}" in lines)
+                    failed = Conclusion("", f"triage failed: {reason}{found}", "", evidence_of(lines), "")
+                    return self._finish(run, active, self._result(run, failure, "failed", failed, reason, ran, results, started, lines))
                 results[step] = outcome.result
-                lines = _step_lines(step, outcome.result)
-                self._call(self.store.set_tags, run_id, lines, run_id=run_id)  # progress: a restarted triage skips this step
-                step_lines.update(lines)
-                self.on_event(Event("step", f"{step} finished in {outcome.seconds:.1f} s: {lines[f'{TRIAGE}.{step}']}", run_id))
+                finished = step_lines(step, outcome.result)
+                self._call(self.store.set_tags, run_id, finished, run_id=run_id)  # progress: a restarted triage skips this step
+                lines.update(finished)
+                self.on_event(Event("step", f"{step} finished in {outcome.seconds:.1f} s: {finished[f'{TRIAGE}.{step}']}", run_id))
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
-        verdict, summary, next_command = _conclude(failure, run_id, step_lines)
-        result = self._result(run, failure, "done", verdict, summary, next_command, "", ran, results, started)
-        return self._finish(run, active, result)
+        conclusion = conclude(failure, run_id, lines, run.info.run_name or "", tags, plan_for(failure))
+        return self._finish(run, active, self._result(run, failure, "done", conclusion, "", ran, results, started, lines))
 
-    def _run_step_through_outages(self, step: str, run_id: str, active: _Active, scratch: str) -> StepOutcome:
+    def _run_step_through_outages(self, step: str, run_id: str, active: _Active, scratch: str,
+                                  lines: dict[str, str]) -> StepOutcome:
         """A step that failed because the tracking server did not answer (its child could not open the store, or the
         server is down now) runs again once the server answers: an outage is never the run's verdict."""
         reruns = 0
         while True:
-            outcome = self._run_step(step, run_id, active, scratch)
+            outcome = self._run_step(step, run_id, active, scratch, lines)
             if outcome.ok or active.released or active.lost or self.abandon.is_set():
                 return outcome
             answers = self._store_answers(run_id)
@@ -592,11 +598,29 @@ class Watcher:
                 raise _Abandoned()
             self._call(self.store.get_run, run_id, run_id=run_id)  # waits out the outage
 
-    def _result(self, run, failure, state, verdict, summary, next_command, reason, ran, results, started) -> TriageResult:
-        return TriageResult(run_id=run.info.run_id, run_name=run.info.run_name or "", experiment_id=run.info.experiment_id,
-                            failure=failure, state=state, verdict=verdict, summary=summary, next_command=next_command,
-                            reason=reason, steps=ran, results=results, seconds=round(time.monotonic() - started, 2),
-                            watcher_id=self.watcher_id, run_url=run_url(self.options, run))
+    def _result(self, run, failure: str, state: str, conclusion: Conclusion, reason: str, ran: list[str],
+                results: dict[str, Any], started: float, lines: dict[str, str]) -> TriageResult:
+        experiment_id = run.info.experiment_id
+        return TriageResult(run_id=run.info.run_id, run_name=run.info.run_name or "", experiment_id=experiment_id,
+                            failure=failure, state=state, verdict=conclusion.verdict, summary=conclusion.summary,
+                            next_command=conclusion.next_command, reason=reason, evidence=conclusion.evidence,
+                            fix=conclusion.fix, links=self._links(experiment_id, lines), steps=ran, results=results,
+                            seconds=round(time.monotonic() - started, 2), watcher_id=self.watcher_id,
+                            run_url=run_url(self.options, experiment_id, run.info.run_id))
+
+    def _links(self, experiment_id: str, lines: dict[str, str]) -> list[dict[str, Any]]:
+        """The verbs' result runs (nan's, the ablation's and its fixing arm, diagnose's) with their names and pages."""
+        links = []
+        for step, run_id in result_runs(lines):
+            try:
+                name = self._call(self.store.get_run, run_id, run_id=run_id).info.run_name or ""
+            except _Abandoned:
+                raise
+            except Exception:  # deleted since: still worth its id
+                name = ""
+            links.append({"step": step, "name": name, "run_id": run_id, "url": run_url(self.options, experiment_id, run_id),
+                          "path": f"#/experiments/{experiment_id}/runs/{run_id}"})
+        return links
 
     def _stopped(self, active: _Active) -> None:
         if active.lost:
@@ -626,17 +650,17 @@ class Watcher:
         return result
 
     def _record_final(self, run, state: str, summary: str, next_command: str, reason: str) -> None:
-        tags = {TRIAGE: state, SUMMARY: _tag_line(summary), NEXT: _tag_line(next_command), STEP: "finished"}
+        tags = {TRIAGE: state, SUMMARY: tag_line(summary), NEXT: tag_line(next_command), STEP: "finished"}
         if reason:
-            tags[REASON] = _tag_line(reason)
+            tags[REASON] = tag_line(reason)
         self.store.set_tags(run.info.run_id, tags)
 
-    def _run_step(self, step: str, run_id: str, active: _Active, scratch: str) -> StepOutcome:
+    def _run_step(self, step: str, run_id: str, active: _Active, scratch: str, lines: dict[str, str]) -> StepOutcome:
         """One verb in a child process with the memory and time limits; its JSON comes back on a pipe of ours. It runs
         in the triage's scratch folder (never the watcher's working folder: nothing there is trusted or importable)
         with its caches and temporary files there too."""
         argv = [sys.executable, "-m", "replaybisect.verbs.watch.child", str(self.options.memory_mb), "--",
-                *self._verb_args(step, run_id)]
+                *self._verb_args(step, run_id, lines)]
         work = os.path.join(scratch, "work")
         env = dict(os.environ, PWD=work, TMPDIR=os.path.join(scratch, "tmp"), REPLAYBISECT_CACHE=os.path.join(scratch, "cache"))
         if env.get(CODE_DIR_ENV):  # the folders as the watcher reads them, not relative to the child's scratch folder
@@ -668,14 +692,15 @@ class Watcher:
         return StepOutcome(step, False, reason=_failure_reason(process.returncode, error_text, self.options.memory_mb),
                            seconds=seconds, detail="\n".join(error_text.splitlines()[-40:]))
 
-    def _verb_args(self, step: str, run_id: str) -> list[str]:
+    def _verb_args(self, step: str, run_id: str, lines: dict[str, str]) -> list[str]:
+        """The verb's command line; ablate tries the arms nan suggested (from where it said) and the standard ones."""
         common = ["--run-id", run_id, "--json", "--tracking-uri", self.store.uri]
         trust = [arg for folder in self.options.code_dirs for arg in ("--code-dir", _absolute(folder))]
         trust += [arg for prefix in self.options.trust_prefixes for arg in ("--trust", prefix)]
         if step == "nan":
             return ["nan", *common, *trust]
         if step == "ablate":
-            return ["ablate", ABLATE_ARMS, *common, "--horizon", str(self.options.horizon), *trust]
+            return ["ablate", *ablate_args(lines), *common, "--horizon", str(self.options.horizon), *trust]
         return ["diagnose", *common]
 
     # ---- stopping -------------------------------------------------------------------------------------------
@@ -811,10 +836,6 @@ def _one_line(error: BaseException) -> str:
     return f"{type(error).__name__}: {text}"[:300] if text else type(error).__name__
 
 
-def _tag_line(text: str) -> str:
-    return " ".join(text.split())[:500]  # one line; well under MLflow's tag value limit
-
-
 # how running out of address space (RLIMIT_AS) shows: Python, torch's allocator, the loader mapping a library
 OUT_OF_MEMORY = ("MemoryError", "std::bad_alloc", "DefaultCPUAllocator", "failed to map segment", "Cannot allocate memory")
 
@@ -827,51 +848,3 @@ def _failure_reason(returncode: int, stderr: str, memory_mb: int) -> str:
         return f"ran out of memory (limit {memory_mb} MiB, --memory-mb)"
     last = next((line for line in reversed(lines) if line.startswith("replay:")), lines[-1] if lines else "no output")
     return f"exit {returncode}: {last.removeprefix('replay: ').removeprefix('error: ')}"
-
-
-def _step_lines(step: str, result: dict[str, Any]) -> dict[str, str]:
-    """A finished step's result as tags: enough to conclude the triage after a restart without rerunning it."""
-    if step == "nan":
-        where = f" in {result['module']}" if result.get("module") else ""
-        op = f" ({result['op']})" if result.get("op") else ""
-        line = f"{result.get('category')}{where}{op} at step {result.get('failing_step')}"
-        return {f"{TRIAGE}.nan": line, f"{TRIAGE}.nan.category": str(result.get("category")),
-                f"{TRIAGE}.nan.next": _command_part(result.get("suggestion") or "")}
-    if step == "ablate":
-        return {f"{TRIAGE}.ablate": _tag_line(result.get("conclusion") or result.get("status") or ""),
-                f"{TRIAGE}.ablate.fix": _fix_override(result)}
-    findings = result.get("findings") or []
-    return {f"{TRIAGE}.diagnose": _tag_line(result.get("verdict") or ""),
-            f"{TRIAGE}.diagnose.next": _command_part(findings[0]["next"]) if findings else ""}
-
-
-def _conclude(failure: str, run_id: str, lines: dict[str, str]) -> tuple[str, str, str]:
-    """(verdict, one-line summary, next command) from the steps' tag lines."""
-    if failure == "nonfinite":
-        fix = lines.get(f"{TRIAGE}.ablate.fix", "")
-        summary = f"{lines.get(f'{TRIAGE}.nan', '')}; ablate: {lines.get(f'{TRIAGE}.ablate', '')}"
-        if fix:
-            next_command = f"replay train {fix}"
-        else:
-            suggested = lines.get(f"{TRIAGE}.nan.next", "")
-            next_command = suggested if suggested and not suggested.startswith("replay ablate") else f"replay nan --run-id {run_id}"
-        return lines.get(f"{TRIAGE}.nan.category", ""), summary, next_command
-    verdict = lines.get(f"{TRIAGE}.diagnose", "")
-    return verdict, f"{failure} run: {verdict}", lines.get(f"{TRIAGE}.diagnose.next") or f"replay check --run-id {run_id}"
-
-
-_CHANGE = re.compile(r"^(?P<key>[\w.]+) \S+ -> (?P<value>\S+)$")  # an arm's change, e.g. "optim.lr 0.001 -> 0.0001"
-
-
-def _fix_override(result: dict[str, Any]) -> str:
-    """The Hydra override of the first arm that fixed the failure ("" when none did or its change is not one key)."""
-    for arm in result.get("arms") or []:
-        match = _CHANGE.match(arm.get("change") or "")
-        if arm.get("verdict") == "fixes" and match:
-            return f"{match['key']}={match['value']}"
-    return ""
-
-
-def _command_part(suggestion: str) -> str:
-    return _tag_line(suggestion.split("#", 1)[0])
-

@@ -233,17 +233,33 @@ def publish(store: Store, result: TriageResult) -> None:
 
 
 def markdown(result: TriageResult) -> str:
-    lines = [f"# Triage of run {result.run_id}", "", f"- failure: {result.failure}", f"- triage: {result.state}",
-             f"- summary: {result.summary}"]
+    """A short report a person reads: the answer, the evidence, the proven fix, the next step and the result runs.
+    The verbs' full JSON is in triage.json beside it (and in their own runs' reports)."""
+    name = f"{result.run_name} ({result.run_id})" if result.run_name else result.run_id
+    lines = [f"# Triage of {result.failure} run {name}", "", f"**{result.summary}**", ""]
     if result.next_command:
-        lines.append(f"- next: `{result.next_command}`")
+        command = result.next_command.startswith("replay ")
+        lines += [f"Next: `{result.next_command}`" if command else f"Next: {result.next_command}", ""]
     if result.reason:
-        lines.append(f"- reason: {result.reason}")
-    lines += [f"- steps run: {', '.join(result.steps) or 'none (resumed)'}", f"- watcher: {result.watcher_id}",
-              f"- seconds: {result.seconds}", ""]
-    for step, data in result.results.items():
-        lines += [f"## {step}", "", "```json", json.dumps(data, indent=2, default=json_default)[:20000], "```", ""]
-    return "\n".join(lines)
+        lines += [f"Why the triage failed: {result.reason}", ""]
+    if result.evidence:
+        lines += ["## Evidence", "", *(f"- {line}" for line in result.evidence), ""]
+    if result.failure == "nonfinite" and result.state == "done":
+        lines += ["## Proven fix", "", result.fix or "none: no single change the ablation tried fixes the failure", ""]
+    if result.links:
+        lines += ["## Result runs", "", *(_link_line(link) for link in result.links), ""]
+    lines.append(f"The verbs' full results: triage/triage.json. Triaged by watcher {result.watcher_id} in {result.seconds:.0f} s "
+                 f"(steps run: {', '.join(result.steps) or 'none, all resumed'}).")
+    return "\n".join(lines) + "\n"
+
+
+LINK_LABEL = {"nan": "replay nan", "ablate": "replay ablate", "fix": "the fixing arm", "diagnose": "replay diagnose"}
+
+
+def _link_line(link: dict[str, Any]) -> str:
+    parts = [f"`{link['name']}`"] if link.get("name") else []
+    parts += [f"run {link['run_id']}", link.get("url") or f"MLflow UI {link['path']}"]
+    return f"- {LINK_LABEL.get(link['step'], link['step'])}: " + ", ".join(parts)
 
 
 # ---- health -----------------------------------------------------------------------------------------------

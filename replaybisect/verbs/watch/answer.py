@@ -1,0 +1,239 @@
+"""What a triage concludes from its steps' JSON results: the one-line answer, the evidence, the proven fix and the
+next command, which is never a verb the triage already ran (the proven fix as a `replay train` override, the
+change to make in your own loop, or the op and line to change).
+
+A step's result is kept as tags on the run (`replaybisect.triage.<step>` and `.<step>.*`), so a triage resumed by
+another watcher concludes from the tags of the steps it did not run itself. Both the older and the newer shapes of
+the verbs' JSON are read: missing fields are simply absent from the report."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import shlex
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from replaybisect.store import TAG
+
+TRIAGE = "triage"
+ABLATE_ARMS = ("lr", "clip", "precision")  # always tried after nan, besides the arms nan suggests
+EVIDENCE_LINES = 4  # a triage report shows this many lines of a verb's evidence
+LINE_CHARS = 300  # and cuts each at this length
+_CHANGE = re.compile(r"^(?P<key>[\w.]+) \S+ -> (?P<value>\S+)$")  # an arm's change, e.g. "optim.lr 0.001 -> 0.0001"
+_LOCATION = re.compile(r"^(?P<file>.+?:\d+)(?: in (?P<function>[^:]+))?")  # nan's source: "path:24 in forward: code"
+
+
+@dataclass
+class Conclusion:
+    verdict: str  # the nan category or the diagnose verdict
+    summary: str  # the one-line answer
+    next_command: str  # the next useful step; never a verb the triage ran
+    evidence: list[str]
+    fix: str  # the proven fix in one line ("" when no arm fixed the failure)
+
+
+def key(step: str, part: str = "") -> str:
+    return f"{TRIAGE}.{step}" + (f".{part}" if part else "")
+
+
+def tag_line(text: str, limit: int = 500) -> str:
+    return " ".join(str(text).split())[:limit]  # one line; well under MLflow's tag value limit
+
+
+# ---- a finished step's result as tags ----------------------------------------------------------------------
+def step_lines(step: str, result: dict[str, Any]) -> dict[str, str]:
+    """Enough of a step's result to conclude the triage after a restart without rerunning it, and to report it."""
+    if step == "nan":
+        return _nan_lines(result)
+    if step == "ablate":
+        return _ablate_lines(result)
+    findings = result.get("findings") or []
+    return {key("diagnose"): tag_line(result.get("verdict") or ""),
+            key("diagnose", "next"): _command_part(findings[0].get("next") or "") if findings else "",
+            key("diagnose", "evidence"): _joined(finding.get("summary") or "" for finding in findings),
+            key("diagnose", "run"): result.get("report_run_id") or ""}
+
+
+def _nan_lines(result: dict[str, Any]) -> dict[str, str]:
+    where = f" in {result['module']}" if result.get("module") else ""
+    op = f" ({result['op']})" if result.get("op") else ""
+    arms, from_step = _ablate_spec(result.get("ablate_command") or "")
+    return {key("nan"): tag_line(f"{result.get('category')}{where}{op} at step {result.get('failing_step')}"),
+            key("nan", "category"): str(result.get("category")),
+            key("nan", "next"): _command_part(result.get("suggestion") or ""),
+            key("nan", "arms"): ",".join(arms),
+            key("nan", "from_step"): from_step,
+            key("nan", "where"): _where(result),
+            key("nan", "evidence"): _joined(_evidence(result)),
+            key("nan", "run"): result.get("replay_run_id") or ""}
+
+
+def _ablate_lines(result: dict[str, Any]) -> dict[str, str]:
+    lines = {key("ablate"): tag_line(result.get("conclusion") or result.get("status") or ""),
+             key("ablate", "run"): result.get("report_run_id") or "", key("ablate", "fix"): ""}
+    arm = proven_arm(result)
+    if arm is not None:
+        lines.update({key("ablate", "fix"): fix_override(arm), key("ablate", "fix.arm"): str(arm.get("label") or arm.get("name") or ""),
+                      key("ablate", "fix.change"): tag_line(arm.get("change") or ""),
+                      key("ablate", "fix.proof"): tag_line(_proof(result, arm)), key("ablate", "fix.run"): arm.get("run_id") or ""})
+    return lines
+
+
+def proven_arm(result: dict[str, Any]) -> Optional[dict[str, Any]]:
+    """The arm the ablation proved to fix the failure: a fixing arm it ran for a value it suggests (a clip threshold,
+    an lr factor), else the first arm that fixes."""
+    arms = [arm for arm in result.get("arms") or [] if isinstance(arm, dict) and arm.get("verdict") == "fixes"]
+    return next((arm for arm in arms if arm.get("suggested")), arms[0] if arms else None)
+
+
+def fix_override(arm: dict[str, Any]) -> str:
+    """The arm's change as one Hydra override (`optim.lr=0.0001`); "" when it is not one config key."""
+    match = _CHANGE.match(arm.get("change") or "")
+    return f"{match['key']}={match['value']}" if match else ""
+
+
+def _proof(result: dict[str, Any], arm: dict[str, Any]) -> str:
+    start, end = result.get("start_step"), result.get("end_step")
+    proof = f"finite over steps {start}..{end - 1}" if isinstance(start, int) and isinstance(end, int) else "finite over the replay"
+    loss = arm.get("final_loss")
+    if isinstance(loss, (int, float)) and math.isfinite(loss):
+        proof += f", final loss {loss:.4g}"
+    failed_at = (result.get("baseline") or {}).get("first_nonfinite_step")
+    if failed_at is not None:
+        proof += f"; without it the replay goes non-finite at step {failed_at}"
+    return proof
+
+
+def _ablate_spec(command: str) -> tuple[list[str], str]:
+    """nan's suggested `replay ablate ARMS ... [--from-step N]`: the arms and the step to apply them from."""
+    words = command.split()
+    arms = words[2].split(",") if len(words) > 2 and words[:2] == ["replay", "ablate"] and not words[2].startswith("-") else []
+    from_step = words[words.index("--from-step") + 1] if "--from-step" in words[:-1] else ""
+    return [arm for arm in arms if arm], from_step if from_step.isdigit() else ""
+
+
+def ablate_args(lines: dict[str, str]) -> list[str]:
+    """The ablate step's arms: those nan suggested (with their values), then the standard ones it did not name."""
+    arms = [arm for arm in lines.get(key("nan", "arms"), "").split(",") if arm]
+    named = {arm.split("=", 1)[0] for arm in arms}
+    arms += [arm for arm in ABLATE_ARMS if arm not in named]
+    from_step = lines.get(key("nan", "from_step"), "")
+    return [",".join(arms), *(["--from-step", from_step] if from_step else [])]
+
+
+def _where(result: dict[str, Any]) -> str:
+    """The op nan named and its line (`torch.exp in gate at model.py:24 in forward`); "" when it named no op."""
+    if not result.get("op"):
+        return ""
+    where = str(result["op"]) + (f" in {result['module']}" if result.get("module") else "")
+    location = _LOCATION.match(str(result.get("source") or ""))
+    if location:
+        where += f" at {location['file']}" + (f" in {location['function']}" if location["function"] else "")
+    return tag_line(where)
+
+
+def _evidence(result: dict[str, Any]) -> list[str]:
+    """nan's evidence, shortened: how exact the replay was (its first line), then the most specific lines (its last)."""
+    lines = [line for line in result.get("evidence") or [] if isinstance(line, str) and line.strip() and not line[0].isspace()]
+    chosen = lines[:1] + lines[1:][-(EVIDENCE_LINES - 1):]
+    return [tag_line(line, LINE_CHARS) for line in chosen]
+
+
+def _joined(lines) -> str:
+    return "\n".join(tag_line(line, LINE_CHARS) for line in lines if line)[:2000]
+
+
+def _command_part(suggestion: str) -> str:
+    return tag_line(suggestion.split("#", 1)[0])
+
+
+# ---- the conclusion ---------------------------------------------------------------------------------------
+def conclude(failure: str, run_id: str, lines: dict[str, str], run_name: str, run_tags: dict[str, str],
+             ran: list[str]) -> Conclusion:
+    """The answer from the steps' tag lines. `run_tags` are the examined run's (all of them, prefixed): they say how
+    it was trained, and so how the proven fix is applied. `ran` are the verbs this triage ran (resumed ones too)."""
+    if failure == "nonfinite":
+        fix = lines.get(key("ablate", "fix.change"), "")
+        fix_line = f"{lines.get(key('ablate', 'fix.arm'), '')}: {fix} ({lines.get(key('ablate', 'fix.proof'), '')})" if fix else ""
+        summary = f"{lines.get(key('nan'), '')}; ablate: {lines.get(key('ablate'), '')}"
+        evidence = evidence_of(lines)
+        nan_next = lines.get(key("nan", "next"), "")
+        candidates = [_apply_fix(lines, run_name, run_tags), _op_to_change(lines), nan_next]
+        return Conclusion(lines.get(key("nan", "category"), ""), summary, _first_useful(candidates, ran, run_id), evidence, fix_line)
+    verdict = lines.get(key("diagnose"), "")
+    return Conclusion(verdict, f"{failure} run: {verdict}",
+                      _first_useful([lines.get(key("diagnose", "next"), "")], ran, run_id), evidence_of(lines), "")
+
+
+def _first_useful(candidates: list[str], ran: list[str], run_id: str) -> str:
+    """The first candidate that is not a verb this triage ran; else `replay check` on the run (a checklist of its
+    state, which triage never runs)."""
+    for candidate in candidates:
+        words = candidate.split()
+        if candidate and not (words[:1] == ["replay"] and len(words) > 1 and words[1] in ran):
+            return candidate
+    return f"replay check --run-id {run_id}"
+
+
+def evidence_of(lines: dict[str, str]) -> list[str]:
+    """The finished steps' evidence lines (nan's or diagnose's)."""
+    return [line for step in ("nan", "diagnose") for line in lines.get(key(step, "evidence"), "").split("\n") if line.strip()]
+
+
+def result_runs(lines: dict[str, str]) -> list[tuple[str, str]]:
+    """(step, run id) of the verbs' result runs: nan's, the ablation's and the arm that fixed the failure, diagnose's."""
+    found = [(step, lines.get(key(step, "run"), "")) for step in ("nan", "ablate", "diagnose")]
+    found.insert(2, ("fix", lines.get(key("ablate", "fix.run"), "")))
+    return [(step, run_id) for step, run_id in found if run_id]
+
+
+def _apply_fix(lines: dict[str, str], run_name: str, run_tags: dict[str, str]) -> str:
+    """The proven fix applied: `replay train` with the run's own config folder and overrides and the fix's override
+    for a run `replay train` recorded; a sentence naming the change for a run of your own loop (or Lightning)."""
+    change = lines.get(key("ablate", "fix.change"), "")
+    if not change:
+        return ""
+    override = lines.get(key("ablate", "fix"), "")
+    if run_tags.get(TAG + "loop") != "user" and override:
+        return train_command(run_tags, run_name, override)
+    arm = lines.get(key("ablate", "fix.arm"), "")
+    where = "your LightningModule or Trainer" if run_tags.get(TAG + "trainer") == "lightning" else "your training code"
+    return f"in {where}: {change} (the ablation's {arm} arm trains past the failure)"
+
+
+def _op_to_change(lines: dict[str, str]) -> str:
+    where = lines.get(key("nan", "where"), "")
+    return f"change {where}: it makes the first non-finite value" if where else ""
+
+
+def train_command(run_tags: dict[str, str], run_name: str, override: str) -> str:
+    """`replay train` as the run was trained (its config folder and name, its overrides) with `override` in place of
+    any override of the same key. Runs recorded before `replay train` tagged its arguments: the config folder is the
+    run's code folder when the run's name says so (`train nan_forward` <- .../nan_forward), the overrides unknown."""
+    config_dir = run_tags.get(TAG + "config_dir", "")
+    config_name = run_tags.get(TAG + "config_name", "")
+    try:
+        overrides = [str(item) for item in json.loads(run_tags.get(TAG + "overrides") or "[]")]
+    except ValueError:
+        overrides = []
+    if not config_dir and TAG + "overrides" not in run_tags:
+        config_dir, config_name = _config_from_name(run_name, run_tags.get(TAG + "code_dir", ""))
+    fixed_key = _override_key(override)
+    args = ["replay", "train"]
+    args += ["--config-dir", config_dir] if config_dir else []
+    args += ["--config-name", config_name] if config_name and config_name != "config" else []
+    args += [item for item in overrides if _override_key(item) != fixed_key]
+    return shlex.join([*args, override])
+
+
+def _config_from_name(run_name: str, code_dir: str) -> tuple[str, str]:
+    if not run_name.startswith("train ") or not code_dir:
+        return "", ""
+    folder, _, name = run_name[len("train "):].partition("/")
+    return (code_dir, name) if code_dir.rstrip("/").rsplit("/", 1)[-1] == folder else ("", "")
+
+
+def _override_key(override: str) -> str:
+    return override.split("=", 1)[0].lstrip("+~")
