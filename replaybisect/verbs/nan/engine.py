@@ -25,8 +25,10 @@ from typing import Any, Callable, Optional
 from replaybisect.errors import ReplayError, SnapshotError
 from replaybisect import restore as restore_mod
 from replaybisect.store import Store
+from replaybisect.verbs.nan.divergence import LayerHistory, buffer_scaling, decide, moderate_fault, recorded_layer_series
 
-CATEGORIES = ("data", "forward", "loss", "backward", "optimizer", "corrupt-state", "transient")
+CATEGORIES = ("divergence", "data", "forward", "loss", "backward", "optimizer", "corrupt-state", "transient")
+FAULTS = ("forward", "loss", "backward", "optimizer")  # verdicts a divergence can stand behind (the op met runaway values)
 ARMS = ("lr", "clip", "precision", "warmup", "eps", "skip-batch", "seed")  # `replay ablate` arm names
 HISTORY_WINDOW = 50  # fit log(grad_norm) over the last <= 50 finite steps before t
 HISTORY_MIN_POINTS = 8
@@ -88,6 +90,10 @@ class NanReport:
     loss_history: list[tuple[int, float]] = field(default_factory=list)
     grad_norm_history: list[tuple[int, float]] = field(default_factory=list)
     precision: str = "fp32"
+    headline: str = ""  # the answer in one line, the same words in every verb that reports it
+    divergence: dict[str, Any] = field(default_factory=dict)  # divergence or fault: the evidence and the reason
+    overflow: Optional[dict[str, Any]] = None  # a divergence: where the runaway values first overflowed
+    layer_history: dict[str, dict[int, float]] = field(default_factory=dict)  # layer -> step -> grad norm (picture)
 
     def to_json(self) -> dict[str, Any]:
         from replaybisect.verbs.nan.probes import to_jsonable
@@ -95,7 +101,7 @@ class NanReport:
         data = to_jsonable(self)
         # DESIGN §5 keys first
         ordered = {key: data.pop(key) for key in (
-            "run_id", "failing_step", "snapshot_step", "reproduced", "category", "phase", "module", "op",
+            "run_id", "failing_step", "snapshot_step", "reproduced", "headline", "category", "phase", "module", "op",
             "evidence", "suggestion", "replay_run_id",
         )}
         ordered.update(data)
@@ -138,11 +144,14 @@ def find_nan(
         snapshot = restored.snapshot  # an earlier one when the chosen snapshot did not apply
         warnings.extend(restored.warnings)
         state = restored.state
+        start_tensors = restored.snapshot.tensors  # the state the replay starts from (did a buffer scale itself?)
+        layers = LayerHistory()
         evidence: list[str] = []
         # a step that raises on a batch the run stored (rewritten after recording) is one line, not a crash
         with restore_mod.stored_batch_errors(restored):
             replayed = restore_mod.replay(
-                restored, target, logged=losses, stop_on_nonfinite=cfg.snapshot.on_nonfinite == "stop"
+                restored, target, logged=losses, stop_on_nonfinite=cfg.snapshot.on_nonfinite == "stop",
+                observer_factory=layers.observer,
             ) if target > snapshot.step else None
             examined = target
             if replayed is not None and replayed.stopped is not None:
@@ -203,7 +212,11 @@ def find_nan(
         report.history = history_fit(report.loss_history, report.grad_norm_history)
 
         _classify(report, result, restored, store, run_id, cfg, log)
+        scaled = buffer_scaling(state.model, start_tensors)
+        _judge_divergence(report, result, state.model, layers, recorded_layer_series(store, run_id, "grad_norm"),
+                          recorded_layer_series(store, run_id, "weight_norm"), scaled)
         _suggest(report, result)
+        report.headline = headline(report)
     timings["total_s"] = time.perf_counter() - started
     report.timings = {k: round(v, 3) for k, v in timings.items()}
     return report
@@ -793,6 +806,90 @@ def find_corrupting_step(store, run_id, cfg, restored, t: int, warnings: list[st
     return {"kind": "unknown", "step": k, "why": f"step {k} left the state non-finite, but its instrumented replay did not show where"}
 
 
+# ---- divergence or fault ---------------------------------------------------------------------------------------
+def _judge_divergence(report: NanReport, results: _StepResults, model, layers: LayerHistory, recorded_grads: dict,
+                      recorded_weights: dict, scaled_buffer) -> None:
+    """Turn an op-level verdict into `divergence` when the curves climbed by orders of magnitude before the
+    failure, the op met runaway values (not moderate ones) and no buffer scaled itself (divergence.py)."""
+    t = report.failing_step
+    layer_grads = _merge_series(recorded_grads, layers.grad_norms, t)
+    for name, value in report.layer_grad_norms.items():
+        layer_grads.setdefault(name, {})[t] = value
+    report.layer_history = {name: dict(sorted(points.items())) for name, points in layer_grads.items()}
+    if report.category not in FAULTS:
+        return
+    losses, grad_norms = list(report.loss_history), list(report.grad_norm_history)
+    plain = report.plain_step
+    if plain.get("loss") is not None and math.isfinite(plain["loss"]):
+        losses.append((t, plain["loss"]))
+    if plain.get("grad_norm") is not None and math.isfinite(plain["grad_norm"]):
+        grad_norms.append((t, plain["grad_norm"]))
+    probe = results.probe
+    op_inputs = probe.forward_op.inputs if probe.forward_op is not None and report.phase in ("forward", "loss") else []
+    verdict = decide(losses, grad_norms, layer_grads, _merge_series(recorded_weights, layers.weight_norms, t),
+                     scaled_buffer, moderate_fault(op_inputs, report.op))
+    report.divergence = verdict.to_json()
+    if verdict.precursor is not None:
+        report.divergence["precursor_type"] = _module_type(model, verdict.precursor)
+    if not verdict.divergence:
+        if verdict.growth is not None:  # the curves did climb: say why the op is still to blame
+            report.evidence.append(f"not a divergence: {verdict.reason}")
+        return
+    report.overflow = {"category": report.category, "phase": report.phase, "module": report.module, "op": report.op,
+                       "source": report.source}
+    where = " ".join(part for part in (report.module, report.op) if part)
+    report.category = "divergence"
+    report.module, report.op, report.source = verdict.precursor or report.module, None, None
+    report.evidence[1:1] = verdict.evidence
+    report.evidence.append(
+        f"where the runaway values first overflowed: {report.overflow['phase']}" + (f" ({where})" if where else "")
+        + ": a symptom of the divergence; no op is at fault"
+    )
+
+
+def _module_type(model, name: str) -> Optional[str]:
+    try:
+        return type(model if name == "(root)" else model.get_submodule(name)).__name__
+    except AttributeError:
+        return None
+
+
+def _merge_series(recorded: dict[str, dict[int, float]], replayed: dict[str, dict[int, float]], before: int) -> dict[str, dict[int, float]]:
+    """Per-layer series: the recorded points, with every replayed step added (steps before `before`)."""
+    merged = {name: {s: v for s, v in points.items() if s < before} for name, points in recorded.items()}
+    for name, points in replayed.items():
+        merged.setdefault(name, {}).update({s: v for s, v in points.items() if s < before})
+    return {name: points for name, points in merged.items() if points}
+
+
+def headline(report: NanReport) -> str:
+    """The answer in one line: what went wrong, where; the same words in nan, diagnose, watch and the JSON."""
+    t = report.failing_step
+    category = report.category
+    if category == "divergence":
+        growth = (report.divergence or {}).get("growth") or {}
+        climb = (f"{growth['metric']} x{growth['factor']:.2g} over {growth['last_step'] - growth['onset_step']} steps"
+                 if growth else "the curves climbed by orders of magnitude")
+        kind = (report.divergence or {}).get("precursor_type")
+        began = f"; the climb began in {report.module}" + (f" ({kind})" if kind else "") if report.module else ""
+        return f"divergence at step {t}: {climb}{began} (learning rate, clipping or init, not an op)"
+    if category == "transient":
+        return f"transient at step {t}: non-finite in the run, finite on replay from the same state and batch"
+    if category == "data":
+        fields = ", ".join(sorted({finding.field for finding in report.batch})) or "a field"
+        return f"data at step {t}: the batch holds non-finite values ({fields})"
+    if category == "corrupt-state":
+        origin = f", made so at step {report.origin_step}" if report.origin_step is not None else ""
+        return f"corrupt-state at step {t}: the state before the step was already non-finite{origin}" + (f" ({report.module})" if report.module else "")
+    what = f"{report.op}" if report.op else "a non-finite value"
+    where = f" in {report.module}" if report.module else ""
+    line = f" at {report.source}" if report.source else ""
+    if category == "optimizer":
+        owner = f"{report.module}'s" if report.module else "the"
+        return f"optimizer at step {report.origin_step if report.origin_step is not None else t}: {what} made {owner} weights or moments non-finite from finite gradients"
+    return f"{category} at step {t}: {what}{where} made a non-finite value from finite inputs{line}"
+
+
 # ---- history -----------------------------------------------------------------------------------------------------
 def history_fit(losses: list[tuple[int, float]], grad_norms: list[tuple[int, float]]) -> HistoryFit:
     """Fit log(grad_norm) vs step over the last <= 50 finite steps: exponential growth shows as a straight line."""
@@ -867,21 +964,38 @@ def _arms_for_precision(report: NanReport, choice: _ArmChoice) -> None:
 
 
 def _arms_for_history(report: NanReport, choice: _ArmChoice) -> None:
+    if report.category == "divergence":
+        return  # the divergence's own arms say it
     if report.history is not None and report.history.exploding:
         choice.add("lr / clip / warmup: the grad norm grew exponentially before the failure", "lr", "clip", "warmup")
 
 
+def _arms_for_divergence(report: NanReport, choice: _ArmChoice) -> None:
+    choice.add("lr / clip: a divergence is stopped by smaller or bounded updates; the ablation says which, and by how much "
+               "(--sweep lr finds the largest stable learning rate)", "lr", "clip")
+
+
+def _op_named(report: NanReport) -> str:
+    return f"`{report.op}`" + (f" at {report.source}" if report.source else "")
+
+
 def _arms_for_forward(report: NanReport, choice: _ArmChoice) -> None:
-    choice.add("lr / clip: smaller updates keep activations in range longer; if they only delay it, fix the op named above", "lr", "clip")
+    fix = f"fix {_op_named(report)} (e.g. subtract the max before exp, clamp its input)" if report.op else "find the op with `replay nan --step`"
+    choice.add(f"lr / clip: smaller updates keep activations in range longer; if they only delay it, {fix}", "lr", "clip")
 
 
 def _arms_for_loss(report: NanReport, choice: _ArmChoice) -> None:
-    choice.add("lr / clip: the loss met an impossible value (e.g. log(0)); if they only delay it, clamp or use a log-space loss", "lr", "clip")
+    op = f"{_op_named(report)} met" if report.op else "the loss met"
+    choice.add(f"lr / clip: {op} an impossible value (e.g. log(0)); if they only delay it, clamp or use a log-space loss", "lr", "clip")
 
 
 def _arms_for_backward(report: NanReport, choice: _ArmChoice) -> None:
-    choice.add("the gradient of the op named above is non-finite at this input; clip cannot repair NaN, so fix the op "
-               "(add an eps) if the arms do not help", "clip", "skip-batch")
+    if report.op:
+        why = (f"the gradient of {_op_named(report)} is non-finite at this input; clip cannot repair NaN, so fix the op "
+               "(add an eps) if the arms do not help")
+    else:
+        why = "a gradient turned non-finite in backward with no op isolated; clipping and skipping the batch tell whether it is the update size or this input"
+    choice.add(why, "clip", "skip-batch")
 
 
 def _arms_for_optimizer(report: NanReport, choice: _ArmChoice) -> None:
@@ -908,7 +1022,7 @@ def _arms_for_corrupt_state(report: NanReport, choice: _ArmChoice) -> None:
 
 
 CATEGORY_ARMS = {
-    "forward": _arms_for_forward, "loss": _arms_for_loss, "backward": _arms_for_backward,
+    "divergence": _arms_for_divergence, "forward": _arms_for_forward, "loss": _arms_for_loss, "backward": _arms_for_backward,
     "optimizer": _arms_for_optimizer, "corrupt-state": _arms_for_corrupt_state,
 }
 

@@ -9,7 +9,7 @@ from replaybisect.options import OUR_STDOUT
 from replaybisect.report import fmt_number, mlflow_ui_hint, new_figure
 
 CATEGORY_STYLE = {
-    "data": "yellow", "forward": "red", "loss": "red", "backward": "red", "optimizer": "magenta",
+    "divergence": "red", "data": "yellow", "forward": "red", "loss": "red", "backward": "red", "optimizer": "magenta",
     "corrupt-state": "magenta", "transient": "cyan",
 }
 
@@ -31,8 +31,13 @@ def _headline(report) -> list[tuple[str, Any]]:
     rows.append(("replay", f"snapshot {report.snapshot_step} -> reproduced {report.reproduced}"))
     if report.state_match:
         rows.append(("state at failing step", report.state_match))
-    if report.history is not None:
+    growth = (report.divergence or {}).get("growth")
+    if report.category == "divergence" and growth:
+        rows.append(("growth", f"{growth['metric']} x{growth['factor']:.2g} from step {growth['onset_step']} to {growth['last_step']}"))
+    elif report.history is not None:
         rows.append(("history", report.history.summary))
+    if report.overflow:
+        rows.append(("first overflow", " ".join(str(v) for v in (report.overflow["phase"], report.overflow["module"], report.overflow["op"]) if v)))
     return rows
 
 
@@ -44,8 +49,8 @@ def print_rich(report, tracking_uri: str, console=None) -> None:
     console = console or Console(file=OUR_STDOUT)
     say = lambda text: console.print(text, soft_wrap=True)  # noqa: E731
     style = CATEGORY_STYLE.get(report.category, "bold")
-    say(f"[bold]replay nan[/bold]  run {report.run_id}  step {report.failing_step}: [bold {style}]{report.category}[/bold {style}]"
-        + (f" in [bold]{escape(report.module)}[/bold]" if report.module else ""))
+    category, _, rest = (report.headline or report.category).partition(" ")
+    say(f"[bold]replay nan[/bold]  run {report.run_id}  [bold {style}]{escape(category)}[/bold {style}] {escape(rest)}")
     for key, value in _headline(report)[1:]:
         say(f"  [dim]{key:>24}[/dim]  {escape(str(value))}")
     for warning in report.warnings:
@@ -60,8 +65,7 @@ def print_rich(report, tracking_uri: str, console=None) -> None:
 
 def markdown(report) -> str:
     lines = [f"# replay nan: run {report.run_id}, step {report.failing_step}", ""]
-    lines += [f"**{report.category}**" + (f" in `{report.module}`" if report.module else "")
-              + (f", op `{report.op}`" if report.op else ""), ""]
+    lines += [f"**{report.headline or report.category}**", ""]
     lines += ["| | |", "|---|---|"]
     for key, value in _headline(report):
         lines.append(f"| {key} | {str(value).replace('|', '/')} |")
@@ -101,13 +105,17 @@ SOURCES = (
 
 def figure(report):
     """Loss and grad-norm history up to the failure (with the exponential fit), per-layer grad norms at it."""
-    fig, axes = new_figure(1, 3, size=(15, 4))
+    fig, axes = new_figure(1, 3, size=(15, 8.5))
     loss_ax, grad_ax, layer_ax = axes[0]
+    fig.subplots_adjust(left=0.05, right=0.97, top=0.92, bottom=0.56, wspace=0.45)
+    heat_ax = fig.add_axes((0.1, 0.06, 0.8, 0.38))
     t = report.failing_step
 
     steps = [s for s, v in report.loss_history if math.isfinite(v)]
     values = [v for s, v in report.loss_history if math.isfinite(v)]
     loss_ax.plot(steps, values, color="tab:blue", lw=1)
+    if values and min(values) > 0 and max(values) / min(values) > 1e3:  # a climb by orders of magnitude: read it in logs
+        loss_ax.set_yscale("log")
     loss_ax.axvline(t, color="red", ls="--", lw=1, label=f"non-finite at {t}")
     loss_ax.set_title("loss")
     loss_ax.set_xlabel("step")
@@ -117,7 +125,10 @@ def figure(report):
     if points:
         grad_ax.semilogy([s for s, _ in points], [v for _, v in points], color="tab:orange", lw=1, label="grad norm (pre-clip)")
     history = report.history
-    if history is not None and history.growth_per_step is not None and history.last_grad_norm:
+    growth = (report.divergence or {}).get("growth") if report.category == "divergence" else None
+    if growth:
+        grad_ax.axvline(growth["onset_step"], color="black", ls=":", lw=1, label=f"climb begins (x{growth['factor']:.2g} after)")
+    elif history is not None and history.growth_per_step is not None and history.last_grad_norm:
         first, last = history.first_step, history.last_step
         rate = math.log1p(history.growth_per_step)
         fit_steps = [first, last]
@@ -130,9 +141,53 @@ def figure(report):
     grad_ax.legend(loc="best", fontsize=8)
 
     _layer_panel(layer_ax, report)
-    fig.suptitle(f"run {report.run_id[:12]}  step {t}: {report.category}" + (f" in {report.module}" if report.module else ""))
-    fig.tight_layout()
+    fig.suptitle(f"run {report.run_id[:12]}  {report.headline or report.category}", fontsize=10)
+    _layer_step_panel(heat_ax, report, fig)
     return fig
+
+
+def _layer_step_panel(ax, report, fig) -> None:
+    """Layers x steps: each layer's gradient norm at each step (recorded, replayed, and the failing step), on a log
+    colour scale; the first non-finite cell boxed in red, the earliest layer to climb named in bold."""
+    import matplotlib.colors as mcolors
+    import numpy as np
+    from matplotlib.patches import Rectangle
+
+    history = report.layer_history or {}
+    steps = sorted({s for points in history.values() for s in points})[-80:]
+    if not history or not steps:
+        ax.set_title("per-layer grad norm by step: none recorded")
+        ax.axis("off")
+        return
+    names = list(history)
+    grid = np.full((len(names), len(steps)), np.nan)
+    column = {s: i for i, s in enumerate(steps)}
+    first_bad = None
+    for row, name in enumerate(names):
+        for s, value in history[name].items():
+            if s in column:
+                grid[row, column[s]] = value if math.isfinite(value) and value > 0 else np.nan
+                if not math.isfinite(value) and (first_bad is None or (s, row) < first_bad):
+                    first_bad = (s, row)
+    finite = grid[np.isfinite(grid)]
+    norm = mcolors.LogNorm(vmin=max(finite.min(), 1e-12), vmax=max(finite.max(), finite.min() * 10)) if finite.size else None
+    image = ax.imshow(np.ma.masked_invalid(grid), aspect="auto", cmap="viridis", norm=norm, interpolation="nearest")
+    fig.colorbar(image, ax=ax, fraction=0.03, pad=0.01, label="grad norm (log)")
+    ticks = list(range(0, len(steps), max(1, len(steps) // 20)))
+    ax.set_xticks(ticks)
+    ax.set_xticklabels([str(steps[i]) for i in ticks], fontsize=7)
+    ax.set_yticks(range(len(names)))
+    ax.set_yticklabels(names, fontsize=7)
+    precursor = report.module if report.category == "divergence" else None
+    for label in ax.get_yticklabels():
+        if precursor and label.get_text() == precursor:
+            label.set_fontweight("bold")
+            label.set_color("red")
+    if first_bad is not None:
+        s, row = first_bad
+        ax.add_patch(Rectangle((column[s] - 0.5, row - 0.5), 1, 1, fill=False, edgecolor="red", linewidth=2))
+    ax.set_xlabel("step (blank: not recorded there, or non-finite; red box: the first non-finite cell)")
+    ax.set_title("per-layer gradient norm by step" + (f": the climb began in {precursor}" if precursor else ""), fontsize=9)
 
 
 def _layer_panel(ax, report) -> None:
@@ -187,7 +242,7 @@ def publish(store, report) -> str:
 
     child = store.create_run(
         "replay",
-        run_name=f"nan @ step {report.failing_step}",
+        run_name=run_name(report),
         parent_run_id=report.run_id,
         tags={
             "replaybisect.verb": "nan",
@@ -218,5 +273,19 @@ def publish(store, report) -> str:
 
 def answer(report) -> str:
     """The one-line answer: the run descriptions in the MLflow UI."""
+    if report.headline:
+        return f"{report.headline} (replay {report.reproduced})"
     where = (f" in {report.module}" if report.module else "") + (f", op {report.op}" if report.op else "")
     return f"{report.category}{where} (replay {report.reproduced})"
+
+
+def run_name(report) -> str:
+    """The child run's name, the answer first (MLflow's runs table shows the name, cut to its column's width):
+    `nan @ step 20: divergence (lr, clip)`, `nan @ step 20: forward torch.exp in gate`."""
+    if report.category == "divergence":
+        what = "divergence (lr, clip)"
+    elif report.category in ("forward", "loss", "backward", "optimizer") and report.op:
+        what = f"{report.category} {report.op}" + (f" in {report.module}" if report.module else "")
+    else:
+        what = report.category + (f" in {report.module}" if report.module else "")
+    return f"nan @ step {report.failing_step}: {what}"
