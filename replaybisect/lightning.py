@@ -54,11 +54,19 @@ def build(config) -> dict[str, Any]:
     model = model.to(torch.device(config.trainer.device))
     with _no_trainer_warnings():
         optimizers, schedulers, _ = _configure_optimizers(model.configure_optimizers())
-    scaler = torch.amp.GradScaler(torch.device(config.trainer.device).type) if config.trainer.precision == "16-mixed" else None
+    scaler = _scaler(config.trainer)
     scheduler = schedulers[0] if schedulers else None
     if isinstance(scheduler, dict):
         scheduler = scheduler["scheduler"]
     return {"model": model, "optimizer": optimizers[0], "scheduler": scheduler, "scaler": scaler}
+
+
+def _scaler(trainer) -> Optional[torch.amp.GradScaler]:
+    """16-mixed's GradScaler, off where the recorded one was (a MixedPrecision plugin given GradScaler(enabled=False);
+    runs recorded before this was noted had Lightning's own, enabled)."""
+    if trainer.precision != "16-mixed":
+        return None
+    return torch.amp.GradScaler(torch.device(trainer.device).type, enabled=trainer.get("scaler_enabled", True))
 
 
 def lightning_step(model, optimizer, scheduler, scaler, batch, config):
@@ -155,6 +163,7 @@ def _trainer_settings(trainer, pl_module) -> dict[str, Any]:
     algorithm = trainer.gradient_clip_algorithm
     return {
         "precision": precision,
+        "scaler_enabled": guard.scaler_enabled(getattr(trainer.precision_plugin, "scaler", None)),
         "device": str(pl_module.device),
         "gradient_clip_val": trainer.gradient_clip_val,
         "gradient_clip_algorithm": getattr(algorithm, "value", algorithm),

@@ -193,6 +193,102 @@ def test_a_norm_overflow_of_finite_gradients_trains_as_plain_pytorch(overflow_ru
     assert replayed.reproduced == "exact", replayed.mismatches[:3]
 
 
+# ---- Lightning: 16-mixed with a GradScaler(enabled=False) in its precision plugin --------------------------------
+LIGHTNING = '''
+"""A LightningModule trained under 16-mixed with a GradScaler(enabled=False) given to Lightning's precision plugin;
+at batch PLANT_AT the gradient through its hidden layer turns NaN. Run: python guard_lit.py STEPS PLANT_AT"""
+import json
+import sys
+
+import lightning as L
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from lightning.pytorch.plugins import MixedPrecision
+from torch.utils.data import DataLoader, TensorDataset
+
+import replaybisect
+from replaybisect.lightning import ReplayCallback
+
+
+class NanGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, planted):
+        ctx.planted = planted
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (grad * float("nan") if ctx.planted else grad), None
+
+
+class LitNet(L.LightningModule):
+    def __init__(self, plant_at: int = -1):
+        super().__init__()
+        self.save_hyperparameters()
+        self.first, self.second = nn.Linear(4, 16), nn.Linear(16, 1)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        hidden = NanGrad.apply(torch.tanh(self.first(x)), batch_idx == self.hparams.plant_at)
+        return F.mse_loss(self.second(hidden).squeeze(-1).float(), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+
+class Before(L.Callback):
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.state = {name: value.clone() for name, value in pl_module.state_dict().items()}
+
+
+def main(steps, plant_at):
+    L.seed_everything(7, verbose=False)
+    x = torch.randn(256, 4, generator=torch.Generator().manual_seed(0))
+    plugin = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", enabled=False))
+    before, model = Before(), LitNet(plant_at)
+    trainer = L.Trainer(max_steps=steps, accelerator="cpu", devices=1, plugins=[plugin],
+                        callbacks=[ReplayCallback(snapshot_every=5, layer_stats_every=5), before],
+                        enable_progress_bar=False, logger=False, enable_checkpointing=False, enable_model_summary=False)
+    try:
+        trainer.fit(model, DataLoader(TensorDataset(x, x.sum(-1)), batch_size=16))
+    except replaybisect.NonFiniteStep as stop:
+        unchanged = all(torch.equal(before.state[name], value) for name, value in model.state_dict().items())
+        print("RESULT", json.dumps({"run": stop.run_id, "halted": stop.step, "unchanged": unchanged}))
+        raise
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]), int(sys.argv[2]))
+'''
+
+
+@pytest.fixture(scope="module")
+def lightning_run(tmp_path_factory):
+    workspace = Workspace(tmp_path_factory.mktemp("lightning_run"))
+    folder = workspace.path / "guard_lightning"
+    folder.mkdir()
+    (folder / "guard_lit.py").write_text(textwrap.dedent(LIGHTNING))
+    done = subprocess.run([sys.executable, "guard_lit.py", "12", str(PLANT_AT)], cwd=folder, env=workspace.env(),
+                          capture_output=True, text=True, timeout=300)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    assert lines, f"exit {done.returncode}\n{done.stdout}\n{done.stderr}"
+    return workspace, json.loads(lines[-1][len("RESULT "):]), done.stderr
+
+
+def test_lightning_with_a_disabled_scaler_stops_a_nan_gradient_and_replays_it(lightning_run):
+    workspace, result, stderr = lightning_run
+    assert "NonFiniteStep: grad_norm is nan" in stderr, stderr
+    assert result["halted"] == PLANT_AT and result["unchanged"]
+    tags = workspace.store().tags(result["run"])
+    assert (tags["status"], tags["first_nonfinite_step"], tags["nonfinite_what"]) == ("nonfinite", str(PLANT_AT), "grad_norm")
+    answer = workspace.replay("nan", "--run-id", result["run"], "--json")  # rebuilds the scaler disabled, as recorded
+    assert answer.returncode == 0, answer.stderr
+    report = answer.json()
+    assert report["reproduced"] == "exact"
+    assert (report["category"], report["failing_step"]) == ("backward", PLANT_AT), report
+
+
 # ---- the built-in step and the own-loop step, in process ----------------------------------------------------
 class Planted(torch.autograd.Function):
     @staticmethod
