@@ -20,6 +20,7 @@ import numpy as np
 
 from replaybisect.errors import ReplayError
 from replaybisect.core.tags import step_tag
+from replaybisect.core.growth import divergence as divergence_growth
 from replaybisect.core.jsonutil import to_jsonable as _jsonable
 from replaybisect.store import Store
 
@@ -298,7 +299,14 @@ def detect_nan(curves: Curves) -> list[Finding]:
         evidence["loss_min"] = _round(float(before.values.min()))
     growth = _growth(grads)
     evidence.update(growth)
-    if growth.get("grad_norm_growth", 1.0) >= EXPLODING_RATIO:
+    climb = divergence_growth(list(zip(before.steps.tolist(), before.values.tolist())),
+                              list(zip(grads.steps.tolist(), grads.values.tolist())))
+    arms = "lr,clip,precision"
+    if climb is not None:  # the words `replay nan` uses for the same failure
+        cause = f"a divergence ({climb.sentence()}): learning rate, clipping or init"
+        evidence["divergence"] = {"metric": climb.metric, "onset_step": climb.onset_step, "factor": _round(climb.factor)}
+        arms = "lr,clip"
+    elif growth.get("grad_norm_growth", 1.0) >= EXPLODING_RATIO:
         cause = "exploding gradients"
     elif "grad_norm_growth" in growth and growth["grad_norm_growth"] < 2 and "grad_norm_growth_per_step" not in growth:
         cause = "a sudden failure with no growth before it: a bad batch, or one op overflowing"
@@ -311,7 +319,7 @@ def detect_nan(curves: Curves) -> list[Finding]:
             + (f" (grad norm x{growth['grad_norm_growth']:.3g} over the run" if "grad_norm_growth" in growth else "")
             + (f", growing exponentially x{growth['grad_norm_growth_per_step']:.3g} a step)" if "grad_norm_growth_per_step" in growth else ")" if "grad_norm_growth" in growth else ""),
             evidence,
-            _cmd("nan", curves) + f"   # then: {_cmd('ablate lr,clip,precision', curves)}",
+            _cmd("nan", curves) + f"   # then: {_cmd('ablate ' + arms, curves)}",
             step=failing,
             source="Pascanu et al. 2013 (exploding gradients); Micikevicius et al. 2018, Mixed Precision Training (fp16 overflow); Megatron-Core rerun state machine",
         )
@@ -543,10 +551,11 @@ def _climb_of(curves: Curves, key: str, failing: int) -> Optional[Finding]:
     return Finding(
         "divergence",
         f"{key} climbed exponentially from step {int(series.steps[start])} ({first:.3g}) to {last:.3g} at step "
-        f"{int(series.steps[-1])} (x{per_step:.3g} a step), then went non-finite at step {failing}: one divergence, not a run of spikes",
+        f"{int(series.steps[-1])} (x{per_step:.3g} a step), then went non-finite at step {failing}: a divergence (learning rate, "
+        "clipping or init), not a run of spikes",
         {"metric": key, "from_step": int(series.steps[start]), "to_step": int(series.steps[-1]), "from_value": _round(first),
          "to_value": _round(last), "growth_per_step": _round(per_step), "failing_step": failing},
-        _cmd("ablate lr,clip,warmup", curves),
+        _cmd("ablate lr,clip", curves),
         step=int(series.steps[start]),
         source="Megatron-Core rerun machine: >= 10x the early level; Smith 2017 (the loss diverges above the usable LR)",
     )
