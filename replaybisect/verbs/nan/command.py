@@ -26,7 +26,7 @@ def nan_command(
 
     \b
         $ replay nan --run-id 3f33...
-        replay nan  run 3f33...  step 1: optimizer in net.0
+        replay nan  run 3f33...  optimizer at step 0: AdamW.step made net.0's weights or moments non-finite ...
                                op  AdamW.step
           state corrupted at step  0
                            replay  snapshot 0 -> reproduced exact
@@ -34,7 +34,10 @@ def nan_command(
           - AdamW with eps=0: 607 entries of net.0.weight have exp_avg_sq == 0 ... 0/0 = NaN
         next  replay ablate eps,lr,clip --run-id 3f33...
 
-    Categories: data | forward | loss | backward | optimizer | corrupt-state | transient.
+    Categories: divergence (the loss / grad norm climbed by orders of magnitude until the values overflowed:
+    learning rate, clipping or init; next `replay ablate lr,clip`) | data | forward | loss | backward | optimizer
+    (an op or the update made a non-finite value from finite, moderate values: the op and its line) |
+    corrupt-state | transient.
     Exit status 0 with a diagnosis; 2 for an unknown run, a run that never failed, no usable snapshot.
     """
     from replaybisect.options import run_store
