@@ -60,6 +60,9 @@ SIGMOID_EXTREME = (-23.0, 17.0)  # ... sigmoid below -23 or above 17 (SageMaker 
 # ---- updates ---------------------------------------------------------------------------------------
 UPDATE_RATIO_FAIL = (1e-8, 10.0)  # SageMaker Debugger: update/weight ratio ||dθ||/||θ|| outside [1e-8, 10] is pathological
 UPDATE_RATIO_WARN = (1e-6, 1e-1)  # our choice: ~1e-3 is healthy (Karpathy, CS231n notes); Adam's first steps sit near 1e-2
+LR_SUGGESTION_BAND = (30.0, 10.0)  # ours: an lr from 30x below to 10x above the LR range test's steepest-descent point is
+#   fine (that point is an aggressive pick; fastai's own advice is often a tenth of the lowest-loss lr)
+LR_DIVERGENCE_MARGIN = 3.0  # ours: an lr within 3x of where the range test's loss blew up is too high to train at
 
 # ---- overfitting and plateaus ------------------------------------------------------------------------
 OVERFIT_GAP = 0.1  # SageMaker Debugger overfit rule: (val - train) / train > 0.1 ...
@@ -68,6 +71,7 @@ OVERFIT_RISE = 0.1  # validation 10% above its best: train down, val up after K 
 OVERFIT_TREND_P = 0.1  # ... rising as a trend since its best (Mann-Kendall p < 0.1), not noise around a floor
 OVERFIT_ONE_BATCH_PASS = 0.05  # Karpathy, "A Recipe for Training Neural Networks": overfit one batch to the lowest
 OVERFIT_ONE_BATCH_WARN = 0.5  # achievable loss. Ours: pass within 5% of the initial gap to the floor, warn within 50%
+OVERFIT_ONE_BATCH_LEARNS = 0.2  # ours: 80% of the way down already shows the model and loss learn (a pass, still falling)
 PLATEAU_MIN_LEVEL = 0.5  # calibrated: a plateau sits at >= half the untrained loss (healthy built-in runs end <= 0.34x)
 PLATEAU_MIN_SHARE = 0.4  # calibrated: ... and has lasted >= 40% of the run (healthy runs flatten only near their end)
 PLATEAU_TREND_SE = 1.0  # calibrated: no decrease across it beyond 1 standard error (noisy synthetic curves)

@@ -15,7 +15,8 @@ def check_command(
     ctx: typer.Context,
     config_dir: Optional[Path] = typer.Option(None, "--config-dir", help="Your Hydra config folder (default: the built-in example)."),
     config_name: str = typer.Option("config", "--config-name", help="Primary config in --config-dir."),
-    run_id: Optional[str] = typer.Option(None, "--run-id", help="Check a recorded run: its config, at its newest snapshot."),
+    run_id: Optional[str] = typer.Option(None, "--run-id", help="Check a recorded run: its config, at a healthy snapshot (the last before its growth began)."),
+    step: Optional[int] = typer.Option(None, "--step", help="With --run-id: check the snapshot at or before this step."),
     tracking_uri: Optional[str] = TrackingUri,
     as_json: bool = JsonFlag,
     code_dirs: Optional[list[str]] = CodeDirs,
@@ -35,7 +36,8 @@ def check_command(
     \b
         replay check model=cnn optim.lr=3e-3
         replay check --config-dir conf --config-name config
-        replay check --run-id 3f2a...   (its config, at its newest snapshot)
+        replay check --run-id 3f2a...   (its config, at the last snapshot before its growth began)
+        replay check --run-id 3f2a... --step 200   (the snapshot at or before step 200)
 
     Nothing is changed: the checks run on copies of the model and optimizer, and the RNG streams are
     left as they were. The result is recorded as a child run (kind=check) with check.md and lr_range.png.
@@ -44,6 +46,8 @@ def check_command(
     """
     from replaybisect.errors import ReplayError
 
+    if step is not None and not run_id:
+        raise ReplayError("--step picks a snapshot of a recorded run: pass it with --run-id")
     if run_id and (config_dir is not None or ctx.args or config_name != "config"):
         raise ReplayError("pass either --run-id or a config (--config-dir/--config-name/overrides), not both")
     if not run_id and (code_dirs or trust_prefixes):
@@ -74,7 +78,7 @@ def check_command(
     code_folder = None if run_id else (config_dir.resolve() if config_dir else Path.cwd())
     from replaybisect.options import say
 
-    report = check(store, cfg=cfg, run_id=run_id, options=options, trust=trust, progress=lambda name: say(f"check: {name}"))
+    report = check(store, cfg=cfg, run_id=run_id, step=step, options=options, trust=trust, progress=lambda name: say(f"check: {name}"))
     store = store or open_later()
     publish(store, report, cfg, code_folder=code_folder)
     if as_json:

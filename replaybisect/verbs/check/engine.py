@@ -38,12 +38,13 @@ from replaybisect.core.thresholds import (  # noqa: E402  (sources cited there)
     DEAD_LAYER_FAIL, DEAD_LAYER_WARN, DEAD_UNIT_ACTIVE, DIVERSITY_FAIL, DIVERSITY_WARN, IMBALANCE_WARN,
     INIT_LOSS_WARN, INPUT_ABS_WARN, INPUT_STD_WARN, PROB_ROW_TOL, RELU_ZERO_FAIL, RELU_ZERO_WARN,
     SATURATION_FAIL, SATURATION_PREACT, SATURATION_WARN, SIGMOID_EXTREME, TANH_EXTREME,
-    UPDATE_RATIO_FAIL, UPDATE_RATIO_WARN,
+    LR_DIVERGENCE_MARGIN, LR_SUGGESTION_BAND as LR_BAND, UPDATE_RATIO_FAIL, UPDATE_RATIO_WARN,
     FIRST_LAST_GRAD_RATIO_EXPLODING as EXPLODING_RATIO,
     FIRST_LAST_GRAD_RATIO_VANISHING as VANISHING_RATIO,
     FIRST_LAYER_GRAD_NORM_VANISHING as VANISHING_FIRST_NORM,
     GRAD_MEAN_ABS_VANISHING as VANISHING_MEAN_ABS,
     GRAD_NORM_SPAN_WARN_DECADES as SPAN_WARN_DECADES,
+    OVERFIT_ONE_BATCH_LEARNS as OVERFIT_LEARNS,
     OVERFIT_ONE_BATCH_PASS as OVERFIT_PASS,
     OVERFIT_ONE_BATCH_WARN as OVERFIT_WARN,
 )
@@ -138,6 +139,24 @@ def batch_targets(batch) -> Optional[torch.Tensor]:
     return None
 
 
+def leading_sizes(batch) -> set[int]:
+    """The first-dimension sizes of every tensor in a batch (scalars have none)."""
+    if isinstance(batch, torch.Tensor):
+        return {int(batch.shape[0])} if batch.dim() else set()
+    if isinstance(batch, dict):
+        return set().union(*(leading_sizes(v) for v in batch.values()))
+    if isinstance(batch, (list, tuple)):
+        return set().union(*(leading_sizes(v) for v in batch))
+    return set()
+
+
+def samples_of(batch, count: int) -> Optional[Any]:
+    """The first `count` samples of a batch when every tensor in it has the same first dimension, else None: then no
+    slice is a set of samples (a sequence-first language model gets (T, B) tokens and T*B flattened targets; slicing
+    both by 16 feeds its loss 16 targets for T*B outputs)."""
+    return slice_batch(batch, count) if len(leading_sizes(batch)) == 1 else None
+
+
 def slice_batch(batch, count: int):
     """The first `count` samples of a batch (every tensor sliced along dim 0)."""
     if isinstance(batch, torch.Tensor):
@@ -164,11 +183,35 @@ def configured_lr(state: loop.TrainState) -> float:
     return float(group.get("initial_lr", group["lr"]))
 
 
-def freeze_schedule(state: loop.TrainState) -> None:
-    """Switch the scheduler off and put every group back at its base lr (warmups start near 0)."""
+@dataclass(frozen=True)
+class TrainingLr:
+    """The learning rate the checks train at (the first param group's; others keep their ratio to it), and why."""
+
+    lr: float
+    source: str
+
+    def text(self) -> str:
+        return f"lr {self.lr:.3g} ({self.source})"
+
+
+def training_lr(state: loop.TrainState) -> TrainingLr:
+    """A config's (or a run's, when it logged none) lr: the scheduler's base lr, else the optimizer's lr. A
+    snapshot's current lr is where the schedule stood (the end of a cosine is near 0), not what the run trains at."""
+    group = state.optimizer.param_groups[0]
+    if "initial_lr" in group:
+        return TrainingLr(float(group["initial_lr"]), "the scheduler's base lr")
+    return TrainingLr(float(group["lr"]), "the optimizer's lr")
+
+
+def freeze_schedule(state: loop.TrainState, lr: Optional[float] = None) -> None:
+    """Switch the scheduler off and put the groups at their base lr (warmups start near 0), or with `lr` the first
+    group at `lr` and the others at the same ratio to it as their base lrs."""
     state.scheduler = None
-    for group in state.optimizer.param_groups:
-        group["lr"] = group.get("initial_lr", group["lr"])
+    groups = state.optimizer.param_groups
+    bases = [float(group.get("initial_lr", group["lr"])) for group in groups]
+    factor = lr / bases[0] if lr is not None and bases[0] > 0 else 1.0
+    for group, base in zip(groups, bases):
+        group["lr"] = base * factor
 
 
 # ---- probes: what the checks read --------------------------------------------------------------------
@@ -352,7 +395,11 @@ class GradProbe:
     nonzero_grad: dict[str, bool] = field(default_factory=dict)  # ... and any non-zero entry
     frozen: list[str] = field(default_factory=list)  # requires_grad=False
     not_in_optimizer: list[str] = field(default_factory=list)
-    nonfinite: Optional[str] = None
+    nonfinite: Optional[str] = None  # what stopped the probe: "non-finite loss at probe step 0"
+    nonfinite_step: Optional[int] = None
+    nonfinite_loss: Optional[float] = None
+    nonfinite_grads: dict[str, str] = field(default_factory=dict)  # parameter -> "inf" | "nan" (first step it was seen)
+    backward_steps: int = 0  # steps whose gradients were computed (a non-finite loss stops a step before its backward)
     error: Optional[str] = None
     final_params: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)  # after the probe steps
 
@@ -379,12 +426,15 @@ class _GradObserver:
         self.before: dict[str, list[torch.Tensor]] = {}
 
     def after_backward(self, state) -> None:
+        self.probe.backward_steps += 1
         for name, param in self.named:
             grad = param.grad
             if grad is not None:
                 self.probe.got_grad[name] = True
                 if bool((grad != 0).any()):
                     self.probe.nonzero_grad[name] = True
+                if name not in self.probe.nonfinite_grads and not bool(torch.isfinite(grad).all()):
+                    self.probe.nonfinite_grads[name] = "nan" if bool(torch.isnan(grad).any()) else "inf"
         for name, params in self.owners:
             grads = [p.grad.detach().float() for p in params if p.grad is not None]
             if grads:
@@ -445,6 +495,7 @@ def grad_probe(state: loop.TrainState, batches: list) -> GradProbe:
             probe.steps_run += 1
             if outcome.nonfinite:
                 probe.nonfinite = f"non-finite {outcome.nonfinite.replace('_', ' ')} at probe step {index}"
+                probe.nonfinite_step, probe.nonfinite_loss = index, outcome.loss
                 break
     except Exception as error:
         probe.error = f"{type(error).__name__}: {_first_line(error)}"
@@ -470,6 +521,8 @@ class CheckContext:
         options: Optional[CheckOptions] = None,
         at_init: bool = True,
         seed: int = 0,
+        lr: Optional[TrainingLr] = None,
+        initial: Optional[Callable[[], loop.TrainState]] = None,
     ):
         self.state = state
         self._batch_of = batch_of
@@ -479,9 +532,14 @@ class CheckContext:
         self.options = options or CheckOptions()
         self.at_init = at_init
         self.seed = seed
+        self.lr = lr or training_lr(state)
+        # a recorded run's state at initialization (its config, its seed), for the LR range test; None: `state` is it
+        self._initial = initial
         self._batches: dict[int, Any] = {}
+        self._initial_batches: dict[int, Any] = {}
         self._probe: Optional[ForwardProbe] = None
         self._grad: Optional[GradProbe] = None
+        self._lr_range: Optional[lr_finder.LRRangeResult] = None
         self._sample: Optional[tuple[list[int], list]] = None
         self.batch_errors: list[str] = []
 
@@ -489,16 +547,23 @@ class CheckContext:
     def batch(self, offset: int):
         """The batch of step first_step + offset, on CPU. When the data source cannot make it (a recorded
         run whose stored batches end), the batches already read are reused in order."""
-        if offset not in self._batches:
+        return self._cached_batch(self._batches, self.first_step + offset, offset)
+
+    def initial_batch(self, step: int):
+        """The batch of step `step` from the run's start (the LR range test from initialization)."""
+        return self._cached_batch(self._initial_batches, step, step) if self._initial else self.batch(step)
+
+    def _cached_batch(self, cache: dict[int, Any], step: int, offset: int):
+        if offset not in cache:
             try:
-                self._batches[offset] = self._batch_of(self.first_step + offset)
+                cache[offset] = self._batch_of(step)
             except ReplayError as error:
-                if not self._batches:
+                if not cache:
                     raise
                 self.batch_errors.append(str(error))
-                known = sorted(self._batches)
-                return self._batches[known[offset % len(known)]]
-        return self._batches[offset]
+                known = sorted(cache)
+                return cache[known[offset % len(known)]]
+        return cache[offset]
 
     def scanned(self) -> list[tuple[int, Any]]:
         count = self.options.scan_batches
@@ -543,9 +608,36 @@ class CheckContext:
         if self._grad is None:
             count = max(1, self.options.grad_steps)
             state = self.copy()
-            freeze_schedule(state)
+            freeze_schedule(state, self.lr.lr)
             self._grad = grad_probe(state, [self.batch(i) for i in range(count)])
         return self._grad
+
+    def lr_range(self) -> lr_finder.LRRangeResult:
+        """The LR range test, from initialization (Smith's recipe sweeps an untrained model: at a trained snapshot
+        the loss has no room left to fall, and the steepest descent lands anywhere)."""
+        if self._lr_range is None:
+            opts = self.options
+            state = self._initial() if self._initial else self.copy()
+            self._lr_range = lr_finder.lr_range_test(
+                state, lambda i: loop.to_device(self.initial_batch(i), state.device),
+                lr_min=opts.lr_min, lr_max=opts.lr_max, steps=opts.lr_steps,
+            )
+        return self._lr_range
+
+    def lr_judgement(self) -> Optional[str]:
+        """"high" or "low" when the LR range test says the training lr is outside its good range (the band
+        `replay check` suggests a change outside of), "ok" inside it, None when the test gives no suggestion."""
+        result = self.lr_range()
+        lr = self.lr.lr
+        if result.diverged_lr is not None and result.stop_reason != "completed" and lr * LR_DIVERGENCE_MARGIN > result.diverged_lr:
+            return "high"
+        if result.suggested_lr is None:
+            return None
+        if lr > result.suggested_lr * LR_BAND[1]:
+            return "high"
+        if lr < result.suggested_lr / LR_BAND[0]:
+            return "low"
+        return "ok"
 
     def loss_call(self) -> Optional[tuple[Any, Any]]:
         calls = self.probe().loss_calls
@@ -649,10 +741,13 @@ def overfit_one_batch(ctx: CheckContext) -> Check:
     opts = ctx.options
     full = ctx.batch(0)
     count = max(2, min(32, opts.overfit_samples, batch_size_of(full) or 2))
-    batch = slice_batch(full, count)
+    batch = samples_of(full, count)
+    samples = f"{count} samples"
+    if batch is None:
+        batch, count = full, batch_size_of(full)
+        samples = "the whole first batch (its tensors differ in their first dimension: no slice of it is a set of samples)"
     state = ctx.copy()
-    freeze_schedule(state)
-    lr = configured_lr(state)
+    freeze_schedule(state, ctx.lr.lr)
     device_batch = loop.to_device(batch, state.device)
     losses: list[float] = []
     started = time.perf_counter()
@@ -660,11 +755,7 @@ def overfit_one_batch(ctx: CheckContext) -> Check:
         outcome = loop.run_step(state, step, device_batch)
         losses.append(outcome.loss)
         if outcome.nonfinite:
-            return Check(
-                "overfit.one_batch", "fail", outcome.loss,
-                f"non-finite {outcome.nonfinite.replace('_', ' ')} at overfit step {step} on {count} samples (lr {lr:.3g}); run the data and loss checks, then `replay nan`",
-                extra={"losses": losses},
-            )
+            return _overfit_nonfinite(ctx, outcome, losses, samples)
     if state.user_loop:  # the loss is computed inside the user's step: no eval pass, floor assumed 0
         eval_loss, (floor, how) = math.nan, (0.0, "assumed 0: the loss is computed in your own step")
     else:
@@ -679,17 +770,19 @@ def overfit_one_batch(ctx: CheckContext) -> Check:
     final = min(eval_loss, losses[-1]) if math.isfinite(eval_loss) else losses[-1]
     initial = losses[0]
     extra = {"losses": losses, "floor": floor, "eval_loss": eval_loss, "samples": count, "seconds": time.perf_counter() - started}
-    where = f"{count} samples, {opts.overfit_steps} steps at lr {lr:.3g}, scheduler off"
+    where = f"{samples}, {opts.overfit_steps} steps at {ctx.lr.text()}, scheduler off"
     if floor is None or min(losses) < floor - 1e-6:
         return Check("overfit.one_batch", "warn", final, f"loss {initial:.4g} -> {final:.4g} ({where}); its floor is unknown ({how}): judge the curve", extra=extra)
     gap = initial - floor
     if gap <= 1e-6:
-        return Check("overfit.one_batch", "pass", final, f"loss already at its floor {floor:.4g} ({how}) on {count} samples", extra=extra)
+        return Check("overfit.one_batch", "pass", final, f"loss already at its floor {floor:.4g} ({how}) on {samples}", extra=extra)
     remaining = (final - floor) / gap
     extra["remaining"] = remaining
     detail = f"loss {initial:.4g} -> {final:.4g}, floor {floor:.4g} ({how}): {100 * (1 - remaining):.0f}% of the way ({where})"
     if remaining <= OVERFIT_PASS:
         return Check("overfit.one_batch", "pass", final, detail, extra=extra)
+    if remaining <= OVERFIT_LEARNS:
+        return Check("overfit.one_batch", "pass", final, detail + "; most of the way down: the model and loss learn", extra=extra)
     if remaining <= OVERFIT_WARN:
         return Check("overfit.one_batch", "warn", final, detail + "; still falling: more --overfit-steps or a higher lr", extra=extra)
     return Check(
@@ -697,6 +790,21 @@ def overfit_one_batch(ctx: CheckContext) -> Check:
         detail + "; the model cannot fit a handful of samples: look for detached outputs, frozen layers, a wrong loss or a far too small lr",
         extra=extra,
     )
+
+
+def _overfit_nonfinite(ctx: CheckContext, outcome, losses: list[float], samples: str) -> Check:
+    """The overfit probe met a non-finite loss or gradient: a climb by orders of magnitude first is a divergence
+    (the lr), a sudden one a fault to find."""
+    from replaybisect.core.growth import measure
+
+    what = f"non-finite {outcome.nonfinite.replace('_', ' ')} at overfit step {outcome.step} on {samples} ({ctx.lr.text()})"
+    climb = measure(list(enumerate(losses[:-1])), "loss")
+    extra = {"losses": losses, "nonfinite": True}
+    if climb is not None and climb.is_divergence:
+        return Check("overfit.one_batch", "fail", outcome.loss,
+                     f"{what} after the {climb.sentence()}: a divergence; the lr is too high for this model (see lr.range_test)",
+                     extra={**extra, "diverged": True})
+    return Check("overfit.one_batch", "fail", outcome.loss, f"{what}; run the data and loss checks, then `replay nan`", extra=extra)
 
 
 # ---- data sanity ------------------------------------------------------------------------------------------
@@ -1098,9 +1206,36 @@ def act_saturation(ctx: CheckContext) -> Check:
 def _grad_error(name: str, probe: GradProbe) -> Optional[Check]:
     if probe.error:
         return Check(name, "fail", None, f"the training step raised {probe.error}")
-    if probe.steps_run == 0 and probe.nonfinite:
-        return Check(name, "fail", None, f"{probe.nonfinite}: no gradients to read")
+    if probe.nonfinite and probe.backward_steps == 0:  # a non-finite value is its own finding, not a missing gradient
+        return Check(name, "skip", None, f"{probe.nonfinite}, before any gradient was computed: nothing to read (see grad.nonfinite)")
     return None
+
+
+@register_check("grad.nonfinite")
+def grad_nonfinite(ctx: CheckContext) -> Check:
+    """A loss or gradient that is inf/NaN in a few real steps from the state checked: the state is already
+    diverging or broken (a different finding from a parameter that gets no gradient)."""
+    probe = ctx.grads()
+    if probe.error:
+        return Check("grad.nonfinite", "fail", None, f"the training step raised {probe.error}")
+    steps = f"{probe.steps_run} steps at {ctx.lr.text()} ({ctx.where()})"
+    advice = ("the state checked is already diverging or broken: check an earlier snapshot (--step N), and after a failed run "
+              "`replay nan --run-id` says where the first non-finite value came from")
+    if probe.nonfinite_grads:
+        names = list(probe.nonfinite_grads)
+        kinds = "/".join(sorted(set(probe.nonfinite_grads.values())))
+        return Check(
+            "grad.nonfinite", "fail", float(len(names)),
+            f"non-finite gradient ({kinds}) in {len(names)} of {len(probe.got_grad)} parameters: {_names(names)}, "
+            f"{'at probe step ' + str(probe.nonfinite_step) if probe.nonfinite_step is not None else 'within ' + steps}; {advice}",
+            layer=names[0],
+        )
+    if probe.nonfinite:
+        return Check(
+            "grad.nonfinite", "fail", probe.nonfinite_loss,
+            f"{probe.nonfinite} (loss {probe.nonfinite_loss:.3g}; {steps}): no gradient could be computed; {advice}",
+        )
+    return Check("grad.nonfinite", "pass", 0.0, f"loss and gradients finite over {steps}")
 
 
 @register_check("grad.missing")
@@ -1189,30 +1324,44 @@ def grad_update_ratio(ctx: CheckContext) -> Check:
     per_layer = {n: _median(v) for n, v in probe.module_update_ratio.items() if v}
     top = max(per_layer, key=per_layer.get) if per_layer else None
     low = min(per_layer, key=per_layer.get) if per_layer else None
-    lr = configured_lr(ctx.state)
-    detail = f"update/weight ratio {ratio:.3g} at lr {lr:.3g} (median of {len(probe.update_ratio)} steps)"
+    detail = f"update/weight ratio {ratio:.3g} at {ctx.lr.text()} (median of {len(probe.update_ratio)} steps)"
     if top:
         detail += f"; largest `{top}` {per_layer[top]:.3g}, smallest `{low}` {per_layer[low]:.3g}"
     if not math.isfinite(ratio) or ratio < UPDATE_RATIO_FAIL[0] or ratio > UPDATE_RATIO_FAIL[1]:
         return Check("grad.update_ratio", "fail", ratio, detail + ": pathological step size; see the LR range test", layer=top if ratio > 1 else low)
-    if ratio > UPDATE_RATIO_WARN[1]:
-        return Check("grad.update_ratio", "warn", ratio, detail + ": each step rewrites over a tenth of the weights; the lr is probably too high", layer=top)
-    if ratio < UPDATE_RATIO_WARN[0]:
-        return Check("grad.update_ratio", "warn", ratio, detail + ": the weights barely move; the lr is probably too low", layer=low)
-    return Check("grad.update_ratio", "pass", ratio, detail)
+    if UPDATE_RATIO_WARN[0] <= ratio <= UPDATE_RATIO_WARN[1]:
+        return Check("grad.update_ratio", "pass", ratio, detail)
+    # The ratio's healthy band is SGD's; an optimizer's own step size (Adadelta's ~1e-3 per weight at lr 1, Adam's
+    # ~lr per weight) can sit outside it at a good lr. The LR range test on this model decides whether the lr is off.
+    high = ratio > UPDATE_RATIO_WARN[1]
+    judged = ctx.lr_judgement()
+    range_test = ctx.lr_range()
+    optimizer = type(ctx.state.optimizer).__name__
+    if judged == "ok":
+        return Check(
+            "grad.update_ratio", "pass", ratio,
+            detail + f": {'large' if high else 'small'} steps for {optimizer}, but the LR range test finds {ctx.lr.lr:.3g} a good lr "
+            f"(suggested {range_test.suggested_lr:.3g})",
+        )
+    blows_up = f", the loss blows up from {range_test.diverged_lr:.3g}" if range_test.diverged_lr is not None else ""
+    agrees = f" (the LR range test agrees: suggested {_fmt_lr(range_test.suggested_lr)}{blows_up})" if judged == ("high" if high else "low") else ""
+    if high:
+        return Check("grad.update_ratio", "warn", ratio, detail + f": each step rewrites over a tenth of the weights; the lr is probably too high{agrees}", layer=top)
+    return Check("grad.update_ratio", "warn", ratio, detail + f": the weights barely move; the lr is probably too low{agrees}", layer=low)
+
+
+def _fmt_lr(value: Optional[float]) -> str:
+    return f"{value:.3g}" if value is not None else "-"
 
 
 # ---- LR range test ---------------------------------------------------------------------------------------------------
 @register_check("lr.range_test")
 def lr_range_test(ctx: CheckContext) -> Check:
     opts = ctx.options
-    state = ctx.copy()
-    lr = configured_lr(state)
-    result = lr_finder.lr_range_test(
-        state, lambda i: loop.to_device(ctx.batch(i), state.device), lr_min=opts.lr_min, lr_max=opts.lr_max, steps=opts.lr_steps
-    )
+    lr = ctx.lr.lr
+    result = ctx.lr_range()
     extra = {"lr_range": result, "configured_lr": lr}
-    sweep = f"{len(result.lrs)} steps {opts.lr_min:.0e}..{result.lrs[-1]:.2g}"
+    sweep = f"{len(result.lrs)} steps {opts.lr_min:.0e}..{result.lrs[-1]:.2g}" + ("" if ctx.at_init else ", from the run's initialization")
     stop = f", stopped at lr {result.diverged_lr:.3g} ({result.stop_reason})" if result.diverged_lr else ""
     if result.stop_reason == "nonfinite" and len(result.lrs) <= lr_finder.SKIP_BEGIN:
         return Check(
@@ -1222,10 +1371,20 @@ def lr_range_test(ctx: CheckContext) -> Check:
             extra=extra,
         )
     if result.diverged_lr is not None and lr >= result.diverged_lr:
+        extra["lr_high"] = True
         return Check(
             "lr.range_test", "fail", result.suggested_lr,
             f"your lr {lr:.3g} is at or past the point where the loss blows up ({result.diverged_lr:.3g}; {sweep}); "
             f"use about {result.suggested_lr:.2g}" if result.suggested_lr else f"your lr {lr:.3g} is past the divergence point {result.diverged_lr:.3g} ({sweep})",
+            extra=extra,
+        )
+    if result.suggested_lr is not None and ctx.lr_judgement() == "high":
+        extra["lr_high"] = True
+        blows_up = f"; the loss blows up from {result.diverged_lr:.3g}" if result.diverged_lr is not None else ""
+        return Check(
+            "lr.range_test", "warn", result.suggested_lr,
+            f"your {ctx.lr.text()} is above the range test's good range (suggested {result.suggested_lr:.3g}{blows_up}; {sweep}); "
+            f"use about {result.suggested_lr:.2g}",
             extra=extra,
         )
     if result.suggested_lr is None:
@@ -1235,7 +1394,7 @@ def lr_range_test(ctx: CheckContext) -> Check:
             extra=extra,
         )
     ok = result.losses[0] > min(result.smoothed) if result.smoothed else False
-    detail = f"suggested lr {result.suggested_lr:.3g} (steepest descent; {sweep}{stop}); your lr {lr:.3g}"
+    detail = f"suggested lr {result.suggested_lr:.3g} (steepest descent; {sweep}{stop}); your {ctx.lr.text()}"
     if not ok:
         return Check("lr.range_test", "warn", result.suggested_lr, detail + ": the loss never fell during the sweep", extra=extra)
     return Check("lr.range_test", "pass", result.suggested_lr, detail, extra=extra)
@@ -1248,7 +1407,7 @@ ORDER = [
     "loss.output_mismatch",
     "init.symmetry", "init.dead_units", "init.loss",
     "act.relu_zero", "act.saturation",
-    "grad.missing", "grad.vanishing", "grad.update_ratio",
+    "grad.nonfinite", "grad.missing", "grad.vanishing", "grad.update_ratio",
     "lr.range_test",
 ]
 GROUPS = sorted({group_of(n) for n in ORDER})
@@ -1292,7 +1451,9 @@ class CheckReport:
     snapshot_step: Optional[int]
     checks: list[Check]
     options: CheckOptions
-    configured_lr: Optional[float] = None
+    configured_lr: Optional[float] = None  # the lr the checks trained at ...
+    lr_source: str = ""  # ... and where it comes from ("the run's peak lr, step 30")
+    snapshot_reason: str = ""  # why this snapshot of a recorded run ("the last snapshot before the growth ...")
     warnings: list[str] = field(default_factory=list)
     artifacts: list[str] = field(default_factory=list)  # set by report.publish, like run_id and tracking_uri
     tracking_uri: str = ""
@@ -1321,6 +1482,8 @@ class CheckReport:
             "checked_run_id": self.checked_run_id,
             "source": self.source,
             "snapshot_step": self.snapshot_step,
+            "snapshot_reason": self.snapshot_reason or None,
+            "lr": {"value": self.configured_lr, "source": self.lr_source},
             "status": self.status,
             "summary": self.counts(),
             "checks": [c.to_json() for c in self.checks],
@@ -1348,72 +1511,99 @@ def check(
     *,
     cfg=None,
     run_id: Optional[str] = None,
+    step: Optional[int] = None,
     options: Optional[CheckOptions] = None,
     progress: Optional[Callable[[str], None]] = None,
     trust=None,
 ) -> CheckReport:
-    """Run the checklist on a config (at initialization) or on a recorded run (its config, at its newest
-    snapshot). Nothing is written: the store is only read, for --run-id (without one, a cfg needs no store);
-    check/report.py `publish` records the report as a check run."""
-    from replaybisect import restore as restore_mod
-
+    """Run the checklist on a config (at initialization) or on a recorded run (its config, at a healthy snapshot:
+    `recorded.choose_snapshot`; `step` picks the snapshot at or before it). Nothing is written: the store is only
+    read, for --run-id (without one, a cfg needs no store); check/report.py `publish` records the report."""
     started = time.perf_counter()
     options = options or CheckOptions()
     select(options.only)  # an unknown check name is bad input before anything is built
-    warnings: list[str] = []
-    snapshot_step = None
+    if step is not None and not run_id:
+        raise ReplayError("--step picks a snapshot of a recorded run: pass it with --run-id")
 
     # 1. build everything first: bad input never creates a run
     if run_id:
-        if store is None:
-            raise ReplayError(f"checking run {run_id} needs the store it was recorded in")
-        tags = store.tags(run_id)  # RunNotFound: one line, exit 2
-        if tags.get("kind") == "check":
-            parent = store.get_run(run_id).data.tags.get("mlflow.parentRunId")
-            raise ReplayError(f"run {run_id} is a check run; pass the run it checked{f' ({parent})' if parent else ''} or a config")
-        artifacts = {Path(info.path).name for info in store.list_artifacts(run_id)}
-        if "config.yaml" not in artifacts:
-            has_metrics = bool(store.get_run(run_id).data.metrics)
-            what = "no config.yaml" + ("" if has_metrics else " and no metrics")
-            raise ReplayError(
-                f"run {run_id} has {what}: it was not recorded by `replay train`; "
-                "check a config instead: replay check --config-dir DIR --config-name NAME"
-            )
-        cfg = restore_mod.run_config(store, run_id, trust)  # trust: --code-dir/--trust (replaybisect.core.trust.Trust)
-        if restore_mod.snapshot_steps(store, run_id):
-            restored = restore_mod.restore(store, run_id, cfg=cfg)
-            warnings += restored.warnings
-            state, batch_of, first_step = restored.state, restored.batch, restored.step
-            if cfg.train.loop == "user":  # the stored batch without the RNG state recorded with it
-                batch_of = lambda step: user_step.unpack(restored.batch(step))[0]  # noqa: E731
-            snapshot_step = restored.step
-            dataset, steps_per_epoch = None, None
-            with isolated_rng():
-                try:
-                    source, _ = loop.build_data(cfg)
-                    dataset, steps_per_epoch = source.dataset, source.steps_per_epoch
-                except ReplayError as error:
-                    warnings.append(f"the run's dataset cannot be built here ({error}); data checks read its stored batches only")
-        else:
-            warnings.append(f"run {run_id} has no snapshots: checking its config at initialization")
-            state, source = _build_from_config(cfg)
-            batch_of, first_step, dataset, steps_per_epoch = source.batch, 0, source.dataset, source.steps_per_epoch
+        ctx, snapshot_step, reason, warnings = _recorded_context(store, run_id, step, options, trust)
     else:
         if cfg is None:
             raise ReplayError("pass a config (--config-dir/--config-name, overrides) or --run-id")
         state, source = _build_from_config(cfg)
-        batch_of, first_step, dataset, steps_per_epoch = source.batch, 0, source.dataset, source.steps_per_epoch
+        ctx = CheckContext(state, source.batch, dataset=source.dataset, steps_per_epoch=source.steps_per_epoch,
+                           options=options, seed=int(cfg.seed))
+        snapshot_step, reason, warnings = None, "", []
 
     # 2. the checklist
-    ctx = CheckContext(
-        state, batch_of, first_step=first_step, dataset=dataset, steps_per_epoch=steps_per_epoch,
-        options=options, at_init=first_step == 0, seed=int(cfg.seed),
-    )
     checks = run_checks(ctx, progress=progress)
     warnings += sorted(set(ctx.batch_errors))[:3]
 
     return CheckReport(
         run_id=None, checked_run_id=run_id, source="run" if run_id else "config", snapshot_step=snapshot_step,
-        checks=checks, options=options, configured_lr=configured_lr(state), warnings=warnings,
-        seconds=time.perf_counter() - started,
+        checks=checks, options=options, configured_lr=ctx.lr.lr, lr_source=ctx.lr.source, snapshot_reason=reason,
+        warnings=warnings, seconds=time.perf_counter() - started,
     )
+
+
+def _recorded_context(store, run_id: str, step: Optional[int], options: CheckOptions, trust):
+    """A recorded run rebuilt for the checklist: (context, snapshot step or None, why that snapshot, warnings)."""
+    from replaybisect import restore as restore_mod
+    from replaybisect.verbs.check import recorded
+
+    if store is None:
+        raise ReplayError(f"checking run {run_id} needs the store it was recorded in")
+    tags = store.tags(run_id)  # RunNotFound: one line, exit 2
+    if tags.get("kind") == "check":
+        parent = store.get_run(run_id).data.tags.get("mlflow.parentRunId")
+        raise ReplayError(f"run {run_id} is a check run; pass the run it checked{f' ({parent})' if parent else ''} or a config")
+    artifacts = {Path(info.path).name for info in store.list_artifacts(run_id)}
+    if "config.yaml" not in artifacts:
+        has_metrics = bool(store.get_run(run_id).data.metrics)
+        what = "no config.yaml" + ("" if has_metrics else " and no metrics")
+        raise ReplayError(
+            f"run {run_id} has {what}: it was not recorded by `replay train`; "
+            "check a config instead: replay check --config-dir DIR --config-name NAME"
+        )
+    choice = recorded.choose_snapshot(store, run_id, step)  # a bad --step: one line, before anything is built
+    cfg = restore_mod.run_config(store, run_id, trust)  # trust: --code-dir/--trust (replaybisect.core.trust.Trust)
+    peak = recorded.peak_lr(store, run_id)
+    warnings: list[str] = []
+    if choice.step is None:
+        warnings.append(f"run {run_id}: {choice.reason}")
+        state, source = _build_from_config(cfg)
+        ctx = CheckContext(state, source.batch, dataset=source.dataset, steps_per_epoch=source.steps_per_epoch, options=options,
+                           seed=int(cfg.seed), lr=_run_lr(state, peak))
+        return ctx, None, choice.reason, warnings
+    restored = restore_mod.restore(store, run_id, choice.step, cfg=cfg)
+    warnings += restored.warnings
+    reason = choice.reason
+    if restored.step != choice.step:  # the chosen snapshot did not verify: restore took an earlier one
+        reason += f"; snapshot {choice.step} did not verify, so the one at step {restored.step}"
+    batch_of = restored.batch
+    if cfg.train.loop == "user":  # the stored batch without the RNG state recorded with it
+        batch_of = lambda at: user_step.unpack(restored.batch(at))[0]  # noqa: E731
+    dataset, steps_per_epoch = None, None
+    with isolated_rng():
+        try:
+            source, _ = loop.build_data(cfg)
+            dataset, steps_per_epoch = source.dataset, source.steps_per_epoch
+        except ReplayError as error:
+            warnings.append(f"the run's dataset cannot be built here ({error}); data checks read its stored batches only")
+
+    def initial() -> loop.TrainState:  # the run at initialization, for the LR range test
+        with isolated_rng():
+            return loop.build_state(cfg)
+
+    ctx = CheckContext(
+        restored.state, batch_of, first_step=restored.step, dataset=dataset, steps_per_epoch=steps_per_epoch,
+        options=options, at_init=restored.step == 0, seed=int(cfg.seed), lr=_run_lr(restored.state, peak),
+        initial=None if restored.step == 0 else initial,
+    )
+    return ctx, restored.step, reason, warnings
+
+
+def _run_lr(state: loop.TrainState, peak) -> TrainingLr:
+    """A recorded run trains at its peak lr (the top of its warmup or schedule), else its base lr."""
+    return TrainingLr(peak.lr, peak.source) if peak is not None else training_lr(state)

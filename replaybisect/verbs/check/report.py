@@ -12,6 +12,7 @@ from typing import Any
 
 from replaybisect.report import close_figure, console, fmt_number, markdown_table, mlflow_ui_hint, new_figure, print_table
 from replaybisect.core.jsonutil import json_default
+from replaybisect.core.thresholds import LR_SUGGESTION_BAND as LR_BAND
 
 STYLE = {"pass": "green", "warn": "yellow", "fail": "bold red", "skip": "dim"}
 MARK = {"pass": "PASS", "warn": "WARN", "fail": "FAIL", "skip": "skip"}
@@ -25,21 +26,32 @@ def _value(value: Any) -> str:
 
 def _subject(report) -> str:
     if report.checked_run_id:
-        return f"run {report.checked_run_id} at snapshot step {report.snapshot_step}" if report.snapshot_step is not None else f"run {report.checked_run_id} (its config, at init)"
+        if report.snapshot_step is None:
+            return f"run {report.checked_run_id} (its config, at init)"
+        why = f": {report.snapshot_reason}" if report.snapshot_reason else ""
+        return f"run {report.checked_run_id} at snapshot step {report.snapshot_step}{why}"
     return "config (at initialization)"
 
 
 def _next_steps(report) -> list[str]:
     hints = []
     failing = {c.name for c in report.checks if c.status == "fail"}
+    wiring = {c.name for c in report.checks if c.status == "fail" and not c.extra.get("nonfinite")}  # a NaN is no wiring bug
     lr = report.lr_range
     if "data.finite" in failing:
         hints.append("fix the non-finite data first: every other check reads it")
-    if failing & {"overfit.one_batch", "grad.missing", "loss.output_mismatch"}:
+    overfit = report.find("overfit.one_batch")
+    if overfit is not None and overfit.extra.get("diverged"):
+        hints.append("the overfit probe diverged at your lr: lower it (LR range test below)")
+    if "grad.nonfinite" in failing:
+        hints.append("the state checked already makes non-finite values: check an earlier snapshot (--step N); "
+                     "`replay nan --run-id` says where they come from")
+    elif wiring & {"overfit.one_batch", "grad.missing", "loss.output_mismatch"}:
         hints.append("fix the model/loss wiring, then re-run `replay check` before training")
-    # our choice: suggest a change only outside 30x below .. 10x above the suggestion (the steepest-descent
-    # point is an aggressive pick; fastai's own advice is often a tenth of the lowest-loss lr)
-    if lr and lr.suggested_lr and report.configured_lr and not (lr.suggested_lr / 30 <= report.configured_lr <= lr.suggested_lr * 10):
+    range_check = report.find("lr.range_test")
+    flagged = range_check is not None and range_check.extra.get("lr_high")
+    if lr and lr.suggested_lr and report.configured_lr and (
+            flagged or not lr.suggested_lr / LR_BAND[0] <= report.configured_lr <= lr.suggested_lr * LR_BAND[1]):
         hints.append(f"try optim.lr={lr.suggested_lr:.2g} (LR range test suggestion; yours is {report.configured_lr:.2g})")
     if not failing:
         hints.append("train: replay train ... ; after a run, `replay diagnose --run-id ID` reads its curves")
@@ -65,7 +77,7 @@ def print_check_report(report) -> None:
     )
     lr = report.lr_range
     if lr and lr.suggested_lr:
-        console.print(f"  LR range test: suggested lr {lr.suggested_lr:.3g}, your lr {report.configured_lr:.3g}")
+        console.print(f"  LR range test: suggested lr {lr.suggested_lr:.3g}, your lr {report.configured_lr:.3g} ({report.lr_source})")
     for warning in report.warnings:
         console.print(f"  [yellow]note:[/yellow] {warning}")
     for hint in _next_steps(report):
@@ -91,7 +103,7 @@ def check_markdown(report) -> str:
             f"Exponential sweep over {len(lr.lrs)} of {lr.planned_steps} steps, smoothing 0.05, stop at 4x the best loss "
             "(Lightning / fastai / torch-lr-finder).",
             f"Suggested lr: {fmt_number(lr.suggested_lr)}; lowest loss at lr {fmt_number(lr.best_lr)}; "
-            f"stopped: {lr.stop_reason}{f' at lr {lr.diverged_lr:.3g}' if lr.diverged_lr else ''}; your lr: {fmt_number(report.configured_lr)}.",
+            f"stopped: {lr.stop_reason}{f' at lr {lr.diverged_lr:.3g}' if lr.diverged_lr else ''}; your lr: {fmt_number(report.configured_lr)} ({report.lr_source}).",
             "",
             "![LR range test](lr_range.png)",
             "",
@@ -193,6 +205,8 @@ def _run_tags(report, code_folder: Path | None) -> dict[str, str]:
     tags = {"replaybisect.check_status": report.status}
     if report.checked_run_id:
         tags["replaybisect.checked_run_id"] = report.checked_run_id
+    if report.snapshot_step is not None:
+        tags["replaybisect.checked_snapshot_step"] = str(report.snapshot_step)
     if code_folder is not None:
         tags["replaybisect.code_dir"] = str(code_folder)
     return tags
