@@ -125,6 +125,13 @@ def print_train_result(result) -> None:
     console.print(f"  view: {mlflow_ui_hint(result.tracking_uri)}")
 
 
+def _escape(text):
+    """Text from a run's tags printed as it is (a `[red]` in it is no markup)."""
+    from rich.markup import escape
+
+    return None if text is None else escape(text)
+
+
 def print_runs(summaries, location) -> None:
     if not summaries:
         if location.exists:
@@ -143,10 +150,11 @@ def print_runs(summaries, location) -> None:
         snapshots = ",".join(str(s) for s in run.snapshot_steps[-6:])
         if len(run.snapshot_steps) > 6:
             snapshots = "…," + snapshots
-        rows.append((run.run_id, run.kind, status, run.steps, fmt_number(run.last_loss), snapshots, run.started[5:16].replace("T", " "), run.name))
+        rows.append((run.run_id, run.kind, status, run.steps, fmt_number(run.last_loss), snapshots, run.started[5:16].replace("T", " "),
+                     _escape(run.name), _escape(run.triage)))
     table = Table(title=f"runs in {location.shown}", title_justify="left")
     table.add_column("run id", no_wrap=True)
-    for header in ("kind", "status", "steps", "last loss", "snapshots", "started", "name"):
+    for header in ("kind", "status", "steps", "last loss", "snapshots", "started", "name", "triage"):
         table.add_column(header)
     for row in rows:
         table.add_row(*(str(cell) if cell is not None else "-" for cell in row))

@@ -186,7 +186,7 @@ class Receiver:
         self.server.shutdown()
 
 
-def test_once_triages_the_failed_runs_and_leaves_the_healthy_one_alone(team, project):
+def test_once_triages_the_failed_runs_and_leaves_the_healthy_one_alone(team, project, tmp_path):
     experiment = "watch-once"
     forward, optimizer, crashed_slot, healthy = train_runs(
         team, project, experiment, [EXAMPLES / "nan_forward", EXAMPLES / "nan_optimizer", project / "crash", None])
@@ -218,6 +218,23 @@ def test_once_triages_the_failed_runs_and_leaves_the_healthy_one_alone(team, pro
     forward_files = artifacts_here_and_below(team, forward)
     assert {"report.md", "ablation.md", "triage.md", "triage.json"} <= forward_files, forward_files
     assert {"diagnosis.md", "triage.json"} <= artifacts_here_and_below(team, crashed)
+
+    # triage.md reads as a report (the verbs' JSON stays in triage.json); the next step is no verb the triage ran
+    from mlflow import MlflowClient
+
+    reports = {}
+    for run_id in (forward, optimizer, crashed):
+        folder = tmp_path / run_id
+        folder.mkdir()
+        report = reports[run_id] = Path(MlflowClient(team.tracking_uri).download_artifacts(run_id, "triage/triage.md", str(folder))).read_text()
+        assert '{"' not in report and len(report.splitlines()) < 30, report
+        assert f"**{done[run_id]['summary']}**" in report and done[run_id]["next_command"] in report
+        assert done[run_id]["next_command"].split()[:2] not in (["replay", step] for step in done[run_id]["steps"])
+        assert {link["step"] for link in done[run_id]["links"]} >= set(done[run_id]["steps"]), done[run_id]["links"]
+        assert all(f"run {link['run_id']}, {link['url']}" in report for link in done[run_id]["links"]), report
+    assert "- replay nan: `nan @ step 20" in reports[forward]
+    assert tags_of(team, forward)["replaybisect.overrides"] == '["train.steps=30"]'  # how to train it again, with a fix
+    assert tags_of(team, forward)["replaybisect.config_dir"] == str(EXAMPLES / "nan_forward")
     if team.s3_endpoint:  # and they are objects in the bucket, not files beside the server
         import boto3
 

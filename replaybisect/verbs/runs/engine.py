@@ -26,6 +26,7 @@ class RunSummary:
     snapshot_steps: list[int]
     started: str
     parent_run_id: Optional[str]
+    triage: Optional[str] = None  # `replay watch`'s one-line answer (None: not triaged)
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -51,7 +52,19 @@ def _summary(run) -> RunSummary:
         snapshot_steps=[int(s) for s in snapshot_tag.split(",") if s],
         started=datetime.datetime.fromtimestamp(run.info.start_time / 1000).isoformat(timespec="seconds"),
         parent_run_id=tags.get("mlflow.parentRunId"),
+        triage=triage_answer(tags),
     )
+
+
+def triage_answer(tags: dict[str, str]) -> Optional[str]:
+    """The triage's one line from the run's tags: its summary once finished (done, or failed with its reason), the
+    step in progress while a watcher holds it, None when no watcher has triaged it."""
+    state = tags.get(TAG + "triage")
+    if not state:
+        return None
+    if state in ("done", "failed"):
+        return tags.get(TAG + "triage.summary") or (f"triage failed: {tags.get(TAG + 'triage.reason', '')}" if state == "failed" else state)
+    return f"triaging ({tags.get(TAG + 'triage.step') or 'claimed'})"
 
 
 def recent_runs(store: Store, limit: int = 20, kind: str | None = "train", status: str | None = None) -> list[RunSummary]:
