@@ -133,14 +133,14 @@ def test_healthy_run_gets_a_clean_bill(planted, name):
 
 
 def test_healthy_report_and_artifacts_on_the_run(planted):
-    """The report is a child run of the diagnosed run (`diagnose: healthy`); a second diagnosis is a second child."""
+    """The report is a child run of the diagnosed run (`healthy · diagnose`, the answer first); a second diagnosis is a second child."""
     workspace, results = planted
     data = diagnose(planted, "healthy_mlp_digits")
     run_id, report_run_id = data["run_id"], data["report_run_id"]
     assert sorted(data["artifacts"]) == ["diagnosis.json", "diagnosis.md", "diagnosis_loss.png"]
     store = workspace.store()
     report_run = store.get_run(report_run_id)
-    assert report_run.data.tags["mlflow.parentRunId"] == run_id and report_run.info.run_name == "diagnose: healthy"
+    assert report_run.data.tags["mlflow.parentRunId"] == run_id and report_run.info.run_name == "healthy · diagnose"
     assert report_run.data.tags["mlflow.note.content"].startswith("no pathology found\n\n")
     assert "diagnose: no pathology found." in store.get_run(run_id).data.tags["mlflow.note.content"]
     names = {info.path for info in store.list_artifacts(report_run_id)}

@@ -198,7 +198,19 @@ def answer(report) -> str:
 
 
 def _run_name(report) -> str:
-    return "check @ " + (f"run {report.checked_run_id[:8]}" if report.checked_run_id else "config")
+    """The answer first: MLflow's runs table cuts a nested run's name after ~13 characters (`2 fail: grad.miss…`).
+    `2 fail: grad.nonfinite, overfit.one_batch · check @ run 3f2a9c0d step 15`, `all pass · check @ config`."""
+    counts = report.counts()
+    worst = next((status for status in ("fail", "warn") if counts[status]), None)
+    if worst:
+        names = [c.name for c in report.checks if c.status == worst]
+        answer = f"{counts[worst]} {worst}: " + ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
+    else:
+        answer = "all pass" if counts["pass"] else "nothing checked"
+    where = "config"
+    if report.checked_run_id:
+        where = f"run {report.checked_run_id[:8]}" + (f" step {report.snapshot_step}" if report.snapshot_step is not None else "")
+    return f"{answer} · check @ {where}"
 
 
 def _run_tags(report, code_folder: Path | None) -> dict[str, str]:

@@ -201,11 +201,11 @@ def _annotate(ax_loss, ax_grad, finding, curves) -> None:
 
 # ---- publishing: artifacts on the run ----------------------------------------------------------------------------------
 def publish(store, result, curves) -> str:
-    """A child run of the diagnosed run (`diagnose: spikes`, kind=diagnosis) holding diagnosis.md, diagnosis.json
+    """A child run of the diagnosed run (`spikes · diagnose`, the answer first; kind=diagnosis) holding diagnosis.md, diagnosis.json
     and the annotated PNG (a second diagnosis is a second run: nothing is overwritten); the verdict as its
     description, a line of the diagnosed run's and its replaybisect.diagnosis tag. Returns the child run's id."""
     verdict = "healthy" if result.healthy else ",".join(dict.fromkeys(f.pattern for f in result.findings)) or "not-enough-data"
-    child = store.create_run("diagnosis", run_name=f"diagnose: {verdict.replace(',', ', ')}", parent_run_id=result.run_id,
+    child = store.create_run("diagnosis", run_name=f"{verdict.replace(',', ', ')} · diagnose", parent_run_id=result.run_id,
                              tags={"replaybisect.diagnosis": verdict})
     figure = loss_figure(result, curves)
     result.artifacts = [MARKDOWN, JSON_FILE, PLOT]
