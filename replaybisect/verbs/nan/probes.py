@@ -496,6 +496,7 @@ class StepProbe(loop.StepObserver):
         self.finder = _OpFinder(lambda: self.stack[-1] if self.stack else None, lambda: len(self.calls))
         self.loss_faults: list[OpFinding] = []
         self.layer_norms: dict[str, float] = {}
+        self.grads_finite: Optional[bool] = None  # every gradient element finite after backward (None: no gradients)
         self.update_watch: Optional[UpdateWatch] = None
         self.update: Optional[UpdateFinding] = None
 
@@ -598,10 +599,15 @@ class StepProbe(loop.StepObserver):
             self._node_hooks(loss)
 
     def after_backward(self, state) -> None:
+        from replaybisect.core.guard import gradients
+
         self.layer_norms = per_module_grad_norms(state)
+        grads = gradients(state.params)
+        # by element: a total norm of finite gradients can overflow fp32 and is no fault (core/guard.py)
+        self.grads_finite = all(bool(torch.isfinite(g).all()) for g in grads) if grads else None
 
     def before_update(self, state, outcome: "loop.StepOutcome") -> None:
-        if math.isfinite(outcome.loss) and math.isfinite(outcome.grad_norm):
+        if math.isfinite(outcome.loss) and self.grads_finite is not False:
             self.update_watch = UpdateWatch(state)
 
     def after_update(self, state) -> None:
@@ -649,7 +655,7 @@ class StepProbe(loop.StepObserver):
             backward_node=self.node_finding,
             layer_grad_norms=self.layer_norms,
             grad_norm=outcome.grad_norm,
-            grads_finite=math.isfinite(outcome.grad_norm) if outcome.grad_norm is not None else None,
+            grads_finite=self.grads_finite if outcome.grad_norm is not None else None,
             update=self.update,
             corrupted_in_forward=self.corrupted,
         )
