@@ -28,34 +28,34 @@ CTX = ArmContext(failing_step=30, start_step=20, end_step=80, grad_norms=[float(
 
 
 def test_each_intervention_changes_one_thing(adamw_cfg):
-    lr = interventions.get("lr").apply(adamw_cfg, CTX)
+    lr = interventions.get("lr").apply(adamw_cfg, CTX, None)
     assert lr.cfg.optim.lr == pytest.approx(0.001) and lr.lr_factor(25) == pytest.approx(0.1)
     assert adamw_cfg.optim.lr == 0.01  # the run's config is not touched
-    clip = interventions.get("clip").apply(adamw_cfg, CTX)
+    clip = interventions.get("clip").apply(adamw_cfg, CTX, None)
     assert clip.cfg.train.clip_grad_norm == 1.0
-    assert clip.params["suggested_clip"] == pytest.approx(95.05)  # numpy's 95th percentile of 1..100; inf ignored
-    assert interventions.get("precision").apply(adamw_cfg, CTX).cfg.train.precision == "fp32"
-    eps = interventions.get("eps").apply(adamw_cfg, CTX)
+    assert interventions.suggested_clip(CTX.grad_norms) == 95.0  # numpy's 95th percentile of 1..100 (95.05; inf ignored), 3 digits
+    assert interventions.get("precision").apply(adamw_cfg, CTX, None).cfg.train.precision == "fp32"
+    eps = interventions.get("eps").apply(adamw_cfg, CTX, None)
     assert eps.cfg.optim.eps == pytest.approx(1e-5) and eps.group_scale == {"eps": 1000.0}  # AdamW's default 1e-8 x1000
-    warmup = interventions.get("warmup").apply(adamw_cfg, CTX)
+    warmup = interventions.get("warmup").apply(adamw_cfg, CTX, None)
     assert warmup.params["warmup_steps"] == 30
     assert [warmup.lr_factor(s) for s in (20, 34, 49, 50, 79)] == pytest.approx([1 / 30, 0.5, 1.0, 1.0, 1.0])
-    assert interventions.get("skip-batch").apply(adamw_cfg, CTX).skip_steps == frozenset({30})
-    seed = interventions.get("seed").apply(adamw_cfg, CTX)
+    assert interventions.get("skip-batch").apply(adamw_cfg, CTX, None).skip_steps == frozenset({30})
+    seed = interventions.get("seed").apply(adamw_cfg, CTX, None)
     assert seed.cfg.seed == adamw_cfg.seed + 1 and seed.reseed == adamw_cfg.seed + 1
 
 
 def test_interventions_that_mean_nothing_for_a_run_say_why(sgd_cfg):
-    assert interventions.get("eps").apply(sgd_cfg, CTX).not_applicable == "SGD has no eps"
-    assert "already trains in fp32" in interventions.get("precision").apply(sgd_cfg, CTX).not_applicable
-    assert "already clips at 0.5" in interventions.get("clip").apply(sgd_cfg, CTX).not_applicable
+    assert interventions.get("eps").apply(sgd_cfg, CTX, None).not_applicable == "SGD has no eps"
+    assert "already trains in fp32" in interventions.get("precision").apply(sgd_cfg, CTX, None).not_applicable
+    assert "already clips at 0.5" in interventions.get("clip").apply(sgd_cfg, CTX, None).not_applicable
     healthy = ArmContext(failing_step=None, start_step=0, end_step=10)
-    assert "never failed" in interventions.get("skip-batch").apply(sgd_cfg, healthy).not_applicable
+    assert "never failed" in interventions.get("skip-batch").apply(sgd_cfg, healthy, None).not_applicable
 
 
 def test_parse_arms():
-    assert ablate_mod.parse_arms("lr, clip,lr") == ["lr", "clip"]
-    assert ablate_mod.parse_arms(None) == interventions.names()
+    assert [spec.name for spec in ablate_mod.parse_arms("lr, clip,lr,lr=x0.1")] == ["lr", "clip"]  # lr is lr=x0.1
+    assert [spec.name for spec in ablate_mod.parse_arms(None)] == interventions.names()
     with pytest.raises(ReplayError, match="unknown arm 'fp8'; valid arms: lr, clip"):
         ablate_mod.parse_arms("lr,fp8")
 
@@ -102,6 +102,68 @@ def test_conclusion_reads_the_seed_arm_as_a_noise_test():
         arm = outcome(first)
         arm.name, arm.verdict = name, verdict
         arms.append(arm)
-    text = ablate_mod.conclusion_text(arms, 30, None, None)
+    text = ablate_mod.conclusion_text(arms, 30, None)
     assert text == "fixed by: lr; another seed fails too at step 28: the failure is systematic, not noise; delayed by: warmup"
-    assert ablate_mod.conclusion_text(arms, 30, "the baseline replay stayed finite", None).startswith("inconclusive: ")
+    assert ablate_mod.conclusion_text(arms, 30, "the baseline replay stayed finite").startswith("inconclusive: ")
+
+
+# ---- arms with values ------------------------------------------------------------------------------------------
+def test_arms_take_values(adamw_cfg, sgd_cfg):
+    specs = {spec.name: spec for spec in ablate_mod.parse_arms("lr=x0.3,clip=265,precision=fp32,eps=x100,warmup=5,seed=7,skip-batch=25")}
+    assert list(specs) == ["lr=x0.3", "clip=265", "precision=fp32", "eps=x100", "warmup=5", "seed=7", "skip-batch=25"]
+    change = lambda name, cfg=adamw_cfg: interventions.get(specs[name].intervention).apply(cfg, CTX, specs[name].value)  # noqa: E731
+    lr = change("lr=x0.3")
+    assert lr.cfg.optim.lr == pytest.approx(0.003) and lr.lr_factor(40) == pytest.approx(0.3) and lr.summary == "optim.lr 0.01 -> 0.003"
+    assert change("clip=265").cfg.train.clip_grad_norm == 265.0
+    assert change("precision=fp32").cfg.train.precision == "fp32"
+    assert change("eps=x100").cfg.optim.eps == pytest.approx(1e-6)
+    assert change("warmup=5").lr_factor(22) == pytest.approx(3 / 5)
+    assert change("seed=7").reseed == 7
+    assert change("skip-batch=25").skip_steps == frozenset({25})
+    assert "already clips at 0.5 <= 265" in change("clip=265", sgd_cfg).not_applicable
+    # a bare name is its default value: its label says which
+    assert [spec.label for spec in ablate_mod.parse_arms("lr,clip,precision,eps")] == ["lr=x0.1", "clip=1", "precision=fp32", "eps=x1000"]
+
+
+@pytest.mark.parametrize("arms, message", [
+    ("lr=abc", "arm 'lr=abc': 'abc' is not a factor; give a factor such as x0.3"),
+    ("lr=x0", "the factor must be positive"),
+    ("clip=-1", "arm 'clip=-1': '-1' must be a positive number"),
+    ("clip=inf", "'inf' is not a finite number"),
+    ("precision=fp8", "'fp8' is not a precision; use one of fp32, bf16, fp16"),
+    ("warmup=0", "must be a positive number of steps"),
+    ("bogus=3", "unknown arm 'bogus'"),
+])
+def test_bad_values_are_one_line(arms, message):
+    with pytest.raises(ReplayError, match=message.replace("(", r"\(")):
+        ablate_mod.parse_arms(arms)
+
+
+# ---- the sweep's bisection ---------------------------------------------------------------------------------------
+def _sweep_until_done(search, first_failing: float, workers: int) -> None:
+    """Play the search against a run that is stable for every value below `first_failing`."""
+    while values := search.next_values(workers):
+        assert len(values) <= workers
+        search.rounds.append(values)
+        for value in values:
+            search.tested[value] = ablate_mod.ArmOutcome(name=str(value), change="", verdict="fixes" if value < first_failing else "delays")
+
+
+@pytest.mark.parametrize("workers, max_rounds", [(1, 6), (3, 4)])
+def test_the_lr_sweep_brackets_the_boundary_in_log2_rounds(workers, max_rounds):
+    from replaybisect.verbs.ablate import sweep
+
+    search = sweep._Search("lr", *sweep.LR_FACTOR_RANGE, risky_known_to_fail=True)
+    _sweep_until_done(search, 0.137, workers)
+    low, high = search.bracket()
+    assert low < 0.137 <= high and high / low <= sweep.PRECISION
+    # one round for the safe end, then ~log2(log(1000) / log(1.25)) = 5 with one worker, fewer with more
+    assert len(search.rounds) <= max_rounds, search.rounds
+
+
+def test_a_sweep_whose_safe_end_fails_stops_after_one_round():
+    from replaybisect.verbs.ablate import sweep
+
+    search = sweep._Search("clip", 0.5, 500.0, risky_known_to_fail=False)
+    _sweep_until_done(search, 0.1, 2)
+    assert search.rounds == [[0.5, 500.0]] and search.bracket() == (None, 0.5)

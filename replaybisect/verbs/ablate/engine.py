@@ -557,8 +557,10 @@ def conclusion_text(result_arms: list[ArmOutcome], failing_step: Optional[int], 
             parts.append("another seed avoids it: the failure depends on the data order or random draws")
         if "precision" in kinds:
             parts.append("reduced-precision overflow/underflow: keep the failing ops in fp32 or use bf16")
-    elif patch is None or len(result_arms) > 1:
+    elif patch is None:
         parts.append("no single change fixes the failure")
+    elif len(result_arms) > 1:
+        parts.append("no other arm fixes it")
     parts += [_proven_suggestion(arm) for arm in result_arms if arm.suggested and arm.verdict != "not-applicable"]
     if seed_fails:
         where = f"at step {seed.first_nonfinite_step}" if seed.first_nonfinite_step is not None else "(its loss blew up)"

@@ -153,7 +153,7 @@ def parse_factor(text: str) -> float:
 
 
 def show_factor(factor: float) -> str:
-    return f"x{factor:.3g}"
+    return f"x{factor:.4g}"
 
 
 def parse_positive(text: str) -> float:

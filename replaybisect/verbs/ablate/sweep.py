@@ -20,6 +20,7 @@ from replaybisect.verbs.ablate.interventions import ArmSpec, get
 
 LR_FACTOR_RANGE = (1e-3, 1.0)  # lr x0.001 .. x1 (x1 is the baseline, which failed)
 CLIP_BELOW_HEALTHY = 4.0  # the clip search starts at the smallest healthy norm / 4: clipping every step
+CLIP_ABOVE_HEALTHY = 100.0  # and ends at 100x the largest healthy norm (or the largest recorded): clipping only the climb
 PRECISION = 1.25  # stop when the smallest failing value is within 25% of the largest stable one
 MAX_ROUNDS = 12
 
@@ -88,11 +89,10 @@ def _search(knob: str, plan, runner) -> _Search:
     if not healthy or not recorded:
         raise ReplayError(f"run {runner.run_id} recorded no finite gradient norm before the failure: nothing to sweep "
                           "clip thresholds over; try `replay ablate clip=1.0`")
-    safe, risky = _round3(min(healthy) / CLIP_BELOW_HEALTHY), _round3(max(recorded))
+    safe, risky = _round3(min(healthy) / CLIP_BELOW_HEALTHY), _round3(min(max(recorded), CLIP_ABOVE_HEALTHY * max(healthy)))
     if risky <= safe * PRECISION:
         risky = _round3(safe * PRECISION * PRECISION)
-    # A threshold at the largest norm recorded before the failure clips nothing the baseline did not: it fails too
-    # unless the clip at the failing step itself saves it; it is run, not assumed.
+    # The risky end is run, not assumed to fail: a threshold far above the healthy norms may still stop the climb.
     return _Search(knob, safe, risky, risky_known_to_fail=False)
 
 
@@ -148,7 +148,7 @@ def _shown(knob: str, value: float) -> str:
 
 def _conclusion(search: _Search, low, high, stable_arm, failing_arm, runner, replays: int, seconds: float,
                 non_monotone: list[float]) -> str:
-    cost = f"{replays} replays (baseline + {replays - 1} arms) in {len(search.rounds)} rounds, {seconds:.1f}s"
+    cost = f"{replays} replays (baseline + {replays - 1} arms) in {len(search.rounds)} rounds, {seconds:.1f}s of replays"
     if runner.inconclusive:
         return f"inconclusive: {runner.inconclusive}; {cost}"
     what = "lr factor" if search.knob == "lr" else "clip threshold"
@@ -161,8 +161,9 @@ def _conclusion(search: _Search, low, high, stable_arm, failing_arm, runner, rep
                 f"{stable_arm.name} fixes ({stable_arm.change}); {cost}")
     failing = (f"{failing_arm.name} {failing_arm.verdict} ({failing_arm.reason})" if failing_arm is not None
                else f"x1 (the baseline) fails at step {runner.plan.failing_step}")
-    text = (f"stable for {what} <= {get(search.knob).show(low)}: {stable_arm.name} fixes ({stable_arm.change}; "
-            f"{stable_arm.reason}); {failing}; {cost}")
+    text = (f"the largest {what} that fixes it: {get(search.knob).show(low)} ({stable_arm.name} fixes: {stable_arm.change}; "
+            f"{stable_arm.reason}); {failing}; stable range tested from {get(search.knob).show(search.safe)} up to "
+            f"{get(search.knob).show(low)}; {cost}")
     if non_monotone:
         text += f"; not monotone: {', '.join(_shown(search.knob, v) for v in non_monotone)} also fix"
     return text
