@@ -233,6 +233,15 @@ def test_once_triages_the_failed_runs_and_leaves_the_healthy_one_alone(team, pro
         assert {link["step"] for link in done[run_id]["links"]} >= set(done[run_id]["steps"]), done[run_id]["links"]
         assert all(f"run {link['run_id']}, {link['url']}" in report for link in done[run_id]["links"]), report
     assert "- replay nan: `nan @ step 20" in reports[forward]
+    # the answer first in the name of the triage's own run under each triaged run (MLflow's default view shows names)
+    client = MlflowClient(team.tracking_uri)
+    for run_id in (forward, optimizer, crashed):
+        triage_run = client.get_run(done[run_id]["triage_run_id"])
+        assert triage_run.data.tags["mlflow.parentRunId"] == run_id and triage_run.data.tags["replaybisect.kind"] == "triage"
+        assert triage_run.info.run_name == done[run_id]["headline"]
+        assert triage_run.data.tags["mlflow.note.content"].startswith(done[run_id]["summary"])
+    assert done[forward]["headline"].endswith(" · triage: forward in gate (torch.exp) at step 20")
+    assert done[crashed]["headline"] == f"{done[crashed]['verdict']} · triage"
     assert tags_of(team, forward)["replaybisect.overrides"] == '["train.steps=30"]'  # how to train it again, with a fix
     assert tags_of(team, forward)["replaybisect.config_dir"] == str(EXAMPLES / "nan_forward")
     if team.s3_endpoint:  # and they are objects in the bucket, not files beside the server

@@ -165,6 +165,7 @@ def test_the_next_command_is_the_proven_fix_as_a_replay_train_override():
     # the run's own config folder and overrides, its lr replaced by the proven one
     assert concluded.next_command == "replay train --config-dir /p/nan_forward train.steps=30 optim.lr=0.0003"
     assert concluded.fix == "lr: optim.lr 0.003 -> 0.0003 (finite over steps 15..24, final loss 0.53; without it the replay goes non-finite at step 20)"
+    assert concluded.headline == "lr fixes · triage: forward in gate (torch.exp) at step 20"  # the triage run's name
     # a value the ablation suggested and proved (its clip threshold) is preferred over the first fixing arm
     suggested = _arm("clip=0.489", "train.clip_grad_norm off -> 0.489", "fixes", label="clip=0.489", suggested="95th percentile")
     lines = _lines(("nan", NAN_FORWARD), ("ablate", _ablation(*lr_fixes["arms"], suggested)))
@@ -201,6 +202,7 @@ def test_the_next_command_is_never_a_verb_the_triage_ran(failure, results, expec
     ran = [step for step, _ in results]
     concluded = conclude(failure, "R", _lines(*results), "train x", TRAINED, ran)
     assert concluded.next_command == expected
+    assert concluded.headline.split(" · ")[0] in ("fix torch.exp", "divergence: no single fix", "transient: no single fix", "spikes", "plateau")
     assert concluded.next_command.split()[:2] not in (["replay", step] for step in ran)
 
 

@@ -9,7 +9,7 @@ from replaybisect.errors import ReplayError
 from replaybisect.core.tags import step_tag_or_none
 from replaybisect.store import TAG, Store
 
-KINDS = ("train", "replay", "ablation-arm", "bisect", "bisect-trial", "check", "ablation", "diagnosis")
+KINDS = ("train", "replay", "ablation-arm", "bisect", "bisect-trial", "check", "ablation", "diagnosis", "triage")
 STATUSES = ("ok", "nonfinite", "crashed", "killed", "running")
 MAX_LIMIT = 50_000  # MLflow's SEARCH_MAX_RESULTS_THRESHOLD: a search asking for more is refused
 

@@ -32,6 +32,7 @@ class Conclusion:
     next_command: str  # the next useful step; never a verb the triage ran
     evidence: list[str]
     fix: str  # the proven fix in one line ("" when no arm fixed the failure)
+    headline: str = ""  # the answer in a few words first: the triage run's name in the MLflow UI
 
 
 def key(step: str, part: str = "") -> str:
@@ -66,6 +67,7 @@ def _nan_lines(result: dict[str, Any]) -> dict[str, str]:
             key("nan", "arms"): ",".join(arms),
             key("nan", "from_step"): from_step,
             key("nan", "where"): _where(result),
+            key("nan", "op"): str(result.get("op") or ""),
             key("nan", "evidence"): _joined(_evidence(result)),
             key("nan", "run"): result.get("replay_run_id") or ""}
 
@@ -161,10 +163,23 @@ def conclude(failure: str, run_id: str, lines: dict[str, str], run_name: str, ru
         evidence = evidence_of(lines)
         nan_next = lines.get(key("nan", "next"), "")
         candidates = [_apply_fix(lines, run_name, run_tags), _op_to_change(lines), nan_next]
-        return Conclusion(lines.get(key("nan", "category"), ""), summary, _first_useful(candidates, ran, run_id), evidence, fix_line)
+        return Conclusion(lines.get(key("nan", "category"), ""), summary, _first_useful(candidates, ran, run_id), evidence, fix_line,
+                          _nonfinite_headline(lines))
     verdict = lines.get(key("diagnose"), "")
     return Conclusion(verdict, f"{failure} run: {verdict}",
-                      _first_useful([lines.get(key("diagnose", "next"), "")], ran, run_id), evidence_of(lines), "")
+                      _first_useful([lines.get(key("diagnose", "next"), "")], ran, run_id), evidence_of(lines), "",
+                      f"{verdict} · triage")
+
+
+def _nonfinite_headline(lines: dict[str, str]) -> str:
+    """What to do first, in the few characters MLflow's runs view shows of a nested run's name (~13):
+    `lr=x0.1 fixes · triage: divergence at step 20`, `fix torch.exp · triage: forward in gate ...`."""
+    found = lines.get(key("nan"), "")
+    if lines.get(key("ablate", "fix.change")):
+        return f"{lines.get(key('ablate', 'fix.arm'), '')} fixes · triage: {found}"
+    if lines.get(key("nan", "op")):
+        return f"fix {lines[key('nan', 'op')]} · triage: {found}"
+    return f"{lines.get(key('nan', 'category'), '')}: no single fix · triage: {found}"
 
 
 def _first_useful(candidates: list[str], ran: list[str], run_id: str) -> str:

@@ -36,15 +36,17 @@ def watch_command(
                                     "is untrusted input; run the watcher as an unprivileged user instead)."),
 ):
     """Watch a tracking server and triage every training run that failed or went non-finite, once: `replay nan`
-    then `replay ablate lr,clip,precision` for a non-finite run, `replay diagnose` for the rest, each in a child
-    process with --time-limit and --memory-mb. Results are the verbs' child runs and reports, triage/triage.md on
-    the run, and the tags replaybisect.triage (done | failed) and replaybisect.triage.summary (one line).
+    then `replay ablate` (the arms nan suggests, and lr, clip, precision) for a non-finite run, `replay diagnose`
+    for the rest, each in a child process with --time-limit and --memory-mb. Results are the verbs' child runs, a
+    triage run named with the answer first, triage/triage.md on the run (a short report) and the tags
+    replaybisect.triage (done | failed), replaybisect.triage.summary (one line) and replaybisect.triage.next (the
+    proven fix as a `replay train` command, or the change to make; never a verb the triage ran).
 
     \b
         replay watch --tracking-uri http://mlflow:5000 --workers 2 --notify-url https://hooks.slack.com/...
         12:00:01 claimed  3f2a...  nonfinite run: nan then ablate
-        12:00:40 done     3f2a...  forward in gate (torch.exp) at step 20; ablate: fixed by: lr
-                  next: replay train optim.lr=0.0001
+        12:00:40 done     3f2a...  divergence at step 47; ablate: fixed by lr=x0.1
+                  next: replay train --config-dir /src/examples/ablate_lr_explosion optim.lr=0.06
 
     Watchers may run side by side: a run is claimed with a lease tag (--lease) and re-checked after --settle
     seconds. SIGTERM finishes running triages within --grace seconds or releases them; SIGUSR1 logs a health line.

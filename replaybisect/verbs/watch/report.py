@@ -227,9 +227,16 @@ def _host(url: str) -> str:
 
 # ---- the report on the run ------------------------------------------------------------------------------
 def publish(store: Store, result: TriageResult) -> None:
-    """triage.md and triage.json on the triaged run (the verbs' own reports are child runs and artifacts beside it)."""
-    store.log_text(result.run_id, markdown(result), REPORT_MD)
+    """triage.md and triage.json on the triaged run, and the triage's own run under it (kind=triage) named with the
+    answer first (`lr=x0.1 fixes · triage: ...`): the run name is what MLflow's default runs view always shows. Its
+    description is the report. Published again after an outage, it reuses that run."""
+    report = markdown(result)
+    if result.triage_run_id is None:
+        result.triage_run_id = store.create_run("triage", run_name=result.headline[:250], parent_run_id=result.run_id)
+    store.log_text(result.run_id, report, REPORT_MD)
     store.log_dict(result.run_id, result.to_json(), REPORT_JSON)
+    store.finish_run(result.triage_run_id, "ok")
+    store.record_answer(result.run_id, "triage", result.summary, result.triage_run_id, report=report)
 
 
 def markdown(result: TriageResult) -> str:
