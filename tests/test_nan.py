@@ -157,9 +157,12 @@ def test_backward_only_failure_rich_report_and_child_run(runs, cli):
     (child,) = store.child_runs(trained["backward"].run_id, "replay")
     assert child.info.status == "FINISHED" and child.data.tags["replaybisect.category"] == "backward"
     # readable in the MLflow UI: named after what it did, its one-line answer and report as its description
-    assert child.info.run_name == f"nan @ step {trained['backward'].first_nonfinite_step}"
-    assert child.data.tags["mlflow.note.content"].startswith("backward in act, op _SqrtBackward (replay exact)\n\n# replay nan")
-    assert "nan: backward in act" in store.get_run(trained["backward"].run_id).data.tags["mlflow.note.content"]
+    step = trained['backward'].first_nonfinite_step
+    assert child.info.run_name == f"nan @ step {step}: backward _SqrtBackward in act"  # the answer in the always-shown name
+    note = child.data.tags["mlflow.note.content"]
+    assert note.startswith(f"backward at step {step}: _SqrtBackward in act made a non-finite value from finite inputs at ")
+    assert "(replay exact)\n\n# replay nan" in note
+    assert f"nan: backward at step {step}: _SqrtBackward in act" in store.get_run(trained["backward"].run_id).data.tags["mlflow.note.content"]
     assert {"report.md", "report.json", "nan_report.png"} <= {info.path for info in store.list_artifacts(child.info.run_id)}
     report = json.loads(store.read_artifact_text(child.info.run_id, "report.json"))
     assert report["replay_run_id"] == child.info.run_id

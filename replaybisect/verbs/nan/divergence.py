@@ -149,8 +149,16 @@ def decide(losses, grad_norms, layer_grads: dict[str, dict[int, float]], layer_w
                       precursor[0] if precursor else None, precursor[1] if precursor else None, weight_growth)
     verdict.evidence.append(f"divergence: {growth.sentence()}, an exponential climb that ended in the overflow")
     if precursor is not None:
-        verdict.evidence.append(f"the earliest layer to climb: {precursor[0]} (its grad norm from step {precursor[1].onset_step}, "
-                                f"x{precursor[1].factor:.2g} by step {precursor[1].last_step})")
+        name, climb = precursor
+        seen_from = min(min(points) for points in layer_grads.values() if points)
+        if climb.onset_step <= seen_from and seen_from > growth.onset_step:  # the layers were not watched when it began
+            verdict.evidence.append(
+                f"per-layer norms exist from step {seen_from} on, after the climb began: "
+                f"of those, {name}'s grad norm climbed first and most (x{climb.factor:.2g} by step {climb.last_step}); record them from the "
+                "start (snapshot.layer_stats_every / layer_stats_every=) to see where the climb began")
+        else:
+            verdict.evidence.append(f"the earliest layer to climb: {name} (its grad norm from step {climb.onset_step}, "
+                                    f"x{climb.factor:.2g} by step {climb.last_step})")
     if weight_growth is not None and weight_growth.factor >= 2:
         verdict.evidence.append(f"the weights grew with it: {weight_growth.sentence()}")
     return verdict

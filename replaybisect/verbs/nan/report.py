@@ -37,7 +37,7 @@ def _headline(report) -> list[tuple[str, Any]]:
     elif report.history is not None:
         rows.append(("history", report.history.summary))
     if report.overflow:
-        rows.append(("first overflow", " ".join(str(v) for v in (report.overflow["phase"], report.overflow["module"], report.overflow["op"]) if v)))
+        rows.append(("first overflow", f"{report.overflow['phase']}: " + ", ".join(str(v) for v in (report.overflow["module"], report.overflow["op"]) if v)))
     return rows
 
 
