@@ -70,7 +70,7 @@ def test_own_loop_lr_too_high_is_a_divergence(ws, own_loop_run):
     assert report["overflow"]["op"] == "torch.nn.functional.mse_loss"
     store = ws.store()
     child = store.get_run(report["replay_run_id"])
-    assert child.info.run_name == f"nan @ step {report['failing_step']}: divergence (lr, clip)"  # shown in MLflow's run list
+    assert child.info.run_name == f"divergence (lr, clip) · nan @ step {report['failing_step']}"  # shown in MLflow's run list
 
 
 def test_diagnose_says_divergence_too(ws, own_loop_run):

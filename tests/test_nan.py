@@ -158,7 +158,7 @@ def test_backward_only_failure_rich_report_and_child_run(runs, cli):
     assert child.info.status == "FINISHED" and child.data.tags["replaybisect.category"] == "backward"
     # readable in the MLflow UI: named after what it did, its one-line answer and report as its description
     step = trained['backward'].first_nonfinite_step
-    assert child.info.run_name == f"nan @ step {step}: backward _SqrtBackward in act"  # the answer in the always-shown name
+    assert child.info.run_name == f"backward _SqrtBackward in act · nan @ step {step}"  # the answer first in the always-shown name
     note = child.data.tags["mlflow.note.content"]
     assert note.startswith(f"backward at step {step}: _SqrtBackward in act made a non-finite value from finite inputs at ")
     assert "(replay exact)\n\n# replay nan" in note

@@ -280,12 +280,12 @@ def answer(report) -> str:
 
 
 def run_name(report) -> str:
-    """The child run's name, the answer first (MLflow's runs table shows the name, cut to its column's width):
-    `nan @ step 20: divergence (lr, clip)`, `nan @ step 20: forward torch.exp in gate`."""
+    """The child run's name, the answer first: MLflow's default runs view always shows the name, but cuts a nested
+    run's to ~13 characters: `divergence (lr, clip) · nan @ step 20`, `forward torch.exp in gate · nan @ step 20`."""
     if report.category == "divergence":
         what = "divergence (lr, clip)"
     elif report.category in ("forward", "loss", "backward", "optimizer") and report.op:
         what = f"{report.category} {report.op}" + (f" in {report.module}" if report.module else "")
     else:
         what = report.category + (f" in {report.module}" if report.module else "")
-    return f"nan @ step {report.failing_step}: {what}"
+    return f"{what} · nan @ step {report.failing_step}"
