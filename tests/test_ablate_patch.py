@@ -1,0 +1,145 @@
+"""`replay ablate --patch`: the failure replayed with the user's changed module(s) in place of the recorded ones, from
+the same snapshot over the same batches. The plant: examples/nan_forward's hand-written softmax gate, whose
+`torch.exp` overflows once its annealed temperature is small (recorded once for the module: non-finite at step 3)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+import conftest
+from conftest import EXAMPLES, Workspace, assert_one_line_error
+
+PLANT = EXAMPLES / "nan_forward" / "planted_forward.py"
+OVERFLOWING = "weights = torch.exp(x / self.temperature)  # the bug: no x.max() subtracted first"
+MAX_SUBTRACTED = "scaled = x / self.temperature\n        weights = torch.exp(scaled - scaled.max(-1, keepdim=True).values)"
+
+# A fix in a file of its own: a class named as the config's `_target_` (planted_forward.GatedMLP)
+SOFTMAX_FIX = '''
+import torch
+
+import planted_forward
+
+
+class StableGate(planted_forward.NaiveSoftmaxGate):
+    def forward(self, x):
+        if self.training:
+            self.calls += 1
+            if self.calls > self.hold_steps:
+                self.temperature.mul_(self.decay)
+        return x * torch.softmax(x / self.temperature, dim=-1)  # subtracts the max inside
+
+
+class GatedMLP(planted_forward.GatedMLP):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.gate = StableGate(self.gate.decay, self.gate.hold_steps)
+'''
+
+# A change elsewhere in the same model: the gate still overflows
+UNRELATED = '''
+import torch
+
+import planted_forward
+
+
+class GatedMLP(planted_forward.GatedMLP):
+    def forward(self, x):
+        return super().forward(x.clamp(-10.0, 10.0))  # clamps the input, not the exp's argument
+'''
+
+
+@pytest.fixture(scope="module")
+def failed(tmp_path_factory):
+    ws = Workspace(tmp_path_factory.mktemp("patch"))
+    run = conftest.train_example(ws.store(), "nan_forward", "model.decay=0.3", "snapshot.every=2", "snapshot.layer_stats_every=0")
+    assert run.status == "nonfinite" and run.first_nonfinite_step == 3, run
+    return ws, run
+
+
+def write(ws: Workspace, name: str, text: str) -> Path:
+    path = ws.path / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return path
+
+
+def ablate_json(ws: Workspace, run_id: str, *args: str) -> dict:
+    result = ws.replay("ablate", *args, "--run-id", run_id, "--horizon", "5", "--workers", "1", "--json")
+    assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout}\n{result.stderr}"
+    return result.json()
+
+
+def test_a_patch_that_subtracts_the_max_fixes_the_overflow(failed):
+    ws, run = failed
+    patch = write(ws, "fixes/softmax_fix.py", SOFTMAX_FIX)
+    data = ablate_json(ws, run.run_id, "--patch", str(patch))
+    assert data["baseline"]["verdict"] == "fails-again" and data["baseline"]["reproduced"] == "exact"
+    [arm] = data["arms"]
+    assert arm["name"] == "patch" and arm["verdict"] == "fixes", arm
+    assert data["patch"] == "your patch softmax_fix.py: planted_forward.GatedMLP -> softmax_fix.GatedMLP"
+    assert data["conclusion"].startswith("fixed by your patch (finite through step")
+    store = ws.store()
+    assert store.get_run(data["report_run_id"]).info.run_name.startswith("your patch fixes · ablate @ step 3")
+    [child] = [c for c in store.child_runs(data["report_run_id"], "ablation-arm") if c.data.params["arm"] == "patch"]
+    assert child.info.run_name.startswith("patch: fixes · ") and child.data.params["change.patch"] == str(patch)
+
+
+def test_an_unrelated_change_does_not_fix_it(failed):
+    ws, run = failed
+    data = ablate_json(ws, run.run_id, "--patch", str(write(ws, "unrelated/clamp_input.py", UNRELATED)))
+    [arm] = data["arms"]
+    assert arm["verdict"] == "no-effect" and arm["first_nonfinite_step"] == 3, arm
+    assert data["conclusion"].startswith("your patch does not fix it: no-effect (non-finite")
+
+
+def test_a_folder_replaces_the_recorded_module_in_place_and_only_for_its_arm(failed):
+    """A changed copy of the recorded module (same name) in a folder, run with another arm in this process: the
+    patched arm imports the copy; the baseline and the other arm, and this process afterwards, the recorded one."""
+    from replaybisect.core.trust import Trust
+    from replaybisect.verbs.ablate.engine import ablate
+
+    ws, run = failed
+    assert OVERFLOWING in PLANT.read_text()
+    folder = ws.path / "changed"
+    write(ws, "changed/planted_forward.py", PLANT.read_text().replace(OVERFLOWING, MAX_SUBTRACTED))
+    import planted_forward  # the recorded module, as this process imported it
+
+    module_before = sys.modules["planted_forward"]
+    result = ablate(ws.store(), run.run_id, "skip-batch", patch=folder, horizon=5, workers=1, trust=Trust.from_user([EXAMPLES]))
+    assert result.patch == "your patch changed: module planted_forward"
+    assert result.verdicts() == {"skip-batch": "delays", "patch": "fixes"}, [arm.reason for arm in result.arms]
+    assert result.baseline.verdict == "fails-again"
+    assert str(folder) not in sys.path and sys.modules["planted_forward"] is module_before is planted_forward
+    assert OVERFLOWING in Path(planted_forward.__file__).read_text()
+
+
+# ---- bad input: one line, exit 2 ---------------------------------------------------------------------------------
+def test_a_patch_that_does_not_import_is_one_line(failed):
+    ws, run = failed
+    broken = write(ws, "broken/fix_broken.py", "import torch\n\ndef forward(:\n")
+    assert_one_line_error(ws.replay("ablate", "--patch", str(broken), "--run-id", run.run_id),
+                          "--patch fix_broken.py: fix_broken does not import: SyntaxError", "line 3")
+    raising = write(ws, "raising/fix_raising.py", "import planted_forward\nraise RuntimeError('not yet')\n")
+    assert_one_line_error(ws.replay("ablate", "--patch", str(raising), "--run-id", run.run_id),
+                          "does not import: RuntimeError: not yet (fix_raising.py, line 2)")
+
+
+def test_a_patch_that_defines_none_of_the_runs_modules_is_one_line(failed):
+    ws, run = failed
+    unrelated = write(ws, "other/helpers.py", "class Unrelated:\n    pass\n")
+    assert_one_line_error(ws.replay("ablate", "--patch", str(unrelated), "--run-id", run.run_id),
+                          "--patch helpers.py defines none of the run's modules or classes", "planted_forward.GatedMLP")
+    folder = unrelated.parent
+    assert_one_line_error(ws.replay("ablate", "--patch", str(folder), "--run-id", run.run_id),
+                          "--patch other defines none of the run's modules")
+
+
+def test_a_patch_that_is_not_a_module_is_refused_before_any_run_is_read(workspace):
+    assert_one_line_error(workspace.replay("ablate", "--patch", "missing.py", "--run-id", "0123"), "--patch 'missing.py' does not exist")
+    (workspace.path / "notes.txt").write_text("x")
+    assert_one_line_error(workspace.replay("ablate", "--patch", "notes.txt", "--run-id", "0123"), "is not a .py file")
+    assert_one_line_error(workspace.replay("ablate", "--patch", "notes.txt", "--sweep", "lr", "--run-id", "0123"),
+                          "--sweep lr runs its own arms; leave out the arms and --patch")
