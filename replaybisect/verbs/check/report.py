@@ -12,7 +12,6 @@ from typing import Any
 
 from replaybisect.report import close_figure, console, fmt_number, markdown_table, mlflow_ui_hint, new_figure, print_table
 from replaybisect.core.jsonutil import json_default
-from replaybisect.core.thresholds import LR_SUGGESTION_BAND as LR_BAND
 
 STYLE = {"pass": "green", "warn": "yellow", "fail": "bold red", "skip": "dim"}
 MARK = {"pass": "PASS", "warn": "WARN", "fail": "FAIL", "skip": "skip"}
@@ -49,9 +48,10 @@ def _next_steps(report) -> list[str]:
     elif wiring & {"overfit.one_batch", "grad.missing", "loss.output_mismatch"}:
         hints.append("fix the model/loss wiring, then re-run `replay check` before training")
     range_check = report.find("lr.range_test")
-    flagged = range_check is not None and range_check.extra.get("lr_high")
-    if lr and lr.suggested_lr and report.configured_lr and (
-            flagged or not lr.suggested_lr / LR_BAND[0] <= report.configured_lr <= lr.suggested_lr * LR_BAND[1]):
+    judged = range_check.extra.get("lr_judgement") if range_check is not None else None
+    # a low lr is worth changing only when the model does not learn at it (a short sweep's steepest point is no target)
+    slow = judged == "low" and overfit is not None and overfit.status != "pass"
+    if lr and lr.suggested_lr and report.configured_lr and (judged == "high" or slow):
         hints.append(f"try optim.lr={lr.suggested_lr:.2g} (LR range test suggestion; yours is {report.configured_lr:.2g})")
     if not failing:
         hints.append("train: replay train ... ; after a run, `replay diagnose --run-id ID` reads its curves")
