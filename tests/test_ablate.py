@@ -35,7 +35,8 @@ def verdicts(data: dict) -> dict[str, str]:
 
 
 def fixes(data: dict) -> set[str]:
-    return {name for name, verdict in verdicts(data).items() if verdict == "fixes"}
+    """The arms asked for that fix (not those the report added to prove a value it suggests)."""
+    return {arm["name"] for arm in data["arms"] if arm["verdict"] == "fixes" and not arm.get("suggested")}
 
 
 def _workspace(tmp_path_factory, name: str) -> Workspace:
@@ -63,9 +64,11 @@ def test_lr_explosion_is_fixed_by_lr_and_clip_not_by_precision(tmp_path_factory)
     assert data["divergence_onset"] is not None and data["start_step"] <= data["divergence_onset"] < run.first_nonfinite_step
     assert fixes(data) == {"lr", "clip"}, data["arms"]
     assert verdicts(data)["precision"] in ("delays", "no-effect", "worse")
-    assert data["conclusion"].startswith("fixed by: lr, clip")
-    clip = next(arm for arm in data["arms"] if arm["name"] == "clip")
-    assert data["suggested_clip"] > 0 and "95th percentile" in clip["note"]
+    assert data["conclusion"].startswith("fixed by: lr=x0.1, clip=1")
+    # the threshold it suggests is an arm that ran, printed with its verdict (was: suggested, never run)
+    suggested = next(arm for arm in data["arms"] if arm.get("suggested"))
+    assert data["suggested_clip"] > 0 and "95th percentile" in suggested["suggested"] and suggested["run_id"]
+    assert f"run as arm {suggested['name']}: {suggested['verdict']}" in data["conclusion"]
 
 
 def test_fp16_overflow_is_fixed_by_precision_alone(tmp_path_factory):
@@ -83,7 +86,8 @@ def test_nan_row_is_fixed_by_skip_batch_alone_same_verdicts_on_every_executor(ba
     one = ablate(ws, run.run_id, "lr,clip,eps,warmup,skip-batch", "--horizon", "15", "--workers", "1")
     assert one["status"] == "conclusive" and one["baseline"]["verdict"] == "fails-again"
     assert fixes(one) == {"skip-batch"}, one["arms"]
-    assert {name for name, v in verdicts(one).items() if v == "no-effect"} == {"lr", "clip", "eps", "warmup"}
+    asked = [arm for arm in one["arms"] if not arm.get("suggested")]
+    assert {arm["name"] for arm in asked if arm["verdict"] == "no-effect"} == {"lr", "clip", "eps", "warmup"}
     # the same arms on two local processes, and on submitit's local executor (the SLURM code path)
     two = ablate(ws, run.run_id, "lr,skip-batch", "--horizon", "15", "--workers", "2")
     submitit = ablate(ws, run.run_id, "lr,skip-batch", "--horizon", "15", "--workers", "2", "--executor", "submitit",
@@ -102,13 +106,13 @@ def test_nan_row_is_fixed_by_skip_batch_alone_same_verdicts_on_every_executor(ba
     store = ws.store()
     ablations = store.child_runs(run.run_id, "ablation")
     assert {a.info.run_id for a in ablations} == {one["report_run_id"], two["report_run_id"], submitit["report_run_id"]}
-    assert {a.info.run_name for a in ablations} == {f"ablate @ step 25 ({', '.join(arm['name'] for arm in one['arms'])})",
-                                                    "ablate @ step 25 (lr, skip-batch)"}
+    assert {a.info.run_name for a in ablations} == {f"fixed by skip-batch · ablate @ step 25 ({', '.join(arm['name'] for arm in one['arms'])})",
+                                                    "fixed by skip-batch · ablate @ step 25 (lr, skip-batch)"}
     assert store.child_runs(run.run_id, "ablation-arm") == []
     children = store.child_runs(one["report_run_id"], "ablation-arm")
-    assert len(children) == 6
+    assert len(children) == 1 + len(one["arms"]) == 7  # the baseline, 5 arms and the suggested clip threshold
     skip = next(c for c in children if c.data.params.get("arm") == "skip-batch")
-    assert skip.info.run_name == "ablate @ step 25 / skip-batch"
+    assert skip.info.run_name == "skip-batch: fixes · ablate @ step 25"  # the answer first: MLflow cuts nested names
     assert skip.data.params["change.skip_step"] == "25" and "dropped" in skip.data.params["change"]
     losses = store.metric_history(skip.info.run_id, "loss")
     assert [s for s, _ in losses] == [s for s in range(20, 40) if s != 25]
