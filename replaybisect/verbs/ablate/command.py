@@ -11,7 +11,7 @@ from replaybisect.options import MAX_STEPS, MAX_WORKERS, CodeDirs, JsonFlag, Tra
 
 
 def ablate_command(
-    arms: Optional[str] = typer.Argument(None, help="Comma-separated arms, bare or with a value: lr,clip,precision or lr=x0.3,clip=265 (default: all; see --list)."),
+    arms: Optional[str] = typer.Argument(None, help="Comma-separated arms, bare or with a value: lr,clip,precision or lr=x0.3,clip=265 (default: all, none with --patch; see --list)."),
     run_id: Optional[str] = typer.Option(None, "--run-id", help="The failed run to ablate."),
     from_step: Optional[int] = typer.Option(None, "--from-step", help="Apply the changes from this step (default: the snapshot before the failure)."),
     horizon: int = typer.Option(200, "--horizon", max=MAX_STEPS, help="Replay this many steps past the failing step."),
@@ -38,14 +38,14 @@ def ablate_command(
     \b
         replay ablate --list                                   # the arms: lr, clip, precision, warmup, ...
         replay ablate lr,clip,precision --run-id 3f2a... --horizon 40
-        replay ablate lr=x0.3,clip=265 --run-id 3f2a...      # arms with values
+        replay ablate lr=x0.3,clip=265 --run-id 3f2a...        # arms with values
         replay ablate --sweep lr --run-id 3f2a...              # how far must the lr come down?
         replay ablate --patch fix.py --run-id 3f2a...          # does my code change fix it?
         replay ablate lr --run-id 3f2a... --workers 2 --from-step 100
 
     prints a table (arm, change, verdict, first non-finite step, final loss) and a conclusion such as
     "fixed by: lr=x0.1, clip=1"; a clip arm adds one at the run's own 95th-percentile norm, so the threshold it
-    suggests is printed with its verdict. Each ablation is one MLflow run (`ablate @ step 47: fixed by lr=x0.1`)
+    suggests is printed with its verdict. Each ablation is one MLflow run (`fixed by lr=x0.1 · ablate @ step 47`)
     under the failed run, holding one child run per arm (`lr=x0.1: fixes · ablate @ step 47`), with ablation.md,
     ablation.json and ablation.png.
     """
