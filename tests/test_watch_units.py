@@ -182,6 +182,38 @@ def test_the_next_command_is_the_proven_fix_as_a_replay_train_override():
     assert own.next_command == "in your training code: optim.lr 0.003 -> 0.0003 (the ablation's lr arm trains past the failure)"
 
 
+NAN_DIVERGENCE = {  # replay nan --json on examples/ablate_lr_explosion (its newer shape: a headline, category divergence)
+    "run_id": "R", "failing_step": 57, "snapshot_step": 50, "reproduced": "exact", "category": "divergence", "phase": "loss",
+    "module": "net.2", "op": None, "source": None,
+    "headline": "divergence at step 57: grad norm x3.8e+16 over 43 steps; the climb began in net.2 (Linear) (learning rate, clipping or init, not an op)",
+    "evidence": ["replayed 7 step(s) 50..56 from the snapshot of step 50: losses exact; step 57 uses the stored batch",
+                 "divergence: grad norm x3.8e+16 over 43 steps (step 11: 16.9 -> step 54: 6.42e+17), an exponential climb that ended in the overflow",
+                 "per-layer norms exist from step 50 on: net.2's grad norm climbed first and most (x1.1e+03 by step 56)",
+                 "the weights grew with it: weight norm of net.2 x9.4e+02 over 6 steps",
+                 "the batch is finite; parameters, buffers and optimizer state before the step are finite",
+                 "  loss input input[0]: bfloat16[32, 1] range [-1.02e+19, 1.02e+19]",
+                 "where the runaway values first overflowed: loss (MSELoss): a symptom of the divergence; no op is at fault"],
+    "suggestion": "replay ablate lr,clip --run-id R   # lr / clip: a divergence is stopped by smaller or bounded updates",
+    "ablate_command": "replay ablate lr,clip --run-id R", "arms": ["lr", "clip"], "replay_run_id": "N2",
+}
+
+
+def test_a_divergence_concludes_in_nans_words_with_the_proven_lr():
+    ablation = _ablation(_arm("lr", "optim.lr 0.6 -> 0.06", "fixes", label="lr=x0.1"), _arm("clip", "train.clip_grad_norm off -> 1", "fixes", label="clip=1"),
+                         _arm("precision=fp32", "train.precision bf16 -> fp32", "worse", label="precision=fp32"),
+                         _arm("clip=47.9", "train.clip_grad_norm off -> 47.9", "delays", label="clip=47.9", suggested="95th percentile"),
+                         conclusion="fixed by: lr=x0.1, clip=1; suggested clip 47.9 (95th percentile), run as arm clip=47.9: delays; made worse by: precision=fp32")
+    trained = {"replaybisect.config_dir": "/p/ablate_lr_explosion", "replaybisect.overrides": "[]"}
+    concluded = conclude("nonfinite", "R", _lines(("nan", NAN_DIVERGENCE), ("ablate", ablation)), "train ablate_lr_explosion", trained, ["nan", "ablate"])
+    assert concluded.verdict == "divergence"
+    assert concluded.summary == NAN_DIVERGENCE["headline"] + "; ablate: fixed by: lr=x0.1, clip=1"  # the rest is evidence
+    assert concluded.next_command == "replay train --config-dir /p/ablate_lr_explosion optim.lr=0.06"
+    assert concluded.headline == "lr=x0.1 fixes · triage: " + NAN_DIVERGENCE["headline"]
+    assert concluded.evidence[1].startswith("divergence: grad norm x3.8e+16 over 43 steps")
+    assert concluded.evidence[-2].startswith("where the runaway values first overflowed") and concluded.evidence[-1].startswith("ablate: fixed by")
+    assert not any(line.startswith("  ") for line in concluded.evidence)
+
+
 @pytest.mark.parametrize("failure, results, expected", [
     # no arm fixes: the op and line nan named (it used to say `replay nan --run-id R`, a verb the triage had run)
     ("nonfinite", [("nan", NAN_FORWARD), ("ablate", _ablation(_arm("lr", "optim.lr 0.001 -> 0.0001", "no-effect"), conclusion="no single change fixes the failure"))],
@@ -223,7 +255,7 @@ def test_triage_md_is_a_short_report_not_json():
                           evidence=concluded.evidence, fix=concluded.fix, links=links, steps=["nan", "ablate"],
                           results={"nan": NAN_FORWARD, "ablate": _ablation()}, seconds=41.5, watcher_id="w-1")
     text = markdown(result)
-    assert '{"' not in text and "```json" not in text and len(text.splitlines()) < 30, text
+    assert '{"' not in text and "```json" not in text and len(text.splitlines()) < 40, text
     assert f"**{concluded.summary}**" in text and f"`{concluded.next_command}`" in text and concluded.fix in text
     assert "- the first op to make a non-finite value its inputs do not explain: torch.exp in gate" in text
     assert "  input input[0]" not in text  # nan's indented detail stays in its own report

@@ -17,7 +17,8 @@ def runs_command(
     tracking_uri: Optional[str] = TrackingUri,
     as_json: bool = JsonFlag,
 ):
-    """List recent runs: status, failing step and snapshot steps.
+    """List recent runs: status, failing step, snapshot steps, and what `replay watch` concluded (the triage
+    column: its one-line answer, `-` for a run it has not triaged).
 
         replay runs --status nonfinite
     """

@@ -61,7 +61,8 @@ def _nan_lines(result: dict[str, Any]) -> dict[str, str]:
     where = f" in {result['module']}" if result.get("module") else ""
     op = f" ({result['op']})" if result.get("op") else ""
     arms, from_step = _ablate_spec(result.get("ablate_command") or "")
-    return {key("nan"): tag_line(f"{result.get('category')}{where}{op} at step {result.get('failing_step')}"),
+    found = result.get("headline") or f"{result.get('category')}{where}{op} at step {result.get('failing_step')}"  # nan's own words
+    return {key("nan"): tag_line(found),
             key("nan", "category"): str(result.get("category")),
             key("nan", "next"): _command_part(result.get("suggestion") or ""),
             key("nan", "arms"): ",".join(arms),
@@ -137,9 +138,10 @@ def _where(result: dict[str, Any]) -> str:
 
 
 def _evidence(result: dict[str, Any]) -> list[str]:
-    """nan's evidence, shortened: how exact the replay was (its first line), then the most specific lines (its last)."""
+    """nan's evidence, shortened: its first lines (how exact the replay was, what it saw first) and its last (where
+    the values went non-finite); the indented detail stays in nan's own report."""
     lines = [line for line in result.get("evidence") or [] if isinstance(line, str) and line.strip() and not line[0].isspace()]
-    chosen = lines[:1] + lines[1:][-(EVIDENCE_LINES - 1):]
+    chosen = lines[:EVIDENCE_LINES] + lines[EVIDENCE_LINES:][-1:]
     return [tag_line(line, LINE_CHARS) for line in chosen]
 
 
@@ -159,8 +161,9 @@ def conclude(failure: str, run_id: str, lines: dict[str, str], run_name: str, ru
     if failure == "nonfinite":
         fix = lines.get(key("ablate", "fix.change"), "")
         fix_line = f"{lines.get(key('ablate', 'fix.arm'), '')}: {fix} ({lines.get(key('ablate', 'fix.proof'), '')})" if fix else ""
-        summary = f"{lines.get(key('nan'), '')}; ablate: {lines.get(key('ablate'), '')}"
-        evidence = evidence_of(lines)
+        conclusion = lines.get(key("ablate"), "")
+        summary = f"{lines.get(key('nan'), '')}; ablate: {conclusion.split('; ', 1)[0]}"  # the rest is evidence
+        evidence = evidence_of(lines) + ([f"ablate: {conclusion}"] if "; " in conclusion else [])
         nan_next = lines.get(key("nan", "next"), "")
         candidates = [_apply_fix(lines, run_name, run_tags), _op_to_change(lines), nan_next]
         return Conclusion(lines.get(key("nan", "category"), ""), summary, _first_useful(candidates, ran, run_id), evidence, fix_line,
