@@ -364,15 +364,29 @@ def _run_here(specs: list[dict], progress: Optional[ProgressFn]) -> dict[str, di
     return results
 
 
-def _run_local(specs: list[dict], workers: int, progress: Optional[ProgressFn]) -> dict[str, dict]:
-    """A spawn-context process pool: fresh interpreters (no forked torch/MLflow state); each worker applies
-    the recorded thread count when it restores, so verdicts do not depend on --workers."""
+@contextlib.contextmanager
+def local_pool(workers: int):
+    """A spawn-context process pool and its progress channel: fresh interpreters (no forked torch/MLflow state).
+    A sweep keeps one across its rounds, so each round does not pay the workers' start-up again."""
     import multiprocessing
-    import queue as queue_mod
-    from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+    from concurrent.futures import ProcessPoolExecutor
 
     context = multiprocessing.get_context("spawn")
     channel = context.Queue()
+    with ProcessPoolExecutor(max_workers=workers, mp_context=context, initializer=_init_worker, initargs=(channel,)) as pool:
+        yield pool, channel
+
+
+def _run_local(specs: list[dict], workers: int, progress: Optional[ProgressFn], pool=None) -> dict[str, dict]:
+    """The arms on a local process pool (this call's, or `pool` from `local_pool`); each worker applies the recorded
+    thread count when it restores, so verdicts do not depend on --workers."""
+    if pool is None:
+        with local_pool(max(1, min(workers, len(specs)))) as own:
+            return _run_local(specs, workers, progress, own)
+    import queue as queue_mod
+    from concurrent.futures import FIRST_COMPLETED, wait
+
+    pool, channel = pool
     results: dict[str, dict] = {}
 
     def drain() -> None:
@@ -384,21 +398,19 @@ def _run_local(specs: list[dict], workers: int, progress: Optional[ProgressFn]) 
             if progress:
                 progress(arm, "step", step)
 
-    with ProcessPoolExecutor(max_workers=max(1, min(workers, len(specs))), mp_context=context,
-                             initializer=_init_worker, initargs=(channel,)) as pool:
-        pending = {pool.submit(run_arm, spec): spec["arm"] for spec in specs}
-        while pending:
-            done, _ = wait(pending, timeout=0.2, return_when=FIRST_COMPLETED)
-            drain()
-            for future in done:
-                arm = pending.pop(future)
-                try:
-                    results[arm] = future.result()
-                except Exception as error:  # the worker process died (BrokenProcessPool, killed)
-                    results[arm] = {"arm": arm, "error": f"{type(error).__name__}: {error}"}
-                if progress:
-                    progress(arm, "done", 0)
+    pending = {pool.submit(run_arm, spec): spec["arm"] for spec in specs}
+    while pending:
+        done, _ = wait(pending, timeout=0.2, return_when=FIRST_COMPLETED)
         drain()
+        for future in done:
+            arm = pending.pop(future)
+            try:
+                results[arm] = future.result()
+            except Exception as error:  # the worker process died (BrokenProcessPool, killed)
+                results[arm] = {"arm": arm, "error": f"{type(error).__name__}: {error}"}
+            if progress:
+                progress(arm, "done", 0)
+    drain()
     return results
 
 
@@ -793,11 +805,11 @@ def _arm_specs(store, run_id: str, plan: _ArmPlan, trust: Trust) -> list[dict[st
 
 
 def _run_arms(specs: list[dict], executor: str, workers: int, submitit_options: Optional[SubmititOptions],
-              progress: Optional[ProgressFn]) -> dict[str, dict]:
+              progress: Optional[ProgressFn], pool=None) -> dict[str, dict]:
     if executor == "local" and workers == 1:
         return _run_here(specs, progress)
     if executor == "local":
-        return _run_local(specs, workers, progress)
+        return _run_local(specs, workers, progress, pool)
     return _run_submitit(specs, workers, submitit_options or SubmititOptions(), progress)
 
 
@@ -876,7 +888,10 @@ def ablate(
         from replaybisect.verbs.ablate.sweep import run_sweep
 
         runner.workers = workers or _auto_workers(store, run_id, plan.cfg, snapshot, 8 * (plan.end - plan.snapshot_step), 8, executor)
-        outcomes, sweep_result = run_sweep(sweep, plan, runner)
+        with contextlib.ExitStack() as stack:
+            if executor == "local" and runner.workers > 1:
+                runner.pool = stack.enter_context(local_pool(runner.workers))
+            outcomes, sweep_result = run_sweep(sweep, plan, runner)
         conclusion = sweep_result.pop("conclusion")
     else:
         runner.workers = workers or _auto_workers(store, run_id, plan.cfg, snapshot, plan.estimated_steps, len(plan.runnable), executor)
@@ -915,6 +930,7 @@ class _Runner:
         self.store, self.run_id, self.plan, self.trust = store, run_id, plan, trust
         self.executor, self.workers, self.submitit_options = executor, workers or 1, submitit_options
         self.progress, self.on_plan = progress, on_plan
+        self.pool = None  # a sweep's local process pool, kept across its rounds
         self.baseline: Optional[ArmOutcome] = None
         self.baseline_failed = False
         self.inconclusive: Optional[str] = None
@@ -940,7 +956,7 @@ class _Runner:
             self.on_plan(runnable, self.plan.snapshot_step, self.plan.end)
         every = _arm_specs(self.store, self.run_id, self.plan, self.trust)
         raw = _run_arms([spec for spec in every if spec["arm"] in runnable], self.executor, self.workers,
-                        self.submitit_options, self.progress) if runnable else {}
+                        self.submitit_options, self.progress, self.pool) if runnable else {}
         if self.baseline is None:
             self.baseline, self.baseline_failed, self.inconclusive = _baseline_outcome(raw[BASELINE], self.plan)
         return [_arm_outcome(spec, self.plan.changes[spec.name], raw.get(spec.name), self.plan, self.baseline_failed,
