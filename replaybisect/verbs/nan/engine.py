@@ -94,6 +94,7 @@ class NanReport:
     divergence: dict[str, Any] = field(default_factory=dict)  # divergence or fault: the evidence and the reason
     overflow: Optional[dict[str, Any]] = None  # a divergence: where the runaway values first overflowed
     layer_history: dict[str, dict[int, float]] = field(default_factory=dict)  # layer -> step -> grad norm (picture)
+    fix: Optional[dict[str, str]] = None  # an op-level fault of a known pattern: the change, and the command proving it
 
     def to_json(self) -> dict[str, Any]:
         from replaybisect.verbs.nan.probes import to_jsonable
@@ -883,7 +884,7 @@ def headline(report: NanReport) -> str:
         return f"corrupt-state at step {t}: the state before the step was already non-finite{origin}" + (f" ({report.module})" if report.module else "")
     what = f"{report.op}" if report.op else "a non-finite value"
     where = f" in {report.module}" if report.module else ""
-    line = f" at {report.source}" if report.source else ""
+    line = f" at {_line_of(report.source)}" if report.source else ""
     if category == "optimizer":
         owner = f"{report.module}'s" if report.module else "the"
         return f"optimizer at step {report.origin_step if report.origin_step is not None else t}: {what} made {owner} weights or moments non-finite from finite gradients"
@@ -939,6 +940,21 @@ def _suggest(report: NanReport, results: _StepResults) -> None:
     CATEGORY_ARMS.get(report.category, lambda report, choice: None)(report, choice)
     assert report.category in CATEGORIES and set(choice.arms) <= set(ARMS), (report.category, choice.arms)
     _write_suggestion(report, choice)
+    _propose_fix(report)
+
+
+def _propose_fix(report: NanReport) -> None:
+    """An op-level fault of a known pattern: the change to make at the op's line, and the command proving it."""
+    from replaybisect.verbs.nan import fixes
+
+    change = fixes.fix_for(report.op) if report.category in ("forward", "loss", "backward") else None
+    if change is None:
+        return
+    prove = fixes.patch_command(report.run_id, report.source)
+    report.fix = {"op": report.op, "change": change, **({"prove": prove} if prove else {})}
+    where = f" at {_line_of(report.source)}" if report.source else ""
+    report.suggestion += f"\nfix {report.op}{where}: {change}" + (
+        f"\nprove the fix on this failure: copy {fixes.source_file(report.source).name} to fixed/, change it, then {prove}" if prove else "")
 
 
 @dataclass
@@ -976,7 +992,13 @@ def _arms_for_divergence(report: NanReport, choice: _ArmChoice) -> None:
 
 
 def _op_named(report: NanReport) -> str:
-    return f"`{report.op}`" + (f" at {report.source}" if report.source else "")
+    return f"`{report.op}`" + (f" at {_line_of(report.source)}" if report.source else "")
+
+
+def _line_of(source: Optional[str]) -> str:
+    """`file.py:24` of a source line `path/file.py:24 in function: code`."""
+    location = (source or "").split(" in ", 1)[0]
+    return location.rsplit("/", 1)[-1]
 
 
 def _arms_for_forward(report: NanReport, choice: _ArmChoice) -> None:

@@ -58,7 +58,7 @@ def print_rich(report, tracking_uri: str, console=None) -> None:
     say("[bold]evidence[/bold]")
     for line in report.evidence:
         say(f"  {'' if line.startswith('  ') else '- '}{escape(line)}")
-    say(f"[bold]next[/bold]  {escape(report.suggestion)}")
+    say(f"[bold]next[/bold]  " + escape(report.suggestion).replace("\n", "\n      "))
     if report.replay_run_id:
         say(f"report: child run {report.replay_run_id} (report.md, report.json, nan_report.png); view: {mlflow_ui_hint(tracking_uri)}")
 
@@ -80,6 +80,11 @@ def markdown(report) -> str:
         lines += [f"    {report.ablate_command}", "", report.suggestion_reason, ""]
     else:
         lines += [report.suggestion, ""]
+    if report.fix:
+        lines += [f"Fix `{report.fix['op']}`: {report.fix['change']}.", ""]
+        if report.fix.get("prove"):
+            lines += ["Prove it on this failure (same state, same batches) with your fixed copy of the file:", "",
+                      f"    {report.fix['prove']}", ""]
     if report.layer_grad_norms:
         lines += ["## Per-layer gradient norms at the failing step", "", "| module | grad norm |", "|---|---|"]
         lines += [f"| {name} | {fmt_number(value)} |" for name, value in report.layer_grad_norms.items()]
