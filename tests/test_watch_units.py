@@ -131,6 +131,7 @@ NAN_FORWARD = {  # replay nan --json on examples/nan_forward (the fields a triag
                  "the first op to make a non-finite value its inputs do not explain: torch.exp in gate"],
     "suggestion": "replay ablate lr,clip --run-id R   # lr / clip: smaller updates keep activations in range longer",
     "ablate_command": "replay ablate lr,clip --run-id R", "arms": ["lr", "clip"], "replay_run_id": "N1",
+    "fix": {"op": "torch.exp", "change": "subtract the max before exp", "prove": "replay ablate --patch fixed/planted_forward.py --run-id R"},
     "loss_history": [[step, 2.3 - step / 100] for step in range(400)], "layer_grad_norms": {f"l{i}": 0.1 for i in range(50)},
 }
 
@@ -215,8 +216,10 @@ def test_a_divergence_concludes_in_nans_words_with_the_proven_lr():
 
 
 @pytest.mark.parametrize("failure, results, expected", [
-    # no arm fixes: the op and line nan named (it used to say `replay nan --run-id R`, a verb the triage had run)
+    # no arm fixes: the op and line nan named, with its fix (it used to say `replay nan --run-id R`, a verb the triage had run)
     ("nonfinite", [("nan", NAN_FORWARD), ("ablate", _ablation(_arm("lr", "optim.lr 0.001 -> 0.0001", "no-effect"), conclusion="no single change fixes the failure"))],
+     "change torch.exp in gate at /p/nan_forward/planted_forward.py:24 in forward: subtract the max before exp"),
+    ("nonfinite", [("nan", NAN_FORWARD | {"fix": None}), ("ablate", _ablation(conclusion="no single change fixes the failure"))],
      "change torch.exp in gate at /p/nan_forward/planted_forward.py:24 in forward: it makes the first non-finite value"),
     # no op named, no fix: nan's `replay ablate` already ran; the checklist of the run's state has not
     ("nonfinite", [("nan", NAN_FORWARD | {"op": None, "module": None, "category": "divergence"}), ("ablate", _ablation(conclusion="no single change fixes the failure"))],
@@ -261,6 +264,11 @@ def test_triage_md_is_a_short_report_not_json():
     assert "  input input[0]" not in text  # nan's indented detail stays in its own report
     assert "- replay nan: `nan @ step 20`, run N1, http://mlflow:5000/#/experiments/1/runs/N1" in text
     assert "- the fixing arm: `ablate @ step 20 / lr`, run arm-lr, MLflow UI #/experiments/1/runs/arm-lr" in text
+    # no arm fixed it: the op's change is the next step, and the command that proves it is in the report
+    lines = _lines(("nan", NAN_FORWARD), ("ablate", _ablation(conclusion="no single change fixes the failure")))
+    concluded = conclude("nonfinite", "R", lines, "train nan_forward", TRAINED, ["nan", "ablate"])
+    result.fix, result.to_prove = concluded.fix, concluded.to_prove
+    assert "prove the change to the op on this failure with `replay ablate --patch fixed/planted_forward.py --run-id R`" in markdown(result)
 
 
 def test_notification_is_webhook_shaped():

@@ -32,6 +32,7 @@ class Conclusion:
     next_command: str  # the next useful step; never a verb the triage ran
     evidence: list[str]
     fix: str  # the proven fix in one line ("" when no arm fixed the failure)
+    to_prove: str = ""  # no arm fixed it: the command that proves the op's fix nan proposes (`replay ablate --patch`)
     headline: str = ""  # the answer in a few words first: the triage run's name in the MLflow UI
 
 
@@ -69,6 +70,8 @@ def _nan_lines(result: dict[str, Any]) -> dict[str, str]:
             key("nan", "from_step"): from_step,
             key("nan", "where"): _where(result),
             key("nan", "op"): str(result.get("op") or ""),
+            key("nan", "fix"): tag_line(_nan_fix(result).get("change") or ""),  # an op-level fault's known fix pattern
+            key("nan", "prove"): tag_line(_nan_fix(result).get("prove") or ""),  # and the command that proves it
             key("nan", "evidence"): _joined(_evidence(result)),
             key("nan", "run"): result.get("replay_run_id") or ""}
 
@@ -126,6 +129,11 @@ def ablate_args(lines: dict[str, str]) -> list[str]:
     return [",".join(arms), *(["--from-step", from_step] if from_step else [])]
 
 
+def _nan_fix(result: dict[str, Any]) -> dict[str, Any]:
+    fix = result.get("fix")
+    return fix if isinstance(fix, dict) else {}
+
+
 def _where(result: dict[str, Any]) -> str:
     """The op nan named and its line (`torch.exp in gate at model.py:24 in forward`); "" when it named no op."""
     if not result.get("op"):
@@ -166,12 +174,13 @@ def conclude(failure: str, run_id: str, lines: dict[str, str], run_name: str, ru
         evidence = evidence_of(lines) + ([f"ablate: {conclusion}"] if "; " in conclusion else [])
         nan_next = lines.get(key("nan", "next"), "")
         candidates = [_apply_fix(lines, run_name, run_tags), _op_to_change(lines), nan_next]
+        to_prove = "" if fix else lines.get(key("nan", "prove"), "")
         return Conclusion(lines.get(key("nan", "category"), ""), summary, _first_useful(candidates, ran, run_id), evidence, fix_line,
-                          _nonfinite_headline(lines))
+                          to_prove, _nonfinite_headline(lines))
     verdict = lines.get(key("diagnose"), "")
     return Conclusion(verdict, f"{failure} run: {verdict}",
                       _first_useful([lines.get(key("diagnose", "next"), "")], ran, run_id), evidence_of(lines), "",
-                      f"{verdict} · triage")
+                      headline=f"{verdict} · triage")
 
 
 def _nonfinite_headline(lines: dict[str, str]) -> str:
@@ -223,7 +232,7 @@ def _apply_fix(lines: dict[str, str], run_name: str, run_tags: dict[str, str]) -
 
 def _op_to_change(lines: dict[str, str]) -> str:
     where = lines.get(key("nan", "where"), "")
-    return f"change {where}: it makes the first non-finite value" if where else ""
+    return f"change {where}: {lines.get(key('nan', 'fix')) or 'it makes the first non-finite value'}" if where else ""
 
 
 def train_command(run_tags: dict[str, str], run_name: str, override: str) -> str:

@@ -193,6 +193,7 @@ class TriageResult:
     reason: str = ""  # a failed triage's one-line reason
     evidence: list[str] = field(default_factory=list)  # a few lines of the verbs' evidence
     fix: str = ""  # the fix the ablation proved, in one line ("" when none did)
+    to_prove: str = ""  # none did: the command that proves the op's fix replay nan proposes
     headline: str = ""  # the answer in a few words first: the triage run's name
     links: list[dict[str, Any]] = field(default_factory=list)  # the verbs' result runs: step, name, run_id, url, path
     steps: list[str] = field(default_factory=list)  # the steps run by this watcher (resumed ones are not rerun)
@@ -606,7 +607,7 @@ class Watcher:
         return TriageResult(run_id=run.info.run_id, run_name=run.info.run_name or "", experiment_id=experiment_id,
                             failure=failure, state=state, verdict=conclusion.verdict, summary=conclusion.summary,
                             next_command=conclusion.next_command, reason=reason, evidence=conclusion.evidence,
-                            fix=conclusion.fix, headline=conclusion.headline or conclusion.summary, links=self._links(experiment_id, lines), steps=ran, results=results,
+                            fix=conclusion.fix, to_prove=conclusion.to_prove, headline=conclusion.headline or conclusion.summary, links=self._links(experiment_id, lines), steps=ran, results=results,
                             seconds=round(time.monotonic() - started, 2), watcher_id=self.watcher_id,
                             run_url=run_url(self.options, experiment_id, run.info.run_id))
 

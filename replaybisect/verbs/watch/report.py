@@ -252,7 +252,8 @@ def markdown(result: TriageResult) -> str:
     if result.evidence:
         lines += ["## Evidence", "", *(f"- {line}" for line in result.evidence), ""]
     if result.failure == "nonfinite" and result.state == "done":
-        lines += ["## Proven fix", "", result.fix or "none: no single change the ablation tried fixes the failure", ""]
+        proof = f"; prove the change to the op on this failure with `{result.to_prove}`" if result.to_prove else ""
+        lines += ["## Proven fix", "", result.fix or f"none: no single change the ablation tried fixes the failure{proof}", ""]
     if result.links:
         lines += ["## Result runs", "", *(_link_line(link) for link in result.links), ""]
     lines.append(f"The verbs' full results: triage/triage.json. Triaged by watcher {result.watcher_id} in {result.seconds:.0f} s "
