@@ -179,12 +179,6 @@ def is_class_labels(targets: Optional[torch.Tensor]) -> bool:
     return targets is not None and not targets.is_floating_point() and not targets.is_complex() and targets.dtype != torch.bool
 
 
-def configured_lr(state: loop.TrainState) -> float:
-    """The run's learning rate: the scheduler's base lr when there is one, else the group's lr."""
-    group = state.optimizer.param_groups[0]
-    return float(group.get("initial_lr", group["lr"]))
-
-
 @dataclass(frozen=True)
 class TrainingLr:
     """The learning rate the checks train at (the first param group's; others keep their ratio to it), and why."""
