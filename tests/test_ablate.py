@@ -106,13 +106,13 @@ def test_nan_row_is_fixed_by_skip_batch_alone_same_verdicts_on_every_executor(ba
     store = ws.store()
     ablations = store.child_runs(run.run_id, "ablation")
     assert {a.info.run_id for a in ablations} == {one["report_run_id"], two["report_run_id"], submitit["report_run_id"]}
-    assert {a.info.run_name for a in ablations} == {f"fixed by skip-batch · ablate @ step 25 ({', '.join(arm['name'] for arm in one['arms'])})",
-                                                    "fixed by skip-batch · ablate @ step 25 (lr, skip-batch)"}
+    assert {a.info.run_name for a in ablations} == {f"✓ skip-batch · ablate @ step 25 ({', '.join(arm['name'] for arm in one['arms'])})",
+                                                    "✓ skip-batch · ablate @ step 25 (lr, skip-batch)"}
     assert store.child_runs(run.run_id, "ablation-arm") == []
     children = store.child_runs(one["report_run_id"], "ablation-arm")
     assert len(children) == 1 + len(one["arms"]) == 7  # the baseline, 5 arms and the suggested clip threshold
     skip = next(c for c in children if c.data.params.get("arm") == "skip-batch")
-    assert skip.info.run_name == "skip-batch: fixes · ablate @ step 25"  # the answer first: MLflow cuts nested names
+    assert skip.info.run_name == "✓ skip-batch: fixes · ablate @ step 25"  # the answer first: MLflow cuts nested names
     assert skip.data.params["change.skip_step"] == "25" and "dropped" in skip.data.params["change"]
     losses = store.metric_history(skip.info.run_id, "loss")
     assert [s for s, _ in losses] == [s for s in range(20, 40) if s != 25]

@@ -82,9 +82,9 @@ def test_a_patch_that_subtracts_the_max_fixes_the_overflow(failed):
     assert data["patch"] == "your patch softmax_fix.py: planted_forward.GatedMLP -> softmax_fix.GatedMLP"
     assert data["conclusion"].startswith("fixed by your patch (finite through step")
     store = ws.store()
-    assert store.get_run(data["report_run_id"]).info.run_name.startswith("your patch fixes · ablate @ step 3")
+    assert store.get_run(data["report_run_id"]).info.run_name == "✓ your patch fixes · ablate @ step 3 (patch)"
     [child] = [c for c in store.child_runs(data["report_run_id"], "ablation-arm") if c.data.params["arm"] == "patch"]
-    assert child.info.run_name.startswith("patch: fixes · ") and child.data.params["change.patch"] == str(patch)
+    assert child.info.run_name == "✓ patch: fixes · ablate @ step 3" and child.data.params["change.patch"] == str(patch)
 
 
 def test_an_unrelated_change_does_not_fix_it(failed):

@@ -53,15 +53,16 @@ def test_arms_run_at_their_values_and_the_suggested_clip_is_an_arm_that_ran(expl
     assert {"lr=x0.1", "clip=1"} <= set(fixed) and data["conclusion"].startswith(f"fixed by: {', '.join(fixed)}")
     assert data["replays"] == 1 + len(data["arms"])
 
-    # MLflow's runs view always shows the run name (not the Description) and cuts a nested run's name at ~14
-    # characters: the answer comes first
+    # MLflow's runs view always shows the run name (not the Description) and cuts it at 190 px: ~16 characters for
+    # the ablation (nested once), ~11 for an arm (twice). The verdict's mark and the arm come first
     store = ws.store()
     ablation = store.get_run(data["report_run_id"])
-    assert ablation.info.run_name.startswith(f"fixed by {', '.join(fixed)} · ablate @ step {run.first_nonfinite_step}")
+    assert ablation.info.run_name.startswith(f"✓ {', '.join(fixed)} · ablate @ step {run.first_nonfinite_step} (lr=x0.3, lr, ")
     names = {child.data.params["arm"]: child.info.run_name for child in store.child_runs(data["report_run_id"], "ablation-arm")}
-    assert names["lr"] == f"lr=x0.1: {arms['lr']['verdict']} · ablate @ step {run.first_nonfinite_step}"
-    assert names["baseline"].startswith("baseline: fails-again · ")
-    assert names[clip["name"]].startswith(f"{clip['name']}: {clip['verdict']} · ")
+    assert names["lr"] == f"✓ lr=x0.1: fixes · ablate @ step {run.first_nonfinite_step}"
+    assert names["baseline"].startswith("✗ baseline: fails-again · ")
+    mark = {"fixes": "✓", "delays": "~"}.get(clip["verdict"], "✗")
+    assert names[clip["name"]].startswith(f"{mark} {clip['name']}: {clip['verdict']} · ")
 
 
 def test_sweep_lr_finds_the_largest_factor_that_fixes_it_with_the_arms_that_prove_it(exploded):
@@ -89,7 +90,8 @@ def test_sweep_lr_finds_the_largest_factor_that_fixes_it_with_the_arms_that_prov
     children = {child.data.params["arm"]: child for child in store.child_runs(data["report_run_id"], "ablation-arm")}
     assert set(children) == {"baseline", *arms}
     assert children[sweep["stable_arm"]].info.run_id == sweep["stable_run_id"]
-    assert store.get_run(data["report_run_id"]).info.run_name.startswith(f"stable lr <= x{stable:.4g} · ablate @ step")
+    name = store.get_run(data["report_run_id"]).info.run_name
+    assert name == f"✓ lr <= x{stable:.4g} · ablate @ step {run.first_nonfinite_step} (sweep lr, {len(data['arms'])} arms)"
 
 
 def test_sweep_clip_prints_the_stable_range_and_its_cost(exploded):

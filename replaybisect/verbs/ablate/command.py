@@ -45,8 +45,8 @@ def ablate_command(
 
     prints a table (arm, change, verdict, first non-finite step, final loss) and a conclusion such as
     "fixed by: lr=x0.1, clip=1"; a clip arm adds one at the run's own 95th-percentile norm, so the threshold it
-    suggests is printed with its verdict. Each ablation is one MLflow run (`fixed by lr=x0.1 · ablate @ step 47`)
-    under the failed run, holding one child run per arm (`lr=x0.1: fixes · ablate @ step 47`), with ablation.md,
+    suggests is printed with its verdict. Each ablation is one MLflow run (`✓ lr=x0.1 · ablate @ step 47 (lr)`)
+    under the failed run, holding one child run per arm (`✓ lr=x0.1: fixes · ablate @ step 47`), with ablation.md,
     ablation.json and ablation.png.
     """
     from replaybisect.errors import ReplayError

@@ -244,27 +244,37 @@ def _arm_points(arm) -> list[tuple[str, float, int]]:
     return points
 
 
+# MLflow's default runs view shows the Run Name column (190 px) and not the Description: a run nested under the
+# failed run shows ~16 characters of its name, an arm (nested twice) ~11. So a name starts with a verdict mark,
+# then the arm or the answer: `✓ lr=x0.1: fixes · ablate @ step 47` reads `✓ lr=x0.1: f...` there.
+VERDICT_MARK = {"fixes": "✓", "delays": "~", "no-effect": "✗", "worse": "✗", "fails-again": "✗", "reference": "·",
+                "inconclusive": "?", "error": "!", "not-applicable": "-"}
+
+
 def arm_run_name(arm, where: str) -> str:
-    """The arm and its verdict first: MLflow's runs view shows a nested run's name in ~14 characters."""
-    return f"{arm.label or arm.name}: {arm.verdict} · {where}"
+    """`✓ lr=x0.1: fixes · ablate @ step 47`: the verdict's mark and the arm first."""
+    return f"{VERDICT_MARK.get(arm.verdict, '?')} {arm.label or arm.name}: {arm.verdict} · {where}"
 
 
 def ablation_run_name(result, where: str) -> str:
-    """The answer first (`fixed by lr=x0.1 · ablate @ step 47`): the run name is the one column MLflow always shows."""
+    """The answer first (`✓ lr=x0.1, clip=1 · ablate @ step 47 (lr, clip, precision)`)."""
+    arms = f"({', '.join(arm.name for arm in result.arms)})"
     if result.status == "inconclusive":
-        answer = "inconclusive"
+        answer = "? inconclusive"
     elif result.sweep:
-        sweep = result.sweep
-        shown = next((arm.label for arm in result.arms if arm.name == sweep.get("stable_arm")), None)
-        answer = f"stable {shown.replace('=', ' <= ')}" if shown else f"no stable {sweep['knob']}"
-        where = f"{where} sweep {sweep['knob']}"
+        knob = result.sweep["knob"]
+        shown = next((arm.label for arm in result.arms if arm.name == result.sweep.get("stable_arm")), None)
+        answer = f"✓ {shown.replace('=', ' <= ')}" if shown else f"✗ no stable {knob}"
+        arms = f"(sweep {knob}, {len(result.arms)} arms)"
     else:
         patch = next((arm for arm in result.arms if arm.intervention == "patch"), None)
         fixes = [arm.label or arm.name for arm in result.arms if arm.verdict == "fixes" and arm is not patch]
-        answer = ("your patch fixes" if patch.verdict == "fixes" else f"your patch: {patch.verdict}") if patch else ""
-        if fixes or not patch:
-            answer += ("; " if answer else "") + (f"fixed by {', '.join(fixes)}" if fixes else "no single fix")
-    return f"{answer} · {where} ({', '.join(arm.name for arm in result.arms)})"[:250]
+        if patch is not None:
+            answer = "✓ your patch fixes" if patch.verdict == "fixes" else f"✗ your patch: {patch.verdict}"
+            answer += f"; fixed by {', '.join(fixes)}" if fixes else ""
+        else:
+            answer = f"✓ {', '.join(fixes)}" if fixes else "✗ no single fix"
+    return f"{answer} · {where} {arms}"[:250]
 
 
 def _record_arm(store, result, arm, where: str) -> None:
@@ -298,8 +308,8 @@ def write_artifacts(store, result) -> list[str]:
 
 
 def publish(store, result) -> None:
-    """Record what `ablate()` found as one run under the examined run (`fixed by lr=x0.1 · ablate @ step 47 (lr, clip)`,
-    kind=ablation): every replayed arm (the baseline first) as its child (`lr=x0.1: fixes · ablate @ step 47`), the
+    """Record what `ablate()` found as one run under the examined run (`✓ lr=x0.1 · ablate @ step 47 (lr, clip)`,
+    kind=ablation): every replayed arm (the baseline first) as its child (`✓ lr=x0.1: fixes · ablate @ step 47`), the
     report on it, the conclusion as its description and a line of the examined run's. A second ablation is a second
     run: nothing is overwritten."""
     step = result.failing_step if result.failing_step is not None else result.start_step
