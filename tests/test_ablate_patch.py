@@ -96,10 +96,9 @@ def test_an_unrelated_change_does_not_fix_it(failed):
 
 
 def test_a_folder_replaces_the_recorded_module_in_place_and_only_for_its_arm(failed):
-    """A changed copy of the recorded module (same name) in a folder, run with another arm in this process: the
-    patched arm imports the copy; the baseline and the other arm, and this process afterwards, the recorded one."""
-    from replaybisect.core.trust import Trust
-    from replaybisect.verbs.ablate.engine import ablate
+    """A changed copy of the recorded module (same name) in a folder, run with another arm in this process (the Python
+    API): the patched arm imports the copy; the baseline and the other arm, and this process afterwards, the recorded one."""
+    import replaybisect as rb
 
     ws, run = failed
     assert OVERFLOWING in PLANT.read_text()
@@ -108,7 +107,8 @@ def test_a_folder_replaces_the_recorded_module_in_place_and_only_for_its_arm(fai
     import planted_forward  # the recorded module, as this process imported it
 
     module_before = sys.modules["planted_forward"]
-    result = ablate(ws.store(), run.run_id, "skip-batch", patch=folder, horizon=5, workers=1, trust=Trust.from_user([EXAMPLES]))
+    result = rb.ablate(run.run_id, "skip-batch", patch=folder, horizon=5, workers=1, tracking_uri=ws.tracking_uri,
+                       code_dirs=[EXAMPLES], publish=False)
     assert result.patch == "your patch changed: module planted_forward"
     assert result.verdicts() == {"skip-batch": "delays", "patch": "fixes"}, [arm.reason for arm in result.arms]
     assert result.baseline.verdict == "fails-again"
