@@ -135,6 +135,10 @@ def test_a_patch_that_defines_none_of_the_runs_modules_is_one_line(failed):
     folder = unrelated.parent
     assert_one_line_error(ws.replay("ablate", "--patch", str(folder), "--run-id", run.run_id),
                           "--patch other defines none of the run's modules")
+    # a class it only imports is the recorded one: replaying it would prove nothing
+    reexport = write(ws, "reexport/fix_reexport.py", "from planted_forward import GatedMLP\n")
+    assert_one_line_error(ws.replay("ablate", "--patch", str(reexport), "--run-id", run.run_id),
+                          "--patch fix_reexport.py defines none of the run's modules or classes")
 
 
 def test_a_patch_that_is_not_a_module_is_refused_before_any_run_is_read(workspace):

@@ -5,8 +5,8 @@ The patch is the user's own code, named on their command line: it is trusted as 
 first on sys.path while the patched arm runs). What it replaces:
 - a module of the same dotted name as one of the run's modules (`planted_forward.py` in the patch replaces the
   recorded `planted_forward`): the whole module, so everything built from it or importing it uses the patch;
-- for a single file of another name (`fix.py`), the run's `_target_` classes it defines by name (`fix.GatedMLP` is
-  built where the config names `planted_forward.GatedMLP`).
+- for a single file of another name (`fix.py`), the run's `_target_` classes (or an own loop's step and build
+  functions) it defines by name (`fix.GatedMLP` is built where the config names `planted_forward.GatedMLP`).
 A patch that does not import, or replaces nothing of the run, is refused in one line before anything runs.
 """
 
@@ -141,12 +141,18 @@ def _one_line(error: BaseException, file: Path) -> str:
 
 
 def _class_rewrites(path: Path, targets: list[str], folder: Path) -> dict[str, str]:
-    """recorded target -> `stem.Name` for every target whose class name the patch file defines."""
+    """recorded target -> `stem.Name` for every target whose name the patch file defines itself: a class (a model),
+    or a function (an own loop's step or build function). A name it only imports is the recorded object: no change."""
     patch = Patch(path=str(path), folder=str(folder), replaced=(), evicted=(path.stem,))
     with patched_modules(patch):
         module = _import_from(path.stem, path, path)
-        return {target: f"{path.stem}.{target.rpartition('.')[2]}" for target in targets
-                if isinstance(getattr(module, target.rpartition(".")[2], None), type)}
+        rewrites = {}
+        for target in targets:
+            name = target.rpartition(".")[2]
+            defined = getattr(module, name, None)
+            if callable(defined) and getattr(defined, "__module__", None) == path.stem:
+                rewrites[target] = f"{path.stem}.{name}"
+        return rewrites
 
 
 def patched_config(cfg, patch: Patch):
