@@ -1615,9 +1615,11 @@ def _recorded_context(store, run_id: str, step: Optional[int], options: CheckOpt
         except ReplayError as error:
             warnings.append(f"the run's dataset cannot be built here ({error}); data checks read its stored batches only")
 
-    def initial() -> loop.TrainState:  # the run at initialization, for the LR range test
+    def initial() -> loop.TrainState:  # the run at initialization, for the LR range test: its step-0 snapshot
         with isolated_rng():
-            return loop.build_state(cfg)
+            if 0 in restore_mod.snapshot_steps(store, run_id):
+                return restore_mod.restore(store, run_id, 0, cfg=cfg).state
+            return loop.build_state(cfg)  # (no snapshot at step 0: the run's config built afresh)
 
     ctx = CheckContext(
         restored.state, batch_of, first_step=restored.step, dataset=dataset, steps_per_epoch=steps_per_epoch,
