@@ -92,6 +92,9 @@ def _search(knob: str, plan, runner) -> _Search:
     safe, risky = _round3(min(healthy) / CLIP_BELOW_HEALTHY), _round3(min(max(recorded), CLIP_ABOVE_HEALTHY * max(healthy)))
     if risky <= safe * PRECISION:
         risky = _round3(safe * PRECISION * PRECISION)
+    clipped = plan.cfg.train.clip_grad_norm
+    if clipped is not None and clipped < risky:  # the run clips already: at and above its threshold is the baseline
+        return _Search(knob, min(safe, clipped / CLIP_BELOW_HEALTHY), clipped, risky_known_to_fail=True)
     # The risky end is run, not assumed to fail: a threshold far above the healthy norms may still stop the climb.
     return _Search(knob, safe, risky, risky_known_to_fail=False)
 
@@ -160,7 +163,7 @@ def _conclusion(search: _Search, low, high, stable_arm, failing_arm, runner, rep
         return (f"every {what} tried up to {_shown(search.knob, search.risky)} stays finite through step {end}: "
                 f"{stable_arm.name} fixes ({stable_arm.change}); {cost}")
     failing = (f"{failing_arm.name} {failing_arm.verdict} ({failing_arm.reason})" if failing_arm is not None
-               else f"x1 (the baseline) fails at step {runner.plan.failing_step}")
+               else f"the baseline ({_shown(search.knob, high)}, the run as recorded) fails at step {runner.plan.failing_step}")
     text = (f"the largest {what} that fixes it: {get(search.knob).show(low)} ({stable_arm.name} fixes: {stable_arm.change}; "
             f"{stable_arm.reason}); {failing}; stable range tested from {get(search.knob).show(search.safe)} up to "
             f"{get(search.knob).show(low)}; {cost}")
