@@ -1,5 +1,6 @@
 """docs/screenshots: MLflow's DEFAULT runs view after make_runs.sh (no column added, none resized: what a user sees
-first), with the failed runs expanded; headless Debian chromium driven by playwright.
+first), with the failed runs expanded; headless Debian chromium driven by playwright. The one choice made is the
+README's: MLflow 3's GenAI / Model training switch set to Model training (the browser keeps it).
 
     mlflow server --backend-store-uri sqlite:////tmp/uidemo/mlflow.db --port 5055 &
     python docs/screenshots/take_screenshots.py http://127.0.0.1:5055 docs/screenshots
@@ -42,20 +43,23 @@ def name_width(page) -> int:
 with sync_playwright() as p:
     browser = p.chromium.launch(executable_path="/usr/bin/chromium", args=["--no-sandbox", "--disable-gpu"])
     page = browser.new_page(viewport={"width": 1400, "height": 720})
+    page.goto(base + "/#/experiments/1/runs")  # a first visit opens MLflow 3's GenAI pages:
+    page.wait_for_timeout(8000)
+    page.get_by_text("Model training", exact=True).first.click()  # the README's one-time choice, kept by the browser
+    page.wait_for_timeout(2500)
     open_runs(page)
     print(f"Run Name column: {name_width(page)} px")
     expand(page, "train nan_forward")
     expand(page, "train ablate_lr_explosion")
     page.screenshot(path=f"{out}/runs.png")
-    expand(page, "· ablate @ step")  # the ablation under the lr run (its name leads with its answer)
+    expand(page, "· ablate @ step 57")  # the ablation under the lr run (its name leads with its answer)
     page.screenshot(path=f"{out}/ablation-arms.png")
-    page.locator(".ag-row", has_text="· ablate @ step").first.locator("a").first.click()
-    page.wait_for_timeout(2500)
-    page.screenshot(path=f"{out}/ablation-report.png")
-    open_runs(page)  # two clicks from the run list to a nan report
-    if not page.locator(".ag-row", has_text="nan @ step 20").count():
-        expand(page, "train nan_forward")
-    page.locator(".ag-row", has_text="nan @ step 20").first.locator("a").first.click()
-    page.wait_for_timeout(2500)
-    page.screenshot(path=f"{out}/nan-report.png")
+    for row_text, picture in (("· ablate @ step 57", "ablation-report"), ("· nan @ step 20", "nan-report"),
+                              ("fixes · triage", "triage-report")):
+        open_runs(page)  # two clicks from the run list to a report
+        if not page.locator(".ag-row", has_text=row_text).count():
+            expand(page, "train nan_forward" if "20" in row_text else "train ablate_lr_explosion")
+        page.locator(".ag-row", has_text=row_text).first.locator("a").first.click()
+        page.wait_for_timeout(2500)
+        page.screenshot(path=f"{out}/{picture}.png")
     browser.close()
