@@ -149,7 +149,7 @@ def _sweep_until_done(search, first_failing: float, workers: int) -> None:
             search.tested[value] = ablate_mod.ArmOutcome(name=str(value), change="", verdict="fixes" if value < first_failing else "delays")
 
 
-@pytest.mark.parametrize("workers, max_rounds", [(1, 6), (3, 4)])
+@pytest.mark.parametrize("workers, max_rounds", [(1, 5), (3, 3)])
 def test_the_lr_sweep_brackets_the_boundary_in_log2_rounds(workers, max_rounds):
     from replaybisect.verbs.ablate import sweep
 
@@ -157,13 +157,21 @@ def test_the_lr_sweep_brackets_the_boundary_in_log2_rounds(workers, max_rounds):
     _sweep_until_done(search, 0.137, workers)
     low, high = search.bracket()
     assert low < 0.137 <= high and high / low <= sweep.PRECISION
-    # one round for the safe end, then ~log2(log(1000) / log(1.25)) = 5 with one worker, fewer with more
+    # ~log2(log(1000) / log(1.25)) = 5 rounds with one worker, log4(...) = 3 with three
     assert len(search.rounds) <= max_rounds, search.rounds
 
 
-def test_a_sweep_whose_safe_end_fails_stops_after_one_round():
+def test_a_sweep_with_no_stable_value_ends_on_the_safe_end_it_ran():
     from replaybisect.verbs.ablate import sweep
 
     search = sweep._Search("clip", 0.5, 500.0, risky_known_to_fail=False)
     _sweep_until_done(search, 0.1, 2)
-    assert search.rounds == [[0.5, 500.0]] and search.bracket() == (None, 0.5)
+    assert search.rounds[-1] == [0.5] and search.bracket() == (None, 0.5)  # "even clip=0.5 fails" is an arm that ran
+
+
+def test_a_sweep_stable_up_to_the_risky_end_runs_it():
+    from replaybisect.verbs.ablate import sweep
+
+    search = sweep._Search("clip", 0.5, 500.0, risky_known_to_fail=False)
+    _sweep_until_done(search, 1e9, 1)
+    assert search.rounds[-1] == [500.0] and search.bracket() == (500.0, None)

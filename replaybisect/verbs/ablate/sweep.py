@@ -2,9 +2,9 @@
 failure to go away, found by bisection on the value's logarithm and proven by the arms that ran.
 
 Both knobs are safer small: a smaller lr factor, a smaller clip threshold. The search keeps a bracket
-(the largest value known stable, the smallest known to fail) and replaces it each round by `workers` values spread
-evenly (in log) inside it, run in parallel; it stops when the bracket is narrower than PRECISION (a ratio), so it
-takes about log2(log(range) / log(PRECISION)) rounds with one worker, fewer with more. Stable means the arm's
+(the largest value known stable, the smallest known to fail; the range's ends until then) and replaces it each round
+by `workers` values spread evenly (in log) inside it, run in parallel; it stops when the bracket is narrower than
+PRECISION (a ratio), so it takes about log2(log(range) / log(PRECISION)) rounds with one worker, fewer with more. Stable means the arm's
 verdict is `fixes`: finite through the horizon and the loss not blown up. Every value in the answer is an arm that ran.
 """
 
@@ -45,19 +45,18 @@ class _Search:
         return (max(stable) if stable else None), high
 
     def next_values(self, count: int) -> list[float]:
-        """The values the next round runs (empty: the search is over)."""
+        """The values the next round runs (empty: the search is over). The range's ends count as the bracket until
+        an arm has run there: the safe end is run only when everything above it failed, so every answer is proven."""
         low, high = self.bracket()
-        if self.safe not in self.tested:  # first round: the safe end, and points toward the risky end
-            ends = [self.safe] + ([] if self.risky_known_to_fail else [self.risky])
-            inner = _spread(self.safe, self.risky, max(0, count - len(ends)))
-            return _new(self, ends[:count] + inner)
-        if low is None:  # even the safe end fails: nothing in the range is stable
+        if (low is None and self.safe in self.tested) or (high is None and self.risky in self.tested):
+            return []  # even the safe end fails, or even the risky end is stable: the range holds no boundary
+        lower = low if low is not None else self.safe
+        upper = high if high is not None else self.risky
+        if upper / lower <= PRECISION:  # narrow enough: prove an untested end of the bracket, or stop
+            return [self.safe] if low is None else [self.risky] if high is None else []
+        if len(self.rounds) >= MAX_ROUNDS:
             return []
-        if high is None:
-            return [] if self.risky in self.tested else _new(self, [self.risky] + _spread(low, self.risky, count - 1))
-        if high / low <= PRECISION or len(self.rounds) >= MAX_ROUNDS:
-            return []
-        return _new(self, _spread(low, high, count))
+        return _new(self, _spread(lower, upper, count))
 
 
 def _round3(value: float) -> float:
@@ -74,10 +73,7 @@ def _spread(low: float, high: float, count: int) -> list[float]:
 
 
 def _new(search: _Search, values: list[float]) -> list[float]:
-    low, high = search.bracket()
-    inside = [v for v in values if v not in search.tested and (low is None or v > low or v == search.safe)
-              and (high is None or v < high)]
-    return sorted(set(inside))
+    return sorted({value for value in values if value not in search.tested})
 
 
 def _search(knob: str, plan, runner) -> _Search:
