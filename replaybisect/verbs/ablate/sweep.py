@@ -161,7 +161,7 @@ def _conclusion(search: _Search, low, high, stable_arm, failing_arm, runner, rep
     failing = (f"{failing_arm.name} {failing_arm.verdict} ({failing_arm.reason})" if failing_arm is not None
                else f"the baseline ({_shown(search.knob, high)}, the run as recorded) fails at step {runner.plan.failing_step}")
     text = (f"the largest {what} that fixes it: {get(search.knob).show(low)} ({stable_arm.name} fixes: {stable_arm.change}; "
-            f"{stable_arm.reason}); {failing}; stable range tested from {get(search.knob).show(search.safe)} up to "
+            f"{stable_arm.reason}); {failing}; stable where tested from {get(search.knob).show(min(search.tested))} up to "
             f"{get(search.knob).show(low)}; {cost}")
     if non_monotone:
         text += f"; not monotone: {', '.join(_shown(search.knob, v) for v in non_monotone)} also fix"
