@@ -211,7 +211,7 @@ def loss_figure(result):
         values = [v for v in arm.losses.values() if math.isfinite(v)]
         all_values += values
         style = {"linewidth": 2.0, "color": "black", "zorder": 5, "alpha": 0.8} if arm.name == "baseline" else {"linewidth": 1.2}
-        (line,) = ax.plot(steps, values, label=f"{arm.name} ({arm.verdict})", **style)
+        (line,) = ax.plot(steps, values, label=f"{arm.label or arm.name} ({arm.verdict})", **style)
         if arm.first_nonfinite_step is not None and values:
             ax.plot([arm.first_nonfinite_step], [values[-1]], marker="x", markersize=9, color=line.get_color())
     if result.failing_step is not None:
