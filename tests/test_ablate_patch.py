@@ -16,27 +16,8 @@ PLANT = EXAMPLES / "nan_forward" / "planted_forward.py"
 OVERFLOWING = "weights = torch.exp(x / self.temperature)  # the bug: no x.max() subtracted first"
 MAX_SUBTRACTED = "scaled = x / self.temperature\n        weights = torch.exp(scaled - scaled.max(-1, keepdim=True).values)"
 
-# A fix in a file of its own: a class named as the config's `_target_` (planted_forward.GatedMLP)
-SOFTMAX_FIX = '''
-import torch
-
-import planted_forward
-
-
-class StableGate(planted_forward.NaiveSoftmaxGate):
-    def forward(self, x):
-        if self.training:
-            self.calls += 1
-            if self.calls > self.hold_steps:
-                self.temperature.mul_(self.decay)
-        return x * torch.softmax(x / self.temperature, dim=-1)  # subtracts the max inside
-
-
-class GatedMLP(planted_forward.GatedMLP):
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.gate = StableGate(self.gate.decay, self.gate.hold_steps)
-'''
+# A fix in a file of its own, defining a class named as the config's `_target_` (planted_forward.GatedMLP)
+SOFTMAX_FIX = EXAMPLES / "ablate_patch" / "softmax_fix.py"
 
 # A change elsewhere in the same model: the gate still overflows
 UNRELATED = '''
@@ -74,7 +55,7 @@ def ablate_json(ws: Workspace, run_id: str, *args: str) -> dict:
 
 def test_a_patch_that_subtracts_the_max_fixes_the_overflow(failed):
     ws, run = failed
-    patch = write(ws, "fixes/softmax_fix.py", SOFTMAX_FIX)
+    patch = SOFTMAX_FIX
     data = ablate_json(ws, run.run_id, "--patch", str(patch))
     assert data["baseline"]["verdict"] == "fails-again" and data["baseline"]["reproduced"] == "exact"
     [arm] = data["arms"]
