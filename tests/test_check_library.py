@@ -15,6 +15,7 @@ import torch
 from replaybisect.core import config as config_mod
 from replaybisect.core import loop
 from replaybisect.verbs.check import engine as K
+from replaybisect.core.thresholds import IMBALANCE_WARN
 from replaybisect.verbs.check import lr_finder
 
 PLANTS = Path(__file__).resolve().parents[1] / "examples" / "check_pathologies"
@@ -165,6 +166,18 @@ def test_planted_pathology_is_flagged_in_process(config_name, overrides, name, s
     assert found.status == status, found
     assert found.layer == layer, found
     assert fragment in found.detail, found
+
+
+def test_class_balance_is_no_sampling_noise_and_no_vocabulary():
+    """Labels drawn uniformly (40 classes, 6 samples a class): 11x between the most common and the rarest by chance
+    alone, past the 10x cut-off, but no imbalance (chi-square). Per-token targets of a language model are no class labels."""
+    overrides = ["data._target_=check_plants.UniformLabels", "~data.split", "val_data=null", "model.out_features=40"]
+    ctx = context(PLANTS, "base", overrides, options=K.CheckOptions(only=["data.class_balance"]))
+    (found,) = K.run_checks(ctx)
+    assert found.status == "pass" and found.value > IMBALANCE_WARN and "chi-square p=0.56" in found.detail, found
+    ctx = context(overrides=["+experiment=char", "model.n_layers=1", "train.batch_size=16"], options=K.CheckOptions(only=["data.class_balance"]))
+    (found,) = K.run_checks(ctx)
+    assert found.status == "skip" and "per token" in found.detail, found
 
 
 def test_healthy_builtins_raise_no_false_alarm_in_the_cheap_checks():

@@ -59,6 +59,22 @@ class ImbalancedDigits(Digits):
         self.inputs, self.targets = self.inputs[keep], self.targets[keep]
 
 
+class UniformLabels(Dataset):
+    """No plant: `n` samples whose labels are drawn uniformly from `classes` (balanced by design); with 6 samples a
+    class, chance alone makes the most common class 11x the rarest (seed 3), which is no imbalance to fix."""
+
+    def __init__(self, n: int = 240, classes: int = 40, features: int = 64, seed: int = 3, split: str = "train"):
+        generator = torch.Generator().manual_seed(seed)
+        self.inputs = torch.rand(n, features, generator=generator)
+        self.targets = torch.randint(classes, (n,), generator=generator)
+
+    def __len__(self) -> int:
+        return len(self.targets)
+
+    def __getitem__(self, index: int):
+        return self.inputs[index], self.targets[index]
+
+
 # ---- models ------------------------------------------------------------------------------------------
 class SoftmaxMLP(MLP):
     """An MLP whose last layer is a Softmax, fed to CrossEntropyLoss (which applies log_softmax itself)."""
