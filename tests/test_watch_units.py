@@ -179,6 +179,11 @@ def test_the_next_command_is_the_proven_fix_as_a_replay_train_override():
     assert conclude("nonfinite", "R", lines, "train mlp/digits", {"replaybisect.code_dir": "/home/me"}, ["nan", "ablate"]).next_command == \
         "replay train optim.lr=0.0003"
     # your own loop (or Lightning): the change to make in your code, proven
+    # a key the run's config lacks (a class default, such as AdamW's eps) is added: ++key=value
+    eps_fixes = _lines(("nan", NAN_FORWARD), ("ablate", _ablation(_arm("eps", "optim.eps 1e-08 -> 1e-05", "fixes"))))
+    assert conclude("nonfinite", "R", eps_fixes, "x", TRAINED, ["nan", "ablate"], {"optim.lr": "0.003"}).next_command == \
+        "replay train --config-dir /p/nan_forward train.steps=30 optim.lr=3e-3 ++optim.eps=1e-05"
+    assert conclude("nonfinite", "R", lines, "x", TRAINED, ["nan", "ablate"], {"optim.lr": "0.003"}).next_command.endswith(" optim.lr=0.0003")
     own = conclude("nonfinite", "R", lines, "train gpt_loop (own loop)", {"replaybisect.loop": "user"}, ["nan", "ablate"])
     assert own.next_command == "in your training code: optim.lr 0.003 -> 0.0003 (the ablation's lr arm trains past the failure)"
 

@@ -59,12 +59,14 @@ def _summary(run) -> RunSummary:
 def triage_answer(tags: dict[str, str]) -> Optional[str]:
     """The triage's one line from the run's tags: its summary once finished (done, or failed with its reason), the
     step in progress while a watcher holds it, None when no watcher has triaged it."""
-    state = tags.get(TAG + "triage")
+    from replaybisect.verbs.watch.engine import FINISHED_STATES, REASON, STEP, SUMMARY, TRIAGE
+
+    state = tags.get(TAG + TRIAGE)
     if not state:
         return None
-    if state in ("done", "failed"):
-        return tags.get(TAG + "triage.summary") or (f"triage failed: {tags.get(TAG + 'triage.reason', '')}" if state == "failed" else state)
-    return f"triaging ({tags.get(TAG + 'triage.step') or 'claimed'})"
+    if state in FINISHED_STATES:
+        return tags.get(TAG + SUMMARY) or (f"triage failed: {tags.get(TAG + REASON, '')}" if state == "failed" else state)
+    return f"triaging ({tags.get(TAG + STEP) or 'claimed'})"
 
 
 def recent_runs(store: Store, limit: int = 20, kind: str | None = "train", status: str | None = None) -> list[RunSummary]:

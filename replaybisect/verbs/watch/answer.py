@@ -17,7 +17,7 @@ from typing import Any, Optional
 
 from replaybisect.store import TAG
 
-TRIAGE = "triage"
+TRIAGE = "triage"  # the run's tag replaybisect.triage, and the prefix of every tag a triage writes
 ABLATE_ARMS = ("lr", "clip", "precision")  # always tried after nan, besides the arms nan suggests
 EVIDENCE_LINES = 4  # a triage report shows this many lines of a verb's evidence
 LINE_CHARS = 300  # and cuts each at this length
@@ -163,9 +163,10 @@ def _command_part(suggestion: str) -> str:
 
 # ---- the conclusion ---------------------------------------------------------------------------------------
 def conclude(failure: str, run_id: str, lines: dict[str, str], run_name: str, run_tags: dict[str, str],
-             ran: list[str]) -> Conclusion:
+             ran: list[str], run_params: Optional[dict[str, str]] = None) -> Conclusion:
     """The answer from the steps' tag lines. `run_tags` are the examined run's (all of them, prefixed): they say how
-    it was trained, and so how the proven fix is applied. `ran` are the verbs this triage ran (resumed ones too)."""
+    it was trained, and so how the proven fix is applied; `run_params` its flattened config (a key it lacks is added
+    with `++`). `ran` are the verbs this triage ran (resumed ones too)."""
     if failure == "nonfinite":
         fix = lines.get(key("ablate", "fix.change"), "")
         fix_line = f"{lines.get(key('ablate', 'fix.arm'), '')}: {fix} ({lines.get(key('ablate', 'fix.proof'), '')})" if fix else ""
@@ -173,7 +174,7 @@ def conclude(failure: str, run_id: str, lines: dict[str, str], run_name: str, ru
         summary = f"{lines.get(key('nan'), '')}; ablate: {conclusion.split('; ', 1)[0]}"  # the rest is evidence
         evidence = evidence_of(lines) + ([f"ablate: {conclusion}"] if "; " in conclusion else [])
         nan_next = lines.get(key("nan", "next"), "")
-        candidates = [_apply_fix(lines, run_name, run_tags), _op_to_change(lines), nan_next]
+        candidates = [_apply_fix(lines, run_name, run_tags, run_params), _op_to_change(lines), nan_next]
         to_prove = "" if fix else lines.get(key("nan", "prove"), "")
         return Conclusion(lines.get(key("nan", "category"), ""), summary, _first_useful(candidates, ran, run_id), evidence, fix_line,
                           to_prove, _nonfinite_headline(lines))
@@ -216,7 +217,7 @@ def result_runs(lines: dict[str, str]) -> list[tuple[str, str]]:
     return [(step, run_id) for step, run_id in found if run_id]
 
 
-def _apply_fix(lines: dict[str, str], run_name: str, run_tags: dict[str, str]) -> str:
+def _apply_fix(lines: dict[str, str], run_name: str, run_tags: dict[str, str], run_params: Optional[dict[str, str]]) -> str:
     """The proven fix applied: `replay train` with the run's own config folder and overrides and the fix's override
     for a run `replay train` recorded; a sentence naming the change for a run of your own loop (or Lightning)."""
     change = lines.get(key("ablate", "fix.change"), "")
@@ -224,6 +225,8 @@ def _apply_fix(lines: dict[str, str], run_name: str, run_tags: dict[str, str]) -
         return ""
     override = lines.get(key("ablate", "fix"), "")
     if run_tags.get(TAG + "loop") != "user" and override:
+        if run_params is not None and _override_key(override) not in run_params:  # e.g. optim.eps, a class default
+            override = "++" + override
         return train_command(run_tags, run_name, override)
     arm = lines.get(key("ablate", "fix.arm"), "")
     where = "your LightningModule or Trainer" if run_tags.get(TAG + "trainer") == "lightning" else "your training code"

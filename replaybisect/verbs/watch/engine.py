@@ -39,10 +39,9 @@ from replaybisect.store import (
     TAG, Store, all_experiment_ids, experiment_ids_named, search_all_runs, search_runs_without_tag,
 )
 from replaybisect.verbs.watch.answer import (
-    Conclusion, ablate_args, conclude, evidence_of, result_runs, step_lines, tag_line,
+    TRIAGE, Conclusion, ablate_args, conclude, evidence_of, result_runs, step_lines, tag_line,
 )
 
-TRIAGE = "triage"
 CLAIM = "triage.claim"
 ATTEMPTS = "triage.attempts"
 STEP = "triage.step"
@@ -545,7 +544,8 @@ class Watcher:
         run_id = run.info.run_id
         failure = failure_of(run)
         started = time.monotonic()
-        tags = self._call(self.store.get_run, run_id, run_id=run_id).data.tags
+        examined = self._call(self.store.get_run, run_id, run_id=run_id).data
+        tags = examined.tags
         lines: dict[str, str] = {}  # the finished steps' results as tags (resumed steps' from the run)
         results: dict[str, Any] = {}
         ran: list[str] = []
@@ -577,7 +577,7 @@ class Watcher:
                 self.on_event(Event("step", f"{step} finished in {outcome.seconds:.1f} s: {finished[f'{TRIAGE}.{step}']}", run_id))
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
-        conclusion = conclude(failure, run_id, lines, run.info.run_name or "", tags, plan_for(failure))
+        conclusion = conclude(failure, run_id, lines, run.info.run_name or "", tags, plan_for(failure), examined.params)
         return self._finish(run, active, self._result(run, failure, "done", conclusion, "", ran, results, started, lines))
 
     def _run_step_through_outages(self, step: str, run_id: str, active: _Active, scratch: str,
