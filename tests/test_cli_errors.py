@@ -104,9 +104,12 @@ def test_usage_error_is_one_line_and_creates_nothing(tmp_path, args, fragments):
     _assert_one_line_and_nothing_created(_user_folder(tmp_path), args, fragments)
 
 
-# The optimizer is built by the same function for both verbs: `check` skips one of the torch (~3 s) cases.
+# Both verbs compose the config with the same function (core/config.py's compose), which raises every one of these
+# errors: `train` runs every case; `check` imports torch before it composes (~3 s a case), so it runs the two that
+# prove its wiring: its own --config-dir/--config-name, and an override it passes on.
+CHECK_WIRING = {"yaml-syntax", "lr-not-number"}
 CONFIG_CASES = [pytest.param("train", a, f, id=f"train-{i}") for i, a, f in CONFIG] + [
-    pytest.param("check", a, f, id=f"check-{i}") for i, a, f in CONFIG if i not in {"lr-negative"}
+    pytest.param("check", a, f, id=f"check-{i}") for i, a, f in CONFIG if i in CHECK_WIRING
 ]
 
 
