@@ -187,6 +187,10 @@ def test_the_next_command_is_the_proven_fix_as_a_replay_train_override():
     assert conclude("nonfinite", "R", lines, "x", TRAINED, ["nan", "ablate"], {"optim.lr": "0.003"}).next_command.endswith(" optim.lr=0.0003")
     own = conclude("nonfinite", "R", lines, "train gpt_loop (own loop)", {"replaybisect.loop": "user"}, ["nan", "ablate"])
     assert own.next_command == "in your training code: optim.lr 0.003 -> 0.0003 (the ablation's lr arm trains past the failure)"
+    clipped = _lines(("nan", NAN_FORWARD), ("ablate", _ablation(_arm("clip", "clip the gradient norm at 1 before each update", "fixes", label="clip=1"))))
+    lightning = {"replaybisect.loop": "user", "replaybisect.trainer": "lightning"}
+    assert conclude("nonfinite", "R", clipped, "train lit", lightning, ["nan", "ablate"]).next_command == \
+        "pass gradient_clip_val=1 to your Trainer (the ablation's clip=1 arm trains past the failure)"
 
 
 NAN_DIVERGENCE = {  # replay nan --json on examples/ablate_lr_explosion (its newer shape: a headline, category divergence)

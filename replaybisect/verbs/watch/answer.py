@@ -229,8 +229,13 @@ def _apply_fix(lines: dict[str, str], run_name: str, run_tags: dict[str, str], r
             override = "++" + override
         return train_command(run_tags, run_name, override)
     arm = lines.get(key("ablate", "fix.arm"), "")
-    where = "your LightningModule or Trainer" if run_tags.get(TAG + "trainer") == "lightning" else "your training code"
-    return f"in {where}: {change} (the ablation's {arm} arm trains past the failure)"
+    proof = f"(the ablation's {arm} arm trains past the failure)"
+    if run_tags.get(TAG + "trainer") == "lightning":
+        name, _, value = arm.partition("=")
+        if name == "clip" and value:  # what Lightning's Trainer takes for it
+            return f"pass gradient_clip_val={value} to your Trainer {proof}"
+        return f"in your LightningModule: {change} {proof}"
+    return f"in your training code: {change} {proof}"
 
 
 def _op_to_change(lines: dict[str, str]) -> str:
