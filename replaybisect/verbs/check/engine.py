@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from replaybisect.core import loop, user_step
+from replaybisect.core.guard import scaler_enabled
 from replaybisect.core.snapshot import like
 from replaybisect.errors import ReplayError
 from replaybisect.core.rng import isolated_rng, seed_everything
@@ -423,13 +424,16 @@ class _GradObserver:
 
     def after_backward(self, state) -> None:
         self.probe.backward_steps += 1
+        routine_overflow = scaler_enabled(state.scaler)  # an enabled GradScaler skips an overflowing step: no fault
         for name, param in self.named:
             grad = param.grad
             if grad is not None:
                 self.probe.got_grad[name] = True
                 if bool((grad != 0).any()):
                     self.probe.nonzero_grad[name] = True
-                if name not in self.probe.nonfinite_grads and not bool(torch.isfinite(grad).all()):
+                if routine_overflow or name in self.probe.nonfinite_grads:
+                    continue
+                if not bool(torch.isfinite(grad).all()):
                     self.probe.nonfinite_grads[name] = "nan" if bool(torch.isnan(grad).any()) else "inf"
         for name, params in self.owners:
             grads = [p.grad.detach().float() for p in params if p.grad is not None]
@@ -1242,7 +1246,7 @@ def grad_nonfinite(ctx: CheckContext) -> Check:
     probe = ctx.grads()
     if probe.error:
         return Check("grad.nonfinite", "fail", None, f"the training step raised {probe.error}")
-    steps = f"{probe.steps_run} steps at {ctx.lr.text()} ({ctx.where()})"
+    steps = f"{probe.steps_run} steps {ctx.where()}, {ctx.lr.text()}"
     advice = ("the state checked is already diverging or broken: check an earlier snapshot (--step N), and after a failed run "
               "`replay nan --run-id` says where the first non-finite value came from")
     if probe.nonfinite_grads:
@@ -1251,13 +1255,13 @@ def grad_nonfinite(ctx: CheckContext) -> Check:
         return Check(
             "grad.nonfinite", "fail", float(len(names)),
             f"non-finite gradient ({kinds}) in {len(names)} of {len(probe.got_grad)} parameters: {_names(names)}, "
-            f"{'at probe step ' + str(probe.nonfinite_step) if probe.nonfinite_step is not None else 'within ' + steps}; {advice}",
+            f"{f'at probe step {probe.nonfinite_step} of ' if probe.nonfinite_step is not None else 'within '}{steps}; {advice}",
             layer=names[0],
         )
     if probe.nonfinite:
         return Check(
             "grad.nonfinite", "fail", probe.nonfinite_loss,
-            f"{probe.nonfinite} (loss {probe.nonfinite_loss:.3g}; {steps}): no gradient could be computed; {advice}",
+            f"{probe.nonfinite} of {steps} (loss {probe.nonfinite_loss:.3g}): no gradient could be computed; {advice}",
         )
     return Check("grad.nonfinite", "pass", 0.0, f"loss and gradients finite over {steps}")
 
