@@ -13,14 +13,21 @@ from pathlib import Path
 
 import pytest
 
-from conftest import EXAMPLES, FAST, assert_one_line_error
+from conftest import EXAMPLES, FAST, Workspace, assert_one_line_error
 
 HERE = Path(__file__).resolve().parent
 
 
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory) -> Workspace:
+    """One workspace (and one SQLite store) for the recordings of this module: each test reads its own run by id."""
+    return Workspace(tmp_path_factory.mktemp("own-loop"))
+
+
 def _project(workspace, source: Path) -> Path:
     target = workspace.path / source.name
-    shutil.copytree(source, target)
+    if not target.exists():
+        shutil.copytree(source, target)
     return target
 
 
@@ -31,16 +38,34 @@ def _record(workspace, folder: Path, script: str, *args: str, expect_failure: bo
     return run_id, done
 
 
+def _record_in_process(workspace, folder: Path, monkeypatch, capsys, *args) -> tuple[str, str]:
+    """tiny_loop.main(ARGS) in this process (the script's own code, without the interpreter's start-up): the run id
+    and what it printed. The runs recorded from `python tiny_loop.py` (a `__main__` module) are the nan and check
+    tests' own."""
+    import importlib
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", workspace.tracking_uri)
+    monkeypatch.setenv("REPLAYBISECT_CACHE", str(workspace.path / ".cache"))
+    monkeypatch.delitem(sys.modules, "tiny_loop", raising=False)  # this folder's copy, not one imported before
+    monkeypatch.syspath_prepend(str(folder))
+    tiny_loop = importlib.import_module("tiny_loop")
+    assert Path(tiny_loop.__file__).parent == folder
+    capsys.readouterr()
+    tiny_loop.main(*args)
+    printed = capsys.readouterr().out
+    return re.search(r"^run ([0-9a-f]{32})$", printed, re.MULTILINE).group(1), printed
+
+
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
-def test_own_loop_replays_every_loss_exactly(workspace, precision):
+def test_own_loop_replays_every_loss_exactly(shared, monkeypatch, capsys, precision):
     """Dropout, micro-batches, a scheduler the recorder steps, a GradScaler, and batches drawn from the global RNG
     between steps: replaying from every snapshot gives == losses."""
     from replaybisect.restore import logged_losses, replay, restore, run_config
 
-    folder = _project(workspace, HERE / "user_loop")
-    run_id, done = _record(workspace, folder, "tiny_loop.py", precision, "30")
-    assert done.stdout.count("loss ") == 30  # the user's prints stay theirs
-    store = workspace.store()
+    folder = _project(shared, HERE / "user_loop")
+    run_id, printed = _record_in_process(shared, folder, monkeypatch, capsys, precision, 30, -1)
+    assert printed.count("loss ") == 30  # the user's prints stay theirs
+    store = shared.store()
     assert run_config(store, run_id).train.precision == precision  # noted from the autocast the step entered
     logged = logged_losses(store, run_id)
     assert len(logged) == 30
@@ -51,13 +76,13 @@ def test_own_loop_replays_every_loss_exactly(workspace, precision):
         assert replayed.losses == {s: logged[s] for s in range(step, 30)}
 
 
-def test_own_loop_planted_nan_is_found_by_replay_nan(workspace):
-    folder = _project(workspace, HERE / "user_loop")
-    run_id, done = _record(workspace, folder, "tiny_loop.py", "fp32", "30", "27", expect_failure=True)  # call 27: step 13
+def test_own_loop_planted_nan_is_found_by_replay_nan(shared):
+    folder = _project(shared, HERE / "user_loop")
+    run_id, done = _record(shared, folder, "tiny_loop.py", "fp32", "30", "27", expect_failure=True)  # call 27: step 13
     assert "NonFiniteStep" in done.stderr and f"replay nan --run-id {run_id}" in done.stderr
-    store = workspace.store()
+    store = shared.store()
     assert store.tags(run_id)["first_nonfinite_step"] == "13"
-    result = workspace.replay("nan", "--run-id", run_id, "--json")
+    result = shared.replay("nan", "--run-id", run_id, "--json")
     assert result.returncode == 0, result.stderr
     report = result.json()
     assert report["reproduced"] == "exact"
@@ -66,22 +91,27 @@ def test_own_loop_planted_nan_is_found_by_replay_nan(workspace):
     assert report["state_match"].startswith("bit-identical")
 
 
-def test_hand_written_gpt_loop_nan_and_ablate(workspace):
+def test_hand_written_gpt_loop_nan_and_ablate(shared):
     """The example: a ~40-line GPT loop (causal mask, 4 micro-batches, configure_optimizers, bf16 autocast) in a
     Hydra app, recorded with a handful of added lines. Its planted overflow (a hand-written softmax at 10x the
-    learning rate) is found exactly, and ablation says the learning rate fixes it."""
-    folder = _project(workspace, EXAMPLES / "own_loop")
+    learning rate) is found exactly, and ablation says the learning rate fixes it. (`replay nan` runs as a user
+    runs it; the ablation through the engine `replay ablate` calls, trusting the folder as the command does from
+    it: the command runs end to end in test_ablate*.py, and on a user's own module in test_trust.py.)"""
+    from replaybisect.core.trust import Trust
+    from replaybisect.verbs.ablate.engine import ablate
+
+    folder = _project(shared, EXAMPLES / "own_loop")
     added = [line for line in (folder / "gpt_loop.py").read_text().splitlines() if "# replaybisect" in line]
     assert 0 < len(added) <= 10
-    run_id, _ = _record(workspace, folder, "gpt_loop.py", "hydra.run.dir=outputs", expect_failure=True)
+    run_id, _ = _record(shared, folder, "gpt_loop.py", "hydra.run.dir=outputs", expect_failure=True)
 
-    nan = _replay_in(workspace, folder, "nan", "--run-id", run_id, "--json")
+    nan = _replay_in(shared, folder, "nan", "--run-id", run_id, "--json")
     assert nan["reproduced"] == "exact"
     assert nan["category"] == "forward"
     assert nan["module"].endswith(".attn") and nan["op"] == "torch.exp"
     assert "gpt_loop.py" in nan["source"]
 
-    ablation = _replay_in(workspace, folder, "ablate", "lr,clip,precision", "--run-id", run_id, "--horizon", "30", "--json")
+    ablation = ablate(shared.store(), run_id, "lr,clip,precision", horizon=30, trust=Trust.from_user([folder])).to_json()
     verdicts = {arm["name"]: arm["verdict"] for arm in ablation["arms"]}
     assert verdicts["lr"] == "fixes", verdicts
     assert verdicts["precision"] != "fixes", verdicts  # bf16 has fp32's range: fp32 does not cure an exp overflow
@@ -150,11 +180,11 @@ def _train_here(workspace, *overrides: str) -> str:
     pytest.param(("train.accumulate=4",), id="accumulate"),
     pytest.param(("optim._target_=torch.optim.LBFGS", "~optim.weight_decay", "optim.lr=0.5", "+optim.max_iter=3"), id="lbfgs"),
 ])
-def test_builtin_step_variants_replay_exactly(workspace, overrides):
+def test_builtin_step_variants_replay_exactly(shared, overrides):
     from replaybisect.restore import logged_losses, replay, restore
 
-    run_id = _train_here(workspace, "train.steps=20", *overrides)
-    store = workspace.store()
+    run_id = _train_here(shared, "train.steps=20", *overrides)
+    store = shared.store()
     logged = logged_losses(store, run_id)
     assert len(logged) == 20 and all(value == value for value in logged.values())
     assert logged[19] < logged[0]  # it learns
@@ -163,23 +193,23 @@ def test_builtin_step_variants_replay_exactly(workspace, overrides):
         assert replayed.reproduced == "exact", replayed.mismatches[:3]
 
 
-def test_accumulation_keeps_the_batch_and_the_mean_loss(workspace):
+def test_accumulation_keeps_the_batch_and_the_mean_loss(shared):
     """accumulate=K splits each step's batch in K micro-batches: same data, same mean loss up to rounding
     (dropout off: its masks differ in shape)."""
     from replaybisect.restore import logged_losses
 
-    store = workspace.store()
-    plain = logged_losses(store, _train_here(workspace, "train.steps=1", "model.dropout=0"))
-    split = logged_losses(store, _train_here(workspace, "train.steps=1", "model.dropout=0", "train.accumulate=4"))
+    store = shared.store()
+    plain = logged_losses(store, _train_here(shared, "train.steps=1", "model.dropout=0"))
+    split = logged_losses(store, _train_here(shared, "train.steps=1", "model.dropout=0", "train.accumulate=4"))
     assert split[0] == pytest.approx(plain[0], rel=1e-5)
 
 
-def test_check_on_an_own_loop_run(workspace):
+def test_check_on_an_own_loop_run(shared):
     """`replay check --run-id` on a run from the user's loop: the overfit test and the gradient probes run the
     user's step (the loss floor is assumed 0: the loss is theirs)."""
-    folder = _project(workspace, HERE / "user_loop")
-    run_id, _ = _record(workspace, folder, "tiny_loop.py", "fp32", "12")
-    report = _replay_in(workspace, folder, "check", "--run-id", run_id, "--json", "--only", "overfit.one_batch,grad.missing,data.finite")
+    folder = _project(shared, HERE / "user_loop")
+    run_id, _ = _record(shared, folder, "tiny_loop.py", "fp32", "12")
+    report = _replay_in(shared, folder, "check", "--run-id", run_id, "--json", "--only", "overfit.one_batch,grad.missing,data.finite")
     statuses = {check["name"]: check for check in report["checks"]}
     assert statuses["grad.missing"]["status"] == "pass", statuses["grad.missing"]
     assert statuses["data.finite"]["status"] == "pass"
