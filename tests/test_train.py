@@ -25,6 +25,24 @@ def trained(tmp_path_factory):
     return workspace, result
 
 
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory):
+    """One workspace (one SQLite store) for the runs trained in this process: each test reads its own run by id."""
+    from conftest import Workspace
+
+    return Workspace(tmp_path_factory.mktemp("in-process"))
+
+
+def _train_here(workspace, *overrides: str, config_dir: Path | None = None):
+    """`replay train OVERRIDES` in this process (what the command runs, without its start-up): the TrainResult.
+    `replay train` itself runs end to end in the other tests of this module."""
+    from replaybisect.core import config as config_mod
+    from replaybisect.verbs.train.engine import train
+
+    cfg = config_mod.compose(config_dir, "config", list(overrides))
+    return train(cfg, workspace.store(), code_folder=config_dir or workspace.path)
+
+
 def test_run_is_readable_with_plain_mlflow(trained):
     from mlflow import MlflowClient
 
@@ -75,16 +93,17 @@ def test_runs_lists_the_run(trained):
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
-def test_replay_from_every_snapshot_reproduces_every_loss_exactly(workspace, precision):
+def test_replay_from_every_snapshot_reproduces_every_loss_exactly(shared, precision):
     """Dropout, a scheduler and interleaved validation: replaying from any snapshot gives == losses."""
     from replaybisect.restore import logged_losses, replay, restore
 
-    result = workspace.train(*FAST, f"train.precision={precision}", "scheduler=cosine", "model.dropout=0.2", "train.val_every=7")
-    store = workspace.store()
-    logged = logged_losses(store, result["run_id"])
+    run_id = _train_here(shared, *FAST, f"train.precision={precision}", "scheduler=cosine", "model.dropout=0.2",
+                         "train.val_every=7").run_id
+    store = shared.store()
+    logged = logged_losses(store, run_id)
     assert len(logged) == 40
     for step in (0, 10, 30):
-        restored = restore(store, result["run_id"], step)
+        restored = restore(store, run_id, step)
         assert restored.step == step
         replayed = replay(restored, 40, logged=logged)
         assert replayed.reproduced == "exact", replayed.mismatches[:3]
@@ -232,17 +251,15 @@ def test_planted_nan_stops_with_exit_3_tags_and_emergency_snapshot(workspace):
     assert "replay nan --run-id " in human.stdout, human.stdout
 
 
-def test_on_nonfinite_continue_goes_on(workspace):
+def test_on_nonfinite_continue_goes_on(shared):
     nan_index = 700
     failing = _step_of_sample(nan_index, 32)
-    project = _poisoned_project(workspace.path, nan_index)
-    result = workspace.train(
-        "--config-dir", str(project), "train.steps=40", "train.batch_size=32", "snapshot.every=10",
-        "snapshot.on_nonfinite=continue",
-    )
+    project = _poisoned_project(shared.path, nan_index)
+    result = _train_here(shared, "train.steps=40", "train.batch_size=32", "snapshot.every=10",
+                         "snapshot.on_nonfinite=continue", config_dir=project).to_json()
     assert result["steps_completed"] == 40 and not result["stopped"]
     assert result["status"] == "nonfinite" and result["first_nonfinite_step"] == failing
-    store = workspace.store()
+    store = shared.store()
     assert sorted(dict(store.metric_history(result["run_id"], "loss"))) == list(range(40))
     assert (store.local_artifact_dir(result["run_id"]) / "snapshots" / fmt.folder_name(failing) / fmt.MANIFEST).is_file()
 
