@@ -47,6 +47,9 @@ PLANTS: dict[str, tuple[tuple[str, ...], tuple[str, ...], int]] = {
 }
 # Besides `diagnose --run-id X --json` for every run: the rich report (with artifacts) and --no-artifacts.
 EXTRA = {"dead_relu": [("--json", "--no-artifacts"), ()]}
+# Diagnosed by the installed CLI (its JSON, report and artifacts are what these tests read); the other runs by the
+# same three calls `replay diagnose --json` makes, in this process (a `replay` start-up imports MLflow: ~3 s a run).
+CLI_DIAGNOSED = {"healthy_mlp_digits", "dead_relu"}
 
 
 @contextlib.contextmanager
@@ -60,10 +63,25 @@ def in_folder(folder: Path):
         os.chdir(previous)
 
 
+def _diagnose_here(workspace: Workspace, run_id: str) -> str:
+    """What `replay diagnose --run-id RUN_ID --json` prints, computed in this process (its command's three calls)."""
+    from replaybisect.options import json_default
+    from replaybisect.verbs.diagnose.engine import analyse, load_curves
+    from replaybisect.verbs.diagnose.report import publish
+
+    store = workspace.store()
+    curves = load_curves(store, run_id)
+    result = analyse(curves)
+    with in_folder(workspace.path):
+        report_run_id = publish(store, result, curves)
+    return json.dumps({**result.to_json(), "report_run_id": report_run_id}, default=json_default)
+
+
 @pytest.fixture(scope="module")
 def planted(tmp_path_factory):
-    """Train every planted run and diagnose it through the CLI, two processes at a time (one torch thread
-    each). name -> {"train": (exit, JSON or stderr), "diagnose": [(args, exit, stdout, stderr), ...]}."""
+    """Train every planted run, two processes at a time (one torch thread each), and diagnose it (CLI_DIAGNOSED
+    through the CLI, the others in this process while the next runs train).
+    name -> {"train": (exit, JSON or stderr), "diagnose": [(args, exit, stdout, stderr), ...]}."""
     workspace = Workspace(tmp_path_factory.mktemp("diagnose"))
     with in_folder(workspace.path):  # the experiment's artifact root (./mlruns) goes in the workspace
         workspace.store().experiment_id()  # create the SQLite schema once, before processes race to do it
@@ -73,11 +91,15 @@ def planted(tmp_path_factory):
         (name, [REPLAY, "train", "--json", "--run-name", name, *config, *COMMON, *overrides]) for name, (config, overrides, _) in PLANTS.items()
     ]
     running: list[tuple[str, list[str], subprocess.Popen]] = []
-    while queue or running:
+    in_process: list[tuple[str, str]] = []  # (name, run id) to diagnose here, while the next runs train
+    while queue or running or in_process:
         while queue and len(running) < 2:
             name, command = queue.pop(0)
             process = subprocess.Popen(command, cwd=workspace.path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
             running.append((name, command, process))
+        if in_process:
+            name, run_id = in_process.pop(0)
+            results[name]["diagnose"].append((("--json",), 0, _diagnose_here(workspace, run_id), ""))
         for entry in list(running):
             name, command, process = entry
             if process.poll() is None:
@@ -87,9 +109,11 @@ def planted(tmp_path_factory):
             if command[1] == "train":
                 trained = json.loads(stdout) if stdout.strip() else stderr
                 results[name]["train"] = (process.returncode, trained)
-                if isinstance(trained, dict):  # diagnose it next, ahead of the remaining trainings
+                if isinstance(trained, dict) and name in CLI_DIAGNOSED:  # next, ahead of the remaining trainings
                     for args in [("--json",), *EXTRA.get(name, [])]:
                         queue.insert(0, (name, [REPLAY, "diagnose", "--run-id", trained["run_id"], *args]))
+                elif isinstance(trained, dict):
+                    in_process.append((name, trained["run_id"]))
             else:
                 results[name]["diagnose"].append((tuple(command[4:]), process.returncode, stdout, stderr))
         time.sleep(0.1)
