@@ -22,6 +22,14 @@ HERE = Path(__file__).resolve().parent
 MODEL = HERE / "lightning_model"
 
 
+def _trusting(folder: Path):
+    """What `replay VERB` run in `folder` trusts: the user's code there (the verbs' engines are called directly where
+    the command adds nothing to what a test proves; `replay nan` runs as a user runs it)."""
+    from replaybisect.core.trust import Trust
+
+    return Trust.from_user([folder])
+
+
 def _record(workspace, *args: str, expect_failure: bool = False) -> tuple[Path, str, subprocess.CompletedProcess]:
     """Copy the model's folder into the workspace and train it there with the callback (python lit_model.py ARGS)."""
     folder = workspace.path / MODEL.name
@@ -57,6 +65,8 @@ def _assert_replays_exactly(store, run_id: str, from_steps) -> dict[int, float]:
 def test_lightning_planted_overflow_nan_and_ablate(workspace):
     """SGD at too high a learning rate diverges until ExpHead's exp overflows (step 23). The recorded fp32 run
     replays exactly up to it, `replay nan` names torch.exp in `head`, and ablation says the learning rate fixes it."""
+    from replaybisect.verbs.ablate.engine import ablate
+
     folder, run_id, done = _record(workspace, "32-true", "0.12", "60", expect_failure=True)
     assert "NonFiniteStep" in done.stderr and f"replay nan --run-id {run_id}" in done.stderr
     store = workspace.store()
@@ -74,7 +84,7 @@ def test_lightning_planted_overflow_nan_and_ablate(workspace):
     assert nan["category"] == "forward" and nan["module"] == "head" and nan["op"] == "torch.exp"
     assert "lit_model.py" in nan["source"] and nan["state_match"].startswith("bit-identical")
 
-    ablation = _replay_in(workspace, folder, "ablate", "lr", "--run-id", run_id, "--horizon", "30")
+    ablation = ablate(store, run_id, "lr", horizon=30, trust=_trusting(folder)).to_json()
     assert ablation["baseline"]["reproduced"] == "exact"
     assert {arm["name"]: arm["verdict"] for arm in ablation["arms"]} == {"lr": "fixes"}
 
@@ -83,6 +93,7 @@ def test_lightning_bf16_clipping_accumulation_replays_exactly(workspace):
     """bf16-mixed autocast, gradient_clip_val, accumulate_grad_batches=3 (an epoch of 16 batches ends in a group of
     one), dropout, a per-step scheduler, a shuffling DataLoader whose items draw noise from the global RNG."""
     from replaybisect.restore import run_config
+    from replaybisect.verbs.check.engine import CheckOptions, check as run_checks
 
     folder, run_id, _ = _record(workspace, "bf16-mixed", "0.05", "12", "0.5", "3")
     store = workspace.store()
@@ -92,7 +103,8 @@ def test_lightning_bf16_clipping_accumulation_replays_exactly(workspace):
     assert len(logged) == 12  # optimizer steps, 36 batches
 
     # `replay check` reads the data inside a Lightning step's stored batch (its accumulated micro-batches)
-    report = _replay_in(workspace, folder, "check", "--run-id", run_id, "--only", "data.finite,data.input_scale")
+    report = run_checks(store, run_id=run_id, options=CheckOptions(only=["data.finite", "data.input_scale"]),
+                        trust=_trusting(folder)).to_json()
     statuses = {check["name"]: check for check in report["checks"]}
     assert statuses["data.finite"]["status"] == "pass" and statuses["data.input_scale"]["status"] == "pass", statuses
 
