@@ -1,9 +1,15 @@
 """Git for `replay bisect`: read-only questions to the user's repository, everything else in a private clone.
 
-The user's repository is only ever *read* (`rev-parse`, `merge-base`); nothing in it is written, not its
-working tree, index, HEAD, refs, stashes or `.git/worktrees`. Trials check commits out in worktrees of a
-`git clone --shared --no-checkout` that lives in a cache folder (git-worktree(1): `git worktree add`
-in the user's repository would write under its `.git/worktrees`).
+The user's repository is only ever *read*; nothing in it is written, not its working tree, index, HEAD, refs,
+stashes or `.git/worktrees`. Trials check commits out in worktrees of a `git clone --shared --no-checkout` that
+lives in a cache folder (git-worktree(1): `git worktree add` in the user's repository would write under its
+`.git/worktrees`).
+
+Reads (which repository, is a commit an ancestor, does it hold a file, its first-parent history, subjects, authors,
+dates, trees) go through GitPython (`core.repo.open_repo`). What changes files stays on the git CLI, which GitPython
+only wraps: `clone --shared`, `worktree add/remove/prune`, `checkout`, `clean`. So do two reads whose answer is
+git's own: a revision is resolved by `git rev-parse --verify` (GitPython's own parser lacks `@{upstream}` and
+`@{<date>}`), and the diffstat is `git diff --stat`'s text.
 """
 
 from __future__ import annotations
@@ -14,22 +20,11 @@ import shutil
 import subprocess
 import uuid
 from dataclasses import dataclass, field
+from itertools import dropwhile, takewhile
 from pathlib import Path
 
+from replaybisect.core.repo import clean_git_env, open_repo
 from replaybisect.errors import GitError
-
-# Variables that would point our git calls at another repository or index (set inside git hooks, for one).
-_GIT_LOCATION_VARS = ("GIT_DIR", "GIT_WORK_TREE", "GIT_INDEX_FILE", "GIT_OBJECT_DIRECTORY", "GIT_COMMON_DIR",
-                      "GIT_ALTERNATE_OBJECT_DIRECTORIES", "GIT_NAMESPACE")
-
-
-def clean_git_env(base: dict[str, str] | None = None) -> dict[str, str]:
-    env = dict(os.environ if base is None else base)
-    for name in _GIT_LOCATION_VARS:
-        env.pop(name, None)
-    env["GIT_TERMINAL_PROMPT"] = "0"
-    return env
-
 
 def git(cwd: Path | str, *args: str, check: bool = True) -> str:
     """Run one git command in `cwd` and return its stdout (stripped)."""
@@ -37,6 +32,12 @@ def git(cwd: Path | str, *args: str, check: bool = True) -> str:
     if check and done.returncode != 0:
         raise subprocess.CalledProcessError(done.returncode, ["git", *args], done.stdout, done.stderr)
     return done.stdout.strip()
+
+
+def subject(message: str) -> str:
+    """A commit message's subject as git prints it (`%s`): its first paragraph, lines joined by a space."""
+    lines = list(dropwhile(lambda line: not line.strip(), message.split("\n")))
+    return " ".join(line.rstrip() for line in takewhile(lambda line: line.strip(), lines))
 
 
 def cache_root() -> Path:
@@ -65,36 +66,51 @@ class UserRepo:
 
     @classmethod
     def open(cls, path: str | Path) -> "UserRepo":
+        try:
+            from git.exc import InvalidGitRepositoryError, NoSuchPathError
+        except ImportError:  # GitPython does not import without a git executable
+            raise GitError("replay bisect needs git: install it, or put it on PATH") from None
+
         folder = Path(path).expanduser()
         if not folder.is_dir():
             raise GitError(f"{folder} is not a folder; pass --repo PATH of a git repository")
         try:
-            git_dir = Path(git(folder, "rev-parse", "--path-format=absolute", "--git-common-dir"))
-            bare = git(folder, "rev-parse", "--is-bare-repository") == "true"
-            top = git_dir if bare else Path(git(folder, "rev-parse", "--show-toplevel"))
-        except subprocess.CalledProcessError:
+            with open_repo(folder) as repo:
+                git_dir = Path(repo.common_dir)
+                top = git_dir if repo.bare else Path(repo.working_tree_dir)
+        except (InvalidGitRepositoryError, NoSuchPathError):
             raise GitError(f"{folder.resolve()} is not a git repository; pass --repo PATH of one") from None
         return cls(path=top.resolve(), git_dir=git_dir.resolve())
 
     def resolve(self, rev: str, what: str) -> str:
-        """The full SHA of commit `rev` (a SHA, branch, tag or `HEAD~3`)."""
+        """The full SHA of commit `rev` (a SHA, branch, tag, `HEAD~3`, `main@{upstream}`: git's own syntax)."""
+        from git.exc import GitCommandError
+
         if not rev or rev.startswith("-"):
             raise GitError(f"{what} {rev!r} is not a commit; pass a SHA, branch or tag of {self.path}")
         try:
-            return git(self.path, "rev-parse", "--verify", "--quiet", "--end-of-options", f"{rev}^{{commit}}")
-        except subprocess.CalledProcessError:
+            with open_repo(self.path) as repo:
+                return repo.git.rev_parse("--verify", "--quiet", "--end-of-options", f"{rev}^{{commit}}")
+        except GitCommandError:
             raise GitError(f"{what} {rev!r} is not a commit in {self.path}; check it with `git log --oneline`") from None
 
     def has_file(self, sha: str, path: str) -> bool:
-        """Whether commit `sha` holds the file `path` (relative to the repository root); read-only."""
-        done = subprocess.run(["git", "cat-file", "-e", f"{sha}:{path}"], cwd=self.path, env=clean_git_env(),
-                              capture_output=True)
-        return done.returncode == 0
+        """Whether commit `sha` holds `path` (relative to the repository root, a file or a folder); read-only."""
+        with open_repo(self.path) as repo:
+            try:
+                repo.commit(sha).tree.join(path)
+            except KeyError:
+                return False
+        return True
 
     def is_ancestor(self, older: str, newer: str) -> bool:
-        done = subprocess.run(["git", "merge-base", "--is-ancestor", older, newer], cwd=self.path,
-                              env=clean_git_env(), capture_output=True)
-        return done.returncode == 0
+        from git.exc import GitCommandError
+
+        with open_repo(self.path) as repo:
+            try:
+                return repo.is_ancestor(older, newer)
+            except GitCommandError:  # not a commit either: no ancestry to speak of
+                return False
 
     @property
     def cache_key(self) -> str:
@@ -196,28 +212,36 @@ class PrivateClone:
     # ---- history -----------------------------------------------------------------------
     def first_parent_range(self, good: str, bad: str) -> list[str]:
         """Commits on BAD's first-parent chain that are not reachable from GOOD, oldest first (BAD last)."""
-        out = git(self.clone, "rev-list", "--first-parent", "--reverse", f"{good}..{bad}")
-        return out.split()
+        with open_repo(self.clone) as repo:
+            return [commit.hexsha for commit in repo.iter_commits(f"{good}..{bad}", first_parent=True, reverse=True)]
 
     def tree(self, sha: str) -> str:
-        return git(self.clone, "rev-parse", f"{sha}^{{tree}}")
+        return self.trees([sha])[sha]
 
     def trees(self, shas: list[str]) -> dict[str, str]:
         if not shas:
             return {}
-        out = git(self.clone, "rev-parse", *[f"{sha}^{{tree}}" for sha in shas]).split()
-        return dict(zip(shas, out))
+        with open_repo(self.clone) as repo:
+            return {sha: repo.commit(sha).tree.hexsha for sha in shas}
 
     def subjects(self, shas: list[str]) -> dict[str, str]:
         if not shas:
             return {}
-        out = git(self.clone, "show", "--no-patch", "--format=%H %s", *shas)
-        return dict(line.split(" ", 1) if " " in line else (line, "") for line in out.splitlines())
+        with open_repo(self.clone) as repo:
+            return {commit.hexsha: subject(commit.message) for commit in map(repo.commit, shas)}
 
     def commit_info(self, sha: str) -> CommitInfo:
-        fields = git(self.clone, "show", "--no-patch", "--format=%s%x00%an <%ae>%x00%aI", sha).split("\x00")
-        diffstat = git(self.clone, "diff", "--stat", "--no-color", f"{sha}^1", sha, check=False)
-        return CommitInfo(sha=sha, subject=fields[0], author=fields[1], date=fields[2], diffstat=diffstat)
+        from git.exc import GitCommandError
+
+        with open_repo(self.clone) as repo:
+            commit = repo.commit(sha)
+            try:  # git's own text; a root commit has no first parent to compare with
+                diffstat = repo.git.diff("--stat", "--no-color", f"{sha}^1", sha)
+            except GitCommandError:
+                diffstat = ""
+            return CommitInfo(sha=sha, subject=subject(commit.message).strip(),
+                              author=f"{commit.author.name} <{commit.author.email}>",
+                              date=commit.authored_datetime.isoformat(), diffstat=diffstat.strip())
 
 
 def _process_alive(pid: int) -> bool:

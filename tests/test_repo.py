@@ -1,0 +1,113 @@
+"""core.repo.code_version: the commit and dirty state of the user's code, read through GitPython without writing
+anything in the user's repository (no index refresh, no index.lock), on real repositories in tmp_path."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from replaybisect.core.repo import GIT_LOCATION_VARS, clean_git_env, code_version
+
+
+def git(cwd: Path, *args: str) -> str:
+    env = clean_git_env() | {"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
+                             "GIT_COMMITTER_EMAIL": "t@t"}
+    return subprocess.run(["git", *args], cwd=cwd, env=env, capture_output=True, text=True, check=True).stdout.strip()
+
+
+@pytest.fixture
+def repo(tmp_path) -> Path:
+    path = tmp_path / "repo"
+    path.mkdir()
+    git(path, "init", "-q")
+    (path / "src").mkdir()
+    (path / "train.py").write_text("print('hi')\n")
+    (path / "src" / "model.py").write_text("x = 1\n")
+    git(path, "add", ".")
+    git(path, "commit", "-qm", "one")
+    return path
+
+
+def index_state(repo: Path) -> tuple[int, bytes]:
+    index = repo / ".git" / "index"
+    return index.stat().st_mtime_ns, index.read_bytes()
+
+
+def test_clean_repository(repo):
+    assert code_version(repo) == {"git_sha": git(repo, "rev-parse", "HEAD"), "git_dirty": "false"}
+    assert code_version(repo / "src") == code_version(repo)  # a folder inside the repository: the same answer
+
+
+def test_modified_and_staged_changes_are_dirty(repo):
+    (repo / "train.py").write_text("print('changed')\n")
+    assert code_version(repo)["git_dirty"] == "true"
+    git(repo, "add", "train.py")  # staged, the working tree now equal to the index
+    assert code_version(repo)["git_dirty"] == "true"
+    git(repo, "commit", "-qm", "two")
+    assert code_version(repo) == {"git_sha": git(repo, "rev-parse", "HEAD"), "git_dirty": "false"}
+
+
+def test_untracked_files_are_not_dirty(repo):
+    (repo / "notes.txt").write_text("scratch\n")
+    (repo / "outputs").mkdir()
+    (repo / "outputs" / "log.txt").write_text("step 1\n")
+    assert code_version(repo)["git_dirty"] == "false"
+
+
+def test_no_answer_outside_a_repository_or_without_a_commit(tmp_path):
+    assert code_version(tmp_path) == {}
+    assert code_version(tmp_path / "missing") == {}
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    git(empty, "init", "-q")
+    assert code_version(empty) == {}  # HEAD names no commit yet
+
+
+def test_no_answer_without_git_on_path(repo, tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", str(tmp_path / "no-bin"))
+    assert code_version(repo) == {}
+
+
+def test_the_index_is_not_refreshed_or_written(repo):
+    """A tracked file whose stat data changed but whose content did not: `git diff` (GitPython's is_dirty) would
+    refresh and rewrite the index here; code_version must leave it byte for byte, mtime included."""
+    target = repo / "src" / "model.py"
+    stat = target.stat()
+    os.utime(target, ns=(stat.st_atime_ns, stat.st_mtime_ns - 10**11))  # 100 s older: stat-dirty, not racy
+    assert git(repo, "--no-optional-locks", "diff-files", "--name-only") == "src/model.py"  # the index is stale
+    before = index_state(repo)
+    assert code_version(repo)["git_dirty"] == "false"
+    assert index_state(repo) == before
+    assert not (repo / ".git" / "index.lock").exists()
+
+
+def test_answers_while_another_git_holds_the_index_lock(repo):
+    lock = repo / ".git" / "index.lock"
+    lock.write_bytes(b"")  # what a running `git add` / `git commit` leaves while it works
+    before = index_state(repo)
+    assert code_version(repo) == {"git_sha": git(repo, "rev-parse", "HEAD"), "git_dirty": "false"}
+    (repo / "train.py").write_text("print('changed')\n")
+    assert code_version(repo)["git_dirty"] == "true"
+    assert lock.exists() and lock.read_bytes() == b""
+    assert index_state(repo) == before
+
+
+def test_git_location_variables_do_not_redirect_it(repo, tmp_path, monkeypatch):
+    """Inside a git hook GIT_DIR & co point at the hook's repository; the folder asked about decides."""
+    other = tmp_path / "other"
+    other.mkdir()
+    git(other, "init", "-q")
+    (other / "a").write_text("a\n")
+    git(other, "add", "a")
+    git(other, "commit", "-qm", "other")
+    (repo / "train.py").write_text("print('changed')\n")
+    hook_env = {"GIT_DIR": str(other / ".git"), "GIT_WORK_TREE": str(other), "GIT_INDEX_FILE": str(other / ".git" / "index"),
+                "GIT_OBJECT_DIRECTORY": str(other / ".git" / "objects"), "GIT_COMMON_DIR": str(other / ".git")}
+    for name, value in hook_env.items():
+        monkeypatch.setenv(name, value)
+    assert code_version(repo) == {"git_sha": git(repo, "rev-parse", "HEAD"), "git_dirty": "true"}
+    assert {name: os.environ[name] for name in hook_env} == hook_env  # put back as they were
+    assert set(hook_env) <= set(GIT_LOCATION_VARS)
