@@ -29,14 +29,16 @@ def diagnose_command(
     next: replay check --run-id 3f2a9c0d...
     """
     from replaybisect.options import run_store
+    from replaybisect.verbs.diagnose.request import DiagnoseRequest
 
-    store = run_store(tracking_uri, run_id)  # an unknown run is answered before anything heavy is imported
+    request = DiagnoseRequest(run_id=run_id, tracking_uri=tracking_uri, publish=not no_artifacts)
+    store = run_store(request.tracking_uri, request.run_id)  # an unknown run is answered before anything heavy is imported
     from replaybisect.verbs.diagnose.engine import analyse, load_curves
     from replaybisect.verbs.diagnose.report import print_diagnosis, publish
 
-    curves = load_curves(store, run_id)
+    curves = load_curves(store, request.run_id)
     result = analyse(curves)
-    report_run_id = None if no_artifacts else publish(store, result, curves)
+    report_run_id = publish(store, result, curves) if request.publish else None
     if as_json:
         print_json({**result.to_json(), "report_run_id": report_run_id})
     else:

@@ -7,11 +7,12 @@ from typing import Optional
 import typer
 
 from replaybisect.options import CodeDirs, JsonFlag, TrackingUri, TrustPrefixes, print_json, stderr_console
+from replaybisect.verbs.nan.request import STEP, NanRequest
 
 
 def nan_command(
     run_id: str = typer.Option(..., "--run-id", help="The run that went non-finite."),
-    step: Optional[int] = typer.Option(None, "--step", min=0, help="Examine this step instead of the run's first non-finite step."),
+    step: Optional[int] = typer.Option(None, "--step", **STEP.limits, help="Examine this step instead of the run's first non-finite step."),
     device: Optional[str] = typer.Option(None, "--device", help="Replay on this device (default: the run's train.device)."),
     no_child_run: bool = typer.Option(False, "--no-child-run", help="Do not record the report as a child run."),
     tracking_uri: Optional[str] = TrackingUri,
@@ -42,15 +43,10 @@ def nan_command(
     """
     from replaybisect.options import run_store
 
-    torch_device = None
-    if device:  # a bad device is bad input before the store is opened
-        from replaybisect.core.device import resolve_device
-
-        torch_device = resolve_device(device, "--device")
-    from replaybisect.core.trust import Trust
-
-    trust = Trust.from_user(code_dirs or (), trust_prefixes or ())
-    store = run_store(tracking_uri, run_id)  # an unknown run is answered before torch is imported
+    # bad input (a device this machine lacks, a --code-dir that is no folder) is refused before the store is opened
+    request = NanRequest(run_id=run_id, step=step, device=device, tracking_uri=tracking_uri, code_dirs=code_dirs or (),
+                         trust=trust_prefixes or (), publish=not no_child_run)
+    store = run_store(request.tracking_uri, request.run_id)  # an unknown run is answered before torch is imported
     from replaybisect.core.tags import step_tag
 
     step_tag(store.tags(run_id), "first_nonfinite_step", run_id)  # a damaged tag too (torch is not imported yet)
@@ -58,9 +54,9 @@ def nan_command(
     from replaybisect.verbs.nan.report import print_rich, publish
 
     progress = stderr_console()
-    report = find_nan(store, run_id, step, device=torch_device, trust=trust,
+    report = find_nan(store, request.run_id, request.step, device=request.torch_device, trust=request.trusted,
                       log=lambda message: progress.print(f"[dim]{message}[/dim]"))
-    if not no_child_run:
+    if request.publish:
         publish(store, report)
     if as_json:
         print_json(report.to_json())

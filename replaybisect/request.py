@@ -1,0 +1,169 @@
+"""What the verbs' requests share: each verb's input is one frozen dataclass (`verbs/<verb>/request.py`) that checks
+itself when it is built, used by both front doors (`replay VERB` in command.py, `replaybisect.VERB(...)` in
+__init__.py), so both refuse the same input with the same one-line ReplayError. Light: no torch, no MLflow.
+
+A number's allowed range is declared once, as a `Bound`: command.py hands it to typer (the option's help shows it and
+click refuses a value outside it while parsing), and the request checks it in the same words for the Python API.
+A value of the wrong kind (a string where a count goes) cannot come from the command line, whose parser converts
+types; from Python it is refused in the API's words (`step='3' is not an integer >= 0`), naming the argument."""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional, Union
+
+from replaybisect.core import arguments
+from replaybisect.errors import ReplayError
+
+Number = Union[int, float]
+MAX_STEPS = 1_000_000  # bound on step-count options: a typo (1e20) is bad input, not hours of work or memory
+MAX_WORKERS = 256  # bound on parallel workers (processes, worktrees or SLURM jobs)
+
+
+@dataclass(frozen=True)
+class Bound:
+    """The range an option allows, worded as typer refuses a value outside it:
+    `Invalid value for '--steps': Input should be greater than or equal to 1 (allowed: 1 to 1000000); see ...`."""
+
+    verb: str
+    flags: tuple[str, ...]  # the option's names, as typer declares them: ("--workers", "-w")
+    low: Optional[Number] = None
+    high: Optional[Number] = None
+
+    @property
+    def limits(self) -> dict[str, Number]:
+        """typer.Option's min=/max= (only the bounds there are)."""
+        return {key: value for key, value in (("min", self.low), ("max", self.high)) if value is not None}
+
+    def refusal(self, value: Number) -> Optional[str]:
+        """The line the command prints for `value` (without `replay: error: `), or None when it is in range."""
+        if self.low is not None and value < self.low:
+            said = f"greater than or equal to {self.low}"
+        elif self.high is not None and value > self.high:
+            said = f"less than or equal to {self.high}"
+        else:
+            return None
+        allowed = f" (allowed: {self.low} to {self.high})" if self.low is not None and self.high is not None else ""
+        shown = " / ".join(f"'{flag}'" for flag in self.flags)
+        return f"Invalid value for {shown}: Input should be {said}{allowed}; see `replay {self.verb} --help`"
+
+    def check(self, value: Number) -> None:
+        refused = self.refusal(value)
+        if refused is not None:
+            raise ReplayError(refused)
+
+
+def shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _kind(name: str, value: Any, what: str, optional: bool) -> ReplayError:
+    return ReplayError(f"{name}={shown(value)} is not {what}{' or None' if optional else ''}")
+
+
+def integer(value: Any, name: str, bound: Optional[Bound] = None, *, optional: bool = False) -> Optional[int]:
+    """An int (not a bool) within `bound`; None too when optional."""
+    if value is None and optional:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool):
+        low = bound.low if bound is not None else None
+        raise _kind(name, value, "an integer" + (f" >= {low}" if low is not None else ""), optional)
+    if bound is not None:
+        bound.check(value)
+    return value
+
+
+def number(value: Any, name: str, bound: Optional[Bound] = None, *, optional: bool = False) -> Optional[float]:
+    """An int or float (not a bool) within `bound`; None too when optional. NaN is a number here: the verb says
+    where it is no value."""
+    if value is None and optional:
+        return None
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise _kind(name, value, "a number", optional)
+    if bound is not None and not math.isnan(value):
+        bound.check(value)
+    return value
+
+
+def text(value: Any, name: str, *, optional: bool = False) -> Optional[str]:
+    if value is None and optional:
+        return None
+    if isinstance(value, str):
+        return value
+    raise _kind(name, value, "a string", optional)
+
+
+def flag(value: Any, name: str) -> bool:
+    if isinstance(value, bool):
+        return value
+    raise ReplayError(f"{name}={shown(value)} is not True or False")
+
+
+def strings(value: Any, name: str, *, what: str = "strings") -> tuple[str, ...]:
+    """A list (tuple, ...) of strings, as a tuple; one string alone is refused (it would be read letter by letter)."""
+    if isinstance(value, (str, bytes)) or not _iterable(value):
+        raise ReplayError(f"{name}={shown(value)} is not a list of {what}; pass a list, e.g. [{shown(value)}]"
+                          if isinstance(value, str) else f"{name}={shown(value)} is not a list of {what}")
+    items = tuple(value)
+    for item in items:
+        if not isinstance(item, str):
+            raise ReplayError(f"{name} holds {shown(item)}, not a string; pass a list of {what}")
+    return items
+
+
+def path(value: Any, name: str, *, optional: bool = False) -> Optional[str]:
+    """A str or os.PathLike (a pathlib.Path), as a str."""
+    if value is None and optional:
+        return None
+    if isinstance(value, (str, os.PathLike)) and not isinstance(value, bytes):
+        text_value = os.fspath(value)
+        if isinstance(text_value, str):
+            return text_value
+    raise _kind(name, value, "a path (a str or pathlib.Path)", optional)
+
+
+def paths(value: Any, name: str) -> tuple[str, ...]:
+    """A list of paths (str or pathlib.Path), as str; one path alone is refused (a str would be read letter by letter)."""
+    if isinstance(value, (str, bytes, os.PathLike)) or not _iterable(value):
+        raise ReplayError(f"{name}={shown(value)} is not a list of folders; pass a list, e.g. [{shown(value)}]")
+    return tuple(path(item, name) for item in value)
+
+
+def _iterable(value: Any) -> bool:
+    try:
+        iter(value)
+    except TypeError:
+        return False
+    return True
+
+
+def tracking_uri(value: Any) -> Optional[str]:
+    return arguments.tracking_uri(value)
+
+
+def run_id(value: Any) -> str:
+    return arguments.run_id(value)
+
+
+def trust_of(code_dirs: tuple[str, ...], prefixes: tuple[str, ...]):
+    """The trust decision for a stored run's `_target_`s (core/trust.py), from --code-dir and --trust (and the
+    environment's): a folder that is not one, a prefix that is not a module name, refused in one line."""
+    from replaybisect.core.trust import Trust
+
+    return Trust.from_user(list(code_dirs), list(prefixes))
+
+
+def setattrs(request: Any, **values: Any) -> None:
+    """Set fields of a frozen request while it is being built (__post_init__): the checked, normalized values."""
+    for name, value in values.items():
+        object.__setattr__(request, name, value)
+
+
+def config_folder(value: Any, name: str = "config_dir") -> Optional[Path]:
+    """A config folder given as str or pathlib.Path (None: the built-in example), as a Path."""
+    folder = path(value, name, optional=True)
+    return Path(folder) if folder is not None else None

@@ -1,0 +1,43 @@
+"""What `replay nan` and `replaybisect.find_nan` are asked: checked when built (replaybisect/request.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence
+
+from replaybisect import request as checks
+from replaybisect.request import Bound
+
+STEP = Bound("nan", ("--step",), low=0)
+
+
+@dataclass(frozen=True)
+class NanRequest:
+    """The failed run, the step to examine (default: its first non-finite step), the device to replay on (default:
+    the run's train.device), where the store is, and which of the stored config's `_target_`s may be built."""
+
+    run_id: str
+    step: Optional[int] = None
+    device: Optional[str] = None
+    tracking_uri: Optional[str] = None
+    code_dirs: Sequence[str] = ()
+    trust: Sequence[str] = ()
+    publish: bool = True  # record the report as a child run (--no-child-run: False)
+    # built from the fields above when the request is: the trust decision, the device (a torch.device, or None)
+    trusted: Any = field(init=False, repr=False, compare=False)
+    torch_device: Any = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        checks.setattrs(
+            self, tracking_uri=checks.tracking_uri(self.tracking_uri), run_id=checks.run_id(self.run_id),
+            step=checks.integer(self.step, "step", STEP, optional=True),
+            device=checks.text(self.device, "device", optional=True),
+            code_dirs=checks.paths(self.code_dirs, "code_dirs"), trust=checks.strings(self.trust, "trust", what="module prefixes"),
+            publish=checks.flag(self.publish, "publish"),
+        )
+        torch_device = None
+        if self.device:  # a device this machine lacks is bad input before the store is opened (imports torch)
+            from replaybisect.core.device import resolve_device
+
+            torch_device = resolve_device(self.device, "--device")
+        checks.setattrs(self, torch_device=torch_device, trusted=checks.trust_of(self.code_dirs, self.trust))
