@@ -29,11 +29,12 @@ from replaybisect.verbs.ablate.interventions import BASELINE, ArmContext, ArmSpe
 from replaybisect.core.jsonutil import to_jsonable as _json_float
 from replaybisect.core.trust import Trust
 from replaybisect.verbs.ablate.patch import PATCH_ARM, Patch, patched_config, patched_modules
+# the options and their checks are the request's (light): the engine checks them again for its direct callers
+from replaybisect.verbs.ablate.request import DEFAULT_HORIZON, AblateRequest, SubmititOptions, check_options, parse_arms
 
 __all__ = ["ablate", "run_arm", "judge_arm", "judge_baseline", "conclusion_text", "divergence_onset", "parse_arms",
            "AblationResult", "ArmOutcome", "DEFAULT_HORIZON", "BLOWUP_FACTOR"]
 
-DEFAULT_HORIZON = 200
 # "The loss blows up": the mean loss over the arm's last FINAL_WINDOW steps exceeds BLOWUP_FACTOR x the
 # pre-failure reference. 4x is the divergence criterion of LR range tests (Lightning, fastai,
 # torch-lr-finder stop at loss > 4x best); the mean over 10 steps keeps one noisy batch from deciding.
@@ -42,7 +43,6 @@ FINAL_WINDOW = 10
 # The pre-failure reference: median of the recorded losses of the REFERENCE_WINDOW steps before the arms'
 # start plus the steps from the start to the failure.
 REFERENCE_WINDOW = 20
-EXECUTORS = ("local", "submitit")
 # --workers auto: a spawned worker pays ~5 s (import torch + MLflow, measured on these 2-core machines; much
 # more under load) before its first step, so arms whose replays are estimated (recorded step_time x steps) to
 # take less than this in total run in-process, one after another.
@@ -326,19 +326,6 @@ def run_arm(spec: dict[str, Any], on_step: Optional[Callable[[int], None]] = Non
 
 
 # ---- executors ---------------------------------------------------------------------------------------
-@dataclass
-class SubmititOptions:
-    """Where and how submitit runs the arms (SLURM, or submitit's local/debug executors)."""
-
-    cluster: Optional[str] = None  # None: SLURM when available, else local
-    folder: str = ".replaybisect/submitit"
-    partition: Optional[str] = None
-    timeout_min: int = 60
-    gpus_per_node: int = 0
-    cpus_per_task: Optional[int] = None
-    mem_gb: Optional[float] = None
-
-
 ProgressFn = Callable[[str, str, int], None]  # (arm, event: "step"|"done", value)
 
 
@@ -584,25 +571,7 @@ def conclusion_text(result_arms: list[ArmOutcome], failing_step: Optional[int], 
     return "; ".join(parts)
 
 
-# ---- the command -------------------------------------------------------------------------------------
-def parse_arms(arms: Optional[str | list[str]], default_all: bool = True) -> list[ArmSpec]:
-    """'lr,clip=265' -> [ArmSpec('lr'), ArmSpec('clip', 265.0)]; None/empty -> every registered intervention (or none
-    when not `default_all`). Unknown arms and bad values are one-line errors, before anything runs."""
-    if arms is None or (isinstance(arms, str) and not arms.strip()):
-        return [ArmSpec(name) for name in interventions.names()] if default_all else []
-    items = arms.split(",") if isinstance(arms, str) else [a for part in arms for a in part.split(",")]
-    specs: list[ArmSpec] = []
-    for item in (i.strip() for i in items):
-        if not item:
-            continue
-        spec = interventions.parse_arm(item)
-        if spec.label not in {s.label for s in specs}:  # `lr` and `lr=x0.1` are one arm
-            specs.append(spec)
-    if not specs:
-        raise ReplayError(f"no arms given; valid arms: {', '.join(interventions.names())}")
-    return specs
-
-
+# ---- planning the arms ------------------------------------------------------------------------------
 def _auto_workers(store, run_id: str, cfg, snapshot, total_steps: int, tasks: int, executor: str) -> int:
     """One worker per arm up to the cores the recorded thread count leaves room for; in-process (1) when the
     whole ablation is estimated to take less than a worker's start-up is worth."""
@@ -613,33 +582,6 @@ def _auto_workers(store, run_id: str, cfg, snapshot, total_steps: int, tasks: in
     step_times = [v for _, v in store.metric_history(run_id, "step_time") if math.isfinite(v)]
     estimate = total_steps * statistics.median(step_times) if step_times else math.inf
     return 1 if estimate < AUTO_IN_PROCESS_SECONDS else parallel
-
-
-SWEEPS = ("lr", "clip")  # the interventions whose value --sweep searches
-
-
-def check_options(arms, *, horizon: int, workers: Optional[int], executor: str, from_step: Optional[int],
-                  patch: Optional[str] = None, sweep: Optional[str] = None) -> list[ArmSpec]:
-    """Everything about the options that is wrong before any run is read (light: no torch, no MLflow)."""
-    if sweep is not None and sweep not in SWEEPS:
-        raise ReplayError(f"--sweep {sweep[:80]!r} cannot be swept; --sweep takes {' or '.join(SWEEPS)} (a number to search), "
-                          f"or try {sweep[:80]} as an arm: replay ablate {sweep[:80]}")
-    if sweep is not None and (patch is not None or (arms and str(arms).strip())):
-        raise ReplayError(f"--sweep {sweep} runs its own arms; leave out the arms{' and --patch' if patch else ''} (run them in another `replay ablate`)")
-    names = parse_arms(arms, default_all=patch is None) if sweep is None else []
-    if patch is not None:
-        from replaybisect.verbs.ablate.patch import check_path
-
-        check_path(patch)
-    if horizon <= 0:
-        raise ReplayError(f"--horizon {horizon} must be a positive number of steps past the failing step (e.g. --horizon {DEFAULT_HORIZON})")
-    if workers is not None and workers < 1:
-        raise ReplayError(f"--workers {workers} must be at least 1 (or leave it out: auto)")
-    if executor not in EXECUTORS:
-        raise ReplayError(f"unknown executor {executor!r}; use one of {', '.join(EXECUTORS)}")
-    if from_step is not None and from_step < 0:
-        raise ReplayError(f"--from-step {from_step} must be a step >= 0")
-    return names
 
 
 def _absolute_uri(uri: str) -> str:
@@ -920,6 +862,14 @@ def ablate(
         patch=plan.patch.summary() if plan.patch else None,
         sweep=sweep_result,
     )
+
+
+def ablate_request(store, request: AblateRequest, *, progress: Optional[Callable[[str, str, int], None]] = None,
+                   on_plan: Optional[Callable[[list[str], int, int], None]] = None) -> AblationResult:
+    """`ablate` as a checked request asks it (`replay ablate` and `replaybisect.ablate`)."""
+    return ablate(store, request.run_id, request.arm_list, from_step=request.from_step, horizon=request.horizon,
+                  workers=request.workers, executor=request.executor, submitit_options=request.submitit_options(),
+                  progress=progress, on_plan=on_plan, trust=request.trusted, patch=request.patch, sweep=request.sweep)
 
 
 class _Runner:
