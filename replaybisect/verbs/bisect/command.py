@@ -7,9 +7,8 @@ from typing import Optional
 
 import typer
 
-from replaybisect.options import HYDRA_CONTEXT, MAX_STEPS, MAX_WORKERS, JsonFlag, TrackingUri, print_json
-
-MAX_SEEDS = 100  # seeds per endpoint; each is a training run per tried commit
+from replaybisect.options import HYDRA_CONTEXT, JsonFlag, TrackingUri, print_json
+from replaybisect.verbs.bisect.request import MOST_SEEDS, SEEDS, STEPS, WORKERS, BisectRequest
 
 
 def bisect_command(
@@ -19,12 +18,12 @@ def bisect_command(
     repo: Path = typer.Option(Path("."), "--repo", help="The git repository (never modified: trials run in a private clone)."),
     config_dir: str = typer.Option("conf", "--config-dir", help="Hydra config folder, relative to the repository root at each commit."),
     config_name: str = typer.Option("config", "--config-name", help="Primary config in --config-dir."),
-    steps: Optional[int] = typer.Option(None, "--steps", min=1, max=MAX_STEPS, help="Training steps per trial (default: the config's train.steps)."),
+    steps: Optional[int] = typer.Option(None, "--steps", **STEPS.limits, help="Training steps per trial (default: the config's train.steps)."),
     metric: str = typer.Option("loss", "--metric", help="Metric judged (lower is better): its mean over the last 10% of logged steps."),
     threshold: Optional[float] = typer.Option(None, "--threshold", help="Metric above this is bad (default: judged against the endpoints' measured spread)."),
-    seeds: int = typer.Option(3, "--seeds", min=1, max=MAX_SEEDS, help="Seeds the endpoints are measured with (a commit gets more when unclear); training only."),
-    max_seeds: Optional[int] = typer.Option(None, "--max-seeds", min=1, max=3 * MAX_SEEDS, help="Most seeds for one commit (default 3x --seeds)."),
-    workers: int = typer.Option(1, "--workers", "-w", min=1, max=MAX_WORKERS, help="Commits tested in parallel per round."),
+    seeds: int = typer.Option(3, "--seeds", **SEEDS.limits, help="Seeds the endpoints are measured with (a commit gets more when unclear); training only."),
+    max_seeds: Optional[int] = typer.Option(None, "--max-seeds", **MOST_SEEDS.limits, help="Most seeds for one commit (default 3x --seeds)."),
+    workers: int = typer.Option(1, "--workers", "-w", **WORKERS.limits, help="Commits tested in parallel per round."),
     cmd: Optional[str] = typer.Option(None, "--cmd", help="Run this shell command instead of training; exit 0 good, 125 skip, 1-127 bad, >=128 abort."),
     no_cache: bool = typer.Option(False, "--no-cache", help="Do not reuse trial results of earlier bisects."),
     tracking_uri: Optional[str] = TrackingUri,
@@ -51,29 +50,24 @@ def bisect_command(
     ($REPLAYBISECT_CACHE). Exit status: 0 a result (a first bad commit, or the skipped commits it could be),
     2 bad input (unknown commit, GOOD not an ancestor of BAD, GOOD fails or BAD passes).
     """
-    import math
     import sys
 
-    from replaybisect.errors import ReplayError
-
-    if threshold is not None and not math.isfinite(threshold):
-        raise ReplayError(f"--threshold {threshold} must be a finite number (or leave it out: judged from the endpoints)")
-
+    request = BisectRequest(
+        good=good, bad=bad, repo=repo, overrides=list(ctx.args), config_dir=config_dir, config_name=config_name, steps=steps,
+        metric=metric, threshold=threshold, seeds=seeds, max_seeds=max_seeds, workers=workers, cmd=cmd,
+        tracking_uri=tracking_uri, use_cache=not no_cache,
+    )
     from replaybisect.verbs.bisect.engine import bisect
     from replaybisect.verbs.bisect.report import publish, render
 
     from replaybisect.options import announce_store, stderr_console
     from replaybisect.store import locate_store
 
-    announce_store(locate_store(tracking_uri), creating=True)  # a store inside the repository is moved to the cache (said then)
+    announce_store(locate_store(request.tracking_uri), creating=True)  # a store inside the repository is moved to the cache (said then)
     # `kill` (SIGTERM) stops the bisect as cleanly as Ctrl-C (main() raises Terminated, a KeyboardInterrupt)
     try:
         with _Progress(stderr_console()) as progress:
-            result = bisect(
-                good, bad, repo=repo, config_dir=config_dir, config_name=config_name, overrides=list(ctx.args),
-                steps=steps, metric=metric, threshold=threshold, seeds=seeds, max_seeds=max_seeds, workers=workers,
-                cmd=cmd, tracking_uri=tracking_uri, use_cache=not no_cache, on_event=progress.event,
-            )
+            result = bisect(**request.arguments(), on_event=progress.event)
     except KeyboardInterrupt as stop:
         from replaybisect.errors import interruption
 
