@@ -16,8 +16,6 @@ from replaybisect.core.jsonutil import json_default
 
 TrackingUri = typer.Option(None, "--tracking-uri", help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI, else the nearest mlflow.db in this folder or above, else ./mlflow.db).")
 JsonFlag = typer.Option(False, "--json", help="Print one JSON object on stdout (progress and logs go to stderr).")
-MAX_STEPS = 1_000_000  # bound on step-count options: a typo (1e20) is bad input, not hours of work or memory
-MAX_WORKERS = 256  # bound on parallel workers (processes, worktrees or SLURM jobs)
 # The trust boundary (replaybisect/trust.py): where a stored run's `_target_`s may come from.
 CodeDirs = typer.Option(None, "--code-dir", help="A folder of your own code the run's `_target_`s may import from (repeatable; the working folder always counts).")
 TrustPrefixes = typer.Option(None, "--trust", help="Trust `_target_`s under this module prefix, e.g. mypkg (repeatable; also $REPLAYBISECT_TRUST=a,b).")
