@@ -13,14 +13,15 @@ The same work as the `replay` command, from Python (a notebook, a script, a CI j
 
 Every function takes `tracking_uri` (default: $MLFLOW_TRACKING_URI, else ./mlflow.db) and, where the
 command records its findings as MLflow runs and artifacts, `publish` (True: as the command does).
-Bad input raises `ReplayError` (its message says what to do). Importing this package is cheap: torch
-and MLflow load on the first call.
+Bad input raises `ReplayError` (its message says what to do): each verb's request (verbs/<verb>/request.py) checks
+the function's arguments as it checks the command's, so both refuse the same input in the same words. Importing
+this package is cheap: torch and MLflow load on the first call.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional, Sequence
+from typing import TYPE_CHECKING, Literal, Optional, Sequence
 
 from replaybisect.errors import ReplayError
 
@@ -77,23 +78,6 @@ def _run_store(tracking_uri: Optional[str], run_id: str):
     return open_store(location.uri, create=False)
 
 
-def _arguments(*, tracking_uri=None, run_id="-", step=None, run_name=None) -> None:
-    """The arguments every function shares, checked at the call: one-line ReplayErrors (run_id "-": not taken)."""
-    from replaybisect.core import arguments
-
-    arguments.tracking_uri(tracking_uri)
-    if run_id != "-":
-        arguments.run_id(run_id)
-    arguments.count(step, "step", optional=True)
-    arguments.text(run_name, "run_name")
-
-
-def _trust(code_dirs: Sequence[str | Path], trust: Sequence[str]):
-    from replaybisect.core.trust import Trust
-
-    return Trust.from_user([str(d) for d in code_dirs], list(trust))
-
-
 def train(
     overrides: Sequence[str] = (),
     *,
@@ -105,21 +89,25 @@ def train(
     """Train a Hydra config with the recorder on (as `replay train`). `config_dir` is your config folder
     (default: the built-in example); `overrides` are Hydra overrides. A run that stops on a non-finite loss
     returns with `status == "nonfinite"` (the command exits 3)."""
-    _arguments(tracking_uri=tracking_uri, run_name=run_name)
+    from replaybisect.verbs.train.request import TrainRequest
+
+    request = TrainRequest(overrides=overrides, config_dir=config_dir, config_name=config_name, tracking_uri=tracking_uri,
+                           run_name=run_name)
     from replaybisect.core import config as config_mod
     from replaybisect.report import run_label
     from replaybisect.verbs.train.engine import train as train_run
 
-    cfg = config_mod.compose(config_dir, config_name, list(overrides))
-    code_folder = Path(config_dir).resolve() if config_dir else Path.cwd()
-    return train_run(cfg, lambda: _store(tracking_uri), run_name=run_name or run_label(cfg, config_dir, config_name),
-                     code_folder=code_folder)
+    cfg = config_mod.compose(request.config_dir, request.config_name, list(request.overrides))
+    return train_run(cfg, lambda: _store(request.tracking_uri),
+                     run_name=request.run_name or run_label(cfg, request.config_dir, request.config_name),
+                     code_folder=request.code_folder)
 
 
 def find_nan(
     run_id: str,
     step: Optional[int] = None,
     *,
+    device: Optional[str] = None,
     tracking_uri: Optional[str] = None,
     code_dirs: Sequence[str | Path] = (),
     trust: Sequence[str] = (),
@@ -127,13 +115,17 @@ def find_nan(
 ) -> "NanReport":
     """Where the first NaN/Inf of a recorded run came from, and why (as `replay nan`): the state before the
     failing step is restored, the replay checked against the logged losses, and the step re-run under probes.
-    `code_dirs`/`trust` say which of the stored config's `_target_`s may be built (see the README's trust model)."""
-    _arguments(tracking_uri=tracking_uri, run_id=run_id, step=step)
+    `device` replays elsewhere than the run's train.device; `code_dirs`/`trust` say which of the stored config's
+    `_target_`s may be built (see the README's trust model)."""
+    from replaybisect.verbs.nan.request import NanRequest
+
+    request = NanRequest(run_id=run_id, step=step, device=device, tracking_uri=tracking_uri, code_dirs=code_dirs,
+                         trust=trust, publish=publish)
     from replaybisect.verbs.nan.engine import find_nan as find
 
-    store = _run_store(tracking_uri, run_id)
-    report = find(store, run_id, step, trust=_trust(code_dirs, trust))
-    if publish:
+    store = _run_store(request.tracking_uri, request.run_id)
+    report = find(store, request.run_id, request.step, device=request.torch_device, trust=request.trusted)
+    if request.publish:
         from replaybisect.verbs.nan.report import publish as publish_report
 
         publish_report(store, report)
@@ -145,35 +137,53 @@ def ablate(
     arms: Optional[Sequence[str] | str] = None,
     *,
     from_step: Optional[int] = None,
-    horizon: Optional[int] = None,
+    horizon: int = 200,
     workers: Optional[int] = None,
+    executor: Literal["local", "submitit"] = "local",
+    submitit: Optional[dict] = None,
     tracking_uri: Optional[str] = None,
     code_dirs: Sequence[str | Path] = (),
     trust: Sequence[str] = (),
     publish: bool = True,
     patch: Optional[str | Path] = None,
-    sweep: Optional[str] = None,
+    sweep: Optional[Literal["lr", "clip"]] = None,
 ) -> "AblationResult":
     """Replay the failure once unchanged and once per one-variable change (as `replay ablate`); each arm gets a
     verdict (fixes | delays | no-effect | worse). Arms take values (`"lr=x0.3"`, `"clip=265"`); `patch` replays your
     changed module(s) as one more arm; `sweep="lr"` (or "clip") searches the stable range instead of arms.
-    Default arms: lr, clip, precision (none with `patch` or `sweep`)."""
-    _arguments(tracking_uri=tracking_uri, run_id=run_id)
-    from replaybisect.verbs.ablate import engine
+    Default arms: lr, clip, precision (none with `patch` or `sweep`). `executor="submitit"` runs the arms as SLURM
+    jobs; `submitit` holds the command's job options by name: cluster, partition, time_min, gpus, cpus, mem_gb,
+    executor_folder."""
+    from replaybisect.verbs.ablate.request import AblateRequest
 
-    store = _run_store(tracking_uri, run_id)
-    options = {"horizon": horizon} if horizon is not None else {}
     if arms is None and patch is None and sweep is None:
         arms = ("lr", "clip", "precision")
-    result = engine.ablate(
-        store, run_id, list(arms) if arms is not None and not isinstance(arms, str) else arms,
-        from_step=from_step, workers=workers, trust=_trust(code_dirs, trust), patch=patch, sweep=sweep, **options,
-    )
-    if publish:
+    request = AblateRequest(run_id=run_id, arms=arms, from_step=from_step, horizon=horizon, workers=workers,
+                            executor=executor, **_submitit_options(submitit), tracking_uri=tracking_uri,
+                            code_dirs=code_dirs, trust=trust, publish=publish, patch=patch, sweep=sweep)
+    from replaybisect.verbs.ablate.engine import ablate_request
+
+    store = _run_store(request.tracking_uri, request.run_id)
+    result = ablate_request(store, request)
+    if request.publish:
         from replaybisect.verbs.ablate.report import publish as publish_report
 
         publish_report(store, result)
     return result
+
+
+SUBMITIT_OPTIONS = ("cluster", "partition", "time_min", "gpus", "cpus", "mem_gb", "executor_folder")
+
+
+def _submitit_options(options: Optional[dict]) -> dict:
+    if options is None:
+        return {}
+    if not isinstance(options, dict) or not all(isinstance(key, str) for key in options):
+        raise ReplayError(f"submitit={options!r:.60} is not a dict of submitit options; pass e.g. {{'partition': 'gpu'}}")
+    unknown = sorted(set(options) - set(SUBMITIT_OPTIONS))
+    if unknown:
+        raise ReplayError(f"submitit option {unknown[0][:80]!r} is unknown; use {', '.join(SUBMITIT_OPTIONS)}")
+    return dict(options)
 
 
 def bisect(
@@ -185,22 +195,28 @@ def bisect(
     config_dir: str = "conf",
     config_name: str = "config",
     steps: Optional[int] = None,
+    metric: str = "loss",
+    threshold: Optional[float] = None,
     seeds: int = 3,
+    max_seeds: Optional[int] = None,
     workers: int = 1,
     cmd: Optional[str] = None,
+    use_cache: bool = True,
     tracking_uri: Optional[str] = None,
     publish: bool = True,
 ) -> "BisectResult":
     """The first commit on BAD's first-parent history that breaks convergence (as `replay bisect`). Trials run in
     a private clone: the repository's working tree, index and branches are never touched."""
-    _arguments(tracking_uri=tracking_uri)
+    from replaybisect.verbs.bisect.request import BisectRequest
+
+    request = BisectRequest(good=good, bad=bad, repo=repo, overrides=overrides, config_dir=config_dir,
+                            config_name=config_name, steps=steps, metric=metric, threshold=threshold, seeds=seeds,
+                            max_seeds=max_seeds, workers=workers, cmd=cmd, tracking_uri=tracking_uri,
+                            use_cache=use_cache, publish=publish)
     from replaybisect.verbs.bisect.engine import bisect as run_bisect
 
-    result = run_bisect(
-        good, bad, repo=repo, config_dir=config_dir, config_name=config_name, overrides=list(overrides),
-        steps=steps, seeds=seeds, workers=workers, cmd=cmd, tracking_uri=tracking_uri,
-    )
-    if publish:
+    result = run_bisect(**request.arguments())
+    if request.publish:
         from replaybisect.verbs.bisect.report import publish as publish_report
 
         publish_report(_store(result.tracking_uri), result)
@@ -214,7 +230,12 @@ def check(
     step: Optional[int] = None,
     config_dir: str | Path | None = None,
     config_name: str = "config",
-    only: Optional[Sequence[str]] = None,
+    only: Optional[Sequence[str] | str] = None,
+    overfit_steps: int = 300,
+    overfit_samples: int = 16,
+    lr_steps: int = 100,
+    lr_min: float = 1e-7,
+    lr_max: float = 10.0,
     tracking_uri: Optional[str] = None,
     code_dirs: Sequence[str | Path] = (),
     trust: Sequence[str] = (),
@@ -222,39 +243,38 @@ def check(
 ) -> "CheckReport":
     """The 5-minute checklist (as `replay check`) on a config (`overrides`, `config_dir`) or on a recorded run
     (`run_id`, at a healthy snapshot, or the one at or before `step`): overfit one batch, data sanity, loss/head,
-    initialization, activations, gradient flow, LR range."""
-    _arguments(tracking_uri=tracking_uri, run_id=run_id if run_id is not None else "-", step=step)
-    from replaybisect.verbs.check.engine import CheckOptions
-    from replaybisect.verbs.check.engine import check as run_check
+    initialization, activations, gradient flow, LR range (from `lr_min` to `lr_max` in `lr_steps`)."""
+    from replaybisect.verbs.check.request import CheckRequest
+
+    request = CheckRequest(overrides=overrides, run_id=run_id, step=step, config_dir=config_dir, config_name=config_name,
+                           only=only, tracking_uri=tracking_uri, code_dirs=code_dirs, trust=trust,
+                           overfit_steps=overfit_steps, overfit_samples=overfit_samples, lr_steps=lr_steps,
+                           lr_min=lr_min, lr_max=lr_max, publish=publish)
     from replaybisect.core import config as config_mod
+    from replaybisect.verbs.check.engine import check as run_check
 
-    if run_id and (overrides or config_dir is not None):
-        raise ReplayError("pass either run_id or a config (config_dir/overrides), not both")
-    from replaybisect.verbs.check.engine import select
-
-    options = CheckOptions(only=list(only) if only else None)
-    select(options.only)  # an unknown check is bad input before any store is opened
-    cfg = None if run_id else config_mod.compose(config_dir, config_name, list(overrides))
-    store = _run_store(tracking_uri, run_id) if run_id else None  # a config needs a store only to publish
-    report = run_check(store, cfg=cfg, run_id=run_id, step=step, options=options, trust=_trust(code_dirs, trust) if run_id else None)
-    if publish:
+    run_id = request.run_id
+    cfg = None if run_id else config_mod.compose(request.config_dir, request.config_name, list(request.overrides))
+    store = _run_store(request.tracking_uri, run_id) if run_id else None  # a config needs a store only to publish
+    report = run_check(store, cfg=cfg, run_id=run_id, step=request.step, options=request.options(), trust=request.trusted)
+    if request.publish:
         from replaybisect.verbs.check.report import publish as publish_report
 
-        store = store or _store(tracking_uri)
-        code_folder = None if run_id else (Path(config_dir).resolve() if config_dir else Path.cwd())
-        publish_report(store, report, cfg, code_folder=code_folder)
+        publish_report(store or _store(request.tracking_uri), report, cfg, code_folder=request.code_folder)
     return report
 
 
 def diagnose(run_id: str, *, tracking_uri: Optional[str] = None, publish: bool = True) -> "Diagnosis":
     """Read a run's recorded curves (no replay) and name the pathology and the next command (as `replay diagnose`)."""
-    _arguments(tracking_uri=tracking_uri, run_id=run_id)
+    from replaybisect.verbs.diagnose.request import DiagnoseRequest
+
+    request = DiagnoseRequest(run_id=run_id, tracking_uri=tracking_uri, publish=publish)
     from replaybisect.verbs.diagnose.engine import analyse, load_curves
 
-    store = _run_store(tracking_uri, run_id)
-    curves = load_curves(store, run_id)
+    store = _run_store(request.tracking_uri, request.run_id)
+    curves = load_curves(store, request.run_id)
     result = analyse(curves)
-    if publish:
+    if request.publish:
         from replaybisect.verbs.diagnose.report import publish as publish_report
 
         publish_report(store, result, curves)

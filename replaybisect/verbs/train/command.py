@@ -8,6 +8,7 @@ from typing import List, Optional
 import typer
 
 from replaybisect.options import OUR_STDOUT, HYDRA_CONTEXT, JsonFlag, StepProgress, TrackingUri, print_json
+from replaybisect.verbs.train.request import TrainRequest
 
 
 def train_command(
@@ -39,17 +40,13 @@ def train_command(
     2 bad config or store.
     """
     from replaybisect.core import config as config_mod
-    from replaybisect.errors import NonFiniteStop, ReplayError
+    from replaybisect.errors import NonFiniteStop
     from replaybisect.report import print_train_result, run_label
 
-    extra_tags = {}
-    for item in tag:
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise ReplayError(f"--tag {item!r} is not key=value")
-        extra_tags[key] = value
-    extra_tags.update(how_trained(config_dir, config_name, list(ctx.args)))
-    cfg = config_mod.compose(config_dir, config_name, list(ctx.args))
+    request = TrainRequest(overrides=list(ctx.args), config_dir=config_dir, config_name=config_name, tracking_uri=tracking_uri,
+                           run_name=run_name, parent_run_id=parent_run_id, kind=kind, tags=tag)
+    extra_tags = {**request.extra_tags, **how_trained(config_dir, config_name, list(ctx.args))}
+    cfg = config_mod.compose(request.config_dir, request.config_name, list(request.overrides))
     if show_config:
         print(config_mod.to_yaml(cfg), end="", file=OUR_STDOUT)
         return
@@ -57,12 +54,12 @@ def train_command(
     from replaybisect.options import recording_store
     from replaybisect.verbs.train.engine import train
 
-    store = recording_store(tracking_uri, later=True)  # opened (created) once the config has built: bad input creates nothing
-    code_folder = config_dir.resolve() if config_dir else Path.cwd()
+    store = recording_store(request.tracking_uri, later=True)  # opened (created) once the config has built: bad input creates nothing
     with StepProgress("training", starting="building the model, data and optimizer") as bar:
         result = train(
-            cfg, store, run_name=run_name or run_label(cfg, config_dir, config_name), parent_run_id=parent_run_id, kind=kind,
-            extra_tags=extra_tags, code_folder=code_folder, progress=bar.update,
+            cfg, store, run_name=request.run_name or run_label(cfg, request.config_dir, request.config_name),
+            parent_run_id=request.parent_run_id, kind=request.kind, extra_tags=extra_tags, code_folder=request.code_folder,
+            progress=bar.update,
         )
     if as_json:
         print_json(result.to_json())

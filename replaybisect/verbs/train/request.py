@@ -1,0 +1,54 @@
+"""What `replay train` and `replaybisect.train` are asked: checked when built (replaybisect/request.py). The config
+itself (its values, devices, optimizer) is checked where it is composed (core/config.py), by both front doors."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal, Optional, Sequence, Union, get_args
+
+from replaybisect import request as checks
+from replaybisect.errors import ReplayError
+
+RunKind = Literal["train", "bisect-trial"]  # a run `replay train` records: yours, or one of a bisect's trials
+RUN_KINDS: tuple[str, ...] = get_args(RunKind)
+
+
+@dataclass(frozen=True)
+class TrainRequest:
+    """The Hydra config (`config_dir`: your config folder, None: the built-in example; `config_name`; `overrides`),
+    where the run is recorded (`tracking_uri`, `run_name`), and, for a run another command trains (a bisect's trial):
+    its parent run, kind and extra tags (`key=value`)."""
+
+    overrides: Sequence[str] = ()
+    config_dir: Union[str, Path, None] = None
+    config_name: str = "config"
+    tracking_uri: Optional[str] = None
+    run_name: Optional[str] = None
+    parent_run_id: Optional[str] = None
+    kind: RunKind = "train"
+    tags: Sequence[str] = ()  # key=value
+    extra_tags: dict[str, str] = field(init=False, repr=False, compare=False)  # the tags, as a dict
+
+    def __post_init__(self) -> None:
+        checks.setattrs(
+            self, tracking_uri=checks.tracking_uri(self.tracking_uri), run_name=checks.text(self.run_name, "run_name", optional=True),
+            overrides=checks.strings(self.overrides, "overrides", what="Hydra overrides"),
+            config_dir=checks.config_folder(self.config_dir), config_name=checks.text(self.config_name, "config_name"),
+            parent_run_id=checks.run_id(self.parent_run_id) if self.parent_run_id is not None else None,
+            kind=checks.text(self.kind, "kind"), tags=checks.strings(self.tags, "tags", what="key=value tags"),
+        )
+        if self.kind not in RUN_KINDS:
+            raise ReplayError(f"--kind {self.kind[:80]!r} is not a kind of run `replay train` records; use {' or '.join(RUN_KINDS)}")
+        extra_tags = {}
+        for item in self.tags:
+            key, sep, value = item.partition("=")
+            if not sep:
+                raise ReplayError(f"--tag {item!r} is not key=value")
+            extra_tags[key] = value
+        checks.setattrs(self, extra_tags=extra_tags)
+
+    @property
+    def code_folder(self) -> Path:
+        """The folder the run's code is recorded from: the config folder, else the working folder."""
+        return self.config_dir.resolve() if self.config_dir is not None else Path.cwd()
