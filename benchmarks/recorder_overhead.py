@@ -45,15 +45,15 @@ def child(mode: str, steps: int, folder: str) -> None:
     store = open_store(f"sqlite:///{folder}/mlflow.db")
     recorder_box = {}
 
-    import replaybisect.recorder as recorder_module
+    import replaybisect.record.hooks as recorder_module
 
-    original_close = recorder_module.Recorder.close
+    original_close = recorder_module.RecordingHooks.close
 
     def close_and_keep(self):  # keep the recorder's own measurements for the report
         original_close(self)
         recorder_box["blocking"] = self.snapshot_blocking
 
-    recorder_module.Recorder.close = close_and_keep
+    recorder_module.RecordingHooks.close = close_and_keep
     params = sum(p.numel() for p in __import__("replaybisect.core.loop", fromlist=["x"]).build_state(cfg).model.parameters())
     started = time.perf_counter()
     result = train(cfg, store)

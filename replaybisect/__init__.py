@@ -49,8 +49,8 @@ _RESULT_TYPES = {
     "BisectResult": "replaybisect.verbs.bisect.engine",
     "CheckReport": "replaybisect.verbs.check.engine",
     "Diagnosis": "replaybisect.verbs.diagnose.engine",
-    "Recorder": "replaybisect.user_loop",  # record your own training loop
-    "NonFiniteStep": "replaybisect.user_loop",
+    "Recorder": "replaybisect.record.recorder",  # record your own training loop
+    "NonFiniteStep": "replaybisect.errors",
 }
 
 

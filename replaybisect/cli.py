@@ -124,7 +124,7 @@ def _run():
 
 def _outcome():
     """The command's exit status, its outcome line printed (an error, a stop, a crash)."""
-    from replaybisect.errors import NonFiniteStop, ReplayError, interruption
+    from replaybisect.errors import NonFiniteStep, ReplayError, interruption
 
     try:
         exit_code = app(standalone_mode=False)
@@ -137,7 +137,7 @@ def _outcome():
             raise
         print(f"replay: error: {' '.join(str(error).split())}", file=sys.stderr)
         return error.exit_code
-    except NonFiniteStop as stop:
+    except NonFiniteStep as stop:
         print(f"replay: {stop}", file=sys.stderr)
         return stop.exit_code
     except KeyboardInterrupt as stop:

@@ -55,20 +55,32 @@ def is_disk_full(error: BaseException) -> bool:
     return "database or disk is full" in str(error)
 
 
-class NonFiniteStop(Exception):
-    """Training stopped on a non-finite loss or gradient norm (exit status 3)."""
+class NonFiniteStep(RuntimeError):
+    """A step's loss or gradient went non-finite and the run stopped before its update; what was recorded, the
+    state before that step included, stays (`replay nan --run-id ...`). Raised by `Recorder.step`, the Lightning
+    callback's `trainer.fit` and the `replay train` command (exit status 3)."""
 
     exit_code = 3
 
-    def __init__(self, step: int, what: str, run_id: str, snapshot_saved: bool = True):
+    def __init__(self, message: str, run_id: str, step: int, what: str = "loss"):
+        super().__init__(message)
+        self.run_id = run_id
+        self.step = step
+        self.what = what
+
+    @classmethod
+    def of_command(cls, step: int, what: str, run_id: str, snapshot_saved: bool = True) -> "NonFiniteStep":
+        """`replay train`'s line: the step, what went non-finite, and whether a replay can start before it."""
         saved = (
             f"snapshot of the state before step {step} saved" if snapshot_saved
             else "no snapshot saved: the recorder was off (snapshot.enabled=false), so `replay nan` cannot replay it"
         )
-        super().__init__(f"step {step}: non-finite {what}; run {run_id} stopped ({saved})")
-        self.step = step
-        self.what = what
-        self.run_id = run_id
+        return cls(f"step {step}: non-finite {what}; run {run_id} stopped ({saved})", run_id, step, what)
+
+    @classmethod
+    def of_library(cls, step: int, what: str, value: float, run_id: str) -> "NonFiniteStep":
+        """The Recorder's and the Lightning callback's: what went non-finite, and the command that finds why."""
+        return cls(f"{what} is {value} at step {step}; find the cause with: replay nan --run-id {run_id}", run_id, step, what)
 
 
 class Terminated(KeyboardInterrupt):

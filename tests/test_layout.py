@@ -107,3 +107,26 @@ def test_verb_layers_point_down():
                 if LAYERS.index(tparts[3]) < LAYERS.index(layer):
                     wrong.append(f"{name} -> {target}")
     assert wrong == [], wrong
+
+
+def test_only_the_front_doors_import_verbs():
+    """The library (core, record, store, restore, report, options) sits below every verb: outside verbs/, only the
+    CLI and the package's Python API import one."""
+    offenders = sorted(
+        f"{name} -> {target}"
+        for name, path in MODULES.items()
+        if not name.startswith(f"{NAME}.verbs") and name not in (f"{NAME}.cli", NAME)
+        for target in imported_modules(path)
+        if target.startswith(f"{NAME}.verbs")
+    )
+    assert offenders == [], offenders
+
+
+def test_functions_in_the_recording_wing_are_short():
+    """The recording wing reads as small functions: none over 80 lines."""
+    long = []
+    for path in sorted((PACKAGE / "record").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno + 1 > 80:
+                long.append(f"{path.name}:{node.name} ({node.end_lineno - node.lineno + 1} lines)")
+    assert long == [], long

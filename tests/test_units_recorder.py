@@ -12,7 +12,7 @@ from replaybisect.core import config as config_mod
 from replaybisect.core import loop
 from replaybisect.core import snapshot as fmt
 from replaybisect.core.state import live_tensors
-from replaybisect.recorder import Recorder
+from replaybisect.record.hooks import RecordingHooks as Recorder
 from replaybisect.store import open_store
 
 NAN_STEP = 3

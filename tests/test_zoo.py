@@ -177,7 +177,7 @@ def test_tied_weights_belong_to_one_module():
         import zoo_models
     finally:
         sys.path.remove(str(ZOO))
-    from replaybisect.verbs.check.engine import parameter_owners
+    from replaybisect.core.layer_stats import parameter_owners
 
     model = zoo_models.GPT()
     owners = dict(parameter_owners(model))

@@ -25,11 +25,12 @@ from typing import Any, Callable, Optional, Protocol
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler, default_collate
 
-from replaybisect.core import guard, user_step
+from replaybisect.core import user_step
 from replaybisect.core.snapshot import like
 from replaybisect.core.device import resolve_device
 from replaybisect.core.config import build_optimizer, check_closure_optimizer, instantiate, needs_closure
-from replaybisect.core.observer import StepObserver, forward_context as _forward_context, notify as _notify  # noqa: F401 (StepObserver: loop.StepObserver)
+from replaybisect.core.observer import StepObserver
+from replaybisect.core.step_watch import StepHalted, StepOutcome, StepWatch, fault_handler  # noqa: F401 (loop.StepOutcome)
 from replaybisect.errors import ConfigError
 from replaybisect.core.rng import (capture_raw, epoch_permutation_seed, isolated_rng, restore_raw, sample_seed, seed_everything,
                                    seed_sample_streams)
@@ -333,17 +334,6 @@ def build_data(cfg) -> tuple[BatchSource, Any]:
 
 
 # ---- one step --------------------------------------------------------------------------------
-@dataclass
-class StepOutcome:
-    step: int
-    loss: float
-    grad_norm: Optional[float] = None  # pre-clip total norm (after unscaling for fp16)
-    lr: float = 0.0
-    nonfinite: Optional[str] = None  # "loss" | "grad_norm" when the step failed
-    updated: bool = False  # the optimizer applied an update
-    scaler_skipped: bool = False  # fp16: the GradScaler skipped an overflowing step (normal)
-
-
 def autocast(state: TrainState):
     dtype = AUTOCAST_DTYPES[state.precision]
     if dtype is None:
@@ -372,58 +362,48 @@ def run_step(
     """One optimizer step. With halt_on_nonfinite, a non-finite loss or grad norm returns before the
     update, so parameters, optimizer, scheduler and scaler still hold the state before this step."""
     outcome = StepOutcome(step=step, loss=math.nan, lr=float(state.optimizer.param_groups[0]["lr"]))
-    if state.user_loop:  # the user's own step (forward, backward, update inside): same moments, same halting
-        user_step.run(state, outcome, batch, halt_on_nonfinite=halt_on_nonfinite, observer=observer)
+    watch = StepWatch(state, outcome, observer, on_fault=fault_handler(halt_on_nonfinite))
+    if state.user_loop:  # the user's own step (forward, backward, update inside): the same moments, the same halting
+        user_step.run(state, watch, batch)
         return outcome
-    model, optimizer, scaler = state.model, state.optimizer, state.scaler
+    try:
+        _builtin_step(state, watch, batch)
+    except StepHalted:
+        pass
+    return outcome
+
+
+def _builtin_step(state: TrainState, watch: StepWatch, batch) -> None:
+    model, optimizer, scaler, outcome = state.model, state.optimizer, state.scaler, watch.outcome
     model.train()
     optimizer.zero_grad(set_to_none=True)
 
     # 1. forward, loss and backward, per micro-batch; fp16 scales the loss and unscales the gradients
     micro_batches = split_batch(batch, state.accumulate)
-    total = None
     for micro_batch in micro_batches:
-        with _forward_context(observer, state), autocast(state):  # no observer: a null context
+        watch.open_forward()
+        with autocast(state):
             loss = state.step_fn(model, micro_batch, state.loss_fn)
-        _notify(observer, "after_forward", state, loss)
         part = loss / len(micro_batches) if len(micro_batches) > 1 else loss
-        total = part.detach().float() if total is None else total + part.detach().float()
-        if not math.isfinite(float(loss.detach().float().item())):
-            outcome.nonfinite = outcome.nonfinite or "loss"
-            if halt_on_nonfinite:
-                outcome.loss = float(total.item())
-                return outcome
+        watch.loss(loss, part)
         (scaler.scale(part) if scaler else part).backward()
-    outcome.loss = float(total.item())
+    outcome.loss = watch.loss_so_far()
     if scaler:
         scaler.unscale_(optimizer)
-    grads = guard.gradients(state.params)
-    grad_norm = guard.total_norm(grads)
-    outcome.grad_norm = float(grad_norm.item())
-    _notify(observer, "after_backward", state)
-    if outcome.nonfinite is None and guard.nonfinite_gradient(grads, outcome.grad_norm, scaler):
-        outcome.nonfinite = "grad_norm"
-    if outcome.nonfinite and halt_on_nonfinite:
-        return outcome
+    watch.gradients()  # the grad norm, the non-finite rule, an arm's clip
 
-    # 2. clip, update, schedule
-    if state.clip_grad_norm is not None and grads:
-        torch.nn.utils.clip_grads_with_norm_(state.params, state.clip_grad_norm, grad_norm)
-    _notify(observer, "before_update", state, outcome)
+    # 2. update, schedule
     if scaler:
-        scale_before = scaler.get_scale()
         scaler.step(optimizer)
         scaler.update()
-        outcome.scaler_skipped = scaler.get_scale() < scale_before
     elif needs_closure(optimizer):
         optimizer.step(_closure(state, micro_batches))
     else:
         optimizer.step()
-    outcome.updated = not outcome.scaler_skipped
     if state.scheduler is not None:
         state.scheduler.step()
-    _notify(observer, "after_update", state)
-    return outcome
+    watch.updated()
+    watch.settle()
 
 
 def _closure(state: TrainState, micro_batches: list):
@@ -526,9 +506,7 @@ def train_loop(
     val_every = state.cfg.train.val_every
     buffers = BufferGuard(state.model)
     for step in range(start, stop):
-        rng_at_start = capture_raw()
-        buffers.save()
-        hooks.before_step(step, state, rng_at_start)
+        rng_at_start = open_step(step, state, hooks, buffers)
         data_started = time.perf_counter()
         batch = batches(step)
         outcome, keep_going = take_step(state, step, batch, hooks, buffers, rng_at_start, data_started)
@@ -539,6 +517,15 @@ def train_loop(
         if val_dataset is not None and val_every and (step + 1) % val_every == 0:
             hooks.after_validation(step, validation_loss(state, val_dataset, state.cfg.train.val_batches))
     return None
+
+
+def open_step(step: int, state: TrainState, hooks: LoopHooks, buffers: BufferGuard) -> dict:
+    """A step's opening, on every recording path: the RNG state it starts with (returned), its buffers saved (a
+    halted step puts them back), the hooks told (a snapshot of the state before it may begin)."""
+    rng_at_start = capture_raw()
+    buffers.save()
+    hooks.before_step(step, state, rng_at_start)
+    return rng_at_start
 
 
 def take_step(state: TrainState, step: int, batch, hooks: LoopHooks, buffers: BufferGuard, rng_at_start: dict,

@@ -29,8 +29,7 @@ from typing import Any, Callable, Optional
 import numpy as np
 import torch
 
-from replaybisect.core import guard
-from replaybisect.core.observer import forward_context, notify
+from replaybisect.core.step_watch import StepHalted, StepWatch
 from replaybisect.errors import ConfigError, SnapshotError
 
 STEP_ARGUMENTS = ("model", "optimizer", "scheduler", "scaler", "batch", "config", "cfg", "step")
@@ -308,131 +307,77 @@ def noting_precision(seen: list[str]):
 
 
 # ---- one step --------------------------------------------------------------------------------------------
-class _Halt(BaseException):
-    """Stops the user's step before its optimizer update (a BaseException: a broad `except Exception` in the
-    user's step does not swallow it)."""
+@contextlib.contextmanager
+def watching(watch: StepWatch):
+    """The step watch's moments where the user's step reaches them: every `.backward()` (the loss), a global
+    optimizer pre-step hook (the gradients, unscaled by a GradScaler by then) and post-step hook (the update).
+    Global hooks run before the optimizer's own pre-hooks (an arm's lr scaling) and after its post-hooks, so a
+    halt never leaves an arm's scaled lr behind."""
+    from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
+    original_backward = torch.Tensor.backward
+    optimizer = watch.state.optimizer
 
-def _finite(tensor: torch.Tensor) -> bool:
-    return bool(torch.isfinite(tensor.detach()).all())
-
-
-class _StepWatch:
-    """Observer calls, halting and the clip arm at the moments the user's step reaches."""
-
-    def __init__(self, state, outcome, observer, halt_on_nonfinite: bool):
-        self.state, self.outcome, self.observer, self.halt = state, outcome, observer, halt_on_nonfinite
-        self.backpropagated: list[torch.Tensor] = []
-        self._forward = None
-
-    # forward regions: open from the start (and after each backward) until the next backward or update
-    def begin_forward(self) -> None:
-        if self._forward is None and self.observer is not None:
-            self._forward = forward_context(self.observer, self.state)
-            self._forward.__enter__()
-
-    def end_forward(self) -> None:
-        opened, self._forward = self._forward, None
-        if opened is not None:
-            opened.__exit__(None, None, None)
-
-    def on_backward(self, tensor: torch.Tensor) -> None:
-        self.end_forward()
-        self.backpropagated.append(tensor.detach())
-        notify(self.observer, "after_forward", self.state, tensor)
-        if not _finite(tensor) and self.outcome.nonfinite is None:
-            self.outcome.nonfinite = "loss"
-            if self.halt:
-                raise _Halt
-
-    def before_update(self, optimizer, args, kwargs) -> None:
-        if optimizer is not self.state.optimizer:
-            return
-        self.end_forward()
-        params = self.state.params
-        grads = guard.gradients(params)
-        norm = guard.total_norm(grads)
-        self.outcome.grad_norm = float(norm.item())
-        notify(self.observer, "after_backward", self.state)
-        if self.outcome.nonfinite is None and guard.nonfinite_gradient(grads, self.outcome.grad_norm, self.state.scaler):
-            self.outcome.nonfinite = "grad_norm"
-        if self.outcome.nonfinite and self.halt:
-            raise _Halt
-        if self.state.clip_grad_norm is not None and grads:  # an ablation arm's clip (the user's own clip came first)
-            torch.nn.utils.clip_grads_with_norm_(params, self.state.clip_grad_norm, norm)
-        notify(self.observer, "before_update", self.state, self.outcome)
-
-    def after_update(self, optimizer, args, kwargs) -> None:
-        if optimizer is self.state.optimizer:
-            self.outcome.updated = True
-            notify(self.observer, "after_update", self.state)
-
-    @contextlib.contextmanager
-    def installed(self):
-        from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
-
-        original_backward = torch.Tensor.backward
-        watch = self
-
-        def backward(tensor, *args, **kwargs):
-            watch.on_backward(tensor)
-            try:
-                return original_backward(tensor, *args, **kwargs)
-            finally:
-                watch.begin_forward()
-
-        # global hooks run before the optimizer's own pre-hooks (an arm's lr scaling) and after its post-hooks,
-        # so a halt never leaves an arm's scaled lr behind
-        handles = [register_optimizer_step_pre_hook(self.before_update), register_optimizer_step_post_hook(self.after_update)]
-        torch.Tensor.backward = backward
+    def backward(tensor, *args, **kwargs):
+        watch.loss(tensor)
         try:
-            self.begin_forward()
-            yield
+            return original_backward(tensor, *args, **kwargs)
         finally:
-            self.end_forward()
-            torch.Tensor.backward = original_backward
-            for handle in handles:
-                handle.remove()
+            watch.open_forward()
+
+    def before_update(stepping, args, kwargs) -> None:
+        if stepping is optimizer:
+            watch.gradients()
+
+    def after_update(stepping, args, kwargs) -> None:
+        if stepping is optimizer:
+            watch.updated()
+
+    handles = [register_optimizer_step_pre_hook(before_update), register_optimizer_step_post_hook(after_update)]
+    torch.Tensor.backward = backward
+    try:
+        watch.open_forward()
+        yield
+    finally:
+        watch.close_forward()
+        torch.Tensor.backward = original_backward
+        for handle in handles:
+            handle.remove()
 
 
-def run(state, outcome, record, *, halt_on_nonfinite: bool, observer) -> None:
-    """Run the user's step on `record` (a stored batch), filling `outcome` (see loop.run_step)."""
+def run(state, watch: StepWatch, record) -> None:
+    """Run the user's step on `record` (a stored batch), filling `watch.outcome` (see loop.run_step)."""
+    outcome = watch.outcome
     batch, rng = unpack(record)
     restore_step_rng(rng, state.device)
     state.model.train()
     state.optimizer.zero_grad(set_to_none=True)
-    scale_before = state.scaler.get_scale() if guard.scaler_enabled(state.scaler) else None
-    watch = _StepWatch(state, outcome, observer, halt_on_nonfinite)
     # fp32 (an arm's precision, or a run that entered no autocast region) runs every autocast region disabled;
     # None (the recorder's first step, before the precision is known) leaves the user's code alone
     precision = autocast_off() if state.precision == "fp32" else contextlib.nullcontext()
-    returned = None
-    with precision, watch.installed():
+    with precision, watching(watch):
         try:
             returned = call_step(state, batch, outcome.step)
-        except _Halt:
-            outcome.loss = float(sum(t.float().sum() for t in watch.backpropagated))
+        except StepHalted:
             return
     if returned is NO_LOSS:  # NaN and no failure: the recorder logs no loss for it (Lightning's training_step -> None)
         outcome.loss = math.nan
     else:
-        outcome.loss = _loss_value(returned, watch.backpropagated)
+        outcome.loss = _loss_value(returned, watch)
         if not math.isfinite(outcome.loss) and outcome.nonfinite is None:
             outcome.nonfinite = "loss"
-    if scale_before is not None:
-        outcome.scaler_skipped = state.scaler.get_scale() < scale_before
-        outcome.updated = outcome.updated and not outcome.scaler_skipped
+    watch.settle()
     if state.scheduler is not None and not steps_scheduler_itself(state.step_fn):
         state.scheduler.step()
 
 
-def _loss_value(returned: Any, backpropagated: list[torch.Tensor]) -> float:
+def _loss_value(returned: Any, watch: StepWatch) -> float:
     """What the step returned (a tensor or a number); a step that returns nothing logs the sum of what it
     backpropagated (the mean loss, for micro-batch losses divided by their count)."""
     if isinstance(returned, torch.Tensor):
         return float(returned.detach().float().item())
     if isinstance(returned, (int, float)):
         return float(returned)
-    if returned is None and backpropagated:
-        return float(sum(t.float().sum() for t in backpropagated).item())
+    if returned is None and watch.running_loss is not None:
+        return watch.loss_so_far()
     raise ConfigError(f"step_fn returned a {type(returned).__name__}; return the step's loss (a tensor or a number)")

@@ -68,7 +68,7 @@ MIN_NOISE_FRACTION = 0.05  # sigma floor as a fraction of the endpoint gap (dete
 from replaybisect.core.thresholds import REPLAY_RELATIVE_TOLERANCE as REPRODUCE_RTOL  # noqa: E402  (Megatron-Core)
 MIN_EFFECT_OF_SPREAD = 0.1  # a BAD less than a tenth of GOOD's seed spread worse is "equal within noise"
 TAIL_FRACTION = 0.1  # the metric: mean over the last 10% of logged steps (DESIGN §5)
-# What `replay train` logs (replaybisect/recorder.py): a trial's --metric is one of these, or a per-layer one
+# What `replay train` logs (replaybisect/record/hooks.py): a trial's --metric is one of these, or a per-layer one
 TRAIN_METRICS = ("loss", "val_loss", "grad_norm", "lr", "param_norm", "update_ratio", "step_time", "data_time",
                  "snapshot_blocking_time")
 LAYER_METRICS = ("grad_norm/", "weight_norm/", "act_zero_frac/", "act_sat_frac/")  # + the layer's module name

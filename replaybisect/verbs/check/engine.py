@@ -25,6 +25,7 @@ from torch import nn
 
 from replaybisect.core import loop, user_step
 from replaybisect.core.guard import scaler_enabled
+from replaybisect.core.layer_stats import SATURATING, ZEROING, norm_of, parameter_owners
 from replaybisect.core.snapshot import like
 from replaybisect.errors import ReplayError
 from replaybisect.core.rng import isolated_rng, seed_everything
@@ -53,8 +54,6 @@ from replaybisect.core.thresholds import (  # noqa: E402  (sources cited there)
 )
 DATASET_SAMPLE = 4096  # dataset items read for label statistics (all of a small dataset)
 
-ZEROING = (nn.ReLU, nn.ReLU6)
-SATURATING = (nn.Tanh, nn.Sigmoid, nn.Hardtanh)  # ReLU6 subclasses Hardtanh: ZEROING is tested first
 
 
 # ---- results ---------------------------------------------------------------------------------------
@@ -401,20 +400,6 @@ class GradProbe:
     final_params: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)  # after the probe steps
 
 
-def parameter_owners(model: nn.Module) -> list[tuple[str, list[torch.Tensor]]]:
-    """(module, its own parameters) for every module that owns some, each parameter once: a tied weight
-    (GPT's lm_head.weight is wte.weight) belongs to the first module that holds it, so no layer is compared
-    with itself."""
-    seen: set[int] = set()
-    owners = []
-    for name, module in model.named_modules():
-        params = [p for p in module.parameters(recurse=False) if id(p) not in seen]
-        seen.update(id(p) for p in params)
-        if params:
-            owners.append((name or "model", params))
-    return owners
-
-
 class _GradObserver:
     def __init__(self, probe: GradProbe, model: nn.Module):
         self.probe = probe
@@ -438,7 +423,7 @@ class _GradObserver:
         for name, params in self.owners:
             grads = [p.grad.detach().float() for p in params if p.grad is not None]
             if grads:
-                norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])))
+                norm = float(norm_of(grads))
                 mean_abs = float(sum(g.abs().sum() for g in grads) / sum(g.numel() for g in grads))
                 self.probe.module_grad_norm.setdefault(name, []).append(norm)
                 self.probe.module_grad_mean_abs.setdefault(name, []).append(mean_abs)

@@ -40,7 +40,7 @@ def train_command(
     2 bad config or store.
     """
     from replaybisect.core import config as config_mod
-    from replaybisect.errors import NonFiniteStop
+    from replaybisect.errors import NonFiniteStep
     from replaybisect.report import print_train_result, run_label
 
     request = TrainRequest(overrides=list(ctx.args), config_dir=config_dir, config_name=config_name, tracking_uri=tracking_uri,
@@ -66,7 +66,7 @@ def train_command(
     else:
         print_train_result(result)
     if result.stopped:
-        raise NonFiniteStop(
+        raise NonFiniteStep.of_command(
             result.first_nonfinite_step, (result.nonfinite_what or "loss").replace("_", " "), result.run_id,
             snapshot_saved=result.first_nonfinite_step in result.snapshot_steps,
         )

@@ -1,4 +1,4 @@
-"""The recorder: batched metrics, per-layer statistics, two-phase asynchronous snapshots, the NaN guard.
+"""The recording hooks: batched metrics, per-layer statistics, two-phase asynchronous snapshots, the NaN guard.
 
 Two-phase snapshots (CheckFreq's design): the step pays only for copying tensors into preallocated host
 buffers; one background worker serialises, writes (temp name, fsync, rename) and uploads. One snapshot
@@ -21,71 +21,12 @@ from typing import Any
 import torch
 
 from replaybisect.errors import DiskFull, is_disk_full
-from replaybisect.core.loop import StepOutcome, TrainState
+from replaybisect.core.layer_stats import LayerStats
+from replaybisect.core.loop import TrainState
+from replaybisect.core.step_watch import StepOutcome
 from replaybisect.core import snapshot as fmt
 from replaybisect.core.state import live_tensors, state_json
-from replaybisect.core.thresholds import SATURATION_PREACT  # DeepDiagnosis: |pre-activation| > 5
 from replaybisect.store import Store
-
-SATURATING = (torch.nn.Tanh, torch.nn.Sigmoid, torch.nn.Hardtanh)
-ZEROING = (torch.nn.ReLU, torch.nn.ReLU6)
-
-
-class LayerStats:
-    """Observer for one statistics step: activation zero/saturation fractions, per-layer grad and weight
-    norms, total parameter norm and the update/weight ratio ‖Δθ‖/‖θ‖. It only reads."""
-
-    def __init__(self, model: torch.nn.Module):
-        self.points: dict[str, float] = {}
-        self._pending: dict[str, torch.Tensor] = {}
-        self._handles = []
-        self._before: list[torch.Tensor] = []
-        self._param_owner = [
-            (name or "model", list(module.parameters(recurse=False)))
-            for name, module in model.named_modules()
-            if any(True for _ in module.parameters(recurse=False))
-        ]
-        for name, module in model.named_modules():
-            if isinstance(module, ZEROING):
-                self._handles.append(module.register_forward_hook(self._zero_hook(name)))
-            elif isinstance(module, SATURATING):
-                self._handles.append(module.register_forward_hook(self._saturation_hook(name)))
-
-    def _zero_hook(self, name):
-        def hook(module, inputs, output):
-            self._pending[f"act_zero_frac/{name}"] = (output.detach() == 0).float().mean()
-
-        return hook
-
-    def _saturation_hook(self, name):
-        def hook(module, inputs, output):
-            self._pending[f"act_sat_frac/{name}"] = (inputs[0].detach().abs() > SATURATION_PREACT).float().mean()
-
-        return hook
-
-    def after_backward(self, state: TrainState) -> None:
-        for name, params in self._param_owner:
-            grads = [p.grad.detach() for p in params if p.grad is not None]
-            if grads:
-                self._pending[f"grad_norm/{name}"] = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]))
-            self._pending[f"weight_norm/{name}"] = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.detach().float()) for p in params]))
-        self._before = [p.detach().clone() for p in state.params]
-
-    def after_update(self, state: TrainState) -> None:
-        params = [p.detach() for p in state.params]
-        param_norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(self._before))) if params else torch.zeros(())
-        deltas = torch._foreach_sub(params, self._before)
-        update_norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(deltas))) if deltas else torch.zeros(())
-        self._pending["param_norm"] = param_norm
-        self._pending["update_ratio"] = update_norm / param_norm.clamp_min(1e-12)
-        self._before = []
-
-    def finish(self) -> dict[str, float]:
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
-        return {key: float(value.item()) for key, value in self._pending.items()}
-
 
 def _lower_priority() -> None:
     """The writer yields the CPU to the training threads (Linux: nice is per thread)."""
@@ -95,8 +36,9 @@ def _lower_priority() -> None:
         pass
 
 
-class Recorder:
-    """Implements loop.LoopHooks for `replay train`: everything a later replay needs."""
+class RecordingHooks:
+    """The loop hooks (loop.LoopHooks) that record a run, whichever path trains it (`replay train`, the `Recorder`,
+    the Lightning callback): metrics, layer statistics, snapshots with their batches, the failing step."""
 
     def __init__(self, store: Store, run_id: str, cfg, state: TrainState, data_position: dict[str, Any]):
         self.store = store

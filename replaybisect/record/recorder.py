@@ -26,23 +26,12 @@ from __future__ import annotations
 import ast
 import contextlib
 import dataclasses
-import os
-import random
 import sys
 import time
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from replaybisect.errors import ConfigError
-
-
-class NonFiniteStep(RuntimeError):
-    """A step's loss or gradient went non-finite; the run is recorded up to it (`replay nan --run-id ...`)."""
-
-    def __init__(self, message: str, run_id: str, step: int):
-        super().__init__(message)
-        self.run_id = run_id
-        self.step = step
+from replaybisect.errors import ConfigError, NonFiniteStep
 
 
 # ---- naming the user's functions so a replay can import them -------------------------------------------------
@@ -146,11 +135,11 @@ class Recorder:
                  snapshot_every: int = 100, layer_stats_every: int = 50, on_nonfinite: str = "stop",
                  steps: Optional[int] = None):
         import torch
+        from omegaconf import OmegaConf
 
-        from replaybisect.core import user_step
+        from replaybisect.core import arguments, user_step
         from replaybisect.core.loop import BufferGuard, TrainState
-
-        from replaybisect.core import arguments
+        from replaybisect.errors import sigterm_raises
 
         # every argument checked before anything is recorded: a wrong kind is a one-line ReplayError here
         arguments.tracking_uri(tracking_uri)
@@ -161,71 +150,48 @@ class Recorder:
         arguments.count(layer_stats_every, "layer_stats_every")
         arguments.count(steps, "steps", minimum=1, optional=True)
         arguments.text(on_nonfinite, "on_nonfinite")
-        parts = user_step.unpack_parts({"model": model, "optimizer": optimizer, "scheduler": scheduler, "scaler": scaler}, "Recorder")
+        user_step.unpack_parts({"model": model, "optimizer": optimizer, "scheduler": scheduler, "scaler": scaler}, "Recorder")
         user_step.step_arguments(step_fn)
         step_target, step_folder = function_target(step_fn, "step_fn")
-        build_target, build_folder = function_target(build, "build")
-        if precision is not None and precision not in ("fp32", "bf16", "fp16"):
-            raise ConfigError(f"precision={precision!r} is not one of fp32, bf16, fp16")
-        self._config_plain = plain_config(config)
-        self._settings = dict(step_target=step_target, build_target=build_target, config=self._config_plain,
+        build_target, _ = function_target(build, "build")
+        if precision is not None and precision not in PRECISIONS:
+            raise ConfigError(f"precision={precision!r} is not one of {', '.join(PRECISIONS)}")
+        config_plain = plain_config(config)
+        self._settings = dict(step_target=step_target, build_target=build_target, config=config_plain,
                               seed=torch.initial_seed() if seed is None else seed, snapshot_every=snapshot_every,
                               layer_stats_every=layer_stats_every, on_nonfinite=on_nonfinite, steps=steps)
         self.cfg = replay_config(precision=precision or "fp32", **self._settings)  # validates before any run exists
         self._precision_seen: Optional[list[str]] = None if precision else []  # noted on the first step
-        from omegaconf import OmegaConf
-
         self.state = TrainState(cfg=self.cfg, model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler,
                                 loss_fn=None, step_fn=step_fn, device=user_step.model_device(model),
                                 precision=precision, clip_grad_norm=None, user_loop=True,
-                                user_config=OmegaConf.create(self._config_plain))
+                                user_config=OmegaConf.create(config_plain))
         self._buffers = BufferGuard(model)
-        self._code_folder = step_folder
         self.steps_taken = 0
         self.last_loss: Optional[float] = None
         self.first_nonfinite_step: Optional[int] = None
         self._config_written = False
         self._last_step_end: Optional[float] = None
-        self._closed = False
+        self._session = open_session(tracking_uri, experiment, step_folder, {"replaybisect.loop": "user"},
+                                     run_name or f"train {step_target.rsplit('.', 1)[0]} (own loop)")
+        self.store, self.run_id = self._session.store, self._session.run_id
+        self._hooks = self._session.start_recording(self.cfg, self.state, {"seed": int(self.cfg.seed)})
         self._exit = contextlib.ExitStack()
-        self._start_run(tracking_uri, experiment, run_name, {step_folder, build_folder})
-
-    def _start_run(self, tracking_uri, experiment, run_name, folders: set[Path]) -> None:
-        from replaybisect.core.rng import isolated_rng
-        from replaybisect.errors import sigterm_raises
-        from replaybisect.recorder import Recorder as RecordingHooks
-        from replaybisect.store import open_store
-        from replaybisect.verbs.train.engine import git_info
-
-        self.store = open_store(tracking_uri)
-        tags = {f"replaybisect.{key}": value for key, value in git_info(self._code_folder).items()}
-        tags["replaybisect.code_dir"] = str(self._code_folder)
-        tags["replaybisect.loop"] = "user"
-        with isolated_rng():  # MLflow names runs with `random`: keep it off the user's streams
-            random.seed(os.urandom(8))
-            name = run_name or f"train {self._settings['step_target'].rsplit('.', 1)[0]} (own loop)"
-            self.run_id = self.store.create_run("train", run_name=name, experiment=experiment, tags=tags)
-        self._hooks = RecordingHooks(self.store, self.run_id, self.cfg, self.state, {"seed": int(self.cfg.seed)})
         self._exit.enter_context(sigterm_raises())
-        print(f"replaybisect: recording run {self.run_id} to {self.store.uri}", file=sys.stderr)
 
     # ---- the loop ------------------------------------------------------------------------------------------
     def step(self, batch) -> float:
         """Run one step of your step function on `batch` and record it; returns the loss."""
         from replaybisect.core import loop, user_step
-        from replaybisect.core.rng import capture_raw
 
-        if self._closed:
+        if self._session.ended:
             raise RuntimeError("this Recorder is closed; make a new one for another run")
         step = self.steps_taken
         try:
-            rng_at_start = capture_raw()
-            self._buffers.save()
-            self._hooks.before_step(step, self.state, rng_at_start)
+            rng_at_start = loop.open_step(step, self.state, self._hooks, self._buffers)
             record = user_step.pack(batch, self.state.device, rng_at_start)
             data_started = self._last_step_end if self._last_step_end is not None else time.perf_counter()
-            noting = user_step.noting_precision(self._precision_seen) if not self._config_written and self._precision_seen is not None else contextlib.nullcontext()
-            with noting:
+            with self._noting_precision():
                 outcome, keep_going = loop.take_step(self.state, step, record, self._hooks, self._buffers, rng_at_start, data_started)
             self._last_step_end = time.perf_counter()
             if not self._config_written:
@@ -238,64 +204,49 @@ class Recorder:
         if outcome.nonfinite and self.first_nonfinite_step is None:
             self.first_nonfinite_step = step
         if not keep_going:
-            self._finish("nonfinite", "FAILED")
-            raise NonFiniteStep(f"{outcome.nonfinite} is {outcome.loss if outcome.nonfinite == 'loss' else outcome.grad_norm} "
-                                f"at step {step}; find the cause with: replay nan --run-id {self.run_id}", self.run_id, step)
+            self.close()
+            raise nonfinite_step(outcome, self.run_id)
         return outcome.loss
 
-    def _write_config(self) -> None:
-        from replaybisect.core import config as config_mod
+    def _noting_precision(self):
+        """The first step notes the autocast regions it enters (the run's precision), unless it was given."""
+        from replaybisect.core import user_step
 
+        if self._config_written or self._precision_seen is None:
+            return contextlib.nullcontext()
+        return user_step.noting_precision(self._precision_seen)
+
+    def _write_config(self) -> None:
         if self._precision_seen is not None:  # the autocast dtype the first step ran under (fp16 if any region was)
             seen = set(self._precision_seen)
             detected = "fp16" if "fp16" in seen else "bf16" if "bf16" in seen else "fp32"
             self._precision_seen = None
             self.cfg = replay_config(precision=detected, **self._settings)
             self.state.cfg, self.state.precision = self.cfg, detected
-        self.store.log_params(self.run_id, config_mod.flatten(self.cfg))
-        self.store.log_text(self.run_id, config_mod.to_yaml(self.cfg), "config.yaml")
+        self._session.write_config(self.cfg)
         self._config_written = True
 
     # ---- the end ---------------------------------------------------------------------------------------------
     def close(self) -> None:
         """Finish every pending write and end the run (FINISHED, or FAILED after a non-finite step)."""
-        if self._closed:
+        if self._session.ended:
             return
-        if self.first_nonfinite_step is not None:
-            self._finish("nonfinite", "FAILED")
-        else:
-            self._finish("ok", "FINISHED")
-
-    def _finish(self, status: str, mlflow_status: str) -> None:
-        if self._closed:
-            return
-        self._closed = True
         try:
             if not self._config_written:
                 self._write_config()
-            self._hooks.close()
+            self._session.finish()
         except BaseException as error:
-            self._closed = False
             self._fail(error)
             raise
         finally:
             self._exit.close()
-        self.store.finish_run(self.run_id, status, mlflow_status)
 
     def _fail(self, error: BaseException) -> None:
         """Ctrl-C / SIGTERM: KILLED; anything else FAILED; what was recorded stays."""
-        from replaybisect.verbs.train.engine import as_disk_full, mark_ended
-
-        if self._closed:
-            return
-        self._closed = True
         try:
-            self._hooks.close()
-        except BaseException:
-            pass
+            self._session.fail(error)
         finally:
             self._exit.close()
-        mark_ended(self.store, self.run_id, as_disk_full(error, self.run_id, self.store) or error)
 
     def __enter__(self) -> "Recorder":
         return self
@@ -305,3 +256,24 @@ class Recorder:
             self.close()
         else:
             self._fail(error)
+
+
+PRECISIONS = ("fp32", "bf16", "fp16")
+
+
+def open_session(tracking_uri: Optional[str], experiment: Optional[str], code_folder: Path, tags: dict[str, str],
+                 run_name: str):
+    """The run a library recorder (the Recorder, the Lightning callback) writes to, announced on stderr."""
+    from replaybisect.record.session import RunSession
+    from replaybisect.store import open_store
+
+    session = RunSession.open(open_store(tracking_uri), code_folder=code_folder, run_name=run_name, experiment=experiment,
+                              tags=tags)
+    print(f"replaybisect: recording run {session.run_id} to {session.store.uri}", file=sys.stderr)
+    return session
+
+
+def nonfinite_step(outcome, run_id: str) -> NonFiniteStep:
+    """What `Recorder.step` and the Lightning callback raise on a step that stopped before its update."""
+    value = outcome.loss if outcome.nonfinite == "loss" else outcome.grad_norm
+    return NonFiniteStep.of_library(outcome.step, outcome.nonfinite, value, run_id)

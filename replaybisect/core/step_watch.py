@@ -1,0 +1,125 @@
+"""The moments of one optimizer step, written once for every path that runs one: the built-in step
+(`core/loop.py` `run_step`), the user's own step (`core/user_step.py`: recorded by `Recorder`, replayed for
+`Recorder` and Lightning runs) and the Lightning callback while the Trainer records (`record/lightning.py`).
+
+  forward       an observer's forward_context is open around each forward (closed when the loss is backpropagated)
+  loss(t)       each loss about to be backpropagated: after_forward, the step's running loss, the non-finite loss rule
+  gradients()   gradients unscaled, before any clip: the total norm, after_backward, the non-finite gradient rule
+                (core/guard.py), then an ablation arm's clip (`train.clip_grad_norm`) and before_update
+  updated()     the optimizer applied its update: after_update
+  settle()      after the step: whether an enabled GradScaler skipped it
+
+A fault (the step's first non-finite loss or gradient) sets `outcome.nonfinite` and the loss the step had so far,
+then calls `on_fault`: the built-in and the user's step raise StepHalted there, so nothing of the step is applied
+(`halt_on_nonfinite`); the Lightning callback asks its recording hooks whether to stop.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+
+from replaybisect.core import guard
+from replaybisect.core.observer import forward_context, notify
+
+
+@dataclass
+class StepOutcome:
+    """What one optimizer step did, as the recorder logs it and a replay compares it."""
+
+    step: int
+    loss: float
+    grad_norm: Optional[float] = None  # pre-clip total norm (after unscaling for fp16)
+    lr: float = 0.0
+    nonfinite: Optional[str] = None  # "loss" | "grad_norm" when the step failed
+    updated: bool = False  # the optimizer applied an update
+    scaler_skipped: bool = False  # fp16: the GradScaler skipped an overflowing step (normal)
+
+
+class StepHalted(BaseException):
+    """Stops a step before its optimizer update (a BaseException: a broad `except Exception` in the user's step
+    does not swallow it)."""
+
+
+def halt() -> None:
+    raise StepHalted
+
+
+def finite(tensor: torch.Tensor) -> bool:
+    return bool(torch.isfinite(tensor.detach()).all())
+
+
+class StepWatch:
+    """One step's moments: observer calls, the non-finite rules, an ablation arm's clip. `state` is a TrainState
+    (model, optimizer, scaler, clip_grad_norm); `on_fault` is called at the first non-finite loss or gradient."""
+
+    def __init__(self, state, outcome: StepOutcome, observer=None, on_fault: Optional[Callable[[], None]] = None):
+        self.state, self.outcome, self.observer, self.on_fault = state, outcome, observer, on_fault
+        self.running_loss: Optional[torch.Tensor] = None  # the sum of the losses backpropagated so far
+        self._forward = None
+        scaler = state.scaler
+        self._scale_before = scaler.get_scale() if guard.scaler_enabled(scaler) else None
+
+    # ---- forward regions: from the step's start (and after each backward) until the next backward or update ----
+    def open_forward(self) -> None:
+        if self._forward is None and self.observer is not None:
+            self._forward = forward_context(self.observer, self.state)
+            self._forward.__enter__()
+
+    def close_forward(self) -> None:
+        opened, self._forward = self._forward, None
+        if opened is not None:
+            opened.__exit__(None, None, None)
+
+    # ---- the moments ------------------------------------------------------------------------------------------
+    def loss(self, loss: torch.Tensor, part: Optional[torch.Tensor] = None) -> None:
+        """`loss` is about to be backpropagated (`part`: the share of it that is, e.g. divided by the micro-batch
+        count, when that differs)."""
+        self.close_forward()
+        notify(self.observer, "after_forward", self.state, loss)
+        share = (loss if part is None else part).detach().float().sum()
+        self.running_loss = share if self.running_loss is None else self.running_loss + share
+        if self.outcome.nonfinite is None and not finite(loss):
+            self._fault("loss")
+
+    def gradients(self) -> None:
+        """The gradients are complete and unscaled; the optimizer is about to step."""
+        self.close_forward()
+        params = self.state.params
+        grads = guard.gradients(params)
+        norm = guard.total_norm(grads)
+        self.outcome.grad_norm = float(norm.item())
+        notify(self.observer, "after_backward", self.state)
+        if self.outcome.nonfinite is None and guard.nonfinite_gradient(grads, self.outcome.grad_norm, self.state.scaler):
+            self._fault("grad_norm")
+        if self.state.clip_grad_norm is not None and grads:  # an ablation arm's clip (a user's own clip came first)
+            torch.nn.utils.clip_grads_with_norm_(params, self.state.clip_grad_norm, norm)
+        notify(self.observer, "before_update", self.state, self.outcome)
+
+    def updated(self) -> None:
+        self.outcome.updated = True
+        notify(self.observer, "after_update", self.state)
+
+    def settle(self) -> None:
+        """After the step: an enabled GradScaler that lowered its scale skipped the update (routine in fp16)."""
+        self.close_forward()
+        if self._scale_before is not None:
+            self.outcome.scaler_skipped = self.state.scaler.get_scale() < self._scale_before
+            self.outcome.updated = self.outcome.updated and not self.outcome.scaler_skipped
+
+    def loss_so_far(self) -> float:
+        return float(self.running_loss.item()) if self.running_loss is not None else math.nan
+
+    def _fault(self, what: str) -> None:
+        self.outcome.nonfinite = what
+        self.outcome.loss = self.loss_so_far()  # the loss a halted step logs: what it backpropagated so far
+        if self.on_fault is not None:
+            self.on_fault()
+
+
+def fault_handler(halt_on_nonfinite: bool) -> Optional[Callable[[], Any]]:
+    """The built-in and user steps: halt at a fault, or (a replay that goes on past it) carry on."""
+    return halt if halt_on_nonfinite else None

@@ -1,0 +1,137 @@
+"""A recorded run's life, written once for `replay train`, the `Recorder` and the Lightning callback:
+the run created with its tags (the code's git version and folder), its config, the recording hooks, and its end
+(FINISHED, FAILED after a non-finite step, KILLED by Ctrl-C/SIGTERM, FAILED with the reason on a crash or a full disk).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from pathlib import Path
+from typing import Any, Optional
+
+from replaybisect.core import config as config_mod
+from replaybisect.core.repo import code_version
+from replaybisect.errors import DiskFull, is_disk_full
+from replaybisect.record.hooks import NullHooks, RecordingHooks
+from replaybisect.store import Store
+
+TAG = "replaybisect."
+
+
+class RunSession:
+    """One run in the store, from creation to its end. `hooks` record the steps once `start_recording` ran."""
+
+    def __init__(self, store: Store, run_id: str):
+        self.store = store
+        self.run_id = run_id
+        self.hooks: Any = None  # RecordingHooks, or NullHooks with the recorder off
+        self.ended = False
+        self._hooks_closed = False
+
+    @classmethod
+    def open(cls, store: Store, *, code_folder: Path, kind: str = "train", run_name: Optional[str] = None,
+             experiment: Optional[str] = None, parent_run_id: Optional[str] = None,
+             tags: Optional[dict[str, str]] = None) -> "RunSession":
+        """Create the run: tagged with the code's git version and folder (where a replay imports the code from)."""
+        from replaybisect.core.rng import isolated_rng
+
+        all_tags = {TAG + key: value for key, value in code_version(code_folder).items()}
+        all_tags[TAG + "code_dir"] = str(code_folder)
+        all_tags.update(tags or {})
+        with isolated_rng():  # MLflow names runs with `random`: keep it off the (seeded) training streams
+            random.seed(os.urandom(8))
+            run_id = store.create_run(kind, run_name=run_name, parent_run_id=parent_run_id, experiment=experiment, tags=all_tags)
+        session = cls(store, run_id)
+        session._remove_stale_temps()
+        return session
+
+    def write_config(self, cfg) -> None:
+        """The config as params (what MLflow's UI compares) and as config.yaml (what a replay reads back)."""
+        self.store.log_params(self.run_id, config_mod.flatten(cfg))
+        self.store.log_text(self.run_id, config_mod.to_yaml(cfg), "config.yaml")
+
+    def start_recording(self, cfg, state, data_position: dict[str, Any]):
+        """The hooks that record every step (or, with snapshot.enabled=false, only count them)."""
+        if cfg.snapshot.enabled:
+            self.hooks = RecordingHooks(self.store, self.run_id, cfg, state, data_position)
+        else:
+            self.hooks = NullHooks(cfg.snapshot.on_nonfinite == "stop")
+        return self.hooks
+
+    @property
+    def status(self) -> str:
+        return "nonfinite" if self.hooks is not None and self.hooks.first_nonfinite_step is not None else "ok"
+
+    def finish(self) -> str:
+        """Every pending write done, the run ended FINISHED (or FAILED after a non-finite step); returns the status.
+        A write that failed (a full disk) ends it FAILED instead, and is raised."""
+        if self.ended:
+            return self.status
+        try:
+            self.close_hooks()
+        except BaseException as error:
+            failure = self.fail(error)
+            if failure is not None:
+                raise failure from error
+            raise
+        self.ended = True
+        status = self.status
+        self.store.finish_run(self.run_id, status, "FAILED" if status == "nonfinite" else "FINISHED")
+        return status
+
+    def fail(self, error: BaseException) -> Optional[DiskFull]:
+        """Ctrl-C / SIGTERM: KILLED; anything else FAILED; what was recorded stays. Returns the one-line error to
+        raise for a full disk met outside the snapshot writer, else None."""
+        if self.ended:
+            return None
+        self.ended = True
+        try:
+            self.close_hooks()
+        except BaseException:
+            pass
+        failure = as_disk_full(error, self.run_id, self.store)
+        mark_ended(self.store, self.run_id, failure or error)
+        return failure if failure is not error else None
+
+    def close_hooks(self) -> None:
+        """Finish every pending write (snapshots, metrics), once; raises the first that failed."""
+        if self.hooks is not None and not self._hooks_closed:
+            self._hooks_closed = True
+            self.hooks.close()
+
+    def _remove_stale_temps(self) -> None:
+        """Temp files that killed writers left in the snapshots of this experiment's runs still marked RUNNING
+        (a run that ended cleanly left none). Only dead writers' files go: see snapshot.is_stale_temp."""
+        from replaybisect.core import snapshot as fmt
+
+        for folder in self.store.running_artifact_dirs(self.store.get_run(self.run_id).info.experiment_id):
+            try:
+                fmt.remove_stale_temps(folder / fmt.SNAPSHOTS)
+            except OSError:  # another user's folder, a vanished run: not this run's business
+                pass
+
+
+def as_disk_full(error: BaseException, run_id: str, store: Store) -> DiskFull | None:
+    """The one-line error for a full disk met outside the snapshot writer (config artifact, tags)."""
+    if isinstance(error, DiskFull):
+        return error
+    if isinstance(error, Exception) and is_disk_full(error):
+        return DiskFull(f"no space left on device recording run {run_id} to {store.uri}; free space or point the store elsewhere (--tracking-uri)")
+    return None
+
+
+def mark_ended(store: Store, run_id: str, error: BaseException) -> None:
+    """Ctrl-C / SIGTERM: KILLED, "killed". A full disk: FAILED, "crashed", failure "disk-full". Else FAILED, "crashed".
+    Best effort: when the store itself cannot be written (its disk is full), the error that stopped the run is what counts."""
+    try:
+        if isinstance(error, KeyboardInterrupt):  # Terminated (SIGTERM) is one
+            store.finish_run(run_id, "killed", "KILLED")
+            return
+        if isinstance(error, DiskFull):
+            store.set_tags(run_id, {"failure": "disk-full", "error": str(error)[:1000]})
+        store.finish_run(run_id, "crashed", "FAILED")
+    except Exception:
+        return
+    if isinstance(error, Exception) and not isinstance(error, DiskFull) and hasattr(error, "add_note"):  # Python >= 3.11
+        error.add_note(f"replaybisect: run {run_id} ended as crashed (FAILED); what it recorded is kept")

@@ -1,0 +1,187 @@
+"""One step, three paths: the built-in step (`loop.run_step`), your own loop recorded by `Recorder.step`, and a
+Lightning Trainer recorded by `ReplayCallback` (and its replay, `lightning_step`). The step's moments are written
+once (core/step_watch.py); here the same step on the same weights, batch and RNG state must come out the same
+on every path: the loss, the grad norm, the non-finite verdict, the parameters, the optimizer state and the RNG
+state after it. fp32 on the CPU: bit for bit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import replaybisect
+from replaybisect.core import loop
+
+pytest.importorskip("lightning")
+import lightning as L  # noqa: E402
+
+from replaybisect.lightning import ReplayCallback, lightning_step  # noqa: E402
+
+SEED, STEP_SEED = 0, 123
+X = torch.linspace(-2, 2, 16 * 8).reshape(16, 8)
+Y = torch.sin(X.sum(dim=1, keepdim=True))
+
+
+class Net(nn.Module):
+    """An MLP with dropout (the step draws random numbers). `plant`: a gate at 0 under a square root, so the loss
+    is finite and the gradients are not (d sqrt(u)/du at u=0 is inf)."""
+
+    def __init__(self, plant: bool = False):
+        super().__init__()
+        self.lin1, self.drop, self.lin2 = nn.Linear(8, 16), nn.Dropout(0.3), nn.Linear(16, 1)
+        self.gate = nn.Parameter(torch.zeros(1)) if plant else None
+
+    def forward(self, x):
+        out = self.lin2(self.drop(torch.tanh(self.lin1(x))))
+        return torch.sqrt(out.pow(2) * self.gate) if self.gate is not None else out
+
+
+def build(config):
+    torch.manual_seed(SEED)
+    model = Net(plant=bool(config.get("plant", False)))
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def own_step(model, optimizer, batch):
+    inputs, targets = batch
+    loss = F.mse_loss(model(inputs), targets)
+    loss.backward()
+    optimizer.step()
+    return loss
+
+
+class LitNet(L.LightningModule):
+    def __init__(self, plant: bool = False):
+        super().__init__()
+        self.save_hyperparameters()
+        torch.manual_seed(SEED)
+        self.net = Net(plant)
+
+    def training_step(self, batch):
+        inputs, targets = batch
+        return F.mse_loss(self.net(inputs), targets)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
+class StepSeed(L.Callback):
+    """Every path starts the step from the same RNG state; the state after it is kept."""
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        torch.manual_seed(STEP_SEED)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.rng_after = torch.get_rng_state()
+
+
+def after_step(outcome_loss, grad_norm, nonfinite, model, optimizer) -> dict:
+    return {
+        "loss": outcome_loss, "grad_norm": grad_norm, "nonfinite": nonfinite,
+        "params": [p.detach().clone() for p in model.parameters()],
+        "optimizer": [{key: value.clone() for key, value in optimizer.state[p].items()} for p in model.parameters()],
+        "rng": torch.get_rng_state(),
+    }
+
+
+def builtin_path(plant: bool) -> dict:
+    model, optimizer = build({"plant": plant})
+    state = loop.TrainState(cfg=None, model=model, optimizer=optimizer, scheduler=None, scaler=None, loss_fn=nn.MSELoss(),
+                            step_fn=loop.supervised_step, device=torch.device("cpu"), precision="fp32", clip_grad_norm=None)
+    torch.manual_seed(STEP_SEED)
+    outcome = loop.run_step(state, 0, (X.clone(), Y.clone()))
+    return after_step(outcome.loss, outcome.grad_norm, outcome.nonfinite, model, optimizer)
+
+
+def logged(uri: str, run_id: str) -> dict[str, float]:
+    from replaybisect.store import open_store
+
+    store = open_store(uri, create=False)
+    return {key: dict(store.metric_history(run_id, key))[0] for key in ("loss", "grad_norm")}
+
+
+def recorder_path(plant: bool, uri: str) -> dict:
+    model, optimizer = build({"plant": plant})
+    recorder = replaybisect.Recorder(model, optimizer, step_fn=own_step, build=build, config={"plant": plant},
+                                     tracking_uri=uri, snapshot_every=1, layer_stats_every=1)
+    nonfinite = None
+    torch.manual_seed(STEP_SEED)
+    try:
+        recorder.step((X.clone(), Y.clone()))
+        rng_after = torch.get_rng_state()
+        recorder.close()
+    except replaybisect.NonFiniteStep as stop:
+        rng_after = torch.get_rng_state()
+        nonfinite = stop.what
+    metrics = logged(uri, recorder.run_id)
+    result = after_step(metrics["loss"], metrics["grad_norm"], nonfinite, model, optimizer)
+    result["rng"] = rng_after
+    return result
+
+
+def lightning_path(plant: bool, uri: str) -> dict:
+    module = LitNet(plant)
+    seeding, recording = StepSeed(), ReplayCallback(tracking_uri=uri, snapshot_every=1, layer_stats_every=1)
+    trainer = L.Trainer(max_steps=1, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, callbacks=[seeding, recording])
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(X.clone(), Y.clone()), batch_size=16)
+    nonfinite = None
+    try:
+        trainer.fit(module, data)
+    except replaybisect.NonFiniteStep as stop:
+        seeding.rng_after = torch.get_rng_state()
+        nonfinite = stop.what
+    metrics = logged(uri, recording.run_id)
+    result = after_step(metrics["loss"], metrics["grad_norm"], nonfinite, module.net, trainer.optimizers[0])
+    result["rng"] = seeding.rng_after
+    return result
+
+
+def lightning_replay_path(plant: bool) -> dict:
+    """The step a replay of a Lightning run takes: `lightning_step` through `loop.run_step`, no Trainer."""
+    from omegaconf import OmegaConf
+
+    from replaybisect.core import user_step
+
+    module = LitNet(plant)
+    optimizer = module.configure_optimizers()
+    trainer = {"precision": "32-true", "device": "cpu", "gradient_clip_val": None, "gradient_clip_algorithm": None,
+               "scheduler": None}
+    state = loop.TrainState(cfg=None, model=module, optimizer=optimizer, scheduler=None, scaler=None, loss_fn=None,
+                            step_fn=lightning_step, device=torch.device("cpu"), precision="fp32", clip_grad_norm=None,
+                            user_loop=True, user_config=OmegaConf.create({"trainer": trainer}))
+    torch.manual_seed(STEP_SEED)
+    position = {"batch_idx": 0, "takes_batch_idx": False, "rng": None, "accumulate": 1, "scheduler_step": False}
+    record = user_step.pack({user_step.LIGHTNING_BATCHES: [[X.clone(), Y.clone()]], user_step.LIGHTNING_POSITIONS: [position]},
+                            state.device)
+    outcome = loop.run_step(state, 0, record)
+    return after_step(outcome.loss, outcome.grad_norm, outcome.nonfinite, module.net, optimizer)
+
+
+def assert_same(expected: dict, got: dict, path: str) -> None:
+    assert got["nonfinite"] == expected["nonfinite"], path
+    for key in ("loss", "grad_norm"):
+        same = got[key] == expected[key] or (got[key] != got[key] and expected[key] != expected[key])  # NaN == NaN here
+        assert same, f"{path}: {key} {got[key]!r} != {expected[key]!r}"
+    for index, (a, b) in enumerate(zip(expected["params"], got["params"])):
+        assert torch.equal(a, b), f"{path}: parameter {index} differs"
+    assert len(expected["optimizer"]) == len(got["optimizer"]), path
+    for a, b in zip(expected["optimizer"], got["optimizer"]):
+        assert a.keys() == b.keys(), path
+        assert all(torch.equal(a[key], b[key]) for key in a), f"{path}: optimizer state differs"
+    assert torch.equal(expected["rng"], got["rng"]), f"{path}: RNG state after the step differs"
+
+
+@pytest.mark.parametrize("plant", [False, True], ids=["healthy", "nonfinite-gradient"])
+def test_one_step_is_the_same_on_every_path(plant, tmp_path):
+    reference = builtin_path(plant)
+    if plant:  # halted before the update: nothing applied, the verdict is the gradient's
+        assert reference["nonfinite"] == "grad_norm" and reference["optimizer"] == [{}] * len(reference["params"])
+    else:
+        assert reference["nonfinite"] is None and all(state for state in reference["optimizer"])
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    assert_same(reference, recorder_path(plant, uri), "Recorder")
+    assert_same(reference, lightning_path(plant, uri), "ReplayCallback")
+    assert_same(reference, lightning_replay_path(plant), "lightning_step")
