@@ -31,7 +31,21 @@ def _record(ws: Workspace, script: str, *args: str) -> str:
     done = subprocess.run([sys.executable, script, *args], cwd=ws.path / "project", env=ws.env(), capture_output=True,
                           text=True, timeout=300)
     assert done.returncode != 0 and "NonFiniteStep" in done.stderr, f"exit {done.returncode}\n{done.stderr[-2000:]}"
-    return re.search(r"recording run ([0-9a-f]{32})", done.stderr).group(1)
+    run_id = re.search(r"recording run ([0-9a-f]{32})", done.stderr).group(1)
+    _assert_one_line_failure(done.stderr, run_id)
+    return run_id
+
+
+def _assert_one_line_failure(stderr: str, run_id: str) -> None:
+    """The script ends with the answer and the next command, not a traceback through the framework (a Hydra app:
+    between Hydra's own two lines, 'Error executing job ...' and its HYDRA_FULL_ERROR hint)."""
+    assert "Traceback" not in stderr, stderr[-3000:]
+    lines = [line for line in stderr.strip().splitlines() if line.strip()]
+    if lines[-1].startswith("Set the environment variable HYDRA_FULL_ERROR"):
+        assert lines[-3].startswith("Error executing job"), stderr[-3000:]
+        lines = lines[:-1]
+    last = lines[-1]
+    assert last.startswith("replaybisect.NonFiniteStep: ") and last.endswith(f"replay nan --run-id {run_id}"), last
 
 
 def _nan(ws: Workspace, run_id: str, cwd: Path) -> dict:
@@ -87,6 +101,16 @@ def test_lightning_lr_too_high_is_a_divergence(ws):
     pytest.importorskip("lightning")
     run_id = _record(ws, "lit_diverging.py", "0.03", "60")
     _assert_divergence(_nan(ws, run_id, ws.path / "project"), "body.0")
+
+
+def test_a_hydra_app_that_diverges_ends_with_one_line(ws):
+    """Hydra prints a failing app's traceback (its own frames trimmed); a stopped run is no crash: the app ends with
+    the one line. REPLAYBISECT_FULL_ERROR=1 shows the whole story."""
+    pytest.importorskip("hydra")
+    _record(ws, "hydra_diverging.py", "+lr=0.04", "+steps=40")
+    done = subprocess.run([sys.executable, "hydra_diverging.py", "+lr=0.04", "+steps=40"], cwd=ws.path / "project",
+                          env={**ws.env(), "REPLAYBISECT_FULL_ERROR": "1"}, capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0 and "Traceback" in done.stderr and "NonFiniteStep" in done.stderr, done.stderr[-2000:]
 
 
 def test_replay_train_lr_explosion_is_a_divergence(ws):

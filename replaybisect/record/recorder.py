@@ -26,6 +26,7 @@ from __future__ import annotations
 import ast
 import contextlib
 import dataclasses
+import os
 import sys
 import time
 from pathlib import Path
@@ -270,10 +271,41 @@ def open_session(tracking_uri: Optional[str], experiment: Optional[str], code_fo
     session = RunSession.open(open_store(tracking_uri), code_folder=code_folder, run_name=run_name, experiment=experiment,
                               tags=tags)
     print(f"replaybisect: recording run {session.run_id} to {session.store.uri}", file=sys.stderr)
+    one_line_failures()
     return session
 
 
 def nonfinite_step(outcome, run_id: str) -> NonFiniteStep:
-    """What `Recorder.step` and the Lightning callback raise on a step that stopped before its update."""
+    """What `Recorder.step` and the Lightning callback raise on a step that stopped before its update. In a Hydra
+    app it is also one of Hydra's compact errors, which Hydra prints as its message alone."""
     value = outcome.loss if outcome.nonfinite == "loss" else outcome.grad_norm
-    return NonFiniteStep.of_library(outcome.step, outcome.nonfinite, value, run_id)
+    stop = NonFiniteStep.of_library(outcome.step, outcome.nonfinite, value, run_id)
+    hydra_errors = sys.modules.get("hydra.errors")  # imported by the app: never imported here (2 s)
+    if hydra_errors is not None and os.environ.get(FULL_ERROR) != "1":
+        compact = type("NonFiniteStep", (NonFiniteStep, hydra_errors.CompactHydraException), {"__str__": _named})
+        stop = compact(str(stop), stop.run_id, stop.step, stop.what)
+    return stop
+
+
+FULL_ERROR = "REPLAYBISECT_FULL_ERROR"  # =1: the whole traceback of a stopped run, framework frames and all
+
+
+def _named(stop: BaseException) -> str:
+    return f"replaybisect.NonFiniteStep: {BaseException.__str__(stop)}"
+
+
+def one_line_failures() -> None:
+    """A script that lets NonFiniteStep end it (a Trainer's fit, a bare loop) ends with its one line, the answer
+    and the next command, instead of a traceback through the framework; REPLAYBISECT_FULL_ERROR=1 shows it all."""
+    if getattr(sys.excepthook, "replaybisect", False):
+        return
+    previous = sys.excepthook
+
+    def excepthook(kind, error, trace) -> None:
+        if issubclass(kind, NonFiniteStep) and os.environ.get(FULL_ERROR) != "1":
+            print(_named(error) if not str(error).startswith("replaybisect.") else error, file=sys.stderr)
+            return
+        previous(kind, error, trace)
+
+    excepthook.replaybisect = True
+    sys.excepthook = excepthook
