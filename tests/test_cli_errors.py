@@ -204,11 +204,11 @@ def test_a_crash_below_user_code_shows_its_traceback_from_the_users_frame(capsys
 
 def test_a_crash_in_our_own_code_is_an_internal_error_to_report(capsys):
     from replaybisect.cli import _report_crash
-    from replaybisect.core import user_step
+    from replaybisect.core import rng
 
-    _report_crash(_caught(lambda: user_step._unsigned(None), drop_caller_frames=2))
+    _report_crash(_caught(lambda: rng._unsigned(None), drop_caller_frames=2))
     stderr = capsys.readouterr().err.strip().splitlines()
-    assert stderr[0] == "Traceback (most recent call last):" and "user_step.py" in stderr[-4]
+    assert stderr[0] == "Traceback (most recent call last):" and "rng.py" in stderr[-4]
     assert stderr[-1] == "replay: internal error: TypeError: Mersenne Twister words are not an int32 tensor; please report it with the traceback above"
 
 

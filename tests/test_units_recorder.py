@@ -148,13 +148,13 @@ def _draws():
 
 
 def test_a_stored_step_restores_torch_python_and_numpy_streams():
-    from replaybisect.core import user_step
+    from replaybisect.core import rng as rng_mod
 
     rng = _packed_rng()
     first = _draws()
-    user_step.restore_step_rng(rng, torch.device("cpu"))
+    rng_mod.restore_stored(rng, torch.device("cpu"))
     assert _draws() == first
-    user_step.restore_step_rng({"torch": rng["torch"]}, torch.device("cpu"))  # a run recorded before: torch only
+    rng_mod.restore_stored({"torch": rng["torch"]}, torch.device("cpu"))  # a run recorded before: torch only
     assert _draws()[-1] == first[-1]
 
 
@@ -163,12 +163,12 @@ def test_a_stored_step_restores_torch_python_and_numpy_streams():
     ("python", torch.zeros(3, dtype=torch.int32)), ("numpy", torch.zeros(624)), ("torch", torch.zeros(3, dtype=torch.uint8)),
 ])
 def test_a_damaged_stored_rng_state_is_a_snapshot_error_not_a_bad_state(key, value):
-    from replaybisect.core import user_step
+    from replaybisect.core import rng as rng_mod
     from replaybisect.errors import SnapshotError
 
     rng = {**_packed_rng(), key: value}
     with pytest.raises(SnapshotError, match="RNG state is damaged"):
-        user_step.restore_step_rng(rng, torch.device("cpu"))
+        rng_mod.restore_stored(rng, torch.device("cpu"))
 
 
 # ---- batch containers: namedtuples come back as namedtuples; what cannot is said at record time ------------------

@@ -8,15 +8,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Literal, Optional, get_args
 
 from replaybisect.errors import ConfigError, UntrustedConfig
 
 BUILTIN_CONFIG_DIR = Path(__file__).parent.parent / "conf"  # replaybisect/conf (this module is in replaybisect/core)
 SCHEMA_NAME = "replaybisect_schema"
 ENTRY_NAME = "replaybisect_entry"
-PRECISIONS = ("fp32", "bf16", "fp16")
-LOOPS = ("builtin", "user")
+# The closed choices, typed once (OmegaConf's structured configs take no Literal: the fields below are str, and
+# `validate` checks them against these).
+Precision = Literal["fp32", "bf16", "fp16"]
+Loop = Literal["builtin", "user"]
+OnNonfinite = Literal["stop", "continue"]
+PRECISIONS, LOOPS, ON_NONFINITE = get_args(Precision), get_args(Loop), get_args(OnNonfinite)
 MAX_THREADS = 1024  # torch.set_num_threads(100000) exhausts memory mapping threads
 
 
@@ -26,7 +30,7 @@ class TrainConfig:
     """Number of optimizer steps."""
     batch_size: int = 64
     """Samples per step (the last partial batch of an epoch is dropped)."""
-    precision: str = "fp32"
+    precision: str = "fp32"  # Precision
     """fp32 | bf16 | fp16 (autocast; fp16 uses a GradScaler)."""
     clip_grad_norm: Optional[float] = None
     """Max total gradient norm; null = no clipping. The pre-clip norm is always logged."""
@@ -46,7 +50,7 @@ class TrainConfig:
     step_fn: Any = field(default_factory=lambda: {"_target_": "replaybisect.core.loop.supervised_step", "_partial_": True})
     """(model, batch, loss_fn) -> scalar loss. In a run recorded from your own loop (loop: user): your whole
     step (forward, backward, clip, update), called with the arguments it names (see replaybisect.Recorder)."""
-    loop: str = "builtin"
+    loop: str = "builtin"  # Loop
     """builtin: replaybisect's step. user: a run recorded from your own loop by replaybisect.Recorder."""
     build: Any = None
     """loop: user only: build(config) -> model, optimizer[, scheduler[, scaler]] (a dict or a tuple)."""
@@ -58,7 +62,7 @@ class SnapshotConfig:
     """Steps between full snapshots (0 = none)."""
     keep_batches: bool = True
     """Store the batches of each snapshot interval so replay needs no data source."""
-    on_nonfinite: str = "stop"
+    on_nonfinite: str = "stop"  # OnNonfinite
     """stop | continue."""
     layer_stats_every: int = 50
     """Steps between per-layer statistics, param_norm and update_ratio (0 = never)."""
@@ -322,8 +326,8 @@ def validate(cfg) -> None:
         problems.append(f"train.clip_grad_norm={cfg.train.clip_grad_norm} must be positive or null")
     if cfg.train.val_every < 0 or cfg.snapshot.every < 0 or cfg.snapshot.layer_stats_every < 0:
         problems.append("train.val_every, snapshot.every and snapshot.layer_stats_every must be >= 0")
-    if cfg.snapshot.on_nonfinite not in ("stop", "continue"):
-        problems.append(f"snapshot.on_nonfinite={cfg.snapshot.on_nonfinite!r} is not one of stop, continue")
+    if cfg.snapshot.on_nonfinite not in ON_NONFINITE:
+        problems.append(f"snapshot.on_nonfinite={cfg.snapshot.on_nonfinite!r} is not one of {', '.join(ON_NONFINITE)}")
     if cfg.train.loop == "builtin" and cfg.train.device != "auto":  # a device that is not here: before any store or run
         from replaybisect.core.device import resolve_device
 

@@ -28,7 +28,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler, default_collate
 from replaybisect.core import user_step
 from replaybisect.core.snapshot import like
 from replaybisect.core.device import resolve_device
-from replaybisect.core.config import build_optimizer, check_closure_optimizer, instantiate, needs_closure
+from replaybisect.core.config import Precision, build_optimizer, check_closure_optimizer, instantiate, needs_closure
 from replaybisect.core.observer import StepObserver
 from replaybisect.core.step_watch import StepHalted, StepOutcome, StepWatch, fault_handler  # noqa: F401 (loop.StepOutcome)
 from replaybisect.errors import ConfigError
@@ -198,7 +198,7 @@ class TrainState:
     loss_fn: Callable
     step_fn: Callable
     device: torch.device
-    precision: str
+    precision: Precision
     clip_grad_norm: Optional[float]
     user_loop: bool = False  # the step is the user's own (a run recorded by replaybisect.Recorder): see core/user_step.py
     user_config: Any = None  # loop: user: the user's config, handed to their build and step functions
@@ -277,11 +277,13 @@ def clone_state(state: TrainState, cfg=None) -> TrainState:
     threads = torch.get_num_threads()
     if state.user_loop:
         with isolated_rng():
-            parts = user_step.rebuilt_copy(state, target)
+            parts = user_step.build_parts(target)  # fresh objects from the user's build, holding the state's values
         torch.set_num_threads(threads)
-        return replace(state, cfg=target, model=parts["model"], optimizer=parts["optimizer"], scheduler=parts["scheduler"],
-                       scaler=parts["scaler"], step_fn=parts["step_fn"], precision=target.train.precision,
-                       clip_grad_norm=target.train.clip_grad_norm, user_config=parts["user_config"])
+        clone = replace(state, cfg=target, model=parts["model"], optimizer=parts["optimizer"], scheduler=parts["scheduler"],
+                        scaler=parts["scaler"], step_fn=parts["step_fn"], precision=target.train.precision,
+                        clip_grad_norm=target.train.clip_grad_norm, user_config=parts["user_config"])
+        load_state(clone, copy_state(state))
+        return clone
     with isolated_rng():  # building draws from (and seeds) the RNG streams
         model = _clone_model(state, target, rebuild=cfg is not None)
         optimizer, scheduler = _clone_optimizer(state, target, model)
@@ -294,6 +296,39 @@ def clone_state(state: TrainState, cfg=None) -> TrainState:
     accumulate = target.train.accumulate if target is not None else state.accumulate
     return replace(state, cfg=target, model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler,
                    loss_fn=copy.deepcopy(state.loss_fn), precision=precision, clip_grad_norm=clip, accumulate=accumulate)
+
+
+@dataclass
+class StateCopy:
+    """Deep copies of everything a step changes: weights and buffers, optimizer, scheduler and scaler state, and
+    the RNG streams (what a check's trial steps put back, what a clone starts from)."""
+
+    model: dict
+    optimizer: dict
+    scheduler: Optional[dict]
+    scaler: Optional[dict]
+    rng: dict
+
+
+def copy_state(state: TrainState) -> StateCopy:
+    def copied(part) -> Optional[dict]:
+        return copy.deepcopy(part.state_dict()) if part is not None else None
+
+    return StateCopy(model=copied(state.model), optimizer=copied(state.optimizer), scheduler=copied(state.scheduler),
+                     scaler=copied(state.scaler), rng=capture_raw())
+
+
+def load_state(state: TrainState, saved: StateCopy, *, rng: bool = False) -> None:
+    """Put `saved` into the state's objects (a scheduler or scaler only where both have one); `saved` stays intact
+    for the next load. `rng`: the streams too."""
+    state.model.load_state_dict(saved.model)
+    state.optimizer.load_state_dict(copy.deepcopy(saved.optimizer))
+    for name in ("scheduler", "scaler"):
+        part, values = getattr(state, name), getattr(saved, name)
+        if part is not None and values is not None:
+            part.load_state_dict(copy.deepcopy(values))
+    if rng:
+        restore_raw(saved.rng)
 
 
 def _clone_model(state: TrainState, cfg, rebuild: bool) -> torch.nn.Module:
@@ -468,13 +503,13 @@ class BufferGuard:
         self.saved = [torch.empty_like(b) for b in self.buffers]
 
     def save(self) -> None:
-        for copy, buffer in zip(self.saved, self.buffers):
-            copy.copy_(buffer)
+        for kept, buffer in zip(self.saved, self.buffers):
+            kept.copy_(buffer)
 
     def restore(self) -> None:
         with torch.no_grad():
-            for copy, buffer in zip(self.saved, self.buffers):
-                buffer.copy_(copy)
+            for kept, buffer in zip(self.saved, self.buffers):
+                buffer.copy_(kept)
 
 
 class LoopHooks(Protocol):

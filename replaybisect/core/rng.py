@@ -118,6 +118,79 @@ def from_json(state: dict[str, Any]) -> dict[str, Any]:
     return raw
 
 
+# ---- the same streams as a stored batch carries them: tensors and numbers (batches are stored with safetensors) ----
+def to_tensors(raw: dict[str, Any]) -> dict[str, Any]:
+    """`capture_raw`'s streams as a stored batch holds them: the Mersenne Twister words as int32 tensors of the same
+    bits, every CUDA device's state stacked (one row a device)."""
+    version, internal, gauss_next = raw["python"]
+    kind, keys, position, has_gauss, cached_gaussian = raw["numpy"]
+    stored = {
+        "torch": raw["torch"],
+        "python": _words(internal), "python_gauss": gauss_next,
+        "numpy": _words(keys), "numpy_position": int(position), "numpy_gauss": [int(has_gauss), float(cached_gaussian)],
+    }
+    if "cuda" in raw:
+        stored["cuda"] = torch.stack([state.cpu() for state in raw["cuda"]])
+    return stored
+
+
+def from_tensors(stored: dict) -> dict[str, Any]:
+    """A stored batch's streams in `capture_raw`'s form (torch, and Python/NumPy/CUDA where stored), checked as a
+    snapshot's streams are (sizes, ranges, types): a damaged store is a SnapshotError, never a bad state."""
+    from pydantic import ValidationError
+
+    from replaybisect.errors import SnapshotError
+
+    torch_state = stored.get("torch") if isinstance(stored, dict) else None
+    if not isinstance(torch_state, torch.Tensor) or torch_state.dtype != torch.uint8 or torch_state.numel() != TORCH_STATE_BYTES:
+        raise SnapshotError("a stored batch's torch RNG state is damaged; record the run again")
+    raw: dict[str, Any] = {"torch": torch_state}
+    cuda = stored.get("cuda")
+    if isinstance(cuda, torch.Tensor) and cuda.dtype == torch.uint8:  # one row a device (a single row: older runs)
+        raw["cuda"] = list(cuda.unbind(0)) if cuda.dim() == 2 else [cuda]
+    if "python" not in stored:  # recorded before Python and NumPy were stored per step
+        return raw
+    try:
+        has_gauss, cached_gaussian = stored["numpy_gauss"]
+        python = PythonStream.model_validate({"version": 3, "internal": [int(w) for w in _unsigned(stored["python"])],
+                                              "gauss_next": stored["python_gauss"]})
+        numpy = NumpyStream.model_validate({"kind": "MT19937", "keys": [int(w) for w in _unsigned(stored["numpy"])],
+                                            "pos": stored["numpy_position"], "has_gauss": has_gauss, "cached_gaussian": cached_gaussian})
+    except (TypeError, ValueError, KeyError, AttributeError, ValidationError) as error:
+        raise SnapshotError(f"a stored batch's Python/NumPy RNG state is damaged ({type(error).__name__}); record the run again") from None
+    raw["python"] = (3, tuple(python.internal), python.gauss_next)
+    raw["numpy"] = ("MT19937", np.array(numpy.keys, dtype=np.uint32), numpy.pos, numpy.has_gauss, numpy.cached_gaussian)
+    return raw
+
+
+def restore_stored(stored: Optional[dict], device: torch.device) -> None:
+    """Set the streams a stored step started with (runs recorded before Python and NumPy were stored per step
+    restore torch's, and CUDA's, only; a single CUDA state is the one of `device`)."""
+    if stored is None:
+        return
+    raw = from_tensors(stored)
+    torch.set_rng_state(raw["torch"].cpu())
+    if "cuda" in raw and torch.cuda.is_available():
+        if len(raw["cuda"]) == torch.cuda.device_count():
+            torch.cuda.set_rng_state_all(raw["cuda"])
+        elif device.type == "cuda":
+            torch.cuda.set_rng_state(raw["cuda"][0], device)
+    if "python" in raw:
+        random.setstate(raw["python"])
+        np.random.set_state(raw["numpy"])
+
+
+def _words(values) -> torch.Tensor:
+    """Mersenne Twister words (uint32) as an int32 tensor of the same bits."""
+    return torch.from_numpy(np.asarray(values, dtype=np.uint32).view(np.int32).copy())
+
+
+def _unsigned(words: torch.Tensor) -> np.ndarray:
+    if not isinstance(words, torch.Tensor) or words.dtype != torch.int32:
+        raise TypeError("Mersenne Twister words are not an int32 tensor")
+    return words.cpu().numpy().view(np.uint32)
+
+
 @contextlib.contextmanager
 def isolated_rng():
     """Run a side computation (validation, probes, LR range test) without shifting any RNG stream."""

@@ -22,15 +22,14 @@ import collections
 import contextlib
 import inspect
 import math
-import random
 import warnings
 from typing import Any, Callable, Optional
 
-import numpy as np
 import torch
 
+from replaybisect.core import rng
 from replaybisect.core.step_watch import StepHalted, StepWatch
-from replaybisect.errors import ConfigError, SnapshotError
+from replaybisect.errors import ConfigError
 
 STEP_ARGUMENTS = ("model", "optimizer", "scheduler", "scaler", "batch", "config", "cfg", "step")
 RECORD_BATCH, RECORD_RNG = "batch", "rng"
@@ -136,43 +135,14 @@ def model_device(model: torch.nn.Module) -> torch.device:
     return first.device if first is not None else torch.device("cpu")
 
 
-def rebuilt_copy(state, cfg) -> dict[str, Any]:
-    """Fresh objects from the user's build, holding copies of the state's weights, moments, schedule and scale."""
-    import copy
-
-    parts = build_parts(cfg)
-    parts["model"].load_state_dict(state.model.state_dict())
-    parts["optimizer"].load_state_dict(copy.deepcopy(state.optimizer.state_dict()))
-    for key in ("scheduler", "scaler"):
-        live = getattr(state, key)
-        if parts[key] is not None and live is not None:
-            parts[key].load_state_dict(copy.deepcopy(live.state_dict()))
-    return parts
-
-
 # ---- the stored batch: the user's batch and the RNG state its step started with ----------------------------
 def pack(batch: Any, device: torch.device, raw: Optional[dict[str, Any]] = None) -> dict[str, Any]:
     """The batch as the recorder stores it (copied: a loop may reuse its buffers) with the RNG states its step
-    starts with: torch (and CUDA), Python's `random` and NumPy's global generator, as tensors and numbers.
-    `raw`: those states as `core.rng.capture_raw` took them at this moment, when the caller has them."""
-    from replaybisect.core.rng import capture_raw
+    starts with (core.rng.to_tensors). `raw`: those states as `core.rng.capture_raw` took them at this moment,
+    when the caller has them."""
+    from replaybisect.core import rng
 
-    raw = raw if raw is not None else capture_raw()
-    version, internal, gauss_next = raw["python"]
-    kind, keys, position, has_gauss, cached_gaussian = raw["numpy"]
-    rng = {
-        "torch": raw["torch"],
-        "python": _words(internal), "python_gauss": gauss_next,
-        "numpy": _words(keys), "numpy_position": int(position), "numpy_gauss": [int(has_gauss), float(cached_gaussian)],
-    }
-    if device.type == "cuda":
-        rng["cuda"] = torch.cuda.get_rng_state(device)
-    return {RECORD_BATCH: _copied(batch), RECORD_RNG: rng}
-
-
-def _words(values) -> torch.Tensor:
-    """Mersenne Twister words (uint32) as an int32 tensor of the same bits."""
-    return torch.from_numpy(np.asarray(values, dtype=np.uint32).view(np.int32).copy())
+    return {RECORD_BATCH: _copied(batch), RECORD_RNG: rng.to_tensors(raw if raw is not None else rng.capture_raw())}
 
 
 def _copied(value: Any) -> Any:
@@ -221,52 +191,6 @@ def unpack(record: Any) -> tuple[Any, Optional[dict]]:
     if isinstance(record, dict) and set(record) == {RECORD_BATCH, RECORD_RNG}:
         return record[RECORD_BATCH], record[RECORD_RNG]
     return record, None
-
-
-def restore_step_rng(rng: Optional[dict], device: torch.device) -> None:
-    """Set the RNG streams a recorded step started with (runs recorded before Python and NumPy were stored per
-    step restore torch's only)."""
-    if rng is None:
-        return
-    streams = raw_streams(rng)
-    torch.set_rng_state(streams["torch"].cpu())
-    if "cuda" in rng and device.type == "cuda":
-        torch.cuda.set_rng_state(rng["cuda"].cpu(), device)
-    if "python" in streams:
-        random.setstate(streams["python"])
-        np.random.set_state(streams["numpy"])
-
-
-def raw_streams(rng: dict) -> dict[str, Any]:
-    """A stored batch's RNG states in `core.rng.capture_raw`'s form (torch, and Python/NumPy where stored), checked
-    as a snapshot's streams are (sizes, ranges, types): a damaged store is a SnapshotError, never a bad state."""
-    from pydantic import ValidationError
-
-    from replaybisect.core.rng import TORCH_STATE_BYTES, NumpyStream, PythonStream
-
-    torch_state = rng.get("torch") if isinstance(rng, dict) else None
-    if not isinstance(torch_state, torch.Tensor) or torch_state.dtype != torch.uint8 or torch_state.numel() != TORCH_STATE_BYTES:
-        raise SnapshotError("a stored batch's torch RNG state is damaged; record the run again")
-    streams: dict[str, Any] = {"torch": torch_state}
-    if "python" not in rng:  # recorded before Python and NumPy were stored per step
-        return streams
-    try:
-        has_gauss, cached_gaussian = rng["numpy_gauss"]
-        python = PythonStream.model_validate({"version": 3, "internal": [int(w) for w in _unsigned(rng["python"])],
-                                              "gauss_next": rng["python_gauss"]})
-        numpy = NumpyStream.model_validate({"kind": "MT19937", "keys": [int(w) for w in _unsigned(rng["numpy"])],
-                                            "pos": rng["numpy_position"], "has_gauss": has_gauss, "cached_gaussian": cached_gaussian})
-    except (TypeError, ValueError, KeyError, AttributeError, ValidationError) as error:
-        raise SnapshotError(f"a stored batch's Python/NumPy RNG state is damaged ({type(error).__name__}); record the run again") from None
-    streams["python"] = (3, tuple(python.internal), python.gauss_next)
-    streams["numpy"] = ("MT19937", np.array(numpy.keys, dtype=np.uint32), numpy.pos, numpy.has_gauss, numpy.cached_gaussian)
-    return streams
-
-
-def _unsigned(words: torch.Tensor) -> np.ndarray:
-    if not isinstance(words, torch.Tensor) or words.dtype != torch.int32:
-        raise TypeError("Mersenne Twister words are not an int32 tensor")
-    return words.cpu().numpy().view(np.uint32)
 
 
 # ---- precision: an fp32 arm turns every autocast region of the user's code off --------------------------
@@ -348,8 +272,8 @@ def watching(watch: StepWatch):
 def run(state, watch: StepWatch, record) -> None:
     """Run the user's step on `record` (a stored batch), filling `watch.outcome` (see loop.run_step)."""
     outcome = watch.outcome
-    batch, rng = unpack(record)
-    restore_step_rng(rng, state.device)
+    batch, stored_rng = unpack(record)
+    rng.restore_stored(stored_rng, state.device)
     state.model.train()
     state.optimizer.zero_grad(set_to_none=True)
     # fp32 (an arm's precision, or a run that entered no autocast region) runs every autocast region disabled;

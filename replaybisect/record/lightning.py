@@ -32,6 +32,7 @@ from lightning.pytorch import Callback
 from replaybisect.core import guard
 from replaybisect.core.step_watch import StepOutcome, StepWatch
 from replaybisect.core.user_step import LIGHTNING_BATCHES, LIGHTNING_POSITIONS, NO_LOSS
+from replaybisect.core.config import OnNonfinite
 from replaybisect.errors import ConfigError, NonFiniteStep
 from replaybisect.record.recorder import function_target, nonfinite_step, open_session, plain_config, replay_config
 
@@ -73,7 +74,7 @@ def lightning_step(model, optimizer, scheduler, scaler, batch, config):
     precision's autocast, its loss divided by accumulate_grad_batches, backward (scaled for 16-mixed); then
     unscale, the module's configure_gradient_clipping with the Trainer's settings, the optimizer (scaler) step,
     and the scheduler when Lightning stepped it after that batch. Returns the summed loss."""
-    from replaybisect.core.user_step import restore_step_rng
+    from replaybisect.core.rng import restore_stored
 
     trainer = config.trainer
     device = torch.device(trainer.device)
@@ -82,7 +83,7 @@ def lightning_step(model, optimizer, scheduler, scaler, batch, config):
     with _no_trainer_warnings():
         for inner, position in zip(batch[LIGHTNING_BATCHES], batch[LIGHTNING_POSITIONS]):
             if position["rng"] is not None:  # a later accumulated batch: the RNG state it started with
-                restore_step_rng(position["rng"], device)
+                restore_stored(position["rng"], device)
             with torch.autocast(device.type, dtype=dtype, cache_enabled=False) if dtype else contextlib.nullcontext():
                 output = model.training_step(inner, position["batch_idx"]) if position["takes_batch_idx"] else model.training_step(inner)
             loss = last_loss = output.get("loss") if isinstance(output, dict) else output
@@ -202,7 +203,7 @@ class ReplayCallback(Callback):
     """
 
     def __init__(self, *, tracking_uri: Optional[str] = None, experiment: Optional[str] = None, run_name: Optional[str] = None,
-                 snapshot_every: int = 100, layer_stats_every: int = 50, on_nonfinite: str = "stop"):
+                 snapshot_every: int = 100, layer_stats_every: int = 50, on_nonfinite: OnNonfinite = "stop"):
         from replaybisect.core import arguments
 
         arguments.tracking_uri(tracking_uri)

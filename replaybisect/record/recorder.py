@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from replaybisect.core.config import PRECISIONS, OnNonfinite, Precision
 from replaybisect.errors import ConfigError, NonFiniteStep
 
 
@@ -131,9 +132,9 @@ class Recorder:
     """
 
     def __init__(self, model, optimizer, *, step_fn: Callable, build: Callable, config: Any = None, scheduler=None,
-                 scaler=None, seed: Optional[int] = None, precision: Optional[str] = None,
+                 scaler=None, seed: Optional[int] = None, precision: Optional[Precision] = None,
                  tracking_uri: Optional[str] = None, experiment: Optional[str] = None, run_name: Optional[str] = None,
-                 snapshot_every: int = 100, layer_stats_every: int = 50, on_nonfinite: str = "stop",
+                 snapshot_every: int = 100, layer_stats_every: int = 50, on_nonfinite: OnNonfinite = "stop",
                  steps: Optional[int] = None):
         import torch
         from omegaconf import OmegaConf
@@ -258,8 +259,6 @@ class Recorder:
         else:
             self._fail(error)
 
-
-PRECISIONS = ("fp32", "bf16", "fp16")
 
 
 def open_session(tracking_uri: Optional[str], experiment: Optional[str], code_folder: Path, tags: dict[str, str],

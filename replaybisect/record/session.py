@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import os
 import random
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 from replaybisect.core import config as config_mod
 from replaybisect.core.repo import code_version
@@ -68,17 +69,24 @@ class RunSession:
         A write that failed (a full disk) ends it FAILED instead, and is raised."""
         if self.ended:
             return self.status
-        try:
+        with self.failure_ends_run():
             self.close_hooks()
+        self.ended = True
+        status = self.status
+        self.store.finish_run(self.run_id, status, "FAILED" if status == "nonfinite" else "FINISHED")
+        return status
+
+    @contextmanager
+    def failure_ends_run(self) -> Iterator[None]:
+        """Inside, an error (Ctrl-C and SIGTERM too) ends the run as `fail` says and goes on up; a full disk met
+        outside the snapshot writer goes up as its one-line DiskFull."""
+        try:
+            yield
         except BaseException as error:
             failure = self.fail(error)
             if failure is not None:
                 raise failure from error
             raise
-        self.ended = True
-        status = self.status
-        self.store.finish_run(self.run_id, status, "FAILED" if status == "nonfinite" else "FINISHED")
-        return status
 
     def fail(self, error: BaseException) -> Optional[DiskFull]:
         """Ctrl-C / SIGTERM: KILLED; anything else FAILED; what was recorded stays. Returns the one-line error to

@@ -355,15 +355,12 @@ def forward_probe(state: loop.TrainState, batches: list) -> ForwardProbe:
 
 
 def _user_step_passes(state: loop.TrainState, batches: list, probe: ForwardProbe, first_pass: list[bool]) -> None:
-    """The forward statistics of a run from the user's own loop: their step on a copy per batch (the module hooks
-    are on `state.model`, which each copy's weights are loaded into), so no batch sees another's update."""
-    import copy
-
-    weights = copy.deepcopy(state.model.state_dict())
-    optimizer_state = copy.deepcopy(state.optimizer.state_dict())
+    """The forward statistics of a run from the user's own loop: their step from the same state for every batch
+    (weights, optimizer, scheduler, scaler put back in `state`'s objects, which carry the module hooks), so no batch
+    sees another's update."""
+    saved = loop.copy_state(state)
     for batch in batches:
-        state.model.load_state_dict(weights)
-        state.optimizer.load_state_dict(copy.deepcopy(optimizer_state))
+        loop.load_state(state, saved)
         try:
             outcome = loop.run_step(state, 0, loop.to_device(batch, state.device), halt_on_nonfinite=False)
             probe.losses.append(outcome.loss)
@@ -372,8 +369,7 @@ def _user_step_passes(state: loop.TrainState, batches: list, probe: ForwardProbe
         probe.batches += 1
         probe.samples += batch_size_of(batch)
         first_pass[0] = False
-    state.model.load_state_dict(weights)
-    state.optimizer.load_state_dict(optimizer_state)
+    loop.load_state(state, saved)
 
 
 @dataclass

@@ -353,11 +353,11 @@ def fingerprint(state) -> str:
 
 def _state_match(state, rng_raw, snapshot, step: int, batch) -> str:
     """Compare the replayed state before `step` with the snapshot the run saved there, bit for bit."""
-    from replaybisect.core import user_step
+    from replaybisect.core import rng, user_step
 
     _, step_rng = user_step.unpack(batch)
     if step_rng is not None:  # the user's own loop: the step runs with the RNG states stored with its batch
-        rng_raw = {**rng_raw, **user_step.raw_streams(step_rng)}
+        rng_raw = {**rng_raw, **rng.from_tensors(step_rng)}
     text, _ = _compare_with_snapshot(state, rng_raw, snapshot)
     return text
 

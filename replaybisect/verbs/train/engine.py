@@ -65,25 +65,19 @@ def train(
     # 2. the run: tags, params, config
     session = RunSession.open(store, code_folder=code_folder or Path.cwd(), kind=kind, run_name=run_name,
                               parent_run_id=parent_run_id, tags=extra_tags)
-    try:
-        with sigterm_raises():
-            session.write_config(cfg)
-            data_position = {"seed": cfg.seed, "batch_size": cfg.train.batch_size, "dataset_len": len(batch_source.dataset)}
-            # train.num_workers > 0: worker processes build the same batches ahead (started before the recorder's threads)
-            with loop.read_ahead(batch_source, cfg.train.num_workers) as batches:
-                hooks = session.start_recording(cfg, state, data_position)
+    with session.failure_ends_run(), sigterm_raises():
+        session.write_config(cfg)
+        data_position = {"seed": cfg.seed, "batch_size": cfg.train.batch_size, "dataset_len": len(batch_source.dataset)}
+        # train.num_workers > 0: worker processes build the same batches ahead (started before the recorder's threads)
+        with loop.read_ahead(batch_source, cfg.train.num_workers) as batches:
+            hooks = session.start_recording(cfg, state, data_position)
 
-                # 3. train
-                report = (lambda step: progress(step + 1, cfg.train.steps)) if progress else None
-                try:
-                    stopped_by = loop.train_loop(state, batches, 0, cfg.train.steps, hooks, val_dataset=val_dataset, progress=report)
-                finally:
-                    session.close_hooks()
-    except BaseException as error:
-        failure = session.fail(error)
-        if failure is not None:
-            raise failure from error
-        raise
+            # 3. train
+            report = (lambda step: progress(step + 1, cfg.train.steps)) if progress else None
+            try:
+                stopped_by = loop.train_loop(state, batches, 0, cfg.train.steps, hooks, val_dataset=val_dataset, progress=report)
+            finally:
+                session.close_hooks()
 
     # 4. the verdict
     status = session.finish()

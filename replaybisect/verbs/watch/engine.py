@@ -168,7 +168,7 @@ class Claim:
 
 
 @dataclass
-class StepOutcome:
+class TriageStepResult:
     """One triage step's child process: its JSON result or why it failed."""
 
     name: str
@@ -581,7 +581,7 @@ class Watcher:
         return self._finish(run, active, self._result(run, failure, "done", conclusion, "", ran, results, started, lines))
 
     def _run_step_through_outages(self, step: str, run_id: str, active: _Active, scratch: str,
-                                  lines: dict[str, str]) -> StepOutcome:
+                                  lines: dict[str, str]) -> TriageStepResult:
         """A step that failed because the tracking server did not answer (its child could not open the store, or the
         server is down now) runs again once the server answers: an outage is never the run's verdict."""
         reruns = 0
@@ -658,7 +658,7 @@ class Watcher:
             tags[REASON] = tag_line(reason)
         self.store.set_tags(run.info.run_id, tags)
 
-    def _run_step(self, step: str, run_id: str, active: _Active, scratch: str, lines: dict[str, str]) -> StepOutcome:
+    def _run_step(self, step: str, run_id: str, active: _Active, scratch: str, lines: dict[str, str]) -> TriageStepResult:
         """One verb in a child process with the memory and time limits; its JSON comes back on a pipe of ours. It runs
         in the triage's scratch folder (never the watcher's working folder: nothing there is trusted or importable)
         with its caches and temporary files there too."""
@@ -678,7 +678,7 @@ class Watcher:
             except subprocess.TimeoutExpired:
                 _kill(process)
                 process.communicate()
-                return StepOutcome(step, False, reason=f"stopped at the time limit ({self.options.time_limit:.0f} s)",
+                return TriageStepResult(step, False, reason=f"stopped at the time limit ({self.options.time_limit:.0f} s)",
                                    seconds=time.monotonic() - started)
             finally:
                 active.process = None
@@ -689,10 +689,10 @@ class Watcher:
             try:
                 import json
 
-                return StepOutcome(step, True, result=json.loads(stdout), seconds=seconds)
+                return TriageStepResult(step, True, result=json.loads(stdout), seconds=seconds)
             except ValueError:
-                return StepOutcome(step, False, reason="its JSON result did not parse", seconds=seconds)
-        return StepOutcome(step, False, reason=_failure_reason(process.returncode, error_text, self.options.memory_mb),
+                return TriageStepResult(step, False, reason="its JSON result did not parse", seconds=seconds)
+        return TriageStepResult(step, False, reason=_failure_reason(process.returncode, error_text, self.options.memory_mb),
                            seconds=seconds, detail="\n".join(error_text.splitlines()[-40:]))
 
     def _verb_args(self, step: str, run_id: str, lines: dict[str, str]) -> list[str]:
