@@ -144,10 +144,11 @@ def from_tensors(stored: dict) -> dict[str, Any]:
     torch_state = stored.get("torch") if isinstance(stored, dict) else None
     if not isinstance(torch_state, torch.Tensor) or torch_state.dtype != torch.uint8 or torch_state.numel() != TORCH_STATE_BYTES:
         raise SnapshotError("a stored batch's torch RNG state is damaged; record the run again")
-    raw: dict[str, Any] = {"torch": torch_state}
+    raw: dict[str, Any] = {"torch": torch_state.cpu()}
     cuda = stored.get("cuda")
     if isinstance(cuda, torch.Tensor) and cuda.dtype == torch.uint8:  # one row a device (a single row: older runs)
-        raw["cuda"] = list(cuda.unbind(0)) if cuda.dim() == 2 else [cuda]
+        cuda = cuda.cpu()  # a stored batch travels to the model's device, its RNG states with it
+        raw["cuda"] = [state.clone() for state in cuda.unbind(0)] if cuda.dim() == 2 else [cuda]
     if "python" not in stored:  # recorded before Python and NumPy were stored per step
         return raw
     try:
@@ -169,7 +170,7 @@ def restore_stored(stored: Optional[dict], device: torch.device) -> None:
     if stored is None:
         return
     raw = from_tensors(stored)
-    torch.set_rng_state(raw["torch"].cpu())
+    torch.set_rng_state(raw["torch"])
     if "cuda" in raw and torch.cuda.is_available():
         if len(raw["cuda"]) == torch.cuda.device_count():
             torch.cuda.set_rng_state_all(raw["cuda"])
