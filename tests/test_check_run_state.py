@@ -92,7 +92,7 @@ def test_step_picks_a_snapshot_and_a_nonfinite_gradient_is_no_missing_one(ws, di
 def test_bad_step_is_one_line_exit_2_and_records_nothing(ws, diverged):
     store = ws.store()
     before = {r.info.run_id for r in store.search_runs(max_results=1000)}
-    assert_one_line_error(ws.replay("check", "--run-id", diverged, "--step", "-1"), "--step -1 is negative")
+    assert_one_line_error(ws.replay("check", "--run-id", diverged, "--step", "-1"), "Invalid value for '--step'", "greater than or equal to 0")
     assert_one_line_error(ws.replay("check", "--run-id", diverged, "--step", "100000"), "--step 100000 is past the end", "its last step is")
     assert_one_line_error(ws.replay("check", "--step", "3"), "--step picks a snapshot of a recorded run", "--run-id")
     assert {r.info.run_id for r in store.search_runs(max_results=1000)} == before

@@ -22,6 +22,11 @@ from replaybisect.lightning import ReplayCallback, lightning_step  # noqa: E402
 SEED, STEP_SEED = 0, 123
 X = torch.linspace(-2, 2, 16 * 8).reshape(16, 8)
 Y = torch.sin(X.sum(dim=1, keepdim=True))
+BAD_X = X.clone().index_fill_(0, torch.tensor([3]), float("nan"))  # one row of NaN inputs: a non-finite loss
+
+
+def inputs(plant: str) -> torch.Tensor:
+    return (BAD_X if plant == "loss" else X).clone()
 
 
 class Net(nn.Module):
@@ -40,7 +45,7 @@ class Net(nn.Module):
 
 def build(config):
     torch.manual_seed(SEED)
-    model = Net(plant=bool(config.get("plant", False)))
+    model = Net(plant=config.get("plant") == "gradient")
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
 
 
@@ -53,11 +58,11 @@ def own_step(model, optimizer, batch):
 
 
 class LitNet(L.LightningModule):
-    def __init__(self, plant: bool = False):
+    def __init__(self, plant: str = "none"):
         super().__init__()
         self.save_hyperparameters()
         torch.manual_seed(SEED)
-        self.net = Net(plant)
+        self.net = Net(plant == "gradient")
 
     def training_step(self, batch):
         inputs, targets = batch
@@ -86,12 +91,12 @@ def after_step(outcome_loss, grad_norm, nonfinite, model, optimizer) -> dict:
     }
 
 
-def builtin_path(plant: bool) -> dict:
+def builtin_path(plant: str) -> dict:
     model, optimizer = build({"plant": plant})
     state = loop.TrainState(cfg=None, model=model, optimizer=optimizer, scheduler=None, scaler=None, loss_fn=nn.MSELoss(),
                             step_fn=loop.supervised_step, device=torch.device("cpu"), precision="fp32", clip_grad_norm=None)
     torch.manual_seed(STEP_SEED)
-    outcome = loop.run_step(state, 0, (X.clone(), Y.clone()))
+    outcome = loop.run_step(state, 0, (inputs(plant), Y.clone()))
     return after_step(outcome.loss, outcome.grad_norm, outcome.nonfinite, model, optimizer)
 
 
@@ -99,17 +104,17 @@ def logged(uri: str, run_id: str) -> dict[str, float]:
     from replaybisect.store import open_store
 
     store = open_store(uri, create=False)
-    return {key: dict(store.metric_history(run_id, key))[0] for key in ("loss", "grad_norm")}
+    return {key: dict(store.metric_history(run_id, key)).get(0) for key in ("loss", "grad_norm")}  # no grad norm: halted before backward
 
 
-def recorder_path(plant: bool, uri: str) -> dict:
+def recorder_path(plant: str, uri: str) -> dict:
     model, optimizer = build({"plant": plant})
     recorder = replaybisect.Recorder(model, optimizer, step_fn=own_step, build=build, config={"plant": plant},
                                      tracking_uri=uri, snapshot_every=1, layer_stats_every=1)
     nonfinite = None
     torch.manual_seed(STEP_SEED)
     try:
-        recorder.step((X.clone(), Y.clone()))
+        recorder.step((inputs(plant), Y.clone()))
         rng_after = torch.get_rng_state()
         recorder.close()
     except replaybisect.NonFiniteStep as stop:
@@ -121,12 +126,12 @@ def recorder_path(plant: bool, uri: str) -> dict:
     return result
 
 
-def lightning_path(plant: bool, uri: str) -> dict:
+def lightning_path(plant: str, uri: str) -> dict:
     module = LitNet(plant)
     seeding, recording = StepSeed(), ReplayCallback(tracking_uri=uri, snapshot_every=1, layer_stats_every=1)
     trainer = L.Trainer(max_steps=1, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, callbacks=[seeding, recording])
-    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(X.clone(), Y.clone()), batch_size=16)
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(inputs(plant), Y.clone()), batch_size=16)
     nonfinite = None
     try:
         trainer.fit(module, data)
@@ -139,7 +144,7 @@ def lightning_path(plant: bool, uri: str) -> dict:
     return result
 
 
-def lightning_replay_path(plant: bool) -> dict:
+def lightning_replay_path(plant: str) -> dict:
     """The step a replay of a Lightning run takes: `lightning_step` through `loop.run_step`, no Trainer."""
     from omegaconf import OmegaConf
 
@@ -154,7 +159,7 @@ def lightning_replay_path(plant: bool) -> dict:
                             user_loop=True, user_config=OmegaConf.create({"trainer": trainer}))
     torch.manual_seed(STEP_SEED)
     position = {"batch_idx": 0, "takes_batch_idx": False, "rng": None, "accumulate": 1, "scheduler_step": False}
-    record = user_step.pack({user_step.LIGHTNING_BATCHES: [[X.clone(), Y.clone()]], user_step.LIGHTNING_POSITIONS: [position]},
+    record = user_step.pack({user_step.LIGHTNING_BATCHES: [[inputs(plant), Y.clone()]], user_step.LIGHTNING_POSITIONS: [position]},
                             state.device)
     outcome = loop.run_step(state, 0, record)
     return after_step(outcome.loss, outcome.grad_norm, outcome.nonfinite, module.net, optimizer)
@@ -174,13 +179,14 @@ def assert_same(expected: dict, got: dict, path: str) -> None:
     assert torch.equal(expected["rng"], got["rng"]), f"{path}: RNG state after the step differs"
 
 
-@pytest.mark.parametrize("plant", [False, True], ids=["healthy", "nonfinite-gradient"])
+@pytest.mark.parametrize("plant", ["none", "gradient", "loss"], ids=["healthy", "nonfinite-gradient", "nonfinite-loss"])
 def test_one_step_is_the_same_on_every_path(plant, tmp_path):
     reference = builtin_path(plant)
-    if plant:  # halted before the update: nothing applied, the verdict is the gradient's
-        assert reference["nonfinite"] == "grad_norm" and reference["optimizer"] == [{}] * len(reference["params"])
-    else:
+    if plant == "none":
         assert reference["nonfinite"] is None and all(state for state in reference["optimizer"])
+    else:  # halted before the update: nothing applied, the verdict says what went non-finite
+        assert reference["nonfinite"] == {"gradient": "grad_norm", "loss": "loss"}[plant]
+        assert reference["optimizer"] == [{}] * len(reference["params"])
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     assert_same(reference, recorder_path(plant, uri), "Recorder")
     assert_same(reference, lightning_path(plant, uri), "ReplayCallback")

@@ -282,7 +282,7 @@ def clone_state(state: TrainState, cfg=None) -> TrainState:
         clone = replace(state, cfg=target, model=parts["model"], optimizer=parts["optimizer"], scheduler=parts["scheduler"],
                         scaler=parts["scaler"], step_fn=parts["step_fn"], precision=target.train.precision,
                         clip_grad_norm=target.train.clip_grad_norm, user_config=parts["user_config"])
-        load_state(clone, copy_state(state))
+        copy_into(clone, state)
         return clone
     with isolated_rng():  # building draws from (and seeds) the RNG streams
         model = _clone_model(state, target, rebuild=cfg is not None)
@@ -300,35 +300,44 @@ def clone_state(state: TrainState, cfg=None) -> TrainState:
 
 @dataclass
 class StateCopy:
-    """Deep copies of everything a step changes: weights and buffers, optimizer, scheduler and scaler state, and
-    the RNG streams (what a check's trial steps put back, what a clone starts from)."""
+    """Deep copies of everything a step changes: weights and buffers, optimizer, scheduler and scaler state (what
+    a check's trial steps put back before each batch and after the last)."""
 
     model: dict
     optimizer: dict
     scheduler: Optional[dict]
     scaler: Optional[dict]
-    rng: dict
 
 
 def copy_state(state: TrainState) -> StateCopy:
-    def copied(part) -> Optional[dict]:
-        return copy.deepcopy(part.state_dict()) if part is not None else None
-
-    return StateCopy(model=copied(state.model), optimizer=copied(state.optimizer), scheduler=copied(state.scheduler),
-                     scaler=copied(state.scaler), rng=capture_raw())
+    return StateCopy(**{name: _copied_state(getattr(state, name)) for name in STATE_PARTS})
 
 
-def load_state(state: TrainState, saved: StateCopy, *, rng: bool = False) -> None:
+def load_state(state: TrainState, saved: StateCopy) -> None:
     """Put `saved` into the state's objects (a scheduler or scaler only where both have one); `saved` stays intact
-    for the next load. `rng`: the streams too."""
-    state.model.load_state_dict(saved.model)
-    state.optimizer.load_state_dict(copy.deepcopy(saved.optimizer))
-    for name in ("scheduler", "scaler"):
-        part, values = getattr(state, name), getattr(saved, name)
-        if part is not None and values is not None:
-            part.load_state_dict(copy.deepcopy(values))
-    if rng:
-        restore_raw(saved.rng)
+    for the next load."""
+    _load_parts(state, {name: getattr(saved, name) for name in STATE_PARTS})
+
+
+def copy_into(target: TrainState, source: TrainState) -> None:
+    """`source`'s weights, optimizer, scheduler and scaler state loaded into `target`'s objects: one copy of each."""
+    _load_parts(target, {name: getattr(source, name).state_dict() if getattr(source, name) is not None else None
+                         for name in STATE_PARTS})
+
+
+STATE_PARTS = ("model", "optimizer", "scheduler", "scaler")
+
+
+def _copied_state(part) -> Optional[dict]:
+    return copy.deepcopy(part.state_dict()) if part is not None else None
+
+
+def _load_parts(state: TrainState, values: dict[str, Optional[dict]]) -> None:
+    state.model.load_state_dict(values["model"])  # copies into the parameters and buffers
+    for name in STATE_PARTS[1:]:  # load_state_dict keeps the tensors it is given: each gets its own copy
+        part, value = getattr(state, name), values[name]
+        if part is not None and value is not None:
+            part.load_state_dict(copy.deepcopy(value))
 
 
 def _clone_model(state: TrainState, cfg, rebuild: bool) -> torch.nn.Module:
@@ -405,6 +414,8 @@ def run_step(
         _builtin_step(state, watch, batch)
     except StepHalted:
         pass
+    finally:
+        watch.close_forward()  # an observer's forward region (a probe's TorchFunctionMode) never outlives the step
     return outcome
 
 

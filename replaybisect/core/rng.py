@@ -172,10 +172,12 @@ def restore_stored(stored: Optional[dict], device: torch.device) -> None:
     raw = from_tensors(stored)
     torch.set_rng_state(raw["torch"])
     if "cuda" in raw and torch.cuda.is_available():
-        if len(raw["cuda"]) == torch.cuda.device_count():
-            torch.cuda.set_rng_state_all(raw["cuda"])
-        elif device.type == "cuda":
-            torch.cuda.set_rng_state(raw["cuda"][0], device)
+        rows = raw["cuda"]
+        if len(rows) == torch.cuda.device_count():
+            torch.cuda.set_rng_state_all(rows)
+        elif device.type == "cuda":  # recorded with another device count (one row: a run recorded on one device)
+            index = device.index if device.index is not None else torch.cuda.current_device()
+            torch.cuda.set_rng_state(rows[index] if len(rows) > 1 and index < len(rows) else rows[0], device)
     if "python" in raw:
         random.setstate(raw["python"])
         np.random.set_state(raw["numpy"])

@@ -140,8 +140,6 @@ def pack(batch: Any, device: torch.device, raw: Optional[dict[str, Any]] = None)
     """The batch as the recorder stores it (copied: a loop may reuse its buffers) with the RNG states its step
     starts with (core.rng.to_tensors). `raw`: those states as `core.rng.capture_raw` took them at this moment,
     when the caller has them."""
-    from replaybisect.core import rng
-
     return {RECORD_BATCH: _copied(batch), RECORD_RNG: rng.to_tensors(raw if raw is not None else rng.capture_raw())}
 
 

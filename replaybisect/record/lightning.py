@@ -215,6 +215,7 @@ class ReplayCallback(Callback):
         self.steps_taken = 0
         self.first_nonfinite_step: Optional[int] = None
         self._session = None  # the run, from on_train_start
+        self._post_hook = None  # the optimizer post-step hook, while recording
         self._step: Optional[_StepInProgress] = None  # the optimizer step in progress
 
     # A strategy that trains in new processes (ddp_spawn, or any spawn/forkserver launcher) pickles the Trainer,
@@ -264,8 +265,9 @@ class ReplayCallback(Callback):
                                      {"replaybisect.loop": "user", "replaybisect.trainer": "lightning"},
                                      self.run_name or f"train {module_target.rsplit('.', 1)[0]} (lightning)")
         self.run_id = self._session.run_id
-        self._session.write_config(self.cfg)
-        self._hooks = self._session.start_recording(self.cfg, self.state, {"seed": int(self.cfg.seed)})
+        with self._session.failure_ends_run():  # a store that fails now ends the run FAILED, not RUNNING
+            self._session.write_config(self.cfg)
+            self._hooks = self._session.start_recording(self.cfg, self.state, {"seed": int(self.cfg.seed)})
         self._post_hook = register_optimizer_step_post_hook(self._after_update)
 
     @property
@@ -290,7 +292,9 @@ class ReplayCallback(Callback):
         self._session.finish()
 
     def _stop_watching(self) -> None:
-        self._post_hook.remove()
+        if self._post_hook is not None:
+            self._post_hook.remove()
+            self._post_hook = None
         if self._step is not None:
             self._step.watch.close_forward()
 

@@ -177,7 +177,8 @@ class Recorder:
         self._session = open_session(tracking_uri, experiment, step_folder, {"replaybisect.loop": "user"},
                                      run_name or f"train {step_target.rsplit('.', 1)[0]} (own loop)")
         self.store, self.run_id = self._session.store, self._session.run_id
-        self._hooks = self._session.start_recording(self.cfg, self.state, {"seed": int(self.cfg.seed)})
+        with self._session.failure_ends_run():
+            self._hooks = self._session.start_recording(self.cfg, self.state, {"seed": int(self.cfg.seed)})
         self._exit = contextlib.ExitStack()
         self._exit.enter_context(sigterm_raises())
 
@@ -199,7 +200,9 @@ class Recorder:
             if not self._config_written:
                 self._write_config()
         except BaseException as error:
-            self._fail(error)
+            failure = self._fail(error)
+            if failure is not None:  # a full disk met outside the snapshot writer: its one line, as replay train says it
+                raise failure from error
             raise
         self.steps_taken = step + 1
         self.last_loss = outcome.loss
@@ -243,10 +246,11 @@ class Recorder:
         finally:
             self._exit.close()
 
-    def _fail(self, error: BaseException) -> None:
-        """Ctrl-C / SIGTERM: KILLED; anything else FAILED; what was recorded stays."""
+    def _fail(self, error: BaseException):
+        """Ctrl-C / SIGTERM: KILLED; anything else FAILED; what was recorded stays. Returns the one-line DiskFull to
+        raise instead of `error`, if it is one."""
         try:
-            self._session.fail(error)
+            return self._session.fail(error)
         finally:
             self._exit.close()
 
@@ -258,7 +262,6 @@ class Recorder:
             self.close()
         else:
             self._fail(error)
-
 
 
 def open_session(tracking_uri: Optional[str], experiment: Optional[str], code_folder: Path, tags: dict[str, str],

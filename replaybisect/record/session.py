@@ -44,7 +44,8 @@ class RunSession:
             random.seed(os.urandom(8))
             run_id = store.create_run(kind, run_name=run_name, parent_run_id=parent_run_id, experiment=experiment, tags=all_tags)
         session = cls(store, run_id)
-        session._remove_stale_temps()
+        with session.failure_ends_run():
+            session._remove_stale_temps()
         return session
 
     def write_config(self, cfg) -> None:
