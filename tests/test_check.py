@@ -26,6 +26,17 @@ def run_check(workspace, *args: str) -> dict:
     return result.json()
 
 
+def check_here(workspace, config_name: str) -> dict:
+    """What `replay check --json --config-dir PLANTS --config-name NAME SMALL` prints, computed in this process through the
+    Python API (`rb.check` shares the command's request and engine; a `replay` start-up imports MLflow and torch: seconds
+    a test). The healthy config and the recorded run below go through the installed CLI."""
+    import replaybisect as rb
+
+    report = rb.check(["train.num_threads=1"], config_dir=PLANTS, config_name=config_name, overfit_steps=80, lr_steps=40,
+                      tracking_uri=workspace.tracking_uri)
+    return report.to_json()
+
+
 def by_name(report: dict) -> dict[str, dict]:
     return {c["name"]: c for c in report["checks"]}
 
@@ -47,7 +58,7 @@ PLANTED = [
 
 @pytest.mark.parametrize("config_name, name, status, layer, fragment", PLANTED, ids=[p[0] for p in PLANTED])
 def test_planted_pathology_is_flagged(shared, config_name, name, status, layer, fragment):
-    report = run_check(shared, "--config-dir", str(PLANTS), "--config-name", config_name, *SMALL)
+    report = check_here(shared, config_name)
     found = by_name(report)[name]
     assert found["status"] == status, found
     if layer is not None:

@@ -1,8 +1,8 @@
 """`replay diagnose` end to end: planted pathologies trained for real, read back through the installed CLI.
 
-Every planted run is a real `replay train` (built-in config with overrides, or a small user module in
-examples/diagnose_pathologies/ via --config-dir) recorded into a real SQLite MLflow store. The runs are
-trained once per module, two at a time (one torch thread each), then each test diagnoses one of them.
+Every planted run is a real training through `rb.train` (built-in config with overrides, or a small user module in
+examples/diagnose_pathologies/ via its config folder) recorded into a real SQLite MLflow store. The runs are
+trained once per module, in this process (one torch thread), then each test diagnoses one of them.
 """
 
 from __future__ import annotations
@@ -11,7 +11,6 @@ import contextlib
 import json
 import os
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
@@ -77,46 +76,40 @@ def _diagnose_here(workspace: Workspace, run_id: str) -> str:
     return json.dumps({**result.to_json(), "report_run_id": report_run_id}, default=json_default)
 
 
+def _train_here(workspace: Workspace, name: str) -> tuple[int, dict]:
+    """`replay train --json --run-name NAME CONFIG COMMON OVERRIDES` in this process (`rb.train`, the command's request
+    and engine; a `replay` start-up costs seconds): (the command's exit status, its JSON)."""
+    import replaybisect as rb
+
+    config, overrides, _ = PLANTS[name]
+    where = dict(zip(config[::2], config[1::2]))  # --config-dir X --config-name Y
+    with in_folder(workspace.path):
+        result = rb.train([*COMMON, *overrides], config_dir=where.get("--config-dir"),
+                          config_name=where.get("--config-name", "config"), tracking_uri=workspace.tracking_uri, run_name=name)
+    return (3 if result.stopped else 0), result.to_json()
+
+
 @pytest.fixture(scope="module")
 def planted(tmp_path_factory):
-    """Train every planted run, two processes at a time (one torch thread each), and diagnose it (CLI_DIAGNOSED
-    through the CLI, the others in this process while the next runs train).
-    name -> {"train": (exit, JSON or stderr), "diagnose": [(args, exit, stdout, stderr), ...]}."""
+    """Train every planted run here, one after another, and diagnose it: CLI_DIAGNOSED through the installed CLI (a
+    subprocess that runs while the next runs train), the others in this process.
+    name -> {"train": (exit, JSON), "diagnose": [(args, exit, stdout, stderr), ...]}."""
     workspace = Workspace(tmp_path_factory.mktemp("diagnose"))
-    with in_folder(workspace.path):  # the experiment's artifact root (./mlruns) goes in the workspace
-        workspace.store().experiment_id()  # create the SQLite schema once, before processes race to do it
     env = workspace.env()
     results: dict[str, dict] = {name: {"diagnose": []} for name in PLANTS}
-    queue: list[tuple[str, list[str]]] = [
-        (name, [REPLAY, "train", "--json", "--run-name", name, *config, *COMMON, *overrides]) for name, (config, overrides, _) in PLANTS.items()
-    ]
-    running: list[tuple[str, list[str], subprocess.Popen]] = []
-    in_process: list[tuple[str, str]] = []  # (name, run id) to diagnose here, while the next runs train
-    while queue or running or in_process:
-        while queue and len(running) < 2:
-            name, command = queue.pop(0)
-            process = subprocess.Popen(command, cwd=workspace.path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-            running.append((name, command, process))
-        if in_process:
-            name, run_id = in_process.pop(0)
-            results[name]["diagnose"].append((("--json",), 0, _diagnose_here(workspace, run_id), ""))
-        for entry in list(running):
-            name, command, process = entry
-            if process.poll() is None:
-                continue
-            stdout, stderr = process.communicate()
-            running.remove(entry)
-            if command[1] == "train":
-                trained = json.loads(stdout) if stdout.strip() else stderr
-                results[name]["train"] = (process.returncode, trained)
-                if isinstance(trained, dict) and name in CLI_DIAGNOSED:  # next, ahead of the remaining trainings
-                    for args in [("--json",), *EXTRA.get(name, [])]:
-                        queue.insert(0, (name, [REPLAY, "diagnose", "--run-id", trained["run_id"], *args]))
-                elif isinstance(trained, dict):
-                    in_process.append((name, trained["run_id"]))
-            else:
-                results[name]["diagnose"].append((tuple(command[4:]), process.returncode, stdout, stderr))
-        time.sleep(0.1)
+    commands: list[tuple[str, tuple[str, ...], subprocess.Popen]] = []
+    for name in PLANTS:
+        results[name]["train"] = returncode, trained = _train_here(workspace, name)
+        if name not in CLI_DIAGNOSED:
+            results[name]["diagnose"].append((("--json",), 0, _diagnose_here(workspace, trained["run_id"]), ""))
+            continue
+        for args in [("--json",), *EXTRA.get(name, [])]:
+            process = subprocess.Popen([REPLAY, "diagnose", "--run-id", trained["run_id"], *args], cwd=workspace.path, env=env,
+                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            commands.append((name, args, process))
+    for name, args, process in commands:
+        stdout, stderr = process.communicate(timeout=600)
+        results[name]["diagnose"].append((args, process.returncode, stdout, stderr))
     return workspace, results
 
 

@@ -9,11 +9,8 @@ import pickle
 import random
 import shutil
 import signal
-import socket
 import subprocess
-import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -24,7 +21,8 @@ from replaybisect.errors import SnapshotError
 from replaybisect.core import snapshot as fmt
 from replaybisect.restore import logged_losses, newest_good_snapshot, replay, restore
 
-MAX_KILL_TRIALS = 30  # kills until one lands mid-write (in practice one of the first 10 does)
+MAX_KILL_TRIALS = 30  # kills until one lands mid-write (in practice one of the first few does)
+MIN_KILL_TRIALS = 5  # each trial is a `replay train` start-up (seconds of CPU); 5 random moments and one mid-write
 
 
 def _wait_for_first_snapshot(store, known_runs: set[str], process) -> str:
@@ -43,14 +41,14 @@ def _snapshot_root(store, run_id: str) -> Path:
 
 
 def test_sigkill_during_snapshot_writes_never_yields_a_partial_snapshot(workspace):
-    """At least 10 trials: kill -9 at random moments of a run snapshotting every 2 steps, until at least one
+    """At least 5 trials: kill -9 at random moments of a run snapshotting every 2 steps, until at least one
     kill has landed mid-write (a snapshot folder without its manifest): otherwise the test proves nothing."""
     rng = random.Random(1234)
     store = workspace.store()
     incomplete_seen = 0
     known_runs: set[str] = set()
     for trial in range(MAX_KILL_TRIALS):
-        if trial >= 10 and incomplete_seen:
+        if trial >= MIN_KILL_TRIALS and incomplete_seen:
             break
         process = subprocess.Popen(
             [REPLAY, "train", "train.steps=100000", "snapshot.every=2", "model.hidden=512", "model.depth=3", "train.val_every=0"],
@@ -164,37 +162,16 @@ def test_a_valid_safetensors_file_whose_header_length_looks_like_a_pickle_opcode
         assert all(torch.equal(loaded.tensors[name], tensors[name]) for name in tensors)
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture
 def mlflow_server(tmp_path):
-    port = _free_port()
-    mlflow_bin = Path(sys.executable).with_name("mlflow")
-    process = subprocess.Popen(
-        [str(mlflow_bin), "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
-         "--backend-store-uri", f"sqlite:///{tmp_path / 'server.db'}", "--artifacts-destination", str(tmp_path / "server-artifacts")],
-        cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )
-    uri = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 120
-    while time.time() < deadline:
-        try:
-            urllib.request.urlopen(uri + "/health", timeout=2).read()
-            break
-        except OSError:
-            if process.poll() is not None:
-                pytest.fail("mlflow server exited at start")
-            time.sleep(0.5)
-    else:
-        process.kill()
-        pytest.fail("mlflow server did not start in 120 s")
-    yield uri
-    process.terminate()
-    process.wait(timeout=30)
+    from watch_servers import MlflowServer
+
+    server = MlflowServer(tmp_path, f"sqlite:///{tmp_path / 'server.db'}", str(tmp_path / "server-artifacts"), None)
+    try:
+        server.start()
+        yield server.uri
+    finally:
+        server.stop()
 
 
 def test_train_against_a_real_mlflow_server_and_replay_from_it(tmp_path, mlflow_server):

@@ -142,6 +142,10 @@ def boto_credentials() -> dict[str, str]:
             "region_name": S3_CREDENTIALS["AWS_DEFAULT_REGION"]}
 
 
+# MLflow 3's server also starts a job runner process (for GenAI jobs): nothing here uses it, and its start-up costs seconds.
+NO_JOB_RUNNER = {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+
+
 class MlflowServer:
     """`mlflow server` on a fixed port; stop() and start() restart it there (the outage tests)."""
 
@@ -152,7 +156,7 @@ class MlflowServer:
         self.process: subprocess.Popen | None = None
 
     def start(self) -> None:
-        env = dict(os.environ)
+        env = dict(os.environ, **NO_JOB_RUNNER)
         if self.s3_endpoint:
             env.update(S3_CREDENTIALS, MLFLOW_S3_ENDPOINT_URL=self.s3_endpoint)
         with open(self.folder / "mlflow-server.log", "ab") as log:
