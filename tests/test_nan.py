@@ -1,14 +1,14 @@
-"""`replay nan` end to end: planted failures (examples/nan_*), one per category, diagnosed through the
-installed CLI against a real SQLite MLflow store; bad input; probe isolation.
+"""`replay nan` end to end: planted failures (examples/nan_*), one per category, diagnosed against a real SQLite
+MLflow store; bad input; probe isolation.
 
 Runs are trained once per module (in-process, through the same `train()` that `replay train` calls) and
-shared between tests; every diagnosis runs the real `replay nan` command in a subprocess.
+shared between tests; the JSON reports come from `rb.find_nan` in this process (the command's request and engine),
+the rich report, bad input and corrupt snapshots from the real `replay nan` command in a subprocess.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 import conftest
-from conftest import Workspace, assert_one_line_error
+from conftest import CliResult, Workspace, assert_one_line_error
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
@@ -75,22 +75,31 @@ def _corruption_sequence(workspace: Workspace, run) -> tuple:
     return fallback, none_verifies
 
 
+def _nan_here(workspace: Workspace, run_id: str) -> CliResult:
+    """What `replay nan --run-id RUN_ID --json --no-child-run` prints, computed in this process (`rb.find_nan`: the
+    command's request and engine; a `replay` start-up costs seconds)."""
+    import replaybisect as rb
+    from replaybisect.options import json_default
+
+    report = rb.find_nan(run_id, tracking_uri=workspace.tracking_uri, publish=False)
+    return CliResult(0, json.dumps(report.to_json(), default=json_default), "")
+
+
 @pytest.fixture(scope="module")
 def cli(runs):
-    """Every `replay nan` command of this module, run as subprocesses a few at a time (they only read the
-    runs they examine, and each writes its own child run)."""
+    """Every `replay nan` of this module: the reports read as JSON computed in this process, the rich report, the
+    bad input and the corrupt snapshots through the installed CLI (subprocesses, a few at a time, meanwhile)."""
     workspace, trained, _ = runs
-    quiet = ("--json", "--no-child-run")
-    jobs = {name: ("nan", "--run-id", trained[name].run_id, *quiet)
-            for name in ("data", "forward", "forward_bf16", "forward_fp16", "loss", "optimizer", "corrupt", "transient", "no_periodic")}
-    jobs["backward_rich"] = ("nan", "--run-id", trained["backward"].run_id)
-    jobs["unknown"] = ("nan", "--run-id", "0123456789abcdef", "--json")
-    jobs["healthy"] = ("nan", "--run-id", trained["healthy"].run_id, "--json")
-    jobs["unrecorded"] = ("nan", "--run-id", trained["unrecorded"].run_id, "--json")
-    with ThreadPoolExecutor(max_workers=3) as pool:
+    jobs = {"backward_rich": ("nan", "--run-id", trained["backward"].run_id),
+            "unknown": ("nan", "--run-id", "0123456789abcdef", "--json"),
+            "healthy": ("nan", "--run-id", trained["healthy"].run_id, "--json"),
+            "unrecorded": ("nan", "--run-id", trained["unrecorded"].run_id, "--json")}
+    with ThreadPoolExecutor(max_workers=2) as pool:
         corruption = pool.submit(_corruption_sequence, workspace, trained["for_corruption"])
         futures = {name: pool.submit(workspace.replay, *args) for name, args in jobs.items()}
-        results = {name: future.result() for name, future in futures.items()}
+        results = {name: _nan_here(workspace, trained[name].run_id)
+                   for name in ("data", "forward", "forward_bf16", "forward_fp16", "loss", "optimizer", "corrupt", "transient", "no_periodic")}
+        results.update({name: future.result() for name, future in futures.items()})
         results["corruption"] = corruption.result()
     return results
 
