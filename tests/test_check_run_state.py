@@ -9,7 +9,6 @@ import math
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -27,10 +26,17 @@ def ws(tmp_path_factory) -> Workspace:
 @pytest.fixture(scope="module")
 def diverged(ws) -> str:
     """SGD warmed up to an lr too high for a small regressor (fp32): the loss climbs by orders of magnitude, then inf."""
-    trained = ws.train("train.precision=fp32", "train.num_threads=1", expect=3,
-                       extra=("--config-dir", str(EXAMPLES / "ablate_lr_explosion")))
+    trained = train_lr_explosion(ws)
     assert trained["status"] == "nonfinite"
     return trained["run_id"]
+
+
+def train_lr_explosion(ws: Workspace, *overrides: str) -> dict:
+    """examples/ablate_lr_explosion trained through `rb.train` in this process (as `replay train --json` would)."""
+    import replaybisect as rb
+
+    return rb.train(["train.precision=fp32", "train.num_threads=1", *overrides], config_dir=EXAMPLES / "ablate_lr_explosion",
+                    tracking_uri=ws.tracking_uri).to_json()
 
 
 def by_name(report: dict) -> dict[str, dict]:
@@ -41,10 +47,23 @@ def checked(ws: Workspace, run_id: str, *args: str) -> tuple[dict, str]:
     """`replay check --run-id` as a user runs it (the table); the facts from the check run's check.json, and its check.md."""
     result = ws.replay("check", "--run-id", run_id, *SMALL, *args)
     assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout}\n{result.stderr}"
+    return _published(ws, run_id, " ".join(result.stdout.split()))
+
+
+def checked_here(ws: Workspace, run_id: str, step: int | None = None, only: str | None = None) -> tuple[dict, str]:
+    """The same check through `rb.check` in this process (the command's request and engine, published as the command
+    does; a `replay` start-up costs seconds): check.json's facts and check.md."""
+    import replaybisect as rb
+
+    rb.check(run_id=run_id, step=step, only=only, overfit_steps=80, lr_steps=40, tracking_uri=ws.tracking_uri)
+    return _published(ws, run_id, "")
+
+
+def _published(ws: Workspace, run_id: str, table: str) -> tuple[dict, str]:
     store = ws.store()
     check_run = max(store.child_runs(run_id, kind="check"), key=lambda r: r.info.start_time)
     report = json.loads(store.read_artifact_text(check_run.info.run_id, "check.json"))
-    return report, " ".join(result.stdout.split()) + "\n" + store.read_artifact_text(check_run.info.run_id, "check.md")
+    return report, table + "\n" + store.read_artifact_text(check_run.info.run_id, "check.md")
 
 
 def test_a_diverged_run_is_checked_at_its_last_snapshot_before_the_growth(ws, diverged):
@@ -85,7 +104,7 @@ def test_step_picks_a_snapshot_and_a_nonfinite_gradient_is_no_missing_one(ws, di
     assert checks["grad.missing"]["status"] != "fail" and "no gradient" not in checks["grad.missing"]["detail"]
     assert "check an earlier snapshot (--step N)" in shown and "wiring" not in shown
 
-    report, _ = checked(ws, diverged, "--step", "47", "--only", "grad.nonfinite")
+    report, _ = checked_here(ws, diverged, step=47, only="grad.nonfinite")
     assert report["snapshot_step"] == 40 and report["snapshot_reason"] == "the newest snapshot at or before --step 47"
 
 
@@ -100,13 +119,12 @@ def test_bad_step_is_one_line_exit_2_and_records_nothing(ws, diverged):
 
 def test_a_run_with_no_snapshot_before_its_failure(ws):
     """Snapshots off: the failed run kept only the failing step's, which is never the default."""
-    trained = ws.train("train.precision=fp32", "train.num_threads=1", "snapshot.every=0", expect=3,
-                       extra=("--config-dir", str(EXAMPLES / "ablate_lr_explosion")))
+    trained = train_lr_explosion(ws, "snapshot.every=0")
     run_id, failing = trained["run_id"], trained["first_nonfinite_step"]
     assert trained["snapshot_steps"] == [failing]
     assert_one_line_error(ws.replay("check", "--run-id", run_id, "--step", "10"),
                           "no snapshot at or before step 10", f"its snapshots are at steps {failing}")
-    report, shown = checked(ws, run_id, "--only", "grad.nonfinite")
+    report, shown = checked_here(ws, run_id, only="grad.nonfinite")
     assert report["snapshot_step"] is None
     assert report["snapshot_reason"] == f"every snapshot is at or after the failing step {failing}: the run's config at initialization"
     assert by_name(report)["grad.nonfinite"]["status"] == "pass"
@@ -138,7 +156,7 @@ def assert_nothing_flagged(report: dict, shown: str) -> None:
 def test_a_sequence_first_language_model_is_checked_through_its_own_step(ws, healthy):
     """word_language_model's shapes: (T, B) tokens in, T*B flattened targets. A slice of 16 "samples" fed its loss 16
     targets for 128 outputs (a crash), and Zipf-distributed words read as imbalanced classes."""
-    report, shown = checked(ws, healthy["lm"])
+    report, shown = checked_here(ws, healthy["lm"])
     assert_nothing_flagged(report, shown)
     checks = by_name(report)
     assert "the whole first batch" in checks["overfit.one_batch"]["detail"]
@@ -152,7 +170,7 @@ def test_a_schedule_set_by_the_loop_is_checked_at_its_peak_lr(ws, healthy):
     floor, 1e-4, where the overfit probe ran and called the model unable to learn."""
     store = ws.store()
     assert dict(store.metric_history(healthy["cosine"], "lr"))[50] == pytest.approx(1e-4)
-    report, shown = checked(ws, healthy["cosine"])
+    report, shown = checked_here(ws, healthy["cosine"])
     assert_nothing_flagged(report, shown)
     assert report["lr"] == {"value": pytest.approx(1e-3), "source": "the run's peak lr, step 5"}
     assert "at lr 0.001 (the run's peak lr, step 5)" in by_name(report)["overfit.one_batch"]["detail"]
@@ -161,7 +179,7 @@ def test_a_schedule_set_by_the_loop_is_checked_at_its_peak_lr(ws, healthy):
 def test_adadelta_at_lr_1_is_judged_by_the_range_test_from_initialization(ws, healthy):
     """PyTorch's MNIST recipe: at a trained snapshot the loss has nowhere to fall, so a sweep from there suggested
     an lr 100x lower; the sweep runs from the run's initialization."""
-    report, shown = checked(ws, healthy["mnist"])
+    report, shown = checked_here(ws, healthy["mnist"])
     assert_nothing_flagged(report, shown)
     lr_check = by_name(report)["lr.range_test"]
     assert "from the run's initialization" in lr_check["detail"] and report["lr_range"]["judgement"] == "ok"
