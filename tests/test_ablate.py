@@ -1,11 +1,11 @@
 """`replay ablate` end to end: planted failures trained into a real SQLite MLflow store, then the installed
-`replay ablate` command run as a user would. Training runs in this process through the library (the command
-under test is `ablate`); each plant is trained once per module."""
+`replay ablate` command run as a user would (on worker processes and submitit's executor), or `rb.ablate` in this
+process where the arms run here one after another anyway. Training runs in this process through the library (the
+command under test is `ablate`); each plant is trained once per module."""
 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -28,6 +28,16 @@ def ablate(ws: Workspace, run_id: str, arms: str, *extra: str) -> dict:
     result = ws.replay("ablate", arms, "--run-id", run_id, "--json", *extra)
     assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout}\n{result.stderr}"
     return result.json()
+
+
+def ablate_here(ws: Workspace, run_id: str, arms: str, horizon: int, from_step: int | None = None) -> dict:
+    """`replay ablate ARMS --run-id RUN_ID --horizon H --workers 1 --json` computed in this process (`rb.ablate`: the
+    command's request, engine and report; a `replay` start-up costs seconds). The arms run here one after another."""
+    import replaybisect as rb
+    from replaybisect.options import json_default
+
+    result = rb.ablate(run_id, arms.split(","), from_step=from_step, horizon=horizon, workers=1, tracking_uri=ws.tracking_uri)
+    return json.loads(json.dumps(result.to_json(), default=json_default))
 
 
 def verdicts(data: dict) -> dict[str, str]:
@@ -75,7 +85,7 @@ def test_fp16_overflow_is_fixed_by_precision_alone(tmp_path_factory):
     ws = _workspace(tmp_path_factory, "fp16")
     run = train_example(ws, "ablate_fp16_overflow", "train.steps=40")
     assert run.status == "nonfinite"
-    data = ablate(ws, run.run_id, "precision,lr,clip", "--horizon", "15")  # --workers auto
+    data = ablate_here(ws, run.run_id, "precision,lr,clip", 15)
     assert data["baseline"]["first_nonfinite_step"] == run.first_nonfinite_step
     assert fixes(data) == {"precision"}, data["arms"]
     assert verdicts(data)["lr"] == "no-effect" and verdicts(data)["clip"] == "no-effect"
@@ -83,7 +93,7 @@ def test_fp16_overflow_is_fixed_by_precision_alone(tmp_path_factory):
 
 def test_nan_row_is_fixed_by_skip_batch_alone_same_verdicts_on_every_executor(bad_row):
     ws, run = bad_row
-    one = ablate(ws, run.run_id, "lr,clip,eps,warmup,skip-batch", "--horizon", "15", "--workers", "1")
+    one = ablate_here(ws, run.run_id, "lr,clip,eps,warmup,skip-batch", 15)
     assert one["status"] == "conclusive" and one["baseline"]["verdict"] == "fails-again"
     assert fixes(one) == {"skip-batch"}, one["arms"]
     asked = [arm for arm in one["arms"] if not arm.get("suggested")]
@@ -159,7 +169,7 @@ def test_a_baseline_that_does_not_fail_again_is_inconclusive(tmp_path_factory):
     # the fault exists only in the training process (its environment), like a flaky device
     run = train_example(ws, "ablate_transient", "train.steps=30", env={"PLANTED_FAULT_AT_CALL": "16"})
     assert run.status == "nonfinite" and run.first_nonfinite_step == 15
-    data = ablate(ws, run.run_id, "lr,clip", "--horizon", "10", "--workers", "1")
+    data = ablate_here(ws, run.run_id, "lr,clip", 10)
     assert data["status"] == "inconclusive"
     assert data["baseline"]["verdict"] == "inconclusive" and data["baseline"]["first_nonfinite_step"] is None
     assert data["conclusion"].startswith("inconclusive: the baseline replay stayed finite")
@@ -185,7 +195,7 @@ def test_a_run_that_never_failed_needs_from_step(tmp_path_factory):
     run = train_example(ws, "ablate_transient", "train.steps=12")  # no planted fault: a healthy run
     assert run.status == "ok"
     assert_one_line_error(ws.replay("ablate", "lr", "--run-id", run.run_id), "never failed", "--from-step")
-    data = ablate(ws, run.run_id, "lr,skip-batch", "--from-step", "5", "--horizon", "4", "--workers", "1")
+    data = ablate_here(ws, run.run_id, "lr,skip-batch", 4, from_step=5)
     assert data["failing_step"] is None and data["start_step"] == 5 and data["snapshot_step"] == 0
     assert verdicts(data) == {"lr": "no-effect", "skip-batch": "not-applicable"}
     assert data["conclusion"].startswith("the run did not fail")
