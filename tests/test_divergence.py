@@ -55,6 +55,16 @@ def _nan(ws: Workspace, run_id: str, cwd: Path) -> dict:
     return json.loads(done.stdout)
 
 
+def _nan_here(ws: Workspace, run_id: str) -> dict:
+    """What `replay nan --run-id RUN_ID --json` prints, from `rb.find_nan` in this process (the command's request,
+    engine and published child run; a `replay` start-up costs seconds). The own loop's answer comes from the CLI."""
+    import replaybisect as rb
+    from replaybisect.options import json_default
+
+    report = rb.find_nan(run_id, tracking_uri=ws.tracking_uri)
+    return json.loads(json.dumps(report.to_json(), default=json_default))
+
+
 def _assert_divergence(report: dict, earliest: str) -> None:
     assert report["category"] == "divergence", (report["category"], report["evidence"])
     assert report["reproduced"] == "exact"
@@ -100,7 +110,7 @@ def test_lightning_lr_too_high_is_a_divergence(ws):
     """The issue's LightningModule: before, `backward`, module -, op -, and 'fix the op named above'."""
     pytest.importorskip("lightning")
     run_id = _record(ws, "lit_diverging.py", "0.03", "60")
-    _assert_divergence(_nan(ws, run_id, ws.path / "project"), "body.0")
+    _assert_divergence(_nan_here(ws, run_id), "body.0")
 
 
 def test_a_hydra_app_that_diverges_ends_with_one_line(ws):
@@ -117,7 +127,7 @@ def test_replay_train_lr_explosion_is_a_divergence(ws):
     """examples/ablate_lr_explosion (SGD, a warmup to lr 0.6, bf16): before, `backward` with no module and no op."""
     result = train_example(ws.store(), "ablate_lr_explosion")
     assert result.status == "nonfinite"
-    report = _nan(ws, result.run_id, ws.path)
+    report = _nan_here(ws, result.run_id)
     _assert_divergence(report, report["divergence"]["precursor"])
     assert report["module"].startswith("net.")
 

@@ -111,10 +111,11 @@ def test_replay_from_every_snapshot_reproduces_every_loss_exactly(shared, precis
 
 
 def test_two_runs_of_one_config_log_identical_losses(workspace):
+    """One by the installed command, one in this process: the same config gives the same losses either way."""
     from replaybisect.restore import logged_losses
 
     first = workspace.train(*FAST, "model.dropout=0.3")
-    second = workspace.train(*FAST, "model.dropout=0.3")
+    second = _train_here(workspace, *FAST, "model.dropout=0.3").to_json()
     store = workspace.store()
     assert first["run_id"] != second["run_id"]
     assert logged_losses(store, first["run_id"]) == logged_losses(store, second["run_id"])
