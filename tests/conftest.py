@@ -122,3 +122,18 @@ def assert_one_line_error(result: CliResult, *fragments: str) -> None:
     assert "Traceback" not in result.stderr
     for fragment in fragments:
         assert fragment.lower() in lines[0].lower(), f"{fragment!r} not in {lines[0]!r}"
+
+
+# The longest modules first: pytest-xdist (`-n N --dist loadfile`) hands modules out in collection order, and a long one
+# handed out last runs alone at the end while the other workers sit idle (measured: the suite's last minutes).
+LONGEST_FIRST = [
+    "test_watch.py", "test_bisect_train.py", "test_trust.py", "test_train.py", "test_ablate.py", "test_snapshots.py",
+    "test_check_run_state.py", "test_divergence.py", "test_user_loop.py", "test_diagnose.py", "test_nan.py", "test_zoo.py",
+    "test_bisect.py", "test_watch_units.py", "test_cli_errors.py", "test_check.py", "test_lightning.py",
+    "test_step_guard.py", "test_workers.py", "test_bisect_printing.py", "test_ablate_patch.py", "test_ablate_values.py",
+]
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: position for position, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: each module keeps its own order
