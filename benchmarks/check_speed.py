@@ -4,7 +4,7 @@ Times the installed CLI end to end (`replay check --json`, wall clock, median of
 config (MLP on digits) with the default checklist (overfit one batch for 300 steps, LR range test over 100
 steps), against a shared SQLite store created beforehand (a fresh store's migrations are a one-off cost).
 For scale it also times `replay train` on the same config and the process start-up (`replay check --help`
-cannot show it, so: `python -c "import torch, mlflow, sklearn, matplotlib"`), and reports the time the
+cannot show it, so: `python -c "import torch, mlflow, matplotlib"`), and reports the time the
 checks themselves took (the `seconds` field: building, checking, recording the check run) and each check's
 share, measured in process.
 
@@ -78,7 +78,7 @@ def main() -> None:
         # the store's one-off migrations, outside the timings
         subprocess.run([sys.executable, "-c", "from replaybisect.store import open_store; open_store()"], cwd=folder, env=env, check=True)
 
-        imports = [timed([sys.executable, "-c", "import torch, mlflow, sklearn, matplotlib, hydra"], folder, env)[0] for _ in range(args.repeats)]
+        imports = [timed([sys.executable, "-c", "import torch, mlflow, matplotlib, hydra"], folder, env)[0] for _ in range(args.repeats)]
         checks, inner = [], []
         report = {}
         for _ in range(args.repeats):
@@ -96,7 +96,7 @@ def main() -> None:
     print(f"replay check on the built-in config{' ' + ' '.join(overrides) if overrides else ''} (median of {args.repeats}; load average {load[0]:.1f} on {os.cpu_count()} cores)")
     print(f"  replay check, end to end        {median(checks):7.2f} s   (runs: {', '.join(f'{t:.2f}' for t in checks)})")
     print(f"    of which check() itself       {median(inner):7.2f} s   (build + checks + recording the check run)")
-    print(f"  import torch/mlflow/sklearn/... {median(imports):7.2f} s")
+    print(f"  import torch/mlflow/...         {median(imports):7.2f} s")
     print(f"  replay train (same config)      {median(trains):7.2f} s   -> check / train = {median(checks) / median(trains):.2f}")
     print(f"  status {report.get('status')}: {report.get('summary')}")
     print("  per check, in process:")
