@@ -108,6 +108,14 @@ def train_example(store, name: str, *overrides: str, env: dict[str, str] | None 
         return train(cfg, store, code_folder=folder)
 
 
+def as_printed(result) -> dict:
+    """A verb's result as its `--json` prints it (the same encoding as options.print_json), for the tests that call
+    the Python API in this process instead of starting `replay` (seconds of imports a process)."""
+    from replaybisect.options import json_default
+
+    return json.loads(json.dumps(result.to_json(), default=json_default))
+
+
 def outcome_lines(stderr: str) -> list[str]:
     """stderr without the lines every command may print before its outcome: where it records (`store: ...`)
     and its progress (`training: ...`)."""

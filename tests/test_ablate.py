@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 import conftest
-from conftest import Workspace, assert_one_line_error
+from conftest import Workspace, as_printed, assert_one_line_error
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 ALL_ARMS = ["lr", "clip", "precision", "warmup", "eps", "skip-batch", "seed"]
@@ -34,10 +34,9 @@ def ablate_here(ws: Workspace, run_id: str, arms: str, horizon: int, from_step: 
     """`replay ablate ARMS --run-id RUN_ID --horizon H --workers 1 --json` computed in this process (`rb.ablate`: the
     command's request, engine and report; a `replay` start-up costs seconds). The arms run here one after another."""
     import replaybisect as rb
-    from replaybisect.options import json_default
 
-    result = rb.ablate(run_id, arms.split(","), from_step=from_step, horizon=horizon, workers=1, tracking_uri=ws.tracking_uri)
-    return json.loads(json.dumps(result.to_json(), default=json_default))
+    return as_printed(rb.ablate(run_id, arms.split(","), from_step=from_step, horizon=horizon, workers=1,
+                                tracking_uri=ws.tracking_uri))
 
 
 def verdicts(data: dict) -> dict[str, str]:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import Workspace, assert_one_line_error
+from conftest import Workspace, as_printed, assert_one_line_error
 
 PLANTS = Path(__file__).resolve().parents[1] / "examples" / "check_pathologies"
 # Small sweeps keep each check to a few seconds; one intra-op thread because the tests share 2 cores.
@@ -34,7 +34,7 @@ def check_here(workspace, config_name: str) -> dict:
 
     report = rb.check(["train.num_threads=1"], config_dir=PLANTS, config_name=config_name, overfit_steps=80, lr_steps=40,
                       tracking_uri=workspace.tracking_uri)
-    return report.to_json()
+    return as_printed(report)
 
 
 def by_name(report: dict) -> dict[str, dict]:

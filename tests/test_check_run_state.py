@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from conftest import EXAMPLES, Workspace, assert_one_line_error
+from conftest import EXAMPLES, Workspace, as_printed, assert_one_line_error, train_example
 
 PLANTS = EXAMPLES / "check_pathologies"
 SMALL = ("--overfit-steps", "80", "--lr-steps", "40")
@@ -32,11 +32,8 @@ def diverged(ws) -> str:
 
 
 def train_lr_explosion(ws: Workspace, *overrides: str) -> dict:
-    """examples/ablate_lr_explosion trained through `rb.train` in this process (as `replay train --json` would)."""
-    import replaybisect as rb
-
-    return rb.train(["train.precision=fp32", "train.num_threads=1", *overrides], config_dir=EXAMPLES / "ablate_lr_explosion",
-                    tracking_uri=ws.tracking_uri).to_json()
+    """examples/ablate_lr_explosion trained in this process (as `replay train --json` would)."""
+    return as_printed(train_example(ws.store(), "ablate_lr_explosion", "train.precision=fp32", "train.num_threads=1", *overrides))
 
 
 def by_name(report: dict) -> dict[str, dict]:

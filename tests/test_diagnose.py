@@ -21,15 +21,16 @@ EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "diagnose_patholog
 COMMON = ("train.num_threads=1", "snapshot.every=100")
 
 
-def user(config_name: str) -> tuple[str, ...]:
-    return ("--config-dir", str(EXAMPLES), "--config-name", config_name)
+def user(config_name: str) -> dict[str, object]:
+    """rb.train's arguments for a config of examples/diagnose_pathologies (the built-in config: {})."""
+    return {"config_dir": EXAMPLES, "config_name": config_name}
 
 
-# name -> (config args, overrides, expected `replay train` exit status)
-PLANTS: dict[str, tuple[tuple[str, ...], tuple[str, ...], int]] = {
+# name -> (rb.train config arguments, overrides, expected `replay train` exit status)
+PLANTS: dict[str, tuple[dict[str, object], tuple[str, ...], int]] = {
     # healthy built-in configs: must get a clean bill
-    "healthy_mlp_digits": ((), ("train.steps=300", "train.batch_size=32", "train.val_every=30", "snapshot.layer_stats_every=10"), 0),
-    "healthy_cnn_blobs": ((), ("model=cnn", "data=blobs", "model.channels=8", "train.steps=150", "train.val_every=30", "snapshot.layer_stats_every=10"), 0),
+    "healthy_mlp_digits": ({}, ("train.steps=300", "train.batch_size=32", "train.val_every=30", "snapshot.layer_stats_every=10"), 0),
+    "healthy_cnn_blobs": ({}, ("model=cnn", "data=blobs", "model.channels=8", "train.steps=150", "train.val_every=30", "snapshot.layer_stats_every=10"), 0),
     "nan_init": (user("nan_init"), (), 3),  # a NaN weight at initialisation
     "nan_lr": (user("nan_lr"), ("snapshot.layer_stats_every=2",), 3),  # SGD regression at too high an LR diverges to inf
     "detached": (user("detached"), ("train.steps=120",), 0),  # detached logits: no gradient anywhere
@@ -39,7 +40,7 @@ PLANTS: dict[str, tuple[tuple[str, ...], tuple[str, ...], int]] = {
     "overfit": (user("overfit"), (), 0),  # 64 training digits
     "mismatch": (user("mismatch"), (), 0),  # validation digits mirrored and inverted
     # a deep sigmoid MLP: vanishing gradients
-    "vanishing": ((), ("train.steps=60", "model.activation=sigmoid", "model.depth=10", "model.hidden=32", "model.dropout=0", "snapshot.layer_stats_every=10"), 0),
+    "vanishing": ({}, ("train.steps=60", "model.activation=sigmoid", "model.depth=10", "model.hidden=32", "model.dropout=0", "snapshot.layer_stats_every=10"), 0),
     "dead_relu": (user("dead_relu"), ("train.steps=60",), 0),  # a huge negative bias
     "tiny_lr": (user("base"), ("optim.lr=1e-10", "train.steps=60"), 0),  # update/weight ratio below 1e-8
     "slow_data": (user("slow_data"), (), 0),  # a blocking read per item
@@ -82,10 +83,8 @@ def _train_here(workspace: Workspace, name: str) -> tuple[int, dict]:
     import replaybisect as rb
 
     config, overrides, _ = PLANTS[name]
-    where = dict(zip(config[::2], config[1::2]))  # --config-dir X --config-name Y
     with in_folder(workspace.path):
-        result = rb.train([*COMMON, *overrides], config_dir=where.get("--config-dir"),
-                          config_name=where.get("--config-name", "config"), tracking_uri=workspace.tracking_uri, run_name=name)
+        result = rb.train([*COMMON, *overrides], **config, tracking_uri=workspace.tracking_uri, run_name=name)
     return (3 if result.stopped else 0), result.to_json()
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPLAY, Workspace, train_example
+from conftest import REPLAY, Workspace, as_printed, train_example
 
 HERE = Path(__file__).resolve().parent / "diverging"
 OP_ADVICE = ("eps", "log-space", "op named", "fix the op", "subtract the max", "clamp")
@@ -59,10 +59,8 @@ def _nan_here(ws: Workspace, run_id: str) -> dict:
     """What `replay nan --run-id RUN_ID --json` prints, from `rb.find_nan` in this process (the command's request,
     engine and published child run; a `replay` start-up costs seconds). The own loop's answer comes from the CLI."""
     import replaybisect as rb
-    from replaybisect.options import json_default
 
-    report = rb.find_nan(run_id, tracking_uri=ws.tracking_uri)
-    return json.loads(json.dumps(report.to_json(), default=json_default))
+    return as_printed(rb.find_nan(run_id, tracking_uri=ws.tracking_uri))
 
 
 def _assert_divergence(report: dict, earliest: str) -> None:

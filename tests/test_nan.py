@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 import conftest
-from conftest import CliResult, Workspace, assert_one_line_error
+from conftest import CliResult, Workspace, as_printed, assert_one_line_error
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
@@ -79,10 +79,8 @@ def _nan_here(workspace: Workspace, run_id: str) -> CliResult:
     """What `replay nan --run-id RUN_ID --json --no-child-run` prints, computed in this process (`rb.find_nan`: the
     command's request and engine; a `replay` start-up costs seconds)."""
     import replaybisect as rb
-    from replaybisect.options import json_default
 
-    report = rb.find_nan(run_id, tracking_uri=workspace.tracking_uri, publish=False)
-    return CliResult(0, json.dumps(report.to_json(), default=json_default), "")
+    return CliResult(0, json.dumps(as_printed(rb.find_nan(run_id, tracking_uri=workspace.tracking_uri, publish=False))), "")
 
 
 @pytest.fixture(scope="module")

@@ -114,3 +114,16 @@ def test_composing_the_built_in_config_puts_none_of_replaybisects_folders_on_sys
     package = str(config_mod.BUILTIN_CONFIG_DIR.parent.resolve())
     config_mod.compose()
     assert package not in sys.path and str(config_mod.BUILTIN_CONFIG_DIR) not in sys.path
+
+
+def test_the_shipped_digits_are_scikit_learns_load_digits_bit_for_bit():
+    """Runs recorded while the digits came from scikit-learn replay on the package's own copy: the same tensors
+    (checksums taken from `load_digits()` as the built-in config read it, float32 pixels and int64 labels)."""
+    import hashlib
+
+    from replaybisect.data import Digits
+
+    everything = Digits(split="all", normalize=False)
+    assert everything.inputs.shape == (1797, 64) and everything.targets.shape == (1797,)
+    assert hashlib.sha256(everything.inputs.numpy().tobytes()).hexdigest() == "a627aed550b0b29bf76a981bc1ecbab5ef775aac454c94154f20ec9f61a04c83"
+    assert hashlib.sha256(everything.targets.numpy().tobytes()).hexdigest() == "a3c91c262eddcf7ba8f0e37507c30284493c9b20412ffe4af30d536401f7ba21"
