@@ -130,13 +130,15 @@ def test_subtle_regression_needs_more_seeds_and_is_found(tmp_path):
         assert trial["verdict"] == ("bad" if trial["position"] >= REGRESSION_AT else "good"), trial
 
 
-def _processes_in(folder) -> list[int]:
-    """Processes whose working folder is under `folder` (trials run in the cache's worktrees)."""
+def _processes_in(folder, but_not: tuple[str, ...] = ()) -> list[int]:
+    """Processes whose working folder is under `folder` (trials run in the cache's worktrees), leaving out those whose
+    program name is in `but_not` (the short git commands that make worktrees run there too)."""
     found = []
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             try:
-                if str(Path(os.readlink(entry / "cwd"))).startswith(str(folder)):
+                if (str(Path(os.readlink(entry / "cwd"))).startswith(str(folder))
+                        and (entry / "comm").read_text().strip() not in but_not):
                     found.append(int(entry.name))
             except OSError:
                 continue
@@ -151,9 +153,9 @@ def test_sigint_while_trials_train_stops_them_and_leaves_everything_clean(clear)
                                stderr=subprocess.PIPE, text=True)
     cache = workspace.path / ".cache"
     deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and len(_processes_in(cache)) < 2 and process.poll() is None:
+    while time.monotonic() < deadline and len(_processes_in(cache, but_not=("git",))) < 2 and process.poll() is None:
         time.sleep(0.2)
-    if len(_processes_in(cache)) < 2:
+    if len(_processes_in(cache, but_not=("git",))) < 2:
         process.kill()
         pytest.fail("the trials never started:\n" + process.communicate()[1][-3000:])
     time.sleep(2)
