@@ -112,8 +112,10 @@ def _entry_node(user_config_name: str) -> dict:
     return {"defaults": [SCHEMA_NAME, user_config_name, "_self_"]}
 
 
-def compose(config_dir: str | Path | None = None, config_name: str | None = None, overrides: list[str] | None = None):
-    """Compose and validate a run config. Hydra errors become one-line ConfigErrors."""
+def compose(config_dir: str | Path | None = None, config_name: str | None = None, overrides: list[str] | None = None,
+            checked: bool = True):
+    """Compose and validate a run config (`checked`: its values and its optimizer built once, on the meta device).
+    Hydra errors become one-line ConfigErrors."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
     from hydra.core.config_store import ConfigStore
@@ -154,8 +156,9 @@ def compose(config_dir: str | Path | None = None, config_name: str | None = None
     OmegaConf.set_struct(cfg, False)
     cfg.pop("hydra", None)
     OmegaConf.set_struct(cfg, True)
-    validate(cfg)
-    check_optimizer(cfg)
+    if checked:
+        validate(cfg)
+        check_optimizer(cfg)
     return cfg
 
 
@@ -184,7 +187,7 @@ def _override_problem(text: str, config_dir: Path, config_name: str, overrides: 
 def _known_keys(config_dir: Path, config_name: str, overrides: list[str]) -> list[str]:
     """Every dotted key of the config composed without the override that failed (none when that fails too)."""
     try:
-        return list(flatten(compose(config_dir, config_name, overrides)))
+        return list(flatten(compose(config_dir, config_name, overrides, checked=False)))  # its keys: nothing built
     except ConfigError:
         return []
 
