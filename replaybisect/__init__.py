@@ -100,7 +100,7 @@ def train(
     cfg = config_mod.compose(request.config_dir, request.config_name, list(request.overrides))
     return train_run(cfg, lambda: _store(request.tracking_uri),
                      run_name=request.run_name or run_label(cfg, request.config_dir, request.config_name),
-                     code_folder=request.code_folder)
+                     extra_tags=request.run_tags(), code_folder=request.code_folder)
 
 
 def find_nan(

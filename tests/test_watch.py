@@ -87,23 +87,24 @@ def env_for(team, experiment: str, **extra: str) -> dict[str, str]:
 
 
 def train_runs(team, project: Path, experiment: str, config_dirs: list[Path | None]) -> list[str]:
-    """`replay train --json` for each config folder (None: the built-in config, a healthy run), two at a time."""
+    """Each config folder trained into `experiment` on the team server (None: the built-in config, a healthy run), in
+    this process with `rb.train` (as `replay train` trains; the watchers and their triage steps are the installed
+    commands): the run ids, None for a run that crashed (its id is in the store)."""
+    from unittest import mock
+
+    import replaybisect as rb
+
     run_ids = []
-    for start in range(0, len(config_dirs), 2):
-        processes = []
-        for config_dir in config_dirs[start:start + 2]:
-            args = [REPLAY, "train", "--json", "--tracking-uri", team.tracking_uri, *TINY]
-            if config_dir is not None:
-                args += ["--config-dir", str(config_dir)]
-            processes.append(subprocess.Popen(args, cwd=project, env=env_for(team, experiment), stdout=subprocess.PIPE,
-                                              stderr=subprocess.PIPE, text=True))
-        for process in processes:
-            stdout, stderr = process.communicate(timeout=300)
-            assert process.returncode in (0, 1, 3), stderr
-            if process.returncode == 1:  # the crashing model: its run id is in the store, not on stdout
+    for config_dir in config_dirs:
+        with mock.patch.dict(os.environ, {"MLFLOW_EXPERIMENT_NAME": experiment}):
+            try:
+                result = rb.train(TINY, config_dir=config_dir, tracking_uri=team.tracking_uri)
+            except RuntimeError as crash:  # the crashing model: the run ends FAILED, status crashed
+                assert "simulated crash" in str(crash)
                 run_ids.append(None)
-            else:
-                run_ids.append(json.loads(stdout)["run_id"])
+                continue
+        assert result.status in ("ok", "nonfinite"), result
+        run_ids.append(result.run_id)
     return run_ids
 
 

@@ -45,7 +45,6 @@ def train_command(
 
     request = TrainRequest(overrides=list(ctx.args), config_dir=config_dir, config_name=config_name, tracking_uri=tracking_uri,
                            run_name=run_name, parent_run_id=parent_run_id, kind=kind, tags=tag)
-    extra_tags = {**request.extra_tags, **how_trained(config_dir, config_name, list(ctx.args))}
     cfg = config_mod.compose(request.config_dir, request.config_name, list(request.overrides))
     if show_config:
         print(config_mod.to_yaml(cfg), end="", file=OUR_STDOUT)
@@ -58,7 +57,7 @@ def train_command(
     with StepProgress("training", starting="building the model, data and optimizer") as bar:
         result = train(
             cfg, store, run_name=request.run_name or run_label(cfg, request.config_dir, request.config_name),
-            parent_run_id=request.parent_run_id, kind=request.kind, extra_tags=extra_tags, code_folder=request.code_folder,
+            parent_run_id=request.parent_run_id, kind=request.kind, extra_tags=request.run_tags(), code_folder=request.code_folder,
             progress=bar.update,
         )
     if as_json:
@@ -70,20 +69,6 @@ def train_command(
             result.first_nonfinite_step, (result.nonfinite_what or "loss").replace("_", " "), result.run_id,
             snapshot_saved=result.first_nonfinite_step in result.snapshot_steps,
         )
-
-
-def how_trained(config_dir: Optional[Path], config_name: str, overrides: list[str]) -> dict[str, str]:
-    """Tags saying how to train the run again (`replay watch` proposes a proven fix as this command plus an override)."""
-    import json
-
-    tags = {"replaybisect.overrides": json.dumps(overrides)}
-    if len(tags["replaybisect.overrides"]) > 4000:  # MLflow keeps tag values under 5000 characters (older servers)
-        tags = {}
-    if config_dir is not None:
-        tags["replaybisect.config_dir"] = str(config_dir.resolve())
-    if config_name != "config":
-        tags["replaybisect.config_name"] = config_name
-    return tags
 
 
 def register(app: typer.Typer) -> None:

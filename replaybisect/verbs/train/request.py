@@ -48,6 +48,20 @@ class TrainRequest:
             extra_tags[key] = value
         checks.setattrs(self, extra_tags=extra_tags)
 
+    def run_tags(self) -> dict[str, str]:
+        """The extra tags, and how to train the run again (`replay watch` proposes a proven fix as that command
+        plus an override): the overrides, and the config folder and name when they are not the defaults."""
+        import json
+
+        tags = {"replaybisect.overrides": json.dumps(list(self.overrides))}
+        if len(tags["replaybisect.overrides"]) > 4000:  # MLflow keeps tag values under 5000 characters (older servers)
+            tags = {}
+        if self.config_dir is not None:
+            tags["replaybisect.config_dir"] = str(Path(self.config_dir).resolve())
+        if self.config_name != "config":
+            tags["replaybisect.config_name"] = self.config_name
+        return {**self.extra_tags, **tags}
+
     @property
     def code_folder(self) -> Path:
         """The folder the run's code is recorded from: the config folder, else the working folder."""
