@@ -310,15 +310,36 @@ def _write_payload(marker: Path) -> dict:
         {"_target_": "torch.UntypedStorage.from_file", "_args_": [str(marker), True, 8]}]}}
 
 
+# Each verb's Python API (rb.find_nan, rb.ablate, rb.check): the same request, trust and restore as its command.
+API_VERBS = {
+    "nan": lambda rb, run_id, **trust: rb.find_nan(run_id, **trust),
+    "ablate": lambda rb, run_id, **trust: rb.ablate(run_id, ["lr"], horizon=2, workers=1, **trust),
+    "check": lambda rb, run_id, **trust: rb.check(run_id=run_id, overfit_steps=5, lr_steps=4, **trust),
+}
+
+
 @pytest.mark.parametrize("verb", sorted(VERBS))
-def test_a_torch_function_never_runs_from_a_stored_config(scene, verb, tmp_path):
+def test_a_torch_function_never_runs_from_a_stored_config(scene, verb, tmp_path, monkeypatch):
+    """`--trust torch` admits torch's classes, never a torch function that runs a shell or writes a file: the first
+    payload through the command, the second through the verb's Python API (the same refusal, raised)."""
+    import replaybisect as rb
+
     marker = tmp_path / "RAN"
-    for payload, named in ((_shell_payload(marker), "collect_env.run"), (_write_payload(marker), "from_file")):
-        scene.tamper(payload, code_dir=scene.workspace.path)
-        before = scene.children()
-        result = scene.replay(*VERBS[verb], scene.run_id, "--trust", "torch")
-        assert_one_line_error(result, "refused", named, "model._args_[0]")
-        assert not marker.exists() and scene.children() == before
+    scene.tamper(_shell_payload(marker), code_dir=scene.workspace.path)
+    before = scene.children()
+    result = scene.replay(*VERBS[verb], scene.run_id, "--trust", "torch")
+    assert_one_line_error(result, "refused", "collect_env.run", "model._args_[0]")
+    assert not marker.exists() and scene.children() == before
+
+    scene.tamper(_write_payload(marker), code_dir=scene.workspace.path)
+    for name in (CODE_DIR_ENV, TRUST_ENV):  # only what the call passes: not the suite's own trusted folders
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.chdir(scene.workspace.path)
+    with pytest.raises(UntrustedConfig) as refused:
+        API_VERBS[verb](rb, scene.run_id, tracking_uri=scene.workspace.tracking_uri, trust=["torch"])
+    assert all(fragment in str(refused.value) for fragment in ("refused", "from_file", "model._args_[0]")), refused.value
+    assert "\n" not in str(refused.value)
+    assert not marker.exists() and scene.children() == before
 
 
 def _run_id_starting_with_a_letter(store, experiment: str) -> str:
