@@ -431,7 +431,10 @@ def test_sigterm_lets_a_running_triage_finish_within_the_grace(workspace):
     assert [e["event"] for e in events][-4:] == ["step", "done", "error", "stop"], events
     assert events[-2]["message"].endswith("no answer within 3 s") or "not sent" in events[-2]["message"]
     took = (_time(events[-1]) - _time(events[-3])).total_seconds()
-    assert took < 8, f"{took:.1f} s from the triage's end to the exit"
+    # the webhook answers for 60 s: an exit within half of that was cut by the 3 s deadline, not the answer's end
+    # (under a loaded 2-core machine the exit took up to 23 s; the events' times say where, if it ever takes longer)
+    timeline = [(e["event"], e["message"][:60], str(_time(e).time())) for e in events[-5:]]
+    assert took < hook.lasting / 2, f"{took:.1f} s from the triage's end to the exit: {timeline}"
     assert store.tags(run_id)["triage"] == "done" and len(hook.received) == 1
 
 
