@@ -66,6 +66,13 @@ class Workspace:
         assert result.returncode == expect, f"exit {result.returncode}\n{result.stdout}\n{result.stderr}"
         return result.json()
 
+    def train_here(self, *overrides: str, config_dir: Path | None = None) -> dict:
+        """What `train(OVERRIDES)` prints as JSON, trained in this process with `rb.train` (the same request and
+        engine, without a `replay` process's seconds of imports): for tests about what is done with a run."""
+        import replaybisect as rb
+
+        return as_printed(rb.train(overrides, config_dir=config_dir, tracking_uri=self.tracking_uri))
+
     def store(self):
         from replaybisect.store import open_store
 

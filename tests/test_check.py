@@ -106,7 +106,7 @@ def test_healthy_builtin_config_passes_every_check(shared):
 
 
 def test_recorded_run_is_checked_at_its_newest_snapshot(shared):
-    trained = shared.train("train.steps=30", "train.batch_size=32", "snapshot.every=10", "train.val_every=0", "model.hidden=32", "train.num_threads=1")
+    trained = shared.train_here("train.steps=30", "train.batch_size=32", "snapshot.every=10", "train.val_every=0", "model.hidden=32", "train.num_threads=1")
     result = shared.replay("check", "--run-id", trained["run_id"], "--overfit-steps", "80", "--lr-steps", "40")
     assert result.returncode == 0, result.stderr
 

@@ -122,7 +122,7 @@ def test_bad_config_value_is_one_line_and_creates_nothing(tmp_path, verb, args, 
 def store_with_a_run(tmp_path_factory) -> Workspace:
     """A store that already holds a (tiny) training run."""
     workspace = _user_folder(tmp_path_factory.mktemp("store"))
-    workspace.train("train.steps=3", "model.hidden=16", "snapshot.every=0", "train.val_every=0", "snapshot.layer_stats_every=0")
+    workspace.train_here("train.steps=3", "model.hidden=16", "snapshot.every=0", "train.val_every=0", "snapshot.layer_stats_every=0")
     return workspace
 
 

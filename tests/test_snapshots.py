@@ -102,7 +102,7 @@ class _Payload:
 @pytest.fixture(scope="module")
 def small_run(tmp_path_factory):
     workspace = Workspace(tmp_path_factory.mktemp("small"))
-    return workspace, workspace.train("train.steps=12", "snapshot.every=5", "model.hidden=16")
+    return workspace, workspace.train_here("train.steps=12", "snapshot.every=5", "model.hidden=16")
 
 
 def test_a_pickle_in_a_snapshot_folder_is_refused_never_runs_and_the_previous_snapshot_is_used(small_run):
