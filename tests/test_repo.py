@@ -1,8 +1,10 @@
 """core.repo.code_version: the commit and dirty state of the user's code, read through GitPython without writing
-anything in the user's repository (no index refresh, no index.lock), on real repositories in tmp_path."""
+anything in the user's repository (no index refresh, no index.lock), on real repositories in tmp_path. And the
+hashes of a run's own files, which a replay compares with the files it finds."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 from pathlib import Path
@@ -111,3 +113,21 @@ def test_git_location_variables_do_not_redirect_it(repo, tmp_path, monkeypatch):
     assert code_version(repo) == {"git_sha": git(repo, "rev-parse", "HEAD"), "git_dirty": "true"}
     assert {name: os.environ[name] for name in hook_env} == hook_env  # put back as they were
     assert set(hook_env) <= set(GIT_LOCATION_VARS)
+
+
+def test_a_replay_says_which_of_the_runs_own_files_changed_or_went(tmp_path):
+    from replaybisect.core.repo import SOURCE_TAG, changed_sources, source_tag
+
+    script, helper = tmp_path / "train.py", tmp_path / "model.py"
+    script.write_text("print('train')\n")
+    helper.write_text("class Model: pass\n")
+    tag = source_tag([script, helper, tmp_path / "never_existed.py"])[SOURCE_TAG]
+    assert set(json.loads(tag)) == {str(script.resolve()), str(helper.resolve())}  # only files that exist
+    assert changed_sources(tag) == []
+    script.write_text("print('train, tuned')\n")
+    helper.unlink()
+    gone, changed = changed_sources(tag)  # in path order
+    assert changed.startswith(f"{script.resolve()} changed since the run was recorded (sha256 ")
+    assert gone == f"{helper.resolve()} is gone since the run was recorded; the replay builds from what it finds now"
+    assert changed_sources("not json") == changed_sources('["a list"]') == changed_sources(None) == []
+    assert source_tag([tmp_path / "none.py"]) == {}

@@ -88,3 +88,49 @@ def code_version(folder: Path) -> dict[str, str]:
     except (git.exc.GitError, ValueError, OSError):  # ValueError: HEAD names no commit yet
         return {}
     return {"git_sha": sha, "git_dirty": str(bool(changes.strip())).lower()}
+
+
+# ---- the files a run's own code came from (a script, the module of a step function) ------------------------------
+SOURCE_TAG = "source_sha256"  # replaybisect.source_sha256: {"/abs/path.py": sha256} of the run's own code files
+
+
+def source_hashes(files) -> dict[str, str]:
+    """{absolute path: sha256} of each existing file in `files`."""
+    import hashlib
+
+    hashes = {}
+    for file in files:
+        path = Path(file).resolve()
+        if path.is_file():
+            hashes[str(path)] = hashlib.sha256(path.read_bytes()).hexdigest()
+    return hashes
+
+
+def source_tag(files) -> dict[str, str]:
+    """The tag recording `files`' hashes (none when no file exists, or the paths do not fit a tag)."""
+    import json
+
+    text = json.dumps(source_hashes(files), sort_keys=True)
+    return {SOURCE_TAG: text} if text != "{}" and len(text) <= 4000 else {}
+
+
+def changed_sources(tag_value) -> list[str]:
+    """What a replay should say about the run's own code files: each one changed or gone since the run was recorded.
+    A replay runs today's code, so a replay that no longer reproduces the run may be explained by one of these."""
+    import json
+
+    try:
+        recorded = json.loads(tag_value) if tag_value else {}
+    except ValueError:
+        return []
+    if not isinstance(recorded, dict):
+        return []
+    now = source_hashes(recorded)
+    lines = []
+    for path, digest in sorted(recorded.items()):
+        if path not in now:
+            lines.append(f"{path} is gone since the run was recorded; the replay builds from what it finds now")
+        elif now[path] != digest:
+            lines.append(f"{path} changed since the run was recorded (sha256 {str(digest)[:12]} then, {now[path][:12]} now): "
+                         "the replay runs today's code")
+    return lines

@@ -34,7 +34,7 @@ from replaybisect.core.step_watch import StepOutcome, StepWatch
 from replaybisect.core.user_step import LIGHTNING_BATCHES, LIGHTNING_POSITIONS, NO_LOSS
 from replaybisect.core.config import OnNonfinite
 from replaybisect.errors import ConfigError, NonFiniteStep
-from replaybisect.record.recorder import function_target, nonfinite_step, open_session, plain_config, replay_config
+from replaybisect.record.recorder import function_target, nonfinite_step, open_session, own_sources, plain_config, replay_config
 
 STEP_TARGET = "replaybisect.lightning.lightning_step"
 BUILD_TARGET = "replaybisect.lightning.build"
@@ -262,7 +262,8 @@ class ReplayCallback(Callback):
         self.first_nonfinite_step = None
         self._last_step_end: Optional[float] = None
         self._session = open_session(self.tracking_uri, self.experiment, folder,
-                                     {"replaybisect.loop": "user", "replaybisect.trainer": "lightning"},
+                                     {"replaybisect.loop": "user", "replaybisect.trainer": "lightning",
+                                      **own_sources(type(pl_module))},
                                      self.run_name or f"train {module_target.rsplit('.', 1)[0]} (lightning)")
         self.run_id = self._session.run_id
         with self._session.failure_ends_run():  # a store that fails now ends the run FAILED, not RUNNING

@@ -174,7 +174,8 @@ class Recorder:
         self.first_nonfinite_step: Optional[int] = None
         self._config_written = False
         self._last_step_end: Optional[float] = None
-        self._session = open_session(tracking_uri, experiment, step_folder, {"replaybisect.loop": "user"},
+        self._session = open_session(tracking_uri, experiment, step_folder,
+                                     {"replaybisect.loop": "user", **own_sources(step_fn, build)},
                                      run_name or f"train {step_target.rsplit('.', 1)[0]} (own loop)")
         self.store, self.run_id = self._session.store, self._session.run_id
         with self._session.failure_ends_run():
@@ -275,6 +276,23 @@ def open_session(tracking_uri: Optional[str], experiment: Optional[str], code_fo
     print(f"replaybisect: recording run {session.run_id} to {session.store.uri}", file=sys.stderr)
     one_line_failures()
     return session
+
+
+def own_sources(*code) -> dict[str, str]:
+    """The tag holding the sha256 of the user's files a replay runs again: the running script and the files that
+    define `code` (functions, classes). A replay says which of them changed since (core.repo.changed_sources)."""
+    import inspect
+
+    from replaybisect.core.repo import source_tag
+    from replaybisect.store import TAG
+
+    files = [getattr(sys.modules.get("__main__"), "__file__", None)]
+    for item in code:
+        try:
+            files.append(inspect.getsourcefile(item))
+        except TypeError:  # a built-in: no file of the user's
+            continue
+    return {TAG + key: value for key, value in source_tag(file for file in files if file).items()}
 
 
 def nonfinite_step(outcome, run_id: str) -> NonFiniteStep:
