@@ -421,3 +421,15 @@ def replay(
         stopped=stopped,
         grad_norms=hooks.grad_norms,
     )
+
+
+def code_changes(tags: dict[str, str], cfg) -> list[str]:
+    """Warnings for the run's own modules (its step and build functions, its LightningModule) whose files changed or
+    are not found since the run was recorded; `cfg` is the admitted config (restore.run_config), which names them."""
+    from omegaconf import OmegaConf
+
+    from replaybisect.core.repo import SOURCE_TAG, changed_sources
+
+    targets = [OmegaConf.select(cfg, key) for key in ("train.step_fn._target_", "train.build._target_", "user.module._target_")]
+    modules = [target.rsplit(".", 1)[0] for target in targets if isinstance(target, str) and "." in target]
+    return changed_sources(tags.get(SOURCE_TAG), modules)

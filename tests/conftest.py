@@ -71,7 +71,14 @@ class Workspace:
         engine, without a `replay` process's seconds of imports): for tests about what is done with a run."""
         import replaybisect as rb
 
-        return as_printed(rb.train(overrides, config_dir=config_dir, tracking_uri=self.tracking_uri))
+        here = os.getcwd()
+        os.chdir(self.path)  # where `replay train` would run: the run's code folder for the built-in config
+        try:
+            printed = as_printed(rb.train(overrides, config_dir=config_dir, tracking_uri=self.tracking_uri))
+        finally:
+            os.chdir(here)
+        assert printed["status"] == "ok", printed
+        return printed
 
     def store(self):
         from replaybisect.store import open_store

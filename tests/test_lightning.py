@@ -72,7 +72,7 @@ def test_lightning_planted_overflow_nan_and_ablate(workspace):
     store = workspace.store()
     tags = store.tags(run_id)
     assert tags["first_nonfinite_step"] == "23" and tags["loop"] == "user"
-    assert str((folder / "lit_model.py").resolve()) in json.loads(tags["source_sha256"])  # the module's file, hashed
+    assert set(json.loads(tags["source_sha256"])) == {"lit_model"}  # the LightningModule's module, hashed
     assert store.get_run(run_id).info.status == "FAILED"
     added = [line for line in (folder / "lit_model.py").read_text().splitlines() if "# replaybisect" in line]
     assert len(added) == 3  # import, save_hyperparameters, the callback

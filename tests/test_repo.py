@@ -115,19 +115,22 @@ def test_git_location_variables_do_not_redirect_it(repo, tmp_path, monkeypatch):
     assert set(hook_env) <= set(GIT_LOCATION_VARS)
 
 
-def test_a_replay_says_which_of_the_runs_own_files_changed_or_went(tmp_path):
+def test_a_replay_says_which_of_the_runs_own_modules_changed(tmp_path, monkeypatch):
     from replaybisect.core.repo import SOURCE_TAG, changed_sources, source_tag
 
-    script, helper = tmp_path / "train.py", tmp_path / "model.py"
-    script.write_text("print('train')\n")
-    helper.write_text("class Model: pass\n")
-    tag = source_tag([script, helper, tmp_path / "never_existed.py"])[SOURCE_TAG]
-    assert set(json.loads(tag)) == {str(script.resolve()), str(helper.resolve())}  # only files that exist
-    assert changed_sources(tag) == []
-    script.write_text("print('train, tuned')\n")
-    helper.unlink()
-    gone, changed = changed_sources(tag)  # in path order
-    assert changed.startswith(f"{script.resolve()} changed since the run was recorded (sha256 ")
-    assert gone == f"{helper.resolve()} is gone since the run was recorded; the replay builds from what it finds now"
-    assert changed_sources("not json") == changed_sources('["a list"]') == changed_sources(None) == []
-    assert source_tag([tmp_path / "none.py"]) == {}
+    monkeypatch.syspath_prepend(str(tmp_path))
+    step, model = tmp_path / "rb_src_step.py", tmp_path / "rb_src_model.py"
+    step.write_text("def train_step(batch): ...\n")
+    model.write_text("class Model: ...\n")
+    tag = source_tag({"rb_src_step": step, "rb_src_model": model, "rb_src_gone": tmp_path / "never_existed.py"})[SOURCE_TAG]
+    assert set(json.loads(tag)) == {"rb_src_step", "rb_src_model"}  # only files that could be read
+    modules = ["rb_src_step", "rb_src_model"]
+    assert changed_sources(tag, modules) == []
+    step.write_text("def train_step(batch): ...  # tuned\n")
+    model.unlink()
+    gone, changed = changed_sources(tag, modules)  # in module order
+    assert gone == "module rb_src_model (recorded with the run) cannot be read here; the replay builds from what it finds"
+    assert changed.startswith(f"{step} changed since the run was recorded (sha256 ") and "today's code" in changed
+    assert changed_sources(tag, ["rb_src_model"]) == [gone]  # only the modules the replay imports are looked up
+    assert changed_sources("not json", modules) == changed_sources('["a list"]', modules) == changed_sources(None, modules) == []
+    assert source_tag({"rb_src_gone": tmp_path / "none.py"}) == {}

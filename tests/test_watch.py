@@ -95,16 +95,21 @@ def train_runs(team, project: Path, experiment: str, config_dirs: list[Path | No
     import replaybisect as rb
 
     run_ids = []
-    for config_dir in config_dirs:
-        with mock.patch.dict(os.environ, {"MLFLOW_EXPERIMENT_NAME": experiment}):
-            try:
-                result = rb.train(TINY, config_dir=config_dir, tracking_uri=team.tracking_uri)
-            except RuntimeError as crash:  # the crashing model: the run ends FAILED, status crashed
-                assert "simulated crash" in str(crash)
-                run_ids.append(None)
-                continue
-        assert result.status in ("ok", "nonfinite"), result
-        run_ids.append(result.run_id)
+    here = os.getcwd()
+    os.chdir(project)  # where the user trains: the healthy run's code folder
+    try:
+        for config_dir in config_dirs:
+            with mock.patch.dict(os.environ, {"MLFLOW_EXPERIMENT_NAME": experiment}):
+                try:
+                    result = rb.train(TINY, config_dir=config_dir, tracking_uri=team.tracking_uri)
+                except RuntimeError as crash:  # the crashing model: the run ends FAILED, status crashed
+                    assert "simulated crash" in str(crash)
+                    run_ids.append(None)
+                    continue
+            assert result.status in ("ok", "nonfinite"), result
+            run_ids.append(result.run_id)
+    finally:
+        os.chdir(here)
     return run_ids
 
 
@@ -339,7 +344,8 @@ def test_sigterm_releases_sigkill_leaves_a_lease_and_the_next_watcher_resumes(te
     assert tags_of(team, run_id)["replaybisect.triage.claim"].endswith(" until 0.0")
 
     # 2. the next watcher takes it at once; SIGKILLed once nan is done, it leaves a live claim and no child behind
-    second = subprocess.Popen(watch_args(team, experiment, "--lease", "10"), cwd=project, env=env_for(team, experiment),
+    # a lease long enough for the next check (a `replay watch` process) to start on a loaded 2-core machine
+    second = subprocess.Popen(watch_args(team, experiment, "--lease", "30"), cwd=project, env=env_for(team, experiment),
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     _wait_for_tag(team, run_id, "replaybisect.triage.step", "ablate", second)
     second.kill()

@@ -186,9 +186,11 @@ def _override_problem(text: str, config_dir: Path, config_name: str, overrides: 
 
 def _known_keys(config_dir: Path, config_name: str, overrides: list[str]) -> list[str]:
     """Every dotted key of the config composed without the override that failed (none when that fails too)."""
+    from omegaconf.errors import OmegaConfBaseException
+
     try:
         return list(flatten(compose(config_dir, config_name, overrides, checked=False)))  # its keys: nothing built
-    except ConfigError:
+    except (ConfigError, OmegaConfBaseException, ValueError):  # e.g. an interpolation only validation would resolve
         return []
 
 

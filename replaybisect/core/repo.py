@@ -16,7 +16,7 @@ import os
 import threading
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING, Iterator, Optional
 
 if TYPE_CHECKING:
     import git
@@ -90,33 +90,43 @@ def code_version(folder: Path) -> dict[str, str]:
     return {"git_sha": sha, "git_dirty": str(bool(changes.strip())).lower()}
 
 
-# ---- the files a run's own code came from (a script, the module of a step function) ------------------------------
-SOURCE_TAG = "source_sha256"  # replaybisect.source_sha256: {"/abs/path.py": sha256} of the run's own code files
+# ---- the files a run's own code came from (the modules of its step and build functions, its LightningModule) ------
+SOURCE_TAG = "source_sha256"  # replaybisect.source_sha256: {"module": sha256 of its file} of the run's own code
+LONGEST_TAG = 4000  # MLflow keeps tag values under 5000 characters (older servers)
+LARGEST_SOURCE = 64 * 1024 * 1024  # a module file larger than this is not hashed (it is no source file)
 
 
-def source_hashes(files) -> dict[str, str]:
-    """{absolute path: sha256} of each existing file in `files`."""
+def file_sha256(path: Path) -> Optional[str]:
+    """The file's sha256, or None when it cannot be read here (or is too large to be a source file)."""
     import hashlib
 
-    hashes = {}
-    for file in files:
-        path = Path(file).resolve()
-        if path.is_file():
-            hashes[str(path)] = hashlib.sha256(path.read_bytes()).hexdigest()
-    return hashes
+    try:
+        if not path.is_file() or path.stat().st_size > LARGEST_SOURCE:
+            return None
+        digest = hashlib.sha256()
+        with path.open("rb") as handle:
+            for chunk in iter(lambda: handle.read(1 << 20), b""):
+                digest.update(chunk)
+        return digest.hexdigest()
+    except (OSError, ValueError):
+        return None
 
 
-def source_tag(files) -> dict[str, str]:
-    """The tag recording `files`' hashes (none when no file exists, or the paths do not fit a tag)."""
+def source_tag(module_files: dict[str, Path]) -> dict[str, str]:
+    """The tag recording the sha256 of each module's file (none when no file can be read, or it does not fit a tag)."""
     import json
 
-    text = json.dumps(source_hashes(files), sort_keys=True)
-    return {SOURCE_TAG: text} if text != "{}" and len(text) <= 4000 else {}
+    hashes = {name: digest for name, file in module_files.items() if (digest := file_sha256(Path(file))) is not None}
+    text = json.dumps(hashes, sort_keys=True)
+    return {SOURCE_TAG: text} if hashes and len(text) <= LONGEST_TAG else {}
 
 
-def changed_sources(tag_value) -> list[str]:
-    """What a replay should say about the run's own code files: each one changed or gone since the run was recorded.
-    A replay runs today's code, so a replay that no longer reproduces the run may be explained by one of these."""
+def changed_sources(tag_value: Optional[str], modules: list[str]) -> list[str]:
+    """What a replay should say about the run's own modules: each one whose file changed, or that is not found, since
+    the run was recorded. `modules`: the modules the replay imports, named by the admitted config (never names read
+    from the tag alone: finding a dotted module imports its package). A replay runs today's code, so a replay that no
+    longer reproduces the run may be explained by one of these."""
+    import importlib.util
     import json
 
     try:
@@ -125,12 +135,17 @@ def changed_sources(tag_value) -> list[str]:
         return []
     if not isinstance(recorded, dict):
         return []
-    now = source_hashes(recorded)
     lines = []
-    for path, digest in sorted(recorded.items()):
-        if path not in now:
-            lines.append(f"{path} is gone since the run was recorded; the replay builds from what it finds now")
-        elif now[path] != digest:
-            lines.append(f"{path} changed since the run was recorded (sha256 {str(digest)[:12]} then, {now[path][:12]} now): "
-                         "the replay runs today's code")
+    for name in sorted(set(modules) & set(recorded)):
+        try:
+            spec = importlib.util.find_spec(name)
+        except (ImportError, ValueError):
+            spec = None
+        origin = Path(spec.origin) if spec is not None and spec.origin else None
+        now = file_sha256(origin) if origin is not None else None
+        if now is None:
+            lines.append(f"module {name} (recorded with the run) cannot be read here; the replay builds from what it finds")
+        elif now != recorded[name]:
+            lines.append(f"{origin} changed since the run was recorded (sha256 {str(recorded[name])[:12]} then, {now[:12]} "
+                         "now): the replay runs today's code")
     return lines

@@ -278,21 +278,17 @@ def open_session(tracking_uri: Optional[str], experiment: Optional[str], code_fo
     return session
 
 
-def own_sources(*code) -> dict[str, str]:
-    """The tag holding the sha256 of the user's files a replay runs again: the running script and the files that
-    define `code` (functions, classes). A replay says which of them changed since (core.repo.changed_sources)."""
-    import inspect
-
+def own_sources(*code: Callable) -> dict[str, str]:
+    """The tag holding the sha256 of the files of the user's modules a replay imports: those defining `code` (the
+    step and build functions, the LightningModule). A replay says which of them changed since (core.repo.changed_sources)."""
     from replaybisect.core.repo import source_tag
     from replaybisect.store import TAG
 
-    files = [getattr(sys.modules.get("__main__"), "__file__", None)]
+    files = {}
     for item in code:
-        try:
-            files.append(inspect.getsourcefile(item))
-        except TypeError:  # a built-in: no file of the user's
-            continue
-    return {TAG + key: value for key, value in source_tag(file for file in files if file).items()}
+        target, _ = function_target(item, "code")  # checked already: module-level, in a .py file
+        files[target.rsplit(".", 1)[0]] = Path(sys.modules[item.__module__].__file__)
+    return {TAG + key: value for key, value in source_tag(files).items()}
 
 
 def nonfinite_step(outcome, run_id: str) -> NonFiniteStep:

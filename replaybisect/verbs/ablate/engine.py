@@ -27,7 +27,6 @@ from replaybisect.errors import ReplayError, SnapshotError
 from replaybisect.verbs.ablate import interventions
 from replaybisect.verbs.ablate.interventions import BASELINE, ArmContext, ArmSpec, Change
 from replaybisect.core.jsonutil import to_jsonable as _json_float
-from replaybisect.core.repo import SOURCE_TAG, changed_sources
 from replaybisect.core.trust import Trust
 from replaybisect.verbs.ablate.patch import PATCH_ARM, Patch, patched_config, patched_modules
 # the options and their checks are the request's (light): the engine checks them again for its direct callers
@@ -711,7 +710,7 @@ def _plan_arms(store, run_id: str, specs: list[ArmSpec], from_step: Optional[int
     logged = restore_mod.logged_losses(store, run_id)
     onset = divergence_onset(logged, failing_step) if failing_step is not None else None
     snapshot, start = _choose_snapshot(store, run_id, failing_step, from_step, onset, warnings)
-    warnings.extend(changed_sources(store.tags(run_id).get(SOURCE_TAG)))
+    warnings.extend(restore_mod.code_changes(store.tags(run_id), cfg))
     anchor = failing_step if failing_step is not None else start
     end = anchor + horizon
     reference, threshold = _reference_loss(logged, start, anchor, onset)

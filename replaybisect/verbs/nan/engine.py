@@ -34,7 +34,6 @@ HISTORY_WINDOW = 50  # fit log(grad_norm) over the last <= 50 finite steps befor
 HISTORY_MIN_POINTS = 8
 from replaybisect.core.thresholds import GRAD_NORM_TREND_EXPLODING_FACTOR as EXPLODING_FACTOR  # noqa: E402
 from replaybisect.core.thresholds import GRAD_NORM_TREND_P as EXPLODING_P  # noqa: E402
-from replaybisect.core.repo import SOURCE_TAG, changed_sources  # noqa: E402
 
 
 @dataclass
@@ -137,7 +136,7 @@ def find_nan(
     target = _target_step(run_id, step, recorded, tags, losses, grad_norms)
     cfg = restore_mod.run_config(store, run_id, trust)
     snapshot, at_target, warnings = _choose_snapshots(store, run_id, target)
-    warnings.extend(changed_sources(tags.get(SOURCE_TAG)))
+    warnings.extend(restore_mod.code_changes(tags, cfg))
 
     with isolated_rng():  # the whole diagnosis leaves this process's RNG streams as it found them
         from replaybisect.core import loop
