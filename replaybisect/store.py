@@ -25,6 +25,7 @@ DEFAULT_EXPERIMENT = "replaybisect"
 TAG = "replaybisect."  # prefix of every tag we write
 DESCRIPTION_TAG = "mlflow.note.content"  # a run's description in the MLflow UI
 MAX_DESCRIPTION = 8000  # MLflow's MAX_TAG_VAL_LENGTH
+OLD_SERVER_TAG_VALUE = 4000  # the longest tag value we write where older MLflow servers must keep it (under 5000)
 # MLflow 3 opens an experiment of this kind on its runs table (untagged ones may open on the GenAI overview)
 EXPERIMENT_KIND = {"mlflow.experimentKind": "custom_model_development"}
 ANSWERING_VERBS = ("nan", "ablate", "diagnose", "check")  # whose latest answer the examined run's description lists

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -71,12 +72,8 @@ class Workspace:
         engine, without a `replay` process's seconds of imports): for tests about what is done with a run."""
         import replaybisect as rb
 
-        here = os.getcwd()
-        os.chdir(self.path)  # where `replay train` would run: the run's code folder for the built-in config
-        try:
+        with in_folder(self.path):  # where `replay train` would run: the run's code folder for the built-in config
             printed = as_printed(rb.train(overrides, config_dir=config_dir, tracking_uri=self.tracking_uri))
-        finally:
-            os.chdir(here)
         assert printed["status"] == "ok", printed
         return printed
 
@@ -120,6 +117,17 @@ def train_example(store, name: str, *overrides: str, env: dict[str, str] | None 
     with mock.patch.dict(os.environ, env or {}):
         cfg = config_mod.compose(folder, "config", list(overrides))
         return train(cfg, store, code_folder=folder)
+
+
+@contextlib.contextmanager
+def in_folder(folder: Path):
+    """Run in `folder`, as the CLI does: a store created here keeps its artifacts (./mlruns) here."""
+    previous = Path.cwd()
+    os.chdir(folder)
+    try:
+        yield
+    finally:
+        os.chdir(previous)
 
 
 def as_printed(result) -> dict:

@@ -7,15 +7,13 @@ trained once per module, in this process (one torch thread), then each test diag
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 import subprocess
 from pathlib import Path
 
 import pytest
 
-from conftest import REPLAY, Workspace, assert_one_line_error
+from conftest import REPLAY, Workspace, assert_one_line_error, in_folder
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "diagnose_pathologies"
 COMMON = ("train.num_threads=1", "snapshot.every=100")
@@ -50,17 +48,6 @@ EXTRA = {"dead_relu": [("--json", "--no-artifacts"), ()]}
 # Diagnosed by the installed CLI (its JSON, report and artifacts are what these tests read); the other runs by the
 # same three calls `replay diagnose --json` makes, in this process (a `replay` start-up imports MLflow: ~3 s a run).
 CLI_DIAGNOSED = {"healthy_mlp_digits", "dead_relu"}
-
-
-@contextlib.contextmanager
-def in_folder(folder: Path):
-    """Run in `folder`, as the CLI does: a store created here keeps its artifacts (./mlruns) here."""
-    previous = Path.cwd()
-    os.chdir(folder)
-    try:
-        yield
-    finally:
-        os.chdir(previous)
 
 
 def _diagnose_here(workspace: Workspace, run_id: str) -> str:

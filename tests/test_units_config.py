@@ -127,3 +127,15 @@ def test_the_shipped_digits_are_scikit_learns_load_digits_bit_for_bit():
     assert everything.inputs.shape == (1797, 64) and everything.targets.shape == (1797,)
     assert hashlib.sha256(everything.inputs.numpy().tobytes()).hexdigest() == "a627aed550b0b29bf76a981bc1ecbab5ef775aac454c94154f20ec9f61a04c83"
     assert hashlib.sha256(everything.targets.numpy().tobytes()).hexdigest() == "a3c91c262eddcf7ba8f0e37507c30284493c9b20412ffe4af30d536401f7ba21"
+
+
+def test_a_misspelled_key_is_one_line_even_when_the_config_cannot_be_resolved_yet(tmp_path, monkeypatch):
+    """The hint lists the config's keys without validating it: an interpolation that only validation would resolve
+    (an unset environment variable) leaves the hint out, and the error stays one line."""
+    monkeypatch.delenv("RB_TEST_UNSET_STEPS", raising=False)
+    (tmp_path / "config.yaml").write_text("defaults:\n  - model: mlp\n  - data: digits\n  - _self_\n"
+                                          "train:\n  steps: ${oc.env:RB_TEST_UNSET_STEPS}\n")
+    with pytest.raises(ConfigError) as caught:
+        config_mod.compose(tmp_path, "config", ["train.stpes=5"])
+    assert str(caught.value).startswith("no key 'train.stpes' in the config (a new key is added with +train.stpes=5)")
+    assert "\n" not in str(caught.value)

@@ -263,3 +263,19 @@ def test_a_namedtuple_of_tensors_from_replay_train_keeps_its_type_and_values():
     assert back._fields == ("x", "y") and torch.equal(back.x, pair.x)
     moved = loop.to_device(pair, torch.device("cpu"))
     assert type(moved) is Pair and torch.equal(moved.x, pair.x)  # _make, not Pair(...) again
+
+
+def test_own_sources_hashes_the_module_of_each_function_and_class(tmp_path, monkeypatch):
+    """The tag a run's replays compare their imports with: keyed by the name a replay imports the module by."""
+    import hashlib
+    import importlib
+    import json
+
+    from replaybisect.record.recorder import own_sources
+
+    (tmp_path / "rb_own_step.py").write_text("def train_step(model, optimizer, batch): ...\n\nclass Net: ...\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    module = importlib.import_module("rb_own_step")
+    tag = own_sources(module.train_step, module.Net)
+    digest = hashlib.sha256((tmp_path / "rb_own_step.py").read_bytes()).hexdigest()
+    assert json.loads(tag["replaybisect.source_sha256"]) == {"rb_own_step": digest}

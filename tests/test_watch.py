@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import EXAMPLES, REPLAY, CliResult
+from conftest import EXAMPLES, REPLAY, CliResult, in_folder
 import watch_servers
 
 pytestmark = pytest.mark.slow
@@ -95,21 +95,17 @@ def train_runs(team, project: Path, experiment: str, config_dirs: list[Path | No
     import replaybisect as rb
 
     run_ids = []
-    here = os.getcwd()
-    os.chdir(project)  # where the user trains: the healthy run's code folder
-    try:
-        for config_dir in config_dirs:
-            with mock.patch.dict(os.environ, {"MLFLOW_EXPERIMENT_NAME": experiment}):
-                try:
-                    result = rb.train(TINY, config_dir=config_dir, tracking_uri=team.tracking_uri)
-                except RuntimeError as crash:  # the crashing model: the run ends FAILED, status crashed
-                    assert "simulated crash" in str(crash)
-                    run_ids.append(None)
-                    continue
-            assert result.status in ("ok", "nonfinite"), result
-            run_ids.append(result.run_id)
-    finally:
-        os.chdir(here)
+    for config_dir in config_dirs:
+        # in the user's folder (the healthy run's code folder), into the test's experiment
+        with in_folder(project), mock.patch.dict(os.environ, {"MLFLOW_EXPERIMENT_NAME": experiment}):
+            try:
+                result = rb.train(TINY, config_dir=config_dir, tracking_uri=team.tracking_uri)
+            except RuntimeError as crash:  # the crashing model: the run ends FAILED, status crashed
+                assert "simulated crash" in str(crash)
+                run_ids.append(None)
+                continue
+        assert result.status in ("ok", "nonfinite"), result
+        run_ids.append(result.run_id)
     return run_ids
 
 

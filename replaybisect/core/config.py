@@ -114,8 +114,8 @@ def _entry_node(user_config_name: str) -> dict:
 
 def compose(config_dir: str | Path | None = None, config_name: str | None = None, overrides: list[str] | None = None,
             checked: bool = True):
-    """Compose and validate a run config (`checked`: its values and its optimizer built once, on the meta device).
-    Hydra errors become one-line ConfigErrors."""
+    """Compose a run config and, `checked`, validate it and build its optimizer once over a probe parameter (what
+    listing its keys for a hint does without). Hydra errors become one-line ConfigErrors."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
     from hydra.core.config_store import ConfigStore

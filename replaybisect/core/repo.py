@@ -92,7 +92,6 @@ def code_version(folder: Path) -> dict[str, str]:
 
 # ---- the files a run's own code came from (the modules of its step and build functions, its LightningModule) ------
 SOURCE_TAG = "source_sha256"  # replaybisect.source_sha256: {"module": sha256 of its file} of the run's own code
-LONGEST_TAG = 4000  # MLflow keeps tag values under 5000 characters (older servers)
 LARGEST_SOURCE = 64 * 1024 * 1024  # a module file larger than this is not hashed (it is no source file)
 
 
@@ -110,15 +109,6 @@ def file_sha256(path: Path) -> Optional[str]:
         return digest.hexdigest()
     except (OSError, ValueError):
         return None
-
-
-def source_tag(module_files: dict[str, Path]) -> dict[str, str]:
-    """The tag recording the sha256 of each module's file (none when no file can be read, or it does not fit a tag)."""
-    import json
-
-    hashes = {name: digest for name, file in module_files.items() if (digest := file_sha256(Path(file))) is not None}
-    text = json.dumps(hashes, sort_keys=True)
-    return {SOURCE_TAG: text} if hashes and len(text) <= LONGEST_TAG else {}
 
 
 def changed_sources(tag_value: Optional[str], modules: list[str]) -> list[str]:

@@ -40,21 +40,25 @@ from replaybisect.errors import ConfigError, NonFiniteStep
 def function_target(function: Callable, what: str) -> tuple[str, Path]:
     """`module.function` a replay can import, and the folder it imports from."""
     qualname = getattr(function, "__qualname__", "")
-    module_name = getattr(function, "__module__", None)
-    if not callable(function) or not module_name or "<" in qualname or "." in qualname:
+    if not callable(function) or not getattr(function, "__module__", None) or "<" in qualname or "." in qualname:
         raise ConfigError(f"{what}={function!r} is not a module-level function; define it at the top level of a module "
                           "so a replay can import it")
-    module = sys.modules.get(module_name)
-    source = Path(getattr(module, "__file__", "") or "")
-    if not source.is_file():
-        raise ConfigError(f"{what}: cannot find the file of module {module_name}; define it in a .py file")
-    if module_name == "__main__":
-        module_name = source.stem
+    module_name, source = module_and_file(function, what)
+    if function.__module__ == "__main__":
         _check_import_is_quiet(source)
     folder = source.resolve().parent
     for _ in module_name.split(".")[1:]:  # a package module: the folder the top package is in
         folder = folder.parent
     return f"{module_name}.{qualname}", folder
+
+
+def module_and_file(code: Callable, what: str) -> tuple[str, Path]:
+    """The name a replay imports `code`'s module by (a script run as `__main__`: its file's stem), and its file."""
+    module_name = code.__module__
+    source = Path(getattr(sys.modules.get(module_name), "__file__", "") or "")
+    if not source.is_file():
+        raise ConfigError(f"{what}: cannot find the file of module {module_name}; define it in a .py file")
+    return (source.stem if module_name == "__main__" else module_name), source
 
 
 def _check_import_is_quiet(script: Path) -> None:
@@ -280,15 +284,17 @@ def open_session(tracking_uri: Optional[str], experiment: Optional[str], code_fo
 
 def own_sources(*code: Callable) -> dict[str, str]:
     """The tag holding the sha256 of the files of the user's modules a replay imports: those defining `code` (the
-    step and build functions, the LightningModule). A replay says which of them changed since (core.repo.changed_sources)."""
-    from replaybisect.core.repo import source_tag
-    from replaybisect.store import TAG
+    step and build functions, the LightningModule), already checked by function_target. A replay says which of them
+    changed since (core.repo.changed_sources). No tag when no file can be read or the hashes do not fit one."""
+    import json
 
-    files = {}
-    for item in code:
-        target, _ = function_target(item, "code")  # checked already: module-level, in a .py file
-        files[target.rsplit(".", 1)[0]] = Path(sys.modules[item.__module__].__file__)
-    return {TAG + key: value for key, value in source_tag(files).items()}
+    from replaybisect.core.repo import SOURCE_TAG, file_sha256
+    from replaybisect.store import OLD_SERVER_TAG_VALUE, TAG
+
+    files = dict(module_and_file(item, "code") for item in code)
+    hashes = {name: digest for name, file in files.items() if (digest := file_sha256(file)) is not None}
+    text = json.dumps(hashes, sort_keys=True)
+    return {TAG + SOURCE_TAG: text} if hashes and len(text) <= OLD_SERVER_TAG_VALUE else {}
 
 
 def nonfinite_step(outcome, run_id: str) -> NonFiniteStep:

@@ -8,8 +8,8 @@ from pathlib import Path
 from typing import Literal, Optional, Sequence, Union, get_args
 
 from replaybisect import request as checks
-from replaybisect.core.repo import LONGEST_TAG
 from replaybisect.errors import ReplayError
+from replaybisect.store import OLD_SERVER_TAG_VALUE
 
 RunKind = Literal["train", "bisect-trial"]  # a run `replay train` records: yours, or one of a bisect's trials
 RUN_KINDS: tuple[str, ...] = get_args(RunKind)
@@ -55,10 +55,10 @@ class TrainRequest:
         import json
 
         tags = {"replaybisect.overrides": json.dumps(list(self.overrides))}
-        if len(tags["replaybisect.overrides"]) > LONGEST_TAG:
+        if len(tags["replaybisect.overrides"]) > OLD_SERVER_TAG_VALUE:
             return dict(self.extra_tags)  # without its overrides, no command would train it again
         if self.config_dir is not None:
-            tags["replaybisect.config_dir"] = str(Path(self.config_dir).expanduser().resolve())  # as compose reads it
+            tags["replaybisect.config_dir"] = str(self.code_folder)
         if self.config_name != "config":
             tags["replaybisect.config_name"] = self.config_name
         return {**self.extra_tags, **tags}
@@ -66,4 +66,4 @@ class TrainRequest:
     @property
     def code_folder(self) -> Path:
         """The folder the run's code is recorded from: the config folder, else the working folder."""
-        return Path(self.config_dir).expanduser().resolve() if self.config_dir is not None else Path.cwd()
+        return self.config_dir.expanduser().resolve() if self.config_dir is not None else Path.cwd()  # as compose reads it
