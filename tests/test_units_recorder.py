@@ -171,6 +171,35 @@ def test_a_damaged_stored_rng_state_is_a_snapshot_error_not_a_bad_state(key, val
         rng_mod.restore_stored(rng, torch.device("cpu"))
 
 
+def test_each_group_lr_is_stored_with_the_batch_and_set_again_from_it():
+    from replaybisect.core import user_step
+
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.SGD([{"params": [model.weight], "lr": 0.5}, {"params": [model.bias], "lr": 0.25}])
+    record = user_step.pack([torch.ones(2)], torch.device("cpu"), optimizer=optimizer)
+    assert record[user_step.RECORD_LR] == [0.5, 0.25]
+    assert user_step.unpack(record)[0][0].tolist() == [1.0, 1.0]
+    for group in optimizer.param_groups:
+        group["lr"] = 9.0
+    user_step.apply_recorded_lrs(record, optimizer)
+    assert [group["lr"] for group in optimizer.param_groups] == [0.5, 0.25]
+    user_step.apply_recorded_lrs([torch.ones(2)], optimizer)  # a plain batch (check's probes): groups left alone
+    assert [group["lr"] for group in optimizer.param_groups] == [0.5, 0.25]
+
+
+@pytest.mark.parametrize("lrs, said", [("0.1", "not a list of numbers"), ([0.1, "x"], "not a list of numbers"),
+                                       ([True, 0.1], "not a list of numbers"), ([0.1], "1 learning rates")])
+def test_damaged_stored_lrs_are_a_snapshot_error(lrs, said):
+    from replaybisect.core import user_step
+    from replaybisect.errors import SnapshotError
+
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.SGD([{"params": [model.weight]}, {"params": [model.bias]}], lr=0.1)
+    record = {**user_step.pack([torch.ones(2)], torch.device("cpu")), user_step.RECORD_LR: lrs}
+    with pytest.raises(SnapshotError, match=said):
+        user_step.apply_recorded_lrs(record, optimizer)
+
+
 # ---- batch containers: namedtuples come back as namedtuples; what cannot is said at record time ------------------
 def test_a_namedtuple_batch_round_trips_through_the_snapshot_format():
     from collections import namedtuple

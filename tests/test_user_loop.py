@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import EXAMPLES, FAST, Workspace, assert_one_line_error
+from conftest import EXAMPLES, FAST, Workspace
 
 HERE = Path(__file__).resolve().parent
 
@@ -74,6 +74,20 @@ def test_own_loop_replays_every_loss_exactly(shared, monkeypatch, capsys, precis
         replayed = replay(restored, 30, logged=logged)
         assert replayed.reproduced == "exact", replayed.mismatches[:3]
         assert replayed.losses == {s: logged[s] for s in range(step, 30)}
+
+
+def test_an_lr_the_loop_sets_between_steps_is_replayed(shared, monkeypatch, capsys):
+    """nanoGPT's way: no scheduler, the loop sets each step's lr (warmup, then decay) before calling the step.
+    The recorder stores each step's lr with its batch and a replay sets it again: every loss is reproduced."""
+    from replaybisect.restore import logged_losses, replay, restore
+
+    folder = _project(shared, HERE / "user_loop")
+    run_id, _ = _record_in_process(shared, folder, monkeypatch, capsys, "fp32", 30, -1, "loop")
+    store = shared.store()
+    logged = logged_losses(store, run_id)
+    for step in (10, 20):  # the lr changes every step: the snapshot's lr alone would not reproduce the next one
+        replayed = replay(restore(store, run_id, step), 30, logged=logged)
+        assert replayed.reproduced == "exact", replayed.mismatches[:3]
 
 
 def test_own_loop_planted_nan_is_found_by_replay_nan(shared):

@@ -29,10 +29,10 @@ import torch
 
 from replaybisect.core import rng
 from replaybisect.core.step_watch import StepHalted, StepWatch
-from replaybisect.errors import ConfigError
+from replaybisect.errors import ConfigError, SnapshotError
 
 STEP_ARGUMENTS = ("model", "optimizer", "scheduler", "scaler", "batch", "config", "cfg", "step")
-RECORD_BATCH, RECORD_RNG = "batch", "rng"
+RECORD_BATCH, RECORD_RNG, RECORD_LR = "batch", "rng", "lr"
 NO_LOSS = type("NoLoss", (), {"__repr__": lambda self: "NO_LOSS"})()  # a step whose every batch was skipped: no loss, no failure
 # A Lightning step's stored batch: its micro-batches, and where each sat in Lightning's loop (replaybisect.lightning)
 LIGHTNING_BATCHES, LIGHTNING_POSITIONS = "batches", "lightning"
@@ -136,11 +136,14 @@ def model_device(model: torch.nn.Module) -> torch.device:
 
 
 # ---- the stored batch: the user's batch and the RNG state its step started with ----------------------------
-def pack(batch: Any, device: torch.device, raw: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+def pack(batch: Any, device: torch.device, raw: Optional[dict[str, Any]] = None, optimizer=None) -> dict[str, Any]:
     """The batch as the recorder stores it (copied: a loop may reuse its buffers) with the RNG states its step
     starts with (core.rng.to_tensors). `raw`: those states as `core.rng.capture_raw` took them at this moment,
-    when the caller has them."""
-    return {RECORD_BATCH: _copied(batch), RECORD_RNG: rng.to_tensors(raw if raw is not None else rng.capture_raw())}
+    when the caller has them. With `optimizer`, also each param group's lr as the loop set it for this step."""
+    record = {RECORD_BATCH: _copied(batch), RECORD_RNG: rng.to_tensors(raw if raw is not None else rng.capture_raw())}
+    if optimizer is not None:
+        record[RECORD_LR] = [float(group["lr"]) for group in optimizer.param_groups]
+    return record
 
 
 def _copied(value: Any) -> Any:
@@ -185,10 +188,36 @@ def _warn_plain(kind: type, stored_as: str, access: str) -> None:
 _WARNED: set[type] = set()
 
 
+def _is_record(record: Any) -> bool:
+    return isinstance(record, dict) and set(record) in ({RECORD_BATCH, RECORD_RNG}, {RECORD_BATCH, RECORD_RNG, RECORD_LR})
+
+
 def unpack(record: Any) -> tuple[Any, Optional[dict]]:
-    if isinstance(record, dict) and set(record) == {RECORD_BATCH, RECORD_RNG}:
+    """A stored step's batch and the RNG states it started with (None for a plain batch)."""
+    if _is_record(record):
         return record[RECORD_BATCH], record[RECORD_RNG]
     return record, None
+
+
+def apply_recorded_lrs(record: Any, optimizer) -> None:
+    """Each param group's lr as the user's loop set it before the step (a schedule the loop computes itself, like
+    nanoGPT's `lr = get_lr(iter_num)`): a replay sets it again. Runs recorded before lrs were stored, and plain
+    batches (check's probes set their own lr), leave the groups alone."""
+    lrs = record.get(RECORD_LR) if _is_record(record) else None
+    if lrs is None:
+        return
+    if not isinstance(lrs, list) or not all(isinstance(lr, (int, float)) and not isinstance(lr, bool) for lr in lrs):
+        raise SnapshotError(f"a stored step's learning rates are {type(lrs).__name__} {str(lrs)[:40]}, not a list of numbers: "
+                            "the snapshot was changed after recording; re-record the run or examine another step (--step)")
+    if len(lrs) != len(optimizer.param_groups):
+        raise SnapshotError(f"a stored step holds {len(lrs)} learning rates, but the optimizer has "
+                            f"{len(optimizer.param_groups)} param groups: build(config) makes other groups than the run "
+                            "had; make the same optimizer")
+    for group, lr in zip(optimizer.param_groups, lrs):
+        if isinstance(group["lr"], torch.Tensor):  # a capturable optimizer's tensor lr
+            group["lr"].fill_(lr)
+        else:
+            group["lr"] = float(lr)
 
 
 # ---- precision: an fp32 arm turns every autocast region of the user's code off --------------------------
@@ -272,6 +301,7 @@ def run(state, watch: StepWatch, record) -> None:
     outcome = watch.outcome
     batch, stored_rng = unpack(record)
     rng.restore_stored(stored_rng, state.device)
+    apply_recorded_lrs(record, state.optimizer)
     state.model.train()
     state.optimizer.zero_grad(set_to_none=True)
     # fp32 (an arm's precision, or a run that entered no autocast region) runs every autocast region disabled;

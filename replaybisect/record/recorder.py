@@ -197,7 +197,7 @@ class Recorder:
         step = self.steps_taken
         try:
             rng_at_start = loop.open_step(step, self.state, self._hooks, self._buffers)
-            record = user_step.pack(batch, self.state.device, rng_at_start)
+            record = user_step.pack(batch, self.state.device, rng_at_start, self.state.optimizer)
             data_started = self._last_step_end if self._last_step_end is not None else time.perf_counter()
             with self._noting_precision():
                 outcome, keep_going = loop.take_step(self.state, step, record, self._hooks, self._buffers, rng_at_start, data_started)

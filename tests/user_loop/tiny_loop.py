@@ -1,6 +1,7 @@
 """A user's own loop for the tests: an MLP with dropout, two micro-batches per step, a StepLR the recorder
 steps, a GradScaler under fp16, batches drawn from the global torch, Python and NumPy RNGs between steps (what a
 replay must not depend on), a step that draws from all three, and micro-batches as namedtuples (read by field name).
+With schedule="loop", no scheduler: the loop sets each step's lr itself (warmup, then decay), as nanoGPT's does.
 Run: python tiny_loop.py PRECISION STEPS [nan_at]"""
 import random
 import sys
@@ -36,7 +37,7 @@ class Net(nn.Module):
 def build(config):
     model = Net(config["nan_at"])
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=5, gamma=0.7)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=5, gamma=0.7) if config.get("schedule") != "loop" else None
     scaler = torch.amp.GradScaler("cpu") if config["precision"] == "fp16" else None
     return {"model": model, "optimizer": optimizer, "scheduler": scheduler, "scaler": scaler}
 
@@ -58,13 +59,20 @@ def train_step(model, optimizer, batch, scaler, config):
     return total
 
 
-def main(precision, steps, nan_at):
-    config = {"precision": precision, "nan_at": nan_at}
+def get_lr(step):
+    return 1e-2 * min(1.0, (step + 1) / 8) * 0.95 ** step
+
+
+def main(precision, steps, nan_at, schedule="steplr"):
+    config = {"precision": precision, "nan_at": nan_at, "schedule": schedule}
     parts = build(config)
     rec = replaybisect.Recorder(parts["model"], parts["optimizer"], scheduler=parts["scheduler"], scaler=parts["scaler"],
                                 step_fn=train_step, build=build, config=config, snapshot_every=10, layer_stats_every=5)
     with rec:
-        for _ in range(steps):
+        for step in range(steps):
+            if schedule == "loop":
+                for group in parts["optimizer"].param_groups:
+                    group["lr"] = get_lr(step)
             x = torch.randn(16, 8)  # the loop draws from the global RNGs between steps
             x[:, 2:] += random.gauss(0, 1) + float(np.random.randn())
             y = (x[:, 0] > 0).long() + 2 * (x[:, 1] > 0).long()
