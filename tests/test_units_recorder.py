@@ -187,6 +187,28 @@ def test_each_group_lr_is_stored_with_the_batch_and_set_again_from_it():
     assert [group["lr"] for group in optimizer.param_groups] == [0.5, 0.25]
 
 
+@pytest.mark.parametrize("carry", [[1.0], {1: torch.ones(1)}, "hidden"])
+def test_a_damaged_stored_carry_is_a_snapshot_error(carry):
+    from replaybisect.core import user_step
+    from replaybisect.errors import SnapshotError
+
+    record = {**user_step.pack([torch.ones(2)], torch.device("cpu")), user_step.RECORD_CARRY: carry}
+    with pytest.raises(SnapshotError, match="carry"):
+        user_step.recorded_carry(record)
+
+
+def test_the_carry_is_stored_as_a_copy_and_absent_when_the_step_takes_none():
+    from replaybisect.core import user_step
+
+    hidden = torch.ones(2)
+    record = user_step.pack([torch.ones(2)], torch.device("cpu"), carry={"hidden": hidden})
+    hidden.add_(1)  # the step goes on changing its state: the record keeps the step's start
+    assert user_step.recorded_carry(record)["hidden"].tolist() == [1.0, 1.0]
+    assert user_step.recorded_carry(user_step.pack([torch.ones(2)], torch.device("cpu"))) == {}
+    assert user_step.takes_carry(lambda model, optimizer, batch, carry: 0)
+    assert not user_step.takes_carry(lambda model, optimizer, batch: 0)
+
+
 @pytest.mark.parametrize("lrs, said", [("0.1", "not a list of numbers"), ([0.1, "x"], "not a list of numbers"),
                                        ([True, 0.1], "not a list of numbers"), ([0.1], "1 learning rates")])
 def test_damaged_stored_lrs_are_a_snapshot_error(lrs, said):

@@ -38,20 +38,20 @@ def _record(workspace, folder: Path, script: str, *args: str, expect_failure: bo
     return run_id, done
 
 
-def _record_in_process(workspace, folder: Path, monkeypatch, capsys, *args) -> tuple[str, str]:
-    """tiny_loop.main(ARGS) in this process (the script's own code, without the interpreter's start-up): the run id
+def _record_in_process(workspace, folder: Path, monkeypatch, capsys, *args, script: str = "tiny_loop") -> tuple[str, str]:
+    """script.main(ARGS) in this process (the script's own code, without the interpreter's start-up): the run id
     and what it printed. The runs recorded from `python tiny_loop.py` (a `__main__` module) are the nan and check
     tests' own."""
     import importlib
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", workspace.tracking_uri)
     monkeypatch.setenv("REPLAYBISECT_CACHE", str(workspace.path / ".cache"))
-    monkeypatch.delitem(sys.modules, "tiny_loop", raising=False)  # this folder's copy, not one imported before
+    monkeypatch.delitem(sys.modules, script, raising=False)  # this folder's copy, not one imported before
     monkeypatch.syspath_prepend(str(folder))
-    tiny_loop = importlib.import_module("tiny_loop")
-    assert Path(tiny_loop.__file__).parent == folder
+    module = importlib.import_module(script)
+    assert Path(module.__file__).parent == folder
     capsys.readouterr()
-    tiny_loop.main(*args)
+    module.main(*args)
     printed = capsys.readouterr().out
     return re.search(r"^run ([0-9a-f]{32})$", printed, re.MULTILINE).group(1), printed
 
@@ -88,6 +88,30 @@ def test_an_lr_the_loop_sets_between_steps_is_replayed(shared, monkeypatch, caps
     for step in (10, 20):  # the lr changes every step: the snapshot's lr alone would not reproduce the next one
         replayed = replay(restore(store, run_id, step), 30, logged=logged)
         assert replayed.reproduced == "exact", replayed.mismatches[:3]
+
+
+def test_state_carried_between_steps_is_replayed_and_recomputed_by_each_arm(shared, monkeypatch, capsys):
+    """An RNN's hidden state, carried from step to step in `carry`: replays from every snapshot are exact (each
+    starts from the hidden state its first step recorded), and an ablation arm computes its own hidden states
+    instead of replaying the recorded ones, so lr x0.1 fixes the overflow that plain PyTorch at that lr avoids
+    (fed the recorded, exploding states, the arm would overflow too)."""
+    from replaybisect.core.trust import Trust
+    from replaybisect.restore import logged_losses, replay, restore
+    from replaybisect.verbs.ablate.engine import ablate
+
+    folder = _project(shared, HERE / "user_loop")
+    healthy, _ = _record_in_process(shared, folder, monkeypatch, capsys, 0.5, 20, script="rnn_loop")
+    store = shared.store()
+    logged = logged_losses(store, healthy)
+    for step in (5, 10, 15):
+        replayed = replay(restore(store, healthy, step), 20, logged=logged)
+        assert replayed.reproduced == "exact", replayed.mismatches[:3]
+
+    diverged, printed = _record_in_process(shared, folder, monkeypatch, capsys, 1.0, 40, script="rnn_loop")
+    assert "stopped replaybisect.NonFiniteStep: loss is nan" in printed, printed
+    ablation = ablate(store, diverged, "lr", horizon=30, trust=Trust.from_user([folder])).to_json()
+    (arm,) = [arm for arm in ablation["arms"] if arm["name"] == "lr"]
+    assert arm["verdict"] == "fixes", ablation["arms"]
 
 
 def test_own_loop_planted_nan_is_found_by_replay_nan(shared):

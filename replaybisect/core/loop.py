@@ -203,6 +203,9 @@ class TrainState:
     user_loop: bool = False  # the step is the user's own (a run recorded by replaybisect.Recorder): see core/user_step.py
     user_config: Any = None  # loop: user: the user's config, handed to their build and step functions
     accumulate: int = 1  # micro-batches per optimizer step (built-in step)
+    # loop: user: what the user's step carries to the next one (an RNN's hidden state), when it takes `carry`;
+    # None until a replay's first step takes it from that step's record (core/user_step.py)
+    carry: Optional[dict] = None
 
     @property
     def params(self) -> list[torch.nn.Parameter]:
@@ -281,7 +284,8 @@ def clone_state(state: TrainState, cfg=None) -> TrainState:
         torch.set_num_threads(threads)
         clone = replace(state, cfg=target, model=parts["model"], optimizer=parts["optimizer"], scheduler=parts["scheduler"],
                         scaler=parts["scaler"], step_fn=parts["step_fn"], precision=target.train.precision,
-                        clip_grad_norm=target.train.clip_grad_norm, user_config=parts["user_config"])
+                        clip_grad_norm=target.train.clip_grad_norm, user_config=parts["user_config"],
+                        carry=user_step.copied(state.carry, "carry"))
         copy_into(clone, state)
         return clone
     with isolated_rng():  # building draws from (and seeds) the RNG streams

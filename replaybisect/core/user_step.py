@@ -31,8 +31,9 @@ from replaybisect.core import rng
 from replaybisect.core.step_watch import StepHalted, StepWatch
 from replaybisect.errors import ConfigError, SnapshotError
 
-STEP_ARGUMENTS = ("model", "optimizer", "scheduler", "scaler", "batch", "config", "cfg", "step")
-RECORD_BATCH, RECORD_RNG, RECORD_LR = "batch", "rng", "lr"
+STEP_ARGUMENTS = ("model", "optimizer", "scheduler", "scaler", "batch", "config", "cfg", "step", "carry")
+RECORD_BATCH, RECORD_RNG, RECORD_LR, RECORD_CARRY = "batch", "rng", "lr", "carry"
+RECORD_KEYS = {RECORD_BATCH, RECORD_RNG, RECORD_LR, RECORD_CARRY}
 NO_LOSS = type("NoLoss", (), {"__repr__": lambda self: "NO_LOSS"})()  # a step whose every batch was skipped: no loss, no failure
 # A Lightning step's stored batch: its micro-batches, and where each sat in Lightning's loop (replaybisect.lightning)
 LIGHTNING_BATCHES, LIGHTNING_POSITIONS = "batches", "lightning"
@@ -60,9 +61,17 @@ def step_arguments(step_fn: Callable) -> list[str]:
 
 
 def call_step(state, batch, step: int):
+    if state.carry is None:  # a step run outside a replay of records (check's probes): it starts with nothing carried
+        state.carry = {}
     values = {"model": state.model, "optimizer": state.optimizer, "scheduler": state.scheduler, "scaler": state.scaler,
-              "batch": batch, "config": state.user_config, "cfg": state.user_config, "step": step}
+              "batch": batch, "config": state.user_config, "cfg": state.user_config, "step": step, "carry": state.carry}
     return state.step_fn(**{name: values[name] for name in step_arguments(state.step_fn)})
+
+
+def takes_carry(step_fn: Callable) -> bool:
+    """A step that takes `carry` keeps state for the next step in it (an RNN's hidden state): stored with each
+    step's batch, taken from the record by a replay's first step, then carried by the replay itself."""
+    return "carry" in step_arguments(step_fn)
 
 
 def steps_scheduler_itself(step_fn: Callable) -> bool:
@@ -136,17 +145,22 @@ def model_device(model: torch.nn.Module) -> torch.device:
 
 
 # ---- the stored batch: the user's batch and the RNG state its step started with ----------------------------
-def pack(batch: Any, device: torch.device, raw: Optional[dict[str, Any]] = None, optimizer=None) -> dict[str, Any]:
+def pack(batch: Any, device: torch.device, raw: Optional[dict[str, Any]] = None, optimizer=None,
+         carry: Optional[dict] = None) -> dict[str, Any]:
     """The batch as the recorder stores it (copied: a loop may reuse its buffers) with the RNG states its step
     starts with (core.rng.to_tensors). `raw`: those states as `core.rng.capture_raw` took them at this moment,
-    when the caller has them. With `optimizer`, also each param group's lr as the loop set it for this step."""
-    record = {RECORD_BATCH: _copied(batch), RECORD_RNG: rng.to_tensors(raw if raw is not None else rng.capture_raw())}
+    when the caller has them. With `optimizer`, also each param group's lr as the loop set it for this step;
+    with `carry`, what the previous step carried to this one (copied)."""
+    record = {RECORD_BATCH: copied(batch), RECORD_RNG: rng.to_tensors(raw if raw is not None else rng.capture_raw())}
     if optimizer is not None:
         record[RECORD_LR] = [float(group["lr"]) for group in optimizer.param_groups]
+    if carry is not None:
+        record[RECORD_CARRY] = copied(carry, "carry")
     return record
 
 
-def _copied(value: Any) -> Any:
+def copied(value: Any, what: str = "batch") -> Any:
+    """A detached copy of a batch or carry (`what`): tensors cloned, in the same containers."""
     from replaybisect.core.snapshot import is_namedtuple, like, storable_namedtuple
 
     if isinstance(value, torch.Tensor):
@@ -154,9 +168,9 @@ def _copied(value: Any) -> Any:
     if isinstance(value, dict):
         if type(value) not in (dict, collections.OrderedDict, collections.defaultdict):
             _warn_plain(type(value), "dict", 'batch["key"]')
-        return {key: _copied(item) for key, item in value.items()}
+        return {key: copied(item, what) for key, item in value.items()}
     if isinstance(value, (list, tuple)):
-        items = [_copied(item) for item in value]
+        items = [copied(item, what) for item in value]
         if type(value) in (list, tuple) or (is_namedtuple(value) and storable_namedtuple(value)):
             return like(value, items)
         _warn_plain(type(value), "tuple", "batch[0]")
@@ -164,7 +178,7 @@ def _copied(value: Any) -> Any:
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
     # said at the first step, not when the first snapshot is written
-    raise ConfigError(f"your batch holds a {type(value).__name__}, which a snapshot cannot store (tensors, numbers, strings, "
+    raise ConfigError(f"your {what} holds a {type(value).__name__}, which a snapshot cannot store (tensors, numbers, strings, "
                       f"and lists, tuples, namedtuples and dicts of them): pass e.g. a dict or tuple of its fields "
                       f"(dataclasses.asdict for a dataclass, .item() or a tensor for a NumPy value)")
 
@@ -189,7 +203,16 @@ _WARNED: set[type] = set()
 
 
 def _is_record(record: Any) -> bool:
-    return isinstance(record, dict) and set(record) in ({RECORD_BATCH, RECORD_RNG}, {RECORD_BATCH, RECORD_RNG, RECORD_LR})
+    return isinstance(record, dict) and {RECORD_BATCH, RECORD_RNG} <= set(record) <= RECORD_KEYS
+
+
+def recorded_carry(record: Any) -> dict:
+    """What the recorded step started with in `carry` ({} for a step that takes none, or a plain batch)."""
+    carry = record.get(RECORD_CARRY, {}) if _is_record(record) else {}
+    if not isinstance(carry, dict) or not all(isinstance(key, str) for key in carry):
+        raise SnapshotError(f"a stored step's carry is a {type(carry).__name__}, not a dict of named values: the snapshot "
+                            "was changed after recording; re-record the run or examine another step (--step)")
+    return carry
 
 
 def unpack(record: Any) -> tuple[Any, Optional[dict]]:
@@ -302,6 +325,8 @@ def run(state, watch: StepWatch, record) -> None:
     batch, stored_rng = unpack(record)
     rng.restore_stored(stored_rng, state.device)
     apply_recorded_lrs(record, state.optimizer)
+    if state.carry is None:  # a replay's first step: what the recorded step started with; later steps carry their own
+        state.carry = recorded_carry(record)
     state.model.train()
     state.optimizer.zero_grad(set_to_none=True)
     # fp32 (an arm's precision, or a run that entered no autocast region) runs every autocast region disabled;

@@ -126,8 +126,10 @@ class Recorder:
 
     step_fn(model, optimizer, batch, ...): one optimizer step: forward, backward, clipping, optimizer.step(),
         micro-batch accumulation, all yours; it returns the loss. It gets the arguments it names from model,
-        optimizer, scheduler, scaler, batch, config (or cfg), step. If it takes no `scheduler`, the recorder steps
-        the scheduler after each update. Keep randomness inside it on torch's generators (dropout is).
+        optimizer, scheduler, scaler, batch, config (or cfg), step, carry. If it takes no `scheduler`, the recorder
+        steps the scheduler after each update. Keep randomness inside it on torch's generators (dropout is). `carry`
+        is a dict the step keeps state in for the next step (an RNN's hidden state: `carry["hidden"] = h.detach()`):
+        stored with every batch, and recomputed by a replay rather than read back from the recording.
     build(config) -> (model, optimizer[, scheduler[, scaler]]) or a dict: how a replay makes the objects.
     config: your config (a Hydra DictConfig, dict, dataclass, Namespace), stored with the run and given back to
         build and step_fn on replay.
@@ -171,7 +173,7 @@ class Recorder:
         self.state = TrainState(cfg=self.cfg, model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler,
                                 loss_fn=None, step_fn=step_fn, device=user_step.model_device(model),
                                 precision=precision, clip_grad_norm=None, user_loop=True,
-                                user_config=OmegaConf.create(config_plain))
+                                user_config=OmegaConf.create(config_plain), carry={})
         self._buffers = BufferGuard(model)
         self.steps_taken = 0
         self.last_loss: Optional[float] = None
@@ -197,7 +199,8 @@ class Recorder:
         step = self.steps_taken
         try:
             rng_at_start = loop.open_step(step, self.state, self._hooks, self._buffers)
-            record = user_step.pack(batch, self.state.device, rng_at_start, self.state.optimizer)
+            record = user_step.pack(batch, self.state.device, rng_at_start, self.state.optimizer,
+                                    self.state.carry if user_step.takes_carry(self.state.step_fn) else None)
             data_started = self._last_step_end if self._last_step_end is not None else time.perf_counter()
             with self._noting_precision():
                 outcome, keep_going = loop.take_step(self.state, step, record, self._hooks, self._buffers, rng_at_start, data_started)
