@@ -199,18 +199,24 @@ def test_a_damaged_stored_carry_is_a_snapshot_error(carry):
 
 def test_the_carry_is_stored_as_a_copy_and_absent_when_the_step_takes_none():
     from replaybisect.core import user_step
+    from replaybisect.errors import ConfigError
 
     hidden = torch.ones(2)
     record = user_step.pack([torch.ones(2)], torch.device("cpu"), carry={"hidden": hidden})
     hidden.add_(1)  # the step goes on changing its state: the record keeps the step's start
     assert user_step.recorded_carry(record)["hidden"].tolist() == [1.0, 1.0]
+    user_step.recorded_carry(record)["hidden"] = torch.zeros(2)  # a step writing its carry: the record keeps its own
+    assert user_step.recorded_carry(record)["hidden"].tolist() == [1.0, 1.0]
+    with pytest.raises(ConfigError, match="carry has the key 0"):
+        user_step.pack([torch.ones(2)], torch.device("cpu"), carry={0: hidden})
     assert user_step.recorded_carry(user_step.pack([torch.ones(2)], torch.device("cpu"))) == {}
     assert user_step.takes_carry(lambda model, optimizer, batch, carry: 0)
     assert not user_step.takes_carry(lambda model, optimizer, batch: 0)
 
 
-@pytest.mark.parametrize("lrs, said", [("0.1", "not a list of numbers"), ([0.1, "x"], "not a list of numbers"),
-                                       ([True, 0.1], "not a list of numbers"), ([0.1], "1 learning rates")])
+@pytest.mark.parametrize("lrs, said", [("0.1", "not a list of finite"), ([0.1, "x"], "not a list of finite"),
+                                       ([True, 0.1], "not a list of finite"), ([float("nan"), 0.1], "not a list of finite"),
+                                       ([-0.1, 0.1], "not a list of finite"), ([0.1], "1 learning rates")])
 def test_damaged_stored_lrs_are_a_snapshot_error(lrs, said):
     from replaybisect.core import user_step
     from replaybisect.errors import SnapshotError

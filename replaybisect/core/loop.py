@@ -584,11 +584,14 @@ def take_step(state: TrainState, step: int, batch, hooks: LoopHooks, buffers: Bu
     the buffers are saved. A non-finite step is undone and shown to `hooks.on_nonfinite`; if they say go on,
     it is taken again from the same RNG state. Returns the outcome and whether to go on."""
     device_batch = to_device(batch, state.device)
+    carry_at_start = user_step.copied(state.carry, "carry") if state.user_loop else None
     step_started = time.perf_counter()
     outcome = run_step(state, step, device_batch, observer=hooks.observer(step))
     keep_going = True
     if outcome.nonfinite:
         buffers.restore()  # undo the forward's in-place buffer updates: hooks see the state before the step
+        if state.user_loop:
+            state.carry = carry_at_start  # and what the halted step wrote into carry
         keep_going = hooks.on_nonfinite(outcome, batch)
         if keep_going:
             restore_raw(rng_at_start)

@@ -61,7 +61,7 @@ def step_arguments(step_fn: Callable) -> list[str]:
 
 
 def call_step(state, batch, step: int):
-    if state.carry is None:  # a step run outside a replay of records (check's probes): it starts with nothing carried
+    if state.carry is None:  # a step given a plain batch, not a record (check's probes): it starts with an empty carry
         state.carry = {}
     values = {"model": state.model, "optimizer": state.optimizer, "scheduler": state.scheduler, "scaler": state.scaler,
               "batch": batch, "config": state.user_config, "cfg": state.user_config, "step": step, "carry": state.carry}
@@ -155,6 +155,9 @@ def pack(batch: Any, device: torch.device, raw: Optional[dict[str, Any]] = None,
     if optimizer is not None:
         record[RECORD_LR] = [float(group["lr"]) for group in optimizer.param_groups]
     if carry is not None:
+        if not all(isinstance(key, str) for key in carry):
+            raise ConfigError(f"carry has the key {next(k for k in carry if not isinstance(k, str))!r}; name what your step "
+                              "carries with strings (carry[\"hidden\"])")
         record[RECORD_CARRY] = copied(carry, "carry")
     return record
 
@@ -212,7 +215,7 @@ def recorded_carry(record: Any) -> dict:
     if not isinstance(carry, dict) or not all(isinstance(key, str) for key in carry):
         raise SnapshotError(f"a stored step's carry is a {type(carry).__name__}, not a dict of named values: the snapshot "
                             "was changed after recording; re-record the run or examine another step (--step)")
-    return carry
+    return copied(carry, "carry")  # the step writes into it: a record replayed again (probes) keeps its own
 
 
 def unpack(record: Any) -> tuple[Any, Optional[dict]]:
@@ -229,8 +232,10 @@ def apply_recorded_lrs(record: Any, optimizer) -> None:
     lrs = record.get(RECORD_LR) if _is_record(record) else None
     if lrs is None:
         return
-    if not isinstance(lrs, list) or not all(isinstance(lr, (int, float)) and not isinstance(lr, bool) for lr in lrs):
-        raise SnapshotError(f"a stored step's learning rates are {type(lrs).__name__} {str(lrs)[:40]}, not a list of numbers: "
+    if not isinstance(lrs, list) or not all(isinstance(lr, (int, float)) and not isinstance(lr, bool)
+                                            and math.isfinite(lr) and lr >= 0 for lr in lrs):
+        shown = lrs[:4] if isinstance(lrs, list) else type(lrs).__name__
+        raise SnapshotError(f"a stored step's learning rates ({str(shown)[:60]}) are not a list of finite numbers >= 0: "
                             "the snapshot was changed after recording; re-record the run or examine another step (--step)")
     if len(lrs) != len(optimizer.param_groups):
         raise SnapshotError(f"a stored step holds {len(lrs)} learning rates, but the optimizer has "
@@ -325,6 +330,7 @@ def run(state, watch: StepWatch, record) -> None:
     batch, stored_rng = unpack(record)
     rng.restore_stored(stored_rng, state.device)
     apply_recorded_lrs(record, state.optimizer)
+    outcome.lr = float(state.optimizer.param_groups[0]["lr"])  # the lr this step runs with (set again just above)
     if state.carry is None:  # a replay's first step: what the recorded step started with; later steps carry their own
         state.carry = recorded_carry(record)
     state.model.train()

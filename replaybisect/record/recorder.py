@@ -129,7 +129,8 @@ class Recorder:
         optimizer, scheduler, scaler, batch, config (or cfg), step, carry. If it takes no `scheduler`, the recorder
         steps the scheduler after each update. Keep randomness inside it on torch's generators (dropout is). `carry`
         is a dict the step keeps state in for the next step (an RNN's hidden state: `carry["hidden"] = h.detach()`):
-        stored with every batch, and recomputed by a replay rather than read back from the recording.
+        stored with every batch; a replay's first step starts from the stored one, and later steps from what the
+        replay itself computed, not from the recording.
     build(config) -> (model, optimizer[, scheduler[, scaler]]) or a dict: how a replay makes the objects.
     config: your config (a Hydra DictConfig, dict, dataclass, Namespace), stored with the run and given back to
         build and step_fn on replay.

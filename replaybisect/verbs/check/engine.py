@@ -358,9 +358,10 @@ def _user_step_passes(state: loop.TrainState, batches: list, probe: ForwardProbe
     """The forward statistics of a run from the user's own loop: their step from the same state for every batch
     (weights, optimizer, scheduler, scaler put back in `state`'s objects, which carry the module hooks), so no batch
     sees another's update."""
-    saved = loop.copy_state(state)
+    saved, carry = loop.copy_state(state), state.carry
     for batch in batches:
         loop.load_state(state, saved)
+        state.carry = None  # each batch's step starts with an empty carry, not the one the last batch left
         try:
             outcome = loop.run_step(state, 0, loop.to_device(batch, state.device), halt_on_nonfinite=False)
             probe.losses.append(outcome.loss)
@@ -370,6 +371,7 @@ def _user_step_passes(state: loop.TrainState, batches: list, probe: ForwardProbe
         probe.samples += batch_size_of(batch)
         first_pass[0] = False
     loop.load_state(state, saved)
+    state.carry = carry
 
 
 @dataclass
