@@ -92,12 +92,14 @@ def test_an_lr_the_loop_sets_between_steps_is_replayed(shared, monkeypatch, caps
 
 def test_state_carried_between_steps_is_replayed_and_recomputed_by_each_arm(shared, monkeypatch, capsys):
     """An RNN's hidden state, carried from step to step in `carry`: replays from every snapshot are exact (each
-    starts from the hidden state its first step recorded), and an ablation arm computes its own hidden states
+    starts from the hidden state its first step recorded), `replay nan` calls the overflow a divergence that began in
+    `recur`, and an ablation arm computes its own hidden states
     instead of replaying the recorded ones, so lr x0.1 fixes the overflow that plain PyTorch at that lr avoids
     (fed the recorded, exploding states, the arm would overflow too)."""
     from replaybisect.core.trust import Trust
     from replaybisect.restore import logged_losses, replay, restore
     from replaybisect.verbs.ablate.engine import ablate
+    from replaybisect.verbs.nan.engine import find_nan
 
     folder = _project(shared, HERE / "user_loop")
     healthy, _ = _record_in_process(shared, folder, monkeypatch, capsys, 0.5, 20, script="rnn_loop")
@@ -109,6 +111,8 @@ def test_state_carried_between_steps_is_replayed_and_recomputed_by_each_arm(shar
 
     diverged, printed = _record_in_process(shared, folder, monkeypatch, capsys, 1.0, 40, script="rnn_loop")
     assert "stopped replaybisect.NonFiniteStep: loss is nan" in printed, printed
+    report = find_nan(store, diverged, trust=Trust.from_user([folder])).to_json()
+    assert (report["reproduced"], report["category"], report["module"]) == ("exact", "divergence", "recur"), report["headline"]
     ablation = ablate(store, diverged, "lr", horizon=30, trust=Trust.from_user([folder])).to_json()
     (arm,) = [arm for arm in ablation["arms"] if arm["name"] == "lr"]
     assert arm["verdict"] == "fixes", ablation["arms"]
