@@ -36,7 +36,7 @@ if TYPE_CHECKING:
 __version__ = "0.1.0"
 
 __all__ = [
-    "train", "find_nan", "ablate", "bisect", "check", "diagnose", "Recorder", "NonFiniteStep",
+    "train", "find_nan", "ablate", "bisect", "check", "diagnose", "Recorder", "NonFiniteStep", "replaying",
     "TrainResult", "NanReport", "AblationResult", "BisectResult", "CheckReport", "Diagnosis",
     "ReplayError",
 ]
@@ -60,6 +60,14 @@ def __getattr__(name: str):
 
         return getattr(importlib.import_module(_RESULT_TYPES[name]), name)
     raise AttributeError(f"module 'replaybisect' has no attribute {name!r}")
+
+
+def replaying() -> bool:
+    """True while a replay runs your script again (a run recorded without `build`): skip writes into your
+    folders (checkpoints, logs), which the replay refuses, with `if not replaybisect.replaying():`."""
+    from replaybisect.core.reentry import replaying as replaying_now
+
+    return replaying_now()
 
 
 def _store(tracking_uri: Optional[str]):

@@ -432,4 +432,8 @@ def code_changes(tags: dict[str, str], cfg) -> list[str]:
 
     targets = [OmegaConf.select(cfg, key) for key in ("train.step_fn._target_", "train.build._target_", "user.module._target_")]
     modules = [target.rsplit(".", 1)[0] for target in targets if isinstance(target, str) and "." in target]
-    return changed_sources(tags.get(SOURCE_TAG), modules)
+    script = OmegaConf.select(cfg, "train.script")
+    files = {}
+    if script is not None:  # a script run: its file, recorded under the name it ran as
+        files[script.module or Path(script.path).stem] = Path(script.path)
+    return changed_sources(tags.get(SOURCE_TAG), modules, files)

@@ -54,6 +54,9 @@ class TrainConfig:
     """builtin: replaybisect's step. user: a run recorded from your own loop by replaybisect.Recorder."""
     build: Any = None
     """loop: user only: build(config) -> model, optimizer[, scheduler[, scaler]] (a dict or a tuple)."""
+    script: Any = None
+    """loop: user, recorded from a script whose step is a closure (no build): {path, module, args, cwd}, how a
+    replay runs the script again to take its objects over (core/reentry.py)."""
 
 
 @dataclass
@@ -304,7 +307,9 @@ def validate(cfg) -> None:
     problems = []
     if cfg.train.loop not in LOOPS:
         problems.append(f"train.loop={cfg.train.loop!r} is not one of {', '.join(LOOPS)}")
-    required = ("train.build", "train.step_fn") if cfg.train.loop == "user" else ("model", "data", "optim")
+    required = ("model", "data", "optim")
+    if cfg.train.loop == "user":  # a script run's step is a closure in the script: nothing to name
+        required = ("train.script",) if cfg.train.get("script") is not None else ("train.build", "train.step_fn")
     for key in required:
         if OmegaConf.select(cfg, key) is None:
             problems.append(f"`{key}` is not set (give it a _target_)")

@@ -20,7 +20,7 @@ import sys
 import time
 import traceback
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Optional, Protocol
+from typing import Any, Callable, Iterator, Optional, Protocol
 
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler, default_collate
@@ -31,7 +31,7 @@ from replaybisect.core.device import resolve_device
 from replaybisect.core.config import Precision, build_optimizer, check_closure_optimizer, instantiate, needs_closure
 from replaybisect.core.observer import StepObserver
 from replaybisect.core.step_watch import StepHalted, StepOutcome, StepWatch, fault_handler  # noqa: F401 (loop.StepOutcome)
-from replaybisect.errors import ConfigError
+from replaybisect.errors import ConfigError, ReplayError
 from replaybisect.core.rng import (capture_raw, epoch_permutation_seed, isolated_rng, restore_raw, sample_seed, seed_everything,
                                    seed_sample_streams)
 
@@ -206,6 +206,9 @@ class TrainState:
     # loop: user: what the user's step carries to the next one (an RNN's hidden state), when it takes `carry`;
     # None until a replay's first step takes it from that step's record (core/user_step.py)
     carry: Optional[dict] = None
+    # loop: user, recorded from a script: the script's own objects, handed over when a replay re-entered it
+    # (core/reentry.py); nothing can rebuild them, so a copy is saved and put back in place (state_copy)
+    live: bool = False
 
     @property
     def params(self) -> list[torch.nn.Parameter]:
@@ -264,7 +267,38 @@ def _build_user_state(cfg) -> TrainState:
         clip_grad_norm=cfg.train.clip_grad_norm,
         user_loop=True,
         user_config=parts["user_config"],
+        live=cfg.train.get("script") is not None,
     )
+
+
+@contextlib.contextmanager
+def state_copy(state: TrainState, cfg=None) -> Iterator[TrainState]:
+    """A copy of the state to change freely (clone_state), gone when the block ends. A live state (a re-entered
+    script's own objects, which its step function closes over) cannot be copied into other objects: the copy is
+    the same objects, and their values (weights, optimizer, scheduler, scaler, carry) are put back afterwards."""
+    if not state.live:
+        yield clone_state(state, cfg)
+        return
+    with kept_in_place(state):
+        target = cfg if cfg is not None else state.cfg
+        yield replace(state, cfg=target, precision=target.train.precision, clip_grad_norm=target.train.clip_grad_norm,
+                      carry=user_step.copied(state.carry, "carry") if state.carry is not None else None)
+
+
+@contextlib.contextmanager
+def kept_in_place(state: TrainState) -> Iterator[None]:
+    """Whatever the block does to the state's objects is undone when it ends: their values are saved and loaded
+    back, gradients cleared, the train/eval mode and the carry restored."""
+    saved = copy_state(state)
+    carry = user_step.copied(state.carry, "carry") if state.carry is not None else None
+    training = state.model.training
+    try:
+        yield
+    finally:
+        load_state(state, saved)
+        state.optimizer.zero_grad(set_to_none=True)
+        state.model.train(training)
+        state.carry = carry
 
 
 def clone_state(state: TrainState, cfg=None) -> TrainState:
@@ -278,6 +312,9 @@ def clone_state(state: TrainState, cfg=None) -> TrainState:
     then warns that `optimizer.step()` was overridden."""
     target = cfg if cfg is not None else state.cfg
     threads = torch.get_num_threads()
+    if state.live:
+        raise ReplayError("a replay of a script holds the script's own objects, which cannot be copied into new ones; "
+                          "this copy needs loop.state_copy")
     if state.user_loop:
         with isolated_rng():
             parts = user_step.build_parts(target)  # fresh objects from the user's build, holding the state's values

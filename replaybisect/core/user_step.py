@@ -90,8 +90,14 @@ def user_config(cfg):
 
 def build_parts(cfg) -> dict[str, Any]:
     """model, optimizer, scheduler, scaler from the user's build(config), and the step function."""
+    from replaybisect.core import reentry
     from replaybisect.core.config import instantiate
 
+    if cfg.train.get("script") is not None:  # recorded from a script: the objects its re-entered run handed over
+        parts = reentry.live_parts()
+        parts["user_config"] = user_config(cfg)
+        step_arguments(parts["step_fn"])
+        return parts
     build = instantiate(cfg.train.build, "train.build")
     config = user_config(cfg)
     parts = unpack_parts(build(config), "train.build")

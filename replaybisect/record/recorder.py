@@ -19,6 +19,20 @@ The run is an ordinary replaybisect run in MLflow (metrics every step, snapshots
 config says `train.loop: user`, `train.build` and `train.step_fn` name your functions, and `user:` holds
 your config. A replay imports your module (it must not train on import: keep the loop under
 `if __name__ == "__main__":`), builds with `build(config)`, loads the snapshot and calls `train_step`.
+
+A script as it is written needs neither: leave out `build` and pass the step where it is written, a nested
+function closing over the script's own objects::
+
+    model, optimizer = ...                            # the script's own code, unchanged
+    def step(batch):
+        ...forward, backward, optimizer.step()...
+        return loss
+    rec = replaybisect.Recorder(model, optimizer, step_fn=step, config=vars(args))
+    for batch in batches:
+        rec.step(batch)
+
+The stored config then holds `train.script` (the script, its arguments, the working folder): a replay runs the
+script again, and this Recorder hands the script's objects over at the first `rec.step` (core/reentry.py).
 """
 
 from __future__ import annotations
@@ -32,6 +46,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from replaybisect.core import reentry
 from replaybisect.core.config import PRECISIONS, OnNonfinite, Precision
 from replaybisect.errors import ConfigError, NonFiniteStep
 
@@ -42,7 +57,8 @@ def function_target(function: Callable, what: str) -> tuple[str, Path]:
     qualname = getattr(function, "__qualname__", "")
     if not callable(function) or not getattr(function, "__module__", None) or "<" in qualname or "." in qualname:
         raise ConfigError(f"{what}={function!r} is not a module-level function; define it at the top level of a module "
-                          "so a replay can import it")
+                          "so a replay can import it, or leave out build= to record the script as written (a replay runs "
+                          "it again)")
     module_name, source = module_and_file(function, what)
     if function.__module__ == "__main__":
         _check_import_is_quiet(source)
@@ -98,9 +114,11 @@ def plain_config(config: Any) -> dict:
         raise ConfigError(f"config cannot be stored as YAML ({str(error).splitlines()[0]}); keep it to numbers, strings, lists and dicts") from None
 
 
-def replay_config(*, step_target: str, build_target: str, config: dict, seed: int, precision: str,
-                  snapshot_every: int, layer_stats_every: int, on_nonfinite: str, steps: Optional[int]):
-    """The run's config in replaybisect's schema: what `replay` reads back."""
+def replay_config(*, step_target: Optional[str], build_target: Optional[str], config: dict, seed: int, precision: str,
+                  snapshot_every: int, layer_stats_every: int, on_nonfinite: str, steps: Optional[int],
+                  script: Optional[dict] = None):
+    """The run's config in replaybisect's schema: what `replay` reads back. A script run (`script`: how it was
+    started) names no functions: its step is a closure, replayed by running the script again."""
     from omegaconf import OmegaConf
 
     from replaybisect.core.config import ReplayConfig, validate
@@ -109,14 +127,18 @@ def replay_config(*, step_target: str, build_target: str, config: dict, seed: in
         "seed": seed,
         "loss": None,
         "user": config,
-        "train": {"loop": "user", "step_fn": {"_target_": step_target, "_partial_": True},
-                  "build": {"_target_": build_target, "_partial_": True}, "precision": precision,
+        "train": {"loop": "user", "step_fn": _partial(step_target), "build": _partial(build_target), "script": script,
+                  "precision": precision,
                   "steps": steps or 1, "val_every": 0, "device": "auto"},
         "snapshot": {"every": snapshot_every, "layer_stats_every": layer_stats_every, "on_nonfinite": on_nonfinite,
                      "keep_batches": True},
     })
     validate(cfg)
     return cfg
+
+
+def _partial(target: Optional[str]) -> Optional[dict]:
+    return {"_target_": target, "_partial_": True} if target is not None else None
 
 
 # ---- the recorder ---------------------------------------------------------------------------------------------
@@ -131,14 +153,16 @@ class Recorder:
         is a dict the step keeps state in for the next step (an RNN's hidden state: `carry["hidden"] = h.detach()`):
         stored with every batch; a replay's first step starts from the stored one, and later steps from what the
         replay itself computed, not from the recording.
-    build(config) -> (model, optimizer[, scheduler[, scaler]]) or a dict: how a replay makes the objects.
+    build(config) -> (model, optimizer[, scheduler[, scaler]]) or a dict: how a replay makes the objects. Left out,
+        the run is a script's: step_fn may be a closure over the script's objects, and a replay runs the script
+        again (its command line, in its working folder), taking the objects over at the first `step`.
     config: your config (a Hydra DictConfig, dict, dataclass, Namespace), stored with the run and given back to
         build and step_fn on replay.
     precision: noted from the autocast regions your first step enters, unless given (fp32 | bf16 | fp16).
     on_nonfinite: "stop" (default: `step` raises NonFiniteStep, the run ends FAILED) or "continue".
     """
 
-    def __init__(self, model, optimizer, *, step_fn: Callable, build: Callable, config: Any = None, scheduler=None,
+    def __init__(self, model, optimizer, *, step_fn: Callable, build: Optional[Callable] = None, config: Any = None, scheduler=None,
                  scaler=None, seed: Optional[int] = None, precision: Optional[Precision] = None,
                  tracking_uri: Optional[str] = None, experiment: Optional[str] = None, run_name: Optional[str] = None,
                  snapshot_every: int = 100, layer_stats_every: int = 50, on_nonfinite: OnNonfinite = "stop",
@@ -159,14 +183,16 @@ class Recorder:
         arguments.count(layer_stats_every, "layer_stats_every")
         arguments.count(steps, "steps", minimum=1, optional=True)
         arguments.text(on_nonfinite, "on_nonfinite")
-        user_step.unpack_parts({"model": model, "optimizer": optimizer, "scheduler": scheduler, "scaler": scaler}, "Recorder")
+        parts = user_step.unpack_parts({"model": model, "optimizer": optimizer, "scheduler": scheduler, "scaler": scaler}, "Recorder")
         user_step.step_arguments(step_fn)
-        step_target, step_folder = function_target(step_fn, "step_fn")
-        build_target, _ = function_target(build, "build")
+        self._handover = {**parts, "step_fn": step_fn} if reentry.replaying() else None
+        if self._handover is not None:  # a replay re-entered this script: the objects go to it at the first step
+            return
+        step_target, build_target, script, code_folder, name = _how_replayed(step_fn, build)
         if precision is not None and precision not in PRECISIONS:
             raise ConfigError(f"precision={precision!r} is not one of {', '.join(PRECISIONS)}")
         config_plain = plain_config(config)
-        self._settings = dict(step_target=step_target, build_target=build_target, config=config_plain,
+        self._settings = dict(step_target=step_target, build_target=build_target, script=script, config=config_plain,
                               seed=torch.initial_seed() if seed is None else seed, snapshot_every=snapshot_every,
                               layer_stats_every=layer_stats_every, on_nonfinite=on_nonfinite, steps=steps)
         self.cfg = replay_config(precision=precision or "fp32", **self._settings)  # validates before any run exists
@@ -181,9 +207,9 @@ class Recorder:
         self.first_nonfinite_step: Optional[int] = None
         self._config_written = False
         self._last_step_end: Optional[float] = None
-        self._session = open_session(tracking_uri, experiment, step_folder,
-                                     {"replaybisect.loop": "user", **own_sources(step_fn, build)},
-                                     run_name or f"train {step_target.rsplit('.', 1)[0]} (own loop)")
+        self._session = open_session(tracking_uri, experiment, code_folder,
+                                     {"replaybisect.loop": "user", **own_sources(step_fn, *([build] if build else []))},
+                                     run_name or f"train {name} (own loop)")
         self.store, self.run_id = self._session.store, self._session.run_id
         with self._session.failure_ends_run():
             self._hooks = self._session.start_recording(self.cfg, self.state, {"seed": int(self.cfg.seed)})
@@ -195,6 +221,8 @@ class Recorder:
         """Run one step of your step function on `batch` and record it; returns the loss."""
         from replaybisect.core import loop, user_step
 
+        if self._handover is not None:
+            reentry.hand_over(self._handover)  # the replay takes over here and ends the process
         if self._session.ended:
             raise RuntimeError("this Recorder is closed; make a new one for another run")
         step = self.steps_taken
@@ -243,7 +271,7 @@ class Recorder:
     # ---- the end ---------------------------------------------------------------------------------------------
     def close(self) -> None:
         """Finish every pending write and end the run (FINISHED, or FAILED after a non-finite step)."""
-        if self._session.ended:
+        if self._handover is not None or self._session.ended:
             return
         try:
             if not self._config_written:
@@ -267,10 +295,25 @@ class Recorder:
         return self
 
     def __exit__(self, kind, error, traceback) -> None:
+        if self._handover is not None:
+            return
         if error is None or isinstance(error, NonFiniteStep):
             self.close()
         else:
             self._fail(error)
+
+
+def _how_replayed(step_fn: Callable, build: Optional[Callable]) -> tuple[Optional[str], Optional[str], Optional[dict], Path, str]:
+    """(step target, build target, script entry, code folder, name for the run): importable functions a replay
+    imports, or without `build` the script a replay runs again (its step may then be a closure)."""
+    if build is not None:
+        step_target, folder = function_target(step_fn, "step_fn")
+        build_target, _ = function_target(build, "build")
+        return step_target, build_target, None, folder, step_target.rsplit(".", 1)[0]
+    if not callable(step_fn):
+        raise ConfigError(f"step_fn={step_fn!r} is not a function; pass your step (a function of the batch)")
+    script = reentry.script_entry()
+    return None, None, script, Path(script["path"]).parent, Path(script["path"]).stem
 
 
 def open_session(tracking_uri: Optional[str], experiment: Optional[str], code_folder: Path, tags: dict[str, str],

@@ -16,6 +16,7 @@ plain step is run again at the end and must give bit-identical results (checked 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import math
 import time
@@ -24,6 +25,7 @@ from typing import Any, Callable, Optional
 
 from replaybisect.errors import ReplayError, SnapshotError
 from replaybisect import restore as restore_mod
+from replaybisect.core import reentry
 from replaybisect.store import Store
 from replaybisect.verbs.nan.divergence import LayerHistory, buffer_scaling, decide, moderate_fault, recorded_layer_series
 
@@ -110,6 +112,27 @@ class NanReport:
         ordered["grad_norm_history"] = ordered["grad_norm_history"][-HISTORY_WINDOW:]
         return ordered
 
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> "NanReport":
+        """The report as `to_json` wrote it: how a diagnosis made in a re-entered script comes back (the terminal
+        report, the plot and the child run are made from it here). Numbers JSON keeps as text are numbers again."""
+        from dataclasses import fields
+
+        values = {name: data[name] for name in (f.name for f in fields(cls)) if name in data}
+        if values.get("history") is not None:
+            values["history"] = HistoryFit(**values["history"])
+        for key in ("loss_history", "grad_norm_history"):
+            values[key] = [(int(step), _number(value)) for step, value in values.get(key, [])]
+        values["layer_history"] = {name: {int(step): _number(value) for step, value in series.items()}
+                                   for name, series in values.get("layer_history", {}).items()}
+        values["layer_grad_norms"] = {name: _number(value) for name, value in values.get("layer_grad_norms", {}).items()}
+        return cls(**values)
+
+
+def _number(value: Any) -> Any:
+    """A float JSON could not hold ("nan", "inf", "-inf" from jsonutil.to_jsonable) as the float again."""
+    return float(value) if value in ("nan", "inf", "-inf") else value
+
 
 # ---- the command ----------------------------------------------------------------------------------------
 def find_nan(
@@ -135,6 +158,11 @@ def find_nan(
     grad_norms = dict(store.metric_history(run_id, "grad_norm"))
     target = _target_step(run_id, step, recorded, tags, losses, grad_norms)
     cfg = restore_mod.run_config(store, run_id, trust)
+    if cfg.train.get("script") is not None and not reentry.replaying():  # a script's run: diagnosed inside the script
+        from replaybisect.script_replay import run_in_script
+
+        arguments = {"step": step, "device": str(device) if device is not None else None}
+        return NanReport.from_json(run_in_script("nan", store, run_id, cfg, trust, arguments, log))
     snapshot, at_target, warnings = _choose_snapshots(store, run_id, target)
     warnings.extend(restore_mod.code_changes(tags, cfg))
 
@@ -173,7 +201,7 @@ def find_nan(
                 state_match = _state_match(state, rng_at_step, at_target, examined, batch)
             dataset_rows = _dataset_indices(snapshot, examined)
             step0 = None
-            if replayed is None and snapshot.step == examined == 0:
+            if replayed is None and snapshot.step == examined == 0 and not state.live:  # (a script's objects: not rebuilt)
                 log("step 0: rebuilding the state from the config to check the reproduction")
                 step0 = _reproduce_step0(cfg, state, rng_at_step, snapshot, batch, losses.get(0), tags.get("nonfinite_what"))
                 reproduced = step0["reproduced"]
@@ -423,8 +451,7 @@ def on_copy(state, rng_at_step, function):
     from replaybisect.core import loop
     from replaybisect.core.rng import isolated_rng, restore_raw
 
-    with isolated_rng():
-        copy = loop.clone_state(state)
+    with isolated_rng(), loop.state_copy(state) as copy:
         restore_raw(rng_at_step)
         return function(copy)
 
@@ -711,7 +738,11 @@ def _classify_corrupt(report: NanReport, results: _StepResults, restored, store,
     first = results.state[0]
     report.module = display_module(first.module, restored.state.model) if first.kind != "param group" else None
     log("the state is already corrupt: tracing back to the step that corrupted it")
-    origin = find_corrupting_step(store, run_id, cfg, restored, t, report.warnings)
+    from replaybisect.core import loop
+
+    # a script's live objects are the ones the fresh restores load into: the examined state is put back after
+    with loop.kept_in_place(restored.state) if restored.state.live else contextlib.nullcontext():
+        origin = find_corrupting_step(store, run_id, cfg, restored, t, report.warnings)
     report.origin_step = origin.get("step")
     kind = report.origin = origin["kind"]
     if kind == "optimizer":

@@ -1,0 +1,103 @@
+"""A run recorded from a script as it is written: the step a closure over the script's own objects, no importable
+`build`. A replay cannot import such a script (it trains when run) nor rebuild its objects, so it re-enters it:
+the script runs again in a child process, as the run recorded it (interpreter, command line, working folder), and
+its `Recorder`, finding itself in a replay, hands the live objects over at the loop's first `rec.step` instead of
+training. The replay (verbs/reentry.py) then loads the snapshot into those objects and drives the step function
+itself on the stored batches, learning rates and carry; copies for probes are saved and put back in place.
+
+This module is what both sides share: what a recording notes about the script (`script_entry`), the hand-over
+(`hand_over`, `live_parts`), and the child's guard that keeps a replay's writes out of the user's folders.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from replaybisect.errors import ConfigError, ReplayError
+
+# set in a re-entered script's process (verbs/reentry.py) before the script runs: what to do with the live objects
+_takeover: Optional[Callable[[dict[str, Any]], None]] = None
+_live: Optional[dict[str, Any]] = None
+
+
+def script_entry() -> dict[str, Any]:
+    """How this process was started, for a replay to start it again: the script (or `-m` module), its arguments
+    and the working folder. A step function from an interactive session has no script to re-enter."""
+    main = sys.modules.get("__main__")
+    spec = getattr(main, "__spec__", None)
+    path = getattr(main, "__file__", None)
+    if not path or not Path(path).is_file():
+        raise ConfigError("this step function is not in a script (an interactive session has no file a replay can run "
+                          "again); run your training as `python train.py`, or pass build= with importable functions")
+    return {"path": str(Path(path).resolve()), "module": spec.name if spec is not None and spec.name != "__main__" else None,
+            "args": [str(arg) for arg in sys.argv[1:]], "cwd": str(Path.cwd().resolve())}
+
+
+def replaying() -> bool:
+    """True in a script a replay re-entered: its Recorder hands the objects over instead of recording."""
+    return _takeover is not None
+
+
+def set_takeover(function: Callable[[dict[str, Any]], None]) -> None:
+    global _takeover
+    _takeover = function
+
+
+def hand_over(parts: dict[str, Any]) -> None:
+    """The script's loop reached its first step: the replay takes the live objects (and never returns here)."""
+    global _live
+    _live = parts
+    assert _takeover is not None
+    _takeover(parts)
+
+
+def live_parts() -> dict[str, Any]:
+    """The objects the re-entered script handed over: what `build(config)` is for an importable run."""
+    if _live is None:
+        raise ReplayError("this run was recorded from a script (its step a closure, no importable build): only "
+                          "`replay nan` and `replay ablate` replay it, by running the script again")
+    return dict(_live)
+
+
+# ---- the child's writes stay out of the user's folders -----------------------------------------------------
+# audited events that change files, and which of their arguments name what they change (a copy's source is read)
+WRITE_EVENTS = {"os.mkdir": (0,), "os.remove": (0,), "os.rmdir": (0,), "os.truncate": (0,), "shutil.rmtree": (0,),
+                "os.chmod": (0,), "os.utime": (0,), "os.rename": (0, 1), "shutil.move": (0, 1), "os.symlink": (1,),
+                "os.link": (1,), "shutil.copyfile": (1,), "shutil.copytree": (1,)}
+
+
+def refuse_writes_under(folders: list[Path]) -> None:
+    """In a re-entered script: opening a file for writing, or creating, moving or removing one, inside `folders`
+    (the user's working and script folders) raises PermissionError naming the file; reading stays free. What the
+    script writes elsewhere (a temp folder) is its own business."""
+    roots = [str(folder.resolve()) for folder in folders]
+
+    def inside(path: Any) -> Optional[str]:
+        if not isinstance(path, (str, bytes, os.PathLike)):
+            return None
+        try:
+            full = os.path.realpath(os.fsdecode(path))
+        except (TypeError, ValueError):
+            return None
+        return full if any(full == root or full.startswith(root + os.sep) for root in roots) else None
+
+    def audit(event: str, args: tuple) -> None:
+        if event == "open":
+            path, mode = args[0], args[1]
+            writing = (isinstance(mode, str) and any(flag in mode for flag in "wax+")) or \
+                      (isinstance(args[2], int) and args[2] & (os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND))
+            targets = [path] if writing else []
+        elif event in WRITE_EVENTS:
+            targets = [args[index] for index in WRITE_EVENTS[event] if index < len(args)]
+        else:
+            return
+        for target in targets:
+            refused = inside(target)
+            if refused is not None:
+                raise PermissionError(f"replaybisect: a replay re-running this script writes nothing in your folders "
+                                      f"(refused: {refused}); skip the write when replaybisect.replaying() is True")
+
+    sys.addaudithook(audit)

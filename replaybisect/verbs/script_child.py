@@ -1,0 +1,116 @@
+"""The child side of a script's replay (replaybisect/script_replay.py starts it): `python -m
+replaybisect.verbs.script_child JOB`. It runs the user's script as `python script.py ARGS` would, with writes into
+the user's folders refused; the script's Recorder hands its objects over at the first `rec.step`
+(core/reentry.py), the verb's engine runs on them, its result goes to the job's result file, and the process ends
+there (the rest of the script, its `finally` blocks and exit handlers, never runs).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import runpy
+import sys
+import traceback
+from pathlib import Path
+from typing import Any, Callable
+
+from replaybisect.core import reentry
+from replaybisect.errors import ReplayError
+
+
+def main() -> None:
+    job = json.loads(Path(sys.argv[1]).read_text(encoding="utf-8"))
+    progress = os.fdopen(job["progress_fd"], "w", encoding="utf-8", buffering=1)
+    sys.dont_write_bytecode = True  # no __pycache__ in the user's folders either
+    reentry.refuse_writes_under([Path(folder) for folder in job["protect"]])
+    _refuse_torch_save_under(job["protect"])
+    reentry.set_takeover(lambda parts: _take_over(job, progress))
+    failure = _run_script(job["script"])
+    _finish(job, progress, {"ended": failure})
+    os._exit(3)
+
+
+def _run_script(script: dict[str, Any]) -> str:
+    """Run the script as its run did; it returns only if the script ends without reaching `rec.step`: why."""
+    sys.argv = [script["path"], *script["args"]]
+    try:
+        if script.get("module"):
+            sys.path[0] = script["cwd"]  # as `python -m` does
+            runpy.run_module(script["module"], run_name="__main__", alter_sys=True)
+        else:
+            sys.path[0] = str(Path(script["path"]).parent)  # as `python script.py` does
+            runpy.run_path(script["path"], run_name="__main__")
+    except SystemExit as stop:
+        return f"it exited (status {stop.code})"
+    except BaseException as error:
+        return f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+    return "it ended"
+
+
+def _take_over(job: dict[str, Any], progress) -> None:
+    """The script reached its first step: run the verb on its objects, write the result, end the process."""
+    log = lambda line: print(line, file=progress)  # noqa: E731
+    try:
+        result = {"ok": JOBS[job["verb"]](job, log)}
+    except ReplayError as error:
+        result = {"error": str(error), "kind": type(error).__name__}
+    except BaseException:
+        result = {"crash": traceback.format_exc()}
+    _finish(job, progress, result)
+    os._exit(0)
+
+
+def _finish(job: dict[str, Any], progress, result: dict[str, Any]) -> None:
+    """Write the result where the parent reads it (whole or not at all), and flush what the script printed."""
+    from replaybisect.core.jsonutil import to_jsonable
+
+    target = Path(job["result"])
+    partial = target.with_suffix(".partial")
+    partial.write_text(json.dumps(to_jsonable(result)), encoding="utf-8")
+    os.replace(partial, target)
+    for stream in (sys.stdout, sys.stderr, progress):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+
+
+def _refuse_torch_save_under(protected: list[str]) -> None:
+    """torch.save writes through its own C++ file writer, which Python's audit hooks do not see: refused in the
+    user's folders the same way (a checkpoint the script saves before its first step)."""
+    import torch
+
+    original = torch.save
+    roots = [os.path.realpath(folder) for folder in protected]
+
+    def save(obj, f, *args, **kwargs):
+        if isinstance(f, (str, os.PathLike)):
+            full = os.path.realpath(os.fspath(f))
+            if any(full == root or full.startswith(root + os.sep) for root in roots):
+                raise PermissionError(f"replaybisect: a replay re-running this script writes nothing in your folders "
+                                      f"(refused: {full}); skip the write when replaybisect.replaying() is True")
+        return original(obj, f, *args, **kwargs)
+
+    torch.save = save
+
+
+# ---- the verbs a script's run can be replayed by -----------------------------------------------------------
+def _nan(job: dict[str, Any], log: Callable[[str], None]) -> Any:
+    from replaybisect.core.device import resolve_device
+    from replaybisect.core.trust import Trust
+    from replaybisect.store import open_store
+    from replaybisect.verbs.nan.engine import find_nan
+
+    arguments = job["arguments"]
+    device = resolve_device(arguments["device"], "--device") if arguments.get("device") else None
+    store = open_store(job["tracking_uri"], create=False)
+    report = find_nan(store, job["run_id"], arguments.get("step"), device=device, trust=Trust.from_json(job["trust"]), log=log)
+    return report.to_json()
+
+
+JOBS: dict[str, Callable[[dict[str, Any], Callable[[str], None]], Any]] = {"nan": _nan}
+
+
+if __name__ == "__main__":
+    main()
