@@ -280,9 +280,15 @@ def state_copy(state: TrainState, cfg=None) -> Iterator[TrainState]:
         yield clone_state(state, cfg)
         return
     with kept_in_place(state):
-        target = cfg if cfg is not None else state.cfg
-        yield replace(state, cfg=target, precision=target.train.precision, clip_grad_norm=target.train.clip_grad_norm,
-                      carry=user_step.copied(state.carry, "carry") if state.carry is not None else None)
+        copy = under_settings(state, cfg if cfg is not None else state.cfg)
+        copy.carry = user_step.copied(state.carry, "carry") if state.carry is not None else None
+        yield copy
+
+
+def under_settings(state: TrainState, cfg) -> TrainState:
+    """The same objects under `cfg`'s step settings (precision, clipping): a live state's ablation arm, which has
+    the objects to itself in its own process."""
+    return replace(state, cfg=cfg, precision=cfg.train.precision, clip_grad_norm=cfg.train.clip_grad_norm)
 
 
 @contextlib.contextmanager

@@ -109,7 +109,13 @@ def _nan(job: dict[str, Any], log: Callable[[str], None]) -> Any:
     return report.to_json()
 
 
-JOBS: dict[str, Callable[[dict[str, Any], Callable[[str], None]], Any]] = {"nan": _nan}
+def _arm(job: dict[str, Any], log: Callable[[str], None]) -> Any:
+    from replaybisect.verbs.ablate.engine import ARM_STEP, run_arm
+
+    return run_arm(job["arguments"]["spec"], lambda step: log(f"{ARM_STEP}{step}"))
+
+
+JOBS: dict[str, Callable[[dict[str, Any], Callable[[str], None]], Any]] = {"nan": _nan, "arm": _arm}
 
 
 if __name__ == "__main__":

@@ -37,6 +37,7 @@ for argument in sys.argv[1:]:  # nanoGPT's configurator, in short
     globals()[key] = type(globals()[key])(value)
 config = {k: globals()[k] for k in config_keys}
 
+print(f"tokens per iteration will be: {grad_accum * batch_size * block}")
 torch.manual_seed(seed)
 os.makedirs(out_dir, exist_ok=True)
 data = torch.randint(0, vocab, (4096,))

@@ -216,7 +216,9 @@ def _replay_prefix(restored, hooks, spec: dict[str, Any], change: Change, patchi
     stopped = loop.train_loop(state, restored.batch, snapshot_step, start, hooks)
     if stopped is None and spec["arm"] != BASELINE:
         patching()  # a patch applies from the arms' start: the steps before it ran the recorded code
-        state = loop.clone_state(state, change.cfg)  # the live state in objects built from the arm's config
+        # the live state in objects built from the arm's config; a script's own objects (this arm's process has
+        # them to itself) take the arm's step settings as they are
+        state = loop.under_settings(state, change.cfg) if state.live else loop.clone_state(state, change.cfg)
     return state, stopped
 
 
@@ -756,6 +758,36 @@ def _run_arms(specs: list[dict], executor: str, workers: int, submitit_options: 
     return _run_submitit(specs, workers, submitit_options or SubmititOptions(), progress)
 
 
+ARM_STEP = "arm step "  # a script's arm reports each replayed step on its progress channel as this, then the step
+
+
+def _run_in_scripts(specs: list[dict], store, run_id: str, cfg, trust: Trust, workers: int,
+                    progress: Optional[ProgressFn]) -> dict[str, dict]:
+    """A run recorded from a script: each arm runs the script again and replays inside it (script_replay, the
+    script's own objects in a process of their own), `workers` scripts at a time."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from replaybisect.script_replay import run_in_script
+
+    def one(spec: dict) -> dict:
+        arm = spec["arm"]
+
+        def log(line: str) -> None:
+            if progress and line.startswith(ARM_STEP):
+                progress(arm, "step", int(line[len(ARM_STEP):]))
+
+        try:
+            result = run_in_script("arm", store, run_id, cfg, trust, {"spec": spec}, log)
+        except ReplayError as error:  # the script did not reach its first step, say: this arm's error
+            result = {"arm": arm, "error": f"{type(error).__name__}: {error}", "user_error": True}
+        if progress:
+            progress(arm, "done", 0)
+        return result
+
+    with ThreadPoolExecutor(max_workers=max(1, min(workers, len(specs)))) as threads:
+        return {spec["arm"]: result for spec, result in zip(specs, threads.map(one, specs))}
+
+
 def _baseline_outcome(raw: dict, plan: _ArmPlan) -> tuple[ArmOutcome, bool, Optional[str]]:
     """(the baseline's outcome, whether it failed as recorded, why the ablation is inconclusive or None).
     A baseline that crashed is an error: without it the arms mean nothing."""
@@ -826,6 +858,9 @@ def ablate(
     from replaybisect.verbs.ablate.patch import check_path
 
     plan, snapshot = _plan_arms(store, run_id, specs, from_step, horizon, trust, check_path(patch) if patch else None)
+    if plan.cfg.train.get("script") is not None and executor != "local":
+        raise ReplayError(f"run {run_id} was recorded from a script, which each arm runs again on this machine; "
+                          "leave out --executor submitit")
     runner = _Runner(store, run_id, plan, trust, executor, workers, submitit_options, progress, on_plan)
     if sweep is not None:
         from replaybisect.verbs.ablate.sweep import run_sweep
@@ -905,9 +940,13 @@ class _Runner:
         runnable = [name for name in self.plan.runnable if name in names]
         if self.on_plan:
             self.on_plan(runnable, self.plan.snapshot_step, self.plan.end)
-        every = _arm_specs(self.store, self.run_id, self.plan, self.trust)
-        raw = _run_arms([spec for spec in every if spec["arm"] in runnable], self.executor, self.workers,
-                        self.submitit_options, self.progress, self.pool) if runnable else {}
+        every = [spec for spec in _arm_specs(self.store, self.run_id, self.plan, self.trust) if spec["arm"] in runnable]
+        if not runnable:
+            raw = {}
+        elif self.plan.cfg.train.get("script") is not None:
+            raw = _run_in_scripts(every, self.store, self.run_id, self.plan.cfg, self.trust, self.workers, self.progress)
+        else:
+            raw = _run_arms(every, self.executor, self.workers, self.submitit_options, self.progress, self.pool)
         if self.baseline is None:
             self.baseline, self.baseline_failed, self.inconclusive = _baseline_outcome(raw[BASELINE], self.plan)
         return [_arm_outcome(spec, self.plan.changes[spec.name], raw.get(spec.name), self.plan, self.baseline_failed,
