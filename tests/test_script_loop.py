@@ -141,3 +141,59 @@ def test_ablate_runs_each_arm_in_the_script_and_the_lr_arm_fixes_it(recorded, mo
     assert _tree(project) == before
     with pytest.raises(ReplayError, match="recorded from a script"):
         rb.ablate(run_id, ["lr"], executor="submitit", tracking_uri=workspace.tracking_uri, publish=False)
+
+
+RNN_SCRIPT = Path(__file__).resolve().parent / "user_loop" / "rnn_script.py"
+
+
+def test_a_hand_written_update_and_an_lr_the_script_changes_replay_exactly_and_ablate(recorded, monkeypatch):
+    """word_language_model's shape: no optimizer object (p.data.add_), the hidden state carried, a module-global lr
+    the epoch loop grows (the replay takes the objects over at the first step, where lr still holds its first value:
+    the recorded value is set again before each replayed step). NaN at step 14, in the second epoch."""
+    import replaybisect as rb
+
+    workspace, _, _ = recorded
+    project = workspace.path / "rnn-project"
+    project.mkdir()
+    shutil.copy(RNN_SCRIPT, project / "train.py")
+    done = subprocess.run([sys.executable, "train.py", "--lr", "2", "--growth", "8", "--epochs", "4"], cwd=project,
+                          env=workspace.env(), capture_output=True, text=True, timeout=300)
+    assert "stopped: loss is nan at step 14" in done.stdout, done.stdout + done.stderr
+    run_id = re.search(r"recording run ([0-9a-f]{32})", done.stderr).group(1)
+    monkeypatch.chdir(project)
+    report = rb.find_nan(run_id, tracking_uri=workspace.tracking_uri, publish=False)
+    assert (report.reproduced, report.category, report.snapshot_step) == ("exact", "divergence", 12), report.headline
+    assert report.module == "rnn"
+    result = rb.ablate(run_id, ["lr"], horizon=20, workers=1, tracking_uri=workspace.tracking_uri, publish=False)
+    assert result.baseline.verdict == "fails-again" and result.verdicts() == {"lr": "fixes"}, result.conclusion
+
+
+def test_the_manual_update_stands_for_the_step_and_an_lr_factor_scales_it():
+    import torch
+
+    from replaybisect.core.user_step import ManualUpdate, unpack_parts
+
+    model = torch.nn.Linear(3, 1)
+    parts = unpack_parts({"model": model, "optimizer": None}, "Recorder")
+    update = parts["optimizer"]
+    assert isinstance(update, ManualUpdate) and update.param_groups[0]["lr"] == 1.0
+    before = [p.detach().clone() for p in model.parameters()]
+    model(torch.ones(2, 3)).sum().backward()
+    update.mark()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(p.grad, alpha=-0.5)  # the user's own update
+    after = [p.detach().clone() for p in model.parameters()]
+    update.step()  # at lr 1.0: the step's update, bit for bit
+    assert all(torch.equal(p, a) for p, a in zip(model.parameters(), after))
+    with torch.no_grad():
+        for p, b in zip(model.parameters(), before):
+            p.copy_(b)
+    update.mark()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(p.grad, alpha=-0.5)
+    update.param_groups[0]["lr"] = 0.1  # an lr arm's factor during optimizer.step()
+    update.step()
+    for p, b, a in zip(model.parameters(), before, after):
+        assert torch.allclose(p, b + 0.1 * (a - b))

@@ -32,8 +32,9 @@ from replaybisect.core.step_watch import StepHalted, StepWatch
 from replaybisect.errors import ConfigError, SnapshotError
 
 STEP_ARGUMENTS = ("model", "optimizer", "scheduler", "scaler", "batch", "config", "cfg", "step", "carry")
-RECORD_BATCH, RECORD_RNG, RECORD_LR, RECORD_CARRY = "batch", "rng", "lr", "carry"
-RECORD_KEYS = {RECORD_BATCH, RECORD_RNG, RECORD_LR, RECORD_CARRY}
+RECORD_BATCH, RECORD_RNG, RECORD_LR, RECORD_CARRY, RECORD_VARIABLES = "batch", "rng", "lr", "carry", "variables"
+RECORD_KEYS = {RECORD_BATCH, RECORD_RNG, RECORD_LR, RECORD_CARRY, RECORD_VARIABLES}
+SCALARS = (bool, int, float, str, type(None))
 NO_LOSS = type("NoLoss", (), {"__repr__": lambda self: "NO_LOSS"})()  # a step whose every batch was skipped: no loss, no failure
 # A Lightning step's stored batch: its micro-batches, and where each sat in Lightning's loop (replaybisect.lightning)
 LIGHTNING_BATCHES, LIGHTNING_POSITIONS = "batches", "lightning"
@@ -117,8 +118,11 @@ def unpack_parts(built: Any, what: str) -> dict[str, Any]:
         raise ConfigError(f"{what} returned a {type(built).__name__}; return (model, optimizer[, scheduler[, scaler]]) or a dict with those keys")
     if not isinstance(parts["model"], torch.nn.Module):
         raise ConfigError(f"{what} returned a {type(parts['model']).__name__} as the model; return a torch.nn.Module")
+    if parts["optimizer"] is None:  # the loop updates the parameters by hand: the update is observed, not made
+        parts["optimizer"] = ManualUpdate(parts["model"].parameters())
     if not isinstance(parts["optimizer"], torch.optim.Optimizer):
-        raise ConfigError(f"{what} returned a {type(parts['optimizer']).__name__} as the optimizer; return a torch.optim.Optimizer")
+        raise ConfigError(f"{what} returned a {type(parts['optimizer']).__name__} as the optimizer; return a torch.optim.Optimizer, "
+                          "or None when your step updates the parameters itself")
     scheduler, scaler = parts["scheduler"], parts["scaler"]
     if scheduler is not None and not _has_methods(scheduler, SCHEDULER_METHODS):
         raise ConfigError(f"{what} got {_kind(scheduler)} as the scheduler, not a learning-rate scheduler (its "
@@ -130,6 +134,33 @@ def unpack_parts(built: Any, what: str) -> dict[str, Any]:
         raise ConfigError(f"{what} got {_kind(scaler)} as the scaler, not a gradient scaler (its {', '.join(SCALER_METHODS)}); "
                           "pass a torch.amp.GradScaler, or None")
     return parts
+
+
+class ManualUpdate(torch.optim.Optimizer):
+    """The optimizer of a loop that updates its parameters by hand (`p.data.add_(p.grad, alpha=-lr)`, no optimizer
+    object): it changes nothing itself. The step watch sees the gradients when the step's one backward returns
+    (the non-finite rule stops the step there, before the update; a clip arm clips them for the user's update),
+    and calls `step()` once the user's step returned: it stands for the update the step made. At its recorded lr
+    of 1.0 it leaves the parameters as the step left them; an lr arm's factor f makes the update f times the
+    step's: before + f * (after - before)."""
+
+    def __init__(self, params):
+        super().__init__(params, {"lr": 1.0})
+        self._before: Optional[list[torch.Tensor]] = None
+
+    def mark(self) -> None:
+        """The parameters before the user's update (taken when the gradients are complete)."""
+        self._before = [p.detach().clone() for group in self.param_groups for p in group["params"]]
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        params = [p for group in self.param_groups for p in group["params"]]
+        factors = [float(group["lr"]) for group in self.param_groups for _ in group["params"]]
+        if self._before is not None:
+            for p, before, factor in zip(params, self._before, factors):
+                if factor != 1.0:
+                    p.copy_(before + factor * (p - before))
+        self._before = None
 
 
 SCHEDULER_METHODS = ("step", "state_dict", "load_state_dict")  # what recording and replaying a scheduler calls
@@ -152,12 +183,15 @@ def model_device(model: torch.nn.Module) -> torch.device:
 
 # ---- the stored batch: the user's batch and the RNG state its step started with ----------------------------
 def pack(batch: Any, device: torch.device, raw: Optional[dict[str, Any]] = None, optimizer=None,
-         carry: Optional[dict] = None) -> dict[str, Any]:
+         carry: Optional[dict] = None, variables: Optional[dict[str, Any]] = None) -> dict[str, Any]:
     """The batch as the recorder stores it (copied: a loop may reuse its buffers) with the RNG states its step
     starts with (core.rng.to_tensors). `raw`: those states as `core.rng.capture_raw` took them at this moment,
     when the caller has them. With `optimizer`, also each param group's lr as the loop set it for this step;
-    with `carry`, what the previous step carried to this one (copied)."""
+    with `carry`, what the previous step carried to this one (copied); with `variables`, the script's values
+    the step reads (step_variables)."""
     record = {RECORD_BATCH: copied(batch), RECORD_RNG: rng.to_tensors(raw if raw is not None else rng.capture_raw())}
+    if variables is not None:
+        record[RECORD_VARIABLES] = variables
     if optimizer is not None:
         record[RECORD_LR] = [float(group["lr"]) for group in optimizer.param_groups]
     if carry is not None:
@@ -166,6 +200,59 @@ def pack(batch: Any, device: torch.device, raw: Optional[dict[str, Any]] = None,
                               "carries with strings (carry[\"hidden\"])")
         record[RECORD_CARRY] = copied(carry, "carry")
     return record
+
+
+# ---- a script's step: the script's own numbers it reads, stored with each step and set again on replay ------
+def step_variables(step_fn: Callable) -> dict[str, Any]:
+    """The numbers, strings and flags a script's step reads from the script as this step starts: its closure's
+    cells ("cell:NAME") and the module globals its code names ("global:NAME"). A replay takes the script's objects
+    over at its first step, when the script's own counters and settings (an lr it anneals, iter_num) hold their
+    first values: these are set again before each replayed step, as the param groups' lr is."""
+    values = {}
+    code = getattr(step_fn, "__code__", None)
+    if code is None:
+        return values
+    for name, cell in zip(code.co_freevars, getattr(step_fn, "__closure__", None) or ()):
+        try:
+            content = cell.cell_contents
+        except ValueError:  # a cell not yet assigned
+            continue
+        if isinstance(content, SCALARS):
+            values[f"cell:{name}"] = content
+    namespace = getattr(step_fn, "__globals__", {})
+    for name in sorted(_names_read(code)):
+        if name in namespace and isinstance(namespace[name], SCALARS) and not name.startswith("__"):
+            values[f"global:{name}"] = namespace[name]
+    return values
+
+
+def _names_read(code) -> set[str]:
+    """The global names a code object and the code nested in it (comprehensions, lambdas) refer to."""
+    names = set(code.co_names)
+    for constant in code.co_consts:
+        if hasattr(constant, "co_names"):
+            names |= _names_read(constant)
+    return names
+
+
+def apply_recorded_variables(record: Any, step_fn: Callable) -> None:
+    """Set the script's values the recorded step read (step_variables) again; only names the step reads today, only
+    scalars: a stored record sets nothing else in the user's script."""
+    stored = record.get(RECORD_VARIABLES) if _is_record(record) else None
+    if stored is None:
+        return
+    if not isinstance(stored, dict) or not all(isinstance(key, str) and isinstance(value, SCALARS) for key, value in stored.items()):
+        raise SnapshotError("a stored step's script variables are not names with numbers, strings or flags: the snapshot "
+                            "was changed after recording; re-record the run or examine another step (--step)")
+    code = step_fn.__code__
+    cells = dict(zip(code.co_freevars, getattr(step_fn, "__closure__", None) or ()))
+    namespace, read = step_fn.__globals__, _names_read(code)
+    for key, value in stored.items():
+        kind, _, name = key.partition(":")
+        if kind == "cell" and name in cells:
+            cells[name].cell_contents = value
+        elif kind == "global" and name in read:
+            namespace[name] = value
 
 
 def copied(value: Any, what: str = "batch") -> Any:
@@ -302,16 +389,25 @@ def watching(watch: StepWatch):
 
     original_backward = torch.Tensor.backward
     optimizer = watch.state.optimizer
+    manual = isinstance(optimizer, ManualUpdate)
 
     def backward(tensor, *args, **kwargs):
         watch.loss(tensor)
         try:
-            return original_backward(tensor, *args, **kwargs)
+            returned = original_backward(tensor, *args, **kwargs)
         finally:
             watch.open_forward()
+        if manual:  # no optimizer.step() to wait for: the user's update follows now
+            if optimizer._before is not None:
+                raise ConfigError("your step backpropagates more than once and updates the parameters itself: with no "
+                                  "optimizer, replaybisect sees the update after the one backward; accumulate into one "
+                                  "loss, or use a torch.optim optimizer")
+            watch.gradients()
+            optimizer.mark()
+        return returned
 
     def before_update(stepping, args, kwargs) -> None:
-        if stepping is optimizer:
+        if stepping is optimizer and not manual:
             watch.gradients()
 
     def after_update(stepping, args, kwargs) -> None:
@@ -336,17 +432,22 @@ def run(state, watch: StepWatch, record) -> None:
     batch, stored_rng = unpack(record)
     rng.restore_stored(stored_rng, state.device)
     apply_recorded_lrs(record, state.optimizer)
+    apply_recorded_variables(record, state.step_fn)
     outcome.lr = float(state.optimizer.param_groups[0]["lr"])  # the lr this step runs with (set again just above)
     if state.carry is None:  # a replay's first step: what the recorded step started with; later steps carry their own
         state.carry = recorded_carry(record)
     state.model.train()
     state.optimizer.zero_grad(set_to_none=True)
+    if isinstance(state.optimizer, ManualUpdate):
+        state.optimizer._before = None  # a step that raised after its backward leaves no mark for this one
     # fp32 (an arm's precision, or a run that entered no autocast region) runs every autocast region disabled;
     # None (the recorder's first step, before the precision is known) leaves the user's code alone
     precision = autocast_off() if state.precision == "fp32" else contextlib.nullcontext()
     with precision, watching(watch):
         try:
             returned = call_step(state, batch, outcome.step)
+            if isinstance(state.optimizer, ManualUpdate) and state.optimizer._before is not None:
+                state.optimizer.step()  # the update the step made (an lr arm scales it here)
         except StepHalted:
             return
     if returned is NO_LOSS:  # NaN and no failure: the recorder logs no loss for it (Lightning's training_step -> None)

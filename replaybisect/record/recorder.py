@@ -162,7 +162,7 @@ class Recorder:
     on_nonfinite: "stop" (default: `step` raises NonFiniteStep, the run ends FAILED) or "continue".
     """
 
-    def __init__(self, model, optimizer, *, step_fn: Callable, build: Optional[Callable] = None, config: Any = None, scheduler=None,
+    def __init__(self, model, optimizer=None, *, step_fn: Callable, build: Optional[Callable] = None, config: Any = None, scheduler=None,
                  scaler=None, seed: Optional[int] = None, precision: Optional[Precision] = None,
                  tracking_uri: Optional[str] = None, experiment: Optional[str] = None, run_name: Optional[str] = None,
                  snapshot_every: int = 100, layer_stats_every: int = 50, on_nonfinite: OnNonfinite = "stop",
@@ -197,7 +197,7 @@ class Recorder:
                               layer_stats_every=layer_stats_every, on_nonfinite=on_nonfinite, steps=steps)
         self.cfg = replay_config(precision=precision or "fp32", **self._settings)  # validates before any run exists
         self._precision_seen: Optional[list[str]] = None if precision else []  # noted on the first step
-        self.state = TrainState(cfg=self.cfg, model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler,
+        self.state = TrainState(cfg=self.cfg, model=model, optimizer=parts["optimizer"], scheduler=scheduler, scaler=scaler,
                                 loss_fn=None, step_fn=step_fn, device=user_step.model_device(model),
                                 precision=precision, clip_grad_norm=None, user_loop=True,
                                 user_config=OmegaConf.create(config_plain), carry={})
@@ -229,7 +229,8 @@ class Recorder:
         try:
             rng_at_start = loop.open_step(step, self.state, self._hooks, self._buffers)
             record = user_step.pack(batch, self.state.device, rng_at_start, self.state.optimizer,
-                                    self.state.carry if user_step.takes_carry(self.state.step_fn) else None)
+                                    self.state.carry if user_step.takes_carry(self.state.step_fn) else None,
+                                    user_step.step_variables(self.state.step_fn) if self._settings["script"] else None)
             data_started = self._last_step_end if self._last_step_end is not None else time.perf_counter()
             with self._noting_precision():
                 outcome, keep_going = loop.take_step(self.state, step, record, self._hooks, self._buffers, rng_at_start, data_started)
