@@ -66,7 +66,7 @@ def test_replay_nan_runs_the_script_again_exactly_and_writes_nothing_in_its_fold
 
 def test_a_changed_script_is_said_and_an_untrusted_one_is_not_run(recorded, monkeypatch):
     import replaybisect as rb
-    from replaybisect.errors import UntrustedConfig
+    from replaybisect.errors import ReplayError, UntrustedConfig
 
     workspace, project, run_id = recorded
     elsewhere = workspace.path / "elsewhere"
@@ -85,6 +85,8 @@ def test_a_changed_script_is_said_and_an_untrusted_one_is_not_run(recorded, monk
         script.write_text(original)
     assert any("train.py changed since the run was recorded" in line for line in report.warnings), report.warnings
     assert report.reproduced == "exact"  # a comment changes no loss
+    with pytest.raises(ReplayError, match="only `replay nan` and `replay ablate` replay it"):
+        rb.check(run_id=run_id, tracking_uri=workspace.tracking_uri, publish=False)
 
 
 def test_writes_into_protected_folders_are_refused_and_reads_are_not(tmp_path):
