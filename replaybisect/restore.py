@@ -432,8 +432,7 @@ def code_changes(tags: dict[str, str], cfg) -> list[str]:
 
     targets = [OmegaConf.select(cfg, key) for key in ("train.step_fn._target_", "train.build._target_", "user.module._target_")]
     modules = [target.rsplit(".", 1)[0] for target in targets if isinstance(target, str) and "." in target]
-    script = OmegaConf.select(cfg, "train.script")
-    files = {}
-    if script is not None:  # a script run: its file, recorded under the name it ran as
-        files[script.module or Path(script.path).stem] = Path(script.path)
+    path = OmegaConf.select(cfg, "train.script.path", default=None) if OmegaConf.is_dict(cfg.train.get("script")) else None
+    # a script run: its file, recorded under the stem of its name (`__main__`'s file, run as a script or with -m)
+    files = {Path(path).stem: Path(path)} if isinstance(path, str) and path.endswith(".py") else {}
     return changed_sources(tags.get(SOURCE_TAG), modules, files)

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -25,12 +27,18 @@ from replaybisect.errors import ReplayError, UntrustedConfig
 CHILD_MODULE = "replaybisect.verbs.script_child"
 
 
+_children: set[subprocess.Popen] = set()  # the scripts running now (an ablation runs several): Ctrl-C stops them all
+_children_lock = threading.Lock()
+
+
 def run_in_script(verb: str, store, run_id: str, cfg, trust: Optional[Trust], arguments: dict[str, Any],
                   log: Callable[[str], None]) -> Any:
     """Run `verb`'s engine inside the run's script, started again; returns what the engine returned there (JSON)."""
     trust = trust or Trust.from_user()
-    script = admitted_script(cfg, trust, run_id)
-    log(f"running {Path(script['path']).name} again (in {script['cwd']}) to take its objects over at its first step")
+    artifacts = store.local_artifact_dir(run_id)  # <root>/<experiment>/<run>/artifacts: never the user's code
+    script = admitted_script(cfg, trust, run_id, artifacts.parents[2] if artifacts else None)
+    log(f"running {shlex.join([Path(script['path']).name, *script['args']])} again in {script['cwd']}, to take its "
+        "objects over at its first step")
     with tempfile.TemporaryDirectory(prefix="replaybisect-script-") as scratch:
         job = {"verb": verb, "run_id": run_id, "tracking_uri": store.uri, "trust": trust.to_json(),
                "arguments": arguments, "script": script, "result": str(Path(scratch) / "result.json"),
@@ -40,30 +48,67 @@ def run_in_script(verb: str, store, run_id: str, cfg, trust: Optional[Trust], ar
         return _result(job, code, output, script)
 
 
-def admitted_script(cfg, trust: Trust, run_id: str) -> dict[str, Any]:
-    """The stored `train.script`, if it names a Python file in a folder the user trusts and a working folder that
-    is still there; refused in one line otherwise, before anything runs."""
-    from omegaconf import OmegaConf
+def stop_all() -> None:
+    """Kill every script a replay started and has not seen end (Ctrl-C in a caller running several)."""
+    with _children_lock:
+        for child in list(_children):
+            child.kill()
 
-    script = OmegaConf.to_container(cfg.train.script, resolve=True)
-    if not isinstance(script, dict) or not isinstance(script.get("path"), str) or not isinstance(script.get("cwd"), str) \
-            or not isinstance(script.get("args"), list) or not all(isinstance(arg, str) for arg in script["args"]):
-        raise ReplayError(f"run {run_id}'s train.script is not a script's path, arguments and folder: the stored config "
-                          "was changed after recording; re-record the run")
-    path = Path(script["path"])
-    if path.suffix != ".py" or not trust.inside(path):
-        raise UntrustedConfig(f"refused to run {path} again for run {run_id}: it is not a .py file in your working folder "
-                              "or a --code-dir; run replay from your project folder, or pass --code-dir FOLDER; nothing was run")
+
+def admitted_script(cfg, trust: Trust, run_id: str, artifact_root: Optional[Path] = None) -> dict[str, Any]:
+    """The stored `train.script`, if it names a Python file the user owns (in a folder they trust, outside every
+    artifact folder), run from a trusted working folder that is still there, as a script or as the module that file
+    is; refused in one line otherwise, before anything runs."""
+    script = script_of(cfg, run_id)
+    path, cwd = Path(script["path"]), Path(script["cwd"])
+    if not path.is_absolute() or path.suffix != ".py" or not trust.inside(path) or trust.uploaded(path, artifact_root):
+        raise UntrustedConfig(f"refused to run {path} again for run {run_id}: it is not a .py file of yours in your working "
+                              "folder or a --code-dir; run replay from your project folder, or pass --code-dir FOLDER; nothing was run")
+    if not cwd.is_absolute() or not trust.inside(cwd):
+        raise UntrustedConfig(f"refused to run {path.name} in {cwd} for run {run_id}: that folder is not your working folder "
+                              "or a --code-dir (the script imports from it); pass --code-dir FOLDER; nothing was run")
+    module = script.get("module")
+    if module is not None and (not _DOTTED.match(module) or _module_file(cwd, module) != Path(os.path.realpath(path))):
+        raise UntrustedConfig(f"refused to run module {str(module)[:80]!r} for run {run_id}: it is not {path} run with "
+                              "`python -m` from its folder; the stored config was changed after recording; nothing was run")
     if not path.is_file():
         raise ReplayError(f"run {run_id} was recorded by {path}, which is gone; restore the script (a replay runs it again)")
-    if not Path(script["cwd"]).is_dir():
-        raise ReplayError(f"run {run_id}'s script ran in {script['cwd']}, which is gone; create it (a replay runs the "
-                          "script there again, for the paths it reads)")
+    if not cwd.is_dir():
+        raise ReplayError(f"run {run_id}'s script ran in {cwd}, which is gone; create it (a replay runs the script "
+                          "there again, for the paths it reads)")
     return script
 
 
+def script_of(cfg, run_id: str) -> dict[str, Any]:
+    """The stored `train.script` as plain data: path, module, args, cwd (a damaged one is a one-line error)."""
+    from omegaconf import DictConfig, OmegaConf
+
+    node = cfg.train.get("script")
+    script = OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else None
+    if not isinstance(script, dict) or not isinstance(script.get("path"), str) or not isinstance(script.get("cwd"), str) \
+            or not isinstance(script.get("args"), list) or not all(isinstance(arg, str) for arg in script["args"]) \
+            or not isinstance(script.get("module"), (str, type(None))):
+        raise ReplayError(f"run {run_id}'s train.script is not a script's path, arguments and folder: the stored config "
+                          "was changed after recording; re-record the run")
+    return script
+
+
+_DOTTED = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
+
+
+def _module_file(cwd: Path, module: str) -> Optional[Path]:
+    """The file `python -m module` runs from `cwd`, if it is in that folder (a module, or a package's __main__)."""
+    base = cwd.joinpath(*module.split("."))
+    for candidate in (base.with_suffix(".py"), base / "__main__.py"):
+        if candidate.is_file():
+            return Path(os.path.realpath(candidate))
+    return None
+
+
 def _run_child(job: dict[str, Any], scratch: Path, output: Path, log: Callable[[str], None]) -> int:
-    """Start the script under the child's runner; relay its progress lines to `log`; its exit status."""
+    """Start the script under the child's runner; relay its progress lines to `log`; its exit status. The runner
+    starts in the replay's own temp folder (nothing of the script's folder shadows its imports) and moves to the
+    script's folder itself."""
     read_end, write_end = os.pipe()
     job["progress_fd"] = write_end
     job_file = scratch / "job.json"
@@ -71,10 +116,15 @@ def _run_child(job: dict[str, Any], scratch: Path, output: Path, log: Callable[[
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     with open(output, "wb") as sink:
         try:
-            child = subprocess.Popen([sys.executable, "-m", CHILD_MODULE, str(job_file)], cwd=job["script"]["cwd"],
+            child = subprocess.Popen([sys.executable, "-m", CHILD_MODULE, str(job_file)], cwd=scratch,
                                      stdin=subprocess.DEVNULL, stdout=sink, stderr=sink, pass_fds=(write_end,), env=env)
+        except BaseException:
+            os.close(read_end)
+            raise
         finally:
             os.close(write_end)
+        with _children_lock:
+            _children.add(child)
         relay = threading.Thread(target=_relay, args=(read_end, log), daemon=True)
         relay.start()
         try:
@@ -83,6 +133,9 @@ def _run_child(job: dict[str, Any], scratch: Path, output: Path, log: Callable[[
             child.kill()
             child.wait()
             raise
+        finally:
+            with _children_lock:
+                _children.discard(child)
         relay.join(timeout=5)
     return code
 
@@ -90,7 +143,10 @@ def _run_child(job: dict[str, Any], scratch: Path, output: Path, log: Callable[[
 def _relay(read_end: int, log: Callable[[str], None]) -> None:
     with os.fdopen(read_end, encoding="utf-8", errors="replace") as lines:
         for line in lines:
-            log(line.rstrip("\n"))
+            try:
+                log(line.rstrip("\n"))
+            except Exception:  # a progress display that fails must not stop the pipe being read (the child would block)
+                pass
 
 
 def _result(job: dict[str, Any], code: int, output: Path, script: dict[str, Any]) -> Any:
@@ -104,6 +160,9 @@ def _result(job: dict[str, Any], code: int, output: Path, script: dict[str, Any]
     if "error" in result:  # a ReplayError inside the child: the same kind and line here (exit 2)
         kind = getattr(errors, str(result.get("kind")), None)
         raise (kind if isinstance(kind, type) and issubclass(kind, ReplayError) else ReplayError)(result["error"])
+    if "taken_over" in result:  # the engine started inside the script and never finished: the process was killed
+        raise ReplayError(f"{name}, run again for the replay, ended (exit status {code}) while the replay ran inside it, "
+                          "without a result (killed, out of memory?)" + (f": {_last_line(output)}" if _last_line(output) else ""))
     if "ended" in result:  # the script never reached its first step
         raise ReplayError(f"{name}, run again for the replay, ended before its first rec.step ({result['ended']}); "
                           "replay from the run's folder with the files it reads, or see what the script needs")

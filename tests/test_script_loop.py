@@ -60,7 +60,10 @@ def test_replay_nan_runs_the_script_again_exactly_and_writes_nothing_in_its_fold
     assert report["reproduced"] == "exact" and report["snapshot_step"] == 5 and report["failing_step"] == 9
     assert report["category"] == "divergence", report["headline"]
     assert report["isolation"]["state_unchanged"] and report["isolation"]["step_repeatable"]  # in-place copies put back
-    assert "running train.py again" in result.stderr
+    assert "running train.py --optim=sgd --learning_rate=30" in result.stderr  # the command line replayed, said first
+    from replaybisect.verbs.nan.engine import NanReport
+
+    assert NanReport.from_json(report).to_json() == report  # how a report comes back from the script's process
     assert _tree(project) == before  # no checkpoint, log line or __pycache__ from the replay
 
 
@@ -199,3 +202,60 @@ def test_the_manual_update_stands_for_the_step_and_an_lr_factor_scales_it():
     update.step()
     for p, b, a in zip(model.parameters(), before, after):
         assert torch.allclose(p, b + 0.1 * (a - b))
+
+
+def test_a_stored_script_that_is_not_the_users_own_is_refused(tmp_path):
+    """train.script comes from the store: the file must be the user's (a trusted folder, outside artifact folders),
+    run from a trusted folder, and a module must be that file; a damaged entry is one line."""
+    from omegaconf import OmegaConf
+
+    from replaybisect.core.trust import Trust
+    from replaybisect.errors import ReplayError, UntrustedConfig
+    from replaybisect.script_replay import admitted_script
+
+    project, other = tmp_path / "project", tmp_path / "other"
+    (project / "pkg").mkdir(parents=True)
+    other.mkdir()
+    (project / "train.py").write_text("")
+    (project / "pkg" / "train.py").write_text("")
+    (other / "evil.py").write_text("")
+    trust = Trust(roots=(str(project),), prefixes=())
+
+    def entry(**fields):
+        script = {"path": str(project / "train.py"), "module": None, "args": ["--lr=1"], "cwd": str(project), **fields}
+        return OmegaConf.create({"train": {"script": script}})
+
+    assert admitted_script(entry(), trust, "r")["args"] == ["--lr=1"]
+    assert admitted_script(entry(path=str(project / "pkg" / "train.py"), module="pkg.train"), trust, "r")["module"] == "pkg.train"
+    refusals = [
+        (entry(path=str(other / "evil.py")), UntrustedConfig, "not a .py file of yours"),
+        (entry(path="train.py"), UntrustedConfig, "not a .py file of yours"),  # relative: read against another folder
+        (entry(cwd=str(other)), UntrustedConfig, "not your working folder"),
+        (entry(module="timeit"), UntrustedConfig, "refused to run module 'timeit'"),
+        (entry(path=str(project / "mlruns" / "1" / "0" / "artifacts" / "x.py")), UntrustedConfig, "not a .py file of yours"),
+        (entry(args="--lr=1"), ReplayError, "train.script is not"),
+        (OmegaConf.create({"train": {"script": "train.py"}}), ReplayError, "train.script is not"),
+    ]
+    for cfg, kind, words in refusals:
+        with pytest.raises(kind, match=re.escape(words)):
+            admitted_script(cfg, trust, "r", artifact_root=None)
+
+
+def test_recorded_variables_set_only_the_scalars_the_step_reads():
+    import functools
+
+    import torch
+
+    from replaybisect.core import user_step
+
+    namespace = {"torch": torch, "lr": 0.5, "model": torch.nn.Linear(1, 1)}
+    exec("def step(batch):\n    return model(batch) * lr + torch.zeros(1)\n", namespace)
+    step = namespace["step"]
+    assert user_step.step_variables(step) == {"global:lr": 0.5}
+    record = user_step.pack(torch.ones(1, 1), torch.device("cpu"), variables={"global:lr": 8.0, "global:model": 1,
+                                                                              "global:torch": 2, "global:__builtins__": 3})
+    user_step.apply_recorded_variables(record, step)
+    assert namespace["lr"] == 8.0 and isinstance(namespace["model"], torch.nn.Module) and namespace["torch"] is torch
+    partial = functools.partial(lambda batch, scale: batch * scale, scale=2)  # no code of its own: nothing stored, nothing set
+    assert user_step.step_variables(partial) == {}
+    user_step.apply_recorded_variables(user_step.pack(torch.ones(1), torch.device("cpu"), variables={}), partial)

@@ -296,14 +296,21 @@ def kept_in_place(state: TrainState) -> Iterator[None]:
     """Whatever the block does to the state's objects is undone when it ends: their values are saved and loaded
     back, gradients cleared, the train/eval mode and the carry restored."""
     saved = copy_state(state)
+    buffers = {name: buffer.detach().clone() for name, buffer in state.model.named_buffers()}  # non-persistent ones too
     carry = user_step.copied(state.carry, "carry") if state.carry is not None else None
-    training = state.model.training
+    training = [module.training for module in state.model.modules()]
     try:
         yield
     finally:
         load_state(state, saved)
+        with torch.no_grad():
+            for name, buffer in state.model.named_buffers():
+                if name in buffers:
+                    buffer.copy_(buffers[name])
         state.optimizer.zero_grad(set_to_none=True)
-        state.model.train(training)
+        state.model.zero_grad(set_to_none=True)
+        for module, mode in zip(state.model.modules(), training):
+            module.training = mode
         state.carry = carry
 
 

@@ -2,7 +2,7 @@
 `build`. A replay cannot import such a script (it trains when run) nor rebuild its objects, so it re-enters it:
 the script runs again in a child process, as the run recorded it (interpreter, command line, working folder), and
 its `Recorder`, finding itself in a replay, hands the live objects over at the loop's first `rec.step` instead of
-training. The replay (verbs/reentry.py) then loads the snapshot into those objects and drives the step function
+training. The replay (script_replay.py starts it, verbs/script_child.py runs inside the script) then loads the snapshot into those objects and drives the step function
 itself on the stored batches, learning rates and carry; copies for probes are saved and put back in place.
 
 This module is what both sides share: what a recording notes about the script (`script_entry`), the hand-over
@@ -18,9 +18,10 @@ from typing import Any, Callable, Optional
 
 from replaybisect.errors import ConfigError, ReplayError
 
-# set in a re-entered script's process (verbs/reentry.py) before the script runs: what to do with the live objects
+# set in a re-entered script's process (verbs/script_child.py) before the script runs: what to do with the live objects
 _takeover: Optional[Callable[[dict[str, Any]], None]] = None
 _live: Optional[dict[str, Any]] = None
+_run_id: Optional[str] = None
 
 
 def script_entry() -> dict[str, Any]:
@@ -41,9 +42,14 @@ def replaying() -> bool:
     return _takeover is not None
 
 
-def set_takeover(function: Callable[[dict[str, Any]], None]) -> None:
-    global _takeover
-    _takeover = function
+def set_takeover(function: Callable[[dict[str, Any]], None], run_id: str) -> None:
+    global _takeover, _run_id
+    _takeover, _run_id = function, run_id
+
+
+def replayed_run_id() -> Optional[str]:
+    """The run a re-entered script is replaying (its Recorder's run_id there)."""
+    return _run_id
 
 
 def hand_over(parts: dict[str, Any]) -> None:

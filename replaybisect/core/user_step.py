@@ -239,20 +239,22 @@ def apply_recorded_variables(record: Any, step_fn: Callable) -> None:
     """Set the script's values the recorded step read (step_variables) again; only names the step reads today, only
     scalars: a stored record sets nothing else in the user's script."""
     stored = record.get(RECORD_VARIABLES) if _is_record(record) else None
-    if stored is None:
+    if not stored:
         return
     if not isinstance(stored, dict) or not all(isinstance(key, str) and isinstance(value, SCALARS) for key, value in stored.items()):
         raise SnapshotError("a stored step's script variables are not names with numbers, strings or flags: the snapshot "
                             "was changed after recording; re-record the run or examine another step (--step)")
+    current = step_variables(step_fn)  # what may be set: a name the step reads that holds a value of that type now
     code = step_fn.__code__
     cells = dict(zip(code.co_freevars, getattr(step_fn, "__closure__", None) or ()))
-    namespace, read = step_fn.__globals__, _names_read(code)
     for key, value in stored.items():
+        if key not in current or type(current[key]) is not type(value) and None not in (current[key], value):
+            continue
         kind, _, name = key.partition(":")
-        if kind == "cell" and name in cells:
+        if kind == "cell":
             cells[name].cell_contents = value
-        elif kind == "global" and name in read:
-            namespace[name] = value
+        else:
+            step_fn.__globals__[name] = value
 
 
 def copied(value: Any, what: str = "batch") -> Any:
@@ -432,7 +434,8 @@ def run(state, watch: StepWatch, record) -> None:
     batch, stored_rng = unpack(record)
     rng.restore_stored(stored_rng, state.device)
     apply_recorded_lrs(record, state.optimizer)
-    apply_recorded_variables(record, state.step_fn)
+    if state.live:  # a re-entered script: its own values as the recorded step read them
+        apply_recorded_variables(record, state.step_fn)
     outcome.lr = float(state.optimizer.param_groups[0]["lr"])  # the lr this step runs with (set again just above)
     if state.carry is None:  # a replay's first step: what the recorded step started with; later steps carry their own
         state.carry = recorded_carry(record)

@@ -187,6 +187,7 @@ class Recorder:
         user_step.step_arguments(step_fn)
         self._handover = {**parts, "step_fn": step_fn} if reentry.replaying() else None
         if self._handover is not None:  # a replay re-entered this script: the objects go to it at the first step
+            self.run_id, self.store, self.steps_taken, self.last_loss = reentry.replayed_run_id(), None, 0, None
             return
         step_target, build_target, script, code_folder, name = _how_replayed(step_fn, build)
         if precision is not None and precision not in PRECISIONS:

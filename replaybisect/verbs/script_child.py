@@ -25,7 +25,8 @@ def main() -> None:
     sys.dont_write_bytecode = True  # no __pycache__ in the user's folders either
     reentry.refuse_writes_under([Path(folder) for folder in job["protect"]])
     _refuse_torch_save_under(job["protect"])
-    reentry.set_takeover(lambda parts: _take_over(job, progress))
+    reentry.set_takeover(lambda parts: _take_over(job, progress), job["run_id"])
+    os.chdir(job["script"]["cwd"])  # started in the replay's temp folder: our own imports came from nowhere of the script's
     failure = _run_script(job["script"])
     _finish(job, progress, {"ended": failure})
     os._exit(3)
@@ -51,10 +52,13 @@ def _run_script(script: dict[str, Any]) -> str:
 def _take_over(job: dict[str, Any], progress) -> None:
     """The script reached its first step: run the verb on its objects, write the result, end the process."""
     log = lambda line: print(line, file=progress)  # noqa: E731
+    _finish(job, progress, {"taken_over": True})  # replaced by the result: a process killed from here on is said so
     try:
         result = {"ok": JOBS[job["verb"]](job, log)}
     except ReplayError as error:
         result = {"error": str(error), "kind": type(error).__name__}
+    except KeyboardInterrupt:  # Ctrl-C reached the whole process group: the parent stops too, without our traceback
+        result = {"error": "interrupted", "kind": "ReplayError"}
     except BaseException:
         result = {"crash": traceback.format_exc()}
     _finish(job, progress, result)

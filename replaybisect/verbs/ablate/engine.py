@@ -767,7 +767,7 @@ def _run_in_scripts(specs: list[dict], store, run_id: str, cfg, trust: Trust, wo
     script's own objects in a process of their own), `workers` scripts at a time."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from replaybisect.script_replay import run_in_script
+    from replaybisect.script_replay import run_in_script, stop_all
 
     def one(spec: dict) -> dict:
         arm = spec["arm"]
@@ -785,7 +785,12 @@ def _run_in_scripts(specs: list[dict], store, run_id: str, cfg, trust: Trust, wo
         return result
 
     with ThreadPoolExecutor(max_workers=max(1, min(workers, len(specs)))) as threads:
-        return {spec["arm"]: result for spec, result in zip(specs, threads.map(one, specs))}
+        try:
+            return {spec["arm"]: result for spec, result in zip(specs, threads.map(one, specs))}
+        except BaseException:  # Ctrl-C, SIGTERM: every arm's script stops, not only the one this thread waited on
+            threads.shutdown(wait=False, cancel_futures=True)
+            stop_all()
+            raise
 
 
 def _baseline_outcome(raw: dict, plan: _ArmPlan) -> tuple[ArmOutcome, bool, Optional[str]]:
@@ -858,9 +863,9 @@ def ablate(
     from replaybisect.verbs.ablate.patch import check_path
 
     plan, snapshot = _plan_arms(store, run_id, specs, from_step, horizon, trust, check_path(patch) if patch else None)
-    if plan.cfg.train.get("script") is not None and executor != "local":
-        raise ReplayError(f"run {run_id} was recorded from a script, which each arm runs again on this machine; "
-                          "leave out --executor submitit")
+    if plan.cfg.train.get("script") is not None and (executor != "local" or patch):
+        raise ReplayError(f"run {run_id} was recorded from a script, which each arm runs again on this machine with the "
+                          "script's own code: leave out " + ("--patch (edit the script and record again)" if patch else "--executor submitit"))
     runner = _Runner(store, run_id, plan, trust, executor, workers, submitit_options, progress, on_plan)
     if sweep is not None:
         from replaybisect.verbs.ablate.sweep import run_sweep
