@@ -41,7 +41,7 @@ def run_in_script(verb: str, store, run_id: str, cfg, trust: Optional[Trust], ar
         "objects over at its first step")
     with tempfile.TemporaryDirectory(prefix="replaybisect-script-") as scratch:
         job = {"verb": verb, "run_id": run_id, "tracking_uri": store.uri, "trust": trust.to_json(),
-               "arguments": arguments, "script": script, "result": str(Path(scratch) / "result.json"),
+               "arguments": arguments, "script": {**script, "scratch": scratch}, "result": str(Path(scratch) / "result.json"),
                "protect": sorted({script["cwd"], str(Path(script["path"]).parent)})}
         output = Path(scratch) / "output.log"
         code = _run_child(job, Path(scratch), output, log)
@@ -87,7 +87,7 @@ def script_of(cfg, run_id: str) -> dict[str, Any]:
     script = OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else None
     if not isinstance(script, dict) or not isinstance(script.get("path"), str) or not isinstance(script.get("cwd"), str) \
             or not isinstance(script.get("args"), list) or not all(isinstance(arg, str) for arg in script["args"]) \
-            or not isinstance(script.get("module"), (str, type(None))):
+            or not isinstance(script.get("module"), (str, type(None))) or not isinstance(script.get("hydra", False), bool):
         raise ReplayError(f"run {run_id}'s train.script is not a script's path, arguments and folder: the stored config "
                           "was changed after recording; re-record the run")
     return script

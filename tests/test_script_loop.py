@@ -259,3 +259,22 @@ def test_recorded_variables_set_only_the_scalars_the_step_reads():
     partial = functools.partial(lambda batch, scale: batch * scale, scale=2)  # no code of its own: nothing stored, nothing set
     assert user_step.step_variables(partial) == {}
     user_step.apply_recorded_variables(user_step.pack(torch.ones(1), torch.device("cpu"), variables={}), partial)
+
+
+def test_a_hydra_app_replays_with_its_outputs_kept_out_of_the_project(recorded, monkeypatch):
+    import replaybisect as rb
+
+    workspace, _, _ = recorded
+    project = workspace.path / "hydra-project"
+    project.mkdir()
+    shutil.copy(Path(__file__).resolve().parent / "user_loop" / "hydra_script.py", project / "train.py")
+    done = subprocess.run([sys.executable, "train.py", "lr=0.3"], cwd=project, env=workspace.env(), capture_output=True,
+                          text=True, timeout=300)
+    assert "loss is inf at step 16" in done.stderr, done.stderr
+    run_id = re.search(r"recording run ([0-9a-f]{32})", done.stderr).group(1)
+    before = _tree(project)
+    assert any(name.startswith("outputs/") for name in before)  # Hydra's output folder, from the recording
+    monkeypatch.chdir(project)
+    report = rb.find_nan(run_id, tracking_uri=workspace.tracking_uri, publish=False)
+    assert (report.reproduced, report.category, report.failing_step) == ("exact", "divergence", 16), report.headline
+    assert _tree(project) == before  # the replay's Hydra outputs went to its temp folder

@@ -34,7 +34,30 @@ def script_entry() -> dict[str, Any]:
         raise ConfigError("this step function is not in a script (an interactive session has no file a replay can run "
                           "again); run your training as `python train.py`, or pass build= with importable functions")
     return {"path": str(Path(path).resolve()), "module": spec.name if spec is not None and spec.name != "__main__" else None,
-            "args": [str(arg) for arg in sys.argv[1:]], "cwd": str(Path.cwd().resolve())}
+            "args": [str(arg) for arg in sys.argv[1:]], "cwd": str(_launch_folder()), "hydra": _in_hydra_app()}
+
+
+def _in_hydra_app() -> bool:
+    """A `@hydra.main` app: a replay gives Hydra its output folder elsewhere (Hydra writes one in the working
+    folder before the script's first line runs)."""
+    core = sys.modules.get("hydra.core.hydra_config")
+    return bool(core is not None and core.HydraConfig.initialized())
+
+
+def _launch_folder() -> Path:
+    """Where the script was started: a Hydra app that changed into its output folder (hydra.job.chdir) was
+    started in Hydra's original working folder."""
+    if _in_hydra_app():
+        from hydra.utils import get_original_cwd
+
+        return Path(get_original_cwd()).resolve()
+    return Path.cwd().resolve()
+
+
+def hydra_overrides(output_folder: Path) -> list[str]:
+    """What a replay adds to a Hydra app's command line: its outputs (config copies, logs) in `output_folder`."""
+    return [f"hydra.run.dir={output_folder}", "hydra.output_subdir=null", "hydra/job_logging=disabled",
+            "hydra/hydra_logging=disabled"]
 
 
 def replaying() -> bool:

@@ -35,6 +35,8 @@ def main() -> None:
 def _run_script(script: dict[str, Any]) -> str:
     """Run the script as its run did; it returns only if the script ends without reaching `rec.step`: why."""
     sys.argv = [script["path"], *script["args"]]
+    if script.get("hydra"):  # Hydra writes its output folder before the script's first line: in the replay's temp folder
+        sys.argv += reentry.hydra_overrides(Path(script["scratch"]) / "hydra")
     try:
         if script.get("module"):
             sys.path[0] = script["cwd"]  # as `python -m` does
