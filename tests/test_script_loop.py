@@ -278,3 +278,30 @@ def test_a_hydra_app_replays_with_its_outputs_kept_out_of_the_project(recorded, 
     report = rb.find_nan(run_id, tracking_uri=workspace.tracking_uri, publish=False)
     assert (report.reproduced, report.category, report.failing_step) == ("exact", "divergence", 16), report.headline
     assert _tree(project) == before  # the replay's Hydra outputs went to its temp folder
+
+
+def test_a_lightning_script_that_trains_at_import_replays_in_itself(recorded, monkeypatch):
+    """Lightning's README shape: the module and trainer.fit at the top level, the default logger writing
+    lightning_logs/ in the working folder. The replay runs the script again with its Trainers quiet (no logger,
+    no checkpoints) and takes the module over as training starts."""
+    import replaybisect as rb
+    from replaybisect.restore import run_config
+
+    workspace, _, _ = recorded
+    project = workspace.path / "lightning-project"
+    project.mkdir()
+    shutil.copy(Path(__file__).resolve().parent / "user_loop" / "lightning_script.py", project / "train.py")
+    done = subprocess.run([sys.executable, "train.py", "0.3"], cwd=project, env=workspace.env(), capture_output=True,
+                          text=True, timeout=300)
+    assert "loss is inf at step 17" in done.stderr, done.stderr[-2000:]
+    run_id = re.search(r"recording run ([0-9a-f]{32})", done.stderr).group(1)
+    cfg = run_config(workspace.store(), run_id)
+    assert cfg.train.script.path == str(project / "train.py") and cfg.user.module == {"class": "LitRegression"}
+    before = _tree(project)
+    assert any(name.startswith("lightning_logs/") for name in before)
+    monkeypatch.chdir(project)
+    report = rb.find_nan(run_id, tracking_uri=workspace.tracking_uri, publish=False)
+    assert (report.reproduced, report.category, report.failing_step) == ("exact", "divergence", 17), report.headline
+    result = rb.ablate(run_id, ["lr"], horizon=10, workers=1, tracking_uri=workspace.tracking_uri, publish=False)
+    assert result.verdicts() == {"lr": "fixes"}, result.conclusion
+    assert _tree(project) == before

@@ -29,7 +29,7 @@ from typing import Any, Optional
 import torch
 from lightning.pytorch import Callback
 
-from replaybisect.core import guard
+from replaybisect.core import guard, reentry
 from replaybisect.core.step_watch import StepOutcome, StepWatch
 from replaybisect.core.user_step import LIGHTNING_BATCHES, LIGHTNING_POSITIONS, NO_LOSS
 from replaybisect.core.config import OnNonfinite
@@ -217,6 +217,8 @@ class ReplayCallback(Callback):
         self._session = None  # the run, from on_train_start
         self._post_hook = None  # the optimizer post-step hook, while recording
         self._step: Optional[_StepInProgress] = None  # the optimizer step in progress
+        if reentry.replaying():
+            _quiet_trainers()
 
     # A strategy that trains in new processes (ddp_spawn, or any spawn/forkserver launcher) pickles the Trainer,
     # callbacks included, in this process before it starts them: the place to refuse it before any process or run
@@ -242,14 +244,17 @@ class ReplayCallback(Callback):
 
         from replaybisect.core.loop import BufferGuard, TrainState
 
+        if reentry.replaying():  # a replay ran this script again: it takes the module and its optimizer over here
+            self._hand_over(trainer, pl_module)
         settings = _trainer_settings(trainer, pl_module)
-        module_target, folder = function_target(type(pl_module), "the LightningModule")
-        user = {"module": {"_target_": module_target, "_partial_": True}, "hparams": _hparams(pl_module), "trainer": settings}
+        module, script, folder, name = _how_replayed(type(pl_module))
+        user = {"module": module, "hparams": _hparams(pl_module), "trainer": settings}
         precision = PRECISIONS[settings["precision"]]
         steps = trainer.max_steps if trainer.max_steps and trainer.max_steps > 0 else None
-        self.cfg = replay_config(step_target=STEP_TARGET, build_target=BUILD_TARGET, config=user, seed=torch.initial_seed(),
-                                 precision=precision, snapshot_every=self.snapshot_every,
-                                 layer_stats_every=self.layer_stats_every, on_nonfinite=self.on_nonfinite, steps=steps)
+        self.cfg = replay_config(step_target=STEP_TARGET, build_target=None if script else BUILD_TARGET, config=user,
+                                 seed=torch.initial_seed(), precision=precision, snapshot_every=self.snapshot_every,
+                                 layer_stats_every=self.layer_stats_every, on_nonfinite=self.on_nonfinite, steps=steps,
+                                 script=script)
         configs = trainer.lr_scheduler_configs
         self.state = TrainState(cfg=self.cfg, model=pl_module, optimizer=trainer.optimizers[0],
                                 scheduler=configs[0].scheduler if configs else None,
@@ -264,12 +269,19 @@ class ReplayCallback(Callback):
         self._session = open_session(self.tracking_uri, self.experiment, folder,
                                      {"replaybisect.loop": "user", "replaybisect.trainer": "lightning",
                                       **own_sources(type(pl_module))},
-                                     self.run_name or f"train {module_target.rsplit('.', 1)[0]} (lightning)")
+                                     self.run_name or f"train {name} (lightning)")
         self.run_id = self._session.run_id
         with self._session.failure_ends_run():  # a store that fails now ends the run FAILED, not RUNNING
             self._session.write_config(self.cfg)
             self._hooks = self._session.start_recording(self.cfg, self.state, {"seed": int(self.cfg.seed)})
         self._post_hook = register_optimizer_step_post_hook(self._after_update)
+
+    def _hand_over(self, trainer, pl_module) -> None:
+        configs = trainer.lr_scheduler_configs
+        parts = {"model": pl_module, "optimizer": trainer.optimizers[0], "scheduler": configs[0].scheduler if configs else None,
+                 "scaler": getattr(trainer.precision_plugin, "scaler", None), "step_fn": lightning_step}
+        pl_module.trainer = None  # the replay runs the module's steps as a replay without a Trainer does
+        reentry.hand_over(parts)
 
     @property
     def _open(self) -> bool:
@@ -404,6 +416,43 @@ class _StepInProgress:
 
         return {user_step.RECORD_BATCH: {LIGHTNING_BATCHES: list(self.batches), LIGHTNING_POSITIONS: list(self.positions)},
                 user_step.RECORD_RNG: self.rng}
+
+
+def _quiet_trainers() -> None:
+    """In a replay that ran a script again: the Trainers it makes from now on log and checkpoint nothing. Their
+    loggers would write into the user's folders as `fit` starts, before the replay takes over (which refuses it),
+    and none of the script's own training runs in a replay."""
+    import functools
+
+    from lightning.pytorch import Trainer
+
+    if getattr(Trainer.__init__, "replaybisect", False):
+        return
+    original = Trainer.__init__
+
+    @functools.wraps(original)
+    def quiet(self, *args, **kwargs):
+        kwargs.update(logger=False, enable_checkpointing=False)
+        original(self, *args, **kwargs)
+
+    quiet.replaybisect = True
+    Trainer.__init__ = quiet
+
+
+def _how_replayed(module_class: type) -> tuple[dict, Optional[dict], Any, str]:
+    """(user.module, the script entry or None, the code folder, a name for the run): the class a replay imports
+    and builds, or, for a class defined in a script that trains when run (a LightningModule and `trainer.fit` at
+    the top level), the script a replay runs again. Its class is then named, never a `_target_`: nothing imports it."""
+    from pathlib import Path
+
+    try:
+        target, folder = function_target(module_class, "the LightningModule")
+    except ConfigError:
+        if module_class.__module__ != "__main__":
+            raise
+        script = reentry.script_entry()
+        return {"class": module_class.__qualname__}, script, Path(script["path"]).parent, Path(script["path"]).stem
+    return {"_target_": target, "_partial_": True}, None, folder, target.rsplit(".", 1)[0]
 
 
 def _takes_batch_idx(pl_module) -> bool:
