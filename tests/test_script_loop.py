@@ -16,7 +16,6 @@ import pytest
 
 from conftest import Workspace
 
-SCRIPT = Path(__file__).resolve().parent / "user_loop" / "script_loop.py"
 DIVERGING = ("--optim=sgd", "--learning_rate=30", "--max_iters=30", "--eval_interval=4")  # NaN at step 9; snapshots every 5 steps
 
 
@@ -24,14 +23,20 @@ DIVERGING = ("--optim=sgd", "--learning_rate=30", "--max_iters=30", "--eval_inte
 def recorded(tmp_path_factory) -> tuple[Workspace, Path, str]:
     """The workspace (its store), the user's project folder (train.py and what it wrote) and the diverged run."""
     workspace = Workspace(tmp_path_factory.mktemp("script-loop"))
-    project = workspace.path / "project"
+    project, run_id = _record_script(workspace, "project", "script_loop.py", *DIVERGING, expect="stopped: loss is nan at step 9")
+    return workspace, project, run_id
+
+
+def _record_script(workspace: Workspace, folder: str, source: str, *args: str, expect: str) -> tuple[Path, str]:
+    """tests/user_loop/SOURCE copied into a project folder as train.py and run with ARGS as a user runs it; it
+    must print `expect` (its failure). The project folder and the run id."""
+    project = workspace.path / folder
     project.mkdir()
-    shutil.copy(SCRIPT, project / "train.py")
-    done = subprocess.run([sys.executable, "train.py", *DIVERGING], cwd=project, env=workspace.env(), capture_output=True,
+    shutil.copy(Path(__file__).resolve().parent / "user_loop" / source, project / "train.py")
+    done = subprocess.run([sys.executable, "train.py", *args], cwd=project, env=workspace.env(), capture_output=True,
                           text=True, timeout=300)
-    assert done.returncode == 0, done.stderr
-    assert "stopped: loss is nan at step 9" in done.stdout
-    return workspace, project, re.search(r"recording run ([0-9a-f]{32})", done.stderr).group(1)
+    assert expect in done.stdout + done.stderr, done.stdout + done.stderr[-2000:]
+    return project, re.search(r"recording run ([0-9a-f]{32})", done.stderr).group(1)
 
 
 def _tree(folder: Path) -> dict[str, str]:
@@ -148,9 +153,6 @@ def test_ablate_runs_each_arm_in_the_script_and_the_lr_arm_fixes_it(recorded, mo
         rb.ablate(run_id, ["lr"], executor="submitit", tracking_uri=workspace.tracking_uri, publish=False)
 
 
-RNN_SCRIPT = Path(__file__).resolve().parent / "user_loop" / "rnn_script.py"
-
-
 def test_a_hand_written_update_and_an_lr_the_script_changes_replay_exactly_and_ablate(recorded, monkeypatch):
     """word_language_model's shape: no optimizer object (p.data.add_), the hidden state carried, a module-global lr
     the epoch loop grows (the replay takes the objects over at the first step, where lr still holds its first value:
@@ -158,13 +160,8 @@ def test_a_hand_written_update_and_an_lr_the_script_changes_replay_exactly_and_a
     import replaybisect as rb
 
     workspace, _, _ = recorded
-    project = workspace.path / "rnn-project"
-    project.mkdir()
-    shutil.copy(RNN_SCRIPT, project / "train.py")
-    done = subprocess.run([sys.executable, "train.py", "--lr", "2", "--growth", "8", "--epochs", "4"], cwd=project,
-                          env=workspace.env(), capture_output=True, text=True, timeout=300)
-    assert "stopped: loss is nan at step 14" in done.stdout, done.stdout + done.stderr
-    run_id = re.search(r"recording run ([0-9a-f]{32})", done.stderr).group(1)
+    project, run_id = _record_script(workspace, "rnn-project", "rnn_script.py", "--lr", "2", "--growth", "8", "--epochs", "4",
+                                     expect="stopped: loss is nan at step 14")
     monkeypatch.chdir(project)
     report = rb.find_nan(run_id, tracking_uri=workspace.tracking_uri, publish=False)
     assert (report.reproduced, report.category, report.snapshot_step) == ("exact", "divergence", 12), report.headline
@@ -265,13 +262,7 @@ def test_a_hydra_app_replays_with_its_outputs_kept_out_of_the_project(recorded, 
     import replaybisect as rb
 
     workspace, _, _ = recorded
-    project = workspace.path / "hydra-project"
-    project.mkdir()
-    shutil.copy(Path(__file__).resolve().parent / "user_loop" / "hydra_script.py", project / "train.py")
-    done = subprocess.run([sys.executable, "train.py", "lr=0.3"], cwd=project, env=workspace.env(), capture_output=True,
-                          text=True, timeout=300)
-    assert "loss is inf at step 16" in done.stderr, done.stderr
-    run_id = re.search(r"recording run ([0-9a-f]{32})", done.stderr).group(1)
+    project, run_id = _record_script(workspace, "hydra-project", "hydra_script.py", "lr=0.3", expect="loss is inf at step 16")
     before = _tree(project)
     assert any(name.startswith("outputs/") for name in before)  # Hydra's output folder, from the recording
     monkeypatch.chdir(project)
@@ -288,13 +279,7 @@ def test_a_lightning_script_that_trains_at_import_replays_in_itself(recorded, mo
     from replaybisect.restore import run_config
 
     workspace, _, _ = recorded
-    project = workspace.path / "lightning-project"
-    project.mkdir()
-    shutil.copy(Path(__file__).resolve().parent / "user_loop" / "lightning_script.py", project / "train.py")
-    done = subprocess.run([sys.executable, "train.py", "0.3"], cwd=project, env=workspace.env(), capture_output=True,
-                          text=True, timeout=300)
-    assert "loss is inf at step 17" in done.stderr, done.stderr[-2000:]
-    run_id = re.search(r"recording run ([0-9a-f]{32})", done.stderr).group(1)
+    project, run_id = _record_script(workspace, "lightning-project", "lightning_script.py", "0.3", expect="loss is inf at step 17")
     cfg = run_config(workspace.store(), run_id)
     assert cfg.train.script.path == str(project / "train.py") and cfg.user.module == {"class": "LitRegression"}
     before = _tree(project)
