@@ -287,6 +287,4 @@ def test_a_lightning_script_that_trains_at_import_replays_in_itself(recorded, mo
     monkeypatch.chdir(project)
     report = rb.find_nan(run_id, tracking_uri=workspace.tracking_uri, publish=False)
     assert (report.reproduced, report.category, report.failing_step) == ("exact", "divergence", 17), report.headline
-    result = rb.ablate(run_id, ["lr"], horizon=10, workers=1, tracking_uri=workspace.tracking_uri, publish=False)
-    assert result.verdicts() == {"lr": "fixes"}, result.conclusion
-    assert _tree(project) == before
+    assert _tree(project) == before  # (ablate's arms take the module over the same way: tested on the scripts above)
