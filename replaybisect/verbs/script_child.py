@@ -104,6 +104,7 @@ def _refuse_torch_save_under(protected: list[str]) -> None:
 # ---- the verbs a script's run can be replayed by -----------------------------------------------------------
 def _nan(job: dict[str, Any], log: Callable[[str], None]) -> Any:
     from replaybisect.core.device import resolve_device
+    from replaybisect.core.jsonutil import to_jsonable
     from replaybisect.core.trust import Trust
     from replaybisect.store import open_store
     from replaybisect.verbs.nan.engine import find_nan
@@ -112,7 +113,7 @@ def _nan(job: dict[str, Any], log: Callable[[str], None]) -> Any:
     device = resolve_device(arguments["device"], "--device") if arguments.get("device") else None
     store = open_store(job["tracking_uri"], create=False)
     report = find_nan(store, job["run_id"], arguments.get("step"), device=device, trust=Trust.from_json(job["trust"]), log=log)
-    return report.to_json()
+    return to_jsonable(report)  # every field, whole (to_json shortens the histories), for NanReport.from_json
 
 
 def _arm(job: dict[str, Any], log: Callable[[str], None]) -> Any:
