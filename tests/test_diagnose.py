@@ -34,7 +34,7 @@ PLANTS: dict[str, tuple[dict[str, object], tuple[str, ...], int]] = {
     "detached": (user("detached"), ("train.steps=120",), 0),  # detached logits: no gradient anywhere
     "spikes": (user("spikes"), (), 0),  # garbage rows come round once an epoch
     "plateau": (user("plateau"), (), 0),  # the LR drops 1000x after 15 steps
-    "oscillation": (user("oscillation"), (), 0),  # plain SGD at lr 0.9
+    "oscillation": (user("oscillation"), (), 0),  # a cyclical LR that peaks too high
     "overfit": (user("overfit"), (), 0),  # 64 training digits
     "mismatch": (user("mismatch"), (), 0),  # validation digits mirrored and inverted
     # a deep sigmoid MLP: vanishing gradients

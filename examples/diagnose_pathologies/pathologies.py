@@ -103,3 +103,13 @@ class LinearRegressor(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.linear(x.flatten(1)).squeeze(-1)
+
+
+class TeacherDigits(TensorPairs):
+    """Digits with a target a fixed linear function of the pixels makes: a linear model can fit it exactly, so the
+    loss at the optimum is zero and what is left of it is the optimizer's own motion around the optimum."""
+
+    def __init__(self, split: str = "train", seed: int = 0):
+        digits = Digits(split=split)
+        teacher = torch.randn(digits.inputs[0].numel(), generator=torch.Generator().manual_seed(seed))
+        super().__init__(digits.inputs, digits.inputs.flatten(1) @ teacher)
