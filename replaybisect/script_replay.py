@@ -163,6 +163,9 @@ def _result(job: dict[str, Any], code: int, output: Path, script: dict[str, Any]
     if "taken_over" in result:  # the engine started inside the script and never finished: the process was killed
         raise ReplayError(f"{name}, run again for the replay, ended (exit status {code}) while the replay ran inside it, "
                           "without a result (killed, out of memory?)" + (f": {_last_line(output)}" if _last_line(output) else ""))
+    if "ended" in result and result.get("during_replay"):  # a loop recorded as written ran the replay's steps
+        raise ReplayError(f"{name}, run again for the replay, stopped while its loop ran the replay's steps "
+                          f"({result['ended']}); make the script skip it when replaybisect.replaying() is True")
     if "ended" in result:  # the script never reached its first step
         raise ReplayError(f"{name}, run again for the replay, ended before its first rec.step ({result['ended']}); "
                           "replay from the run's folder with the files it reads, or see what the script needs")

@@ -98,7 +98,8 @@ def test_a_changed_script_is_said_and_an_untrusted_one_is_not_run(recorded, monk
 
 
 def test_writes_into_protected_folders_are_refused_and_reads_are_not(tmp_path):
-    """The guard a re-entered script runs under, in a process of its own (audit hooks cannot be removed)."""
+    """The guard a re-entered script runs under, in a process of its own (audit hooks cannot be removed); a checkpoint
+    saved with torch.save goes to the replay's temp folder instead, so the script's loop goes on."""
     protected, free = tmp_path / "project", tmp_path / "scratch"
     protected.mkdir()
     free.mkdir()
@@ -107,9 +108,9 @@ def test_writes_into_protected_folders_are_refused_and_reads_are_not(tmp_path):
 import os, torch
 from pathlib import Path
 from replaybisect.core import reentry
-from replaybisect.verbs.script_child import _refuse_torch_save_under
+from replaybisect.verbs.script_child import _redirect_torch_save_under
 reentry.refuse_writes_under([Path({str(protected)!r})])
-_refuse_torch_save_under([{str(protected)!r}])
+_redirect_torch_save_under([{str(protected)!r}], Path({str(free / "saved")!r}))
 def refused(action):
     try:
         action()
@@ -124,7 +125,7 @@ assert refused(lambda: open(p / "data.txt", "a"))
 assert refused(lambda: os.remove(p / "data.txt"))
 assert refused(lambda: os.rename(p / "data.txt", {str(free / "moved.txt")!r}))
 assert refused(lambda: os.mkdir(p / "out"))
-assert refused(lambda: torch.save({{}}, p / "ckpt.pt"))
+torch.save({{"step": 3}}, p / "out" / "ckpt.pt")  # redirected, its folder made there
 os.makedirs(p, exist_ok=True)  # an existing folder, as scripts create out_dir: not an error
 torch.save({{}}, {str(free / "ckpt.pt")!r})
 open({str(free / "log.txt")!r}, "w").write("free")
@@ -134,6 +135,9 @@ print("ok")
     assert done.stdout.strip() == "ok", done.stderr
     assert sorted(path.name for path in protected.iterdir()) == ["data.txt"]
     assert (free / "ckpt.pt").exists() and (free / "log.txt").read_text() == "free"
+    import torch
+
+    assert torch.load(free / "saved" / "project" / "out" / "ckpt.pt") == {"step": 3}
 
 
 def test_ablate_runs_each_arm_in_the_script_and_the_lr_arm_fixes_it(recorded, monkeypatch):

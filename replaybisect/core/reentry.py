@@ -83,6 +83,11 @@ def hand_over(parts: dict[str, Any]) -> None:
     _takeover(parts)
 
 
+def taken_over() -> bool:
+    """The script handed its objects over (its loop may run on for a replay of a loop recorded as written)."""
+    return _live is not None
+
+
 def live_parts() -> dict[str, Any]:
     """The objects the re-entered script handed over: what `build(config)` is for an importable run."""
     if _live is None:

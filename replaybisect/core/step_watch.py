@@ -58,6 +58,8 @@ class StepWatch:
 
     def __init__(self, state, outcome: StepOutcome, observer=None, on_fault: Optional[Callable[[], None]] = None):
         self.state, self.outcome, self.observer, self.on_fault = state, outcome, observer, on_fault
+        self.on_error: Optional[Callable[[Exception], None]] = None  # set: an error in a backward goes here, not up
+        self.stopped = False  # an inline run's replay halted the step; its script's iteration runs on, idle
         self.running_loss: Optional[torch.Tensor] = None  # the sum of the losses backpropagated so far
         self._forward = None
         scaler = state.scaler

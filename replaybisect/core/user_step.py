@@ -28,6 +28,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from replaybisect.core import rng
+from replaybisect.core.inline_step import RemoteStep
 from replaybisect.core.step_watch import StepHalted, StepWatch
 from replaybisect.errors import ConfigError, SnapshotError
 
@@ -394,11 +395,19 @@ def watching(watch: StepWatch):
     manual = isinstance(optimizer, ManualUpdate)
 
     def backward(tensor, *args, **kwargs):
-        watch.loss(tensor)
+        if watch.stopped:  # an inline run's replay halted this step: the rest of the script's iteration runs idle
+            return None
         try:
+            watch.loss(tensor)
             returned = original_backward(tensor, *args, **kwargs)
+        except Exception as error:
+            if watch.on_error is None:
+                raise
+            watch.on_error(error)  # an inline run's replay: the engine gets it, the script's loop goes on
+            return None
         finally:
-            watch.open_forward()
+            if not watch.stopped:
+                watch.open_forward()
         if manual:  # no optimizer.step() to wait for: the user's update follows now
             if optimizer._before is not None:
                 raise ConfigError("your step backpropagates more than once and updates the parameters itself: with no "
@@ -446,6 +455,8 @@ def run(state, watch: StepWatch, record) -> None:
     # fp32 (an arm's precision, or a run that entered no autocast region) runs every autocast region disabled;
     # None (the recorder's first step, before the precision is known) leaves the user's code alone
     precision = autocast_off() if state.precision == "fp32" else contextlib.nullcontext()
+    if isinstance(state.step_fn, RemoteStep):  # a loop recorded as written: the script's own loop runs the step
+        state.step_fn.attach(watch)
     with precision, watching(watch):
         try:
             returned = call_step(state, batch, outcome.step)

@@ -162,7 +162,7 @@ class Recorder:
     on_nonfinite: "stop" (default: `step` raises NonFiniteStep, the run ends FAILED) or "continue".
     """
 
-    def __init__(self, model, optimizer=None, *, step_fn: Callable, build: Optional[Callable] = None, config: Any = None, scheduler=None,
+    def __init__(self, model, optimizer=None, *, step_fn: Optional[Callable] = None, build: Optional[Callable] = None, config: Any = None, scheduler=None,
                  scaler=None, seed: Optional[int] = None, precision: Optional[Precision] = None,
                  tracking_uri: Optional[str] = None, experiment: Optional[str] = None, run_name: Optional[str] = None,
                  snapshot_every: int = 100, layer_stats_every: int = 50, on_nonfinite: OnNonfinite = "stop",
@@ -171,7 +171,9 @@ class Recorder:
         from omegaconf import OmegaConf
 
         from replaybisect.core import arguments, user_step
+        from replaybisect.core.inline_step import RemoteStep
         from replaybisect.core.loop import BufferGuard, TrainState
+        from replaybisect.record.inline import InlineRecording
         from replaybisect.errors import sigterm_raises
 
         # every argument checked before anything is recorded: a wrong kind is a one-line ReplayError here
@@ -183,12 +185,26 @@ class Recorder:
         arguments.count(layer_stats_every, "layer_stats_every")
         arguments.count(steps, "steps", minimum=1, optional=True)
         arguments.text(on_nonfinite, "on_nonfinite")
+        inline = step_fn is None  # the loop as it is written: its steps found by watching model and optimizer
+        if inline and (build is not None or optimizer is None):
+            raise ConfigError("without step_fn the Recorder watches your loop's model and optimizer: pass the optimizer "
+                              "(a loop that updates by hand needs step_fn=), and no build=")
         parts = user_step.unpack_parts({"model": model, "optimizer": optimizer, "scheduler": scheduler, "scaler": scaler}, "Recorder")
-        user_step.step_arguments(step_fn)
-        self._handover = {**parts, "step_fn": step_fn} if reentry.replaying() else None
-        if self._handover is not None:  # a replay re-entered this script: the objects go to it at the first step
+        if not inline:
+            user_step.step_arguments(step_fn)
+        self._inline: Optional[InlineRecording] = None  # recording a loop without step_fn
+        self._remote: Optional[RemoteStep] = None  # replaying one
+        self._handover = None
+        if reentry.replaying():  # a replay re-entered this script: the objects go to it at the first step
+            self._handover = {**parts, "step_fn": step_fn}
+            if inline:  # the script's loop runs each step the replay asks for (core/inline_step.py)
+                self._remote = RemoteStep(model, parts["optimizer"], scaler, lambda: reentry.hand_over(self._handover))
+                self._handover["step_fn"] = self._remote
             self.run_id, self.store, self.steps_taken, self.last_loss = reentry.replayed_run_id(), None, 0, None
             return
+        if inline and on_nonfinite != "stop":
+            raise ConfigError("without step_fn a non-finite step stops the run (on_nonfinite=\"stop\"): the Recorder "
+                              "cannot take your loop's step again; pass step_fn= to go on past it")
         step_target, build_target, script, code_folder, name = _how_replayed(step_fn, build)
         if precision is not None and precision not in PRECISIONS:
             raise ConfigError(f"precision={precision!r} is not one of {', '.join(PRECISIONS)}")
@@ -209,21 +225,27 @@ class Recorder:
         self._config_written = False
         self._last_step_end: Optional[float] = None
         self._session = open_session(tracking_uri, experiment, code_folder,
-                                     {"replaybisect.loop": "user", **own_sources(step_fn, *([build] if build else []))},
+                                     {"replaybisect.loop": "user", **own_sources(*([step_fn] if step_fn else []), *([build] if build else []),
+                                                                                 files=[Path(script["path"])] if inline else [])},
                                      run_name or f"train {name} (own loop)")
         self.store, self.run_id = self._session.store, self._session.run_id
         with self._session.failure_ends_run():
             self._hooks = self._session.start_recording(self.cfg, self.state, {"seed": int(self.cfg.seed)})
         self._exit = contextlib.ExitStack()
         self._exit.enter_context(sigterm_raises())
+        if inline:
+            self._inline = InlineRecording(self)
 
     # ---- the loop ------------------------------------------------------------------------------------------
     def step(self, batch) -> float:
         """Run one step of your step function on `batch` and record it; returns the loss."""
         from replaybisect.core import loop, user_step
 
-        if self._handover is not None:
+        if self._handover is not None and self._remote is None:
             reentry.hand_over(self._handover)  # the replay takes over here and ends the process
+        if self._remote is not None or self._inline is not None:
+            raise ConfigError("this Recorder has no step_fn: it records your loop as it runs, so call no rec.step(); "
+                              "pass step_fn= to run your step through rec.step(batch)")
         if self._session.ended:
             raise RuntimeError("this Recorder is closed; make a new one for another run")
         step = self.steps_taken
@@ -236,21 +258,29 @@ class Recorder:
             with self._noting_precision():
                 outcome, keep_going = loop.take_step(self.state, step, record, self._hooks, self._buffers, rng_at_start, data_started)
             self._last_step_end = time.perf_counter()
-            if not self._config_written:
-                self._write_config()
+            self._stepped(outcome)
         except BaseException as error:
             failure = self._fail(error)
             if failure is not None:  # a full disk met outside the snapshot writer: its one line, as replay train says it
                 raise failure from error
             raise
-        self.steps_taken = step + 1
+        if not keep_going:
+            self._stop(outcome)
+        return outcome.loss
+
+    def _stepped(self, outcome) -> None:
+        """A step is recorded (by `step`, or seen in the loop: record/inline.py)."""
+        if not self._config_written:
+            self._write_config()
+        self.steps_taken = outcome.step + 1
         self.last_loss = outcome.loss
         if outcome.nonfinite and self.first_nonfinite_step is None:
-            self.first_nonfinite_step = step
-        if not keep_going:
-            self.close()
-            raise nonfinite_step(outcome, self.run_id)
-        return outcome.loss
+            self.first_nonfinite_step = outcome.step
+
+    def _stop(self, outcome) -> None:
+        """A non-finite step ended the run: it is closed, and NonFiniteStep says so."""
+        self.close()
+        raise nonfinite_step(outcome, self.run_id)
 
     def _noting_precision(self):
         """The first step notes the autocast regions it enters (the run's precision), unless it was given."""
@@ -273,9 +303,13 @@ class Recorder:
     # ---- the end ---------------------------------------------------------------------------------------------
     def close(self) -> None:
         """Finish every pending write and end the run (FINISHED, or FAILED after a non-finite step)."""
+        if self._remote is not None:
+            self._remote.script_done()  # a replay asking for another step is told; the replay ends the process
         if self._handover is not None or self._session.ended:
             return
         try:
+            if self._inline is not None:
+                self._inline.close()
             if not self._config_written:
                 self._write_config()
             self._session.finish()
@@ -312,7 +346,7 @@ def _how_replayed(step_fn: Callable, build: Optional[Callable]) -> tuple[Optiona
         step_target, folder = function_target(step_fn, "step_fn")
         build_target, _ = function_target(build, "build")
         return step_target, build_target, None, folder, step_target.rsplit(".", 1)[0]
-    if not callable(step_fn):
+    if step_fn is not None and not callable(step_fn):
         raise ConfigError(f"step_fn={step_fn!r} is not a function; pass your step (a function of the batch)")
     script = reentry.script_entry()
     return None, None, script, Path(script["path"]).parent, Path(script["path"]).stem
@@ -331,7 +365,7 @@ def open_session(tracking_uri: Optional[str], experiment: Optional[str], code_fo
     return session
 
 
-def own_sources(*code: Callable) -> dict[str, str]:
+def own_sources(*code: Callable, files: list[Path] = ()) -> dict[str, str]:
     """The tag holding the sha256 of the files of the user's modules a replay imports: those defining `code` (the
     step and build functions, the LightningModule), already checked by function_target. A replay says which of them
     changed since (core.repo.changed_sources). No tag when no file can be read or the hashes do not fit one."""
@@ -340,7 +374,7 @@ def own_sources(*code: Callable) -> dict[str, str]:
     from replaybisect.core.repo import SOURCE_TAG, file_sha256
     from replaybisect.store import OLD_SERVER_TAG_VALUE, TAG
 
-    files = dict(module_and_file(item, "code") for item in code)
+    files = {**dict(module_and_file(item, "code") for item in code), **{file.stem: file for file in files}}
     hashes = {name: digest for name, file in files.items() if (digest := file_sha256(file)) is not None}
     text = json.dumps(hashes, sort_keys=True)
     return {TAG + SOURCE_TAG: text} if hashes and len(text) <= OLD_SERVER_TAG_VALUE else {}

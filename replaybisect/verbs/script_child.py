@@ -24,11 +24,11 @@ def main() -> None:
     progress = os.fdopen(job["progress_fd"], "w", encoding="utf-8", buffering=1)
     sys.dont_write_bytecode = True  # no __pycache__ in the user's folders either
     reentry.refuse_writes_under([Path(folder) for folder in job["protect"]])
-    _refuse_torch_save_under(job["protect"])
+    _redirect_torch_save_under(job["protect"], Path(job["script"]["scratch"]) / "saved")
     reentry.set_takeover(lambda parts: _take_over(job, progress), job["run_id"])
     os.chdir(job["script"]["cwd"])  # started in the replay's temp folder: our own imports came from nowhere of the script's
     failure = _run_script(job["script"])
-    _finish(job, progress, {"ended": failure})
+    _finish(job, progress, {"ended": failure, "during_replay": reentry.taken_over()})
     os._exit(3)
 
 
@@ -82,9 +82,10 @@ def _finish(job: dict[str, Any], progress, result: dict[str, Any]) -> None:
             pass
 
 
-def _refuse_torch_save_under(protected: list[str]) -> None:
-    """torch.save writes through its own C++ file writer, which Python's audit hooks do not see: refused in the
-    user's folders the same way (a checkpoint the script saves before its first step)."""
+def _redirect_torch_save_under(protected: list[str], elsewhere: Path) -> None:
+    """torch.save writes through its own C++ file writer, which Python's audit hooks do not see. A checkpoint the
+    script saves into the user's folders goes to `elsewhere` instead (the replay's temp folder, under the same
+    relative path), so a loop the replay runs (record/inline.py) keeps going past its checkpoint."""
     import torch
 
     original = torch.save
@@ -93,9 +94,10 @@ def _refuse_torch_save_under(protected: list[str]) -> None:
     def save(obj, f, *args, **kwargs):
         if isinstance(f, (str, os.PathLike)):
             full = os.path.realpath(os.fspath(f))
-            if any(full == root or full.startswith(root + os.sep) for root in roots):
-                raise PermissionError(f"replaybisect: a replay re-running this script writes nothing in your folders "
-                                      f"(refused: {full}); skip the write when replaybisect.replaying() is True")
+            root = next((root for root in roots if full == root or full.startswith(root + os.sep)), None)
+            if root is not None:
+                f = elsewhere / Path(root).name / os.path.relpath(full, root)
+                os.makedirs(f.parent, exist_ok=True)
         return original(obj, f, *args, **kwargs)
 
     torch.save = save

@@ -265,6 +265,7 @@ def _by_step(values: dict[int, float]) -> dict[str, float]:
 def _replay_arm(spec: dict[str, Any], on_step: Optional[Callable[[int], None]] = None) -> dict[str, Any]:
     """Replay one arm from its snapshot to the horizon; reads the store, writes nothing."""
     from replaybisect import restore as restore_mod
+    from replaybisect.core.inline_step import LoopEnded
     from replaybisect.store import open_store
 
     started = time.perf_counter()
@@ -290,7 +291,11 @@ def _replay_arm(spec: dict[str, Any], on_step: Optional[Callable[[int], None]] =
             if stopped is None:
                 _apply_optimizer_changes(state, change, hooks)
                 batches = _arm_batches(change, restored.batch, start)
-                stopped = _replay_suffix(state, batches, hooks, change, start, spec["end_step"])
+                try:
+                    stopped = _replay_suffix(state, batches, hooks, change, start, spec["end_step"])
+                except LoopEnded:  # a loop recorded as written ran out of iterations: the arm is judged on what it ran
+                    restored.warnings.append(f"the script's own loop ended after step {max(hooks.losses, default=start)}, "
+                                             f"before step {spec['end_step'] - 1}: this arm is judged on the steps it ran")
     first = hooks.first_nonfinite
     return {
         "arm": spec["arm"],
@@ -477,13 +482,14 @@ def judge_arm(arm: ArmOutcome, failing_step: Optional[int], baseline_failed: boo
         else:
             arm.verdict, arm.reason = "no-effect", "finite, as the baseline"
         return
+    through = min(max(arm.losses, default=end - 1), end - 1)  # the last step run (a script's loop may end sooner)
     if first is None:
         if blown:
             arm.verdict = "delays"
-            arm.reason = f"finite through step {end - 1}, but the loss blew up (final mean {arm.final_loss_mean:.4g} > {threshold:.4g})"
+            arm.reason = f"finite through step {through}, but the loss blew up (final mean {arm.final_loss_mean:.4g} > {threshold:.4g})"
         else:
             arm.verdict = "fixes"
-            arm.reason = f"finite through step {end - 1}" + (
+            arm.reason = f"finite through step {through}" + (
                 f"; final mean loss {arm.final_loss_mean:.4g} <= {threshold:.4g}" if threshold is not None and arm.final_loss_mean is not None else ""
             )
     elif first > failing_step:

@@ -1,0 +1,170 @@
+"""The step of a loop recorded as it is written (no step function, no `rec.step`: record/inline.py), replayed.
+
+Such a step is no function a replay can call: it is the script's own loop body. So a replay re-enters the script
+(core/reentry.py) and lets the script's loop run the steps, one loop iteration per step the replay asks for. The
+replay's engine (`replay nan`'s probes, an ablation arm) runs in a thread of its own and calls `RemoteStep` as it
+would call a step function; the script's thread, stopped at the model's first training forward of each iteration,
+takes the request, feeds the model the stored step's inputs (each forward's arguments in turn) and runs on; the
+iteration ends at the next iteration's first forward. The two threads take turns, never running together, so the
+engine's in-place state copies and RNG restores happen while the script waits, exactly where the recording took
+them. A step the engine halts makes no update: the optimizer's `step` does nothing for it, and the script's loop
+goes on to the next request.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import torch
+
+from replaybisect.core.step_watch import StepHalted, StepWatch
+from replaybisect.errors import ReplayError
+
+ARGS, KWARGS = "args", "kwargs"  # a stored micro-batch: one training forward's arguments
+
+
+class LoopEnded(ReplayError):
+    """The script's loop ended (it reached `rec.close()`) while the replay wanted another step."""
+
+
+def micro_batch(args: tuple, kwargs: dict) -> dict[str, Any]:
+    """One training forward's inputs as a recorded step stores them."""
+    return {ARGS: tuple(args), KWARGS: dict(kwargs)}
+
+
+@dataclass
+class _Request:
+    micro_batches: list
+    watch: StepWatch
+    forwards: int = 0
+    reached_update: bool = False  # the script called optimizer.step() (or its GradScaler's step): the next forward is the next step's
+    halted: bool = False
+    error: Optional[Exception] = None  # raised by the step's backward or update in the script's thread
+    done: threading.Event = field(default_factory=threading.Event)
+
+
+class RemoteStep:
+    """Stands for the step function of an inline run: called (in the engine's thread) with a stored step's
+    micro-batches, it has the script's loop run them and returns when the iteration is over. It takes `scheduler`
+    (see user_step.steps_scheduler_itself): the script's loop steps its own scheduler."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scaler, start: Callable[[], None]):
+        self._start = start  # hands the live objects to the replay (in a thread of its own), at the first forward
+        self._started = False
+        self._ended = False
+        self._requests: "queue.Queue[_Request]" = queue.Queue()
+        self._current: Optional[_Request] = None
+        self._watch: Optional[StepWatch] = None
+        model.register_forward_pre_hook(self._forward, with_kwargs=True)
+        self._skip_halted_updates(optimizer)
+        self._note_scaler_steps(scaler)
+
+    # ---- the engine's side --------------------------------------------------------------------------------
+    def attach(self, watch: StepWatch) -> None:
+        """The watch of the step about to be asked for (user_step.run). A halt marks the step instead of raising
+        into the script's code: the script's loop must go on to the next request."""
+        self._watch = watch
+        if watch.on_fault is not None:
+            watch.on_fault = self._halt
+        watch.on_error = self._failed
+
+    def __call__(self, batch, scheduler=None):
+        if not isinstance(batch, list) or not all(isinstance(item, dict) and ARGS in item for item in batch):
+            raise ReplayError("a stored step of this run holds no model inputs (it was recorded with step_fn=); the "
+                              "snapshot does not match this Recorder: re-record the run")
+        if self._ended:
+            raise LoopEnded("the script's loop ended (it reached rec.close()) before the replay ran every step it needs; "
+                            "let the script run more iterations (its own iteration limit counts from 0 again in a replay)")
+        watch, self._watch = self._watch, None
+        watch.close_forward()  # opened in this thread; the script's thread opens its own around its forwards
+        request = _Request(batch, watch)
+        self._requests.put(request)
+        request.done.wait()
+        if request.error is not None:
+            raise request.error
+        if request.halted:
+            raise StepHalted
+        return None
+
+    # ---- the script's side --------------------------------------------------------------------------------
+    def _forward(self, module, args, kwargs):
+        if not (module.training and torch.is_grad_enabled()):
+            return None  # evaluation: the script's own business
+        if not self._started:
+            self._started = True
+            threading.Thread(target=self._start, name="replaybisect-replay", daemon=True).start()
+        current = self._current
+        if current is not None and current.reached_update:
+            self._complete(current)
+            current = None
+        if current is None:
+            current = self._current = self._requests.get()
+            current.watch.open_forward()
+        # a step the recording stopped part-way (its first non-finite loss) stored the micro-batches it reached; reused
+        # past the failure (an ablation arm), it feeds them again in turn
+        stored = current.micro_batches[current.forwards % len(current.micro_batches)]
+        current.forwards += 1
+        return tuple(stored[ARGS]), dict(stored[KWARGS])
+
+    def script_done(self) -> None:
+        """The script's loop is over (`rec.close()`): the step in hand ends here, a replay asking for another is told
+        so, and the script waits for the replay to end the process (its own exit would race the replay's result)."""
+        self._ended = True
+        if self._current is not None:
+            self._complete(self._current)
+        if self._started:
+            threading.Event().wait()
+
+    def _note_scaler_steps(self, scaler) -> None:
+        """A GradScaler that skips an overflowing update never calls `optimizer.step()`: its `step` ends the step too."""
+        if scaler is None:
+            return
+        original = scaler.step
+
+        def step(*args, **kwargs):
+            if self._current is not None:
+                self._current.reached_update = True
+            return original(*args, **kwargs)
+
+        scaler.step = step
+
+    def _complete(self, request: _Request) -> None:
+        request.watch.close_forward()
+        self._current = None
+        request.done.set()
+
+    def _halt(self) -> None:
+        if self._current is not None:
+            self._current.halted = True
+            self._current.watch.stopped = True
+
+    def _failed(self, error: Exception) -> None:
+        """The step raised (an anomaly-mode backward, a probe): no more of it is applied, and the engine gets it."""
+        if self._current is not None:
+            self._current.error = error
+            self._current.halted = True
+            self._current.watch.stopped = True
+
+    def _skip_halted_updates(self, optimizer: torch.optim.Optimizer) -> None:
+        """`optimizer.step()` (a GradScaler's too: it calls it) makes no update in a halted step."""
+        original = optimizer.step
+
+        def step(*args, **kwargs):
+            if self._current is not None:
+                self._current.reached_update = True
+            if self._current is not None and self._current.halted:
+                return None
+            try:
+                return original(*args, **kwargs)
+            except StepHalted:
+                raise
+            except Exception as error:  # in the update or its hooks: the engine gets it, the script's loop goes on
+                if self._current is None:
+                    raise
+                self._failed(error)
+                return None
+
+        optimizer.step = step

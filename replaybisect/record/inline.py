@@ -1,0 +1,130 @@
+"""A loop recorded as it is written: `Recorder(model, optimizer)` with no step function and no `rec.step`. The
+Recorder watches the model and the optimizer instead of running a step:
+
+  opens     at the first training forward after the last update (model.training, gradients on): the RNG state
+            then, the lr the loop set, a snapshot when one is due (loop.open_step)
+  inputs    each training forward's arguments, in turn: the step's micro-batches (what a replay feeds the model)
+  loss      what is backpropagated (the sum over micro-batches), as for a step function (user_step.watching)
+  gradients checked when the optimizer steps, before its update; a non-finite loss or gradient raises
+            NonFiniteStep there (from `loss.backward()` or `optimizer.step()`), so nothing of the step is applied
+  closes    at the next step's first training forward, or at `rec.close()`
+
+A replay runs the script again and lets its loop run each step it asks for (core/inline_step.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from replaybisect.core import loop, user_step
+from replaybisect.core.inline_step import micro_batch
+from replaybisect.core.step_watch import StepOutcome, StepWatch
+
+
+@dataclass
+class _OpenStep:
+    step: int
+    record: dict
+    outcome: StepOutcome
+    watch: StepWatch
+    hooks_on: contextlib.ExitStack
+    opened: float
+    data_time: float
+    reached_update: bool = False
+
+
+class InlineRecording:
+    """The steps of `recorder`'s loop, found by watching its model and optimizer (see the module's text)."""
+
+    def __init__(self, recorder):
+        self.recorder = recorder
+        self.state = recorder.state
+        self._open: Optional[_OpenStep] = None
+        self._last_close = time.perf_counter()
+        self._handles = [self.state.model.register_forward_pre_hook(self._forward, with_kwargs=True),
+                         self.state.optimizer.register_step_pre_hook(self._reached_update)]
+        self._unwrap_scaler = self._watch_scaler_steps(self.state.scaler)
+
+    def _forward(self, module, args, kwargs):
+        if not (module.training and torch.is_grad_enabled()):
+            return None  # evaluation is no step
+        if self._open is not None and self._open.reached_update:
+            self.close_step()
+        if self._open is None:
+            self._open = self._open_step()
+        self._open.record[user_step.RECORD_BATCH].append(user_step.copied(micro_batch(args, kwargs)))
+        return None
+
+    def _reached_update(self, *unused) -> None:
+        if self._open is not None:
+            self._open.reached_update = True
+
+    def _watch_scaler_steps(self, scaler):
+        """A GradScaler that skips an overflowing update never calls `optimizer.step()`: its own `step` ends the
+        step too."""
+        if scaler is None:
+            return lambda: None
+        original = scaler.step
+
+        def step(optimizer, *args, **kwargs):
+            self._reached_update()
+            return original(optimizer, *args, **kwargs)
+
+        scaler.step = step
+        return lambda: setattr(scaler, "step", original)
+
+    # ---- a step's opening and end -------------------------------------------------------------------------
+    def _open_step(self) -> _OpenStep:
+        recorder, state = self.recorder, self.state
+        step = recorder.steps_taken
+        opened = time.perf_counter()
+        rng_at_start = loop.open_step(step, state, recorder._hooks, recorder._buffers)
+        record = user_step.pack([], state.device, rng_at_start, state.optimizer)  # the lr the loop set for this step
+        outcome = StepOutcome(step=step, loss=math.nan, lr=float(state.optimizer.param_groups[0]["lr"]))
+        watch = StepWatch(state, outcome, recorder._hooks.observer(step), on_fault=self._halt)
+        hooks_on = contextlib.ExitStack()
+        hooks_on.enter_context(recorder._noting_precision())
+        hooks_on.enter_context(user_step.watching(watch))
+        return _OpenStep(step, record, outcome, watch, hooks_on, opened, opened - self._last_close)
+
+    def close_step(self) -> None:
+        """The open step is over (its update made, or the loop ended): logged, its record kept."""
+        current, self._open = self._open, None
+        if current is None:
+            return
+        try:
+            current.watch.settle()
+            current.outcome.loss = current.watch.loss_so_far()
+        finally:
+            current.hooks_on.close()
+        self._finish(current)
+
+    def _halt(self) -> None:
+        """The step's first non-finite loss or gradient, before the update: the run stops here, as `rec.step` does."""
+        current, self._open = self._open, None
+        current.hooks_on.close()
+        self.recorder._buffers.restore()  # the forward's buffer updates undone: the state before the step is kept
+        self.recorder._hooks.on_nonfinite(current.outcome, current.record)
+        self._finish(current)
+        self.recorder._stop(current.outcome)
+
+    def _finish(self, current: _OpenStep) -> None:
+        self._last_close = time.perf_counter()
+        self.recorder._hooks.after_step(current.outcome, current.record, self._last_close - current.opened, current.data_time)
+        self.recorder._stepped(current.outcome)
+
+    def close(self) -> None:
+        """The loop is over: its last step closed, the model and optimizer left as they were."""
+        try:
+            if self._open is not None:
+                self.close_step()
+        finally:
+            for handle in self._handles:
+                handle.remove()
+            self._unwrap_scaler()
