@@ -58,7 +58,7 @@ class RemoteStep:
         self._requests: "queue.Queue[_Request]" = queue.Queue()
         self._current: Optional[_Request] = None
         self._watch: Optional[StepWatch] = None
-        model.register_forward_pre_hook(self._forward, with_kwargs=True)
+        self._intercept_calls(model)
         self._skip_halted_updates(optimizer)
         self._note_scaler_steps(scaler)
 
@@ -90,9 +90,21 @@ class RemoteStep:
         return None
 
     # ---- the script's side --------------------------------------------------------------------------------
-    def _forward(self, module, args, kwargs):
-        if not (module.training and torch.is_grad_enabled()):
-            return None  # evaluation: the script's own business
+    def _intercept_calls(self, model: torch.nn.Module) -> None:
+        """Every call of the model goes through `_inputs` first. Not a forward pre-hook: a step's forward region (a
+        probe's module hooks, the root module's among them) opens and closes there, and hooks added or removed
+        while the model runs its own pre-hooks would be missed or called stale."""
+        inner = model._compiled_call_impl or model._call_impl  # the module's call, hooks and all (a compiled one too)
+
+        def call(*args, **kwargs):
+            if model.training and torch.is_grad_enabled():  # evaluation is the script's own business
+                args, kwargs = self._inputs(args, kwargs)
+            return inner(*args, **kwargs)
+
+        model._compiled_call_impl = call  # what nn.Module.__call__ runs when set (Module.compile sets it too)
+
+    def _inputs(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """The stored inputs for this training forward, taking the next request when a step is over."""
         if not self._started:
             self._started = True
             threading.Thread(target=self._start, name="replaybisect-replay", daemon=True).start()
@@ -119,17 +131,21 @@ class RemoteStep:
             threading.Event().wait()
 
     def _note_scaler_steps(self, scaler) -> None:
-        """A GradScaler that skips an overflowing update never calls `optimizer.step()`: its `step` ends the step too."""
+        """A GradScaler that skips an overflowing update never calls `optimizer.step()`: its `step` ends the step too.
+        In a halted step (no gradients made) its unscale_, step and update do nothing: they would assert on it."""
         if scaler is None:
             return
-        original = scaler.step
+        for name in ("unscale_", "step", "update"):
+            original = getattr(scaler, name)
 
-        def step(*args, **kwargs):
-            if self._current is not None:
-                self._current.reached_update = True
-            return original(*args, **kwargs)
+            def idle_when_halted(*args, _original=original, _name=name, **kwargs):
+                if self._current is not None and _name == "step":
+                    self._current.reached_update = True
+                if self._current is not None and self._current.halted:
+                    return None
+                return _original(*args, **kwargs)
 
-        scaler.step = step
+            setattr(scaler, name, idle_when_halted)
 
     def _complete(self, request: _Request) -> None:
         request.watch.close_forward()
@@ -137,9 +153,12 @@ class RemoteStep:
         request.done.set()
 
     def _halt(self) -> None:
+        """The watch's fault, in the script's thread: the step stops here (StepHalted, caught where it would reach the
+        script's code: our backward and optimizer.step); the rest of the iteration runs idle."""
         if self._current is not None:
             self._current.halted = True
             self._current.watch.stopped = True
+        raise StepHalted
 
     def _failed(self, error: Exception) -> None:
         """The step raised (an anomaly-mode backward, a probe): no more of it is applied, and the engine gets it."""
@@ -153,17 +172,17 @@ class RemoteStep:
         original = optimizer.step
 
         def step(*args, **kwargs):
-            if self._current is not None:
-                self._current.reached_update = True
-            if self._current is not None and self._current.halted:
+            current = self._current
+            if current is None:
+                return original(*args, **kwargs)
+            current.reached_update = True
+            if current.halted:
                 return None
             try:
                 return original(*args, **kwargs)
-            except StepHalted:
-                raise
+            except StepHalted:  # the watch stopped the step at its gradients, before the update
+                return None
             except Exception as error:  # in the update or its hooks: the engine gets it, the script's loop goes on
-                if self._current is None:
-                    raise
                 self._failed(error)
                 return None
 

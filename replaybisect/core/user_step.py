@@ -400,6 +400,10 @@ def watching(watch: StepWatch):
         try:
             watch.loss(tensor)
             returned = original_backward(tensor, *args, **kwargs)
+        except StepHalted:
+            if watch.on_error is None:
+                raise
+            return None  # an inline run's replay halted the step at this loss: the script's iteration runs on, idle
         except Exception as error:
             if watch.on_error is None:
                 raise
