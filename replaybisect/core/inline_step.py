@@ -20,6 +20,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from replaybisect.core.rng import capture_raw, restore_raw
 from replaybisect.core.step_watch import StepHalted, StepWatch
 from replaybisect.errors import ReplayError
 
@@ -43,6 +44,7 @@ class _Request:
     reached_update: bool = False  # the script called optimizer.step() (or its GradScaler's step): the next forward is the next step's
     halted: bool = False
     error: Optional[Exception] = None  # raised by the step's backward or update in the script's thread
+    rng_after: Optional[dict] = None  # the RNG streams where the step ended (its update, or its halt)
     done: threading.Event = field(default_factory=threading.Event)
 
 
@@ -143,19 +145,32 @@ class RemoteStep:
                     self._current.reached_update = True
                 if self._current is not None and self._current.halted:
                     return None
-                return _original(*args, **kwargs)
+                try:
+                    return _original(*args, **kwargs)
+                finally:
+                    if _name == "step":
+                        self._ended_here()
 
             setattr(scaler, name, idle_when_halted)
 
     def _complete(self, request: _Request) -> None:
+        if request.rng_after is not None:
+            restore_raw(request.rng_after)
         request.watch.close_forward()
         self._current = None
         request.done.set()
+
+    def _ended_here(self) -> None:
+        """The step is over (updated, halted or failed): the RNG streams as it leaves them, put back when the
+        iteration ends, so what the script draws between steps (its evaluation, the next batch) is not the step's."""
+        if self._current is not None and self._current.rng_after is None:
+            self._current.rng_after = capture_raw()
 
     def _halt(self) -> None:
         """The watch's fault, in the script's thread: the step stops here (StepHalted, caught where it would reach the
         script's code: our backward and optimizer.step); the rest of the iteration runs idle."""
         if self._current is not None:
+            self._ended_here()
             self._current.halted = True
             self._current.watch.stopped = True
         raise StepHalted
@@ -163,6 +178,7 @@ class RemoteStep:
     def _failed(self, error: Exception) -> None:
         """The step raised (an anomaly-mode backward, a probe): no more of it is applied, and the engine gets it."""
         if self._current is not None:
+            self._ended_here()
             self._current.error = error
             self._current.halted = True
             self._current.watch.stopped = True
@@ -185,5 +201,7 @@ class RemoteStep:
             except Exception as error:  # in the update or its hooks: the engine gets it, the script's loop goes on
                 self._failed(error)
                 return None
+            finally:
+                self._ended_here()
 
         optimizer.step = step

@@ -1,0 +1,144 @@
+"""A loop recorded as it is written (tests/user_loop/inline_script.py, nanoGPT's train.py shape): three added lines,
+nothing re-indented, no step function. The Recorder watches the model and optimizer while the script trains; a
+replay runs the script again and its own loop runs each step the replay asks for, fed the stored inputs."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import Workspace
+
+SCRIPT = Path(__file__).resolve().parent / "user_loop" / "inline_script.py"
+DIVERGING = ("--optim=sgd", "--learning_rate=30", "--max_iters=40", "--eval_interval=4")  # NaN at step 9; snapshots every 5 steps
+HAND_SOFTMAX = ("--softmax=hand", "--logit_scale=90")  # exp() overflows at the first step
+
+
+@pytest.fixture(scope="module")
+def project(tmp_path_factory) -> tuple[Workspace, Path]:
+    """The user's project folder (train.py) and a store beside it."""
+    workspace = Workspace(tmp_path_factory.mktemp("inline-loop"))
+    folder = workspace.path / "project"
+    folder.mkdir()
+    shutil.copy(SCRIPT, folder / "train.py")
+    return workspace, folder
+
+
+def _train(workspace: Workspace, folder: Path, *args: str, script: str = "train.py") -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, script, *args], cwd=folder, env=workspace.env(), capture_output=True, text=True,
+                          timeout=300)
+
+
+def _run_id(done: subprocess.CompletedProcess) -> str:
+    return re.search(r"recording run ([0-9a-f]{32})", done.stderr).group(1)
+
+
+@pytest.fixture(scope="module")
+def diverged(project) -> str:
+    workspace, folder = project
+    done = _train(workspace, folder, *DIVERGING)
+    assert done.returncode == 1, done.stderr[-2000:]
+    last = done.stderr.strip().splitlines()[-1]  # the script ends with the one line, not a traceback
+    assert last.startswith("replaybisect.NonFiniteStep: loss is nan at step 9") and "Traceback" not in done.stderr, done.stderr
+    return _run_id(done)
+
+
+def _tree(folder: Path) -> dict[str, bytes]:
+    return {str(path.relative_to(folder)): path.read_bytes() for path in sorted(folder.rglob("*")) if path.is_file()}
+
+
+def test_the_script_as_written_takes_three_lines_and_trains_the_same(project):
+    """The marked lines are all recording adds (none re-indented), and with them the script trains exactly as without."""
+    workspace, folder = project
+    lines = SCRIPT.read_text().splitlines()
+    added = [line for line in lines if line.endswith("# replaybisect")]
+    assert len(added) == 3 and all(not line.startswith(" ") for line in added)
+    (folder / "plain.py").write_text("\n".join(line for line in lines if not line.endswith("# replaybisect")) + "\n")
+    settings = ("--max_iters=12", "--dropout=0.1", "--out_dir=healthy")
+    plain, recorded = _train(workspace, folder, *settings, script="plain.py"), _train(workspace, folder, *settings)
+    assert plain.returncode == 0 and recorded.returncode == 0, recorded.stderr[-2000:]
+    losses = [line for line in plain.stdout.splitlines() if line.startswith(("iter ", "step "))]
+    assert len(losses) == 15 and losses == [line for line in recorded.stdout.splitlines() if line.startswith(("iter ", "step "))]
+    from replaybisect.restore import run_config
+
+    cfg = run_config(workspace.store(), _run_id(recorded))
+    assert cfg.train.script.path == str(folder / "train.py") and cfg.train.step_fn is None and cfg.train.build is None
+    (folder / "plain.py").unlink()
+
+
+def test_replay_nan_runs_the_scripts_loop_exactly_and_writes_nothing_in_its_folder(project, diverged):
+    workspace, folder = project
+    before = _tree(folder)
+    assert "out/ckpt.pt" in before  # the run's own checkpoint, saved at its evaluation
+    result = Workspace(folder).replay("nan", "--run-id", diverged, "--json", env=workspace.env())
+    assert result.returncode == 0, result.stderr
+    report = result.json()  # the script prints every iteration: none of it reaches our stdout
+    assert (report["reproduced"], report["snapshot_step"], report["failing_step"]) == ("exact", 5, 9)
+    assert report["category"] == "divergence", report["headline"]
+    assert report["isolation"]["state_unchanged"] and report["isolation"]["step_repeatable"]
+    assert _tree(folder) == before  # its checkpoints went to the replay's temp folder
+
+
+def test_ablate_runs_the_arms_in_the_scripts_loop_and_the_lr_arm_fixes_it(project, diverged, monkeypatch):
+    import replaybisect as rb
+
+    workspace, folder = project
+    monkeypatch.chdir(folder)
+    before = _tree(folder)
+    result = rb.ablate(diverged, ["lr", "clip", "precision"], horizon=60, workers=2, tracking_uri=workspace.tracking_uri,
+                       publish=False)
+    verdicts = result.verdicts()
+    assert result.baseline.verdict == "fails-again" and result.baseline.first_nonfinite_step == 9
+    assert verdicts["lr"] == "fixes" and verdicts["precision"] == "not-applicable", result.conclusion
+    lr_arm = next(arm for arm in result.arms if arm.name == "lr")
+    assert max(lr_arm.losses) == 40  # the script's loop ends at its own max_iters, short of the horizon: said, judged on that
+    assert any("the script's own loop ended after step 40" in warning for warning in result.warnings)
+    assert _tree(folder) == before
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_low_precision_runs_replay_exactly(project, dtype):
+    import replaybisect as rb
+
+    workspace, folder = project
+    done = _train(workspace, folder, *DIVERGING, f"--dtype={dtype}", f"--out_dir=out-{dtype}")
+    assert "replaybisect.NonFiniteStep" in done.stderr, done.stderr[-2000:]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.chdir(folder)
+        report = rb.find_nan(_run_id(done), tracking_uri=workspace.tracking_uri, publish=False)
+    assert report.reproduced == "exact", report.headline
+
+
+def test_a_hand_written_softmax_is_found_at_its_op(project):
+    import replaybisect as rb
+
+    workspace, folder = project
+    done = _train(workspace, folder, *HAND_SOFTMAX, "--out_dir=out-hand")
+    assert "replaybisect.NonFiniteStep: loss is inf at step 0" in done.stderr, done.stderr[-2000:]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.chdir(folder)
+        report = rb.find_nan(_run_id(done), tracking_uri=workspace.tracking_uri, publish=False)
+    assert report.category == "forward" and report.module == "(root) TinyLM", report.headline
+    assert report.op == "torch.log" and "subtract the max before exp" in report.suggestion
+
+
+def test_what_the_inline_form_refuses(tmp_path):
+    """One line each, before anything is recorded."""
+    import torch
+
+    import replaybisect as rb
+    from replaybisect.errors import ConfigError
+
+    model = torch.nn.Linear(2, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    with pytest.raises(ConfigError, match="pass the optimizer"):
+        rb.Recorder(model, None, tracking_uri=uri)
+    with pytest.raises(ConfigError, match="on_nonfinite"):
+        rb.Recorder(model, optimizer, on_nonfinite="continue", tracking_uri=uri)
+    assert not (tmp_path / "mlflow.db").exists()
