@@ -1,8 +1,9 @@
 """Recorder overhead on the user-loop API path: examples/own_loop/gpt_loop.py's hand-written GPT loop (causal
 attention, 4 micro-batches, AdamW, bf16 autocast) trained plain (`train_step(model, optimizer, batch)` called
-directly) and recorded (`rec.step(batch)`: metrics every step, snapshots every 100 steps with every batch in
-between, layer statistics every 50), each in its own process, alternating. Reported: the wall-time ratio
-recorded/plain of the training loop (median over repeats). Target (CheckFreq): <= 1.03; the user-loop path also
+directly), recorded (`rec.step(batch)`: metrics every step, snapshots every 100 steps with every batch in
+between, layer statistics every 50) and recorded inline (the same loop calling train_step itself, the Recorder
+given no step_fn: it watches the model's calls and the optimizer), each in its own process, alternating.
+Reported: the wall-time ratios recorded/plain and inline/plain of the training loop (median over repeats). Target (CheckFreq): <= 1.03; the user-loop path also
 pays a Tensor.backward patch and two global optimizer hooks per step.
 
     python benchmarks/user_loop_overhead.py [--steps 200] [--repeats 3] [--d 128] [--layers 4]
@@ -37,10 +38,14 @@ def child(mode: str, steps: int, d: int, layers: int, folder: str) -> None:
     model, optimizer = gpt_loop.build(cfg)
     generator = torch.Generator().manual_seed(0)
     batches = [gpt_loop.get_batch(cfg, generator) for _ in range(steps)]
-    if mode == "recorded":
+    if mode != "plain":
         os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{folder}/mlflow.db"
+    if mode == "recorded":
         rec = replaybisect.Recorder(model, optimizer, step_fn=gpt_loop.train_step, build=gpt_loop.build, config=cfg)
         step = rec.step
+    elif mode == "inline":  # the loop as written: train_step called by the loop, the Recorder watching
+        rec = replaybisect.Recorder(model, optimizer, config=cfg)
+        step = lambda batch: gpt_loop.train_step(model, optimizer, batch)  # noqa: E731
     else:
         step = lambda batch: gpt_loop.train_step(model, optimizer, batch)  # noqa: E731
     step(batches[0])  # warm-up outside the clock (first-call allocations; the recorder's step-0 snapshot is kept)
@@ -48,7 +53,7 @@ def child(mode: str, steps: int, d: int, layers: int, folder: str) -> None:
     for batch in batches[1:]:
         step(batch)
     loop_seconds = time.perf_counter() - started
-    if mode == "recorded":
+    if mode != "plain":
         closing = time.perf_counter()
         rec.close()
         close_seconds = time.perf_counter() - closing
@@ -63,26 +68,27 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--d", type=int, default=128)
     parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--child", choices=["plain", "recorded"])
+    parser.add_argument("--child", choices=["plain", "recorded", "inline"])
     parser.add_argument("--folder")
     args = parser.parse_args()
     if args.child:
         child(args.child, args.steps, args.d, args.layers, args.folder)
         return
-    times: dict[str, list[float]] = {"plain": [], "recorded": []}
+    times: dict[str, list[float]] = {"plain": [], "recorded": [], "inline": []}
     for _ in range(args.repeats):
-        for mode in ("plain", "recorded"):
+        for mode in times:
             with tempfile.TemporaryDirectory() as folder:
                 done = subprocess.run([sys.executable, __file__, "--child", mode, "--steps", str(args.steps), "--d", str(args.d),
                                        "--layers", str(args.layers), "--folder", folder],
                                       capture_output=True, text=True, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
                 result = json.loads(done.stdout.strip().splitlines()[-1])
                 times[mode].append(result["loop_seconds"])
-    ratios = [r / p for r, p in zip(times["recorded"], times["plain"])]
     print(f"user-loop recorder overhead, {args.steps} steps, d={args.d}, {args.layers} layers, 4 micro-batches, bf16 autocast")
     for mode, values in times.items():
         print(f"  {mode:9s} loop seconds: median {statistics.median(values):.2f}  ({', '.join(f'{v:.2f}' for v in values)})")
-    print(f"  ratio recorded/plain: median {statistics.median(ratios):.3f}  ({', '.join(f'{r:.3f}' for r in ratios)})")
+    for mode in ("recorded", "inline"):
+        ratios = [r / p for r, p in zip(times[mode], times["plain"])]
+        print(f"  ratio {mode}/plain: median {statistics.median(ratios):.3f}  ({', '.join(f'{r:.3f}' for r in ratios)})")
 
 
 if __name__ == "__main__":

@@ -142,3 +142,48 @@ def test_what_the_inline_form_refuses(tmp_path):
     with pytest.raises(ConfigError, match="on_nonfinite"):
         rb.Recorder(model, optimizer, on_nonfinite="continue", tracking_uri=uri)
     assert not (tmp_path / "mlflow.db").exists()
+
+
+def _status(workspace: Workspace, run_id: str) -> str:
+    return workspace.store().client.get_run(run_id).info.status
+
+
+def test_low_precision_is_noted_when_autocast_is_entered_before_the_models_call(project):
+    """The loop enters `with ctx:` before calling the model: the run's precision is still bf16, at its first step."""
+    from replaybisect.restore import run_config
+
+    workspace, folder = project
+    done = _train(workspace, folder, *HAND_SOFTMAX, "--dtype=bfloat16", "--out_dir=out-hand-bf16")
+    assert "replaybisect.NonFiniteStep" in done.stderr, done.stderr[-2000:]
+    assert run_config(workspace.store(), _run_id(done)).train.precision == "bf16"
+
+
+def test_a_script_that_crashes_fails_its_run_and_one_without_close_finishes_it(project):
+    workspace, folder = project
+    crashed = _train(workspace, folder, "--crash_at=3", "--max_iters=8", "--out_dir=out-crash")
+    assert crashed.returncode == 1 and "corrupt shard at iteration 3" in crashed.stderr
+    assert _status(workspace, _run_id(crashed)) == "FAILED"
+    lines = SCRIPT.read_text().splitlines()
+    (folder / "no_close.py").write_text("\n".join(line for line in lines if not line.startswith("rec.close()")) + "\n")
+    ended = _train(workspace, folder, "--max_iters=4", "--out_dir=out-no-close", script="no_close.py")
+    assert ended.returncode == 0, ended.stderr[-2000:]
+    run_id = _run_id(ended)
+    assert _status(workspace, run_id) == "FINISHED"
+    assert len(workspace.store().client.get_metric_history(run_id, "loss")) == 5  # iterations 0..4, the last closed at exit
+    (folder / "no_close.py").unlink()
+
+
+def test_a_loop_that_trains_outside_train_mode_is_told_at_its_first_step(tmp_path):
+    workspace = Workspace(tmp_path)
+    (tmp_path / "eval_loop.py").write_text(
+        "import torch, replaybisect\n"
+        "model = torch.nn.Linear(4, 1)\n"
+        "optimizer = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+        "rec = replaybisect.Recorder(model, optimizer)\n"
+        "model.eval()\n"
+        "for _ in range(3):\n"
+        "    model(torch.randn(8, 4)).pow(2).mean().backward()\n"
+        "    optimizer.step()\n")
+    done = _train(workspace, tmp_path, script="eval_loop.py")
+    assert done.returncode == 1 and "no training call of the model" in done.stderr, done.stderr[-2000:]
+    assert _status(workspace, _run_id(done)) == "FAILED"

@@ -128,6 +128,9 @@ class RemoteStep:
         so, and the script waits for the replay to end the process (its own exit would race the replay's result)."""
         self._ended = True
         if self._current is not None:
+            if not self._current.reached_update and self._current.error is None and not self._current.halted:
+                self._current.error = LoopEnded("the script's loop ended (it reached rec.close()) in the middle of a step, "
+                                                "before its optimizer step")
             self._complete(self._current)
         if self._started:
             threading.Event().wait()

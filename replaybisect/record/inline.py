@@ -24,7 +24,9 @@ import torch
 
 from replaybisect.core import loop, user_step
 from replaybisect.core.inline_step import micro_batch
+from replaybisect.core.config import needs_closure
 from replaybisect.core.step_watch import StepOutcome, StepWatch
+from replaybisect.errors import ConfigError
 
 
 @dataclass
@@ -43,27 +45,55 @@ class InlineRecording:
     """The steps of `recorder`'s loop, found by watching its model and optimizer (see the module's text)."""
 
     def __init__(self, recorder):
+        from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+        if needs_closure(recorder.state.optimizer):
+            raise ConfigError(f"{type(recorder.state.optimizer).__name__} re-evaluates the loss inside step(closure): "
+                              "without step_fn the recorder cannot tell its forwards from the next step's; pass step_fn=")
         self.recorder = recorder
         self.state = recorder.state
         self._open: Optional[_OpenStep] = None
         self._last_close = time.perf_counter()
-        self._handles = [self.state.model.register_forward_pre_hook(self._forward, with_kwargs=True),
-                         self.state.optimizer.register_step_pre_hook(self._reached_update)]
-        self._unwrap_scaler = self._watch_scaler_steps(self.state.scaler)
+        self._undo = [self._intercept_calls(self.state.model), self._watch_scaler_steps(self.state.scaler)]
+        optimizer = self.state.optimizer  # a global hook: nothing of ours in the optimizer's own state (deepcopy, pickle)
+        handle = register_optimizer_step_pre_hook(lambda stepping, args, kwargs: self._reached_update() if stepping is optimizer else None)
+        self._undo.append(handle.remove)
 
-    def _forward(self, module, args, kwargs):
-        if not (module.training and torch.is_grad_enabled()):
-            return None  # evaluation is no step
+    def _intercept_calls(self, model: torch.nn.Module):
+        """Every call of the model goes through `_forward` first, before the model's own hooks, as a replay feeds it
+        (core/inline_step.py). Kept out of copies and pickles of the model (nn.Module drops it from its state)."""
+        inner = model._compiled_call_impl
+        call_impl = inner or model._call_impl
+
+        def call(*args, **kwargs):
+            if model.training and torch.is_grad_enabled():  # evaluation is no step
+                self._forward(args, kwargs)
+            return call_impl(*args, **kwargs)
+
+        model._compiled_call_impl = call
+        return lambda: setattr(model, "_compiled_call_impl", inner)
+
+    def _forward(self, args: tuple, kwargs: dict) -> None:
         if self._open is not None and self._open.reached_update:
             self.close_step()
         if self._open is None:
             self._open = self._open_step()
+        self._note_autocast()
         self._open.record[user_step.RECORD_BATCH].append(user_step.copied(micro_batch(args, kwargs)))
-        return None
 
-    def _reached_update(self, *unused) -> None:
-        if self._open is not None:
-            self._open.reached_update = True
+    def _note_autocast(self) -> None:
+        """An autocast region the loop entered before the model's call (or once, around the whole loop) is the
+        run's precision too."""
+        seen, device = self.recorder._precision_seen, self.state.device.type
+        if seen is not None and torch.is_autocast_enabled(device):
+            seen.append({torch.bfloat16: "bf16", torch.float16: "fp16"}.get(torch.get_autocast_dtype(device), "fp32"))
+
+    def _reached_update(self) -> None:
+        if self._open is None:
+            raise ConfigError("the optimizer stepped with no training call of the model since its last step: the "
+                              "recorder sees a step through the model it was given, called in train mode with "
+                              "gradients on (model.train()); pass step_fn= for a loop that trains otherwise")
+        self._open.reached_update = True
 
     def _watch_scaler_steps(self, scaler):
         """A GradScaler that skips an overflowing update never calls `optimizer.step()`: its own `step` ends the
@@ -73,7 +103,8 @@ class InlineRecording:
         original = scaler.step
 
         def step(optimizer, *args, **kwargs):
-            self._reached_update()
+            if optimizer is self.state.optimizer:
+                self._reached_update()
             return original(optimizer, *args, **kwargs)
 
         scaler.step = step
@@ -122,9 +153,16 @@ class InlineRecording:
     def close(self) -> None:
         """The loop is over: its last step closed, the model and optimizer left as they were."""
         try:
-            if self._open is not None:
+            if self._open is not None and self._open.reached_update:  # a step the loop left half-done is no step
                 self.close_step()
         finally:
-            for handle in self._handles:
-                handle.remove()
-            self._unwrap_scaler()
+            self.remove()
+
+    def remove(self) -> None:
+        """Our watch off the model, optimizer and scaler (an open step's too): after close, or a failed run."""
+        current, self._open = self._open, None
+        if current is not None:
+            current.hooks_on.close()
+        for undo in self._undo:
+            undo()
+        self._undo = []

@@ -38,11 +38,14 @@ script again, and this Recorder hands the script's objects over at the first `re
 from __future__ import annotations
 
 import ast
+import atexit
 import contextlib
 import dataclasses
 import os
 import sys
+import threading
 import time
+import weakref
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -234,7 +237,12 @@ class Recorder:
         self._exit = contextlib.ExitStack()
         self._exit.enter_context(sigterm_raises())
         if inline:
-            self._inline = InlineRecording(self)
+            try:
+                self._inline = InlineRecording(self)
+            except ConfigError as error:
+                self._fail(error)
+                raise
+            _watch_unclosed(self)
 
     # ---- the loop ------------------------------------------------------------------------------------------
     def step(self, batch) -> float:
@@ -323,6 +331,8 @@ class Recorder:
         """Ctrl-C / SIGTERM: KILLED; anything else FAILED; what was recorded stays. Returns the one-line DiskFull to
         raise instead of `error`, if it is one."""
         try:
+            if self._inline is not None:
+                self._inline.remove()
             return self._session.fail(error)
         finally:
             self._exit.close()
@@ -399,6 +409,37 @@ def _named(stop: BaseException) -> str:
     return f"replaybisect.NonFiniteStep: {BaseException.__str__(stop)}"
 
 
+# Recorders watching a loop (no step_fn) whose run is not ended yet: the three-line form may leave out rec.close()
+_UNCLOSED: "weakref.WeakSet[Recorder]" = weakref.WeakSet()
+
+
+def _watch_unclosed(recorder: Recorder) -> None:
+    """A script that ends without `rec.close()` ends its run at exit: FINISHED, or FAILED (KILLED for Ctrl-C)
+    when an exception ended the script (one_line_failures' hook)."""
+    if not _UNCLOSED:
+        # before the interpreter's own exit handlers: concurrent.futures refuses new work from then on, and a run's
+        # last snapshot is written by a worker thread (threading's exit hooks run in reverse order of registration)
+        register = getattr(threading, "_register_atexit", atexit.register)
+        register(_close_unclosed)
+    _UNCLOSED.add(recorder)
+
+
+def _close_unclosed() -> None:
+    for recorder in list(_UNCLOSED):
+        if not recorder._session.ended:
+            with contextlib.suppress(Exception):
+                recorder.close()
+    _UNCLOSED.clear()
+
+
+def _fail_unclosed(error: BaseException) -> None:
+    for recorder in list(_UNCLOSED):
+        if not recorder._session.ended:
+            with contextlib.suppress(Exception):
+                recorder._fail(error)
+    _UNCLOSED.clear()
+
+
 def one_line_failures() -> None:
     """A script that lets NonFiniteStep end it (a Trainer's fit, a bare loop) ends with its one line, the answer
     and the next command, instead of a traceback through the framework; REPLAYBISECT_FULL_ERROR=1 shows it all."""
@@ -407,6 +448,7 @@ def one_line_failures() -> None:
     previous = sys.excepthook
 
     def excepthook(kind, error, trace) -> None:
+        _fail_unclosed(error)  # a loop's run left open by the exception that ended the script
         if issubclass(kind, NonFiniteStep) and os.environ.get(FULL_ERROR) != "1":
             print(_named(error) if not str(error).startswith("replaybisect.") else error, file=sys.stderr)
             return

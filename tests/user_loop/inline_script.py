@@ -34,6 +34,7 @@ softmax = "torch"  # hand: exp(logits) / sum(exp(logits)), without subtracting t
 logit_scale = 1.0
 optim = "adamw"  # or sgd (momentum 0.9)
 seed = 1337
+crash_at = -1  # a data error at this iteration (a bug of the script's, not a NaN)
 config_keys = [k for k, v in globals().items() if not k.startswith("_") and isinstance(v, (int, float, str))]
 for argument in sys.argv[1:]:  # nanoGPT's configurator, in short
     key, value = argument[2:].split("=")
@@ -114,6 +115,8 @@ while True:
             best_val_loss = val_loss
             torch.save({"model": model.state_dict(), "iter_num": iter_num}, os.path.join(out_dir, "ckpt.pt"))
     for micro_step in range(gradient_accumulation_steps):
+        if iter_num == crash_at:
+            raise RuntimeError(f"corrupt shard at iteration {iter_num}")
         with ctx:
             logits, loss = model(X, Y)
             loss = loss / gradient_accumulation_steps

@@ -483,6 +483,9 @@ def judge_arm(arm: ArmOutcome, failing_step: Optional[int], baseline_failed: boo
             arm.verdict, arm.reason = "no-effect", "finite, as the baseline"
         return
     through = min(max(arm.losses, default=end - 1), end - 1)  # the last step run (a script's loop may end sooner)
+    if first is None and through <= failing_step:
+        arm.verdict, arm.reason = "inconclusive", f"the arm ran to step {through} only, not past the failing step {failing_step}"
+        return
     if first is None:
         if blown:
             arm.verdict = "delays"
