@@ -48,13 +48,15 @@ class LayerStats:
 
     def _zero_hook(self, name):
         def hook(module, inputs, output):
-            self._pending[f"act_zero_frac/{name}"] = (output.detach() == 0).float().mean()
+            if torch.is_grad_enabled():  # a training forward, not an evaluation the loop runs between its steps
+                self._pending[f"act_zero_frac/{name}"] = (output.detach() == 0).float().mean()
 
         return hook
 
     def _saturation_hook(self, name):
         def hook(module, inputs, output):
-            self._pending[f"act_sat_frac/{name}"] = (inputs[0].detach().abs() > SATURATION_PREACT).float().mean()
+            if torch.is_grad_enabled():
+                self._pending[f"act_sat_frac/{name}"] = (inputs[0].detach().abs() > SATURATION_PREACT).float().mean()
 
         return hook
 
