@@ -31,6 +31,24 @@ class LoopEnded(ReplayError):
     """The script's loop ended (it reached `rec.close()`) while the replay wanted another step."""
 
 
+def intercept_training_calls(model: torch.nn.Module, on_call: Callable[[tuple, dict], tuple[tuple, dict]]) -> Callable[[], None]:
+    """Every training call of `model` (train mode, gradients on) goes through `on_call(args, kwargs)`, which returns
+    the inputs the model then runs on; returns what undoes it. It runs before the model's own pre-hooks: hooks a
+    probe adds or removes there (the root module's too) are seen whole, never mid-dispatch. Through the attribute
+    nn.Module.__call__ runs when set (Module.compile sets it too; kept: wrapped), which nn.Module leaves out of its
+    copies and pickles."""
+    inner = model._compiled_call_impl
+    call_impl = inner or model._call_impl
+
+    def call(*args, **kwargs):
+        if model.training and torch.is_grad_enabled():  # evaluation is the script's own business
+            args, kwargs = on_call(args, kwargs)
+        return call_impl(*args, **kwargs)
+
+    model._compiled_call_impl = call
+    return lambda: setattr(model, "_compiled_call_impl", inner)
+
+
 def micro_batch(args: tuple, kwargs: dict) -> dict[str, Any]:
     """One training forward's inputs as a recorded step stores them."""
     return {ARGS: tuple(args), KWARGS: dict(kwargs)}
@@ -60,7 +78,7 @@ class RemoteStep:
         self._requests: "queue.Queue[_Request]" = queue.Queue()
         self._current: Optional[_Request] = None
         self._watch: Optional[StepWatch] = None
-        self._intercept_calls(model)
+        intercept_training_calls(model, self._inputs)
         self._skip_halted_updates(optimizer)
         self._note_scaler_steps(scaler)
 
@@ -92,19 +110,6 @@ class RemoteStep:
         return None
 
     # ---- the script's side --------------------------------------------------------------------------------
-    def _intercept_calls(self, model: torch.nn.Module) -> None:
-        """Every call of the model goes through `_inputs` first. Not a forward pre-hook: a step's forward region (a
-        probe's module hooks, the root module's among them) opens and closes there, and hooks added or removed
-        while the model runs its own pre-hooks would be missed or called stale."""
-        inner = model._compiled_call_impl or model._call_impl  # the module's call, hooks and all (a compiled one too)
-
-        def call(*args, **kwargs):
-            if model.training and torch.is_grad_enabled():  # evaluation is the script's own business
-                args, kwargs = self._inputs(args, kwargs)
-            return inner(*args, **kwargs)
-
-        model._compiled_call_impl = call  # what nn.Module.__call__ runs when set (Module.compile sets it too)
-
     def _inputs(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         """The stored inputs for this training forward, taking the next request when a step is over."""
         if not self._started:

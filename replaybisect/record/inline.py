@@ -23,7 +23,7 @@ from typing import Optional
 import torch
 
 from replaybisect.core import loop, user_step
-from replaybisect.core.inline_step import micro_batch
+from replaybisect.core.inline_step import intercept_training_calls, micro_batch
 from replaybisect.core.config import needs_closure
 from replaybisect.core.step_watch import StepOutcome, StepWatch
 from replaybisect.errors import ConfigError
@@ -54,32 +54,21 @@ class InlineRecording:
         self.state = recorder.state
         self._open: Optional[_OpenStep] = None
         self._last_close = time.perf_counter()
-        self._undo = [self._intercept_calls(self.state.model), self._watch_scaler_steps(self.state.scaler)]
+        self._undo = [intercept_training_calls(self.state.model, self._forward), self._watch_scaler_steps(self.state.scaler)]
         optimizer = self.state.optimizer  # a global hook: nothing of ours in the optimizer's own state (deepcopy, pickle)
         handle = register_optimizer_step_pre_hook(lambda stepping, args, kwargs: self._reached_update() if stepping is optimizer else None)
         self._undo.append(handle.remove)
 
-    def _intercept_calls(self, model: torch.nn.Module):
-        """Every call of the model goes through `_forward` first, before the model's own hooks, as a replay feeds it
-        (core/inline_step.py). Kept out of copies and pickles of the model (nn.Module drops it from its state)."""
-        inner = model._compiled_call_impl
-        call_impl = inner or model._call_impl
-
-        def call(*args, **kwargs):
-            if model.training and torch.is_grad_enabled():  # evaluation is no step
-                self._forward(args, kwargs)
-            return call_impl(*args, **kwargs)
-
-        model._compiled_call_impl = call
-        return lambda: setattr(model, "_compiled_call_impl", inner)
-
-    def _forward(self, args: tuple, kwargs: dict) -> None:
+    def _forward(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """A training call of the model: the step it belongs to (opened if the last one reached its update), its
+        inputs stored; the model runs on them unchanged."""
         if self._open is not None and self._open.reached_update:
             self.close_step()
         if self._open is None:
             self._open = self._open_step()
         self._note_autocast()
         self._open.record[user_step.RECORD_BATCH].append(user_step.copied(micro_batch(args, kwargs)))
+        return args, kwargs
 
     def _note_autocast(self) -> None:
         """An autocast region the loop entered before the model's call (or once, around the whole loop) is the
