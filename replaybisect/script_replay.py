@@ -165,7 +165,8 @@ def _result(job: dict[str, Any], code: int, output: Path, script: dict[str, Any]
                           "without a result (killed, out of memory?)" + (f": {_last_line(output)}" if _last_line(output) else ""))
     if "ended" in result and result.get("during_replay"):  # a loop recorded as written ran the replay's steps
         raise ReplayError(f"{name}, run again for the replay, stopped while its loop ran the replay's steps "
-                          f"({result['ended']}); make the script skip it when replaybisect.replaying() is True")
+                          f"({result['ended']}); where the script's own code between steps raised it (a write into "
+                          f"your folders, a check of the loss), skip that code when replaybisect.replaying() is True")
     if "ended" in result:  # the script never reached its first step
         raise ReplayError(f"{name}, run again for the replay, ended before its first rec.step ({result['ended']}); "
                           "replay from the run's folder with the files it reads, or see what the script needs")
