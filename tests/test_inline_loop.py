@@ -187,3 +187,15 @@ def test_a_loop_that_trains_outside_train_mode_is_told_at_its_first_step(tmp_pat
     done = _train(workspace, tmp_path, script="eval_loop.py")
     assert done.returncode == 1 and "no training call of the model" in done.stderr, done.stderr[-2000:]
     assert _status(workspace, _run_id(done)) == "FAILED"
+
+
+def test_a_loop_that_stops_itself_on_a_nan_loss_is_told_to_skip_that_check_in_a_replay(project):
+    """The recording stops at the NaN before the script's own check runs; a replay halts the step and the script's
+    code after it sees the NaN loss and ends the loop: one line says which check to skip."""
+    workspace, folder = project
+    done = _train(workspace, folder, *DIVERGING, "--stop_on_nan=1", "--out_dir=out-stop")
+    assert "replaybisect.NonFiniteStep: loss is nan at step 9" in done.stderr, done.stderr[-2000:]
+    result = Workspace(folder).replay("nan", "--run-id", _run_id(done), env=workspace.env())
+    lines = [line for line in result.stderr.splitlines() if line.startswith("replay: error")]
+    assert result.returncode == 2 and len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
+    assert "right after a step the replay halted" in lines[0] and "replaybisect.replaying()" in lines[0]

@@ -75,6 +75,7 @@ class RemoteStep:
         self._start = start  # hands the live objects to the replay (in a thread of its own), at the first forward
         self._started = False
         self._ended = False
+        self._ended_after_halt = False  # the loop's last iteration ran a step the replay halted
         self._requests: "queue.Queue[_Request]" = queue.Queue()
         self._current: Optional[_Request] = None
         self._watch: Optional[StepWatch] = None
@@ -95,6 +96,10 @@ class RemoteStep:
         if not isinstance(batch, list) or not all(isinstance(item, dict) and ARGS in item for item in batch):
             raise ReplayError("a stored step of this run holds no model inputs (it was recorded with step_fn=); the "
                               "snapshot does not match this Recorder: re-record the run")
+        if self._ended and self._ended_after_halt:
+            raise LoopEnded("the script's loop ended (it reached rec.close()) right after a step the replay halted: its own "
+                            "code after the step saw the halted step's values (a NaN loss, no gradients) and stopped; skip "
+                            "that check when replaybisect.replaying() is True")
         if self._ended:
             raise LoopEnded("the script's loop ended (it reached rec.close()) before the replay ran every step it needs; "
                             "let the script run more iterations (its own iteration limit counts from 0 again in a replay)")
@@ -132,6 +137,7 @@ class RemoteStep:
         """The script's loop is over (`rec.close()`): the step in hand ends here, a replay asking for another is told
         so, and the script waits for the replay to end the process (its own exit would race the replay's result)."""
         self._ended = True
+        self._ended_after_halt = self._current is not None and self._current.halted
         if self._current is not None:
             if not self._current.reached_update and self._current.error is None and not self._current.halted:
                 self._current.error = LoopEnded("the script's loop ended (it reached rec.close()) in the middle of a step, "

@@ -35,6 +35,7 @@ logit_scale = 1.0
 optim = "adamw"  # or sgd (momentum 0.9)
 seed = 1337
 crash_at = -1  # a data error at this iteration (a bug of the script's, not a NaN)
+stop_on_nan = 0  # 1: the loop ends itself on a non-finite loss
 config_keys = [k for k, v in globals().items() if not k.startswith("_") and isinstance(v, (int, float, str))]
 for argument in sys.argv[1:]:  # nanoGPT's configurator, in short
     key, value = argument[2:].split("=")
@@ -130,6 +131,8 @@ while True:
     optimizer.zero_grad(set_to_none=True)
     lossf = loss.item() * gradient_accumulation_steps
     print(f"iter {iter_num}: loss {lossf:.4f}, lr {lr:.4g}")
+    if stop_on_nan and not math.isfinite(lossf):
+        break
     iter_num += 1
     if iter_num > max_iters:
         break
