@@ -170,6 +170,15 @@ def test_a_script_that_crashes_fails_its_run_and_one_without_close_finishes_it(p
     run_id = _run_id(ended)
     assert _status(workspace, run_id) == "FINISHED"
     assert len(workspace.store().client.get_metric_history(run_id, "loss")) == 5  # iterations 0..4, the last closed at exit
+    # its replay: an ablation arm that reaches the end of the script's loop is judged on the steps it ran, as with close
+    import replaybisect as rb
+
+    diverged = _train(workspace, folder, *DIVERGING, "--out_dir=out-no-close-nan", script="no_close.py")
+    assert "loss is nan at step 9" in diverged.stderr, diverged.stderr[-2000:]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.chdir(folder)
+        result = rb.ablate(_run_id(diverged), ["lr"], horizon=60, workers=1, tracking_uri=workspace.tracking_uri, publish=False)
+    assert result.verdicts() == {"lr": "fixes"}, result.conclusion
     (folder / "no_close.py").unlink()
 
 

@@ -83,6 +83,21 @@ def hand_over(parts: dict[str, Any]) -> None:
     _takeover(parts)
 
 
+_script_end: Optional[Callable[[], None]] = None  # what a re-entered script's loop end means to its replay
+
+
+def at_script_end(function: Callable[[], None]) -> None:
+    """A loop recorded as written (core/inline_step.py): the script ending without `rec.close()` ends its loop."""
+    global _script_end
+    _script_end = function
+
+
+def script_ended() -> None:
+    """The re-entered script ran to its end after the hand-over: tell its replay (which may then end the process)."""
+    if _script_end is not None:
+        _script_end()
+
+
 def taken_over() -> bool:
     """The script handed its objects over (its loop may run on for a replay of a loop recorded as written)."""
     return _live is not None

@@ -203,6 +203,7 @@ class Recorder:
             if inline:  # the script's loop runs each step the replay asks for (core/inline_step.py)
                 self._remote = RemoteStep(model, parts["optimizer"], scaler, lambda: reentry.hand_over(self._handover))
                 self._handover["step_fn"] = self._remote
+                reentry.at_script_end(self._remote.script_done)  # a script without rec.close() ends its loop there
             self.run_id, self.store, self.steps_taken, self.last_loss = reentry.replayed_run_id(), None, 0, None
             return
         if inline and on_nonfinite != "stop":

@@ -27,13 +27,16 @@ def main() -> None:
     _redirect_torch_save_under(job["protect"], Path(job["script"]["scratch"]) / "saved")
     reentry.set_takeover(lambda parts: _take_over(job, progress), job["run_id"])
     os.chdir(job["script"]["cwd"])  # started in the replay's temp folder: our own imports came from nowhere of the script's
-    failure = _run_script(job["script"])
+    failure, clean = _run_script(job["script"])
+    if clean and reentry.taken_over():
+        reentry.script_ended()  # a loop recorded as written ended without rec.close(): its replay is told so
     _finish(job, progress, {"ended": failure, "during_replay": reentry.taken_over()})
     os._exit(3)
 
 
-def _run_script(script: dict[str, Any]) -> str:
-    """Run the script as its run did; it returns only if the script ends without reaching `rec.step`: why."""
+def _run_script(script: dict[str, Any]) -> tuple[str, bool]:
+    """Run the script as its run did; it returns only if the script ends without reaching `rec.step` (or, for a loop
+    recorded as written, ends its loop): why, and whether it ended cleanly (its end, or exit status 0)."""
     sys.argv = [script["path"], *script["args"]]
     if script.get("hydra"):  # Hydra writes its output folder before the script's first line: in the replay's temp folder
         sys.argv += reentry.hydra_overrides(Path(script["scratch"]) / "hydra")
@@ -45,10 +48,10 @@ def _run_script(script: dict[str, Any]) -> str:
             sys.path[0] = str(Path(script["path"]).parent)  # as `python script.py` does
             runpy.run_path(script["path"], run_name="__main__")
     except SystemExit as stop:
-        return f"it exited (status {stop.code})"
+        return f"it exited (status {stop.code})", stop.code in (0, None)
     except BaseException as error:
-        return f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
-    return "it ended"
+        return f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}", False
+    return "it ended", True
 
 
 def _take_over(job: dict[str, Any], progress) -> None:
