@@ -362,16 +362,20 @@ def autocast_off():
         autocast.__enter__ = original
 
 
+def precision_name(dtype: torch.dtype) -> str:
+    """The run's precision an autocast dtype stands for."""
+    return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "fp32")
+
+
 @contextlib.contextmanager
 def noting_precision(seen: list[str]):
     """Notes the dtype of every enabled autocast region entered inside (fp32: none was): a run's precision."""
     autocast = torch.amp.autocast_mode.autocast
     original = autocast.__enter__
-    names = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 
     def enter_noting(self):
         if self._enabled:
-            seen.append(names.get(self.fast_dtype, "fp32"))
+            seen.append(precision_name(self.fast_dtype))
         return original(self)
 
     autocast.__enter__ = enter_noting

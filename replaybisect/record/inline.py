@@ -75,7 +75,7 @@ class InlineRecording:
         run's precision too."""
         seen, device = self.recorder._precision_seen, self.state.device.type
         if seen is not None and torch.is_autocast_enabled(device):
-            seen.append({torch.bfloat16: "bf16", torch.float16: "fp16"}.get(torch.get_autocast_dtype(device), "fp32"))
+            seen.append(user_step.precision_name(torch.get_autocast_dtype(device)))
 
     def _reached_update(self) -> None:
         if self._open is None:
