@@ -15,6 +15,7 @@ import pytest
 from conftest import Workspace
 
 SCRIPT = Path(__file__).resolve().parent / "user_loop" / "inline_script.py"
+WLM_SCRIPT = SCRIPT.with_name("wlm_script.py")  # word_language_model's main.py shape: updates by hand, carries its hidden state
 DIVERGING = ("--optim=sgd", "--learning_rate=30", "--max_iters=40", "--eval_interval=4")  # NaN at step 9; snapshots every 5 steps
 HAND_SOFTMAX = ("--softmax=hand", "--logit_scale=90")  # exp() overflows at the first step
 
@@ -137,8 +138,8 @@ def test_what_the_inline_form_refuses(tmp_path):
     model = torch.nn.Linear(2, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    with pytest.raises(ConfigError, match="pass the optimizer"):
-        rb.Recorder(model, None, tracking_uri=uri)
+    with pytest.raises(ConfigError, match="pass no build="):
+        rb.Recorder(model, optimizer, build=lambda config: (model, optimizer), tracking_uri=uri)
     with pytest.raises(ConfigError, match="on_nonfinite"):
         rb.Recorder(model, optimizer, on_nonfinite="continue", tracking_uri=uri)
     assert not (tmp_path / "mlflow.db").exists()
@@ -208,3 +209,74 @@ def test_a_loop_that_stops_itself_on_a_nan_loss_is_told_to_skip_that_check_in_a_
     lines = [line for line in result.stderr.splitlines() if line.startswith("replay: error")]
     assert result.returncode == 2 and len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
     assert "right after a step the replay halted" in lines[0] and "replaybisect.replaying()" in lines[0]
+
+
+# ---- word_language_model's main.py as written ----------------------------------------------------------------------
+def _losses(done: subprocess.CompletedProcess) -> list[str]:
+    return [line for line in done.stdout.splitlines() if " batches " in line]
+
+
+def test_word_language_model_as_written_records_replays_and_its_lr_arm_fixes_what_plain_pytorch_fixes(tmp_path):
+    """No optimizer (the update by hand), the hidden state repackaged each chunk, the loss taken outside the model,
+    an evaluation and a checkpoint written with open() each epoch: three added lines; the replay is exact and
+    names the divergence; the lr arm recomputes its own hidden states and fixes it, as the script itself at a tenth
+    of the lr trains through the arm's horizon."""
+    import replaybisect as rb
+
+    workspace = Workspace(tmp_path)
+    folder = tmp_path / "wlm"
+    folder.mkdir()
+    shutil.copy(WLM_SCRIPT, folder / "main.py")
+    lines = WLM_SCRIPT.read_text().splitlines()
+    added = [line for line in lines if line.endswith("# replaybisect")]
+    assert len(added) == 3 and all(not line.startswith(" ") for line in added)
+    (folder / "plain.py").write_text("\n".join(line for line in lines if not line.endswith("# replaybisect")) + "\n")
+    plain, recorded = (_train(workspace, folder, "--lr=20", "--epochs=2", script=name) for name in ("plain.py", "main.py"))
+    assert recorded.returncode == 0 and len(_losses(plain)) == 20 and _losses(plain) == _losses(recorded), recorded.stderr[-2000:]
+
+    diverged = _train(workspace, folder, "--lr=210", "--epochs=40", script="main.py")
+    assert "replaybisect.NonFiniteStep: loss is nan at step 17" in diverged.stderr, diverged.stderr[-2000:]
+    run_id = _run_id(diverged)
+    before = _tree(folder)
+    assert "model.pt" in before  # saved at the end of the first epoch
+    with pytest.MonkeyPatch.context() as patch:
+        patch.chdir(folder)
+        report = rb.find_nan(run_id, tracking_uri=workspace.tracking_uri, publish=False)
+        assert (report.reproduced, report.snapshot_step, report.category) == ("exact", 16, "divergence"), report.headline
+        result = rb.ablate(run_id, ["lr", "clip"], horizon=60, workers=2, tracking_uri=workspace.tracking_uri, publish=False)
+    verdicts = result.verdicts()
+    assert verdicts["lr"] == "fixes" and verdicts["clip"] != "fixes", result.conclusion
+    assert _tree(folder) == before  # its checkpoints went to the replay's temp folder
+
+    tenth = _train(workspace, folder, "--lr=21", "--epochs=8", script="plain.py")  # 80 steps: past the arm's horizon
+    assert len(_losses(tenth)) == 80 and "nan" not in tenth.stdout and "inf" not in tenth.stdout
+
+
+def test_a_float_the_loop_changes_between_steps_is_set_again_in_a_replay(tmp_path):
+    """The loop's own lr grows every step and is applied by hand: a replay from a snapshot sets the recorded value
+    again before each step (its script starts counting from its first value), so its losses are exact."""
+    import replaybisect as rb
+
+    workspace = Workspace(tmp_path)
+    (tmp_path / "warmup.py").write_text(
+        "import torch, replaybisect\n"
+        "torch.manual_seed(0)\n"
+        "model = torch.nn.Linear(4, 1)\n"
+        "x = torch.randn(64, 4)\n"
+        "y = x.sum(1, keepdim=True)\n"
+        "rec = replaybisect.Recorder(model, snapshot_every=3)\n"
+        "lr = 0.01\n"
+        "for step in range(100):\n"
+        "    model.zero_grad()\n"
+        "    loss = torch.nn.functional.mse_loss(model(x), y)\n"
+        "    loss.backward()\n"
+        "    for p in model.parameters():\n"
+        "        p.data.add_(p.grad, alpha=-lr)\n"
+        "    lr *= 1.5\n")
+    done = _train(workspace, tmp_path, script="warmup.py")
+    failing = int(re.search(r"loss is (?:nan|inf) at step (\d+)", done.stderr).group(1))
+    assert failing > 6, done.stderr[-2000:]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.chdir(tmp_path)
+        report = rb.find_nan(_run_id(done), tracking_uri=workspace.tracking_uri, publish=False)
+    assert report.reproduced == "exact" and report.snapshot_step > 0 and report.category == "divergence", report.headline

@@ -99,7 +99,8 @@ def test_a_changed_script_is_said_and_an_untrusted_one_is_not_run(recorded, monk
 
 def test_writes_into_protected_folders_are_refused_and_reads_are_not(tmp_path):
     """The guard a re-entered script runs under, in a process of its own (audit hooks cannot be removed); a checkpoint
-    saved with torch.save goes to the replay's temp folder instead, so the script's loop goes on."""
+    saved with torch.save, or into a file the script opens for writing, goes to the replay's temp folder instead, so
+    the script's loop goes on."""
     protected, free = tmp_path / "project", tmp_path / "scratch"
     protected.mkdir()
     free.mkdir()
@@ -108,9 +109,9 @@ def test_writes_into_protected_folders_are_refused_and_reads_are_not(tmp_path):
 import os, torch
 from pathlib import Path
 from replaybisect.core import reentry
-from replaybisect.verbs.script_child import _redirect_torch_save_under
+from replaybisect.verbs.script_child import _redirect_saves_under
 reentry.refuse_writes_under([Path({str(protected)!r})])
-_redirect_torch_save_under([{str(protected)!r}], Path({str(free / "saved")!r}))
+_redirect_saves_under([{str(protected)!r}], Path({str(free / "saved")!r}))
 def refused(action):
     try:
         action()
@@ -120,12 +121,14 @@ def refused(action):
     return False
 p = Path({str(protected)!r})
 assert (p / "data.txt").read_text() == "tokens"
-assert refused(lambda: open(p / "new.txt", "w"))
-assert refused(lambda: open(p / "data.txt", "a"))
+assert refused(lambda: (p / "new.txt").write_text("x"))
+assert refused(lambda: os.open(p / "data.txt", os.O_WRONLY))
 assert refused(lambda: os.remove(p / "data.txt"))
 assert refused(lambda: os.rename(p / "data.txt", {str(free / "moved.txt")!r}))
 assert refused(lambda: os.mkdir(p / "out"))
 torch.save({{"step": 3}}, p / "out" / "ckpt.pt")  # redirected, its folder made there
+with open(p / "model.pt", "wb") as f:  # word_language_model's way: redirected too
+    torch.save({{"step": 4}}, f)
 os.makedirs(p, exist_ok=True)  # an existing folder, as scripts create out_dir: not an error
 torch.save({{}}, {str(free / "ckpt.pt")!r})
 open({str(free / "log.txt")!r}, "w").write("free")
@@ -138,6 +141,7 @@ print("ok")
     import torch
 
     assert torch.load(free / "saved" / "project" / "out" / "ckpt.pt") == {"step": 3}
+    assert torch.load(free / "saved" / "project" / "model.pt") == {"step": 4}
 
 
 def test_ablate_runs_each_arm_in_the_script_and_the_lr_arm_fixes_it(recorded, monkeypatch):

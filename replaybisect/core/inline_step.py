@@ -20,20 +20,24 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from replaybisect.core import outside_model
 from replaybisect.core.rng import capture_raw, restore_raw
 from replaybisect.core.step_watch import StepHalted, StepWatch
 from replaybisect.errors import ReplayError
 
-ARGS, KWARGS = "args", "kwargs"  # a stored micro-batch: one training forward's arguments
+# a stored micro-batch: one training forward's arguments; the targets its loss met outside the model and which of its
+# inputs carried the previous call's outputs (core/outside_model.py)
+ARGS, KWARGS, OUTSIDE, CARRIED = "args", "kwargs", "outside", "carried"
 
 
 class LoopEnded(ReplayError):
     """The script's loop ended (it reached `rec.close()`) while the replay wanted another step."""
 
 
-def intercept_training_calls(model: torch.nn.Module, on_call: Callable[[tuple, dict], tuple[tuple, dict]]) -> Callable[[], None]:
+def intercept_training_calls(model: torch.nn.Module, on_call: Callable[[tuple, dict], tuple[tuple, dict]],
+                             on_return: Callable[[Any], None]) -> Callable[[], None]:
     """Every training call of `model` (train mode, gradients on) goes through `on_call(args, kwargs)`, which returns
-    the inputs the model then runs on; returns what undoes it. It runs before the model's own pre-hooks: hooks a
+    the inputs the model then runs on, and `on_return(outputs)` after it; returns what undoes it. It runs before the model's own pre-hooks: hooks a
     probe adds or removes there (the root module's too) are seen whole, never mid-dispatch. Through the attribute
     nn.Module.__call__ runs when set (Module.compile sets it too; kept: wrapped), which nn.Module leaves out of its
     copies and pickles."""
@@ -41,9 +45,12 @@ def intercept_training_calls(model: torch.nn.Module, on_call: Callable[[tuple, d
     call_impl = inner or model._call_impl
 
     def call(*args, **kwargs):
-        if model.training and torch.is_grad_enabled():  # evaluation is the script's own business
-            args, kwargs = on_call(args, kwargs)
-        return call_impl(*args, **kwargs)
+        if not (model.training and torch.is_grad_enabled()):  # evaluation is the script's own business
+            return call_impl(*args, **kwargs)
+        args, kwargs = on_call(args, kwargs)
+        outputs = call_impl(*args, **kwargs)
+        on_return(outputs)
+        return outputs
 
     model._compiled_call_impl = call
     return lambda: setattr(model, "_compiled_call_impl", inner)
@@ -58,6 +65,8 @@ def micro_batch(args: tuple, kwargs: dict) -> dict[str, Any]:
 class _Request:
     micro_batches: list
     watch: StepWatch
+    numbers: Any = None  # the floats the loop read as the recorded step opened (outside_model.loop_numbers)
+    params_at_halt: Optional[list] = None  # updating by hand: the parameters as a halted step left them
     forwards: int = 0
     reached_update: bool = False  # the script called optimizer.step() (or its GradScaler's step): the next forward is the next step's
     halted: bool = False
@@ -71,7 +80,8 @@ class RemoteStep:
     micro-batches, it has the script's loop run them and returns when the iteration is over. It takes `scheduler`
     (see user_step.steps_scheduler_itself): the script's loop steps its own scheduler."""
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scaler, start: Callable[[], None]):
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scaler, start: Callable[[], None],
+                 updates_by_hand: bool = False):
         self._start = start  # hands the live objects to the replay (in a thread of its own), at the first forward
         self._started = False
         self._ended = False
@@ -79,18 +89,26 @@ class RemoteStep:
         self._requests: "queue.Queue[_Request]" = queue.Queue()
         self._current: Optional[_Request] = None
         self._watch: Optional[StepWatch] = None
-        intercept_training_calls(model, self._inputs)
+        self._numbers = None
+        self._model, self._optimizer = model, optimizer
+        self._manual = updates_by_hand  # the optimizer is a user_step.ManualUpdate: the loop updates by hand
+        self._stored_targets: list = []
+        self._targets: Optional[outside_model.LossInputs] = None
+        intercept_training_calls(model, self._inputs, self._returned)
         self._skip_halted_updates(optimizer)
         self._note_scaler_steps(scaler)
 
     # ---- the engine's side --------------------------------------------------------------------------------
-    def attach(self, watch: StepWatch) -> None:
-        """The watch of the step about to be asked for (user_step.run). A halt marks the step instead of raising
-        into the script's code: the script's loop must go on to the next request."""
+    def attach(self, watch: StepWatch, numbers: Any) -> None:
+        """The watch of the step about to be asked for, and the floats the loop read as it was recorded (user_step.run).
+        A halt marks the step instead of raising into the script's code: the script's loop must go on to the next
+        request."""
         self._watch = watch
+        self._numbers = numbers
         if watch.on_fault is not None:
             watch.on_fault = self._halt
         watch.on_error = self._failed
+        watch.on_loss = self._end_targets
 
     def __call__(self, batch, scheduler=None):
         if not isinstance(batch, list) or not all(isinstance(item, dict) and ARGS in item for item in batch):
@@ -105,7 +123,7 @@ class RemoteStep:
                             "let the script run more iterations (its own iteration limit counts from 0 again in a replay)")
         watch, self._watch = self._watch, None
         watch.close_forward()  # opened in this thread; the script's thread opens its own around its forwards
-        request = _Request(batch, watch)
+        request = _Request(batch, watch, self._numbers)
         self._requests.put(request)
         request.done.wait()
         if request.error is not None:
@@ -120,26 +138,51 @@ class RemoteStep:
         if not self._started:
             self._started = True
             threading.Thread(target=self._start, name="replaybisect-replay", daemon=True).start()
+        self._end_targets()
         current = self._current
-        if current is not None and current.reached_update:
+        if current is not None and self._update_reached(current):
             self._complete(current)
             current = None
         if current is None:
             current = self._current = self._requests.get()
+            outside_model.set_loop_numbers(outside_model.loop_frame(), current.numbers)
             current.watch.open_forward()
         # a step the recording stopped part-way (its first non-finite loss) stored the micro-batches it reached; reused
         # past the failure (an ablation arm), it feeds them again in turn
         stored = current.micro_batches[current.forwards % len(current.micro_batches)]
         current.forwards += 1
-        return tuple(stored[ARGS]), dict(stored[KWARGS])
+        carry = current.watch.state.carry or {}
+        args, kwargs = outside_model.fed_inputs((tuple(stored[ARGS]), dict(stored[KWARGS])), stored.get(CARRIED),
+                                                carry.get(outside_model.CARRIED_OUTPUTS, []))
+        self._stored_targets = list(stored.get(OUTSIDE) or [])
+        return tuple(args), dict(kwargs)
+
+    def _returned(self, outputs: Any) -> None:
+        """The training call returned: its outputs are what the next one may carry on from, and the stored targets
+        stand in for the live ones until its loss's backward."""
+        current = self._current
+        if current is None:
+            return
+        if current.watch.state.carry is not None:
+            current.watch.state.carry[outside_model.CARRIED_OUTPUTS] = outside_model.carried_outputs(outputs)
+        self._targets = outside_model.enter(outside_model.LossInputs(self._model, outputs, stored=self._stored_targets))
+
+    def _end_targets(self) -> None:
+        targets, self._targets = self._targets, None
+        outside_model.leave(targets)
+
+    def _update_reached(self, request: _Request) -> bool:
+        """The step is over: its optimizer stepped; updating by hand, its one backward returned or the step halted."""
+        return request.reached_update or self._manual and (request.halted or self._optimizer.marked())
 
     def script_done(self) -> None:
         """The script's loop is over (`rec.close()`): the step in hand ends here, a replay asking for another is told
         so, and the script waits for the replay to end the process (its own exit would race the replay's result)."""
+        self._end_targets()
         self._ended = True
         self._ended_after_halt = self._current is not None and self._current.halted
         if self._current is not None:
-            if not self._current.reached_update and self._current.error is None and not self._current.halted:
+            if not self._update_reached(self._current) and self._current.error is None and not self._current.halted:
                 self._current.error = LoopEnded("the script's loop ended (it reached rec.close()) in the middle of a step, "
                                                 "before its optimizer step")
             self._complete(self._current)
@@ -170,6 +213,11 @@ class RemoteStep:
     def _complete(self, request: _Request) -> None:
         if request.rng_after is not None:
             restore_raw(request.rng_after)
+        if request.params_at_halt is not None:  # what the loop's own update did in a halted step is undone
+            with torch.no_grad():
+                for param, kept in zip(self._optimizer_params(), request.params_at_halt):
+                    param.copy_(kept)
+                    param.grad = None
         request.watch.close_forward()
         self._current = None
         request.done.set()
@@ -184,21 +232,42 @@ class RemoteStep:
         """The watch's fault, in the script's thread: the step stops here (StepHalted, caught where it would reach the
         script's code: our backward and optimizer.step); the rest of the iteration runs idle."""
         if self._current is not None:
-            self._ended_here()
-            self._current.halted = True
-            self._current.watch.stopped = True
+            self._stop_here(self._current)
         raise StepHalted
 
     def _failed(self, error: Exception) -> None:
         """The step raised (an anomaly-mode backward, a probe): no more of it is applied, and the engine gets it."""
         if self._current is not None:
-            self._ended_here()
             self._current.error = error
-            self._current.halted = True
-            self._current.watch.stopped = True
+            self._stop_here(self._current)
+
+    def _stop_here(self, request: _Request) -> None:
+        """No more of the step is applied. A loop that updates by hand still runs its update: on zero gradients where
+        it has none, and undone when the iteration ends."""
+        self._ended_here()
+        request.halted = True
+        request.watch.stopped = True
+        if self._manual:
+            request.params_at_halt = [param.detach().clone() for param in self._optimizer_params()]
+            for param in self._optimizer_params():
+                if param.grad is None:
+                    param.grad = torch.zeros_like(param)
+
+    def _optimizer_params(self) -> list[torch.Tensor]:
+        return [param for group in self._optimizer.param_groups for param in group["params"]]
 
     def _skip_halted_updates(self, optimizer: torch.optim.Optimizer) -> None:
-        """`optimizer.step()` (a GradScaler's too: it calls it) makes no update in a halted step."""
+        """`optimizer.step()` (a GradScaler's too: it calls it) makes no update in a halted step. Updating by hand,
+        the step ends where its backward returns (ManualUpdate.mark)."""
+        if self._manual:
+            mark = optimizer.mark
+
+            def marked():
+                mark()
+                self._ended_here()
+
+            optimizer.mark = marked
+            return
         original = optimizer.step
 
         def step(*args, **kwargs):

@@ -60,6 +60,7 @@ class StepWatch:
         self.state, self.outcome, self.observer, self.on_fault = state, outcome, observer, on_fault
         self.on_error: Optional[Callable[[Exception], None]] = None  # set: an error in a backward goes here, not up
         self.stopped = False  # an inline run's replay halted the step; its script's iteration runs on, idle
+        self.on_loss: Optional[Callable[[], None]] = None  # set: called as each loss is about to be backpropagated
         self.running_loss: Optional[torch.Tensor] = None  # the sum of the losses backpropagated so far
         self._forward = None
         scaler = state.scaler
@@ -80,6 +81,8 @@ class StepWatch:
     def loss(self, loss: torch.Tensor, part: Optional[torch.Tensor] = None) -> None:
         """`loss` is about to be backpropagated (`part`: the share of it that is, e.g. divided by the micro-batch
         count, when that differs)."""
+        if self.on_loss is not None:
+            self.on_loss()
         self.close_forward()
         notify(self.observer, "after_forward", self.state, loss)
         share = (loss if part is None else part).detach().float().sum()

@@ -28,6 +28,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from replaybisect.core import rng
+from replaybisect.core.outside_model import names_read
 from replaybisect.core.inline_step import RemoteStep
 from replaybisect.core.step_watch import StepHalted, StepWatch
 from replaybisect.errors import ConfigError, SnapshotError
@@ -153,6 +154,10 @@ class ManualUpdate(torch.optim.Optimizer):
         """The parameters before the user's update (taken when the gradients are complete)."""
         self._before = [p.detach().clone() for group in self.param_groups for p in group["params"]]
 
+    def marked(self) -> bool:
+        """The step's one backward returned: the user's update follows (until `step()` stands for it)."""
+        return self._before is not None
+
     @torch.no_grad()
     def step(self, closure=None):
         params = [p for group in self.param_groups for p in group["params"]]
@@ -221,19 +226,10 @@ def step_variables(step_fn: Callable) -> dict[str, Any]:
         if isinstance(content, SCALARS):
             values[f"cell:{name}"] = content
     namespace = getattr(step_fn, "__globals__", {})
-    for name in sorted(_names_read(code)):
+    for name in sorted(names_read(code)):
         if name in namespace and isinstance(namespace[name], SCALARS) and not name.startswith("__"):
             values[f"global:{name}"] = namespace[name]
     return values
-
-
-def _names_read(code) -> set[str]:
-    """The global names a code object and the code nested in it (comprehensions, lambdas) refer to."""
-    names = set(code.co_names)
-    for constant in code.co_consts:
-        if hasattr(constant, "co_names"):
-            names |= _names_read(constant)
-    return names
 
 
 def apply_recorded_variables(record: Any, step_fn: Callable) -> None:
@@ -451,8 +447,8 @@ def run(state, watch: StepWatch, record) -> None:
     batch, stored_rng = unpack(record)
     rng.restore_stored(stored_rng, state.device)
     apply_recorded_lrs(record, state.optimizer)
-    if state.live:  # a re-entered script: its own values as the recorded step read them
-        apply_recorded_variables(record, state.step_fn)
+    if state.live and not isinstance(state.step_fn, RemoteStep):  # a re-entered script: its own values as the recorded step read them
+        apply_recorded_variables(record, state.step_fn)  # (a loop recorded as written sets them in its own thread: RemoteStep)
     outcome.lr = float(state.optimizer.param_groups[0]["lr"])  # the lr this step runs with (set again just above)
     if state.carry is None:  # a replay's first step: what the recorded step started with; later steps carry their own
         state.carry = recorded_carry(record)
@@ -464,7 +460,7 @@ def run(state, watch: StepWatch, record) -> None:
     # None (the recorder's first step, before the precision is known) leaves the user's code alone
     precision = autocast_off() if state.precision == "fp32" else contextlib.nullcontext()
     if isinstance(state.step_fn, RemoteStep):  # a loop recorded as written: the script's own loop runs the step
-        state.step_fn.attach(watch)
+        state.step_fn.attach(watch, record.get(RECORD_VARIABLES) if _is_record(record) else None)
     with precision, watching(watch):
         try:
             returned = call_step(state, batch, outcome.step)

@@ -3,10 +3,13 @@ Recorder watches the model and the optimizer instead of running a step:
 
   opens     at the first training forward after the last update (model.training, gradients on): the RNG state
             then, the lr the loop set, a snapshot when one is due (loop.open_step)
-  inputs    each training forward's arguments, in turn: the step's micro-batches (what a replay feeds the model)
+  inputs    each training forward's arguments, in turn: the step's micro-batches (what a replay feeds the model),
+            with the targets its loss meets outside the model and the floats the loop reads (core/outside_model.py)
   loss      what is backpropagated (the sum over micro-batches), as for a step function (user_step.watching)
   gradients checked when the optimizer steps, before its update; a non-finite loss or gradient raises
-            NonFiniteStep there (from `loss.backward()` or `optimizer.step()`), so nothing of the step is applied
+            NonFiniteStep there (from `loss.backward()` or `optimizer.step()`), so nothing of the step is applied.
+            A loop with no optimizer (it updates by hand: user_step.ManualUpdate) is checked as its one backward
+            returns, and its update is whatever it does to the parameters before the next step
   closes    at the next step's first training forward, or at `rec.close()`
 
 A replay runs the script again and lets its loop run each step it asks for (core/inline_step.py).
@@ -22,8 +25,8 @@ from typing import Optional
 
 import torch
 
-from replaybisect.core import loop, user_step
-from replaybisect.core.inline_step import intercept_training_calls, micro_batch
+from replaybisect.core import loop, outside_model, user_step
+from replaybisect.core.inline_step import CARRIED, OUTSIDE, intercept_training_calls, micro_batch
 from replaybisect.core.config import needs_closure
 from replaybisect.core.step_watch import StepOutcome, StepWatch
 from replaybisect.errors import ConfigError
@@ -53,8 +56,12 @@ class InlineRecording:
         self.recorder = recorder
         self.state = recorder.state
         self._open: Optional[_OpenStep] = None
+        self._targets: Optional[outside_model.LossInputs] = None  # from a training call's return until its loss's backward
+        self._last_outputs: list[torch.Tensor] = []  # the last training call's, which the next one may carry on from
+        self._manual = isinstance(self.state.optimizer, user_step.ManualUpdate)
         self._last_close = time.perf_counter()
-        self._undo = [intercept_training_calls(self.state.model, self._forward), self._watch_scaler_steps(self.state.scaler)]
+        self._undo = [intercept_training_calls(self.state.model, self._forward, self._returned),
+                      self._watch_scaler_steps(self.state.scaler), self._end_targets]
         optimizer = self.state.optimizer  # a global hook: nothing of ours in the optimizer's own state (deepcopy, pickle)
         handle = register_optimizer_step_pre_hook(lambda stepping, args, kwargs: self._reached_update() if stepping is optimizer else None)
         self._undo.append(handle.remove)
@@ -62,13 +69,30 @@ class InlineRecording:
     def _forward(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         """A training call of the model: the step it belongs to (opened if the last one reached its update), its
         inputs stored; the model runs on them unchanged."""
-        if self._open is not None and self._open.reached_update:
+        self._end_targets()
+        if self._open is not None and self._update_reached():
             self.close_step()
         if self._open is None:
-            self._open = self._open_step()
+            self._open = self._open_step(outside_model.loop_frame())
         self._note_autocast()
-        self._open.record[user_step.RECORD_BATCH].append(user_step.copied(micro_batch(args, kwargs)))
+        carried = outside_model.carried_inputs((tuple(args), dict(kwargs)), self._last_outputs)
+        self._open.record[user_step.RECORD_BATCH].append({**user_step.copied(micro_batch(args, kwargs)), OUTSIDE: [], CARRIED: carried})
         return args, kwargs
+
+    def _returned(self, outputs) -> None:
+        """The training call returned: the targets its loss meets go with its micro-batch, until that loss's backward."""
+        self._last_outputs = outside_model.carried_outputs(outputs)
+        if self._open is not None:
+            seen = self._open.record[user_step.RECORD_BATCH][-1][OUTSIDE]
+            self._targets = outside_model.enter(outside_model.LossInputs(self.state.model, outputs, sink=seen))
+
+    def _end_targets(self) -> None:
+        targets, self._targets = self._targets, None
+        outside_model.leave(targets)
+
+    def _update_reached(self) -> bool:
+        """The step made its update: its optimizer stepped, or (updating by hand) its one backward returned."""
+        return self._open.reached_update or self._manual and self.state.optimizer.marked()
 
     def _note_autocast(self) -> None:
         """An autocast region the loop entered before the model's call (or once, around the whole loop) is the
@@ -100,14 +124,16 @@ class InlineRecording:
         return lambda: setattr(scaler, "step", original)
 
     # ---- a step's opening and end -------------------------------------------------------------------------
-    def _open_step(self) -> _OpenStep:
+    def _open_step(self, frame) -> _OpenStep:
         recorder, state = self.recorder, self.state
         step = recorder.steps_taken
         opened = time.perf_counter()
         rng_at_start = loop.open_step(step, state, recorder._hooks, recorder._buffers)
-        record = user_step.pack([], state.device, rng_at_start, state.optimizer)  # the lr the loop set for this step
+        # the lr the loop set for this step, and the floats its code reads (an lr it applies by hand)
+        record = user_step.pack([], state.device, rng_at_start, state.optimizer, variables=outside_model.loop_numbers(frame))
         outcome = StepOutcome(step=step, loss=math.nan, lr=float(state.optimizer.param_groups[0]["lr"]))
         watch = StepWatch(state, outcome, recorder._hooks.observer(step), on_fault=self._halt)
+        watch.on_loss = self._end_targets
         hooks_on = contextlib.ExitStack()
         hooks_on.enter_context(recorder._noting_precision())
         hooks_on.enter_context(user_step.watching(watch))
@@ -115,6 +141,8 @@ class InlineRecording:
 
     def close_step(self) -> None:
         """The open step is over (its update made, or the loop ended): logged, its record kept."""
+        if self._open is not None and self._manual and self.state.optimizer.marked():
+            self.state.optimizer.step()  # stands for the update the loop made by hand (its hooks: the step's after_update)
         current, self._open = self._open, None
         if current is None:
             return
@@ -128,6 +156,7 @@ class InlineRecording:
     def _halt(self) -> None:
         """The step's first non-finite loss or gradient, before the update: the run stops here, as `rec.step` does."""
         current, self._open = self._open, None
+        self._end_targets()
         current.hooks_on.close()
         self.recorder._buffers.restore()  # the forward's buffer updates undone: the state before the step is kept
         self.recorder._hooks.on_nonfinite(current.outcome, current.record)
@@ -142,7 +171,7 @@ class InlineRecording:
     def close(self) -> None:
         """The loop is over: its last step closed, the model and optimizer left as they were."""
         try:
-            if self._open is not None and self._open.reached_update:  # a step the loop left half-done is no step
+            if self._open is not None and self._update_reached():  # a step the loop left half-done is no step
                 self.close_step()
         finally:
             self.remove()

@@ -189,9 +189,9 @@ class Recorder:
         arguments.count(steps, "steps", minimum=1, optional=True)
         arguments.text(on_nonfinite, "on_nonfinite")
         inline = step_fn is None  # the loop as it is written: its steps found by watching model and optimizer
-        if inline and (build is not None or optimizer is None):
-            raise ConfigError("without step_fn the Recorder watches your loop's model and optimizer: pass the optimizer "
-                              "(a loop that updates by hand needs step_fn=), and no build=")
+        if inline and build is not None:
+            raise ConfigError("without step_fn the Recorder watches your loop's model and optimizer as they run: pass no "
+                              "build= (a replay runs your script again); pass step_fn= with build=")
         parts = user_step.unpack_parts({"model": model, "optimizer": optimizer, "scheduler": scheduler, "scaler": scaler}, "Recorder")
         if not inline:
             user_step.step_arguments(step_fn)
@@ -201,7 +201,8 @@ class Recorder:
         if reentry.replaying():  # a replay re-entered this script: the objects go to it at the first step
             self._handover = {**parts, "step_fn": step_fn}
             if inline:  # the script's loop runs each step the replay asks for (core/inline_step.py)
-                self._remote = RemoteStep(model, parts["optimizer"], scaler, lambda: reentry.hand_over(self._handover))
+                self._remote = RemoteStep(model, parts["optimizer"], scaler, lambda: reentry.hand_over(self._handover),
+                                          updates_by_hand=optimizer is None)
                 self._handover["step_fn"] = self._remote
                 reentry.at_script_end(self._remote.script_done)  # a script without rec.close() ends its loop there
             self.run_id, self.store, self.steps_taken, self.last_loss = reentry.replayed_run_id(), None, 0, None

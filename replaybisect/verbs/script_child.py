@@ -24,7 +24,7 @@ def main() -> None:
     progress = os.fdopen(job["progress_fd"], "w", encoding="utf-8", buffering=1)
     sys.dont_write_bytecode = True  # no __pycache__ in the user's folders either
     reentry.refuse_writes_under([Path(folder) for folder in job["protect"]])
-    _redirect_torch_save_under(job["protect"], Path(job["script"]["scratch"]) / "saved")
+    _redirect_saves_under(job["protect"], Path(job["script"]["scratch"]) / "saved")
     reentry.set_takeover(lambda parts: _take_over(job, progress), job["run_id"])
     os.chdir(job["script"]["cwd"])  # started in the replay's temp folder: our own imports came from nowhere of the script's
     failure, clean = _run_script(job["script"])
@@ -85,25 +85,38 @@ def _finish(job: dict[str, Any], progress, result: dict[str, Any]) -> None:
             pass
 
 
-def _redirect_torch_save_under(protected: list[str], elsewhere: Path) -> None:
-    """torch.save writes through its own C++ file writer, which Python's audit hooks do not see. A checkpoint the
-    script saves into the user's folders goes to `elsewhere` instead (the replay's temp folder, under the same
-    relative path), so a loop the replay runs (record/inline.py) keeps going past its checkpoint."""
+def _redirect_saves_under(protected: list[str], elsewhere: Path) -> None:
+    """A checkpoint the script saves into the user's folders (`torch.save(obj, path)`, or a file it opens for
+    writing: `with open(args.save, "wb") as f: torch.save(model, f)`) goes to `elsewhere` instead (the replay's temp
+    folder, under the same relative path), so a loop the replay runs (record/inline.py) keeps going past it.
+    torch.save writes through its own C++ file writer, which Python's audit hooks do not see; other writes there
+    stay refused (reentry.refuse_writes_under)."""
+    import builtins
+
     import torch
 
-    original = torch.save
     roots = [os.path.realpath(folder) for folder in protected]
 
-    def save(obj, f, *args, **kwargs):
-        if isinstance(f, (str, os.PathLike)):
-            full = os.path.realpath(os.fspath(f))
-            root = next((root for root in roots if full == root or full.startswith(root + os.sep)), None)
-            if root is not None:
-                f = elsewhere / Path(root).name / os.path.relpath(full, root)
-                os.makedirs(f.parent, exist_ok=True)
-        return original(obj, f, *args, **kwargs)
+    def redirected(target: Any) -> Any:
+        if not isinstance(target, (str, os.PathLike)):
+            return target
+        full = os.path.realpath(os.fspath(target))
+        root = next((root for root in roots if full == root or full.startswith(root + os.sep)), None)
+        if root is None:
+            return target
+        moved = elsewhere / Path(root).name / os.path.relpath(full, root)
+        os.makedirs(moved.parent, exist_ok=True)
+        return moved
 
-    torch.save = save
+    original_save, original_open = torch.save, builtins.open
+
+    def save(obj, f, *args, **kwargs):
+        return original_save(obj, redirected(f), *args, **kwargs)
+
+    def open_(file, mode="r", *args, **kwargs):
+        return original_open(redirected(file) if any(flag in mode for flag in "wax+") else file, mode, *args, **kwargs)
+
+    torch.save, builtins.open = save, open_
 
 
 # ---- the verbs a script's run can be replayed by -----------------------------------------------------------
