@@ -280,3 +280,43 @@ def test_a_float_the_loop_changes_between_steps_is_set_again_in_a_replay(tmp_pat
         patch.chdir(tmp_path)
         report = rb.find_nan(_run_id(done), tracking_uri=workspace.tracking_uri, publish=False)
     assert report.reproduced == "exact" and report.snapshot_step > 0 and report.category == "divergence", report.headline
+
+
+def test_a_loop_updating_by_hand_replays_a_nan_gradient_and_is_told_it_cannot_accumulate(tmp_path):
+    """A finite loss with NaN gradients (sqrt(0) in the loss) halts the replayed step inside its backward: the
+    script's own update then runs on and is undone, and the replay is exact. Two backwards before an update by hand
+    are refused in one line at the second micro-batch."""
+    import replaybisect as rb
+
+    workspace = Workspace(tmp_path)
+    head = ("import torch, replaybisect\n"
+            "torch.manual_seed(0)\n"
+            "model = torch.nn.Linear(4, 1)\n"
+            "xs = [torch.randn(16, 4) for _ in range(80)]\n"
+            "xs[8] = torch.zeros(16, 4)\n"
+            "rec = replaybisect.Recorder(model, snapshot_every=3)\n"
+            "for step in range(30):\n"
+            "    model.zero_grad()\n")
+    update = ("    for p in model.parameters():\n"
+              "        p.data.add_(p.grad, alpha=-0.01)\n")
+    (tmp_path / "gradnan.py").write_text(
+        head + "    x = xs[step]\n"
+        "    out = model(x)\n"
+        "    loss = torch.nn.functional.mse_loss(out, x.sum(1, keepdim=True)) + 1e-6 * torch.sqrt((out * x).pow(2).sum())\n"
+        "    loss.backward()\n" + update)
+    (tmp_path / "accumulate.py").write_text(
+        head + "    for k in range(2):\n"
+        "        x = xs[2 * step + k]\n"
+        "        (torch.nn.functional.mse_loss(model(x), x.sum(1, keepdim=True)) / 2).backward()\n" + update)
+    done = _train(workspace, tmp_path, script="gradnan.py")
+    assert "replaybisect.NonFiniteStep: grad_norm is nan at step 8" in done.stderr, done.stderr[-2000:]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.chdir(tmp_path)
+        report = rb.find_nan(_run_id(done), tracking_uri=workspace.tracking_uri, publish=False)
+    assert (report.reproduced, report.failing_step, report.category) == ("exact", 8, "backward"), report.headline
+    refused = _train(workspace, tmp_path, script="accumulate.py")
+    lines = refused.stderr.strip().splitlines()  # the one line, and the run's end
+    assert refused.returncode == 1 and "Traceback" not in refused.stderr, refused.stderr[-2000:]
+    assert lines[-2].startswith("replaybisect: your loop backpropagated again before it updated the parameters")
+    assert lines[-1].endswith("ended as crashed (FAILED); what it recorded is kept")
+    assert _status(workspace, _run_id(refused)) == "FAILED"

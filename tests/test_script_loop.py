@@ -129,6 +129,9 @@ assert refused(lambda: os.mkdir(p / "out"))
 torch.save({{"step": 3}}, p / "out" / "ckpt.pt")  # redirected, its folder made there
 with open(p / "model.pt", "wb") as f:  # word_language_model's way: redirected too
     torch.save({{"step": 4}}, f)
+with open(p / "model.pt", "rb") as f:  # and read back from where it went
+    assert torch.load(f) == {{"step": 4}}
+assert torch.load(p / "out" / "ckpt.pt") == {{"step": 3}}
 os.makedirs(p, exist_ok=True)  # an existing folder, as scripts create out_dir: not an error
 torch.save({{}}, {str(free / "ckpt.pt")!r})
 open({str(free / "log.txt")!r}, "w").write("free")

@@ -90,7 +90,7 @@ class RemoteStep:
         self._current: Optional[_Request] = None
         self._watch: Optional[StepWatch] = None
         self._numbers = None
-        self._model, self._optimizer = model, optimizer
+        self._model, self._optimizer, self._scaler = model, optimizer, scaler
         self._manual = updates_by_hand  # the optimizer is a user_step.ManualUpdate: the loop updates by hand
         self._stored_targets: list = []
         self._targets: Optional[outside_model.LossInputs] = None
@@ -138,7 +138,8 @@ class RemoteStep:
         if not self._started:
             self._started = True
             threading.Thread(target=self._start, name="replaybisect-replay", daemon=True).start()
-        self._end_targets()
+        if self._targets is not None:
+            self._targets.pause()  # the model's own ops are no loss's
         current = self._current
         if current is not None and self._update_reached(current):
             self._complete(current)
@@ -165,11 +166,15 @@ class RemoteStep:
             return
         if current.watch.state.carry is not None:
             current.watch.state.carry[outside_model.CARRIED_OUTPUTS] = outside_model.carried_outputs(outputs)
-        self._targets = outside_model.enter(outside_model.LossInputs(self._model, outputs, stored=self._stored_targets))
+        if self._targets is None:
+            self._targets = outside_model.LossInputs(self._model, self._scaler, replaying=True)
+        self._targets.follow(outputs, self._stored_targets)
 
     def _end_targets(self) -> None:
+        """The step's loss is backpropagated (or the step is over): no more targets for it."""
         targets, self._targets = self._targets, None
-        outside_model.leave(targets)
+        if targets is not None:
+            targets.pause()
 
     def _update_reached(self, request: _Request) -> bool:
         """The step is over: its optimizer stepped; updating by hand, its one backward returned or the step halted."""
@@ -211,6 +216,7 @@ class RemoteStep:
             setattr(scaler, name, idle_when_halted)
 
     def _complete(self, request: _Request) -> None:
+        self._end_targets()
         if request.rng_after is not None:
             restore_raw(request.rng_after)
         if request.params_at_halt is not None:  # what the loop's own update did in a halted step is undone

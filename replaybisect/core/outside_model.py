@@ -2,10 +2,10 @@
 replay of it (core/inline_step.py) gives each back:
 
   targets   tensors the step's loss meets beside the model's outputs (`criterion(model(x), y)`: y). From a
-            training call's return until its loss is backpropagated, a torch function mode sees each op that
-            takes a tensor derived from the model's outputs; its other tensors (no gradient, not the model's
-            own) are stored with the micro-batch, in the order the loop first uses them, and a replay puts the
-            stored ones in their place in the same order.
+            training call's return until the step's loss is backpropagated, a torch function mode sees each op
+            that takes a tensor computed from the model's outputs; its other tensors (no gradient, no parameter,
+            not the model's or the GradScaler's) are stored with the micro-batch, in the order the loop first
+            uses them, and a replay puts the stored ones in their place in the same order.
   carried   a model input that is the previous training call's output, repackaged (an RNN's hidden state,
             detached): found by storage when recorded; a replay feeds that output of the call before it in the same
             replayed line (state.carry), so an ablation arm computes its own hidden states; after a restore (a
@@ -18,6 +18,7 @@ replay of it (core/inline_step.py) gives each back:
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import types
@@ -37,62 +38,89 @@ def tensors(value: Any) -> list[torch.Tensor]:
 
 # ---- targets ----------------------------------------------------------------------------------------------------
 class LossInputs(TorchFunctionMode):
-    """Active in the script's thread from a training call's return until its loss is backpropagated. Recording
-    (`stored` None): `seen` (`sink`, when given) collects copies of the targets. Replaying: the i-th target the loop uses is replaced by
-    `stored[i]` (a loop that uses more than were stored runs on its own)."""
+    """One step's loss region, in the script's thread: followed from each training call's return (`follow`) until
+    the step's loss is backpropagated (`leave`), paused during the model's next call (`pause`), so the outputs of
+    every call of the step count (micro-batches whose losses are summed after all the calls). Each call's targets
+    go with its micro-batch (`targets`): recording, copies are appended; replaying, the i-th target first used after
+    that call is replaced by the i-th stored one."""
 
-    def __init__(self, model: torch.nn.Module, outputs: Any, stored: Optional[list] = None, sink: Optional[list] = None):
+    def __init__(self, model: torch.nn.Module, scaler, replaying: bool):
         super().__init__()
-        self._model_tensors = {id(tensor) for tensor in (*model.parameters(), *model.buffers())}
-        self._derived = tensors(outputs)  # kept alive while the region lasts, so their ids stay theirs
-        self._derived_ids = {id(tensor) for tensor in self._derived}
-        self._stored = stored
-        self._targets: dict[int, torch.Tensor] = {}  # a live target's id -> what stands for it (itself, or the stored one)
-        self.seen: list[torch.Tensor] = sink if sink is not None else []
-        self.active = True
+        self._state_ids = {id(tensor) for tensor in (*model.parameters(), *model.buffers())}
+        self._scaler = scaler  # its scale is made at its first use: looked up then
+        self._replaying = replaying
+        self._kept: list[torch.Tensor] = []  # every tensor whose id is noted below, kept alive so no other takes its id
+        self._derived: set[int] = set()  # tensors computed from the model's outputs in this region
+        self._replaced: dict[int, torch.Tensor] = {}  # a target already met -> what stands for it
+        self._targets: list = []
+        self._taken = 0  # targets met since the current call's return
+        self.active = False
+
+    def follow(self, outputs: Any, targets: list) -> None:
+        """A training call returned `outputs`; `targets` is its micro-batch's list. The mode is entered only on an
+        empty mode stack: one the loop entered around the model's call (`with torch.device(...)`) would pop ours
+        on its way out, so such a loop's targets are not followed (a replay of it reports that it diverged)."""
+        for tensor in tensors(outputs):
+            self._derive(tensor)
+        self._targets, self._taken = targets, 0
+        if torch._C._len_torch_function_stack() == 0:
+            self.__enter__()
+            self.active = True
+
+    def pause(self) -> None:
+        """Off while the model runs (its own ops are no loss's), or for good once the loss is backpropagated. Popped
+        only when it is the innermost mode: a mode the loop entered after ours and left open keeps ours below it,
+        idle."""
+        if not self.active:
+            return
+        self.active = False
+        depth = torch._C._len_torch_function_stack()
+        if depth and torch._C._get_function_stack_at(depth - 1) is self:
+            self.__exit__(None, None, None)
 
     def __torch_function__(self, func, types_, args=(), kwargs=None):
         kwargs = kwargs or {}
         if not self.active:
             return func(*args, **kwargs)
         leaves, spec = tree_flatten((args, kwargs))
-        if not any(isinstance(leaf, torch.Tensor) and id(leaf) in self._derived_ids for leaf in leaves):
+        if not any(isinstance(leaf, torch.Tensor) and id(leaf) in self._derived for leaf in leaves):
             return func(*args, **kwargs)
         args, kwargs = tree_unflatten([self._target(leaf) for leaf in leaves], spec)
         result = func(*args, **kwargs)
         for tensor in tensors(result):
-            self._derived.append(tensor)
-            self._derived_ids.add(id(tensor))
+            self._derive(tensor)
         return result
 
+    def _derive(self, tensor: torch.Tensor) -> None:
+        self._kept.append(tensor)
+        self._derived.add(id(tensor))
+
     def _target(self, leaf: Any) -> Any:
-        if not isinstance(leaf, torch.Tensor) or id(leaf) in self._derived_ids or leaf.requires_grad or id(leaf) in self._model_tensors:
+        """A tensor meeting the model's outputs: a target unless it is computed from them, has gradients, or is
+        the model's, a parameter of anything, or the GradScaler's scale."""
+        if (not isinstance(leaf, torch.Tensor) or id(leaf) in self._derived or leaf.requires_grad
+                or isinstance(leaf, torch.nn.Parameter) or id(leaf) in self._state_ids or self._scalers(leaf)):
             return leaf
-        if id(leaf) not in self._targets:
-            index = len(self._targets)
-            if self._stored is None:
-                self.seen.append(leaf.detach().clone())
-                self._targets[id(leaf)] = leaf
-            else:
-                self._targets[id(leaf)] = self._stored[index] if index < len(self._stored) else leaf
-            self._derived.append(leaf)  # kept alive: its id must not be reused by a tensor made later
-        return self._targets[id(leaf)]
+        if id(leaf) not in self._replaced:
+            index, self._taken = self._taken, self._taken + 1
+            self._replaced[id(leaf)] = self._stored(index, leaf) if self._replaying else self._copied(leaf)
+            self._kept.append(leaf)
+        return self._replaced[id(leaf)]
 
+    def _scalers(self, leaf: torch.Tensor) -> bool:
+        return any(leaf is getattr(self._scaler, name, None) for name in ("_scale", "_growth_tracker"))
 
-def enter(mode: LossInputs) -> LossInputs:
-    mode.__enter__()
-    return mode
+    def _copied(self, leaf: torch.Tensor) -> torch.Tensor:
+        self._targets.append(leaf.detach().clone())
+        return leaf
 
-
-def leave(mode: Optional[LossInputs]) -> None:
-    """End the region: popped when it is the innermost mode (a mode the loop entered inside it and left open is
-    not ours to pop: ours then only stops looking)."""
-    if mode is None or not mode.active:
-        return
-    mode.active = False
-    depth = torch._C._len_torch_function_stack()
-    if depth and torch._C._get_function_stack_at(depth - 1) is mode:
-        mode.__exit__(None, None, None)
+    def _stored(self, index: int, leaf: torch.Tensor) -> torch.Tensor:
+        """The stored target in `leaf`'s place, on its device; the live one where none of that shape and dtype was
+        stored there (the loop took another path than the recording's: the replay's losses say so)."""
+        stored = self._targets[index] if index < len(self._targets) else None
+        if not isinstance(stored, torch.Tensor) or stored.shape != leaf.shape or stored.dtype != leaf.dtype:
+            return leaf
+        return stored.to(leaf.device)
 
 
 # ---- carried inputs -----------------------------------------------------------------------------------------------
@@ -144,22 +172,39 @@ def loop_frame() -> Optional[types.FrameType]:
     return frame
 
 
-def names_read(code) -> set[str]:
+@functools.lru_cache(maxsize=512)  # code objects live as long as their functions; read at every step's opening
+def names_read(code) -> frozenset[str]:
     """The global names a code object and the code nested in it (comprehensions, lambdas) refer to."""
     names = set(code.co_names)
     for constant in code.co_consts:
         if hasattr(constant, "co_names"):
             names |= names_read(constant)
-    return names
+    return frozenset(names)
 
 
 def loop_numbers(frame: Optional[types.FrameType]) -> dict[str, float]:
-    """The floats the loop's code (and the code nested in it) reads from its module's globals."""
+    """The floats the loop's code reads from its module's globals: the names its code (and the code nested in it)
+    refers to, and those of the module's functions it calls (an update by hand in a helper), as far as they go."""
     if frame is None:
         return {}
     namespace = frame.f_globals
-    return {f"{GLOBAL}{name}": namespace[name] for name in sorted(names_read(frame.f_code))
-            if type(namespace.get(name)) is float and not name.startswith("__")}
+    return {f"{GLOBAL}{name}": float(namespace[name]) for name in sorted(_module_names_read(frame.f_code, namespace))
+            if isinstance(namespace.get(name), float) and not name.startswith("__")}
+
+
+def _module_names_read(code, namespace: dict) -> set[str]:
+    names, pending, seen = set(), [code], set()
+    while pending:
+        current = pending.pop()
+        if current in seen:
+            continue
+        seen.add(current)
+        for name in names_read(current):
+            names.add(name)
+            value = namespace.get(name)
+            if isinstance(value, types.FunctionType) and value.__globals__ is namespace:  # the script's own function
+                pending.append(value.__code__)
+    return names
 
 
 def set_loop_numbers(frame: Optional[types.FrameType], stored: Any) -> None:
@@ -168,5 +213,5 @@ def set_loop_numbers(frame: Optional[types.FrameType], stored: Any) -> None:
         return
     current = loop_numbers(frame)
     for key, value in stored.items():
-        if key in current and type(value) is float:
+        if key in current and isinstance(value, float):
             frame.f_globals[key[len(GLOBAL):]] = value

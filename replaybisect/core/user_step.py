@@ -158,6 +158,11 @@ class ManualUpdate(torch.optim.Optimizer):
         """The step's one backward returned: the user's update follows (until `step()` stands for it)."""
         return self._before is not None
 
+    def unchanged(self) -> bool:
+        """No parameter changed since the mark: the user's update has not been made (or changed nothing)."""
+        params = [p for group in self.param_groups for p in group["params"]]
+        return all(torch.equal(p, before) for p, before in zip(params, self._before))
+
     @torch.no_grad()
     def step(self, closure=None):
         params = [p for group in self.param_groups for p in group["params"]]
@@ -383,6 +388,21 @@ def noting_precision(seen: list[str]):
 
 # ---- one step --------------------------------------------------------------------------------------------
 @contextlib.contextmanager
+def _kept_from_the_script(watch: StepWatch):
+    """In an inline run's replay (`watch.on_error` set), what stops the step inside its backward stays out of the
+    script's code: a halt leaves the rest of its iteration idle, an error goes to the replay's engine."""
+    try:
+        yield
+    except StepHalted:
+        if watch.on_error is None:
+            raise
+    except Exception as error:
+        if watch.on_error is None:
+            raise
+        watch.on_error(error)
+
+
+@contextlib.contextmanager
 def watching(watch: StepWatch):
     """The step watch's moments where the user's step reaches them: every `.backward()` (the loss), a global
     optimizer pre-step hook (the gradients, unscaled by a GradScaler by then) and post-step hook (the update).
@@ -397,28 +417,22 @@ def watching(watch: StepWatch):
     def backward(tensor, *args, **kwargs):
         if watch.stopped:  # an inline run's replay halted this step: the rest of the script's iteration runs idle
             return None
-        try:
-            watch.loss(tensor)
-            returned = original_backward(tensor, *args, **kwargs)
-        except StepHalted:
-            if watch.on_error is None:
-                raise
-            return None  # an inline run's replay halted the step at this loss: the script's iteration runs on, idle
-        except Exception as error:
-            if watch.on_error is None:
-                raise
-            watch.on_error(error)  # an inline run's replay: the engine gets it, the script's loop goes on
-            return None
-        finally:
-            if not watch.stopped:
-                watch.open_forward()
-        if manual:  # no optimizer.step() to wait for: the user's update follows now
-            if optimizer._before is not None:
-                raise ConfigError("your step backpropagates more than once and updates the parameters itself: with no "
-                                  "optimizer, replaybisect sees the update after the one backward; accumulate into one "
-                                  "loss, or use a torch.optim optimizer")
-            watch.gradients()
-            optimizer.mark()
+        returned = None
+        with _kept_from_the_script(watch):
+            try:
+                watch.loss(tensor)
+                returned = original_backward(tensor, *args, **kwargs)
+            finally:
+                if not watch.stopped:
+                    watch.open_forward()
+        if manual and not watch.stopped:  # no optimizer.step() to wait for: the user's update follows now
+            with _kept_from_the_script(watch):
+                if optimizer.marked():
+                    raise ConfigError("your step backpropagates more than once and updates the parameters itself: with no "
+                                      "optimizer, replaybisect sees the update after the one backward; accumulate into one "
+                                      "loss, or use a torch.optim optimizer")
+                watch.gradients()
+                optimizer.mark()
         return returned
 
     def before_update(stepping, args, kwargs) -> None:

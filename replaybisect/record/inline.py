@@ -56,7 +56,7 @@ class InlineRecording:
         self.recorder = recorder
         self.state = recorder.state
         self._open: Optional[_OpenStep] = None
-        self._targets: Optional[outside_model.LossInputs] = None  # from a training call's return until its loss's backward
+        self._targets: Optional[outside_model.LossInputs] = None  # from the step's first call's return until its loss's backward
         self._last_outputs: list[torch.Tensor] = []  # the last training call's, which the next one may carry on from
         self._manual = isinstance(self.state.optimizer, user_step.ManualUpdate)
         self._last_close = time.perf_counter()
@@ -69,7 +69,8 @@ class InlineRecording:
     def _forward(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         """A training call of the model: the step it belongs to (opened if the last one reached its update), its
         inputs stored; the model runs on them unchanged."""
-        self._end_targets()
+        if self._targets is not None:
+            self._targets.pause()  # the model's own ops are no loss's
         if self._open is not None and self._update_reached():
             self.close_step()
         if self._open is None:
@@ -83,16 +84,28 @@ class InlineRecording:
         """The training call returned: the targets its loss meets go with its micro-batch, until that loss's backward."""
         self._last_outputs = outside_model.carried_outputs(outputs)
         if self._open is not None:
-            seen = self._open.record[user_step.RECORD_BATCH][-1][OUTSIDE]
-            self._targets = outside_model.enter(outside_model.LossInputs(self.state.model, outputs, sink=seen))
+            if self._targets is None:
+                self._targets = outside_model.LossInputs(self.state.model, self.state.scaler, replaying=False)
+            self._targets.follow(outputs, self._open.record[user_step.RECORD_BATCH][-1][OUTSIDE])
 
     def _end_targets(self) -> None:
+        """The step's loss is backpropagated (or the step is over): no more targets for it."""
         targets, self._targets = self._targets, None
-        outside_model.leave(targets)
+        if targets is not None:
+            targets.pause()
 
-    def _update_reached(self) -> bool:
-        """The step made its update: its optimizer stepped, or (updating by hand) its one backward returned."""
-        return self._open.reached_update or self._manual and self.state.optimizer.marked()
+    def _update_reached(self, closing: bool = False) -> bool:
+        """The step made its update: its optimizer stepped, or (updating by hand) the parameters changed after its
+        backward."""
+        if self._open.reached_update:
+            return True
+        if not (self._manual and self.state.optimizer.marked()):
+            return False
+        if not closing and self.state.optimizer.unchanged():
+            raise ConfigError("your loop backpropagated again before it updated the parameters: a loop that updates by "
+                              "hand is recorded one backward per update; for gradient accumulation use a torch.optim "
+                              "optimizer, or pass step_fn=")
+        return True
 
     def _note_autocast(self) -> None:
         """An autocast region the loop entered before the model's call (or once, around the whole loop) is the
@@ -146,6 +159,7 @@ class InlineRecording:
         current, self._open = self._open, None
         if current is None:
             return
+        self._end_targets()
         try:
             current.watch.settle()
             current.outcome.loss = current.watch.loss_so_far()
@@ -171,7 +185,7 @@ class InlineRecording:
     def close(self) -> None:
         """The loop is over: its last step closed, the model and optimizer left as they were."""
         try:
-            if self._open is not None and self._update_reached():  # a step the loop left half-done is no step
+            if self._open is not None and self._update_reached(closing=True):  # a step the loop left half-done is no step
                 self.close_step()
         finally:
             self.remove()

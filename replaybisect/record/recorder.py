@@ -51,7 +51,7 @@ from typing import Any, Callable, Optional
 
 from replaybisect.core import reentry
 from replaybisect.core.config import PRECISIONS, OnNonfinite, Precision
-from replaybisect.errors import ConfigError, NonFiniteStep
+from replaybisect.errors import ConfigError, NonFiniteStep, ReplayError
 
 
 # ---- naming the user's functions so a replay can import them -------------------------------------------------
@@ -444,17 +444,20 @@ def _fail_unclosed(error: BaseException) -> None:
 
 def one_line_failures() -> None:
     """A script that lets NonFiniteStep end it (a Trainer's fit, a bare loop) ends with its one line, the answer
-    and the next command, instead of a traceback through the framework; REPLAYBISECT_FULL_ERROR=1 shows it all."""
+    and the next command, instead of a traceback through the framework; so does one the recorder refuses as the
+    loop runs (a ReplayError). REPLAYBISECT_FULL_ERROR=1 shows it all."""
     if getattr(sys.excepthook, "replaybisect", False):
         return
     previous = sys.excepthook
 
     def excepthook(kind, error, trace) -> None:
         _fail_unclosed(error)  # a loop's run left open by the exception that ended the script
-        if issubclass(kind, NonFiniteStep) and os.environ.get(FULL_ERROR) != "1":
+        if os.environ.get(FULL_ERROR) == "1" or not issubclass(kind, (NonFiniteStep, ReplayError)):
+            previous(kind, error, trace)
+        elif issubclass(kind, NonFiniteStep):
             print(_named(error) if not str(error).startswith("replaybisect.") else error, file=sys.stderr)
-            return
-        previous(kind, error, trace)
+        else:  # what the recorder refuses in your loop (an update by hand that accumulates): its one line
+            print(f"replaybisect: {error}", *getattr(error, "__notes__", []), sep="\n", file=sys.stderr)
 
     excepthook.replaybisect = True
     sys.excepthook = excepthook

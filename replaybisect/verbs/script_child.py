@@ -88,35 +88,41 @@ def _finish(job: dict[str, Any], progress, result: dict[str, Any]) -> None:
 def _redirect_saves_under(protected: list[str], elsewhere: Path) -> None:
     """A checkpoint the script saves into the user's folders (`torch.save(obj, path)`, or a file it opens for
     writing: `with open(args.save, "wb") as f: torch.save(model, f)`) goes to `elsewhere` instead (the replay's temp
-    folder, under the same relative path), so a loop the replay runs (record/inline.py) keeps going past it.
-    torch.save writes through its own C++ file writer, which Python's audit hooks do not see; other writes there
-    stay refused (reentry.refuse_writes_under)."""
+    folder, under the same relative path), so a loop the replay runs (record/inline.py) keeps going past it; reading
+    it back (`open`, `torch.load`) reads the replay's copy. torch.save writes through its own C++ file writer, which
+    Python's audit hooks do not see; other writes there stay refused (reentry.refuse_writes_under)."""
     import builtins
 
     import torch
 
     roots = [os.path.realpath(folder) for folder in protected]
+    moved: dict[str, Path] = {}  # a path in the user's folders -> where the replay wrote it
 
-    def redirected(target: Any) -> Any:
+    def redirected(target: Any, writing: bool) -> Any:
         if not isinstance(target, (str, os.PathLike)):
             return target
         full = os.path.realpath(os.fspath(target))
+        if not writing:
+            return moved.get(full, target)
         root = next((root for root in roots if full == root or full.startswith(root + os.sep)), None)
         if root is None:
             return target
-        moved = elsewhere / Path(root).name / os.path.relpath(full, root)
-        os.makedirs(moved.parent, exist_ok=True)
-        return moved
+        moved[full] = elsewhere / Path(root).name / os.path.relpath(full, root)
+        os.makedirs(moved[full].parent, exist_ok=True)
+        return moved[full]
 
-    original_save, original_open = torch.save, builtins.open
+    original_save, original_load, original_open = torch.save, torch.load, builtins.open
 
     def save(obj, f, *args, **kwargs):
-        return original_save(obj, redirected(f), *args, **kwargs)
+        return original_save(obj, redirected(f, writing=True), *args, **kwargs)
+
+    def load(f, *args, **kwargs):
+        return original_load(redirected(f, writing=False), *args, **kwargs)
 
     def open_(file, mode="r", *args, **kwargs):
-        return original_open(redirected(file) if any(flag in mode for flag in "wax+") else file, mode, *args, **kwargs)
+        return original_open(redirected(file, writing=any(flag in mode for flag in "wax+")), mode, *args, **kwargs)
 
-    torch.save, builtins.open = save, open_
+    torch.save, torch.load, builtins.open = save, load, open_
 
 
 # ---- the verbs a script's run can be replayed by -----------------------------------------------------------
