@@ -174,12 +174,14 @@ def test_a_script_that_crashes_fails_its_run_and_one_without_close_finishes_it(p
     # its replay: an ablation arm that reaches the end of the script's loop is judged on the steps it ran, as with close
     import replaybisect as rb
 
-    diverged = _train(workspace, folder, *DIVERGING, "--out_dir=out-no-close-nan", script="no_close.py")
+    diverged = _train(workspace, folder, *DIVERGING[:2], "--max_iters=14", "--eval_interval=4", "--out_dir=out-no-close-nan",
+                      script="no_close.py")
     assert "loss is nan at step 9" in diverged.stderr, diverged.stderr[-2000:]
     with pytest.MonkeyPatch.context() as patch:
         patch.chdir(folder)
         result = rb.ablate(_run_id(diverged), ["lr"], horizon=60, workers=1, tracking_uri=workspace.tracking_uri, publish=False)
-    assert result.verdicts() == {"lr": "fixes"}, result.conclusion
+    lr_arm = next(arm for arm in result.arms if arm.name == "lr")
+    assert result.verdicts() == {"lr": "fixes"} and max(lr_arm.losses) == 14, result.conclusion
     (folder / "no_close.py").unlink()
 
 
@@ -243,13 +245,12 @@ def test_word_language_model_as_written_records_replays_and_its_lr_arm_fixes_wha
         patch.chdir(folder)
         report = rb.find_nan(run_id, tracking_uri=workspace.tracking_uri, publish=False)
         assert (report.reproduced, report.snapshot_step, report.category) == ("exact", 16, "divergence"), report.headline
-        result = rb.ablate(run_id, ["lr", "clip"], horizon=60, workers=2, tracking_uri=workspace.tracking_uri, publish=False)
-    verdicts = result.verdicts()
-    assert verdicts["lr"] == "fixes" and verdicts["clip"] != "fixes", result.conclusion
+        result = rb.ablate(run_id, ["lr"], horizon=30, workers=1, tracking_uri=workspace.tracking_uri, publish=False)
+    assert result.verdicts() == {"lr": "fixes"}, result.conclusion
     assert _tree(folder) == before  # its checkpoints went to the replay's temp folder
 
-    tenth = _train(workspace, folder, "--lr=21", "--epochs=8", script="plain.py")  # 80 steps: past the arm's horizon
-    assert len(_losses(tenth)) == 80 and "nan" not in tenth.stdout and "inf" not in tenth.stdout
+    tenth = _train(workspace, folder, "--lr=21", "--epochs=5", script="plain.py")  # 50 steps: past the arm's horizon
+    assert len(_losses(tenth)) == 50 and "nan" not in tenth.stdout and "inf" not in tenth.stdout
 
 
 def test_a_float_the_loop_changes_between_steps_is_set_again_in_a_replay(tmp_path):

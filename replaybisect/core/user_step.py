@@ -149,19 +149,29 @@ class ManualUpdate(torch.optim.Optimizer):
     def __init__(self, params):
         super().__init__(params, {"lr": 1.0})
         self._before: Optional[list[torch.Tensor]] = None
+        self._grads_at_mark: list = []
 
     def mark(self) -> None:
-        """The parameters before the user's update (taken when the gradients are complete)."""
-        self._before = [p.detach().clone() for group in self.param_groups for p in group["params"]]
+        """The parameters before the user's update (taken when the gradients are complete), and their gradients."""
+        params = self._params()
+        self._before = [p.detach().clone() for p in params]
+        self._grads_at_mark = [(p.grad, p.grad._version if p.grad is not None else None) for p in params]
 
     def marked(self) -> bool:
         """The step's one backward returned: the user's update follows (until `step()` stands for it)."""
         return self._before is not None
 
-    def unchanged(self) -> bool:
-        """No parameter changed since the mark: the user's update has not been made (or changed nothing)."""
-        params = [p for group in self.param_groups for p in group["params"]]
-        return all(torch.equal(p, before) for p, before in zip(params, self._before))
+    def untouched(self) -> bool:
+        """Neither the gradients (the same tensors, never written since) nor the parameters changed since the mark:
+        the loop went on without updating (a second micro-batch, accumulating). An update too small to change a
+        parameter's value still comes with the gradients cleared or zeroed for the next step."""
+        params = self._params()
+        grads_kept = all(p.grad is grad and (grad is None or grad._version == version)
+                         for p, (grad, version) in zip(params, self._grads_at_mark))
+        return grads_kept and all(torch.equal(p, before) for p, before in zip(params, self._before))
+
+    def _params(self) -> list[torch.Tensor]:
+        return [p for group in self.param_groups for p in group["params"]]
 
     @torch.no_grad()
     def step(self, closure=None):

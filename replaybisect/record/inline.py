@@ -101,7 +101,7 @@ class InlineRecording:
             return True
         if not (self._manual and self.state.optimizer.marked()):
             return False
-        if not closing and self.state.optimizer.unchanged():
+        if not closing and self.state.optimizer.untouched():
             raise ConfigError("your loop backpropagated again before it updated the parameters: a loop that updates by "
                               "hand is recorded one backward per update; for gradient accumulation use a torch.optim "
                               "optimizer, or pass step_fn=")
