@@ -22,14 +22,14 @@ def test_a_target_is_recorded_and_a_replay_puts_the_stored_one_in_its_place():
     scaler = torch.amp.GradScaler("cpu", init_scale=8.0)
     x, y = torch.randn(4, 3), torch.randn(4, 2)
     stored: list = []
-    recording = LossInputs(model, scaler, replaying=False)
+    recording = LossInputs(outside_model.model_tensor_ids(model), scaler, replaying=False)
     out = model(x)
     recording.follow(out, stored)
     loss = scaler.scale(F.mse_loss(out * frozen, y))  # the scale and a frozen parameter are no targets
     recording.pause()
     assert len(stored) == 1 and torch.equal(stored[0], y) and _stack() == []
 
-    replaying = LossInputs(model, scaler, replaying=True)
+    replaying = LossInputs(outside_model.model_tensor_ids(model), scaler, replaying=True)
     out = model(x)
     replaying.follow(out, stored)
     replayed = scaler.scale(F.mse_loss(out * frozen, torch.zeros(4, 2)))  # the script holds another target now
@@ -41,7 +41,7 @@ def test_every_call_of_a_step_is_followed_and_a_target_of_another_shape_is_left_
     model = torch.nn.Linear(3, 2)
     xs, ys = [torch.randn(4, 3) for _ in range(2)], [torch.randn(4, 2) for _ in range(2)]
     lists: list[list] = [[], []]
-    recording = LossInputs(model, None, replaying=False)
+    recording = LossInputs(outside_model.model_tensor_ids(model), None, replaying=False)
     outs = []
     for x, stored in zip(xs, lists):
         recording.pause()
@@ -51,7 +51,7 @@ def test_every_call_of_a_step_is_followed_and_a_target_of_another_shape_is_left_
     recording.pause()
     assert torch.equal(lists[1][0], ys[0]) and torch.equal(lists[1][1], ys[1])  # met after the second call
 
-    replaying = LossInputs(model, None, replaying=True)
+    replaying = LossInputs(outside_model.model_tensor_ids(model), None, replaying=True)
     out = model(xs[0])
     replaying.follow(out, [torch.zeros(2, 2)])
     wider = torch.randn(4, 2)
@@ -62,7 +62,7 @@ def test_every_call_of_a_step_is_followed_and_a_target_of_another_shape_is_left_
 def test_a_mode_the_loop_holds_around_the_models_call_is_left_alone():
     model = torch.nn.Linear(3, 2)
     stored: list = []
-    targets = LossInputs(model, None, replaying=False)
+    targets = LossInputs(outside_model.model_tensor_ids(model), None, replaying=False)
     with torch.device("cpu"):
         out = model(torch.randn(4, 3))
         targets.follow(out, stored)  # a mode is open: ours is not entered (its exit would pop ours)

@@ -90,7 +90,8 @@ class RemoteStep:
         self._current: Optional[_Request] = None
         self._watch: Optional[StepWatch] = None
         self._numbers = None
-        self._model, self._optimizer, self._scaler = model, optimizer, scaler
+        self._optimizer, self._scaler = optimizer, scaler
+        self._model_tensors = outside_model.model_tensor_ids(model)
         self._manual = updates_by_hand  # the optimizer is a user_step.ManualUpdate: the loop updates by hand
         self._stored_targets: list = []
         self._targets: Optional[outside_model.LossInputs] = None
@@ -167,7 +168,7 @@ class RemoteStep:
         if current.watch.state.carry is not None:
             current.watch.state.carry[outside_model.CARRIED_OUTPUTS] = outside_model.carried_outputs(outputs)
         if self._targets is None:
-            self._targets = outside_model.LossInputs(self._model, self._scaler, replaying=True)
+            self._targets = outside_model.LossInputs(self._model_tensors, self._scaler, replaying=True)
         self._targets.follow(outputs, self._stored_targets)
 
     def _end_targets(self) -> None:

@@ -44,9 +44,9 @@ class LossInputs(TorchFunctionMode):
     go with its micro-batch (`targets`): recording, copies are appended; replaying, the i-th target first used after
     that call is replaced by the i-th stored one."""
 
-    def __init__(self, model: torch.nn.Module, scaler, replaying: bool):
+    def __init__(self, model_tensors: set[int], scaler, replaying: bool):
         super().__init__()
-        self._state_ids = {id(tensor) for tensor in (*model.parameters(), *model.buffers())}
+        self._state_ids = model_tensors  # the ids of the model's parameters and buffers (model_tensor_ids)
         self._scaler = scaler  # its scale is made at its first use: looked up then
         self._replaying = replaying
         self._kept: list[torch.Tensor] = []  # every tensor whose id is noted below, kept alive so no other takes its id
@@ -121,6 +121,11 @@ class LossInputs(TorchFunctionMode):
         if not isinstance(stored, torch.Tensor) or stored.shape != leaf.shape or stored.dtype != leaf.dtype:
             return leaf
         return stored.to(leaf.device)
+
+
+def model_tensor_ids(model: torch.nn.Module) -> set[int]:
+    """What LossInputs never takes for a target: the model's parameters and buffers (taken once, not every step)."""
+    return {id(tensor) for tensor in (*model.parameters(), *model.buffers())}
 
 
 # ---- carried inputs -----------------------------------------------------------------------------------------------

@@ -59,6 +59,7 @@ class InlineRecording:
         self._targets: Optional[outside_model.LossInputs] = None  # from the step's first call's return until its loss's backward
         self._last_outputs: list[torch.Tensor] = []  # the last training call's, which the next one may carry on from
         self._manual = isinstance(self.state.optimizer, user_step.ManualUpdate)
+        self._model_tensors = outside_model.model_tensor_ids(self.state.model)
         self._last_close = time.perf_counter()
         self._undo = [intercept_training_calls(self.state.model, self._forward, self._returned),
                       self._watch_scaler_steps(self.state.scaler), self._end_targets]
@@ -85,7 +86,7 @@ class InlineRecording:
         self._last_outputs = outside_model.carried_outputs(outputs)
         if self._open is not None:
             if self._targets is None:
-                self._targets = outside_model.LossInputs(self.state.model, self.state.scaler, replaying=False)
+                self._targets = outside_model.LossInputs(self._model_tensors, self.state.scaler, replaying=False)
             self._targets.follow(outputs, self._open.record[user_step.RECORD_BATCH][-1][OUTSIDE])
 
     def _end_targets(self) -> None:
