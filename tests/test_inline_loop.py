@@ -239,6 +239,8 @@ def test_word_language_model_as_written_records_replays_and_its_lr_arm_fixes_wha
     diverged = _train(workspace, folder, "--lr=210", "--epochs=40", script="main.py")
     assert "replaybisect.NonFiniteStep: loss is nan at step 17" in diverged.stderr, diverged.stderr[-2000:]
     run_id = _run_id(diverged)
+    store = workspace.store()
+    assert store.metric_history(run_id, "lr") == [] and len(store.metric_history(run_id, "grad_norm")) == 17  # no lr of its own
     before = _tree(folder)
     assert "model.pt" in before  # saved at the end of the first epoch
     with pytest.MonkeyPatch.context() as patch:

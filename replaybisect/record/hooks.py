@@ -24,6 +24,7 @@ from replaybisect.errors import DiskFull, is_disk_full
 from replaybisect.core.layer_stats import LayerStats
 from replaybisect.core.loop import TrainState
 from replaybisect.core.step_watch import StepOutcome
+from replaybisect.core.user_step import ManualUpdate
 from replaybisect.core import snapshot as fmt
 from replaybisect.core.state import live_tensors, state_json
 from replaybisect.store import Store
@@ -53,6 +54,8 @@ class RecordingHooks:
         self._next_flush = time.monotonic() + self.flush_seconds
         self.keep_batches = cfg.snapshot.keep_batches
         self.on_nonfinite_stop = cfg.snapshot.on_nonfinite == "stop"
+        # a loop that updates by hand has no lr of its own here (ManualUpdate's 1.0 would read as one)
+        self._logs_lr = not isinstance(state.optimizer, ManualUpdate)
 
         self.metrics: list[tuple[str, float, int]] = []
         self.snapshot_steps: list[int] = []  # closed (written or being written), in order
@@ -112,7 +115,8 @@ class RecordingHooks:
         # a NaN loss that is no failure is a step without a loss (Lightning's training_step returned None): not logged
         has_loss = not (math.isnan(outcome.loss) and outcome.nonfinite is None)
         self.metrics += [("loss", outcome.loss, step)] if has_loss else []
-        self.metrics += [("lr", outcome.lr, step), ("step_time", step_time, step), ("data_time", data_time, step)]
+        self.metrics += [("lr", outcome.lr, step)] if self._logs_lr else []
+        self.metrics += [("step_time", step_time, step), ("data_time", data_time, step)]
         if outcome.grad_norm is not None:
             self.metrics.append(("grad_norm", outcome.grad_norm, step))
         if self._stats is not None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Optional
 
@@ -58,6 +59,7 @@ class InlineRecording:
         self._open: Optional[_OpenStep] = None
         self._targets: Optional[outside_model.LossInputs] = None  # from the step's first call's return until its loss's backward
         self._last_outputs: list[torch.Tensor] = []  # the last training call's, which the next one may carry on from
+        self._warned_opaque = False
         self._manual = isinstance(self.state.optimizer, user_step.ManualUpdate)
         self._model_tensors = outside_model.model_tensor_ids(self.state.model)
         self._last_close = time.perf_counter()
@@ -84,6 +86,12 @@ class InlineRecording:
     def _returned(self, outputs) -> None:
         """The training call returned: the targets its loss meets go with its micro-batch, until that loss's backward."""
         self._last_outputs = outside_model.carried_outputs(outputs)
+        if not self._last_outputs and not self._warned_opaque:
+            self._warned_opaque = True
+            warnings.warn(f"replaybisect: your model's training call returned a {type(outputs).__name__} holding no tensor "
+                          "torch's pytree can see: the targets its loss meets outside the model and a hidden state it "
+                          "carries are not followed, so a replay may differ; return tensors in tuples, lists or dicts, "
+                          "or register the class with torch.utils._pytree", stacklevel=2)
         if self._open is not None:
             if self._targets is None:
                 self._targets = outside_model.LossInputs(self._model_tensors, self.state.scaler, replaying=False)
