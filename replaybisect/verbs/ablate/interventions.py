@@ -268,6 +268,8 @@ def suggested_clip(grad_norms: list[float]) -> Optional[float]:
 
 
 def clip_suggestion_note(grad_norms: list[float]) -> str:
+    if len(grad_norms) == 1:
+        return "the one gradient norm recorded before the failure"
     return f"the {CLIP_PERCENTILE:.0f}th percentile of the {len(grad_norms)} gradient norms recorded before the failure"
 
 
@@ -281,9 +283,10 @@ def clip_gradients(cfg, ctx: ArmContext, threshold: Optional[float]) -> Change:
         return Change(cfg, {}, f"train.clip_grad_norm is already {_fmt(old)}",
                       not_applicable=f"the run already clips at {_fmt(old)} <= {_fmt(threshold)}")
     edited = _edit(cfg, **{"train.clip_grad_norm": threshold})
-    if cfg.train.loop == "user" and old is None:  # the user's step may clip too: ours comes after theirs
+    if cfg.train.loop == "user" and old is None:  # the user's step may clip too: ours comes after theirs, at optimizer.step()
         return Change(cfg=edited, params={"train.clip_grad_norm": threshold},
-                      summary=f"clip the gradient norm at {_fmt(threshold)} before each update (after any clipping in your step)")
+                      summary=f"clip the gradient norm at {_fmt(threshold)} before each update (after any clipping in your "
+                              "step; an update by hand: as its backward returns, before your own clipping)")
     return Change(cfg=edited, params={"train.clip_grad_norm": threshold},
                   summary=f"train.clip_grad_norm {_fmt(old) if old is not None else 'off'} -> {_fmt(threshold)}")
 

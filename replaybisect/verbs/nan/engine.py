@@ -674,7 +674,7 @@ def _name_forward_op(report: NanReport, op, intended: list[str] = ()) -> None:
     inputs = ", ".join(s.brief() for s in op.inputs[:2])
     where = "outside the model (loss / step function)" if op.module is None else (op.module or "(root)")
     report.evidence.append(
-        f"the first op on the path to the non-finite loss to make a non-finite value its inputs do not explain: {op.op} in {where}"
+        f"the first op on the path to the non-finite loss to make a non-finite value from finite inputs: {op.op} in {where}"
         + (f" at {op.source}" if op.source else "") + f" (inputs {inputs} -> {op.output.brief()})"
     )
     if intended:
