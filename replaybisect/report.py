@@ -20,7 +20,8 @@ def _piped_width() -> int:
     return int(columns) if columns.isdigit() and int(columns) > 0 else 160
 
 
-console = Console(file=OUR_STDOUT, width=None if sys.stdout.isatty() else _piped_width())
+# piped: as wide as _piped_width for tables, and a long line of text (a command to copy) never broken in two
+console = Console(file=OUR_STDOUT, width=None if sys.stdout.isatty() else _piped_width(), soft_wrap=not sys.stdout.isatty())
 
 
 def print_table(table: Table, out: Console | None = None) -> None:
