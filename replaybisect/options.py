@@ -155,9 +155,17 @@ def print_json(data: dict[str, Any]) -> None:
 
 
 def stderr_console():
+    """Progress and log lines on stderr; piped, a long line stays one line (no wrap at 80 columns)."""
     from rich.console import Console
 
-    return Console(file=OUR_STDERR)
+    return Console(file=OUR_STDERR, soft_wrap=not _is_terminal(OUR_STDERR))
+
+
+def _is_terminal(stream) -> bool:
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):
+        return False
 
 
 def say(text: str) -> None:
