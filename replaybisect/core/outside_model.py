@@ -11,8 +11,8 @@ replay of it (core/inline_step.py) gives each back:
             replayed line (state.carry), so an ablation arm computes its own hidden states; after a restore (a
             snapshot, a probe's copy, an arm's start) there is none, and the stored input is fed.
   numbers   the floats the loop's code reads from its module (an lr a word_language_model-style loop anneals
-            and applies by hand): stored as the step opens, set again before the replayed step, as the
-            optimizer's lr is. Counters and flags (ints, bools) keep the replay's own values, so the script's
+            and applies by hand): stored as the step opens, set again at the replayed step's first training
+            call, as the optimizer's lr is. Counters and flags (ints, bools) keep the replay's own values, so the script's
             loop, evaluations and iteration limit run as they do.
 """
 
@@ -39,7 +39,8 @@ def tensors(value: Any) -> list[torch.Tensor]:
 # ---- targets ----------------------------------------------------------------------------------------------------
 class LossInputs(TorchFunctionMode):
     """One step's loss region, in the script's thread: followed from each training call's return (`follow`) until
-    the step's loss is backpropagated (`leave`), paused during the model's next call (`pause`), so the outputs of
+    the step's loss is backpropagated, paused during the model's next call and for good at that backward (`pause`, by
+    its owner: record/inline.py, core/inline_step.RemoteStep), so the outputs of
     every call of the step count (micro-batches whose losses are summed after all the calls). Each call's targets
     go with its micro-batch (`targets`): recording, copies are appended; replaying, the i-th target first used after
     that call is replaced by the i-th stored one."""
