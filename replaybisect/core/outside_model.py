@@ -39,11 +39,11 @@ def tensors(value: Any) -> list[torch.Tensor]:
 # ---- targets ----------------------------------------------------------------------------------------------------
 class LossInputs(TorchFunctionMode):
     """One step's loss region, in the script's thread: followed from each training call's return (`follow`) until
-    the step's loss is backpropagated, paused during the model's next call and for good at that backward (`pause`, by
-    its owner: record/inline.py, core/inline_step.RemoteStep), so the outputs of
-    every call of the step count (micro-batches whose losses are summed after all the calls). Each call's targets
-    go with its micro-batch (`targets`): recording, copies are appended; replaying, the i-th target first used after
-    that call is replaced by the i-th stored one."""
+    the step's loss is backpropagated. Its owner (record/inline.py, core/inline_step.RemoteStep) pauses it during
+    the model's next call and for good at that backward (`pause`), so the outputs of every call of the step count
+    (micro-batches whose losses are summed after all the calls). Each call's targets go with its micro-batch
+    (`targets`): recording, copies are appended; replaying, the i-th target first used after that call is replaced
+    by the i-th stored one."""
 
     def __init__(self, model_tensors: set[int], scaler, replaying: bool):
         super().__init__()
