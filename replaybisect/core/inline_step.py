@@ -91,10 +91,9 @@ class RemoteStep:
         self._watch: Optional[StepWatch] = None
         self._numbers = None
         self._optimizer, self._scaler = optimizer, scaler
-        self._model_tensors = outside_model.model_tensor_ids(model)
         self._manual = updates_by_hand  # the optimizer is a user_step.ManualUpdate: the loop updates by hand
         self._stored_targets: list = []
-        self._targets: Optional[outside_model.LossInputs] = None
+        self._targets = outside_model.StepTargets(model, scaler, replaying=True)
         intercept_training_calls(model, self._inputs, self._returned)
         self._skip_halted_updates(optimizer)
         self._note_scaler_steps(scaler)
@@ -109,7 +108,7 @@ class RemoteStep:
         if watch.on_fault is not None:
             watch.on_fault = self._halt
         watch.on_error = self._failed
-        watch.on_loss = self._end_targets
+        watch.on_loss = self._targets.end
 
     def __call__(self, batch, scheduler=None):
         if not isinstance(batch, list) or not all(isinstance(item, dict) and ARGS in item for item in batch):
@@ -139,8 +138,7 @@ class RemoteStep:
         if not self._started:
             self._started = True
             threading.Thread(target=self._start, name="replaybisect-replay", daemon=True).start()
-        if self._targets is not None:
-            self._targets.pause()  # the model's own ops are no loss's
+        self._targets.calling()
         current = self._current
         if current is not None and self._update_reached(current):
             self._complete(current)
@@ -167,15 +165,7 @@ class RemoteStep:
             return
         if current.watch.state.carry is not None:
             current.watch.state.carry[outside_model.CARRIED_OUTPUTS] = outside_model.carried_outputs(outputs)
-        if self._targets is None:
-            self._targets = outside_model.LossInputs(self._model_tensors, self._scaler, replaying=True)
-        self._targets.follow(outputs, self._stored_targets)
-
-    def _end_targets(self) -> None:
-        """The step's loss is backpropagated (or the step is over): no more targets for it."""
-        targets, self._targets = self._targets, None
-        if targets is not None:
-            targets.pause()
+        self._targets.returned(outputs, self._stored_targets)
 
     def _update_reached(self, request: _Request) -> bool:
         """The step is over: its optimizer stepped; updating by hand, its one backward returned or the step halted."""
@@ -184,7 +174,7 @@ class RemoteStep:
     def script_done(self) -> None:
         """The script's loop is over (`rec.close()`): the step in hand ends here, a replay asking for another is told
         so, and the script waits for the replay to end the process (its own exit would race the replay's result)."""
-        self._end_targets()
+        self._targets.end()
         self._ended = True
         self._ended_after_halt = self._current is not None and self._current.halted
         if self._current is not None:
@@ -217,12 +207,12 @@ class RemoteStep:
             setattr(scaler, name, idle_when_halted)
 
     def _complete(self, request: _Request) -> None:
-        self._end_targets()
+        self._targets.end()
         if request.rng_after is not None:
             restore_raw(request.rng_after)
         if request.params_at_halt is not None:  # what the loop's own update did in a halted step is undone
             with torch.no_grad():
-                for param, kept in zip(self._optimizer_params(), request.params_at_halt):
+                for param, kept in zip(self._optimizer._params(), request.params_at_halt):
                     param.copy_(kept)
                     param.grad = None
         request.watch.close_forward()
@@ -255,13 +245,10 @@ class RemoteStep:
         request.halted = True
         request.watch.stopped = True
         if self._manual:
-            request.params_at_halt = [param.detach().clone() for param in self._optimizer_params()]
-            for param in self._optimizer_params():
+            request.params_at_halt = [param.detach().clone() for param in self._optimizer._params()]
+            for param in self._optimizer._params():
                 if param.grad is None:
                     param.grad = torch.zeros_like(param)
-
-    def _optimizer_params(self) -> list[torch.Tensor]:
-        return [param for group in self._optimizer.param_groups for param in group["params"]]
 
     def _skip_halted_updates(self, optimizer: torch.optim.Optimizer) -> None:
         """`optimizer.step()` (a GradScaler's too: it calls it) makes no update in a halted step. Updating by hand,

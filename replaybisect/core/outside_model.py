@@ -124,6 +124,30 @@ class LossInputs(TorchFunctionMode):
         return stored.to(leaf.device)
 
 
+class StepTargets:
+    """A step's LossInputs as the recorder and the replay drive it alike: made at the step's first training call's
+    return, paused at each later call, ended at the loss's backward or the step's end."""
+
+    def __init__(self, model: torch.nn.Module, scaler, replaying: bool):
+        self._model_tensors = model_tensor_ids(model)
+        self._scaler, self._replaying = scaler, replaying
+        self._mode: Optional[LossInputs] = None
+
+    def calling(self) -> None:
+        if self._mode is not None:
+            self._mode.pause()  # the model's own ops are no loss's
+
+    def returned(self, outputs: Any, targets: list) -> None:
+        if self._mode is None:
+            self._mode = LossInputs(self._model_tensors, self._scaler, self._replaying)
+        self._mode.follow(outputs, targets)
+
+    def end(self) -> None:
+        mode, self._mode = self._mode, None
+        if mode is not None:
+            mode.pause()
+
+
 def model_tensor_ids(model: torch.nn.Module) -> set[int]:
     """What LossInputs never takes for a target: the model's parameters and buffers (taken once, not every step)."""
     return {id(tensor) for tensor in (*model.parameters(), *model.buffers())}

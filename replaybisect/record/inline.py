@@ -57,14 +57,13 @@ class InlineRecording:
         self.recorder = recorder
         self.state = recorder.state
         self._open: Optional[_OpenStep] = None
-        self._targets: Optional[outside_model.LossInputs] = None  # from the step's first call's return until its loss's backward
+        self._targets = outside_model.StepTargets(self.state.model, self.state.scaler, replaying=False)
         self._last_outputs: list[torch.Tensor] = []  # the last training call's, which the next one may carry on from
         self._warned_opaque = False
         self._manual = isinstance(self.state.optimizer, user_step.ManualUpdate)
-        self._model_tensors = outside_model.model_tensor_ids(self.state.model)
         self._last_close = time.perf_counter()
         self._undo = [intercept_training_calls(self.state.model, self._forward, self._returned),
-                      self._watch_scaler_steps(self.state.scaler), self._end_targets]
+                      self._watch_scaler_steps(self.state.scaler), self._targets.end]
         optimizer = self.state.optimizer  # a global hook: nothing of ours in the optimizer's own state (deepcopy, pickle)
         handle = register_optimizer_step_pre_hook(lambda stepping, args, kwargs: self._reached_update() if stepping is optimizer else None)
         self._undo.append(handle.remove)
@@ -72,8 +71,7 @@ class InlineRecording:
     def _forward(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         """A training call of the model: the step it belongs to (opened if the last one reached its update), its
         inputs stored; the model runs on them unchanged."""
-        if self._targets is not None:
-            self._targets.pause()  # the model's own ops are no loss's
+        self._targets.calling()
         if self._open is not None and self._update_reached():
             self.close_step()
         if self._open is None:
@@ -93,15 +91,7 @@ class InlineRecording:
                           "carries are not followed, so a replay may differ; return tensors in tuples, lists or dicts, "
                           "or register the class with torch.utils._pytree", stacklevel=2)
         if self._open is not None:
-            if self._targets is None:
-                self._targets = outside_model.LossInputs(self._model_tensors, self.state.scaler, replaying=False)
-            self._targets.follow(outputs, self._open.record[user_step.RECORD_BATCH][-1][OUTSIDE])
-
-    def _end_targets(self) -> None:
-        """The step's loss is backpropagated (or the step is over): no more targets for it."""
-        targets, self._targets = self._targets, None
-        if targets is not None:
-            targets.pause()
+            self._targets.returned(outputs, self._open.record[user_step.RECORD_BATCH][-1][OUTSIDE])
 
     def _update_reached(self, closing: bool = False) -> bool:
         """The step made its update: its optimizer stepped, or (updating by hand) the parameters changed after its
@@ -155,7 +145,7 @@ class InlineRecording:
         record = user_step.pack([], state.device, rng_at_start, state.optimizer, variables=outside_model.loop_numbers(frame))
         outcome = StepOutcome(step=step, loss=math.nan, lr=float(state.optimizer.param_groups[0]["lr"]))
         watch = StepWatch(state, outcome, recorder._hooks.observer(step), on_fault=self._halt)
-        watch.on_loss = self._end_targets
+        watch.on_loss = self._targets.end
         hooks_on = contextlib.ExitStack()
         hooks_on.enter_context(recorder._noting_precision())
         hooks_on.enter_context(user_step.watching(watch))
@@ -168,7 +158,7 @@ class InlineRecording:
         current, self._open = self._open, None
         if current is None:
             return
-        self._end_targets()
+        self._targets.end()
         try:
             current.watch.settle()
             current.outcome.loss = current.watch.loss_so_far()
@@ -179,7 +169,7 @@ class InlineRecording:
     def _halt(self) -> None:
         """The step's first non-finite loss or gradient, before the update: the run stops here, as `rec.step` does."""
         current, self._open = self._open, None
-        self._end_targets()
+        self._targets.end()
         current.hooks_on.close()
         self.recorder._buffers.restore()  # the forward's buffer updates undone: the state before the step is kept
         self.recorder._hooks.on_nonfinite(current.outcome, current.record)
