@@ -233,8 +233,9 @@ class Store:
         self.client.log_batch(run_id, tags=[RunTag(prefix + key, str(value)) for key, value in tags.items()])
 
     def describe(self, run_id: str, text: str) -> None:
-        """The run's description in the MLflow UI: its one-line answer."""
-        self.client.set_tag(run_id, DESCRIPTION_TAG, text)
+        """The run's description in the MLflow UI: its one-line answer. Written through log_batch, which retries when
+        another process inserts the same tag at the same moment (two verbs answering about one run); set_tag fails."""
+        self.set_tags(run_id, {DESCRIPTION_TAG: text}, prefix="")
 
     def record_answer(self, examined_run_id: str, verb: str, answer: str, result_run_id: str | None = None,
                       report: str = "") -> None:

@@ -1,4 +1,4 @@
-"""Two `replay train` starting at once on a fresh SQLite store: both runs are recorded.
+"""Processes writing one store at once: two `replay train` on a fresh SQLite store, verbs answering about one run.
 
 MLflow creates a new store's schema on first use; two processes doing that on one new file collided
 ("table experiments already exists") until open_store serialized creation with a lock beside the database.
@@ -14,6 +14,7 @@ from conftest import REPLAY, Workspace
 
 TINY = ("train.steps=2", "train.batch_size=8", "snapshot.every=0", "snapshot.layer_stats_every=0", "train.val_every=0", "model.hidden=16")
 ROUNDS = 2  # without the lock the race was lost in 3 rounds of 3
+WRITERS, RACED_RUNS = 4, 6  # with set_tag the race was lost in 4 tries of 4
 
 
 @pytest.mark.parametrize("round_", range(ROUNDS))
@@ -31,3 +32,34 @@ def test_two_trainers_on_a_fresh_store_are_both_recorded(tmp_path, round_):
     runs = workspace.store().search_runs("")
     assert sorted(run.info.run_name for run in runs) == ["racer-0", "racer-1"]
     assert all(run.info.status == "FINISHED" for run in runs)
+
+
+def _answer_at_once(tracking_uri: str, run_ids: list[str], barrier, index: int) -> None:
+    from replaybisect.store import open_store
+
+    store = open_store(tracking_uri)
+    for run_id in run_ids:
+        barrier.wait(timeout=20)  # every writer's first write of this run's description at once
+        store.record_answer(run_id, "diagnose", f"answer {index}")
+
+
+def test_verbs_answering_about_one_run_at_once_all_succeed(tmp_path):
+    """Verbs answering about one run at the same moment (`diagnose` twice, or `watch` beside a user) all write the
+    run's description; MLflow's set_tag inserted it twice and one verb failed with a UNIQUE constraint error."""
+    import multiprocessing
+
+    workspace = Workspace(tmp_path)
+    store = workspace.store()
+    run_ids = [store.create_run("train", run_name=f"examined-{index}") for index in range(RACED_RUNS)]
+    context = multiprocessing.get_context("fork")  # the store's modules are imported already: the writers start at once
+    barrier = context.Barrier(WRITERS)
+    writers = [context.Process(target=_answer_at_once, args=(workspace.tracking_uri, run_ids, barrier, index))
+               for index in range(WRITERS)]
+    for writer in writers:
+        writer.start()
+    for writer in writers:
+        writer.join(timeout=120)
+        writer.kill()
+    assert [writer.exitcode for writer in writers] == [0] * WRITERS
+    for run_id in run_ids:
+        assert store.get_run(run_id).data.tags["mlflow.note.content"].startswith("diagnose: answer ")
