@@ -54,6 +54,10 @@ class TrainConfig:
     """builtin: replaybisect's step. user: a run recorded from your own loop by replaybisect.Recorder."""
     build: Any = None
     """loop: user only: build(config) -> model, optimizer[, scheduler[, scaler]] (a dict or a tuple)."""
+    world_size: int = 1
+    """Processes of a distributed data-parallel job (torchrun + DDP), recorded per rank and replayed on one process."""
+    backend: Optional[str] = None
+    """The recorded job's process-group backend (gloo, nccl), for a distributed run."""
     script: Any = None
     """loop: user, recorded from a script whose step is a closure (no build): {path, module, args, cwd}, how a
     replay runs the script again to take its objects over (core/reentry.py)."""

@@ -209,6 +209,9 @@ class TrainState:
     # loop: user, recorded from a script: the script's own objects, handed over when a replay re-entered it
     # (core/reentry.py); nothing can rebuild them, so a copy is saved and put back in place (state_copy)
     live: bool = False
+    # one rank of a distributed job while it records: whether any rank's step failed, asked of every rank before the
+    # update (core/ranks.py); the ranks halt together, so none waits in an all-reduce for one that stopped
+    ranks_agree: Optional[Callable[[bool], bool]] = None
 
     @property
     def params(self) -> list[torch.nn.Parameter]:
@@ -460,7 +463,7 @@ def run_step(
     """One optimizer step. With halt_on_nonfinite, a non-finite loss or grad norm returns before the
     update, so parameters, optimizer, scheduler and scaler still hold the state before this step."""
     outcome = StepOutcome(step=step, loss=math.nan, lr=float(state.optimizer.param_groups[0]["lr"]))
-    watch = StepWatch(state, outcome, observer, on_fault=fault_handler(halt_on_nonfinite))
+    watch = StepWatch(state, outcome, observer, on_fault=fault_handler(halt_on_nonfinite), ranks_agree=state.ranks_agree)
     if state.user_loop:  # the user's own step (forward, backward, update inside): the same moments, the same halting
         user_step.run(state, watch, batch)
         return outcome
@@ -629,10 +632,12 @@ def open_step(step: int, state: TrainState, hooks: LoopHooks, buffers: BufferGua
 
 
 def take_step(state: TrainState, step: int, batch, hooks: LoopHooks, buffers: BufferGuard, rng_at_start: dict,
-              data_started: float) -> tuple[StepOutcome, bool]:
+              data_started: float, stored=None) -> tuple[StepOutcome, bool]:
     """One step as the loop takes it (also the user-loop recorder's `rec.step`): hooks.before_step has run and
     the buffers are saved. A non-finite step is undone and shown to `hooks.on_nonfinite`; if they say go on,
-    it is taken again from the same RNG state. Returns the outcome and whether to go on."""
+    it is taken again from the same RNG state. Returns the outcome and whether to go on. `stored`: what the
+    hooks keep for this step when it is not `batch` (a distributed job's rank 0 keeps every rank's)."""
+    stored = batch if stored is None else stored
     device_batch = to_device(batch, state.device)
     carry_at_start = user_step.copied(state.carry, "carry") if state.user_loop else None
     step_started = time.perf_counter()
@@ -642,10 +647,10 @@ def take_step(state: TrainState, step: int, batch, hooks: LoopHooks, buffers: Bu
         buffers.restore()  # undo the forward's in-place buffer updates: hooks see the state before the step
         if state.user_loop:
             state.carry = carry_at_start  # and what the halted step wrote into carry
-        keep_going = hooks.on_nonfinite(outcome, batch)
+        keep_going = hooks.on_nonfinite(outcome, stored)
         if keep_going:
             restore_raw(rng_at_start)
             outcome = run_step(state, step, device_batch, halt_on_nonfinite=False)
     step_ended = time.perf_counter()
-    keep_going = hooks.after_step(outcome, batch, step_ended - step_started, step_started - data_started) and keep_going
+    keep_going = hooks.after_step(outcome, stored, step_ended - step_started, step_started - data_started) and keep_going
     return outcome, keep_going

@@ -554,6 +554,13 @@ def _batch_tensor_names(step: int, shape: Any) -> list[str] | None:
     return None
 
 
+def decode_batches(payload: bytes, source: str) -> dict[int, Any]:
+    """Batches as encode_batches wrote them, sent by another process of the same job (`source` names it in errors)."""
+    origin = Path(source)
+    tensors, metadata = _load_safetensors(origin, BATCHES, payload)
+    return _batches(origin, 0, tensors, metadata)
+
+
 def load(folder: Path) -> Snapshot:
     """Verify and load a snapshot folder (safetensors and JSON only); any flaw is a SnapshotError."""
     _check_folder(folder)

@@ -37,6 +37,7 @@ class StepOutcome:
     nonfinite: Optional[str] = None  # "loss" | "grad_norm" when the step failed
     updated: bool = False  # the optimizer applied an update
     scaler_skipped: bool = False  # fp16: the GradScaler skipped an overflowing step (normal)
+    rank_losses: Optional[list] = None  # a distributed run's replayed step: each rank's loss (core/ranks.py)
 
 
 class StepHalted(BaseException):
@@ -56,8 +57,12 @@ class StepWatch:
     """One step's moments: observer calls, the non-finite rules, an ablation arm's clip. `state` is a TrainState
     (model, optimizer, scaler, clip_grad_norm); `on_fault` is called at the first non-finite loss or gradient."""
 
-    def __init__(self, state, outcome: StepOutcome, observer=None, on_fault: Optional[Callable[[], None]] = None):
+    def __init__(self, state, outcome: StepOutcome, observer=None, on_fault: Optional[Callable[[], None]] = None,
+                 ranks_agree: Optional[Callable[[bool], bool]] = None):
         self.state, self.outcome, self.observer, self.on_fault = state, outcome, observer, on_fault
+        # a rank of a distributed job: a non-finite loss is not halted before its backward (the other ranks wait in
+        # its all-reduce); every rank says at the gradients whether its step failed, and all halt if one did
+        self.ranks_agree = ranks_agree
         self.on_error: Optional[Callable[[Exception], None]] = None  # set: an error in a backward goes here, not up
         self.stopped = False  # an inline run's replay halted the step; its script's iteration runs on, idle
         self.on_loss: Optional[Callable[[], None]] = None  # set: called as each loss is about to be backpropagated
@@ -100,6 +105,11 @@ class StepWatch:
         notify(self.observer, "after_backward", self.state)
         if self.outcome.nonfinite is None and guard.nonfinite_gradient(grads, self.outcome.grad_norm, self.state.scaler):
             self._fault("grad_norm")
+        if self.ranks_agree is not None and self.ranks_agree(self.outcome.nonfinite is not None):
+            if self.outcome.nonfinite is None:
+                self.outcome.nonfinite = "rank"  # another rank's step failed: this one halts with it
+            if self.on_fault is not None:
+                self.on_fault()
         if self.state.clip_grad_norm is not None and grads:  # an ablation arm's clip (a user's own clip came first)
             torch.nn.utils.clip_grads_with_norm_(params, self.state.clip_grad_norm, norm)
         notify(self.observer, "before_update", self.state, self.outcome)
@@ -121,7 +131,7 @@ class StepWatch:
     def _fault(self, what: str) -> None:
         self.outcome.nonfinite = what
         self.outcome.loss = self.loss_so_far()  # the loss a halted step logs: what it backpropagated so far
-        if self.on_fault is not None:
+        if self.on_fault is not None and self.ranks_agree is None:  # a rank halts at the gradients, with the others
             self.on_fault()
 
 

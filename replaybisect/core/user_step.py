@@ -103,7 +103,14 @@ def build_parts(cfg) -> dict[str, Any]:
         return parts
     build = instantiate(cfg.train.build, "train.build")
     config = user_config(cfg)
+    distributed = (cfg.train.get("world_size") or 1) > 1
+    if distributed:  # the user's build wraps the model in DDP: one process stands in for the recorded ranks
+        from replaybisect.core import ranks
+
+        ranks.one_process_group()
     parts = unpack_parts(build(config), "train.build")
+    if distributed:
+        ranks.attach_reduction(parts["model"])
     parts["step_fn"] = instantiate(cfg.train.step_fn, "train.step_fn")
     parts["user_config"] = config
     step_arguments(parts["step_fn"])
@@ -466,7 +473,17 @@ def watching(watch: StepWatch):
 
 
 def run(state, watch: StepWatch, record) -> None:
-    """Run the user's step on `record` (a stored batch), filling `watch.outcome` (see loop.run_step)."""
+    """Run the user's step on `record` (a stored batch; a distributed run's global step: each rank's, core/ranks.py),
+    filling `watch.outcome` (see loop.run_step)."""
+    from replaybisect.core import ranks
+
+    if ranks.is_ranks_record(record):
+        ranks.run_global_step(state, watch, record, _run_record)
+    else:
+        _run_record(state, watch, record)
+
+
+def _run_record(state, watch: StepWatch, record) -> None:
     outcome = watch.outcome
     batch, stored_rng = unpack(record)
     rng.restore_stored(stored_rng, state.device)

@@ -49,7 +49,8 @@ import weakref
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from replaybisect.core import reentry
+from replaybisect.core import ranks, reentry
+from replaybisect.record import ranked
 from replaybisect.core.config import PRECISIONS, OnNonfinite, Precision
 from replaybisect.errors import ConfigError, NonFiniteStep, ReplayError
 
@@ -119,7 +120,7 @@ def plain_config(config: Any) -> dict:
 
 def replay_config(*, step_target: Optional[str], build_target: Optional[str], config: dict, seed: int, precision: str,
                   snapshot_every: int, layer_stats_every: int, on_nonfinite: str, steps: Optional[int],
-                  script: Optional[dict] = None):
+                  script: Optional[dict] = None, distributed: Optional[dict] = None):
     """The run's config in replaybisect's schema: what `replay` reads back. A script run (`script`: how it was
     started) names no functions: its step is a closure, replayed by running the script again."""
     from omegaconf import OmegaConf
@@ -132,7 +133,7 @@ def replay_config(*, step_target: Optional[str], build_target: Optional[str], co
         "user": config,
         "train": {"loop": "user", "step_fn": _partial(step_target), "build": _partial(build_target), "script": script,
                   "precision": precision,
-                  "steps": steps or 1, "val_every": 0, "device": "auto"},
+                  "steps": steps or 1, "val_every": 0, "device": "auto", **(distributed or {})},
         "snapshot": {"every": snapshot_every, "layer_stats_every": layer_stats_every, "on_nonfinite": on_nonfinite,
                      "keep_batches": True},
     })
@@ -196,6 +197,7 @@ class Recorder:
         if not inline:
             user_step.step_arguments(step_fn)
         self._inline: Optional[InlineRecording] = None  # recording a loop without step_fn
+        self._ranked: Optional[ranked.RankedSteps] = None  # one rank of a distributed job
         self._remote: Optional[RemoteStep] = None  # replaying one
         self._handover = None
         if reentry.replaying():  # a replay re-entered this script: the objects go to it at the first step
@@ -211,31 +213,45 @@ class Recorder:
             raise ConfigError("without step_fn a non-finite step stops the run (on_nonfinite=\"stop\"): the Recorder "
                               "cannot take your loop's step again; pass step_fn= to go on past it")
         step_target, build_target, script, code_folder, name = _how_replayed(step_fn, build)
+        link = ranked.link_for(inline, build)  # one rank of a distributed job, or None
+        self._ranked = ranked.RankedSteps(link, model) if link is not None else None
         if precision is not None and precision not in PRECISIONS:
             raise ConfigError(f"precision={precision!r} is not one of {', '.join(PRECISIONS)}")
         config_plain = plain_config(config)
         self._settings = dict(step_target=step_target, build_target=build_target, script=script, config=config_plain,
                               seed=torch.initial_seed() if seed is None else seed, snapshot_every=snapshot_every,
-                              layer_stats_every=layer_stats_every, on_nonfinite=on_nonfinite, steps=steps)
+                              layer_stats_every=layer_stats_every, on_nonfinite=on_nonfinite, steps=steps,
+                              distributed=ranks.layout(link.rank, link.world_size) if link is not None else None)
         self.cfg = replay_config(precision=precision or "fp32", **self._settings)  # validates before any run exists
         self._precision_seen: Optional[list[str]] = None if precision else []  # noted on the first step
         self.state = TrainState(cfg=self.cfg, model=model, optimizer=parts["optimizer"], scheduler=scheduler, scaler=scaler,
                                 loss_fn=None, step_fn=step_fn, device=user_step.model_device(model),
                                 precision=precision, clip_grad_norm=None, user_loop=True,
-                                user_config=OmegaConf.create(config_plain), carry={})
+                                user_config=OmegaConf.create(config_plain), carry={},
+                                ranks_agree=ranks.any_rank_failed(user_step.model_device(model)) if link is not None else None)
         self._buffers = BufferGuard(model)
         self.steps_taken = 0
         self.last_loss: Optional[float] = None
         self.first_nonfinite_step: Optional[int] = None
         self._config_written = False
         self._last_step_end: Optional[float] = None
-        self._session = open_session(tracking_uri, experiment, code_folder,
-                                     {"replaybisect.loop": "user", **own_sources(*([step_fn] if step_fn else []), *([build] if build else []),
-                                                                                 files=[Path(script["path"])] if inline else [])},
-                                     run_name or f"train {name} (own loop)")
-        self.store, self.run_id = self._session.store, self._session.run_id
-        with self._session.failure_ends_run():
-            self._hooks = self._session.start_recording(self.cfg, self.state, {"seed": int(self.cfg.seed)})
+        if link is not None and link.rank != 0:  # rank 0 records the run; this rank sends it its steps
+            from replaybisect.record.hooks import NullHooks
+
+            self._session = ranked.PeerSession(link, tracking_uri)
+            one_line_failures()
+            self.store, self.run_id = None, self._session.run_id
+            self._hooks = NullHooks(on_nonfinite == "stop")
+        else:
+            self._session = open_session(tracking_uri, experiment, code_folder,
+                                         {"replaybisect.loop": "user", **own_sources(*([step_fn] if step_fn else []), *([build] if build else []),
+                                                                                     files=[Path(script["path"])] if inline else [])},
+                                         run_name or f"train {name} (own loop)")
+            self.store, self.run_id = self._session.store, self._session.run_id
+            if link is not None:
+                link.share_run_id(self.run_id)
+            with self._session.failure_ends_run():
+                self._hooks = self._session.start_recording(self.cfg, self.state, {"seed": int(self.cfg.seed)})
         self._exit = contextlib.ExitStack()
         self._exit.enter_context(sigterm_raises())
         if inline:
@@ -264,9 +280,13 @@ class Recorder:
             record = user_step.pack(batch, self.state.device, rng_at_start, self.state.optimizer,
                                     self.state.carry if user_step.takes_carry(self.state.step_fn) else None,
                                     user_step.step_variables(self.state.step_fn) if self._settings["script"] else None)
+            stored = self._ranked.stored(step, record) if self._ranked is not None else record
             data_started = self._last_step_end if self._last_step_end is not None else time.perf_counter()
             with self._noting_precision():
-                outcome, keep_going = loop.take_step(self.state, step, record, self._hooks, self._buffers, rng_at_start, data_started)
+                outcome, keep_going = loop.take_step(self.state, step, record, self._hooks, self._buffers, rng_at_start,
+                                                     data_started, stored=stored)
+            if self._ranked is not None:
+                self._ranked.finished(step, outcome.loss, self._hooks)
             self._last_step_end = time.perf_counter()
             self._stepped(outcome)
         except BaseException as error:
@@ -335,6 +355,8 @@ class Recorder:
         try:
             if self._inline is not None:
                 self._inline.remove()
+            if self._ranked is not None and self._ranked.is_writer:
+                error = self._ranked.blamed(error, self.store, self.run_id)
             return self._session.fail(error)
         finally:
             self._exit.close()

@@ -185,9 +185,19 @@ class BatchFinding:
     inf: int
     shape: list[int]
     dataset_rows: Optional[list[int]] = None  # the dataset indices of those rows, when the data order is known
+    rank: Optional[int] = None  # a distributed run: the rank whose batch it is
 
 
 def probe_batch(batch: Any, dataset_indices: Optional[list[int]] = None) -> list[BatchFinding]:
+    from replaybisect.core import ranks
+
+    if ranks.is_ranks_record(batch):  # a distributed run's global step: each rank's own batch
+        findings = []
+        for rank, record in enumerate(ranks.rank_records(batch)):
+            for finding in probe_batch(record.get("batch") if isinstance(record, dict) else record):
+                finding.field, finding.rank = f"rank {rank}'s {finding.field}", rank
+                findings.append(finding)
+        return findings
     findings = []
     roles = {"batch[0]": "batch[0] (inputs)", "batch[1]": "batch[1] (targets)"} if isinstance(batch, (tuple, list)) and len(batch) == 2 else {}
     for name, tensor in tensors_in(batch, "batch"):

@@ -1,0 +1,273 @@
+"""Distributed data-parallel runs (torchrun + DistributedDataParallel): recorded per rank, replayed on one process.
+
+Recording. Every rank runs the same script with the same Recorder lines. Rank 0 owns the MLflow run; the other
+ranks join it by id. At each step every rank sends rank 0 its stored step (the batch and the RNG states it starts
+with, `user_step.pack`) and, after the step, its loss and a parameter checksum, through the process group's own
+key-value store (never a collective: a rank that died makes the others wait on nothing but a timeout). Rank 0 stores
+the global step as one record, `{"ranks": [record of rank 0, record of rank 1, ...]}`; the model and optimizer
+state once (DDP keeps the replicas identical), and every rank's loss (`loss/rank1`) and checksum
+(`param_checksum/rank1`) as metrics.
+
+Replay on one process. The step function runs once per rank's record, as DDP runs it on each rank. A one-process
+gloo group lets the user's `build` wrap the model in DDP as it did, and a communication hook on each DDP module
+stands in for the all-reduce: the passes of ranks 1..W-1 keep their local gradient buckets (then the state is put
+back), and the pass of rank 0 gets, for each bucket, the sum over ranks of bucket / W in rank order, which is what
+DDP's default reduction computes (exact for two ranks; with more, gloo's summation order may differ in the last bit).
+That pass goes on to the update, with the averaged gradients a clip sees and the RNG states rank 0 leaves.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import json
+import os
+import socket
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import torch
+
+from replaybisect.errors import ConfigError, ReplayError
+
+RECORD_RANKS = "ranks"
+KEY_PREFIX = "replaybisect/"
+PEER_TIMEOUT = datetime.timedelta(minutes=10)  # a peer this late is gone (the job's own collectives time out sooner)
+
+
+# ---- where this process stands ------------------------------------------------------------------------------
+def world() -> Optional[tuple[int, int]]:
+    """(rank, world size) of this process's default process group, when it has more than one process."""
+    if not torch.distributed.is_available() or not torch.distributed.is_initialized():
+        return None
+    size = torch.distributed.get_world_size()
+    return (torch.distributed.get_rank(), size) if size > 1 else None
+
+
+def is_ranks_record(record: Any) -> bool:
+    return isinstance(record, dict) and set(record) == {RECORD_RANKS} and isinstance(record[RECORD_RANKS], (list, tuple))
+
+
+def rank_records(record: dict) -> list:
+    records = list(record[RECORD_RANKS])
+    if not records:
+        from replaybisect.errors import SnapshotError
+
+        raise SnapshotError("a stored distributed step holds no rank's batch: the snapshot was changed after recording; "
+                            "re-record the run or examine another step (--step)")
+    return records
+
+
+def param_checksum(model: torch.nn.Module) -> float:
+    """A cheap fingerprint of the replica's parameters (float64 sum of every element): replicas that drifted apart
+    show different values at the same step."""
+    with torch.no_grad():
+        total = torch.zeros((), dtype=torch.float64)
+        for param in model.parameters():
+            total += param.detach().to(torch.float64).sum().cpu()
+        return float(total)
+
+
+def any_rank_failed(device: torch.device) -> Callable[[bool], bool]:
+    """Asked by every rank before its update: did any rank's step fail? (One small all-reduce per step.)"""
+    def agree(failed_here: bool) -> bool:
+        flag = torch.tensor([1 if failed_here else 0], dtype=torch.int32,
+                            device=device if torch.distributed.get_backend() == "nccl" else "cpu")
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+        return bool(flag.item())
+
+    return agree
+
+
+def layout(rank: int, world_size: int) -> dict[str, Any]:
+    """The job's shape as the run's config stores it."""
+    backend = torch.distributed.get_backend()
+    return {"world_size": world_size, "backend": str(backend)}
+
+
+# ---- the link between ranks while recording ------------------------------------------------------------------
+class RankLink:
+    """What one rank tells rank 0 (and rank 0 reads), through the process group's key-value store."""
+
+    def __init__(self, rank: int, world_size: int):
+        from torch.distributed import PrefixStore
+        from torch.distributed.distributed_c10d import _get_default_store
+
+        self.rank, self.world_size = rank, world_size
+        self._store = PrefixStore(KEY_PREFIX, _get_default_store())
+        self._store.set(f"pid/{rank}", json.dumps({"host": socket.gethostname(), "pid": os.getpid()}))
+
+    # the run every rank records into
+    def share_run_id(self, run_id: str) -> None:
+        self._store.set("run_id", run_id)
+
+    def joined_run_id(self) -> str:
+        return self._get("run_id").decode()
+
+    # each step: what rank 0 stores for it
+    def send_record(self, step: int, record: Any) -> None:
+        from replaybisect.core import snapshot as fmt
+
+        self._store.set(f"record/{step}/{self.rank}", fmt.encode_batches({step: record}))
+
+    def global_record(self, step: int, own: Any) -> dict:
+        """Rank 0: the step's records of every rank, rank 0's first."""
+        from replaybisect.core import snapshot as fmt
+
+        records = [own]
+        for peer in range(1, self.world_size):
+            key = f"record/{step}/{peer}"
+            records.append(fmt.decode_batches(self._get(key), f"rank {peer}'s step {step}")[step])
+            self._store.delete_key(key)
+        return {RECORD_RANKS: records}
+
+    def send_outcome(self, step: int, loss: float, checksum: float) -> None:
+        self._store.set(f"outcome/{step}/{self.rank}", json.dumps([loss, checksum]))
+
+    def peer_outcomes(self, step: int) -> dict[int, tuple[float, float]]:
+        """Rank 0: each other rank's (loss, checksum) of `step`."""
+        outcomes = {}
+        for peer in range(1, self.world_size):
+            key = f"outcome/{step}/{peer}"
+            loss, checksum = json.loads(self._get(key))
+            outcomes[peer] = (float(loss), float(checksum))
+            self._store.delete_key(key)
+        return outcomes
+
+    # a rank that failed
+    def say_failed(self, error: BaseException) -> None:
+        with contextlib.suppress(Exception):
+            self._store.set(f"failed/{self.rank}", f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"[:300])
+
+    def failed_ranks(self) -> dict[int, str]:
+        """The other ranks that said they failed, or whose process (on this host) is gone: rank -> why."""
+        failed = {}
+        host = socket.gethostname()
+        for peer in range(self.world_size):
+            if peer == self.rank:
+                continue
+            with contextlib.suppress(Exception):
+                if self._store.check([f"failed/{peer}"]):
+                    failed[peer] = self._store.get(f"failed/{peer}").decode()
+                    continue
+                where = json.loads(self._store.get(f"pid/{peer}"))
+                if where["host"] == host and not _alive(int(where["pid"])):
+                    failed[peer] = f"process {where['pid']} is gone (killed)"
+        return failed
+
+    def _get(self, key: str) -> bytes:
+        try:
+            self._store.wait([key], PEER_TIMEOUT)
+        except Exception as error:
+            raise ReplayError(f"rank {self.rank} waited {PEER_TIMEOUT} for {key} from another rank ({str(error).splitlines()[0]}); "
+                              "a rank stopped: see its own output") from None
+        return self._store.get(key)
+
+
+def _alive(pid: int) -> bool:
+    """A process that has not exited (a killed one its launcher has not reaped yet, a zombie, has)."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except FileNotFoundError:
+        return False
+    except OSError:  # no /proc here: ask the kernel
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            pass
+        return True
+
+
+# ---- replay on one process ----------------------------------------------------------------------------------
+def one_process_group() -> None:
+    """A process group of one (gloo, in memory) so the user's build can wrap the model in DDP as it did."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+
+
+def attach_reduction(model: torch.nn.Module) -> None:
+    """The all-reduce of every DDP module in `model` goes through REDUCTION (replaces DDP's own)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    wrapped = [module for module in model.modules() if isinstance(module, DistributedDataParallel)]
+    if not wrapped:
+        raise ConfigError("the run was recorded with DistributedDataParallel, but build(config) returned a model without "
+                          "it; wrap the model in DDP in build, as the recorded job did")
+    for module in wrapped:
+        module.register_comm_hook(REDUCTION, _reduce_bucket)
+
+
+@dataclass
+class Reduction:
+    """Which rank's pass is running, and the gradients the passes before it reduced: (parameter, call) -> tensors.
+    Kept per parameter, not per bucket: DDP lays its buckets out again after the first backward, so a flat bucket of
+    one pass need not line up with the next pass's."""
+
+    world_size: int = 1
+    rank: Optional[int] = None  # None: outside a recorded global step (a probe's plain backward keeps its gradients)
+    kept: dict[tuple[int, int], list[torch.Tensor]] = field(default_factory=dict)
+    calls: dict[int, int] = field(default_factory=dict)  # parameter -> its reductions so far in this rank's pass
+
+
+REDUCTION = Reduction()
+
+
+def _reduce_bucket(reduction: Reduction, bucket):  # no return annotation: DDP checks it, and this module postpones them
+    """DDP's communication hook, standing in for the all-reduce of one bucket (it holds this pass's local gradients,
+    undivided: with a hook, DDP leaves the division to it)."""
+    if reduction.rank is not None:
+        for param, grad in zip(bucket.parameters(), bucket.gradients()):
+            call = reduction.calls.get(id(param), 0)
+            reduction.calls[id(param)] = call + 1
+            key = (id(param), call)
+            if reduction.rank != 0:
+                reduction.kept.setdefault(key, []).append(grad.detach().clone())
+                continue
+            peers = reduction.kept.get(key, [])
+            if len(peers) != reduction.world_size - 1:
+                raise ReplayError("the ranks' recorded steps reduced their gradients a different number of times: they took "
+                                  "different paths; this step cannot be replayed on one process")
+            reduced = grad.div(reduction.world_size)
+            for peer in peers:  # the sum in rank order of each rank's gradient / W, as DDP's default reduction adds them
+                reduced = reduced + peer.div(reduction.world_size)
+            grad.copy_(reduced)  # a view into the bucket
+    future: torch.futures.Future = torch.futures.Future()
+    future.set_result(bucket.buffer())
+    return future
+
+
+def run_global_step(state, watch, record: dict, run_one: Callable[[Any, Any, Any], None]) -> None:
+    """One recorded global step on one process: ranks 1..W-1 first (their gradients kept, the state put back),
+    then rank 0 with the reduced gradients, through the update. `watch.outcome` is rank 0's; its `rank_losses`
+    holds every rank's loss."""
+    from replaybisect.core import loop
+    from replaybisect.core.step_watch import StepOutcome, StepWatch
+
+    records = rank_records(record)
+    REDUCTION.world_size, REDUCTION.kept, REDUCTION.calls = len(records), {}, {}
+    saved = loop.copy_state(state)
+    buffers = {name: buffer.detach().clone() for name, buffer in state.model.named_buffers()}
+    losses: list[Optional[float]] = [None] * len(records)
+    try:
+        for rank in range(1, len(records)):
+            REDUCTION.rank, REDUCTION.calls = rank, {}
+            side = StepOutcome(step=watch.outcome.step, loss=float("nan"), lr=watch.outcome.lr)
+            run_one(state, StepWatch(state, side, watch.observer, on_fault=None), records[rank])
+            losses[rank] = side.loss
+            loop.load_state(state, saved)
+            with torch.no_grad():
+                for name, buffer in state.model.named_buffers():
+                    buffer.copy_(buffers[name])
+            state.optimizer.zero_grad(set_to_none=True)
+        REDUCTION.rank, REDUCTION.calls = 0, {}
+        run_one(state, watch, records[0])
+        losses[0] = watch.outcome.loss
+    finally:
+        REDUCTION.rank, REDUCTION.kept, REDUCTION.calls = None, {}, {}
+    watch.outcome.rank_losses = losses

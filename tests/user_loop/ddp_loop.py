@@ -1,0 +1,70 @@
+"""A distributed data-parallel job as users write one, started with torchrun (2 processes, gloo on CPU): the process
+group set up in main, the model wrapped in DDP by build, each rank drawing its own data, the same Recorder lines as
+one process. Plants: a NaN row in rank 1's batch at a step (--nan-step), a learning rate that diverges (--lr 5),
+and rank asymmetries (--plant seed | hook | loss-count).
+
+Run: torchrun --nproc_per_node 2 ddp_loop.py --steps 20 [--nan-step 12] [--lr 0.05] [--plant NAME]"""
+import argparse
+import os
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import replaybisect
+
+
+def build(config):
+    torch.manual_seed(0 if config["plant"] != "seed" else 1 + dist.get_rank())  # planted: a rank-dependent init...
+    model = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Dropout(0.1), nn.Linear(32, 4))
+    ddp = DDP(model, broadcast_buffers=False, init_sync=config["plant"] != "seed")  # ...that DDP does not broadcast
+    if config["plant"] == "hook" and dist.get_rank() == 1:  # planted: rank 1 scales its gradients after the all-reduce
+        for param in model.parameters():
+            param.register_post_accumulate_grad_hook(lambda p: p.grad.mul_(1.5))
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=config["lr"], momentum=0.9)
+    return ddp, optimizer
+
+
+def train_step(model, optimizer, batch, config):
+    x, y = batch
+    optimizer.zero_grad(set_to_none=True)
+    loss = F.cross_entropy(model(x), y, reduction="sum" if config["plant"] == "loss-count" else "mean")
+    if config["plant"] == "loss-count":  # planted: each rank divides by its own count of kept rows
+        loss = loss / (y >= 0).sum().clamp(min=1) / (1 + dist.get_rank())
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 5.0)
+    optimizer.step()
+    return loss
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--lr", type=float, default=0.05)
+    parser.add_argument("--nan-step", type=int, default=-1)
+    parser.add_argument("--plant", default="none")
+    args = parser.parse_args()
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    config = {"lr": args.lr, "plant": args.plant}
+    model, optimizer = build(config)
+    rec = replaybisect.Recorder(model, optimizer, step_fn=train_step, build=build, config=config, snapshot_every=5,
+                                layer_stats_every=0)
+    generator = torch.Generator().manual_seed(100 + rank)  # each rank its own shard of the data
+    with rec:
+        for step in range(args.steps):
+            x = torch.randn(16, 8, generator=generator)
+            y = (x[:, 0] > 0).long() + 2 * (x[:, 1] > 0).long()
+            if rank == 1 and step == args.nan_step:
+                x[5, 3] = float("nan")  # planted: one bad row on rank 1
+            loss = rec.step((x, y))
+            print(f"rank {rank} step {step} loss {loss:.6f}", flush=True)  # user code prints to stdout
+    if rank == 0:
+        print("run", rec.run_id)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
