@@ -312,6 +312,7 @@ class ReplayResult:
     max_relative_error: float
     stopped: Any = None  # the StepOutcome that stopped the replay (non-finite), else None
     grad_norms: dict[int, float] = field(default_factory=dict)
+    ranks_compared: int = 1  # a distributed run: every rank's logged loss (loss/rankN) was compared too
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -320,6 +321,7 @@ class ReplayResult:
             "reproduced": self.reproduced,
             "max_relative_error": self.max_relative_error,
             "mismatches": [{"step": s, "logged": a, "replayed": b} for s, a, b in self.mismatches[:20]],
+            **({"ranks_compared": self.ranks_compared} if self.ranks_compared > 1 else {}),
         }
 
 
@@ -358,6 +360,7 @@ class ReplayHooks:
         self.grad_norms: dict[int, float] = {}
         self.lrs: dict[int, float] = {}
         self.first_nonfinite: Optional[tuple[int, str]] = None  # (step, "loss" | "grad_norm")
+        self.rank_losses: dict[int, list] = {}  # a distributed run: each step's loss on every rank
 
     def before_step(self, step, state, rng_at_start):
         self.current_step = step
@@ -372,6 +375,8 @@ class ReplayHooks:
 
     def after_step(self, outcome, batch, step_time, data_time):
         self.losses[outcome.step] = outcome.loss
+        if outcome.rank_losses is not None:
+            self.rank_losses[outcome.step] = outcome.rank_losses
         if outcome.grad_norm is not None:
             self.grad_norms[outcome.step] = outcome.grad_norm
         self.lrs[outcome.step] = outcome.lr * (self.lr_factor(outcome.step) if self.lr_factor else 1.0)
@@ -402,11 +407,16 @@ def replay(
     end = (stopped.step if stopped is not None else until)
     mismatches = []
     worst = 0.0
+    ranks = int(restored.cfg.train.get("world_size") or 1)
     if logged is not None:
-        for step, loss in sorted(hooks.losses.items()):
-            if step in logged and not same_loss(logged[step], loss):
-                mismatches.append((step, logged[step], loss))
-                worst = max(worst, relative_error(logged[step], loss))
+        compared = [(step, logged, loss) for step, loss in sorted(hooks.losses.items())]
+        for rank in range(1, ranks):  # the other ranks' losses of a distributed run, as each rank logged its own
+            logged_here = dict(restored.store.metric_history(restored.run_id, f"loss/rank{rank}"))
+            compared += [(step, logged_here, losses[rank]) for step, losses in sorted(hooks.rank_losses.items())]
+        for step, logged_losses_of, loss in compared:
+            if step in logged_losses_of and not same_loss(logged_losses_of[step], loss):
+                mismatches.append((step, logged_losses_of[step], loss))
+                worst = max(worst, relative_error(logged_losses_of[step], loss))
         reproduced = "exact" if not mismatches else ("close" if worst <= CLOSE_RELATIVE else "diverged")
     else:
         reproduced = "unchecked"
@@ -420,6 +430,7 @@ def replay(
         max_relative_error=worst,
         stopped=stopped,
         grad_norms=hooks.grad_norms,
+        ranks_compared=ranks,
     )
 
 

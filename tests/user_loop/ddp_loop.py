@@ -1,11 +1,12 @@
 """A distributed data-parallel job as users write one, started with torchrun (2 processes, gloo on CPU): the process
 group set up in main, the model wrapped in DDP by build, each rank drawing its own data, the same Recorder lines as
-one process. Plants: a NaN row in rank 1's batch at a step (--nan-step), a learning rate that diverges (--lr 5),
+one process. Plants: a NaN row in rank 1's batch at a step (--nan-step), a learning rate that diverges (--loss mse --lr 3 --clip 0),
 and rank asymmetries (--plant seed | hook | loss-count).
 
 Run: torchrun --nproc_per_node 2 ddp_loop.py --steps 20 [--nan-step 12] [--lr 0.05] [--plant NAME]"""
 import argparse
 import os
+import time
 
 import torch
 import torch.distributed as dist
@@ -18,7 +19,7 @@ import replaybisect
 
 def build(config):
     torch.manual_seed(0 if config["plant"] != "seed" else 1 + dist.get_rank())  # planted: a rank-dependent init...
-    model = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Dropout(0.1), nn.Linear(32, 4))
+    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Dropout(0.1), nn.Linear(32, 4))
     ddp = DDP(model, broadcast_buffers=False, init_sync=config["plant"] != "seed")  # ...that DDP does not broadcast
     if config["plant"] == "hook" and dist.get_rank() == 1:  # planted: rank 1 scales its gradients after the all-reduce
         for param in model.parameters():
@@ -30,11 +31,15 @@ def build(config):
 def train_step(model, optimizer, batch, config):
     x, y = batch
     optimizer.zero_grad(set_to_none=True)
-    loss = F.cross_entropy(model(x), y, reduction="sum" if config["plant"] == "loss-count" else "mean")
+    if config["loss"] == "mse":  # a regression: too high an lr diverges geometrically to inf, then NaN
+        loss = F.mse_loss(model(x), F.one_hot(y, 4).float())
+    else:
+        loss = F.cross_entropy(model(x), y, reduction="sum" if config["plant"] == "loss-count" else "mean")
     if config["plant"] == "loss-count":  # planted: each rank divides by its own count of kept rows
         loss = loss / (y >= 0).sum().clamp(min=1) / (1 + dist.get_rank())
     loss.backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), 5.0)
+    if config["clip"]:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), config["clip"])
     optimizer.step()
     return loss
 
@@ -45,14 +50,18 @@ def main():
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--nan-step", type=int, default=-1)
     parser.add_argument("--plant", default="none")
+    parser.add_argument("--clip", type=float, default=5.0)  # 0: no clipping
+    parser.add_argument("--loss", default="ce")  # ce | mse
+    parser.add_argument("--sleep", type=float, default=0.0)  # seconds per step (a test kills a rank mid-run)
     args = parser.parse_args()
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    config = {"lr": args.lr, "plant": args.plant}
+    config = {"lr": args.lr, "plant": args.plant, "clip": args.clip, "loss": args.loss}
     model, optimizer = build(config)
     rec = replaybisect.Recorder(model, optimizer, step_fn=train_step, build=build, config=config, snapshot_every=5,
                                 layer_stats_every=0)
     generator = torch.Generator().manual_seed(100 + rank)  # each rank its own shard of the data
+    print(f"rank {rank} pid {os.getpid()}", flush=True)
     with rec:
         for step in range(args.steps):
             x = torch.randn(16, 8, generator=generator)
@@ -61,6 +70,7 @@ def main():
                 x[5, 3] = float("nan")  # planted: one bad row on rank 1
             loss = rec.step((x, y))
             print(f"rank {rank} step {step} loss {loss:.6f}", flush=True)  # user code prints to stdout
+            time.sleep(args.sleep)
     if rank == 0:
         print("run", rec.run_id)
     dist.destroy_process_group()

@@ -318,7 +318,10 @@ def _replay_sentence(report: NanReport, replayed, stored_batch: bool) -> str:
     if replayed is None:
         return f"restored the snapshot of step {report.snapshot_step} (no earlier snapshot: reproduction unchecked); step {report.failing_step} uses {batch_from}"
     n = replayed.end_step - replayed.start_step
-    text = f"replayed {n} step(s) {replayed.start_step}..{replayed.end_step - 1} from the snapshot of step {report.snapshot_step}: losses {report.reproduced}"
+    losses = f"the losses of all {replayed.ranks_compared} ranks" if replayed.ranks_compared > 1 else "losses"
+    where = " on one process (each rank's batch, gradients averaged as DDP does)" if replayed.ranks_compared > 1 else ""
+    text = (f"replayed {n} step(s) {replayed.start_step}..{replayed.end_step - 1} from the snapshot of step "
+            f"{report.snapshot_step}{where}: {losses} {report.reproduced}")
     if replayed.mismatches:
         text += f" (max relative error {replayed.max_relative_error:.3g})"
     return text + f"; step {report.failing_step} uses {batch_from}"

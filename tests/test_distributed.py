@@ -1,0 +1,112 @@
+"""Distributed data-parallel jobs started as users start them (torchrun, 2 processes, gloo on CPU) with the same
+Recorder lines as one process: the run recorded per rank, replayed on one process bit for bit, the rank and row of a
+planted NaN named, a diverging lr found and fixed by `ablate lr`, a killed rank named on the run."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import Workspace
+
+HERE = Path(__file__).resolve().parent
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone"]
+
+
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory) -> Workspace:
+    workspace = Workspace(tmp_path_factory.mktemp("ddp"))
+    shutil.copy(HERE / "user_loop" / "ddp_loop.py", workspace.path)
+    return workspace
+
+
+def _torchrun(workspace: Workspace, *args: str, expect_failure: bool) -> tuple[str, subprocess.CompletedProcess]:
+    done = subprocess.run([*TORCHRUN, "ddp_loop.py", *args], cwd=workspace.path, env=workspace.env(), capture_output=True,
+                          text=True, timeout=300)
+    assert (done.returncode != 0) == expect_failure, f"exit {done.returncode}\n{done.stdout}\n{done.stderr[-3000:]}"
+    return re.search(r"recording run ([0-9a-f]{32})", done.stderr).group(1), done
+
+
+@pytest.fixture(scope="module")
+def nan_row_run(shared):
+    return _torchrun(shared, "--steps", "20", "--nan-step", "12", expect_failure=True)
+
+
+@pytest.fixture(scope="module")
+def diverging_run(shared):
+    return _torchrun(shared, "--steps", "40", "--loss", "mse", "--lr", "3", "--clip", "0", expect_failure=True)
+
+
+def test_a_nan_row_on_rank_1_is_named_with_its_rank_and_row(shared, nan_row_run):
+    run_id, done = nan_row_run
+    # every rank stopped at the failing step before its update, each with one line (no rank hung in an all-reduce)
+    assert done.stderr.count("replaybisect.NonFiniteStep: ") == 2 and "[rank1]: Traceback" not in done.stderr
+    assert "rank 1 step 11 loss" in done.stdout and "step 12 loss" not in done.stdout
+    store = shared.store()
+    tags = store.tags(run_id)
+    assert tags["status"] == "nonfinite" and tags["first_nonfinite_step"] == "12"
+    losses_1 = dict(store.metric_history(run_id, "loss/rank1"))
+    assert sorted(losses_1) == list(range(13)) and losses_1[12] != losses_1[12]  # rank 1's NaN, logged by rank 0
+    checksums = [dict(store.metric_history(run_id, f"param_checksum/rank{rank}")) for rank in (0, 1)]
+    assert checksums[0] == checksums[1] and len(checksums[0]) == 13  # DDP kept the replicas identical
+    config = (Path(store.local_artifact_dir(run_id)) / "config.yaml").read_text()
+    assert "world_size: 2" in config and "backend: gloo" in config
+
+    result = shared.replay("nan", "--run-id", run_id, "--json")
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["reproduced"] == "exact" and report["replay"]["ranks_compared"] == 2
+    assert report["state_match"].startswith("bit-identical")
+    assert report["category"] == "data" and report["failing_step"] == 12
+    [finding] = report["batch"]
+    assert finding["rank"] == 1 and finding["rows"] == [5] and finding["field"].startswith("rank 1's batch[0]")
+
+
+def test_a_diverging_lr_is_a_divergence_and_ablate_fixes_it_by_lr(shared, diverging_run):
+    run_id, done = diverging_run
+    assert "loss is inf at step 13" in done.stderr
+    result = shared.replay("nan", "--run-id", run_id, "--json")
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["reproduced"] == "exact" and report["category"] == "divergence"
+    ablation = shared.replay("ablate", "lr", "--run-id", run_id, "--json")
+    assert ablation.returncode == 0, ablation.stderr
+    answer = json.loads(ablation.stdout)
+    verdicts = {arm["name"]: arm["verdict"] for arm in answer["arms"]}
+    assert answer["baseline"]["verdict"] == "fails-again" and verdicts["lr"] == "fixes"
+
+
+def test_a_killed_rank_is_named_on_the_failed_run(shared):
+    trainer = subprocess.Popen([*TORCHRUN, "ddp_loop.py", "--steps", "200", "--sleep", "0.05"], cwd=shared.path,
+                               env=shared.env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    pid, seen = None, []
+    for line in trainer.stdout:
+        seen.append(line)
+        if line.startswith("rank 1 pid "):
+            pid = int(line.split()[-1])
+        if line.startswith("rank 1 step 8 "):
+            break
+    assert pid is not None, "".join(seen)
+    import os
+
+    os.kill(pid, signal.SIGKILL)
+    _, stderr = trainer.communicate(timeout=120)
+    assert trainer.returncode != 0
+    run_id = re.search(r"recording run ([0-9a-f]{32})", stderr).group(1)
+    store = shared.store()
+    deadline = time.monotonic() + 30
+    while store.get_run(run_id).info.status == "RUNNING" and time.monotonic() < deadline:
+        time.sleep(0.5)
+    run = store.get_run(run_id)
+    assert run.info.status == "FAILED", stderr[-3000:]
+    tags = store.tags(run_id)
+    assert tags["failed_ranks"] == "1" and "killed" in tags["failure"]
+    assert "5" in tags["snapshot_steps"].split(",")  # what was recorded before stays
