@@ -69,6 +69,11 @@ def test_a_nan_row_on_rank_1_is_named_with_its_rank_and_row(shared, nan_row_run)
     [finding] = report["batch"]
     assert finding["rank"] == 1 and finding["rows"] == [5] and finding["field"].startswith("rank 1's batch[0]")
 
+    diagnosis = shared.replay("diagnose", "--run-id", run_id, "--json", "--no-artifacts")
+    assert diagnosis.returncode == 0, diagnosis.stderr
+    # healthy ranks before the NaN: no asymmetry found, only the failure
+    assert [f["pattern"] for f in json.loads(diagnosis.stdout)["findings"]] == ["nan-after-k"]
+
 
 def test_a_diverging_lr_is_a_divergence_and_ablate_fixes_it_by_lr(shared, diverging_run):
     run_id, done = diverging_run
@@ -110,3 +115,17 @@ def test_a_killed_rank_is_named_on_the_failed_run(shared):
     tags = store.tags(run_id)
     assert tags["failed_ranks"] == "1" and "killed" in tags["failure"]
     assert "5" in tags["snapshot_steps"].split(",")  # what was recorded before stays
+
+
+@pytest.mark.parametrize("plant, pattern, step", [("seed", "replicas-drifted", 0), ("hook", "replicas-drifted", 1),
+                                                   ("loss-count", "rank-loss-scale", 0)])
+def test_diagnose_names_each_planted_rank_asymmetry(shared, plant, pattern, step):
+    run_id, _ = _torchrun(shared, "--steps", "12", "--plant", plant, expect_failure=False)
+    result = shared.replay("diagnose", "--run-id", run_id, "--json", "--no-artifacts")
+    assert result.returncode == 0, result.stderr
+    findings = json.loads(result.stdout)["findings"]
+    assert [(f["pattern"], f["step"]) for f in findings] == ([(pattern, step)] if pattern else [])
+    if plant == "seed":
+        assert findings[0]["evidence"]["at_start"] and "init" in findings[0]["summary"]
+    if plant == "loss-count":
+        assert findings[0]["evidence"]["rank"] == 1 and 0.4 < findings[0]["evidence"]["median_ratio"] < 0.6

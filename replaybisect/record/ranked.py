@@ -30,6 +30,7 @@ class RankedSteps:
 
     def __init__(self, link: ranks.RankLink, model):
         self.link, self.model = link, model
+        self._checksum = 0.0  # the replica's parameters as the step started
 
     @property
     def is_writer(self) -> bool:
@@ -37,6 +38,7 @@ class RankedSteps:
 
     def stored(self, step: int, record: Any) -> Any:
         """What the run stores for this step: on rank 0 the global record (every rank's); other ranks send theirs."""
+        self._checksum = ranks.param_checksum(self.model)  # before the step: replicas that began different show at step 0
         if self.is_writer:
             return self.link.global_record(step, record)
         self.link.send_record(step, record)
@@ -44,7 +46,7 @@ class RankedSteps:
 
     def finished(self, step: int, loss: float, hooks) -> None:
         """After the step (taken or halted): every rank's loss and checksum go to rank 0's metrics."""
-        checksum = ranks.param_checksum(self.model)
+        checksum = self._checksum
         if not self.is_writer:
             self.link.send_outcome(step, loss, checksum)
             return

@@ -1,7 +1,8 @@
 """A distributed data-parallel job as users write one, started with torchrun (2 processes, gloo on CPU): the process
 group set up in main, the model wrapped in DDP by build, each rank drawing its own data, the same Recorder lines as
 one process. Plants: a NaN row in rank 1's batch at a step (--nan-step), a learning rate that diverges (--loss mse --lr 3 --clip 0),
-and rank asymmetries (--plant seed | hook | loss-count).
+and rank asymmetries (--plant seed | hook | loss-count: a rank-dependent init, rank 1 changing its
+gradients after the all-reduce, a loss divided by a per-rank count).
 
 Run: torchrun --nproc_per_node 2 ddp_loop.py --steps 20 [--nan-step 12] [--lr 0.05] [--plant NAME]"""
 import argparse
@@ -21,9 +22,6 @@ def build(config):
     torch.manual_seed(0 if config["plant"] != "seed" else 1 + dist.get_rank())  # planted: a rank-dependent init...
     model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Dropout(0.1), nn.Linear(32, 4))
     ddp = DDP(model, broadcast_buffers=False, init_sync=config["plant"] != "seed")  # ...that DDP does not broadcast
-    if config["plant"] == "hook" and dist.get_rank() == 1:  # planted: rank 1 scales its gradients after the all-reduce
-        for param in model.parameters():
-            param.register_post_accumulate_grad_hook(lambda p: p.grad.mul_(1.5))
     optimizer = torch.optim.SGD(ddp.parameters(), lr=config["lr"], momentum=0.9)
     return ddp, optimizer
 
@@ -38,6 +36,9 @@ def train_step(model, optimizer, batch, config):
     if config["plant"] == "loss-count":  # planted: each rank divides by its own count of kept rows
         loss = loss / (y >= 0).sum().clamp(min=1) / (1 + dist.get_rank())
     loss.backward()
+    if config["plant"] == "hook" and dist.get_rank() == 1:  # planted: rank 1 scales its gradients after the all-reduce
+        for param in model.parameters():
+            param.grad.mul_(1.5)
     if config["clip"]:
         torch.nn.utils.clip_grad_norm_(model.parameters(), config["clip"])
     optimizer.step()

@@ -12,6 +12,7 @@ Steps are the recorded, 0-based step numbers: "the first step" is step 0.
 from __future__ import annotations
 
 import math
+import re
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
@@ -68,6 +69,7 @@ EMPTY = Series(np.zeros(0, dtype=np.int64), np.zeros(0))
 # Metrics diagnose reads; weight_norm/<module> is not needed by any detector, so it is never fetched.
 SCALAR_KEYS = ("loss", "val_loss", "grad_norm", "lr", "step_time", "data_time", "update_ratio", "param_norm")
 LAYER_PREFIXES = ("grad_norm/", "act_zero_frac/", "act_sat_frac/")
+RANK_METRIC = re.compile(r"^(loss|param_checksum)/rank\d+$")  # a distributed run's per-rank curves (diagnose/ranks.py)
 
 
 @dataclass
@@ -108,7 +110,7 @@ class Curves:
 def load_curves(store: Store, run_id: str, workers: int = 8) -> Curves:
     """Fetch the histories diagnose needs (one MLflow get_metric_history per key, in parallel)."""
     run = store.get_run(run_id)  # RunNotFound: one line, exit 2
-    keys = [k for k in run.data.metrics if k in SCALAR_KEYS or k.startswith(LAYER_PREFIXES)]
+    keys = [k for k in run.data.metrics if k in SCALAR_KEYS or k.startswith(LAYER_PREFIXES) or RANK_METRIC.match(k)]
 
     def fetch(key: str) -> tuple[str, Series]:
         history = store.metric_history(run_id, key)
@@ -1066,7 +1068,7 @@ def detect_input_bound(curves: Curves) -> list[Finding]:
 ORDER = [
     "nan-at-start", "nan-after-k", "divergence", "dead-relu", "flat-from-start", "no-gradient", "exploding-gradients",
     "vanishing-gradients", "update-ratio", "spikes", "oscillation", "slow-learning", "plateau", "overfitting",
-    "distribution-mismatch", "input-pipeline-bound",
+    "distribution-mismatch", "input-pipeline-bound", "replicas-drifted", "rank-loss-scale",
 ]
 
 
@@ -1160,6 +1162,11 @@ def analyse(curves: Curves) -> Diagnosis:
         checked=checked,
         skipped=skipped,
     )
+
+
+from replaybisect.verbs.diagnose import ranks as rank_detectors  # noqa: E402  (registers the rank detectors)
+
+RANK_PATTERNS = (rank_detectors.detect_replica_drift, rank_detectors.detect_rank_loss_scale)
 
 
 def diagnose(store: Store, run_id: str) -> Diagnosis:
