@@ -25,6 +25,7 @@ TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "
 def shared(tmp_path_factory) -> Workspace:
     workspace = Workspace(tmp_path_factory.mktemp("ddp"))
     shutil.copy(HERE / "user_loop" / "ddp_loop.py", workspace.path)
+    shutil.copy(HERE / "user_loop" / "lightning_ddp.py", workspace.path)
     return workspace
 
 
@@ -71,8 +72,10 @@ def test_a_nan_row_on_rank_1_is_named_with_its_rank_and_row(shared, nan_row_run)
 
     diagnosis = shared.replay("diagnose", "--run-id", run_id, "--json", "--no-artifacts")
     assert diagnosis.returncode == 0, diagnosis.stderr
-    # healthy ranks before the NaN: no asymmetry found, only the failure
-    assert [f["pattern"] for f in json.loads(diagnosis.stdout)["findings"]] == ["nan-after-k"]
+    # healthy ranks before the NaN: no asymmetry found, only the failure, on rank 1's loss
+    [failure] = json.loads(diagnosis.stdout)["findings"]
+    assert failure["pattern"] == "nan-after-k" and failure["evidence"]["ranks_nonfinite_loss"] == [1]
+    assert "non-finite loss on rank 1 (grad_norm on rank 0) at step 12" in failure["summary"]
 
 
 def test_a_diverging_lr_is_a_divergence_and_ablate_fixes_it_by_lr(shared, diverging_run):
@@ -129,3 +132,32 @@ def test_diagnose_names_each_planted_rank_asymmetry(shared, plant, pattern, step
         assert findings[0]["evidence"]["at_start"] and "init" in findings[0]["summary"]
     if plant == "loss-count":
         assert findings[0]["evidence"]["rank"] == 1 and 0.4 < findings[0]["evidence"]["median_ratio"] < 0.6
+
+
+def _lightning(workspace: Workspace, *args: str) -> tuple[str, subprocess.CompletedProcess]:
+    """A Lightning DDP job as users start one: `python script.py` (Lightning starts the second process itself)."""
+    done = subprocess.run([sys.executable, "lightning_ddp.py", *args], cwd=workspace.path, env=workspace.env(),
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0, f"the planted failure did not stop the run\n{done.stdout}\n{done.stderr[-3000:]}"
+    return re.search(r"recording run ([0-9a-f]{32})", done.stderr).group(1), done
+
+
+def test_lightning_ddp_a_nan_row_on_rank_1_is_named_and_a_high_lr_fixed_by_lr(shared):
+    run_id, done = _lightning(shared, "0.05", "20", "nan")
+    assert "loss is nan at step 6" in done.stderr and "grad_norm is nan at step 6" in done.stderr  # rank 1, rank 0
+    assert "Traceback" not in done.stderr
+    result = shared.replay("nan", "--run-id", run_id, "--json")
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["reproduced"] == "exact" and report["replay"]["ranks_compared"] == 2
+    assert report["category"] == "data" and report["failing_step"] == 6
+    [finding] = report["batch"]
+    assert finding["rank"] == 1 and finding["rows"] == [5]
+
+    run_id, done = _lightning(shared, "0.18", "60")
+    assert "loss is inf at step 11" in done.stderr
+    ablation = shared.replay("ablate", "lr", "--run-id", run_id, "--json")
+    assert ablation.returncode == 0, ablation.stderr
+    answer = json.loads(ablation.stdout)
+    assert answer["baseline"]["verdict"] == "fails-again"
+    assert {arm["name"]: arm["verdict"] for arm in answer["arms"]}["lr"] == "fixes"

@@ -27,6 +27,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler, default_collate
 
 from replaybisect.core import user_step
 from replaybisect.core.snapshot import like
+from replaybisect.core.state import copy_into, copy_state, load_state  # noqa: F401 (loop.copy_state, loop.load_state)
 from replaybisect.core.device import resolve_device
 from replaybisect.core.config import Precision, build_optimizer, check_closure_optimizer, instantiate, needs_closure
 from replaybisect.core.observer import StepObserver
@@ -353,48 +354,6 @@ def clone_state(state: TrainState, cfg=None) -> TrainState:
     accumulate = target.train.accumulate if target is not None else state.accumulate
     return replace(state, cfg=target, model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler,
                    loss_fn=copy.deepcopy(state.loss_fn), precision=precision, clip_grad_norm=clip, accumulate=accumulate)
-
-
-@dataclass
-class StateCopy:
-    """Deep copies of everything a step changes: weights and buffers, optimizer, scheduler and scaler state (what
-    a check's trial steps put back before each batch and after the last)."""
-
-    model: dict
-    optimizer: dict
-    scheduler: Optional[dict]
-    scaler: Optional[dict]
-
-
-def copy_state(state: TrainState) -> StateCopy:
-    return StateCopy(**{name: _copied_state(getattr(state, name)) for name in STATE_PARTS})
-
-
-def load_state(state: TrainState, saved: StateCopy) -> None:
-    """Put `saved` into the state's objects (a scheduler or scaler only where both have one); `saved` stays intact
-    for the next load."""
-    _load_parts(state, {name: getattr(saved, name) for name in STATE_PARTS})
-
-
-def copy_into(target: TrainState, source: TrainState) -> None:
-    """`source`'s weights, optimizer, scheduler and scaler state loaded into `target`'s objects: one copy of each."""
-    _load_parts(target, {name: getattr(source, name).state_dict() if getattr(source, name) is not None else None
-                         for name in STATE_PARTS})
-
-
-STATE_PARTS = ("model", "optimizer", "scheduler", "scaler")
-
-
-def _copied_state(part) -> Optional[dict]:
-    return copy.deepcopy(part.state_dict()) if part is not None else None
-
-
-def _load_parts(state: TrainState, values: dict[str, Optional[dict]]) -> None:
-    state.model.load_state_dict(values["model"])  # copies into the parameters and buffers
-    for name in STATE_PARTS[1:]:  # load_state_dict keeps the tensors it is given: each gets its own copy
-        part, value = getattr(state, name), values[name]
-        if part is not None and value is not None:
-            part.load_state_dict(copy.deepcopy(value))
 
 
 def _clone_model(state: TrainState, cfg, rebuild: bool) -> torch.nn.Module:

@@ -33,6 +33,7 @@ from replaybisect.errors import ConfigError, ReplayError
 RECORD_RANKS = "ranks"
 KEY_PREFIX = "replaybisect/"
 PEER_TIMEOUT = datetime.timedelta(minutes=10)  # a peer this late is gone (the job's own collectives time out sooner)
+WAIT_SLICE = datetime.timedelta(seconds=1)
 
 
 # ---- where this process stands ------------------------------------------------------------------------------
@@ -156,12 +157,22 @@ class RankLink:
         return failed
 
     def _get(self, key: str) -> bytes:
-        try:
-            self._store.wait([key], PEER_TIMEOUT)
-        except Exception as error:
-            raise ReplayError(f"rank {self.rank} waited {PEER_TIMEOUT} for {key} from another rank ({str(error).splitlines()[0]}); "
-                              "a rank stopped: see its own output") from None
-        return self._store.get(key)
+        """The value another rank sets under `key`, waited for in short slices: between them this process's signal
+        handlers run (a wait inside the store would hold off the launcher's SIGTERM) and a rank that died is seen."""
+        import time
+
+        deadline = time.monotonic() + PEER_TIMEOUT.total_seconds()
+        while True:
+            try:
+                self._store.wait([key], WAIT_SLICE)
+                return self._store.get(key)
+            except Exception as error:  # the slice ran out (or the store is gone)
+                failed = self.failed_ranks()
+                if failed:
+                    raise ReplayError(f"rank {self.rank} stopped: " + "; ".join(f"rank {rank} {why}" for rank, why in sorted(failed.items()))) from None
+                if time.monotonic() > deadline:
+                    raise ReplayError(f"rank {self.rank} waited {PEER_TIMEOUT} for {key} from another rank "
+                                      f"({str(error).splitlines()[0]}); a rank stopped: see its own output") from None
 
 
 def _alive(pid: int) -> bool:
@@ -192,7 +203,8 @@ def one_process_group() -> None:
 
 
 def attach_reduction(model: torch.nn.Module) -> None:
-    """The all-reduce of every DDP module in `model` goes through REDUCTION (replaces DDP's own)."""
+    """The all-reduce of every DDP module in `model` goes through REDUCTION (replaces DDP's own). A step function
+    marked `reduces_gradients` calls reduce_gradients itself instead."""
     from torch.nn.parallel import DistributedDataParallel
 
     wrapped = [module for module in model.modules() if isinstance(module, DistributedDataParallel)]
@@ -221,37 +233,56 @@ REDUCTION = Reduction()
 def _reduce_bucket(reduction: Reduction, bucket):  # no return annotation: DDP checks it, and this module postpones them
     """DDP's communication hook, standing in for the all-reduce of one bucket (it holds this pass's local gradients,
     undivided: with a hook, DDP leaves the division to it)."""
-    if reduction.rank is not None:
-        for param, grad in zip(bucket.parameters(), bucket.gradients()):
-            call = reduction.calls.get(id(param), 0)
-            reduction.calls[id(param)] = call + 1
-            key = (id(param), call)
-            if reduction.rank != 0:
-                reduction.kept.setdefault(key, []).append(grad.detach().clone())
-                continue
-            peers = reduction.kept.get(key, [])
-            if len(peers) != reduction.world_size - 1:
-                raise ReplayError("the ranks' recorded steps reduced their gradients a different number of times: they took "
-                                  "different paths; this step cannot be replayed on one process")
-            reduced = grad.div(reduction.world_size)
-            for peer in peers:  # the sum in rank order of each rank's gradient / W, as DDP's default reduction adds them
-                reduced = reduced + peer.div(reduction.world_size)
-            grad.copy_(reduced)  # a view into the bucket
+    for param, grad in zip(bucket.parameters(), bucket.gradients()):
+        _reduce(reduction, param, grad)  # in place: each gradient is a view into the bucket
     future: torch.futures.Future = torch.futures.Future()
     future.set_result(bucket.buffer())
     return future
+
+
+def reduces_itself(step_fn) -> bool:
+    """A step function (or the partial a config makes of it) that calls reduce_gradients itself."""
+    return bool(getattr(getattr(step_fn, "func", step_fn), "reduces_gradients", False))
+
+
+def reduce_gradients(params) -> None:
+    """The all-reduce of a step that does not run through a DDP module (a Lightning replay: the strategy wrapped the
+    module while recording), at the moment DDP's would have finished: after the step's last backward."""
+    for param in params:
+        if param.grad is not None:
+            _reduce(REDUCTION, param, param.grad)
+
+
+def _reduce(reduction: Reduction, param: torch.Tensor, grad: torch.Tensor) -> None:
+    """One parameter's gradient in a rank's pass: kept (ranks 1..W-1), or replaced in place by the reduction (rank 0)."""
+    if reduction.rank is None:
+        return
+    call = reduction.calls.get(id(param), 0)
+    reduction.calls[id(param)] = call + 1
+    key = (id(param), call)
+    if reduction.rank != 0:
+        reduction.kept.setdefault(key, []).append(grad.detach().clone())
+        return
+    peers = reduction.kept.get(key, [])
+    if len(peers) != reduction.world_size - 1:
+        raise ReplayError("the ranks' recorded steps reduced their gradients a different number of times: they took "
+                          "different paths; this step cannot be replayed on one process")
+    reduced = grad.div(reduction.world_size)
+    for peer in peers:  # the sum in rank order of each rank's gradient / W, as DDP's default reduction adds them
+        reduced = reduced + peer.div(reduction.world_size)
+    grad.copy_(reduced)
 
 
 def run_global_step(state, watch, record: dict, run_one: Callable[[Any, Any, Any], None]) -> None:
     """One recorded global step on one process: ranks 1..W-1 first (their gradients kept, the state put back),
     then rank 0 with the reduced gradients, through the update. `watch.outcome` is rank 0's; its `rank_losses`
     holds every rank's loss."""
-    from replaybisect.core import loop
+    from replaybisect.core.state import copy_state, load_state
     from replaybisect.core.step_watch import StepOutcome, StepWatch
 
     records = rank_records(record)
     REDUCTION.world_size, REDUCTION.kept, REDUCTION.calls = len(records), {}, {}
-    saved = loop.copy_state(state)
+    saved = copy_state(state)
     buffers = {name: buffer.detach().clone() for name, buffer in state.model.named_buffers()}
     losses: list[Optional[float]] = [None] * len(records)
     try:
@@ -260,7 +291,7 @@ def run_global_step(state, watch, record: dict, run_one: Callable[[Any, Any, Any
             side = StepOutcome(step=watch.outcome.step, loss=float("nan"), lr=watch.outcome.lr)
             run_one(state, StepWatch(state, side, watch.observer, on_fault=None), records[rank])
             losses[rank] = side.loss
-            loop.load_state(state, saved)
+            load_state(state, saved)
             with torch.no_grad():
                 for name, buffer in state.model.named_buffers():
                     buffer.copy_(buffers[name])

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import copy
 import math
 import platform
+from dataclasses import dataclass
 from typing import Annotated, Any, Callable, Optional
 
 import torch
@@ -210,3 +212,46 @@ def apply(state, tensors: dict[str, torch.Tensor], saved: dict[str, Any]) -> Non
     if checked.num_threads:
         torch.set_num_threads(checked.num_threads)
     rng.restore_raw(raw_rng)
+
+
+# ---- copies of a live state, in memory (a check's trial steps, a distributed replay's rank passes) -------------
+@dataclass
+class StateCopy:
+    """Deep copies of everything a step changes: weights and buffers, optimizer, scheduler and scaler state (what
+    a check's trial steps put back before each batch and after the last)."""
+
+    model: dict
+    optimizer: dict
+    scheduler: Optional[dict]
+    scaler: Optional[dict]
+
+
+def copy_state(state) -> StateCopy:
+    return StateCopy(**{name: _copied_state(getattr(state, name)) for name in STATE_PARTS})
+
+
+def load_state(state, saved: StateCopy) -> None:
+    """Put `saved` into the state's objects (a scheduler or scaler only where both have one); `saved` stays intact
+    for the next load."""
+    _load_parts(state, {name: getattr(saved, name) for name in STATE_PARTS})
+
+
+def copy_into(target, source) -> None:
+    """`source`'s weights, optimizer, scheduler and scaler state loaded into `target`'s objects: one copy of each."""
+    _load_parts(target, {name: getattr(source, name).state_dict() if getattr(source, name) is not None else None
+                         for name in STATE_PARTS})
+
+
+STATE_PARTS = ("model", "optimizer", "scheduler", "scaler")
+
+
+def _copied_state(part) -> Optional[dict]:
+    return copy.deepcopy(part.state_dict()) if part is not None else None
+
+
+def _load_parts(state, values: dict[str, Optional[dict]]) -> None:
+    state.model.load_state_dict(values["model"])  # copies into the parameters and buffers
+    for name in STATE_PARTS[1:]:  # load_state_dict keeps the tensors it is given: each gets its own copy
+        part, value = getattr(state, name), values[name]
+        if part is not None and value is not None:
+            part.load_state_dict(copy.deepcopy(value))

@@ -109,9 +109,9 @@ def build_parts(cfg) -> dict[str, Any]:
 
         ranks.one_process_group()
     parts = unpack_parts(build(config), "train.build")
-    if distributed:
-        ranks.attach_reduction(parts["model"])
     parts["step_fn"] = instantiate(cfg.train.step_fn, "train.step_fn")
+    if distributed and not ranks.reduces_itself(parts["step_fn"]):
+        ranks.attach_reduction(parts["model"])
     parts["user_config"] = config
     step_arguments(parts["step_fn"])
     return parts
@@ -301,9 +301,14 @@ def copied(value: Any, what: str = "batch") -> Any:
 
 
 def data_of(batch: Any) -> Any:
-    """The data of a stored batch without the bookkeeping around it: a Lightning step's list of micro-batches."""
+    """The data of a stored batch without the bookkeeping around it: a Lightning step's list of micro-batches; a
+    distributed step's list of each rank's batch (the global batch, in rank order)."""
+    from replaybisect.core import ranks
+
     if isinstance(batch, dict) and set(batch) == {LIGHTNING_BATCHES, LIGHTNING_POSITIONS} and isinstance(batch[LIGHTNING_BATCHES], list):
         return batch[LIGHTNING_BATCHES]
+    if ranks.is_ranks_record(batch):
+        return [data_of(unpack(record)[0]) for record in batch[ranks.RECORD_RANKS]]
     return batch
 
 

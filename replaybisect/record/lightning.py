@@ -29,12 +29,13 @@ from typing import Any, Optional
 import torch
 from lightning.pytorch import Callback
 
-from replaybisect.core import guard, reentry
+from replaybisect.core import guard, ranks, reentry
 from replaybisect.core.step_watch import StepOutcome, StepWatch
 from replaybisect.core.user_step import LIGHTNING_BATCHES, LIGHTNING_POSITIONS, NO_LOSS
 from replaybisect.core.config import OnNonfinite
 from replaybisect.errors import ConfigError, NonFiniteStep
-from replaybisect.record.recorder import function_target, nonfinite_step, open_session, own_sources, plain_config, replay_config
+from replaybisect.record.ranked import RankedSteps, run_of_this_rank
+from replaybisect.record.recorder import function_target, nonfinite_step, one_line_failures, open_session, own_sources, plain_config, replay_config
 
 STEP_TARGET = "replaybisect.lightning.lightning_step"
 BUILD_TARGET = "replaybisect.lightning.build"
@@ -92,6 +93,8 @@ def lightning_step(model, optimizer, scheduler, scaler, batch, config):
             loss = loss / position["accumulate"]
             model.backward(scaler.scale(loss) if scaler is not None else loss)
             total = loss.detach().float() if total is None else total + loss.detach().float()
+        if trainer.get("world_size", 1) > 1:  # a DDP job: the all-reduce the strategy's wrapper did after the backward
+            ranks.reduce_gradients(p for group in optimizer.param_groups for p in group["params"])
         # Lightning's AMP plugin skips unscale, step and update when the last batch (the one its optimizer closure
         # runs) had no loss, whatever the earlier accumulated batches backpropagated; without a scaler the optimizer
         # steps (with no gradient, when every batch was skipped, it updates nothing)
@@ -112,6 +115,9 @@ def lightning_step(model, optimizer, scheduler, scaler, batch, config):
         if scheduler is not None and batch[LIGHTNING_POSITIONS][-1]["scheduler_step"]:
             model.lr_scheduler_step(scheduler, None)
     return total if total is not None else NO_LOSS
+
+
+lightning_step.reduces_gradients = True  # a DDP run's replay: no DDP module here (core/ranks.py)
 
 
 def _clip(model, optimizer, trainer) -> None:
@@ -159,7 +165,11 @@ def _trainer_settings(trainer, pl_module) -> dict[str, Any]:
     if len(configs) > 1 or any(c.reduce_on_plateau for c in configs):
         raise ConfigError("ReplayCallback records at most one learning-rate scheduler, not ReduceLROnPlateau")
     if trainer.world_size != 1:
-        raise ConfigError(f"ReplayCallback records one process; this Trainer runs {trainer.world_size}")
+        from lightning.pytorch.strategies import DDPStrategy
+
+        if type(trainer.strategy) is not DDPStrategy or ranks.world() is None:
+            raise ConfigError(f"ReplayCallback records one process or a DDP job (strategy=\"ddp\"); this Trainer runs "
+                              f"{trainer.world_size} processes with {type(trainer.strategy).__name__}")
     algorithm = trainer.gradient_clip_algorithm
     return {
         "precision": precision,
@@ -168,6 +178,7 @@ def _trainer_settings(trainer, pl_module) -> dict[str, Any]:
         "gradient_clip_val": trainer.gradient_clip_val,
         "gradient_clip_algorithm": getattr(algorithm, "value", algorithm),
         "scheduler": {"interval": configs[0].interval, "frequency": configs[0].frequency} if configs else None,
+        "world_size": int(trainer.world_size),
     }
 
 
@@ -215,6 +226,7 @@ class ReplayCallback(Callback):
         self.steps_taken = 0
         self.first_nonfinite_step: Optional[int] = None
         self._session = None  # the run, from on_train_start
+        self._ranked: Optional[RankedSteps] = None  # one rank of a DDP job
         self._post_hook = None  # the optimizer post-step hook, while recording
         self._step: Optional[_StepInProgress] = None  # the optimizer step in progress
         if reentry.replaying():
@@ -249,31 +261,39 @@ class ReplayCallback(Callback):
         settings = _trainer_settings(trainer, pl_module)
         module, script, folder, name = _how_replayed(type(pl_module))
         user = {"module": module, "hparams": _hparams(pl_module), "trainer": settings}
+        where = ranks.world()  # one rank of a DDP job: rank 0 records the run, the others send it their steps
+        link = ranks.RankLink(*where) if where is not None else None
+        self._ranked = RankedSteps(link, pl_module) if link is not None else None
         precision = PRECISIONS[settings["precision"]]
         steps = trainer.max_steps if trainer.max_steps and trainer.max_steps > 0 else None
         self.cfg = replay_config(step_target=STEP_TARGET, build_target=None if script else BUILD_TARGET, config=user,
                                  seed=torch.initial_seed(), precision=precision, snapshot_every=self.snapshot_every,
                                  layer_stats_every=self.layer_stats_every, on_nonfinite=self.on_nonfinite, steps=steps,
-                                 script=script)
+                                 script=script, distributed=ranks.layout(*where) if where is not None else None)
         configs = trainer.lr_scheduler_configs
         self.state = TrainState(cfg=self.cfg, model=pl_module, optimizer=trainer.optimizers[0],
                                 scheduler=configs[0].scheduler if configs else None,
                                 scaler=getattr(trainer.precision_plugin, "scaler", None), loss_fn=None,
                                 step_fn=lightning_step, device=pl_module.device, precision=precision, clip_grad_norm=None,
-                                user_loop=True, user_config=OmegaConf.create(user))
+                                user_loop=True, user_config=OmegaConf.create(user),
+                                ranks_agree=ranks.any_rank_failed(pl_module.device) if link is not None else None)
         self._buffers = BufferGuard(pl_module)
         self._takes_batch_idx = _takes_batch_idx(pl_module)
         self.steps_taken = 0
         self.first_nonfinite_step = None
         self._last_step_end: Optional[float] = None
-        self._session = open_session(self.tracking_uri, self.experiment, folder,
-                                     {"replaybisect.loop": "user", "replaybisect.trainer": "lightning",
-                                      **own_sources(type(pl_module))},
-                                     self.run_name or f"train {name} (lightning)")
+        def start_recording(session):
+            session.write_config(self.cfg)
+            return session.start_recording(self.cfg, self.state, {"seed": int(self.cfg.seed)})
+
+        self._session, self._hooks = run_of_this_rank(
+            link, self.tracking_uri, self.on_nonfinite,
+            lambda: open_session(self.tracking_uri, self.experiment, folder,
+                                 {"replaybisect.loop": "user", "replaybisect.trainer": "lightning", **own_sources(type(pl_module))},
+                                 self.run_name or f"train {name} (lightning)"),
+            start_recording)
         self.run_id = self._session.run_id
-        with self._session.failure_ends_run():  # a store that fails now ends the run FAILED, not RUNNING
-            self._session.write_config(self.cfg)
-            self._hooks = self._session.start_recording(self.cfg, self.state, {"seed": int(self.cfg.seed)})
+        one_line_failures()  # (rank 0 has it from open_session; the other ranks end with one line too)
         self._post_hook = register_optimizer_step_post_hook(self._after_update)
 
     def _hand_over(self, trainer, pl_module) -> None:
@@ -295,6 +315,8 @@ class ReplayCallback(Callback):
         if isinstance(exception, NonFiniteStep) or not self._open:
             return
         self._stop_watching()
+        if self._ranked is not None and self._ranked.is_writer:
+            exception = self._ranked.blamed(exception, self._session.store, self.run_id)
         self._session.fail(exception)
 
     def _finish(self) -> None:
@@ -334,8 +356,11 @@ class ReplayCallback(Callback):
 
         step = self.steps_taken
         loop.open_step(step, self.state, self._hooks, self._buffers)
+        if self._ranked is not None:
+            self._ranked.opened()
         outcome = StepOutcome(step=step, loss=math.nan, lr=float(self.state.optimizer.param_groups[0]["lr"]))
-        watch = StepWatch(self.state, outcome, self._hooks.observer(step), on_fault=self._nonfinite)
+        watch = StepWatch(self.state, outcome, self._hooks.observer(step), on_fault=self._nonfinite,
+                          ranks_agree=self.state.ranks_agree)
         watch.open_forward()
         now = time.perf_counter()
         return _StepInProgress(watch=watch, batches=[packed[user_step.RECORD_BATCH]], positions=[position],
@@ -371,8 +396,16 @@ class ReplayCallback(Callback):
         outcome.loss = float(step.logged_loss.item()) if step.logged_loss is not None else math.nan
         step.watch.settle()
         self._last_step_end = time.perf_counter()
-        self._hooks.after_step(outcome, step.record(), self._last_step_end - step.started, step.started - step.data_started)
+        stored = self._stored(step)
+        self._hooks.after_step(outcome, stored, self._last_step_end - step.started, step.started - step.data_started)
+        if self._ranked is not None:
+            self._ranked.finished(outcome.step, outcome.loss, self._hooks)
         self.steps_taken = outcome.step + 1
+
+    def _stored(self, step: "_StepInProgress"):
+        """What the run stores for the step: its record; in a DDP job, every rank's (rank 0 gathers them)."""
+        record = step.record()
+        return self._ranked.stored(step.watch.outcome.step, record) if self._ranked is not None else record
 
     def _nonfinite(self) -> None:
         """The step watch's fault: the state is still the one before this step, and the hooks save it with the
@@ -384,14 +417,17 @@ class ReplayCallback(Callback):
             self.first_nonfinite_step = outcome.step
         after_forward = [b.detach().clone() for b in self._buffers.buffers]
         self._buffers.restore()
-        if self._hooks.on_nonfinite(outcome, step.record()):
+        stored = self._stored(step)
+        if self._hooks.on_nonfinite(outcome, stored):
             with torch.no_grad():
                 for buffer, value in zip(self._buffers.buffers, after_forward):
                     buffer.copy_(value)
             return
         step.watch.close_forward()
         self._step = None
-        self._hooks.after_step(outcome, step.record(), time.perf_counter() - step.started, 0.0)
+        self._hooks.after_step(outcome, stored, time.perf_counter() - step.started, 0.0)
+        if self._ranked is not None:
+            self._ranked.finished(outcome.step, outcome.loss, self._hooks)
         self._finish()
         raise nonfinite_step(outcome, self.run_id)
 

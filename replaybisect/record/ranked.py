@@ -7,22 +7,43 @@ and own no run: `PeerSession` stands in for theirs, and ends the run itself only
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from replaybisect.core import ranks
 from replaybisect.errors import ConfigError
 
 
-def link_for(inline: bool, build) -> Optional[ranks.RankLink]:
+def link_for(inline: bool, build, step_fn) -> Optional[ranks.RankLink]:
     """This process's link to the other ranks, when it is one of several; refuses the forms a replay cannot split."""
+    from replaybisect.core.user_step import takes_carry
+
     where = ranks.world()
     if where is None:
         return None
+    if step_fn is not None and takes_carry(step_fn):
+        raise ConfigError("a distributed job's step takes `carry`: a one-process replay keeps one carry, not one per rank; "
+                          "keep per-step state in the batch or the model (a buffer) in a DDP job")
     if inline or build is None:
         raise ConfigError("a distributed job (torchrun, more than one process) records with step_fn= and build=: a replay "
                           "rebuilds the DDP model with your build(config) and runs each rank's batch through your step; "
                           "define both at the top level of your module")
     return ranks.RankLink(*where)
+
+
+def run_of_this_rank(link: Optional[ranks.RankLink], tracking_uri: Optional[str], on_nonfinite: str,
+                     open_writer: Callable[[], Any], start_recording: Callable[[Any], Any]) -> tuple[Any, Any]:
+    """(session, hooks). One process, or rank 0 of a job: the run opened by `open_writer`, its id shared with the
+    other ranks, and `start_recording(session)`'s hooks (a store that fails then ends the run FAILED). Another
+    rank: rank 0's run joined, and hooks that record nothing (the step's non-finite guard still stops it)."""
+    if link is not None and link.rank != 0:
+        from replaybisect.record.hooks import NullHooks
+
+        return PeerSession(link, tracking_uri), NullHooks(on_nonfinite == "stop")
+    session = open_writer()
+    if link is not None:
+        link.share_run_id(session.run_id)
+    with session.failure_ends_run():
+        return session, start_recording(session)
 
 
 class RankedSteps:
@@ -36,9 +57,12 @@ class RankedSteps:
     def is_writer(self) -> bool:
         return self.link.rank == 0
 
+    def opened(self) -> None:
+        """A step starts: the replica's checksum now (replicas that began different show at step 0)."""
+        self._checksum = ranks.param_checksum(self.model)
+
     def stored(self, step: int, record: Any) -> Any:
         """What the run stores for this step: on rank 0 the global record (every rank's); other ranks send theirs."""
-        self._checksum = ranks.param_checksum(self.model)  # before the step: replicas that began different show at step 0
         if self.is_writer:
             return self.link.global_record(step, record)
         self.link.send_record(step, record)

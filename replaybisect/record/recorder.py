@@ -174,21 +174,13 @@ class Recorder:
         import torch
         from omegaconf import OmegaConf
 
-        from replaybisect.core import arguments, user_step
+        from replaybisect.core import user_step
         from replaybisect.core.inline_step import RemoteStep
         from replaybisect.core.loop import BufferGuard, TrainState
         from replaybisect.record.inline import InlineRecording
         from replaybisect.errors import sigterm_raises
 
-        # every argument checked before anything is recorded: a wrong kind is a one-line ReplayError here
-        arguments.tracking_uri(tracking_uri)
-        arguments.text(experiment, "experiment")
-        arguments.text(run_name, "run_name")
-        seed = None if seed is None else arguments.integer(seed, "seed")
-        arguments.count(snapshot_every, "snapshot_every")
-        arguments.count(layer_stats_every, "layer_stats_every")
-        arguments.count(steps, "steps", minimum=1, optional=True)
-        arguments.text(on_nonfinite, "on_nonfinite")
+        seed = _checked_arguments(tracking_uri, experiment, run_name, seed, snapshot_every, layer_stats_every, steps, on_nonfinite)
         inline = step_fn is None  # the loop as it is written: its steps found by watching model and optimizer
         if inline and build is not None:
             raise ConfigError("without step_fn the Recorder watches your loop's model and optimizer as they run: pass no "
@@ -201,19 +193,13 @@ class Recorder:
         self._remote: Optional[RemoteStep] = None  # replaying one
         self._handover = None
         if reentry.replaying():  # a replay re-entered this script: the objects go to it at the first step
-            self._handover = {**parts, "step_fn": step_fn}
-            if inline:  # the script's loop runs each step the replay asks for (core/inline_step.py)
-                self._remote = RemoteStep(model, parts["optimizer"], scaler, lambda: reentry.hand_over(self._handover),
-                                          updates_by_hand=optimizer is None)
-                self._handover["step_fn"] = self._remote
-                reentry.at_script_end(self._remote.script_done)  # a script without rec.close() ends its loop there
-            self.run_id, self.store, self.steps_taken, self.last_loss = reentry.replayed_run_id(), None, 0, None
+            self._hand_over_later(parts, step_fn, updates_by_hand=optimizer is None)
             return
         if inline and on_nonfinite != "stop":
             raise ConfigError("without step_fn a non-finite step stops the run (on_nonfinite=\"stop\"): the Recorder "
                               "cannot take your loop's step again; pass step_fn= to go on past it")
         step_target, build_target, script, code_folder, name = _how_replayed(step_fn, build)
-        link = ranked.link_for(inline, build)  # one rank of a distributed job, or None
+        link = ranked.link_for(inline, build, step_fn)  # one rank of a distributed job, or None
         self._ranked = ranked.RankedSteps(link, model) if link is not None else None
         if precision is not None and precision not in PRECISIONS:
             raise ConfigError(f"precision={precision!r} is not one of {', '.join(PRECISIONS)}")
@@ -235,23 +221,15 @@ class Recorder:
         self.first_nonfinite_step: Optional[int] = None
         self._config_written = False
         self._last_step_end: Optional[float] = None
-        if link is not None and link.rank != 0:  # rank 0 records the run; this rank sends it its steps
-            from replaybisect.record.hooks import NullHooks
-
-            self._session = ranked.PeerSession(link, tracking_uri)
-            one_line_failures()
-            self.store, self.run_id = None, self._session.run_id
-            self._hooks = NullHooks(on_nonfinite == "stop")
-        else:
-            self._session = open_session(tracking_uri, experiment, code_folder,
-                                         {"replaybisect.loop": "user", **own_sources(*([step_fn] if step_fn else []), *([build] if build else []),
-                                                                                     files=[Path(script["path"])] if inline else [])},
-                                         run_name or f"train {name} (own loop)")
-            self.store, self.run_id = self._session.store, self._session.run_id
-            if link is not None:
-                link.share_run_id(self.run_id)
-            with self._session.failure_ends_run():
-                self._hooks = self._session.start_recording(self.cfg, self.state, {"seed": int(self.cfg.seed)})
+        sources = own_sources(*([step_fn] if step_fn else []), *([build] if build else []),
+                              files=[Path(script["path"])] if inline else [])
+        self._session, self._hooks = ranked.run_of_this_rank(
+            link, tracking_uri, on_nonfinite,
+            lambda: open_session(tracking_uri, experiment, code_folder, {"replaybisect.loop": "user", **sources},
+                                 run_name or f"train {name} (own loop)"),
+            lambda session: session.start_recording(self.cfg, self.state, {"seed": int(self.cfg.seed)}))
+        self.store, self.run_id = self._session.store, self._session.run_id
+        one_line_failures()  # (rank 0 has it from open_session; the other ranks end with one line too)
         self._exit = contextlib.ExitStack()
         self._exit.enter_context(sigterm_raises())
         if inline:
@@ -261,6 +239,19 @@ class Recorder:
                 self._fail(error)
                 raise
             _watch_unclosed(self)
+
+    def _hand_over_later(self, parts: dict, step_fn: Optional[Callable], updates_by_hand: bool) -> None:
+        """In a replay that re-entered the script: the objects go to the replay at the first step (core/reentry.py);
+        a loop recorded as written runs each step the replay asks for (core/inline_step.py)."""
+        from replaybisect.core.inline_step import RemoteStep
+
+        self._handover = {**parts, "step_fn": step_fn}
+        if step_fn is None:
+            self._remote = RemoteStep(parts["model"], parts["optimizer"], parts["scaler"],
+                                      lambda: reentry.hand_over(self._handover), updates_by_hand=updates_by_hand)
+            self._handover["step_fn"] = self._remote
+            reentry.at_script_end(self._remote.script_done)  # a script without rec.close() ends its loop there
+        self.run_id, self.store, self.steps_taken, self.last_loss = reentry.replayed_run_id(), None, 0, None
 
     # ---- the loop ------------------------------------------------------------------------------------------
     def step(self, batch) -> float:
@@ -280,7 +271,10 @@ class Recorder:
             record = user_step.pack(batch, self.state.device, rng_at_start, self.state.optimizer,
                                     self.state.carry if user_step.takes_carry(self.state.step_fn) else None,
                                     user_step.step_variables(self.state.step_fn) if self._settings["script"] else None)
-            stored = self._ranked.stored(step, record) if self._ranked is not None else record
+            stored = record
+            if self._ranked is not None:
+                self._ranked.opened()
+                stored = self._ranked.stored(step, record)
             data_started = self._last_step_end if self._last_step_end is not None else time.perf_counter()
             with self._noting_precision():
                 outcome, keep_going = loop.take_step(self.state, step, record, self._hooks, self._buffers, rng_at_start,
@@ -371,6 +365,21 @@ class Recorder:
             self.close()
         else:
             self._fail(error)
+
+
+def _checked_arguments(tracking_uri, experiment, run_name, seed, snapshot_every, layer_stats_every, steps,
+                       on_nonfinite) -> Optional[int]:
+    """Every argument checked before anything is recorded (a wrong kind is a one-line ReplayError); the seed."""
+    from replaybisect.core import arguments
+
+    arguments.tracking_uri(tracking_uri)
+    arguments.text(experiment, "experiment")
+    arguments.text(run_name, "run_name")
+    arguments.count(snapshot_every, "snapshot_every")
+    arguments.count(layer_stats_every, "layer_stats_every")
+    arguments.count(steps, "steps", minimum=1, optional=True)
+    arguments.text(on_nonfinite, "on_nonfinite")
+    return None if seed is None else arguments.integer(seed, "seed")
 
 
 def _how_replayed(step_fn: Callable, build: Optional[Callable]) -> tuple[Optional[str], Optional[str], Optional[dict], Path, str]:

@@ -12,7 +12,6 @@ Steps are the recorded, 0-based step numbers: "the first step" is step 0.
 from __future__ import annotations
 
 import math
-import re
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
@@ -24,6 +23,8 @@ from replaybisect.core.tags import step_tag
 from replaybisect.core.growth import divergence as divergence_growth
 from replaybisect.core.jsonutil import to_jsonable as _jsonable
 from replaybisect.store import Store
+from replaybisect.verbs.diagnose import ranks
+from replaybisect.verbs.diagnose.ranks import RANK_METRIC  # a distributed run's per-rank curves
 
 __all__ = ["Finding", "Diagnosis", "Curves", "DETECTORS", "detector", "diagnose", "load_curves", "analyse"]
 
@@ -69,7 +70,6 @@ EMPTY = Series(np.zeros(0, dtype=np.int64), np.zeros(0))
 # Metrics diagnose reads; weight_norm/<module> is not needed by any detector, so it is never fetched.
 SCALAR_KEYS = ("loss", "val_loss", "grad_norm", "lr", "step_time", "data_time", "update_ratio", "param_norm")
 LAYER_PREFIXES = ("grad_norm/", "act_zero_frac/", "act_sat_frac/")
-RANK_METRIC = re.compile(r"^(loss|param_checksum)/rank\d+$")  # a distributed run's per-rank curves (diagnose/ranks.py)
 
 
 @dataclass
@@ -277,6 +277,10 @@ def detect_nan(curves: Curves) -> list[Finding]:
     loss = curves.get("loss").finite()
     first_step = int(min([failing] + ([int(loss.steps[0])] if len(loss) else [])))
     evidence: dict[str, Any] = {"failing_step": failing, "nonfinite": what, "finite_steps_before": int(np.sum(curves.get("loss").steps < failing))}
+    first_ranks = _ranks_nonfinite_at(curves, failing)
+    if first_ranks:  # a distributed run: the ranks whose own loss went non-finite (the others' gradients followed)
+        evidence["ranks_nonfinite_loss"] = first_ranks
+        what = f"loss on rank {', '.join(map(str, first_ranks))}" + (f" ({what} on rank 0)" if 0 not in first_ranks else "")
     precision = curves.params.get("train.precision")
     if precision:
         evidence["precision"] = precision
@@ -326,6 +330,16 @@ def detect_nan(curves: Curves) -> list[Finding]:
             source="Pascanu et al. 2013 (exploding gradients); Micikevicius et al. 2018, Mixed Precision Training (fp16 overflow); Megatron-Core rerun state machine",
         )
     ]
+
+
+def _ranks_nonfinite_at(curves: Curves, step: int) -> list[int]:
+    """A distributed run's ranks whose own loss is non-finite at `step` (rank 0's is `loss`); [] for one process."""
+    keys = [key for key in curves.metrics if RANK_METRIC.match(key) and key.startswith("loss/")]
+    if not keys:
+        return []
+    by_rank = {0: curves.get("loss"), **{int(key.rsplit("rank", 1)[1]): curves.get(key) for key in keys}}
+    return sorted(rank for rank, series in by_rank.items()
+                  if step in series.steps and not np.isfinite(series.values[series.steps == step]).all())
 
 
 def _nonfinite_what(curves: Curves, step: int) -> str:
@@ -1064,6 +1078,54 @@ def detect_input_bound(curves: Curves) -> list[Finding]:
     ]
 
 
+@detector("replicas-drifted")
+def detect_replica_drift(curves: Curves) -> list[Finding]:
+    """A distributed run's parameter checksums (taken as each step starts) differ between ranks: from the first
+    step, the replicas began different; later, an update differed between ranks after the all-reduce."""
+    logged = ranks.ranks_logged(curves.metric_keys, "param_checksum")
+    if len(logged) < 2:  # one process: nothing to compare (not a skipped check)
+        return []
+    drift = ranks.replica_drift({rank: dict(zip(s.steps.tolist(), s.values.tolist()))
+                                 for rank in logged if len(s := curves.get(f"param_checksum/rank{rank}"))})
+    if drift is None:
+        return []
+    names = ", ".join(str(rank) for rank in drift["ranks"])
+    if drift["at_start"]:
+        summary = (f"the replicas differ from the first step (rank {names} vs rank 0 at step {drift['step']}): their initial "
+                   "parameters were not the same; a rank-dependent seed with DDP's init sync off, or parameters changed "
+                   "after wrapping the model in DDP")
+    else:
+        summary = (f"the replicas drifted apart at step {drift['step']} (rank {names} vs rank 0): an update differed between "
+                   "ranks after the all-reduce; a gradient hook or in-place change on one rank, the model used outside its "
+                   "DDP wrapper, or no_sync misuse")
+    return [Finding("replicas-drifted", summary, drift,
+                    "grep -nE 'manual_seed|init_sync|register_.*hook|no_sync|\\.module\\(' <your script>   # what runs on one rank only",
+                    step=drift["step"], source=ranks.SOURCE)]
+
+
+@detector("rank-loss-scale")
+def detect_rank_loss_scale(curves: Curves) -> list[Finding]:
+    """One rank's loss sits on another scale than rank 0's at nearly every step: each rank normalises its loss
+    differently (a per-rank count or weight), so DDP's average weights the ranks' gradients unequally."""
+    base = curves.get("loss").before(curves.failing_step).finite()
+    findings = []
+    for rank in ranks.ranks_logged(curves.metric_keys, "loss"):
+        other = curves.get(f"loss/rank{rank}").before(curves.failing_step).finite()
+        scale = ranks.loss_scale((base.steps, base.values), (other.steps, other.values))
+        if scale is None:
+            continue
+        findings.append(Finding(
+            "rank-loss-scale",
+            f"rank {rank}'s loss is x{scale['median_ratio']:.3g} of rank 0's on {100 * scale['one_sided_share']:.0f}% of "
+            f"{scale['steps']} steps: more than different data explains; each rank normalises its loss differently (a "
+            "per-rank count or weight), so the averaged gradient weights the ranks unequally",
+            {"rank": rank, "median_ratio": _round(scale["median_ratio"]), "one_sided_share": _round(scale["one_sided_share"]),
+             "steps": scale["steps"]},
+            "grep -nE 'get_rank|world_size|/ *len\\(|\\.sum\\(\\) */' <your script>   # how each rank divides its loss",
+            step=scale["first_step"], source=ranks.SOURCE))
+    return findings
+
+
 # ---- the analysis ----------------------------------------------------------------------------------------
 ORDER = [
     "nan-at-start", "nan-after-k", "divergence", "dead-relu", "flat-from-start", "no-gradient", "exploding-gradients",
@@ -1162,11 +1224,6 @@ def analyse(curves: Curves) -> Diagnosis:
         checked=checked,
         skipped=skipped,
     )
-
-
-from replaybisect.verbs.diagnose import ranks as rank_detectors  # noqa: E402  (registers the rank detectors)
-
-RANK_PATTERNS = (rank_detectors.detect_replica_drift, rank_detectors.detect_rank_loss_scale)
 
 
 def diagnose(store: Store, run_id: str) -> Diagnosis:

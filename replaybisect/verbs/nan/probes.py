@@ -189,12 +189,12 @@ class BatchFinding:
 
 
 def probe_batch(batch: Any, dataset_indices: Optional[list[int]] = None) -> list[BatchFinding]:
-    from replaybisect.core import ranks
+    from replaybisect.core import ranks, user_step
 
     if ranks.is_ranks_record(batch):  # a distributed run's global step: each rank's own batch
         findings = []
         for rank, record in enumerate(ranks.rank_records(batch)):
-            for finding in probe_batch(record.get("batch") if isinstance(record, dict) else record):
+            for finding in probe_batch(user_step.data_of(user_step.unpack(record)[0])):
                 finding.field, finding.rank = f"rank {rank}'s {finding.field}", rank
                 findings.append(finding)
         return findings
