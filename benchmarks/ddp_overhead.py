@@ -4,7 +4,7 @@
 Reported: the in-loop wall-time ratio recorded/plain for 1 and for 2 ranks (median over repeats), and the per-rank
 parameter checksum's share of a recorded step (it is taken once per step on every rank).
 
-    python benchmarks/ddp_overhead.py [--steps 100] [--repeats 3] [--d 128] [--layers 4]
+    python benchmarks/ddp_overhead.py [--steps 100] [--repeats 3] [--width 128] [--layers 4]
 """
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ def child(mode: str, steps: int, d: int, layers: int, folder: str) -> None:
 def launch(mode: str, ranks: int, args) -> dict:
     with tempfile.TemporaryDirectory() as folder:
         subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--standalone",
-                        __file__, "--child", mode, "--steps", str(args.steps), "--d", str(args.d), "--layers", str(args.layers),
+                        __file__, "--child", mode, "--steps", str(args.steps), "--width", str(args.width), "--layers", str(args.layers),
                         "--folder", folder], capture_output=True, text=True, check=True, cwd=EXAMPLE,
                        env={**os.environ, "OMP_NUM_THREADS": "1"})
         return json.loads(Path(folder, "result.json").read_text())
@@ -90,19 +90,19 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--d", type=int, default=128)
+    parser.add_argument("--width", type=int, default=128)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--child", choices=["plain", "recorded"])
     parser.add_argument("--folder")
     args = parser.parse_args()
     if args.child:
-        child(args.child, args.steps, args.d, args.layers, args.folder)
+        child(args.child, args.steps, args.width, args.layers, args.folder)
         return
     results: dict[tuple[str, int], list[dict]] = {(mode, ranks): [] for ranks in (1, 2) for mode in ("plain", "recorded")}
     for _ in range(args.repeats):
         for mode, ranks in results:
             results[(mode, ranks)].append(launch(mode, ranks, args))
-    print(f"DDP recorder overhead (torchrun, gloo, CPU, 1 thread a rank), {args.steps} steps, d={args.d}, {args.layers} layers")
+    print(f"DDP recorder overhead (torchrun, gloo, CPU, 1 thread a rank), {args.steps} steps, width={args.width}, {args.layers} layers")
     for (mode, ranks), values in results.items():
         loops = [v["loop_seconds"] for v in values]
         print(f"  {ranks} rank(s) {mode:9s} loop seconds: median {statistics.median(loops):.2f}  ({', '.join(f'{v:.2f}' for v in loops)})")
