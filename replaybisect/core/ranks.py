@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import itertools
 import json
 import os
 import socket
@@ -31,6 +32,7 @@ import torch
 from replaybisect.errors import ConfigError, ReplayError
 
 RECORD_RANKS = "ranks"
+_LINKS = itertools.count()  # this process's links so far
 KEY_PREFIX = "replaybisect/"
 PEER_TIMEOUT = datetime.timedelta(minutes=10)  # a peer this late is gone (the job's own collectives time out sooner)
 WAIT_SLICE = datetime.timedelta(seconds=1)
@@ -88,14 +90,16 @@ def layout(rank: int, world_size: int) -> dict[str, Any]:
 
 # ---- the link between ranks while recording ------------------------------------------------------------------
 class RankLink:
-    """What one rank tells rank 0 (and rank 0 reads), through the process group's key-value store."""
+    """What one rank tells rank 0 (and rank 0 reads), through the process group's key-value store. Each link (one
+    recorded run) has keys of its own: every rank makes its links in the same order, so the n-th link of each rank
+    is the same run's."""
 
     def __init__(self, rank: int, world_size: int):
         from torch.distributed import PrefixStore
         from torch.distributed.distributed_c10d import _get_default_store
 
         self.rank, self.world_size = rank, world_size
-        self._store = PrefixStore(KEY_PREFIX, _get_default_store())
+        self._store = PrefixStore(f"{KEY_PREFIX}{next(_LINKS)}/", _get_default_store())
         self._store.set(f"pid/{rank}", json.dumps({"host": socket.gethostname(), "pid": os.getpid()}))
 
     # the run every rank records into
@@ -137,6 +141,9 @@ class RankLink:
 
     # a rank that failed
     def say_failed(self, error: BaseException) -> None:
+        """This rank failed on its own (not a Ctrl-C or the launcher's SIGTERM, which stop every rank when one fails)."""
+        if isinstance(error, KeyboardInterrupt):
+            return
         with contextlib.suppress(Exception):
             self._store.set(f"failed/{self.rank}", f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"[:300])
 
@@ -150,6 +157,8 @@ class RankLink:
             with contextlib.suppress(Exception):
                 if self._store.check([f"failed/{peer}"]):
                     failed[peer] = self._store.get(f"failed/{peer}").decode()
+                    continue
+                if not self._store.check([f"pid/{peer}"]):  # not started yet: get would wait for it
                     continue
                 where = json.loads(self._store.get(f"pid/{peer}"))
                 if where["host"] == host and not _alive(int(where["pid"])):
@@ -212,7 +221,12 @@ def attach_reduction(model: torch.nn.Module) -> None:
         raise ConfigError("the run was recorded with DistributedDataParallel, but build(config) returned a model without "
                           "it; wrap the model in DDP in build, as the recorded job did")
     for module in wrapped:
-        module.register_comm_hook(REDUCTION, _reduce_bucket)
+        try:
+            module.register_comm_hook(REDUCTION, _reduce_bucket)
+        except RuntimeError as error:  # build registered a hook of its own: a replay cannot stand in for it
+            raise ConfigError(f"build(config) registers a DDP communication hook ({str(error).splitlines()[0][:120]}); a "
+                              "one-process replay averages the ranks' gradients as DDP's default does: leave the hook out "
+                              "of build to replay the run") from None
 
 
 @dataclass
@@ -267,9 +281,10 @@ def _reduce(reduction: Reduction, param: torch.Tensor, grad: torch.Tensor) -> No
     if len(peers) != reduction.world_size - 1:
         raise ReplayError("the ranks' recorded steps reduced their gradients a different number of times: they took "
                           "different paths; this step cannot be replayed on one process")
-    reduced = grad.div(reduction.world_size)
-    for peer in peers:  # the sum in rank order of each rank's gradient / W, as DDP's default reduction adds them
-        reduced = reduced + peer.div(reduction.world_size)
+    share = 1.0 / reduction.world_size  # DDP's reducer multiplies each rank's gradient by 1/W (exact for W = 2, 4, ...)
+    reduced = grad.mul(share)
+    for peer in peers:  # the sum in rank order, as gloo adds the ranks' shares
+        reduced = reduced + peer.mul(share)
     grad.copy_(reduced)
 
 
@@ -277,7 +292,7 @@ def run_global_step(state, watch, record: dict, run_one: Callable[[Any, Any, Any
     """One recorded global step on one process: ranks 1..W-1 first (their gradients kept, the state put back),
     then rank 0 with the reduced gradients, through the update. `watch.outcome` is rank 0's; its `rank_losses`
     holds every rank's loss."""
-    from replaybisect.core.state import copy_state, load_state
+    from replaybisect.core.state import copy_state
     from replaybisect.core.step_watch import StepOutcome, StepWatch
 
     records = rank_records(record)
@@ -289,16 +304,24 @@ def run_global_step(state, watch, record: dict, run_one: Callable[[Any, Any, Any
         for rank in range(1, len(records)):
             REDUCTION.rank, REDUCTION.calls = rank, {}
             side = StepOutcome(step=watch.outcome.step, loss=float("nan"), lr=watch.outcome.lr)
-            run_one(state, StepWatch(state, side, watch.observer, on_fault=None), records[rank])
+            try:
+                run_one(state, StepWatch(state, side, watch.observer, on_fault=None), records[rank])
+            finally:  # the next pass, or whoever handles an error, starts from the state before the step
+                _put_back(state, saved, buffers)
             losses[rank] = side.loss
-            load_state(state, saved)
-            with torch.no_grad():
-                for name, buffer in state.model.named_buffers():
-                    buffer.copy_(buffers[name])
-            state.optimizer.zero_grad(set_to_none=True)
         REDUCTION.rank, REDUCTION.calls = 0, {}
         run_one(state, watch, records[0])
         losses[0] = watch.outcome.loss
     finally:
         REDUCTION.rank, REDUCTION.kept, REDUCTION.calls = None, {}, {}
     watch.outcome.rank_losses = losses
+
+
+def _put_back(state, saved, buffers: dict[str, torch.Tensor]) -> None:
+    from replaybisect.core.state import load_state
+
+    load_state(state, saved)
+    with torch.no_grad():
+        for name, buffer in state.model.named_buffers():
+            buffer.copy_(buffers[name])
+    state.optimizer.zero_grad(set_to_none=True)

@@ -34,10 +34,13 @@ class StepOutcome:
     loss: float
     grad_norm: Optional[float] = None  # pre-clip total norm (after unscaling for fp16)
     lr: float = 0.0
-    nonfinite: Optional[str] = None  # "loss" | "grad_norm" when the step failed
+    nonfinite: Optional[str] = None  # "loss" | "grad_norm" | ANOTHER_RANK when the step failed
     updated: bool = False  # the optimizer applied an update
     scaler_skipped: bool = False  # fp16: the GradScaler skipped an overflowing step (normal)
     rank_losses: Optional[list] = None  # a distributed run's replayed step: each rank's loss (core/ranks.py)
+
+
+ANOTHER_RANK = "loss on another rank"  # a distributed job's rank halted because another rank's loss went non-finite
 
 
 class StepHalted(BaseException):
@@ -61,7 +64,7 @@ class StepWatch:
                  ranks_agree: Optional[Callable[[bool], bool]] = None):
         self.state, self.outcome, self.observer, self.on_fault = state, outcome, observer, on_fault
         # a rank of a distributed job: a non-finite loss is not halted before its backward (the other ranks wait in
-        # its all-reduce); every rank says at the gradients whether its step failed, and all halt if one did
+        # its all-reduce); after the backward every rank says whether its loss failed, and all halt if one did
         self.ranks_agree = ranks_agree
         self.on_error: Optional[Callable[[Exception], None]] = None  # set: an error in a backward goes here, not up
         self.stopped = False  # an inline run's replay halted the step; its script's iteration runs on, idle
@@ -105,14 +108,21 @@ class StepWatch:
         notify(self.observer, "after_backward", self.state)
         if self.outcome.nonfinite is None and guard.nonfinite_gradient(grads, self.outcome.grad_norm, self.state.scaler):
             self._fault("grad_norm")
-        if self.ranks_agree is not None and self.ranks_agree(self.outcome.nonfinite is not None):
-            if self.outcome.nonfinite is None:
-                self.outcome.nonfinite = "rank"  # another rank's step failed: this one halts with it
-            if self.on_fault is not None:
-                self.on_fault()
         if self.state.clip_grad_norm is not None and grads:  # an ablation arm's clip (a user's own clip came first)
             torch.nn.utils.clip_grads_with_norm_(params, self.state.clip_grad_norm, norm)
         notify(self.observer, "before_update", self.state, self.outcome)
+
+    def backward_done(self) -> None:
+        """A backward returned. A rank of a distributed job asks every rank whether its loss went non-finite (each
+        rank's loss is its own; the gradients after DDP's all-reduce are the same on every rank, so their rule needs
+        no asking): all halt here together if one did, before any update, scaler or scheduler step."""
+        if self.ranks_agree is None or not self.ranks_agree(self.outcome.nonfinite is not None):
+            return
+        if self.outcome.nonfinite is None:  # another rank's loss failed: this one halts with it
+            self.outcome.nonfinite = ANOTHER_RANK
+            self.outcome.loss = self.loss_so_far()
+        if self.on_fault is not None:
+            self.on_fault()
 
     def updated(self) -> None:
         self.outcome.updated = True
@@ -131,7 +141,7 @@ class StepWatch:
     def _fault(self, what: str) -> None:
         self.outcome.nonfinite = what
         self.outcome.loss = self.loss_so_far()  # the loss a halted step logs: what it backpropagated so far
-        if self.on_fault is not None and self.ranks_agree is None:  # a rank halts at the gradients, with the others
+        if self.on_fault is not None and not (what == "loss" and self.ranks_agree is not None):  # (see backward_done)
             self.on_fault()
 
 

@@ -308,7 +308,12 @@ def data_of(batch: Any) -> Any:
     if isinstance(batch, dict) and set(batch) == {LIGHTNING_BATCHES, LIGHTNING_POSITIONS} and isinstance(batch[LIGHTNING_BATCHES], list):
         return batch[LIGHTNING_BATCHES]
     if ranks.is_ranks_record(batch):
-        return [data_of(unpack(record)[0]) for record in batch[ranks.RECORD_RANKS]]
+        merged = []
+        for record in batch[ranks.RECORD_RANKS]:
+            inner = unpack(record)[0]
+            data = data_of(inner)
+            merged += data if data is not inner else [data]  # a Lightning rank's micro-batches join the list
+        return merged
     return batch
 
 
@@ -444,6 +449,7 @@ def watching(watch: StepWatch):
             try:
                 watch.loss(tensor)
                 returned = original_backward(tensor, *args, **kwargs)
+                watch.backward_done()
             finally:
                 if not watch.stopped:
                     watch.open_forward()

@@ -167,9 +167,14 @@ def _trainer_settings(trainer, pl_module) -> dict[str, Any]:
     if trainer.world_size != 1:
         from lightning.pytorch.strategies import DDPStrategy
 
-        if type(trainer.strategy) is not DDPStrategy or ranks.world() is None:
-            raise ConfigError(f"ReplayCallback records one process or a DDP job (strategy=\"ddp\"); this Trainer runs "
-                              f"{trainer.world_size} processes with {type(trainer.strategy).__name__}")
+        strategy = trainer.strategy
+        if type(strategy) is not DDPStrategy or ranks.world() is None or getattr(strategy, "_start_method", "popen") != "popen":
+            raise ConfigError(f"ReplayCallback records one process or a DDP job started as a script (strategy=\"ddp\"); "
+                              f"this Trainer runs {trainer.world_size} processes with {type(strategy).__name__}"
+                              f"{' (' + strategy._start_method + ')' if getattr(strategy, '_start_method', None) else ''}")
+        if getattr(strategy, "_ddp_comm_hook", None) is not None:
+            raise ConfigError("ReplayCallback records DDP's own gradient averaging; this Trainer's DDPStrategy has a "
+                              "ddp_comm_hook, which a one-process replay would not repeat: leave it out to record the run")
     algorithm = trainer.gradient_clip_algorithm
     return {
         "precision": precision,
@@ -370,6 +375,10 @@ class ReplayCallback(Callback):
     def on_before_backward(self, trainer, pl_module, loss) -> None:
         if self._step is not None:
             self._step.watch.loss(loss)
+
+    def on_after_backward(self, trainer, pl_module) -> None:
+        if self._step is not None:
+            self._step.watch.backward_done()
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
         if self._step is not None:

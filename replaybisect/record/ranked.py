@@ -100,9 +100,13 @@ class PeerSession:
     run (FAILED, naming rank 0) so the record does not stay RUNNING."""
 
     def __init__(self, link: ranks.RankLink, tracking_uri: Optional[str]):
-        self.link, self.tracking_uri = link, tracking_uri
+        from replaybisect.store import open_store
+
+        self.link = link
         self.run_id = link.joined_run_id()
-        self.store = None
+        self.store = None  # this rank writes nothing while rank 0 lives
+        # opened now: ending the run for a dead rank 0 must fit in the launcher's grace period after its SIGTERM
+        self._store_if_rank_0_dies = open_store(tracking_uri)
         self.ended = False
 
     def write_config(self, cfg) -> None:
@@ -124,10 +128,9 @@ class PeerSession:
 
     def _end_for_rank_0(self, failed: dict[int, str], error: BaseException) -> None:
         from replaybisect.record.session import mark_ended
-        from replaybisect.store import open_store
 
+        store = self._store_if_rank_0_dies
         try:
-            store = open_store(self.tracking_uri)
             if store.get_run(self.run_id).info.status != "RUNNING":
                 return
             store.set_tags(self.run_id, failure_tags(failed))

@@ -4,7 +4,7 @@ one process. Plants: a NaN row in rank 1's batch at a step (--nan-step), a learn
 and rank asymmetries (--plant seed | hook | loss-count: a rank-dependent init, rank 1 changing its
 gradients after the all-reduce, a loss divided by a per-rank count).
 
-Run: torchrun --nproc_per_node 2 ddp_loop.py --steps 20 [--nan-step 12] [--lr 0.05] [--plant NAME]"""
+Run: torchrun --nproc_per_node 2 ddp_loop.py --steps 20 [--nan-step 12] [--lr 0.05] [--plant NAME,...] [--fp16]"""
 import argparse
 import os
 import time
@@ -23,25 +23,33 @@ def build(config):
     model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Dropout(0.1), nn.Linear(32, 4))
     ddp = DDP(model, broadcast_buffers=False, init_sync=config["plant"] != "seed")  # ...that DDP does not broadcast
     optimizer = torch.optim.SGD(ddp.parameters(), lr=config["lr"], momentum=0.9)
-    return ddp, optimizer
+    scaler = torch.amp.GradScaler("cpu") if config["fp16"] else None
+    return ddp, optimizer, None, scaler
 
 
-def train_step(model, optimizer, batch, config):
+def train_step(model, optimizer, scaler, batch, config):
     x, y = batch
     optimizer.zero_grad(set_to_none=True)
-    if config["loss"] == "mse":  # a regression: too high an lr diverges geometrically to inf, then NaN
-        loss = F.mse_loss(model(x), F.one_hot(y, 4).float())
-    else:
-        loss = F.cross_entropy(model(x), y, reduction="sum" if config["plant"] == "loss-count" else "mean")
+    with torch.autocast("cpu", dtype=torch.float16, enabled=config["fp16"]):
+        if config["loss"] == "mse":  # a regression: too high an lr diverges geometrically to inf, then NaN
+            loss = F.mse_loss(model(x), F.one_hot(y, 4).float())
+        else:
+            loss = F.cross_entropy(model(x), y, reduction="sum" if config["plant"] == "loss-count" else "mean")
     if config["plant"] == "loss-count":  # planted: each rank divides by its own count of kept rows
         loss = loss / (y >= 0).sum().clamp(min=1) / (1 + dist.get_rank())
-    loss.backward()
+    (scaler.scale(loss) if scaler else loss).backward()
+    if scaler:
+        scaler.unscale_(optimizer)
     if config["plant"] == "hook" and dist.get_rank() == 1:  # planted: rank 1 scales its gradients after the all-reduce
         for param in model.parameters():
             param.grad.mul_(1.5)
     if config["clip"]:
         torch.nn.utils.clip_grad_norm_(model.parameters(), config["clip"])
-    optimizer.step()
+    if scaler:
+        scaler.step(optimizer)
+        scaler.update()
+    else:
+        optimizer.step()
     return loss
 
 
@@ -50,17 +58,24 @@ def main():
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--nan-step", type=int, default=-1)
-    parser.add_argument("--plant", default="none")
+    parser.add_argument("--plant", default="none")  # comma-separated: one run each
     parser.add_argument("--clip", type=float, default=5.0)  # 0: no clipping
     parser.add_argument("--loss", default="ce")  # ce | mse
     parser.add_argument("--sleep", type=float, default=0.0)  # seconds per step (a test kills a rank mid-run)
+    parser.add_argument("--fp16", action="store_true")  # autocast fp16 with a GradScaler
     args = parser.parse_args()
     dist.init_process_group("gloo")
+    for plant in args.plant.split(","):  # one run per plant, one after another in the same job
+        record(args, plant)
+    dist.destroy_process_group()
+
+
+def record(args, plant: str):
     rank = dist.get_rank()
-    config = {"lr": args.lr, "plant": args.plant, "clip": args.clip, "loss": args.loss}
-    model, optimizer = build(config)
-    rec = replaybisect.Recorder(model, optimizer, step_fn=train_step, build=build, config=config, snapshot_every=5,
-                                layer_stats_every=0)
+    config = {"lr": args.lr, "plant": plant, "clip": args.clip, "loss": args.loss, "fp16": args.fp16}
+    model, optimizer, _, scaler = build(config)
+    rec = replaybisect.Recorder(model, optimizer, scaler=scaler, step_fn=train_step, build=build, config=config,
+                                snapshot_every=5, layer_stats_every=0)
     generator = torch.Generator().manual_seed(100 + rank)  # each rank its own shard of the data
     print(f"rank {rank} pid {os.getpid()}", flush=True)
     with rec:
@@ -74,7 +89,6 @@ def main():
             time.sleep(args.sleep)
     if rank == 0:
         print("run", rec.run_id)
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -280,7 +280,7 @@ def detect_nan(curves: Curves) -> list[Finding]:
     first_ranks = _ranks_nonfinite_at(curves, failing)
     if first_ranks:  # a distributed run: the ranks whose own loss went non-finite (the others' gradients followed)
         evidence["ranks_nonfinite_loss"] = first_ranks
-        what = f"loss on rank {', '.join(map(str, first_ranks))}" + (f" ({what} on rank 0)" if 0 not in first_ranks else "")
+        what = f"loss on rank {', '.join(map(str, first_ranks))}"
     precision = curves.params.get("train.precision")
     if precision:
         evidence["precision"] = precision

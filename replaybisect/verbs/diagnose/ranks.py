@@ -28,7 +28,10 @@ def replica_drift(checksums: dict[int, dict[int, float]]) -> Optional[dict]:
     steps = sorted(set.intersection(*(set(values) for values in checksums.values())))
     ranks = sorted(checksums)
     for step in steps:
-        differing = [rank for rank in ranks[1:] if checksums[rank][step] != checksums[ranks[0]][step]]
+        reference = checksums[ranks[0]][step]
+        if not np.isfinite(reference):  # a run that went on past a non-finite update: NaN on every replica
+            break
+        differing = [rank for rank in ranks[1:] if checksums[rank][step] != reference]
         if differing:
             return {"step": step, "ranks": differing, "at_start": step == steps[0],
                     "checksums": {f"rank{rank}": checksums[rank][step] for rank in ranks}}
