@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import Workspace
+from conftest import Workspace, as_printed, in_folder
 
 HERE = Path(__file__).resolve().parent
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone"]
@@ -28,6 +28,15 @@ def shared(tmp_path_factory) -> Workspace:
     shutil.copy(HERE / "user_loop" / "ddp_loop.py", workspace.path)
     shutil.copy(HERE / "user_loop" / "lightning_ddp.py", workspace.path)
     return workspace
+
+
+def _answer(workspace: Workspace, verb: str, run_id: str, **options) -> dict:
+    """`replay VERB --run-id RUN_ID --json` computed in this process (the Python API: the same request and engine),
+    without a `replay` process's seconds of imports; the first test runs the installed command."""
+    import replaybisect as rb
+
+    with in_folder(workspace.path):
+        return as_printed(getattr(rb, verb)(run_id, tracking_uri=workspace.tracking_uri, publish=False, **options))
 
 
 def _torchrun(workspace: Workspace, *args: str, expect_failure: bool) -> tuple[str, subprocess.CompletedProcess]:
@@ -72,10 +81,8 @@ def test_a_nan_row_on_rank_1_is_named_with_its_rank_and_row(shared, nan_row_run)
     [finding] = report["batch"]
     assert finding["rank"] == 1 and finding["rows"] == [5] and finding["field"].startswith("rank 1's batch[0]")
 
-    diagnosis = shared.replay("diagnose", "--run-id", run_id, "--json", "--no-artifacts")
-    assert diagnosis.returncode == 0, diagnosis.stderr
     # healthy ranks before the NaN: no asymmetry found, only the failure, on rank 1's loss
-    [failure] = json.loads(diagnosis.stdout)["findings"]
+    [failure] = _answer(shared, "diagnose", run_id)["findings"]
     assert failure["pattern"] == "nan-after-k" and failure["evidence"]["ranks_nonfinite_loss"] == [1]
     assert "non-finite loss on rank 1 at step 12" in failure["summary"]
 
@@ -83,13 +90,9 @@ def test_a_nan_row_on_rank_1_is_named_with_its_rank_and_row(shared, nan_row_run)
 def test_a_diverging_lr_is_a_divergence_and_ablate_fixes_it_by_lr(shared, diverging_run):
     run_id, done = diverging_run
     assert "loss is inf at step 13" in done.stderr
-    result = shared.replay("nan", "--run-id", run_id, "--json")
-    assert result.returncode == 0, result.stderr
-    report = json.loads(result.stdout)
+    report = _answer(shared, "find_nan", run_id)
     assert report["reproduced"] == "exact" and report["category"] == "divergence"
-    ablation = shared.replay("ablate", "lr", "--run-id", run_id, "--json")
-    assert ablation.returncode == 0, ablation.stderr
-    answer = json.loads(ablation.stdout)
+    answer = _answer(shared, "ablate", run_id, arms=["lr"], workers=1)
     verdicts = {arm["name"]: arm["verdict"] for arm in answer["arms"]}
     assert answer["baseline"]["verdict"] == "fails-again" and verdicts["lr"] == "fixes"
 
@@ -130,9 +133,7 @@ def test_diagnose_names_each_planted_rank_asymmetry(shared):
     assert len(set(run_ids)) == len(PLANTS)
     for run_id, (plant, (pattern, step)) in zip(run_ids, PLANTS.items()):
         assert len(shared.store().metric_history(run_id, "loss/rank1")) == 12, plant
-        result = shared.replay("diagnose", "--run-id", run_id, "--json", "--no-artifacts")
-        assert result.returncode == 0, result.stderr
-        findings = json.loads(result.stdout)["findings"]
+        findings = _answer(shared, "diagnose", run_id)["findings"]
         assert [(f["pattern"], f["step"]) for f in findings] == [(pattern, step)], plant
         if plant == "seed":
             assert findings[0]["evidence"]["at_start"] and "init" in findings[0]["summary"]
@@ -145,9 +146,7 @@ def test_fp16_with_a_grad_scaler_every_rank_stops_at_the_nan_row_and_it_replays(
     agree right after the backward (not at the optimizer step, which the scaler never reaches) and all stop there."""
     run_id, done = _torchrun(shared, "--steps", "12", "--nan-step", "8", "--fp16", expect_failure=True)
     assert "loss is nan at step 8" in done.stderr and "the loss on another rank at step 8" in done.stderr
-    result = shared.replay("nan", "--run-id", run_id, "--json")
-    assert result.returncode == 0, result.stderr
-    report = json.loads(result.stdout)
+    report = _answer(shared, "find_nan", run_id)
     assert report["reproduced"] == "exact" and report["replay"]["ranks_compared"] == 2 and report["precision"] == "fp16"
     [finding] = report["batch"]
     assert finding["rank"] == 1 and finding["rows"] == [5]
@@ -165,9 +164,7 @@ def test_lightning_ddp_a_nan_row_on_rank_1_is_named_and_a_high_lr_fixed_by_lr(sh
     run_id, done = _lightning(shared, "0.05", "20", "nan")
     assert "loss is nan at step 6" in done.stderr and "the loss on another rank at step 6" in done.stderr  # rank 1, 0
     assert "Traceback" not in done.stderr
-    result = shared.replay("nan", "--run-id", run_id, "--json")
-    assert result.returncode == 0, result.stderr
-    report = json.loads(result.stdout)
+    report = _answer(shared, "find_nan", run_id)
     assert report["reproduced"] == "exact" and report["replay"]["ranks_compared"] == 2
     assert report["category"] == "data" and report["failing_step"] == 6
     [finding] = report["batch"]
@@ -175,9 +172,7 @@ def test_lightning_ddp_a_nan_row_on_rank_1_is_named_and_a_high_lr_fixed_by_lr(sh
 
     run_id, done = _lightning(shared, "0.18", "60")
     assert "loss is inf at step 11" in done.stderr
-    ablation = shared.replay("ablate", "lr", "--run-id", run_id, "--json")
-    assert ablation.returncode == 0, ablation.stderr
-    answer = json.loads(ablation.stdout)
+    answer = _answer(shared, "ablate", run_id, arms=["lr"], workers=1)
     assert answer["baseline"]["verdict"] == "fails-again"
     assert {arm["name"]: arm["verdict"] for arm in answer["arms"]}["lr"] == "fixes"
 

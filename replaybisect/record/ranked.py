@@ -131,9 +131,20 @@ class PeerSession:
 
         store = self._store_if_rank_0_dies
         try:
+            _ignore_sigterm()  # the launcher stops this rank too now: the run's end (a second or less) comes first
             if store.get_run(self.run_id).info.status != "RUNNING":
                 return
             store.set_tags(self.run_id, failure_tags(failed))
             mark_ended(store, self.run_id, RuntimeError(f"rank 0 failed: {failed[0]}") if isinstance(error, KeyboardInterrupt) else error)
         except Exception:
             return
+
+
+def _ignore_sigterm() -> None:
+    """From here on this process finishes what it does; the launcher's SIGKILL after its grace period still ends it."""
+    import signal
+
+    try:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    except ValueError:  # not the main thread: leave the handler as it is
+        pass
