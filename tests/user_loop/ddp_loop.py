@@ -21,7 +21,7 @@ import replaybisect
 def build(config):
     torch.manual_seed(0 if config["plant"] != "seed" else 1 + dist.get_rank())  # planted: a rank-dependent init...
     model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Dropout(0.1), nn.Linear(32, 4))
-    ddp = DDP(model, broadcast_buffers=False, init_sync=config["plant"] != "seed")  # ...that DDP does not broadcast
+    ddp = DDP(model, init_sync=config["plant"] != "seed")  # ...that DDP does not broadcast
     optimizer = torch.optim.SGD(ddp.parameters(), lr=config["lr"], momentum=0.9)
     scaler = torch.amp.GradScaler("cpu") if config["fp16"] else None
     return ddp, optimizer, None, scaler
