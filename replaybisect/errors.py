@@ -80,7 +80,7 @@ class NonFiniteStep(RuntimeError):
     @classmethod
     def of_library(cls, step: int, what: str, value: float, run_id: str) -> "NonFiniteStep":
         """The Recorder's and the Lightning callback's: what went non-finite, and the command that finds why."""
-        said = f"the {what}" if what.startswith("loss on ") else f"{what} is {value}"  # a distributed job's: on another rank
+        said = f"the {what} went non-finite" if what.startswith("loss on ") else f"{what} is {value}"  # on another rank
         return cls(f"{said} at step {step}; find the cause with: replay nan --run-id {run_id}", run_id, step, what)
 
 

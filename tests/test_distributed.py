@@ -60,7 +60,7 @@ def test_a_nan_row_on_rank_1_is_named_with_its_rank_and_row(shared, nan_row_run)
     run_id, done = nan_row_run
     # every rank stopped at the failing step before its update, each with one line (no rank hung in an all-reduce)
     assert done.stderr.count("replaybisect.NonFiniteStep: ") == 2 and "[rank1]: Traceback" not in done.stderr
-    assert "loss is nan at step 12" in done.stderr and "the loss on another rank at step 12" in done.stderr
+    assert "loss is nan at step 12" in done.stderr and "the loss on another rank went non-finite at step 12" in done.stderr
     assert "rank 1 step 11 loss" in done.stdout and "step 12 loss" not in done.stdout
     store = shared.store()
     tags = store.tags(run_id)
@@ -145,7 +145,7 @@ def test_fp16_with_a_grad_scaler_every_rank_stops_at_the_nan_row_and_it_replays(
     """Rank 1's fp16 loss is NaN: its GradScaler would skip the update without calling the optimizer, so the ranks
     agree right after the backward (not at the optimizer step, which the scaler never reaches) and all stop there."""
     run_id, done = _torchrun(shared, "--steps", "12", "--nan-step", "8", "--fp16", expect_failure=True)
-    assert "loss is nan at step 8" in done.stderr and "the loss on another rank at step 8" in done.stderr
+    assert "loss is nan at step 8" in done.stderr and "the loss on another rank went non-finite at step 8" in done.stderr
     report = _answer(shared, "find_nan", run_id)
     assert report["reproduced"] == "exact" and report["replay"]["ranks_compared"] == 2 and report["precision"] == "fp16"
     [finding] = report["batch"]
@@ -162,7 +162,7 @@ def _lightning(workspace: Workspace, *args: str) -> tuple[str, subprocess.Comple
 
 def test_lightning_ddp_a_nan_row_on_rank_1_is_named_and_a_high_lr_fixed_by_lr(shared):
     run_id, done = _lightning(shared, "0.05", "20", "nan")
-    assert "loss is nan at step 6" in done.stderr and "the loss on another rank at step 6" in done.stderr  # rank 1, 0
+    assert "loss is nan at step 6" in done.stderr and "the loss on another rank went non-finite at step 6" in done.stderr  # rank 1, 0
     assert "Traceback" not in done.stderr
     report = _answer(shared, "find_nan", run_id)
     assert report["reproduced"] == "exact" and report["replay"]["ranks_compared"] == 2
