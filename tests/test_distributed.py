@@ -167,7 +167,7 @@ def _lightning(workspace: Workspace, *args: str) -> tuple[str, subprocess.Comple
     return re.search(r"recording run ([0-9a-f]{32})", done.stderr).group(1), done
 
 
-def test_lightning_ddp_a_nan_row_on_rank_1_is_named_and_a_high_lr_fixed_by_lr(shared):
+def test_lightning_ddp_a_nan_row_on_rank_1_is_named_and_a_high_lr_is_a_divergence_fixed_by_lr(shared):
     run_id, done = _lightning(shared, "0.05", "20", "nan")
     assert "loss is nan at step 6" in done.stderr and "the loss on another rank went non-finite at step 6" in done.stderr  # rank 1, 0
     assert "Traceback" not in done.stderr
@@ -177,8 +177,10 @@ def test_lightning_ddp_a_nan_row_on_rank_1_is_named_and_a_high_lr_fixed_by_lr(sh
     [finding] = report["batch"]
     assert finding["rank"] == 1 and finding["rows"] == [5]
 
-    run_id, done = _lightning(shared, "0.18", "60")
-    assert "loss is inf at step 11" in done.stderr
+    run_id, done = _lightning(shared, "1.0", "60")
+    assert "loss is inf at step 25" in done.stderr
+    report = _answer(shared, "find_nan", run_id)
+    assert report["reproduced"] == "exact" and report["category"] == "divergence"
     answer = _answer(shared, "ablate", run_id, arms=["lr"], workers=1)
     assert answer["baseline"]["verdict"] == "fails-again"
     assert {arm["name"]: arm["verdict"] for arm in answer["arms"]}["lr"] == "fixes"

@@ -1,6 +1,6 @@
-"""A Lightning DDP job on CPU (strategy="ddp", 2 processes, gloo) recorded by ReplayCallback: a small regressor whose
-prediction goes through exp, a DataLoader that Lightning shards across the ranks with its DistributedSampler. Plants:
-rank 1's data pipeline serving a NaN as row 5 of its step 6, and too high a learning rate (the exp overflows).
+"""A Lightning DDP job on CPU (strategy="ddp", 2 processes, gloo) recorded by ReplayCallback: a small regressor, a
+DataLoader that Lightning shards across the ranks with its DistributedSampler. Plants:
+rank 1's data pipeline serving a NaN as row 5 of its step 6, and too high a learning rate (SGD diverges).
 
 Run: python lightning_ddp.py LR STEPS [nan]"""
 import sys
@@ -25,7 +25,7 @@ class Regressor(L.LightningModule):
 
     def training_step(self, batch, batch_idx):
         x, y = batch
-        return F.mse_loss(torch.exp(self.body(x)).squeeze(-1), y)
+        return F.mse_loss(self.body(x).squeeze(-1), y)
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=self.hparams.lr, momentum=0.9)
