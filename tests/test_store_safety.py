@@ -189,7 +189,9 @@ def test_a_train_killed_while_creating_the_store_leaves_none_or_a_whole_one(made
     for workspace in spaces.values():
         workspace.path.mkdir()
     trainers = [_start(spaces["kill"], "train", "--json", "--run-name", name, *TINY) for name in ("first", "second")]
-    termed = _start(spaces["term"], "train", "--json", *TINY)
+    # long enough that a SIGTERM noticed late on a loaded machine still lands before the run ends (never after its
+    # handler is gone at exit): 0.3 s after the creation begins it lands while creating, or else while training
+    termed = _start(spaces["term"], "train", "--json", *TINY, "train.steps=2000")
     creators = [subprocess.Popen([sys.executable, "-c", CREATE, spaces["sweep"].tracking_uri], cwd=spaces["sweep"].path,
                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE) for _ in range(2)]
     states = {name: [] for name in spaces}
