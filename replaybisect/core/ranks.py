@@ -62,17 +62,15 @@ def rank_records(record: dict) -> list:
 
 
 def param_checksum(model: torch.nn.Module) -> float:
-    """A cheap fingerprint of the replica's parameters (float64 sum of every element): replicas that drifted apart
-    show different values at the same step."""
+    """A cheap fingerprint of the replica's parameters (float64 sum of every element), summed where the parameters
+    live and read once: replicas that drifted apart show different values at the same step."""
     with torch.no_grad():
-        total = torch.zeros((), dtype=torch.float64)
-        for param in model.parameters():
-            total += param.detach().to(torch.float64).sum().cpu()
-        return float(total)
+        sums = [param.detach().sum(dtype=torch.float64) for param in model.parameters()]
+        return float(torch.stack(sums).sum()) if sums else 0.0
 
 
 def any_rank_failed(device: torch.device) -> Callable[[bool], bool]:
-    """Asked by every rank before its update: did any rank's step fail? (One small all-reduce per step.)"""
+    """Asked by every rank after each backward: did any rank's loss go non-finite? (One small all-reduce.)"""
     def agree(failed_here: bool) -> bool:
         flag = torch.tensor([1 if failed_here else 0], dtype=torch.int32,
                             device=device if torch.distributed.get_backend() == "nccl" else "cpu")
@@ -82,7 +80,7 @@ def any_rank_failed(device: torch.device) -> Callable[[bool], bool]:
     return agree
 
 
-def layout(rank: int, world_size: int) -> dict[str, Any]:
+def layout(world_size: int) -> dict[str, Any]:
     """The job's shape as the run's config stores it."""
     backend = torch.distributed.get_backend()
     return {"world_size": world_size, "backend": str(backend)}

@@ -274,7 +274,7 @@ class ReplayCallback(Callback):
         self.cfg = replay_config(step_target=STEP_TARGET, build_target=None if script else BUILD_TARGET, config=user,
                                  seed=torch.initial_seed(), precision=precision, snapshot_every=self.snapshot_every,
                                  layer_stats_every=self.layer_stats_every, on_nonfinite=self.on_nonfinite, steps=steps,
-                                 script=script, distributed=ranks.layout(*where) if where is not None else None)
+                                 script=script, distributed=ranks.layout(where[1]) if where is not None else None)
         configs = trainer.lr_scheduler_configs
         self.state = TrainState(cfg=self.cfg, model=pl_module, optimizer=trainer.optimizers[0],
                                 scheduler=configs[0].scheduler if configs else None,

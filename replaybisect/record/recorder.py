@@ -207,7 +207,7 @@ class Recorder:
         self._settings = dict(step_target=step_target, build_target=build_target, script=script, config=config_plain,
                               seed=torch.initial_seed() if seed is None else seed, snapshot_every=snapshot_every,
                               layer_stats_every=layer_stats_every, on_nonfinite=on_nonfinite, steps=steps,
-                              distributed=ranks.layout(link.rank, link.world_size) if link is not None else None)
+                              distributed=ranks.layout(link.world_size) if link is not None else None)
         self.cfg = replay_config(precision=precision or "fp32", **self._settings)  # validates before any run exists
         self._precision_seen: Optional[list[str]] = None if precision else []  # noted on the first step
         self.state = TrainState(cfg=self.cfg, model=model, optimizer=parts["optimizer"], scheduler=scheduler, scaler=scaler,
