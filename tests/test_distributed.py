@@ -203,3 +203,56 @@ def test_a_killed_rank_0_is_named_by_the_rank_that_survives_it(shared):
     assert run.info.status == "FAILED", stderr[-3000:]
     tags = shared.store().tags(run_id)
     assert tags["failed_ranks"] == "0" and "rank 0: process" in tags["failure"]
+
+
+# ---- replay train as a DDP job ----------------------------------------------------------------------------------
+def _lr_explosion_config(workspace: Workspace) -> Path:
+    folder = workspace.path / "lr_explosion"
+    if not folder.is_dir():
+        shutil.copytree(HERE.parent / "examples" / "ablate_lr_explosion", folder)
+    return folder
+
+
+def test_replay_train_nproc_2_records_one_ddp_run_that_replays_exact_and_ablate_fixes_by_lr(shared):
+    """`replay train train.nproc=2` starts both ranks itself: each trains its half of the step's batch in DDP; the run
+    is one DDP run (every rank's loss and checksum), replayed on one process bit for bit, and too high an lr is a
+    divergence fixed by `ablate lr`."""
+    folder = _lr_explosion_config(shared)
+    done = shared.replay("train", "--config-dir", str(folder), "train.nproc=2", "--json")
+    assert done.returncode == 3, done.stderr[-3000:]
+    result = json.loads(done.stdout)
+    assert result["status"] == "nonfinite" and result["first_nonfinite_step"] == 58 and result["stopped"]
+    assert "starting 2 processes" in done.stderr and "Traceback" not in done.stderr
+    run_id, store = result["run_id"], shared.store()
+    config = (Path(store.local_artifact_dir(run_id)) / "config.yaml").read_text()
+    assert "world_size: 2" in config and "backend: gloo" in config and "nproc: 2" in config
+    assert len(store.metric_history(run_id, "loss/rank1")) == 59
+    checksums = [dict(store.metric_history(run_id, f"param_checksum/rank{rank}")) for rank in (0, 1)]
+    assert checksums[0] == checksums[1]
+
+    report = _answer(shared, "find_nan", run_id)
+    assert report["reproduced"] == "exact" and report["replay"]["ranks_compared"] == 2
+    assert report["category"] == "divergence" and report["failing_step"] == 58
+    answer = _answer(shared, "ablate", run_id, arms=["lr"], workers=1)
+    assert answer["baseline"]["verdict"] == "fails-again"
+    assert {arm["name"]: arm["verdict"] for arm in answer["arms"]}["lr"] == "fixes"
+
+
+def test_replay_train_under_torchrun_records_one_run_and_bad_nproc_is_one_line(shared):
+    """torchrun starts the ranks of `replay train` itself: rank 0 prints the one result, the other rank nothing."""
+    replay = shutil.which("replay", path=os.path.dirname(sys.executable))
+    done = subprocess.run([*TORCHRUN, replay, "train", "train.steps=6", "snapshot.every=3", "--json"], cwd=shared.path,
+                          env=shared.env(), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout)  # one JSON document: rank 1 printed nothing on stdout
+    assert result["status"] == "ok" and result["steps_completed"] == 6 and result["snapshot_steps"] == [0, 3]
+    config = (Path(shared.store().local_artifact_dir(result["run_id"])) / "config.yaml").read_text()
+    assert "world_size: 2" in config
+
+    runs_before = len(shared.store().search_runs())
+    done = shared.replay("train", "train.nproc=0")
+    assert done.returncode == 2 and done.stderr.strip().splitlines()[-1].endswith("train.nproc=0 must be between 1 and 64")
+    done = subprocess.run([*TORCHRUN, replay, "train", "train.nproc=3"], cwd=shared.path, env=shared.env(),
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0 and "train.nproc=3 but the launcher started 2 processes; leave train.nproc out" in done.stderr
+    assert len(shared.store().search_runs()) == runs_before

@@ -22,6 +22,7 @@ Loop = Literal["builtin", "user"]
 OnNonfinite = Literal["stop", "continue"]
 PRECISIONS, LOOPS, ON_NONFINITE = get_args(Precision), get_args(Loop), get_args(OnNonfinite)
 MAX_THREADS = 1024  # torch.set_num_threads(100000) exhausts memory mapping threads
+MAX_PROCESSES = 64  # train.nproc: processes on this machine
 
 
 @dataclass
@@ -54,6 +55,9 @@ class TrainConfig:
     """builtin: replaybisect's step. user: a run recorded from your own loop by replaybisect.Recorder."""
     build: Any = None
     """loop: user only: build(config) -> model, optimizer[, scheduler[, scaler]] (a dict or a tuple)."""
+    nproc: int = 1
+    """`replay train` only: processes to train on as one DistributedDataParallel job (started with torchrun's
+    launcher; gloo on CPU, nccl on CUDA). train.batch_size is each process's; the step's batch is nproc of them."""
     world_size: int = 1
     """Processes of a distributed data-parallel job (torchrun + DDP), recorded per rank and replayed on one process."""
     backend: Optional[str] = None
@@ -330,6 +334,11 @@ def validate(cfg) -> None:
     elif cfg.train.batch_size > 0 and cfg.train.loop == "builtin" and cfg.train.batch_size % cfg.train.accumulate:
         problems.append(f"train.batch_size={cfg.train.batch_size} does not split into train.accumulate={cfg.train.accumulate} equal micro-batches; "
                         "make batch_size a multiple of accumulate")
+    if not 1 <= cfg.train.get("nproc", 1) <= MAX_PROCESSES:
+        problems.append(f"train.nproc={cfg.train.nproc} must be between 1 and {MAX_PROCESSES}")
+    elif cfg.train.get("nproc", 1) > 1 and cfg.train.loop != "builtin":
+        problems.append("train.nproc starts `replay train`'s own loop on several processes; a run recorded from your loop "
+                        "is started by you (torchrun)")
     if not 0 <= cfg.train.num_workers <= 256:
         problems.append(f"train.num_workers={cfg.train.num_workers} must be between 0 and 256")
     if cfg.train.num_threads is not None and not 1 <= cfg.train.num_threads <= MAX_THREADS:

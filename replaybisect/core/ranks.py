@@ -164,22 +164,26 @@ class RankLink:
         return failed
 
     def _get(self, key: str) -> bytes:
-        """The value another rank sets under `key`, waited for in short slices: between them this process's signal
-        handlers run (a wait inside the store would hold off the launcher's SIGTERM) and a rank that died is seen."""
+        """The value another rank sets under `key`, polled (a wait inside the store would hold off the launcher's
+        SIGTERM, and each timed-out wait logs a warning): between polls this process's signal handlers run, and
+        about every WAIT_SLICE a rank that died is looked for."""
         import time
 
-        deadline = time.monotonic() + PEER_TIMEOUT.total_seconds()
-        while True:
-            try:
-                self._store.wait([key], WAIT_SLICE)
-                return self._store.get(key)
-            except Exception as error:  # the slice ran out (or the store is gone)
+        started = time.monotonic()
+        next_look, pause = started + WAIT_SLICE.total_seconds(), 0.0005
+        while not self._store.check([key]):
+            now = time.monotonic()
+            if now >= next_look:
                 failed = self.failed_ranks()
                 if failed:
-                    raise ReplayError(f"rank {self.rank} stopped: " + "; ".join(f"rank {rank} {why}" for rank, why in sorted(failed.items()))) from None
-                if time.monotonic() > deadline:
-                    raise ReplayError(f"rank {self.rank} waited {PEER_TIMEOUT} for {key} from another rank "
-                                      f"({str(error).splitlines()[0]}); a rank stopped: see its own output") from None
+                    raise ReplayError(f"rank {self.rank} stopped: " + "; ".join(f"rank {rank} {why}" for rank, why in sorted(failed.items())))
+                if now - started > PEER_TIMEOUT.total_seconds():
+                    raise ReplayError(f"rank {self.rank} waited {PEER_TIMEOUT} for {key} from another rank; a rank stopped: "
+                                      "see its own output")
+                next_look = now + WAIT_SLICE.total_seconds()
+            time.sleep(pause)
+            pause = min(pause * 2, 0.02)  # answers that come at once are read at once; a long wait polls 50 times a second
+        return self._store.get(key)
 
 
 def _alive(pid: int) -> bool:

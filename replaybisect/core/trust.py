@@ -57,8 +57,10 @@ NESTED = {"user": BLOCK}  # what an object nested inside a key's object may be; 
 # replaybisect's registry: its built-in step functions, models and datasets, each with the keys it may fill.
 _MODELS, _DATA = ("model", "user"), ("data", "val_data", "user")
 REGISTRY = {
-    "replaybisect.core.loop.supervised_step": ("train.step_fn",),
-    "replaybisect.core.loop.sequence_step": ("train.step_fn",),
+    "replaybisect.core.loop.supervised_step": ("train.step_fn", "user"),  # "user": a `replay train` DDP run's config
+    "replaybisect.core.loop.sequence_step": ("train.step_fn", "user"),
+    "replaybisect.verbs.train.ranks.train_step": ("train.step_fn",),
+    "replaybisect.verbs.train.ranks.build": ("train.build",),
     "replaybisect.lightning.lightning_step": ("train.step_fn",),
     "replaybisect.lightning.build": ("train.build",),
     "replaybisect.models.MLP": _MODELS,

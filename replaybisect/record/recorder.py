@@ -120,7 +120,7 @@ def plain_config(config: Any) -> dict:
 
 def replay_config(*, step_target: Optional[str], build_target: Optional[str], config: dict, seed: int, precision: str,
                   snapshot_every: int, layer_stats_every: int, on_nonfinite: str, steps: Optional[int],
-                  script: Optional[dict] = None, distributed: Optional[dict] = None):
+                  script: Optional[dict] = None, distributed: Optional[dict] = None, clip_grad_norm: Optional[float] = None):
     """The run's config in replaybisect's schema: what `replay` reads back. A script run (`script`: how it was
     started) names no functions: its step is a closure, replayed by running the script again."""
     from omegaconf import OmegaConf
@@ -132,7 +132,7 @@ def replay_config(*, step_target: Optional[str], build_target: Optional[str], co
         "loss": None,
         "user": config,
         "train": {"loop": "user", "step_fn": _partial(step_target), "build": _partial(build_target), "script": script,
-                  "precision": precision,
+                  "precision": precision, "clip_grad_norm": clip_grad_norm,
                   "steps": steps or 1, "val_every": 0, "device": "auto", **(distributed or {})},
         "snapshot": {"every": snapshot_every, "layer_stats_every": layer_stats_every, "on_nonfinite": on_nonfinite,
                      "keep_batches": True},
@@ -198,7 +198,7 @@ class Recorder:
         if inline and on_nonfinite != "stop":
             raise ConfigError("without step_fn a non-finite step stops the run (on_nonfinite=\"stop\"): the Recorder "
                               "cannot take your loop's step again; pass step_fn= to go on past it")
-        step_target, build_target, script, code_folder, name = _how_replayed(step_fn, build)
+        step_target, build_target, script, code_folder, name = self._how_replayed(step_fn, build)
         link = ranked.link_for(inline, build, step_fn)  # one rank of a distributed job, or None
         self._ranked = ranked.RankedSteps(link, model) if link is not None else None
         if precision is not None and precision not in PRECISIONS:
@@ -207,12 +207,13 @@ class Recorder:
         self._settings = dict(step_target=step_target, build_target=build_target, script=script, config=config_plain,
                               seed=torch.initial_seed() if seed is None else seed, snapshot_every=snapshot_every,
                               layer_stats_every=layer_stats_every, on_nonfinite=on_nonfinite, steps=steps,
-                              distributed=ranks.layout(link.world_size) if link is not None else None)
+                              distributed=ranks.layout(link.world_size) if link is not None else None,
+                              clip_grad_norm=self.clip_grad_norm)
         self.cfg = replay_config(precision=precision or "fp32", **self._settings)  # validates before any run exists
         self._precision_seen: Optional[list[str]] = None if precision else []  # noted on the first step
         self.state = TrainState(cfg=self.cfg, model=model, optimizer=parts["optimizer"], scheduler=scheduler, scaler=scaler,
                                 loss_fn=None, step_fn=step_fn, device=user_step.model_device(model),
-                                precision=precision, clip_grad_norm=None, user_loop=True,
+                                precision=precision, clip_grad_norm=self.clip_grad_norm, user_loop=True,
                                 user_config=OmegaConf.create(config_plain), carry={},
                                 ranks_agree=ranks.any_rank_failed(user_step.model_device(model)) if link is not None else None)
         self._buffers = BufferGuard(model)
@@ -225,7 +226,7 @@ class Recorder:
                               files=[Path(script["path"])] if inline else [])
         self._session, self._hooks = ranked.run_of_this_rank(
             link, tracking_uri, on_nonfinite,
-            lambda: open_session(tracking_uri, experiment, code_folder, {"replaybisect.loop": "user", **sources},
+            lambda: open_session(tracking_uri, experiment, code_folder, {"replaybisect.loop": "user", **sources, **self.run_tags},
                                  run_name or f"train {name} (own loop)"),
             lambda session: session.start_recording(self.cfg, self.state, {"seed": int(self.cfg.seed)}))
         self.store, self.run_id = self._session.store, self._session.run_id
@@ -239,6 +240,13 @@ class Recorder:
                 self._fail(error)
                 raise
             _watch_unclosed(self)
+
+    # what a recorder for replaybisect's own loop (verbs/train/ranks.py) sets differently
+    clip_grad_norm: Optional[float] = None  # clipped where the step watch sees the gradients, as the built-in step does
+    run_tags: dict = {}
+
+    def _how_replayed(self, step_fn, build):
+        return _how_replayed(step_fn, build)
 
     def _hand_over_later(self, parts: dict, step_fn: Optional[Callable], updates_by_hand: bool) -> None:
         """In a replay that re-entered the script: the objects go to the replay at the first step (core/reentry.py);
