@@ -31,8 +31,9 @@ from replaybisect.core import config as config_mod
 from replaybisect.errors import ConfigError, ReplayError, UntrustedConfig
 
 LIBRARY_PREFIX = "torch"  # importable to check a kind; builds only the classes each key may build
+MODEL_LIBRARY_PREFIX = "transformers"  # its model classes only (a Trainer run's model): never its loaders or datasets
 OWN_PREFIX = "replaybisect"  # contributes only REGISTRY
-BUILTIN_PREFIXES = (LIBRARY_PREFIX, OWN_PREFIX)
+BUILTIN_PREFIXES = (LIBRARY_PREFIX, MODEL_LIBRARY_PREFIX, OWN_PREFIX)
 TRUST_ENV = "REPLAYBISECT_TRUST"  # comma-separated module prefixes, like --trust
 CODE_DIR_ENV = "REPLAYBISECT_CODE_DIR"  # folders separated by os.pathsep, like --code-dir
 
@@ -63,6 +64,8 @@ REGISTRY = {
     "replaybisect.verbs.train.ranks.build": ("train.build",),
     "replaybisect.lightning.lightning_step": ("train.step_fn",),
     "replaybisect.lightning.build": ("train.build",),
+    "replaybisect.hf.hf_step": ("train.step_fn",),
+    "replaybisect.hf.build": ("train.build",),
     "replaybisect.models.MLP": _MODELS,
     "replaybisect.models.SmallCNN": _MODELS,
     "replaybisect.models.CharTransformer": _MODELS,
@@ -314,10 +317,12 @@ def _check_static(path: Any, key: str, context: _Context) -> _Target:
     if any(_under(path, prefix) for prefix in trust.own_prefixes):
         _refuse_private(path, key, source)
         return _Target(path, key, kind, "own")
-    if _under(path, LIBRARY_PREFIX):
+    if _under(path, LIBRARY_PREFIX) or _under(path, MODEL_LIBRARY_PREFIX):
         _refuse_private(path, key, source)
         if not kind[1]:
             raise _refuse_kind(path, key, kind, source, "a library function")
+        if _under(path, MODEL_LIBRARY_PREFIX):  # a transformers model class, whatever else the key may build
+            kind = (f"{MODULE[0]} (from transformers)", MODULE[1])
         return _Target(path, key, kind, "library")
     if _module_files(path, context):
         return _Target(path, key, kind, "file")

@@ -48,9 +48,25 @@ class RunSession:
             session._remove_stale_temps()
         return session
 
+    @classmethod
+    def attach(cls, store: Store, run_id: str, *, code_folder: Path, tags: Optional[dict[str, str]] = None) -> "RunSession":
+        """Record into a run another logger opened (the Trainer's MLflowCallback): tagged as `open` tags a new run.
+        Its own params stay as they are (write_config adds only new keys)."""
+        all_tags = {TAG + key: value for key, value in code_version(code_folder).items()}
+        all_tags.update({TAG + "code_dir": str(code_folder), TAG + "kind": "train", TAG + "status": "running", **(tags or {})})
+        store.set_tags(run_id, all_tags, prefix="")
+        session = cls(store, run_id)
+        session.attached = True
+        return session
+
+    attached = False  # recording into a run another logger opened
+
     def write_config(self, cfg) -> None:
         """The config as params (what MLflow's UI compares) and as config.yaml (what a replay reads back)."""
-        self.store.log_params(self.run_id, config_mod.flatten(cfg))
+        params = config_mod.flatten(cfg)
+        if self.attached:  # MLflow refuses a changed param: the other logger's keep their values
+            params = {key: value for key, value in params.items() if key not in self.store.get_run(self.run_id).data.params}
+        self.store.log_params(self.run_id, params)
         self.store.log_text(self.run_id, config_mod.to_yaml(cfg), "config.yaml")
 
     def start_recording(self, cfg, state, data_position: dict[str, Any]):
