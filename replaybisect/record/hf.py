@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import math
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -36,8 +37,9 @@ from transformers import Trainer, TrainerCallback
 from replaybisect.core import reentry
 from replaybisect.core.config import OnNonfinite
 from replaybisect.core.step_watch import StepOutcome, StepWatch
-from replaybisect.errors import ConfigError, NonFiniteStep
-from replaybisect.record.recorder import function_target, nonfinite_step, open_session, own_sources, replay_config
+from replaybisect.errors import ConfigError
+from replaybisect.record.recorder import (_watch_unclosed, function_target, nonfinite_step, one_line_failures, open_session,
+                                          own_sources, replay_config)
 
 STEP_TARGET = "replaybisect.hf.hf_step"
 BUILD_TARGET = "replaybisect.hf.build"
@@ -272,6 +274,7 @@ class ReplayCallback(TrainerCallback):
 
         if reentry.replaying():
             raise ConfigError("a replay of a Trainer run needs no Trainer: run `replay nan --run-id ...` on the recorded run")
+        one_line_failures()  # a refusal below, or the NonFiniteStep later, ends the script with its one line
         trainer = _the_trainer()
         settings = _trainer_settings(trainer, model)
         torch_optimizer = getattr(trainer.optimizer, "optimizer", trainer.optimizer)  # accelerate's wrapper's
@@ -298,6 +301,7 @@ class ReplayCallback(TrainerCallback):
             self._hooks = self._session.start_recording(self.cfg, self.state, {"seed": int(self.cfg.seed)})
         self._trainer = trainer
         self._watch(trainer, model, torch_optimizer)
+        _watch_unclosed(self)  # a train() that an exception ends: the run FAILED at exit, not left RUNNING
 
     def _open_run(self, trainer: Trainer, folder, tags: dict, name: str):
         """The MLflowCallback's run when it opened one (its metrics moved under trainer/), else a run of our own."""
@@ -311,7 +315,10 @@ class ReplayCallback(TrainerCallback):
         original = callback._ml_flow
         callback._ml_flow = _PrefixedMetrics(original)
         self._undo.append(lambda: setattr(callback, "_ml_flow", original))
-        return RunSession.attach(open_store(uri), run_id, code_folder=folder, tags=tags)
+        session = RunSession.attach(open_store(uri), run_id, code_folder=folder, tags=tags)
+        print(f"replaybisect: recording into the Trainer's MLflow run {run_id} at {session.store.uri}", file=sys.stderr)
+        one_line_failures()
+        return session
 
     def _watch(self, trainer: Trainer, model, torch_optimizer) -> None:
         """The step's moments at the Trainer's own calls: the model's training calls (each accumulated batch), the
@@ -347,9 +354,20 @@ class ReplayCallback(TrainerCallback):
         return self._session is not None and not self._session.ended
 
     def on_train_end(self, args, state, control, **kwargs):
+        self.close()
+
+    def close(self) -> None:
+        """Every pending write done, the run FINISHED (or FAILED after a non-finite step)."""
         if self._open:
             self._unwatch()
             self._session.finish()
+
+    def _fail(self, error: BaseException) -> None:
+        """An exception ended train() (Ctrl-C: KILLED, else FAILED); what was recorded stays."""
+        if self._open:
+            self._unwatch()
+            self._session.fail(error)
+            _end_fluent_run(self.run_id, "KILLED" if isinstance(error, KeyboardInterrupt) else "FAILED")
 
     def _unwatch(self) -> None:
         while self._undo:
@@ -417,7 +435,7 @@ class ReplayCallback(TrainerCallback):
                 return int(divides)
             self._fail_now(ConfigError("the Trainer changed the model's loss before its backward in a way ReplayCallback "
                                        "cannot repeat (not the model's loss, nor it divided by gradient_accumulation_steps)"))
-        scaled = trainer.loss_is_scaled_for_ga
+        scaled = getattr(trainer, "loss_is_scaled_for_ga", None)
         if scaled is None:
             scaled = bool(trainer.model_accepts_loss_kwargs and inputs.get("num_items_in_batch") is not None)
         return 1 if scaled else int(divides)
@@ -457,19 +475,12 @@ class ReplayCallback(TrainerCallback):
         raise nonfinite_step(outcome, self.run_id)
 
     def _fail_now(self, error: BaseException) -> None:
-        self._unwatch()
-        self._session.fail(error)
-        _end_fluent_run(self.run_id, "FAILED")
+        self._fail(error)
         raise error
-
-    def on_exception(self, *args, **kwargs):  # (not a Trainer event today; kept for the day it is)
-        pass
 
 
 def _end_fluent_run(run_id: Optional[str], status: str) -> None:
     """The MLflowCallback's run, when it is this one, ended now with our status (else MLflow ends it FINISHED at exit)."""
-    import sys
-
     mlflow = sys.modules.get("mlflow")
     if mlflow is None:
         return

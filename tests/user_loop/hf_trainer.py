@@ -1,6 +1,6 @@
 """A tiny GPT-2 trained by transformers' Trainer (built from a small config: nothing downloaded), recorded by the
 lines marked `# replaybisect`. Its plants: too high a learning rate (--lr), and a token whose embedding scale is
-infinite (--plant ROW puts that token in one example: the row's forward makes the NaN)."""
+infinite (a count of 0; --plant ROW puts that token in one example: that row's forward makes the NaN)."""
 
 from __future__ import annotations
 
@@ -17,16 +17,17 @@ RARE = VOCAB - 1  # the token --plant puts in one example
 
 
 class ScaledEmbeddingGPT2(GPT2LMHeadModel):
-    """GPT-2 with per-token embedding scales (an inverse frequency): the rare token's count is 0, its scale inf."""
+    """GPT-2 with per-token embedding scales, an inverse frequency from counts: the rare token's count is 0."""
 
     def __init__(self, config):
         super().__init__(config)
-        scale = torch.ones(config.vocab_size)
-        scale[RARE] = float("inf")
-        self.register_buffer("token_scale", scale)
+        counts = torch.full((config.vocab_size,), 100.0)
+        counts[RARE] = 0.0
+        self.register_buffer("token_counts", counts)
 
     def forward(self, input_ids=None, labels=None, **kwargs):
-        embeds = self.transformer.wte(input_ids) * self.token_scale[input_ids].unsqueeze(-1)
+        scale = self.token_counts.mean() / self.token_counts[input_ids]
+        embeds = self.transformer.wte(input_ids) * scale.unsqueeze(-1)
         return super().forward(inputs_embeds=embeds, labels=labels, **kwargs)
 
 
@@ -43,6 +44,13 @@ class Tokens(torch.utils.data.Dataset):
         return {"input_ids": self.ids[index], "labels": self.ids[index].clone()}
 
 
+class OwnStepTrainer(Trainer):
+    """A training_step of its own: a replay, which repeats the Trainer's, cannot see it (refused at train())."""
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        return super().training_step(model, inputs, num_items_in_batch)
+
+
 def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--lr", type=float, default=1e-3)
@@ -53,6 +61,7 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--precision", choices=["fp32", "bf16"], default="bf16")
     parser.add_argument("--report-to", default="none")
     parser.add_argument("--out", default="trainer_out")
+    parser.add_argument("--own-training-step", action="store_true", help="a Trainer subclass with its own training_step")
     args = parser.parse_args(argv)
     config = GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=VOCAB, n_positions=LENGTH, bos_token_id=0, eos_token_id=0)
     model = ScaledEmbeddingGPT2(config) if args.plant is not None else GPT2LMHeadModel(config)
@@ -62,7 +71,8 @@ def main(argv: list[str]) -> None:
         bf16=args.precision == "bf16", use_cpu=True, seed=0, logging_steps=1, save_strategy="no",
         report_to=[args.report_to] if args.report_to != "none" else [], disable_tqdm=True,
     )
-    trainer = Trainer(model=model, args=training, train_dataset=Tokens(256, args.plant),
+    trainer_class = OwnStepTrainer if args.own_training_step else Trainer
+    trainer = trainer_class(model=model, args=training, train_dataset=Tokens(256, args.plant),
                       callbacks=[ReplayCallback(snapshot_every=5)])  # replaybisect
     trainer.train()
 

@@ -1,0 +1,93 @@
+"""Hugging Face Trainer runs recorded with `replaybisect.hf.ReplayCallback` (the real transformers and accelerate; a
+tiny GPT-2 built from a small config, nothing downloaded): bf16, gradient accumulation 2 and max_grad_norm replay
+bit for bit without a Trainer, a diverging lr is a divergence fixed by `ablate lr`, a planted inf in one example's
+embedding path is found at its op, and with the Trainer's own MLflowCallback both live in one run."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import Workspace, as_printed, in_folder
+
+SCRIPT = Path(__file__).resolve().parent / "user_loop" / "hf_trainer.py"
+
+
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory) -> Workspace:
+    workspace = Workspace(tmp_path_factory.mktemp("hf"))
+    shutil.copy(SCRIPT, workspace.path)
+    return workspace
+
+
+def _trainer(workspace: Workspace, *args: str, expect_failure: bool = True, **env: str) -> tuple[str, subprocess.CompletedProcess]:
+    done = subprocess.run([sys.executable, SCRIPT.name, *args], cwd=workspace.path, env=workspace.env(**env),
+                          capture_output=True, text=True, timeout=300)
+    assert (done.returncode != 0) == expect_failure, f"exit {done.returncode}\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}"
+    found = re.search(r"recording (?:into the Trainer's MLflow )?run ([0-9a-f]{32})", done.stderr)
+    return (found.group(1) if found else ""), done
+
+
+def _answer(workspace: Workspace, verb: str, run_id: str, **options) -> dict:
+    import replaybisect as rb
+
+    with in_folder(workspace.path):
+        return as_printed(getattr(rb, verb)(run_id, tracking_uri=workspace.tracking_uri, publish=False, **options))
+
+
+def test_a_trainer_lr_explosion_replays_exact_and_ablate_fixes_it_by_lr(shared):
+    run_id, done = _trainer(shared, "--steps", "60", "--lr", "3", "--optim", "sgd", "--clip", "0")
+    assert "replaybisect.NonFiniteStep: loss is nan at step" in done.stderr and "Traceback" not in done.stderr
+    store = shared.store()
+    assert store.get_run(run_id).info.status == "FAILED" and store.tags(run_id)["trainer"] == "transformers"
+    report = _answer(shared, "find_nan", run_id)
+    assert report["reproduced"] == "exact" and report["state_match"].startswith("bit-identical")
+    assert report["category"] == "divergence" and report["precision"] == "bf16"
+    answer = _answer(shared, "ablate", run_id, arms=["lr"], workers=1)
+    assert answer["baseline"]["verdict"] == "fails-again"
+    assert {arm["name"]: arm["verdict"] for arm in answer["arms"]}["lr"] == "fixes"
+
+
+def test_an_inf_in_one_examples_embedding_path_is_found_at_its_op_with_the_clip_and_accumulation(shared):
+    """max_grad_norm=1.0, accumulation 2 and bf16 on the steps before the failure: the replay is exact."""
+    run_id, done = _trainer(shared, "--steps", "40", "--plant", "37")
+    report = _answer(shared, "find_nan", run_id)
+    assert report["reproduced"] == "exact" and report["category"] == "forward"
+    assert report["op"] == "Tensor.div" and "hf_trainer.py:" in report["source"]
+    assert "self.token_counts.mean() / self.token_counts[input_ids]" in report["source"]
+
+
+def test_with_the_trainers_mlflow_callback_one_run_holds_both_records(shared):
+    uri = f"sqlite:///{shared.path / 'hf_mlflow.db'}"
+    run_id, done = _trainer(shared, "--steps", "60", "--lr", "3", "--optim", "sgd", "--clip", "0", "--report-to", "mlflow",
+                            MLFLOW_TRACKING_URI=uri)
+    assert "recording into the Trainer's MLflow run" in done.stderr
+    import mlflow
+
+    client = mlflow.MlflowClient(uri)
+    runs = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    assert [run.info.run_id for run in runs] == [run_id] and runs[0].info.status == "FAILED"
+    metrics = set(runs[0].data.metrics)
+    assert {"loss", "grad_norm", "trainer/loss", "trainer/grad_norm", "trainer/learning_rate"} <= metrics
+    assert "learning_rate" in runs[0].data.params  # the Trainer's params kept beside ours
+    losses = [metric.step for metric in client.get_metric_history(run_id, "loss")]
+    assert losses == sorted(set(losses)) and losses[0] == 0  # one exact loss per step, ours
+    import replaybisect as rb
+
+    with in_folder(shared.path):
+        report = as_printed(rb.find_nan(run_id, tracking_uri=uri, publish=False))
+    assert report["reproduced"] == "exact" and report["category"] == "divergence"
+
+
+def test_a_trainer_with_its_own_training_step_is_refused_before_anything_is_recorded(shared):
+    runs_before = len(shared.store().search_runs())
+    _, done = _trainer(shared, "--steps", "4", "--own-training-step")
+    assert done.stderr.strip().splitlines()[-1].startswith("replaybisect")
+    assert "OwnStepTrainer overrides Trainer.training_step, which a replay does not run" in done.stderr
+    assert "Traceback" not in done.stderr
+    assert len(shared.store().search_runs()) == runs_before
