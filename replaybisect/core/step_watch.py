@@ -70,6 +70,7 @@ class StepWatch:
         self.stopped = False  # an inline run's replay halted the step; its script's iteration runs on, idle
         self.on_loss: Optional[Callable[[], None]] = None  # set: called as each loss is about to be backpropagated
         self.running_loss: Optional[torch.Tensor] = None  # the sum of the losses backpropagated so far
+        self.saw_gradients = False  # gradients() ran for this step
         self._forward = None
         scaler = state.scaler
         self._scale_before = scaler.get_scale() if guard.scaler_enabled(scaler) else None
@@ -99,7 +100,11 @@ class StepWatch:
             self._fault("loss")
 
     def gradients(self) -> None:
-        """The gradients are complete and unscaled; the optimizer is about to step."""
+        """The gradients are complete and unscaled, and not yet clipped: the loop's clip or its update is next.
+        Once per step (a step that clips reaches it at the clip, and not again at the update)."""
+        if self.saw_gradients:
+            return
+        self.saw_gradients = True
         self.close_forward()
         params = self.state.params
         grads = guard.gradients(params)

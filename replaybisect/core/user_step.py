@@ -431,8 +431,9 @@ def _kept_from_the_script(watch: StepWatch):
 
 @contextlib.contextmanager
 def watching(watch: StepWatch):
-    """The step watch's moments where the user's step reaches them: every `.backward()` (the loss), a global
-    optimizer pre-step hook (the gradients, unscaled by a GradScaler by then) and post-step hook (the update).
+    """The step watch's moments where the user's step reaches them: every `.backward()` (the loss), the step's own
+    `torch.nn.utils.clip_grad_norm_` or else a global optimizer pre-step hook (the gradients before any clip,
+    unscaled by a GradScaler by then), and a global post-step hook (the update).
     Global hooks run before the optimizer's own pre-hooks (an arm's lr scaling) and after its post-hooks, so a
     halt never leaves an arm's scaled lr behind."""
     from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
@@ -467,18 +468,28 @@ def watching(watch: StepWatch):
         if stepping is optimizer and not manual:
             watch.gradients()
 
+    def clip_grad_norm_(parameters, *args, **kwargs):  # the step's own clip (accelerate's and Lightning's call it too)
+        if not manual and not watch.stopped:
+            parameters = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+            with _kept_from_the_script(watch):
+                watch.gradients()  # the gradients before the clip: their norm, the non-finite rule, an arm's clip first
+        return original_clip(parameters, *args, **kwargs)
+
     def after_update(stepping, args, kwargs) -> None:
         if stepping is optimizer:
             watch.updated()
 
+    original_clip = torch.nn.utils.clip_grad_norm_
     handles = [register_optimizer_step_pre_hook(before_update), register_optimizer_step_post_hook(after_update)]
     torch.Tensor.backward = backward
+    torch.nn.utils.clip_grad_norm_ = clip_grad_norm_
     try:
         watch.open_forward()
         yield
     finally:
         watch.close_forward()
         torch.Tensor.backward = original_backward
+        torch.nn.utils.clip_grad_norm_ = original_clip
         for handle in handles:
             handle.remove()
 

@@ -90,8 +90,8 @@ def _model_config(stored) -> dict:
 
 def hf_step(model, optimizer, scheduler, scaler, batch, config):
     """One optimizer step of the Trainer: each accumulated batch through the model under the precision's autocast,
-    its loss divided as the Trainer divided it, backward; then the clip at max_grad_norm (in the optimizer's pre-step
-    hook, so the recorder sees the gradients before it), the update, and the scheduler unless fp16 skipped the update.
+    its loss divided as the Trainer divided it, backward; then the clip at max_grad_norm, the update, and the
+    scheduler unless fp16 skipped the update.
     Returns the sum of the backpropagated losses, which is what the Trainer adds up for its logged loss."""
     from replaybisect.core.rng import restore_stored
 
@@ -111,26 +111,19 @@ def hf_step(model, optimizer, scheduler, scaler, batch, config):
         total = loss.detach() if total is None else total + loss.detach()
     if scaler is not None:
         scaler.unscale_(optimizer)
-    clip = optimizer.register_step_pre_hook(lambda *_: _clip(optimizer, settings.max_grad_norm))
-    try:
-        if scaler is not None:
-            scale = scaler.get_scale()
-            scaler.step(optimizer)
-            scaler.update()
-            skipped = scaler.get_scale() < scale
-        else:
-            optimizer.step()
-            skipped = False
-    finally:
-        clip.remove()
+    if settings.max_grad_norm > 0:  # (the recorder sees the gradients as this clip starts, as it did in the Trainer)
+        torch.nn.utils.clip_grad_norm_([p for group in optimizer.param_groups for p in group["params"]], settings.max_grad_norm)
+    skipped = False
+    if scaler is not None:
+        scale = scaler.get_scale()
+        scaler.step(optimizer)
+        scaler.update()
+        skipped = scaler.get_scale() < scale
+    else:
+        optimizer.step()
     if scheduler is not None and not skipped:
         scheduler.step()
     return total
-
-
-def _clip(optimizer, max_grad_norm: float) -> None:
-    if max_grad_norm and max_grad_norm > 0:
-        torch.nn.utils.clip_grad_norm_([p for group in optimizer.param_groups for p in group["params"]], max_grad_norm)
 
 
 # ---- recording: what the Trainer runs, as the config a replay needs ---------------------------------------
@@ -336,9 +329,8 @@ class ReplayCallback(TrainerCallback):
             return result
 
         def watched_clip(parameters, max_norm, *args, **kwargs):
-            if self._step is not None and not self._step.saw_gradients:
-                self._step.saw_gradients = True
-                self._step.watch.gradients()
+            if self._step is not None:
+                self._step.watch.gradients()  # once per step: before the Trainer's clip (or its norm at max_norm inf)
             return clip(parameters, max_norm, *args, **kwargs)
 
         accelerator.backward, accelerator.clip_grad_norm_ = watched_backward, watched_clip
@@ -502,7 +494,6 @@ class _StepInProgress:
     positions: list = field(default_factory=list)
     rng: Optional[dict] = None
     forward_loss: Optional[torch.Tensor] = None
-    saw_gradients: bool = False
 
     def record(self) -> dict:
         from replaybisect.core import user_step

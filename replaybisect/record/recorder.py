@@ -98,6 +98,15 @@ def _check_import_is_quiet(script: Path) -> None:
                               "for build and step_fn: put the training under `if __name__ == \"__main__\":`")
 
 
+def unwrapped(value: Any, attribute: str) -> Any:
+    """accelerate's prepared optimizer or scheduler: the torch object it wraps (what steps, and what a snapshot
+    holds). `accelerator.prepare` leaves the model itself a torch module."""
+    inner = getattr(value, attribute, None)
+    if value is not None and type(value).__module__.startswith("accelerate.") and inner is not None:
+        return inner
+    return value
+
+
 def plain_config(config: Any) -> dict:
     """The user's config as plain data (a DictConfig, dict, dataclass or argparse Namespace)."""
     from omegaconf import DictConfig, OmegaConf
@@ -185,6 +194,7 @@ class Recorder:
         if inline and build is not None:
             raise ConfigError("without step_fn the Recorder watches your loop's model and optimizer as they run: pass no "
                               "build= (a replay runs your script again); pass step_fn= with build=")
+        optimizer, scheduler = unwrapped(optimizer, "optimizer"), unwrapped(scheduler, "scheduler")
         parts = user_step.unpack_parts({"model": model, "optimizer": optimizer, "scheduler": scheduler, "scaler": scaler}, "Recorder")
         if not inline:
             user_step.step_arguments(step_fn)

@@ -283,10 +283,10 @@ def clip_gradients(cfg, ctx: ArmContext, threshold: Optional[float]) -> Change:
         return Change(cfg, {}, f"train.clip_grad_norm is already {_fmt(old)}",
                       not_applicable=f"the run already clips at {_fmt(old)} <= {_fmt(threshold)}")
     edited = _edit(cfg, **{"train.clip_grad_norm": threshold})
-    if cfg.train.loop == "user" and old is None:  # the user's step may clip too: ours comes after theirs, at optimizer.step()
+    if cfg.train.loop == "user" and old is None:  # the user's step may clip too: ours comes first, where it clips
         return Change(cfg=edited, params={"train.clip_grad_norm": threshold},
-                      summary=f"clip the gradient norm at {_fmt(threshold)} before each update (after any clipping in your "
-                              "step; an update by hand: as its backward returns, before your own clipping)")
+                      summary=f"clip the gradient norm at {_fmt(threshold)} before each update (before your step's own "
+                              "clip_grad_norm_, if it has one; an update by hand: as its backward returns)")
     return Change(cfg=edited, params={"train.clip_grad_norm": threshold},
                   summary=f"train.clip_grad_norm {_fmt(old) if old is not None else 'off'} -> {_fmt(threshold)}")
 
