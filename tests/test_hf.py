@@ -16,17 +16,20 @@ import pytest
 from conftest import Workspace, as_printed, in_folder
 
 SCRIPT = Path(__file__).resolve().parent / "user_loop" / "hf_trainer.py"
+ACCELERATE_SCRIPT = SCRIPT.with_name("accelerate_loop.py")  # the same model in a loop written with accelerate
 
 
 @pytest.fixture(scope="module")
 def shared(tmp_path_factory) -> Workspace:
     workspace = Workspace(tmp_path_factory.mktemp("hf"))
     shutil.copy(SCRIPT, workspace.path)
+    shutil.copy(ACCELERATE_SCRIPT, workspace.path)
     return workspace
 
 
-def _trainer(workspace: Workspace, *args: str, expect_failure: bool = True, **env: str) -> tuple[str, subprocess.CompletedProcess]:
-    done = subprocess.run([sys.executable, SCRIPT.name, *args], cwd=workspace.path, env=workspace.env(**env),
+def _trainer(workspace: Workspace, *args: str, expect_failure: bool = True, script: Path = SCRIPT,
+             **env: str) -> tuple[str, subprocess.CompletedProcess]:
+    done = subprocess.run([sys.executable, script.name, *args], cwd=workspace.path, env=workspace.env(**env),
                           capture_output=True, text=True, timeout=300)
     assert (done.returncode != 0) == expect_failure, f"exit {done.returncode}\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}"
     found = re.search(r"recording (?:into the Trainer's MLflow )?run ([0-9a-f]{32})", done.stderr)
@@ -91,3 +94,15 @@ def test_a_trainer_with_its_own_training_step_is_refused_before_anything_is_reco
     assert "OwnStepTrainer overrides Trainer.training_step, which a replay does not run" in done.stderr
     assert "Traceback" not in done.stderr
     assert len(shared.store().search_runs()) == runs_before
+
+
+def test_an_accelerate_loop_recorded_in_three_lines_replays_exact_and_its_planted_inf_is_found(shared):
+    """accelerate's prepare, accumulate (2), backward and clip_grad_norm_ under bf16: a replay runs the script again."""
+    run_id, done = _trainer(shared, "--steps", "40", "--plant", "37", script=ACCELERATE_SCRIPT)
+    assert "replaybisect.NonFiniteStep: loss is nan at step 14" in done.stderr
+    assert "step 13 loss" in done.stdout and "step 14 loss" not in done.stdout
+    grad_norms = [value for _, value in shared.store().metric_history(run_id, "grad_norm")]
+    assert len(set(grad_norms)) > 1 and max(grad_norms) > 1.0  # before accelerate's clip at 1.0, not after it
+    report = _answer(shared, "find_nan", run_id)
+    assert report["reproduced"] == "exact" and report["category"] == "forward" and report["op"] == "Tensor.div"
+    assert "accelerate_loop.py:" in report["source"]
