@@ -191,6 +191,12 @@ def test_the_next_command_is_the_proven_fix_as_a_replay_train_override():
     lightning = {"replaybisect.loop": "user", "replaybisect.trainer": "lightning"}
     assert conclude("nonfinite", "R", clipped, "train lit", lightning, ["nan", "ablate"]).next_command == \
         "pass gradient_clip_val=1 to your Trainer (the ablation's clip=1 arm trains past the failure)"
+    transformers = {"replaybisect.loop": "user", "replaybisect.trainer": "transformers"}
+    assert conclude("nonfinite", "R", clipped, "train gpt2", transformers, ["nan", "ablate"]).next_command == \
+        "set max_grad_norm=1 in your TrainingArguments (the ablation's clip=1 arm trains past the failure)"
+    scaled = _lines(("nan", NAN_FORWARD), ("ablate", _ablation(_arm("lr", "scale the learning rate by 0.1", "fixes", label="lr=x0.1"))))
+    assert conclude("nonfinite", "R", scaled, "train gpt2", transformers, ["nan", "ablate"]).next_command == \
+        "multiply learning_rate in your TrainingArguments by 0.1 (the ablation's lr=x0.1 arm trains past the failure)"
 
 
 NAN_DIVERGENCE = {  # replay nan --json on examples/ablate_lr_explosion (its newer shape: a headline, category divergence)

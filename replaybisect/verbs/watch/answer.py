@@ -235,6 +235,13 @@ def _apply_fix(lines: dict[str, str], run_name: str, run_tags: dict[str, str], r
         if name == "clip" and value:  # what Lightning's Trainer takes for it
             return f"pass gradient_clip_val={value} to your Trainer {proof}"
         return f"in your LightningModule: {change} {proof}"
+    if run_tags.get(TAG + "trainer") == "transformers":
+        name, _, value = arm.partition("=")
+        if name == "clip" and value:  # what the Trainer's arguments take for it
+            return f"set max_grad_norm={value} in your TrainingArguments {proof}"
+        if name == "lr" and value.startswith("x"):
+            return f"multiply learning_rate in your TrainingArguments by {value[1:]} {proof}"
+        return f"in your Trainer's setup: {change} {proof}"
     return f"in your training code: {change} {proof}"
 
 
