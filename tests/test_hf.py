@@ -54,6 +54,14 @@ def test_a_trainer_lr_explosion_replays_exact_and_ablate_fixes_it_by_lr(shared):
     answer = _answer(shared, "ablate", run_id, arms=["lr"], workers=1)
     assert answer["baseline"]["verdict"] == "fails-again"
     assert {arm["name"]: arm["verdict"] for arm in answer["arms"]}["lr"] == "fixes"
+    findings = _answer(shared, "diagnose", run_id)["findings"]
+    assert findings[0]["pattern"] == "nan-after-k" and "divergence" in findings[0]["summary"]
+    import replaybisect as rb
+
+    with in_folder(shared.path):
+        checked = as_printed(rb.check(run_id=run_id, tracking_uri=shared.tracking_uri, only=["grad"], publish=False))
+    statuses = {item["name"]: item["status"] for item in checked["checks"]}
+    assert statuses["grad.missing"] == "pass"  # the Trainer run's state rebuilt: every parameter gets a gradient
 
 
 def test_an_inf_in_one_examples_embedding_path_is_found_at_its_op_with_the_clip_and_accumulation(shared):
