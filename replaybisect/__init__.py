@@ -180,18 +180,18 @@ def ablate(
     return result
 
 
-SUBMITIT_OPTIONS = ("cluster", "partition", "time_min", "gpus", "cpus", "mem_gb", "executor_folder")
-
-
 def _submitit_options(options: Optional[dict]) -> dict:
+    """The Python API's `submitit={...}` as a request's fields, checked (core/jobs.py names them once)."""
+    from replaybisect.core.jobs import SETTINGS
+
     if options is None:
         return {}
     if not isinstance(options, dict) or not all(isinstance(key, str) for key in options):
         raise ReplayError(f"submitit={options!r:.60} is not a dict of submitit options; pass e.g. {{'partition': 'gpu'}}")
-    unknown = sorted(set(options) - set(SUBMITIT_OPTIONS))
+    unknown = sorted(set(options) - set(SETTINGS))
     if unknown:
-        raise ReplayError(f"submitit option {unknown[0][:80]!r} is unknown; use {', '.join(SUBMITIT_OPTIONS)}")
-    return dict(options)
+        raise ReplayError(f"submitit option {unknown[0][:80]!r} is unknown; use {', '.join(SETTINGS)}")
+    return dict(options)  # its values checked by the request, as the command's are
 
 
 def bisect(

@@ -16,6 +16,18 @@ from replaybisect.core.jsonutil import json_default
 
 TrackingUri = typer.Option(None, "--tracking-uri", help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI, else the nearest mlflow.db in this folder or above, else ./mlflow.db).")
 JsonFlag = typer.Option(False, "--json", help="Print one JSON object on stdout (progress and logs go to stderr).")
+
+# where a verb's work runs (ablate's arms, bisect's trials, watch's triage steps): replaybisect/core/jobs.py
+Executor = typer.Option("local", "--executor", help="local (processes here) | submitit (jobs: SLURM when sbatch exists, else submitit's local executor).")
+Cluster = typer.Option(None, "--cluster", help="submitit cluster: slurm | local | debug (default: slurm when sbatch exists, else local).")
+Partition = typer.Option(None, "--partition", help="SLURM partition (submitit).")
+TimeMin = typer.Option(60, "--time", min=1, help="Job time limit in minutes (submitit).")
+Gpus = typer.Option(0, "--gpus", min=0, help="GPUs per job (submitit).")
+Cpus = typer.Option(None, "--cpus", min=1, help="CPUs per job (submitit).")
+MemGb = typer.Option(None, "--mem-gb", min=0.001, help="Memory per job in GB (submitit).")
+Account = typer.Option(None, "--account", help="SLURM account to charge (submitit).")
+Slurm = typer.Option(None, "--slurm", help="Another SLURM parameter as KEY=VALUE, by submitit's name (qos=high, constraint=a100); repeat it.")
+ExecutorFolder = typer.Option(".replaybisect/submitit", "--executor-folder", help="submitit's job folder (a shared file system on SLURM).")
 # The trust boundary (replaybisect/trust.py): where a stored run's `_target_`s may come from.
 CodeDirs = typer.Option(None, "--code-dir", help="A folder of your own code the run's `_target_`s may import from (repeatable; the working folder always counts).")
 TrustPrefixes = typer.Option(None, "--trust", help="Trust `_target_`s under this module prefix, e.g. mypkg (repeatable; also $REPLAYBISECT_TRUST=a,b).")

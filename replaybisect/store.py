@@ -14,7 +14,7 @@ import urllib.request
 from contextlib import contextmanager, nullcontext, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Optional
 from urllib.parse import urlparse
 
 from replaybisect.errors import RunNotFound, StoreUnreachable
@@ -785,3 +785,27 @@ def search_runs_without_tag(store: Store, experiment_ids: list[str], filter_stri
         if "IS NULL" not in str(error):
             raise
     return [run for run in search_all_runs(store, experiment_ids, filter_string) if tag not in run.data.tags]
+
+
+# ---- the MLflow run another logger opened in this process (a transformers Trainer's MLflowCallback) -------------
+def active_fluent_run() -> Optional[tuple[str, str]]:
+    """(run id, tracking URI) of the run MLflow's fluent API has active in this process, if any."""
+    import mlflow
+
+    run = mlflow.active_run()
+    return (run.info.run_id, mlflow.get_tracking_uri()) if run is not None else None
+
+
+def end_fluent_run(run_id: Optional[str], status: str) -> None:
+    """That run ended now with `status`, when it is `run_id` (else MLflow would end it FINISHED at exit)."""
+    import sys
+
+    mlflow = sys.modules.get("mlflow")
+    if mlflow is None or run_id is None:
+        return
+    try:
+        active = mlflow.active_run()
+        if active is not None and active.info.run_id == run_id:
+            mlflow.end_run(status)
+    except Exception:  # noqa: BLE001 - the run's own end is already recorded through the store
+        return

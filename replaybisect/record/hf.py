@@ -212,10 +212,10 @@ def _mlflow_run(trainer: Trainer) -> Optional[tuple[str, str, Any]]:
     callback = next((cb for cb in trainer.callback_handler.callbacks if type(cb).__name__ == "MLflowCallback"), None)
     if callback is None or not getattr(callback, "_initialized", False):
         return None
-    import mlflow
+    from replaybisect.store import active_fluent_run
 
-    run = mlflow.active_run()
-    return (run.info.run_id, mlflow.get_tracking_uri(), callback) if run is not None else None
+    active = active_fluent_run()
+    return (*active, callback) if active is not None else None
 
 
 class _PrefixedMetrics:
@@ -472,14 +472,9 @@ class ReplayCallback(TrainerCallback):
 
 
 def _end_fluent_run(run_id: Optional[str], status: str) -> None:
-    """The MLflowCallback's run, when it is this one, ended now with our status (else MLflow ends it FINISHED at exit)."""
-    mlflow = sys.modules.get("mlflow")
-    if mlflow is None:
-        return
-    with contextlib.suppress(Exception):
-        active = mlflow.active_run()
-        if active is not None and active.info.run_id == run_id:
-            mlflow.end_run(status)
+    from replaybisect.store import end_fluent_run
+
+    end_fluent_run(run_id, status)
 
 
 @dataclass

@@ -6,8 +6,9 @@ from typing import Optional
 
 import typer
 
-from replaybisect.options import CodeDirs, JsonFlag, TrackingUri, TrustPrefixes, print_json
-from replaybisect.verbs.ablate.request import CPUS, DEFAULT_HORIZON, GPUS, HORIZON, MEM_GB, TIME_MIN, WORKERS, AblateRequest
+from replaybisect.options import (Account, Cluster, CodeDirs, Cpus, Executor, ExecutorFolder, Gpus, JsonFlag, MemGb, Partition, Slurm,
+                                  TimeMin, TrackingUri, TrustPrefixes, print_json)
+from replaybisect.verbs.ablate.request import DEFAULT_HORIZON, HORIZON, WORKERS, AblateRequest
 
 
 def ablate_command(
@@ -16,14 +17,16 @@ def ablate_command(
     from_step: Optional[int] = typer.Option(None, "--from-step", help="Apply the changes from this step (default: the snapshot before the failure)."),
     horizon: int = typer.Option(DEFAULT_HORIZON, "--horizon", **HORIZON.limits, help="Replay this many steps past the failing step."),
     workers: Optional[int] = typer.Option(None, "--workers", **WORKERS.limits, help="Arms run in parallel: local processes, or SLURM array parallelism with submitit (default: auto: one per arm up to the cores, in-process when the replays are short)."),
-    executor: str = typer.Option("local", "--executor", help="local (processes here) | submitit (SLURM; local when no sbatch)."),
-    cluster: Optional[str] = typer.Option(None, "--cluster", help="submitit cluster: slurm | local | debug (default: slurm when sbatch exists, else local)."),
-    partition: Optional[str] = typer.Option(None, "--partition", help="SLURM partition (submitit)."),
-    time_min: int = typer.Option(60, "--time", **TIME_MIN.limits, help="Job time limit in minutes (submitit)."),
-    gpus: int = typer.Option(0, "--gpus", **GPUS.limits, help="GPUs per job (submitit)."),
-    cpus: Optional[int] = typer.Option(None, "--cpus", **CPUS.limits, help="CPUs per job (submitit)."),
-    mem_gb: Optional[float] = typer.Option(None, "--mem-gb", **MEM_GB.limits, help="Memory per job in GB (submitit)."),
-    executor_folder: str = typer.Option(".replaybisect/submitit", "--executor-folder", help="submitit's job folder (shared file system on SLURM)."),
+    executor: str = Executor,
+    cluster: Optional[str] = Cluster,
+    partition: Optional[str] = Partition,
+    time_min: int = TimeMin,
+    gpus: int = Gpus,
+    cpus: Optional[int] = Cpus,
+    mem_gb: Optional[float] = MemGb,
+    account: Optional[str] = Account,
+    slurm: Optional[list[str]] = Slurm,
+    executor_folder: str = ExecutorFolder,
     sweep: Optional[str] = typer.Option(None, "--sweep", help="lr | clip: find the largest lr factor (clip threshold) that fixes the failure, by bisection; instead of arms."),
     patch: Optional[str] = typer.Option(None, "--patch", help="Your changed module (fix.py) or a folder of them: replay the failure with it in place of the recorded code."),
     list_arms: bool = typer.Option(False, "--list", help="List the interventions and exit."),
@@ -63,7 +66,8 @@ def ablate_command(
     # bad options are bad input before anything heavy is imported or any run is read
     request = AblateRequest(
         run_id=run_id, arms=arms, from_step=from_step, horizon=horizon, workers=workers, executor=executor, cluster=cluster,
-        partition=partition, time_min=time_min, gpus=gpus, cpus=cpus, mem_gb=mem_gb, executor_folder=executor_folder,
+        partition=partition, time_min=time_min, gpus=gpus, cpus=cpus, mem_gb=mem_gb, account=account, slurm=slurm or (),
+        executor_folder=executor_folder,
         sweep=sweep, patch=patch, tracking_uri=tracking_uri, code_dirs=code_dirs or (), trust=trust_prefixes or (),
     )
     from replaybisect.options import run_store

@@ -30,7 +30,8 @@ from replaybisect.core.jsonutil import to_jsonable as _json_float
 from replaybisect.core.trust import Trust
 from replaybisect.verbs.ablate.patch import PATCH_ARM, Patch, patched_config, patched_modules
 # the options and their checks are the request's (light): the engine checks them again for its direct callers
-from replaybisect.verbs.ablate.request import DEFAULT_HORIZON, AblateRequest, SubmititOptions, check_options, parse_arms
+from replaybisect.core.jobs import JobSettings
+from replaybisect.verbs.ablate.request import DEFAULT_HORIZON, AblateRequest, check_options, parse_arms
 
 __all__ = ["ablate", "run_arm", "judge_arm", "judge_baseline", "conclusion_text", "divergence_onset", "parse_arms",
            "AblationResult", "ArmOutcome", "DEFAULT_HORIZON", "BLOWUP_FACTOR"]
@@ -408,23 +409,8 @@ def _run_local(specs: list[dict], workers: int, progress: Optional[ProgressFn], 
     return results
 
 
-def _run_submitit(specs: list[dict], workers: int, options: SubmititOptions, progress: Optional[ProgressFn]) -> dict[str, dict]:
-    import shutil
-
-    import submitit
-
-    cluster = options.cluster or ("slurm" if shutil.which("sbatch") else "local")
-    executor = submitit.AutoExecutor(folder=str(Path(options.folder) / "%j"), cluster=cluster)
-    parameters: dict[str, Any] = {"name": "replay-ablate", "timeout_min": options.timeout_min, "slurm_array_parallelism": workers}
-    if options.gpus_per_node:
-        parameters["gpus_per_node"] = options.gpus_per_node
-    if options.cpus_per_task:
-        parameters["cpus_per_task"] = options.cpus_per_task
-    if options.mem_gb:
-        parameters["mem_gb"] = options.mem_gb
-    if options.partition:
-        parameters["slurm_partition"] = options.partition
-    executor.update_parameters(**parameters)
+def _run_submitit(specs: list[dict], workers: int, options: JobSettings, progress: Optional[ProgressFn]) -> dict[str, dict]:
+    executor = options.executor("replay-ablate", parallelism=workers)
     jobs = executor.map_array(run_arm, specs)
     results: dict[str, dict] = {}
     pending = {job.job_id: (job, spec["arm"]) for job, spec in zip(jobs, specs)}
@@ -758,13 +744,13 @@ def _arm_specs(store, run_id: str, plan: _ArmPlan, trust: Trust) -> list[dict[st
     return specs
 
 
-def _run_arms(specs: list[dict], executor: str, workers: int, submitit_options: Optional[SubmititOptions],
+def _run_arms(specs: list[dict], executor: str, workers: int, submitit_options: Optional[JobSettings],
               progress: Optional[ProgressFn], pool=None) -> dict[str, dict]:
     if executor == "local" and workers == 1:
         return _run_here(specs, progress)
     if executor == "local":
         return _run_local(specs, workers, progress, pool)
-    return _run_submitit(specs, workers, submitit_options or SubmititOptions(), progress)
+    return _run_submitit(specs, workers, submitit_options or JobSettings(), progress)
 
 
 ARM_STEP = "arm step "  # a script's arm reports each replayed step on its progress channel as this, then the step
@@ -849,7 +835,7 @@ def ablate(
     horizon: int = DEFAULT_HORIZON,
     workers: Optional[int] = None,
     executor: str = "local",
-    submitit_options: Optional[SubmititOptions] = None,
+    submitit_options: Optional[JobSettings] = None,
     progress: Optional[Callable[[str, str, int], None]] = None,
     on_plan: Optional[Callable[[list[str], int, int], None]] = None,
     trust: Optional[Trust] = None,
@@ -926,7 +912,7 @@ class _Runner:
     """Runs arms from the plan's snapshot (the baseline with the first batch) and judges them against the baseline."""
 
     def __init__(self, store, run_id: str, plan: _ArmPlan, trust: Trust, executor: str, workers: Optional[int],
-                 submitit_options: Optional[SubmititOptions], progress: Optional[ProgressFn], on_plan):
+                 submitit_options: Optional[JobSettings], progress: Optional[ProgressFn], on_plan):
         self.store, self.run_id, self.plan, self.trust = store, run_id, plan, trust
         self.executor, self.workers, self.submitit_options = executor, workers or 1, submitit_options
         self.progress, self.on_plan = progress, on_plan

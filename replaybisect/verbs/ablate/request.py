@@ -4,7 +4,6 @@ direct callers."""
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Optional, Sequence, Union, get_args
@@ -12,12 +11,12 @@ from typing import Any, Literal, Optional, Sequence, Union, get_args
 from replaybisect import request as checks
 from replaybisect.errors import ReplayError
 from replaybisect.request import MAX_STEPS, MAX_WORKERS, Bound
+from replaybisect.core.jobs import JobSettings, settings_from
 from replaybisect.verbs.ablate import interventions
 from replaybisect.verbs.ablate.interventions import ArmSpec
 
 Executor = Literal["local", "submitit"]  # local processes | SLURM (or submitit's local/debug executors)
 Sweep = Literal["lr", "clip"]  # the interventions whose value --sweep searches
-SUBMITIT_CLUSTERS = ("slurm", "local", "debug")  # what submitit.AutoExecutor runs on (without plugins)
 EXECUTORS: tuple[str, ...] = get_args(Executor)
 SWEEPS: tuple[str, ...] = get_args(Sweep)
 DEFAULT_HORIZON = 200
@@ -48,6 +47,8 @@ class AblateRequest:
     gpus: int = 0
     cpus: Optional[int] = None
     mem_gb: Optional[float] = None
+    account: Optional[str] = None
+    slurm: Union[Sequence[str], dict] = ()  # extra SLURM parameters: "qos=high", ... (or {"qos": "high"})
     executor_folder: Union[str, Path] = ".replaybisect/submitit"
     sweep: Optional[Sweep] = None
     patch: Union[str, Path, None] = None
@@ -72,6 +73,8 @@ class AblateRequest:
             time_min=checks.integer(self.time_min, "time_min", TIME_MIN), gpus=checks.integer(self.gpus, "gpus", GPUS),
             cpus=checks.integer(self.cpus, "cpus", CPUS, optional=True),
             mem_gb=checks.number(self.mem_gb, "mem_gb", MEM_GB, optional=True),
+            account=checks.text(self.account, "account", optional=True),
+            slurm=dict(self.slurm) if isinstance(self.slurm, dict) else checks.strings(self.slurm, "slurm", what="KEY=VALUE SLURM parameters"),
             executor_folder=checks.path(self.executor_folder, "executor_folder"),
             sweep=checks.text(self.sweep, "sweep", optional=True), patch=checks.path(self.patch, "patch", optional=True),
             code_dirs=checks.paths(self.code_dirs, "code_dirs"), trust=checks.strings(self.trust, "trust", what="module prefixes"),
@@ -79,7 +82,8 @@ class AblateRequest:
         )
         check_options(self.arm_list, horizon=self.horizon, workers=self.workers, executor=self.executor,
                       from_step=self.from_step, patch=self.patch, sweep=self.sweep)
-        _check_submitit(self.executor, self.cluster, self.executor_folder)
+        if self.executor == "submitit" or self.cluster is not None:
+            self.submitit_options()  # checked: one line for a setting that cannot work, before any run is read
         checks.setattrs(self, trusted=checks.trust_of(self.code_dirs, self.trust))
 
     @property
@@ -87,23 +91,10 @@ class AblateRequest:
         """The arms as engine.ablate takes them."""
         return list(self.arms) if isinstance(self.arms, tuple) else self.arms
 
-    def submitit_options(self) -> "SubmititOptions":
-        return SubmititOptions(cluster=self.cluster, folder=self.executor_folder, partition=self.partition,
-                               timeout_min=self.time_min, gpus_per_node=self.gpus, cpus_per_task=self.cpus,
-                               mem_gb=self.mem_gb)
-
-
-@dataclass
-class SubmititOptions:
-    """Where and how submitit runs the arms (SLURM, or submitit's local/debug executors)."""
-
-    cluster: Optional[str] = None  # None: SLURM when available, else local
-    folder: str = ".replaybisect/submitit"
-    partition: Optional[str] = None
-    timeout_min: int = 60
-    gpus_per_node: int = 0
-    cpus_per_task: Optional[int] = None
-    mem_gb: Optional[float] = None
+    def submitit_options(self) -> JobSettings:
+        return settings_from({"cluster": self.cluster, "executor_folder": str(self.executor_folder), "partition": self.partition,
+                              "time_min": self.time_min, "gpus": self.gpus, "cpus": self.cpus, "mem_gb": self.mem_gb,
+                              "account": self.account, "slurm": dict(self.slurm) if isinstance(self.slurm, dict) else list(self.slurm)})
 
 
 def parse_arms(arms: Optional[str | list[str]], default_all: bool = True) -> list[ArmSpec]:
@@ -146,30 +137,5 @@ def check_options(arms, *, horizon: int, workers: Optional[int], executor: str, 
     if from_step is not None and from_step < 0:
         raise ReplayError(f"--from-step {from_step} must be a step >= 0")
     return names
-
-
-def _check_submitit(executor: str, cluster: Optional[str], folder: str) -> None:
-    """The submitit options, before any run is read: a cluster submitit knows, a job folder that can be a folder."""
-    if cluster is not None:
-        try:  # submitit's own registry: its executor plugins count too
-            from submitit.core.plugins import get_executors
-
-            known = tuple(get_executors())
-        except Exception:  # noqa: BLE001 - submitit missing or changed: its built-in executors
-            known = SUBMITIT_CLUSTERS
-        if cluster not in known:
-            raise ReplayError(f"--cluster {cluster[:80]!r} is not a submitit cluster; use {', '.join(known)} "
-                              "(or leave it out: slurm when sbatch exists, else local)")
-    if executor != "submitit":
-        return
-    path = Path(folder).expanduser().absolute()
-    existing = next((p for p in (path, *path.parents) if os.path.lexists(p)), None)
-    if existing is None:
-        return
-    if not existing.is_dir():
-        where = "" if existing == path else f": {existing}"
-        raise ReplayError(f"--executor-folder {folder[:200]}{where} is a file, not a folder; pass a folder for submitit's job files")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise ReplayError(f"--executor-folder {folder[:200]}: {existing} is not writable; pass a folder you can write to")
 
 

@@ -1,0 +1,255 @@
+"""Work a verb runs elsewhere: ablate's arms, bisect's trials, watch's triage steps. `local` (the default) runs them as
+processes here; `submitit` runs them as jobs through submitit: on SLURM when `sbatch` is on the PATH (or
+`cluster="slurm"`), else with submitit's local executor, which runs the same jobs as subprocesses here.
+
+The job settings are one frozen dataclass, checked once (a negative GPU count, an unknown SLURM parameter, a job folder
+that is a file: one line, before anything is submitted) and turned into submitit's parameters in one place. A command
+job (`submit_command`) runs an argv in a folder with an environment and hands back its exit status and output, as a
+local process would; it can be followed again by its id from another process (`follow`), which is how a restarted
+watcher picks up the jobs its predecessor submitted.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Optional, Sequence
+
+from replaybisect.errors import ReplayError
+
+EXECUTORS = ("local", "submitit")
+CLUSTERS = ("slurm", "local", "debug")  # what submitit.AutoExecutor runs on without plugins
+DEFAULT_FOLDER = ".replaybisect/submitit"
+# the settings by name, as the Python API's `submitit={...}` takes them
+SETTINGS = ("cluster", "partition", "time_min", "gpus", "cpus", "mem_gb", "account", "slurm", "executor_folder")
+POLL_SECONDS = 0.25
+
+
+@dataclass(frozen=True)
+class JobSettings:
+    """Where and how submitit runs a verb's jobs. `slurm`: extra SLURM parameters (`("qos", "high")`, ...) by
+    submitit's names, with or without the `slurm_` prefix."""
+
+    cluster: Optional[str] = None  # slurm | local | debug; None: slurm when sbatch exists, else local
+    folder: str = DEFAULT_FOLDER  # the jobs' files (a shared file system on SLURM)
+    partition: Optional[str] = None
+    time_min: int = 60
+    gpus: int = 0
+    cpus: Optional[int] = None
+    mem_gb: Optional[float] = None
+    account: Optional[str] = None
+    slurm: tuple[tuple[str, str], ...] = ()
+
+    def checked(self) -> "JobSettings":
+        """These settings, or a one-line ReplayError naming the first that cannot work; nothing is submitted."""
+        if self.cluster is not None and self.cluster not in known_clusters():
+            raise ReplayError(f"--cluster {self.cluster[:80]!r} is not a submitit cluster; use {', '.join(known_clusters())} "
+                              "(or leave it out: slurm when sbatch exists, else local)")
+        for option, value, low in (("--time", self.time_min, 1), ("--gpus", self.gpus, 0), ("--cpus", self.cpus, 1)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < low):
+                raise ReplayError(f"{option} {value!r} must be a whole number >= {low}")
+        if self.mem_gb is not None and not (isinstance(self.mem_gb, (int, float)) and 0 < self.mem_gb < 1e6):
+            raise ReplayError(f"--mem-gb {self.mem_gb!r} must be a positive number of GB")
+        for option, text in (("--partition", self.partition), ("--account", self.account)):
+            if text is not None and (not text.strip() or any(c.isspace() or not c.isprintable() for c in text)):
+                raise ReplayError(f"{option} {text[:80]!r} is not a SLURM name; pass one word")
+        valid = slurm_parameters()
+        for key, _ in self.slurm:
+            if key not in valid:
+                raise ReplayError(f"--slurm {key[:80]!r} is not a SLURM parameter submitit knows; use one of "
+                                  f"{', '.join(sorted(valid)[:12])}, ... (submitit's SlurmExecutor parameters)")
+        _check_folder(self.folder)
+        return self
+
+    @property
+    def resolved_cluster(self) -> str:
+        return self.cluster or ("slurm" if shutil.which("sbatch") else "local")
+
+    def executor(self, name: str, parallelism: Optional[int] = None):
+        """submitit's executor for jobs named `name`, with these settings."""
+        import submitit
+
+        executor = submitit.AutoExecutor(folder=str(Path(self.folder).expanduser() / "%j"), cluster=self.resolved_cluster)
+        parameters: dict[str, Any] = {"name": name, "timeout_min": self.time_min}
+        if parallelism:
+            parameters["slurm_array_parallelism"] = parallelism
+        if self.gpus:
+            parameters["gpus_per_node"] = self.gpus
+        if self.cpus:
+            parameters["cpus_per_task"] = self.cpus
+        if self.mem_gb:
+            parameters["mem_gb"] = self.mem_gb
+        if self.partition:
+            parameters["slurm_partition"] = self.partition
+        if self.account:
+            parameters["slurm_account"] = self.account
+        parameters.update({f"slurm_{key}": _number_or_text(value) for key, value in self.slurm})
+        executor.update_parameters(**parameters)
+        return executor
+
+
+def settings_from(values: dict) -> JobSettings:
+    """JobSettings from the Python API's `submitit={...}` (names as SETTINGS), checked."""
+    if not isinstance(values, dict) or not all(isinstance(key, str) for key in values):
+        raise ReplayError(f"submitit={values!r:.60} is not a dict of submitit options; pass e.g. {{'partition': 'gpu'}}")
+    unknown = sorted(set(values) - set(SETTINGS))
+    if unknown:
+        raise ReplayError(f"submitit option {unknown[0][:80]!r} is unknown; use {', '.join(SETTINGS)}")
+    fields = {("folder" if key == "executor_folder" else key): value for key, value in values.items()}
+    if "slurm" in fields:
+        fields["slurm"] = parse_slurm(fields["slurm"] if not isinstance(fields["slurm"], dict)
+                                      else [f"{k}={v}" for k, v in fields["slurm"].items()])
+    return JobSettings(**fields).checked()
+
+
+def parse_slurm(items: Sequence[str]) -> tuple[tuple[str, str], ...]:
+    """`--slurm qos=high --slurm constraint=a100` -> (("qos", "high"), ("constraint", "a100"))."""
+    parsed = []
+    for item in items:
+        key, sep, value = str(item).partition("=")
+        key = key.strip().removeprefix("slurm_")
+        if not sep or not key:
+            raise ReplayError(f"--slurm {str(item)[:80]!r} is not KEY=VALUE; pass e.g. --slurm qos=high")
+        parsed.append((key, value.strip()))
+    return tuple(parsed)
+
+
+def known_clusters() -> tuple[str, ...]:
+    try:  # submitit's own registry: its executor plugins count too
+        from submitit.core.plugins import get_executors
+
+        return tuple(get_executors())
+    except Exception:  # noqa: BLE001 - submitit missing or changed: its built-in executors
+        return CLUSTERS
+
+
+def slurm_parameters() -> set[str]:
+    import submitit
+
+    return set(submitit.SlurmExecutor._valid_parameters())
+
+
+def _number_or_text(value: str):
+    try:
+        return int(value)
+    except ValueError:
+        return value
+
+
+def _check_folder(folder: str) -> None:
+    path = Path(folder).expanduser().absolute()
+    existing = next((p for p in (path, *path.parents) if os.path.lexists(p)), None)
+    if existing is not None and not existing.is_dir():
+        where = "" if existing == path else f": {existing}"
+        raise ReplayError(f"--executor-folder {folder[:200]}{where} is a file, not a folder; pass a folder for submitit's job files")
+
+
+# ---- a command as a job ---------------------------------------------------------------------------------------
+def run_command(argv: list[str], cwd: str, env: dict[str, str]) -> dict:
+    """The job itself: `argv` run in `cwd` with `env`, its exit status and output handed back."""
+    done = subprocess.run(argv, cwd=cwd, env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True, errors="replace")
+    return {"returncode": done.returncode, "stdout": done.stdout, "stderr": done.stderr}
+
+
+class CommandJob:
+    """A command running as a submitit job, waited on as a local process is: `communicate()` -> (exit status, stdout,
+    stderr). A job that failed outside the command (cancelled, timed out, its node lost) gives exit status -1 and
+    the scheduler's reason as stderr."""
+
+    def __init__(self, job, cluster: str):
+        self.job, self.cluster = job, cluster
+        self.job_id = str(job.job_id)
+
+    @property
+    def reference(self) -> str:
+        """What finds this job again from another process: cluster, folder, id."""
+        return f"{self.cluster}:{self.job.paths.folder}:{self.job_id}"
+
+    def state(self) -> str:
+        """queued | running | done (submitit's states, in three words)."""
+        if self.done():
+            return "done"
+        raw = str(getattr(self.job, "state", "")).upper()
+        return "queued" if raw in ("PENDING", "CONFIGURING", "REQUEUED", "QUEUED", "UNKNOWN") and self.cluster == "slurm" else "running"
+
+    def done(self) -> bool:
+        if self.job.paths.result_pickle.exists():
+            return True
+        if self.cluster != "slurm" and self.job._process is None:  # a local job followed from another process
+            return not _alive(int(self.job_id))
+        return bool(self.job.done())
+
+    def wait(self, timeout: Optional[float] = None, on_poll: Optional[Callable[[], None]] = None) -> bool:
+        """Whether the job ended within `timeout` seconds (None: however long it takes)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self.done():
+            if on_poll is not None:
+                on_poll()
+            if deadline is not None and time.monotonic() >= deadline:
+                return False
+            time.sleep(POLL_SECONDS)
+        return True
+
+    def communicate(self) -> tuple[int, str, str]:
+        self.wait()
+        try:
+            answer = self.job.result()
+        except Exception as error:  # noqa: BLE001 - the job failed outside the command: its reason, one line
+            lines = [line for line in str(error).strip().splitlines() if line.strip()]
+            return -1, "", f"submitit job {self.job_id} failed: {lines[-1] if lines else type(error).__name__}"
+        return int(answer["returncode"]), answer["stdout"], answer["stderr"]
+
+    def cancel(self) -> None:
+        if self.done():
+            return
+        if self.cluster != "slurm" and self.job._process is None:
+            try:
+                os.kill(int(self.job_id), signal.SIGTERM)
+            except (ProcessLookupError, PermissionError, ValueError):
+                pass
+            return
+        try:
+            self.job.cancel(check=False)
+        except Exception:  # noqa: BLE001 - already gone
+            pass
+
+
+def submit_command(settings: JobSettings, name: str, argv: list[str], cwd: str, env: dict[str, str]) -> CommandJob:
+    executor = settings.executor(name)
+    return CommandJob(executor.submit(run_command, argv, cwd, env), settings.resolved_cluster)
+
+
+def follow(reference: str) -> Optional[CommandJob]:
+    """The job `CommandJob.reference` names, from any process; None when the reference does not parse."""
+    cluster, _, rest = reference.partition(":")
+    folder, _, job_id = rest.rpartition(":")
+    if cluster not in CLUSTERS or not folder or not job_id:
+        return None
+    import submitit
+
+    if cluster == "slurm":
+        job = submitit.SlurmJob(folder=folder, job_id=job_id)
+    else:
+        from submitit.local.local import LocalJob
+
+        job = LocalJob(folder=folder, job_id=job_id)
+    return CommandJob(job, cluster)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # a zombie (exited, not yet reaped by its parent) has ended
+        with open(f"/proc/{pid}/stat", encoding="ascii") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except OSError:
+        return True
