@@ -212,15 +212,21 @@ def bisect(
     use_cache: bool = True,
     tracking_uri: Optional[str] = None,
     publish: bool = True,
+    executor: Literal["local", "submitit"] = "local",
+    submitit: Optional[dict] = None,
 ) -> "BisectResult":
     """The first commit on BAD's first-parent history that breaks convergence (as `replay bisect`). Trials run in
-    a private clone: the repository's working tree, index and branches are never touched."""
+    a private clone: the repository's working tree, index and branches are never touched. `executor="submitit"`
+    trains each trial as a job (SLURM, else submitit's local executor); `submitit` holds the job options by name,
+    as for `ablate`."""
+    from replaybisect.core.jobs import settings_from
     from replaybisect.verbs.bisect.request import BisectRequest
 
     request = BisectRequest(good=good, bad=bad, repo=repo, overrides=overrides, config_dir=config_dir,
                             config_name=config_name, steps=steps, metric=metric, threshold=threshold, seeds=seeds,
                             max_seeds=max_seeds, workers=workers, cmd=cmd, tracking_uri=tracking_uri,
-                            use_cache=use_cache, publish=publish)
+                            use_cache=use_cache, publish=publish, executor=executor,
+                            jobs=settings_from(_submitit_options(submitit)) if submitit else None)
     from replaybisect.verbs.bisect.engine import bisect as run_bisect
 
     result = run_bisect(**request.arguments())

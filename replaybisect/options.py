@@ -28,6 +28,14 @@ MemGb = typer.Option(None, "--mem-gb", min=0.001, help="Memory per job in GB (su
 Account = typer.Option(None, "--account", help="SLURM account to charge (submitit).")
 Slurm = typer.Option(None, "--slurm", help="Another SLURM parameter as KEY=VALUE, by submitit's name (qos=high, constraint=a100); repeat it.")
 ExecutorFolder = typer.Option(".replaybisect/submitit", "--executor-folder", help="submitit's job folder (a shared file system on SLURM).")
+
+
+def job_settings(*, cluster, partition, time_min, gpus, cpus, mem_gb, account, slurm, folder):
+    """The job options of a command as core/jobs.py's JobSettings (checked by the request that takes them)."""
+    from replaybisect.core.jobs import JobSettings, parse_slurm
+
+    return JobSettings(cluster=cluster, folder=folder, partition=partition, time_min=time_min, gpus=gpus, cpus=cpus,
+                       mem_gb=mem_gb, account=account, slurm=parse_slurm(slurm or ()))
 # The trust boundary (replaybisect/trust.py): where a stored run's `_target_`s may come from.
 CodeDirs = typer.Option(None, "--code-dir", help="A folder of your own code the run's `_target_`s may import from (repeatable; the working folder always counts).")
 TrustPrefixes = typer.Option(None, "--trust", help="Trust `_target_`s under this module prefix, e.g. mypkg (repeatable; also $REPLAYBISECT_TRUST=a,b).")

@@ -8,6 +8,7 @@ import importlib.util
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -474,3 +475,35 @@ def test_run_from_inside_the_repository_keeps_the_default_store_out_of_it(shared
     assert "inside the repository being bisected" in done.stderr
     assert repo_fingerprint(path) == before
     assert (shared.path / ".cache" / "mlflow.db").is_file()
+
+
+def test_submitit_jobs_find_the_same_commit_in_as_many_trials_and_a_second_bisect_reuses_them(shared):
+    """--executor submitit through submitit's local executor (real subprocess jobs): each trial a job, said with its id."""
+    repo_path = shared.path / "repo40-jobs"
+    shas = _state_history(repo_path, STATES_40)
+    oracle = ("--cmd", _oracle(shared))
+    local = _bisect(shared, repo_path, shas[0], shas[-1], *oracle, "--workers", "2", "--no-cache")
+    assert local.returncode == 0, local.stderr
+    jobs = ("--executor", "submitit", "--cluster", "local", "--executor-folder", str(shared.path / "jobs"))
+    submitted = _bisect(shared, repo_path, shas[0], shas[-1], *oracle, "--workers", "2", "--no-cache", *jobs)
+    assert submitted.returncode == 0, submitted.stderr
+    assert submitted.json()["first_bad"] == local.json()["first_bad"] == shas[27]
+    assert submitted.json()["n_trials"] == local.json()["n_trials"] and submitted.json()["n_runs"] == local.json()["n_runs"]
+    said = re.findall(r"seed 0: job (\d+) (running|done)", submitted.stderr)
+    assert {state for _, state in said} == {"running", "done"}
+    assert len({job for job, _ in said}) == submitted.json()["n_runs"]  # one job per trial
+    again = _bisect(shared, repo_path, shas[0], shas[-1], *oracle, "--workers", "2", *jobs)
+    assert again.returncode == 0 and again.json()["n_runs"] == 0 and again.json()["n_cached"] > 0
+    assert "job" not in again.stderr.replace("jobs", "")
+    assert _worktrees_left(shared) == []
+
+
+@pytest.mark.parametrize("option, said", [(("--gpus", "-1"), "--gpus"), (("--slurm", "qoz=high"), "--slurm 'qoz' is not a SLURM parameter"),
+                                           (("--slurm", "qos"), "is not KEY=VALUE"), (("--cluster", "moon"), "not a submitit cluster")])
+def test_bad_job_settings_are_one_line_and_nothing_is_submitted(shared, small_repo, option, said):
+    repo_path, shas = small_repo
+    folder = shared.path / "jobs-refused"
+    result = _bisect(shared, repo_path, shas[0], shas[-1], "--cmd", _oracle(shared), "--executor", "submitit",
+                     "--executor-folder", str(folder), *option)
+    assert result.returncode == 2 and said in _error_line(result) and "Traceback" not in result.stderr
+    assert not folder.exists()

@@ -7,7 +7,8 @@ from typing import Optional
 
 import typer
 
-from replaybisect.options import HYDRA_CONTEXT, JsonFlag, TrackingUri, print_json
+from replaybisect.options import (HYDRA_CONTEXT, Account, Cluster, Cpus, Executor, ExecutorFolder, Gpus, JsonFlag, MemGb, Partition,
+                                  Slurm, TimeMin, TrackingUri, job_settings, print_json)
 from replaybisect.verbs.bisect.request import MOST_SEEDS, SEEDS, STEPS, WORKERS, BisectRequest
 
 
@@ -26,6 +27,16 @@ def bisect_command(
     workers: int = typer.Option(1, "--workers", "-w", **WORKERS.limits, help="Commits tested in parallel per round."),
     cmd: Optional[str] = typer.Option(None, "--cmd", help="Run this shell command instead of training; exit 0 good, 125 skip, 1-127 bad, >=128 abort."),
     no_cache: bool = typer.Option(False, "--no-cache", help="Do not reuse trial results of earlier bisects."),
+    executor: str = Executor,
+    cluster: Optional[str] = Cluster,
+    partition: Optional[str] = Partition,
+    time_min: int = TimeMin,
+    gpus: int = Gpus,
+    cpus: Optional[int] = Cpus,
+    mem_gb: Optional[float] = MemGb,
+    account: Optional[str] = Account,
+    slurm: Optional[list[str]] = Slurm,
+    executor_folder: str = ExecutorFolder,
     tracking_uri: Optional[str] = TrackingUri,
     as_json: bool = JsonFlag,
 ):
@@ -37,6 +48,7 @@ def bisect_command(
         replay bisect v1.2 main --steps 200 --workers 3 optim.lr=3e-3
         replay bisect --repo /tmp/demo demo-good demo-bad --steps 40 --workers 2
         replay bisect v1.2 main --cmd "pytest -x tests/test_model.py"
+        replay bisect v1.2 main --executor submitit --partition gpu --gpus 1 --workers 8   # trials as SLURM jobs
 
     prints a table of the tried commits and
 
@@ -55,7 +67,9 @@ def bisect_command(
     request = BisectRequest(
         good=good, bad=bad, repo=repo, overrides=list(ctx.args), config_dir=config_dir, config_name=config_name, steps=steps,
         metric=metric, threshold=threshold, seeds=seeds, max_seeds=max_seeds, workers=workers, cmd=cmd,
-        tracking_uri=tracking_uri, use_cache=not no_cache,
+        tracking_uri=tracking_uri, use_cache=not no_cache, executor=executor,
+        jobs=job_settings(cluster=cluster, partition=partition, time_min=time_min, gpus=gpus, cpus=cpus, mem_gb=mem_gb,
+                          account=account, slurm=slurm, folder=executor_folder),
     )
     from replaybisect.verbs.bisect.engine import bisect
     from replaybisect.verbs.bisect.report import publish, render
@@ -137,6 +151,8 @@ class _Progress:
             shas = ", ".join(sha[:10] for sha in data["shas"])
             print_line(f"round {data['number']}: testing {shas}")
             self._status(f"round {data['number']}: {shas}", advance=1 if data["number"] > 1 else 0)
+        elif kind == "job":  # --executor submitit: where each trial runs
+            print_line(f"  {data['trial']}: job {data['job_id']} {data['state']}", markup=False)
         elif kind == "trial":
             trial = data["trial"]
             style = {"good": "green", "bad": "red", "skip": "yellow"}.get(trial.verdict, "")

@@ -57,7 +57,7 @@ from urllib.parse import urlparse
 
 from replaybisect.errors import GitError, ReplayError
 from replaybisect.verbs.bisect.gitops import CommitInfo, PrivateClone, UserRepo, cache_root, clean_git_env
-from replaybisect.verbs.bisect.trial_process import Launcher, signal_group
+from replaybisect.verbs.bisect.trial_process import JobLauncher, Launcher, signal_group
 
 __all__ = ["BisectResult", "Trial", "SeedRun", "bisect", "Search", "Baseline", "judge", "endpoint_baseline", "BisectAborted"]
 
@@ -900,6 +900,8 @@ def bisect(
     cmd: str | None = None,
     tracking_uri: str | None = None,
     use_cache: bool = True,
+    executor: str = "local",
+    jobs=None,
     on_event: Callable[..., None] | None = None,
 ) -> BisectResult:
     """Find the first commit on BAD's first-parent history after GOOD that fails (see the module docstring)."""
@@ -946,7 +948,10 @@ def bisect(
               TrainRunner(config_dir=config_dir, config_name=config_name, overrides=overrides, steps=steps,
                           metric=metric, tracking_uri=store.uri))
 
-    launcher = Launcher()  # its forkserver starts with the first trial run: a fully cached bisect never imports torch
+    if executor == "submitit":  # each trial a job (core/jobs.py); its id said as it is queued, runs and ends
+        launcher = JobLauncher(jobs, lambda job_id, state, trial: emit("job", job_id=job_id, state=state, trial=trial))
+    else:  # its forkserver starts with the first trial run: a fully cached bisect never imports torch
+        launcher = Launcher()
 
     # 3. A private clone in the cache, one worktree per worker; removed on the way out, Ctrl-C included.
     with PrivateClone(user, workers) as clone:
@@ -961,7 +966,7 @@ def bisect(
             "repo": str(user.path), "good": good_sha, "bad": bad_sha, "mode": runner.mode, "workers": workers,
             "seeds": seeds, "max_seeds": max_seeds, "metric": runner.metric, "threshold": threshold,
             "config_dir": config_dir, "config_name": config_name, "overrides": " ".join(overrides), "steps": steps,
-            "cmd": cmd, "history_length": len(history)})
+            "cmd": cmd, "history_length": len(history), "executor": executor})
         bisector = _Bisector(store=store, clone=clone, runner=runner, history=history, subjects=subjects,
                              parent_run_id=parent_run_id, seeds=seeds if runner.mode == "train" else 1,
                              max_seeds=max_seeds if runner.mode == "train" else 1, workers=workers,

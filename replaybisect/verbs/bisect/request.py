@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Sequence, Union
+from typing import Any, Optional, Sequence, Union
 
 from replaybisect import request as checks
 from replaybisect.errors import ReplayError
@@ -42,6 +42,8 @@ class BisectRequest:
     tracking_uri: Optional[str] = None
     use_cache: bool = True
     publish: bool = True
+    executor: str = "local"  # local | submitit: where the trials run (core/jobs.py)
+    jobs: Any = None  # submitit's JobSettings (the Python API's `submitit={...}`, the command's job options)
 
     def __post_init__(self) -> None:
         checks.setattrs(
@@ -56,6 +58,14 @@ class BisectRequest:
             workers=checks.integer(self.workers, "workers", WORKERS), cmd=checks.text(self.cmd, "cmd", optional=True),
             use_cache=checks.flag(self.use_cache, "use_cache"), publish=checks.flag(self.publish, "publish"),
         )
+        from replaybisect.core.jobs import EXECUTORS, JobSettings
+
+        if self.executor not in EXECUTORS:
+            raise ReplayError(f"--executor {str(self.executor)[:80]!r} is not one of {', '.join(EXECUTORS)}")
+        if self.jobs is not None and not isinstance(self.jobs, JobSettings):
+            raise ReplayError(f"jobs={self.jobs!r:.60} is not a JobSettings; pass the options as submitit={{...}}")
+        if self.executor == "submitit":
+            checks.setattrs(self, jobs=(self.jobs or JobSettings()).checked())
         if self.threshold is not None and not math.isfinite(self.threshold):
             raise ReplayError(f"--threshold {self.threshold} must be a finite number (or leave it out: judged from the endpoints)")
 
@@ -64,4 +74,4 @@ class BisectRequest:
         return dict(good=self.good, bad=self.bad, repo=self.repo, config_dir=self.config_dir, config_name=self.config_name,
                     overrides=list(self.overrides), steps=self.steps, metric=self.metric, threshold=self.threshold,
                     seeds=self.seeds, max_seeds=self.max_seeds, workers=self.workers, cmd=self.cmd,
-                    tracking_uri=self.tracking_uri, use_cache=self.use_cache)
+                    tracking_uri=self.tracking_uri, use_cache=self.use_cache, executor=self.executor, jobs=self.jobs)

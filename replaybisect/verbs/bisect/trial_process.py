@@ -116,13 +116,58 @@ class Launcher:
         return PlainProcess(argv, cwd, env)
 
 
+class JobLauncher:
+    """Starts each trial as a submitit job (--executor submitit: SLURM, or submitit's local executor), waited on as a
+    process is; `on_state` hears each job's id as it moves (queued, running, done)."""
+
+    def __init__(self, settings, on_state=None):
+        self.settings, self.on_state = settings, on_state
+
+    def start(self, argv: list[str], cwd: Path, env: dict[str, str]):
+        from replaybisect.core.jobs import submit_command
+
+        trial = f"{env.get('REPLAYBISECT_SHA', '')[:10]} seed {env.get('REPLAYBISECT_SEED', '?')}"
+        on_state = (lambda job_id, state: self.on_state(job_id, state, trial)) if self.on_state is not None else None
+        return TrialJob(submit_command(self.settings, "replay-bisect", argv, str(cwd), env), on_state)
+
+
+class TrialJob:
+    """A trial's job: communicate() waits for it (saying each change of state), stop() cancels it."""
+
+    def __init__(self, job, on_state=None):
+        self.job, self.on_state = job, on_state
+        self._said = None
+
+    def _poll(self) -> None:
+        state = self.job.state()
+        if state != self._said and self.on_state is not None:
+            self.on_state(self.job.job_id, state)
+        self._said = state
+
+    def communicate(self) -> tuple[int, str, str]:
+        self.job.wait(on_poll=self._poll)
+        self._poll()
+        return self.job.communicate()
+
+    def wait(self, timeout: float) -> None:
+        if not self.job.wait(timeout):
+            raise subprocess.TimeoutExpired(f"submitit job {self.job.job_id}", timeout)
+
+    def stop(self, signum: int) -> None:
+        self.job.cancel()
+
+
 def _shadows_preloaded(folder: Path) -> bool:
     """A top-level torch/, mlflow.py, ... in the worktree would not be used by a fork that imported the real one."""
     return any((folder / name).exists() or (folder / f"{name}.py").exists() for name in _SHADOWABLE)
 
 
 def signal_group(process, signum: int) -> None:
-    """Send `signum` to the trial's process group (its session), or to the process if the group is not made yet."""
+    """Send `signum` to the trial's process group (its session), or to the process if the group is not made yet; a
+    trial's job is cancelled."""
+    if isinstance(process, TrialJob):
+        process.stop(signum)
+        return
     try:
         os.killpg(process.pid, signum)
     except (ProcessLookupError, PermissionError):
