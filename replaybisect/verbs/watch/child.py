@@ -1,6 +1,6 @@
 """The triage child's launcher: limits first, then `python -m replaybisect ARGS...` in their place.
 
-    python -m replaybisect.verbs.watch.child MEMORY_MB -- nan --run-id X --json ...
+    python -m replaybisect.verbs.watch.child MEMORY_MB [--scratch] -- nan --run-id X --json ...
 
 The memory limit (RLIMIT_AS, inherited by the verb's own worker processes) makes a run that allocates too much
 fail with MemoryError instead of taking the watcher's machine down; the watcher enforces the time limit. The
@@ -32,14 +32,37 @@ def _die_with_parent() -> None:
 
 
 def main(argv: list[str]) -> None:
-    memory_mb, separator, *verb_args = argv
+    memory_mb, *rest = argv
+    scratch = rest[:1] == ["--scratch"]  # a triage job: its own scratch folder on the node it runs on
+    separator, *verb_args = rest[1:] if scratch else rest
     if separator != "--":
-        raise SystemExit("usage: python -m replaybisect.verbs.watch.child MEMORY_MB -- VERB ARGS...")
+        raise SystemExit("usage: python -m replaybisect.verbs.watch.child MEMORY_MB [--scratch] -- VERB ARGS...")
     _die_with_parent()
     if int(memory_mb) > 0:
         limit = int(memory_mb) * 1024 * 1024
         resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
-    os.execv(sys.executable, [sys.executable, "-m", "replaybisect", *verb_args])
+    command = [sys.executable, "-m", "replaybisect", *verb_args]
+    if not scratch:
+        os.execv(sys.executable, command)
+    sys.exit(_in_scratch(command))
+
+
+def _in_scratch(command: list[str]) -> int:
+    """The verb run in a scratch folder of its own (its working folder, temporary files and caches), removed after:
+    as the watcher's local children run, for a job on a node that has none of the watcher's folders."""
+    import shutil
+    import subprocess
+    import tempfile
+
+    scratch = tempfile.mkdtemp(prefix="replaybisect-triage-job-")
+    try:
+        work = os.path.join(scratch, "work")
+        for name in ("work", "tmp", "cache"):
+            os.makedirs(os.path.join(scratch, name))
+        env = dict(os.environ, PWD=work, TMPDIR=os.path.join(scratch, "tmp"), REPLAYBISECT_CACHE=os.path.join(scratch, "cache"))
+        return subprocess.run(command, cwd=work, env=env, preexec_fn=_die_with_parent).returncode
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -6,7 +6,8 @@ from typing import Optional
 
 import typer
 
-from replaybisect.options import CodeDirs, TrackingUri, TrustPrefixes
+from replaybisect.options import (Account, Cluster, CodeDirs, Cpus, Executor, ExecutorFolder, Gpus, MemGb, Partition, Slurm, TimeMin,
+                                  TrackingUri, TrustPrefixes, job_settings)
 
 SIGNAL_EXIT = 143  # as every verb stopped by SIGTERM
 
@@ -34,6 +35,16 @@ def watch_command(
     trust_prefixes: Optional[list[str]] = TrustPrefixes,
     allow_root: bool = typer.Option(False, "--allow-root", help="Triage as root (refused by default: a stored run's config "
                                     "is untrusted input; run the watcher as an unprivileged user instead)."),
+    executor: str = Executor,
+    cluster: Optional[str] = Cluster,
+    partition: Optional[str] = Partition,
+    time_min: int = TimeMin,
+    gpus: int = Gpus,
+    cpus: Optional[int] = Cpus,
+    mem_gb: Optional[float] = MemGb,
+    account: Optional[str] = Account,
+    slurm: Optional[list[str]] = Slurm,
+    executor_folder: str = ExecutorFolder,
 ):
     """Watch a tracking server and triage every training run that failed or went non-finite, once: `replay nan`
     then `replay ablate` (the arms nan suggests, and lr, clip, precision) for a non-finite run, `replay diagnose`
@@ -67,7 +78,9 @@ def watch_command(
     options = WatchOptions(tracking_uri=location.uri, experiments=list(experiments or []), interval=interval, workers=workers,
                            lease=lease, settle=settle, time_limit=time_limit, memory_mb=memory_mb, horizon=horizon, grace=grace,
                            code_dirs=list(code_dirs or []), trust_prefixes=list(trust_prefixes or []), ui_url=ui_url,
-                           notify_url=notify_url, notify_timeout=notify_timeout, allow_root=allow_root)
+                           notify_url=notify_url, notify_timeout=notify_timeout, allow_root=allow_root, executor=executor,
+                           jobs=job_settings(cluster=cluster, partition=partition, time_min=time_min, gpus=gpus, cpus=cpus,
+                                             mem_gb=mem_gb, account=account, slurm=slurm, folder=executor_folder))
     options.check()  # every option, before the server is contacted: a watcher's own mistake never fails a run
     if not status:
         options.check_user()

@@ -48,6 +48,7 @@ STEP = "triage.step"
 SUMMARY = "triage.summary"
 NEXT = "triage.next"
 REASON = "triage.reason"
+JOB = "triage.job"  # triage.job.<step>: the step's running job (core/jobs.CommandJob.reference), with --executor submitit
 FINISHED_STATES = ("done", "failed")
 MAX_ATTEMPTS = 3  # claims of one run before it is given up (its watchers died mid-triage each time)
 FAILED_STATUSES = ("FAILED", "KILLED")
@@ -85,6 +86,8 @@ class WatchOptions:
     notify_url: Optional[str] = None  # checked here; the log (report.EventLog) posts to it
     notify_timeout: float = 10.0  # seconds one notification may take in all (connect, send, answer)
     allow_root: bool = False  # run triage as root (refused by default: a stored config is untrusted input)
+    executor: str = "local"  # local: child processes here | submitit: each step a job (core/jobs.py)
+    jobs: Any = None  # submitit's JobSettings, with executor submitit
 
     def check(self) -> None:
         """Bad values are bad input, before the server is contacted: a watcher's own mistake must never be written
@@ -107,6 +110,22 @@ class WatchOptions:
             if url is not None:
                 check_http_url(option, url, example)
         self.check_trust()
+        self.check_jobs()
+
+    def check_jobs(self) -> None:
+        """With --executor submitit: the job settings, and a job folder only this user can write (submitit hands each
+        job's result back through a pickle there, which this watcher loads)."""
+        from replaybisect.core.jobs import EXECUTORS, JobSettings
+
+        if self.executor not in EXECUTORS:
+            raise ReplayError(f"--executor {str(self.executor)[:80]!r} is not one of {', '.join(EXECUTORS)}")
+        if self.executor != "submitit":
+            return
+        self.jobs = (self.jobs or JobSettings()).checked()
+        folder = os.path.expanduser(self.jobs.folder)
+        if os.path.isdir(folder) and os.stat(folder).st_mode & 0o022:
+            raise ReplayError(f"--executor-folder {folder} can be written by other users; the watcher loads its jobs' results "
+                              f"from there: make it private (chmod go-w {folder}) or pass another folder")
 
     def check_trust(self) -> None:
         """The folders and prefixes the triage children will be given (options and environment), checked as they
@@ -223,7 +242,7 @@ class _Active:
 
     run_id: str
     claim: Claim
-    process: Optional[subprocess.Popen] = None
+    process: Any = None  # the running step's child process, or its job (core/jobs.CommandJob)
     lost: bool = False  # another watcher holds the run now: stop
     released: bool = False
 
@@ -659,6 +678,53 @@ class Watcher:
         self.store.set_tags(run.info.run_id, tags)
 
     def _run_step(self, step: str, run_id: str, active: _Active, scratch: str, lines: dict[str, str]) -> TriageStepResult:
+        if self.options.executor == "submitit":
+            return self._run_step_as_job(step, run_id, active, lines)
+        return self._run_step_here(step, run_id, active, scratch, lines)
+
+    def _run_step_as_job(self, step: str, run_id: str, active: _Active, lines: dict[str, str]) -> TriageStepResult:
+        """One verb as a job (core/jobs.py). The job's reference is written on the run before it is waited on: a
+        watcher that takes the run over after this one died follows the same job to its end instead of submitting it
+        again. A job that failed, timed out or was cancelled is the step's failure, with the scheduler's reason."""
+        from replaybisect.core import jobs
+
+        key = f"{JOB}.{step}"
+        recorded = self._call(self.store.get_run, run_id, run_id=run_id).data.tags.get(TAG + key, "")
+        job = jobs.follow(recorded) if recorded else None
+        if job is not None:
+            self.on_event(Event("step", f"{step}: following job {job.job_id} ({job.cluster}), submitted by an earlier watcher", run_id))
+        else:
+            argv = [sys.executable, "-m", "replaybisect.verbs.watch.child", str(self.options.memory_mb), "--scratch", "--",
+                    *self._verb_args(step, run_id, lines)]
+            env = {key_: value for key_, value in os.environ.items()}
+            if env.get(CODE_DIR_ENV):
+                env[CODE_DIR_ENV] = os.pathsep.join(_absolute(part) for part in env[CODE_DIR_ENV].split(os.pathsep) if part.strip())
+            job = jobs.submit_command(self.options.jobs, f"replay-triage-{step}", argv, tempfile.gettempdir(), env)
+            self._call(self.store.set_tags, run_id, {key: job.reference}, run_id=run_id)
+            self.on_event(Event("step", f"{step}: job {job.job_id} submitted ({job.cluster})", run_id))
+        started = time.monotonic()
+        active.process = job
+        said = None
+        try:
+            def say_state() -> None:
+                nonlocal said
+                state = job.state()
+                if state != said and state != "done":
+                    self.on_event(Event("step", f"{step}: job {job.job_id} {state}", run_id))
+                said = state
+
+            if not job.wait(self.options.time_limit, on_poll=say_state) and not (active.released or active.lost):
+                job.cancel()
+                return TriageStepResult(step, False, reason=f"job {job.job_id} stopped at the time limit ({self.options.time_limit:.0f} s)",
+                                        seconds=time.monotonic() - started)
+            returncode, stdout, error_text = job.communicate()
+        finally:
+            active.process = None
+        if not (active.released or active.lost):
+            self._call(self.store.set_tags, run_id, {key: ""}, run_id=run_id)  # consumed: a rerun submits anew
+        return self._step_result(step, returncode, stdout, error_text, time.monotonic() - started, job_id=job.job_id)
+
+    def _run_step_here(self, step: str, run_id: str, active: _Active, scratch: str, lines: dict[str, str]) -> TriageStepResult:
         """One verb in a child process with the memory and time limits; its JSON comes back on a pipe of ours. It runs
         in the triage's scratch folder (never the watcher's working folder: nothing there is trusted or importable)
         with its caches and temporary files there too."""
@@ -684,16 +750,23 @@ class Watcher:
                 active.process = None
             stderr.seek(0)
             error_text = stderr.read().decode("utf-8", "replace")
-        seconds = time.monotonic() - started
-        if process.returncode == 0:
+        return self._step_result(step, process.returncode, stdout, error_text, time.monotonic() - started)
+
+    def _step_result(self, step: str, returncode: int, stdout, error_text: str, seconds: float,
+                     job_id: Optional[str] = None) -> TriageStepResult:
+        """A finished step's outcome: its JSON result, or why it failed (one line)."""
+        if returncode == 0:
             try:
                 import json
 
                 return TriageStepResult(step, True, result=json.loads(stdout), seconds=seconds)
             except ValueError:
                 return TriageStepResult(step, False, reason="its JSON result did not parse", seconds=seconds)
-        return TriageStepResult(step, False, reason=_failure_reason(process.returncode, error_text, self.options.memory_mb),
-                           seconds=seconds, detail="\n".join(error_text.splitlines()[-40:]))
+        if job_id is not None and returncode == -1:  # the job itself failed (the scheduler's reason is the text)
+            return TriageStepResult(step, False, reason=error_text, seconds=seconds, detail=error_text)
+        reason = _failure_reason(returncode, error_text, self.options.memory_mb)
+        return TriageStepResult(step, False, reason=f"job {job_id}: {reason}" if job_id else reason,
+                                seconds=seconds, detail="\n".join(error_text.splitlines()[-40:]))
 
     def _verb_args(self, step: str, run_id: str, lines: dict[str, str]) -> list[str]:
         """The verb's command line; ablate tries the arms nan suggested (from where it said) and the standard ones."""
@@ -825,7 +898,11 @@ def remove_dead_scratch_folders() -> list[str]:
     return removed
 
 
-def _kill(process: Optional[subprocess.Popen]) -> None:
+def _kill(process) -> None:
+    """A triage child (its whole group), or a triage job (cancelled)."""
+    if process is not None and hasattr(process, "cancel"):
+        process.cancel()
+        return
     if process is None or process.poll() is not None:
         return
     try:
