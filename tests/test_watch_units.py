@@ -20,6 +20,7 @@ import yaml
 
 from conftest import EXAMPLES, REPLAY, assert_one_line_error, train_example
 from watch_servers import ALLOW_ROOT
+from replaybisect.core.jobs import JobSettings
 from replaybisect.errors import ReplayError
 from replaybisect.verbs.watch.engine import (
     Claim, Event, TriageResult, Watcher, WatchOptions, _failure_reason, _outage,
@@ -38,6 +39,9 @@ ROOT = Path(__file__).resolve().parents[1]
     (["--notify-url", "ftp://hooks.example/x"], "--notify-url"),
     (["--interval", "inf"], "--interval"),
     (["--notify-url", "http://[::1"], "--notify-url"),
+    (["--executor", "submitit", "--gpus", "-1"], "--gpus"),
+    (["--executor", "submitit", "--slurm", "qoz=high"], "--slurm 'qoz' is not a SLURM parameter"),
+    (["--executor", "slurm"], "--executor 'slurm' is not one of local, submitit"),
 ])
 def test_bad_options_are_one_line_and_exit_2(workspace, args, fragment):
     assert_one_line_error(workspace.replay("watch", "--once", *args), fragment)
@@ -60,6 +64,7 @@ BAD_OPTIONS = [  # (WatchOptions fields, environment, what the one line names): 
     ({"notify_url": "http://exa mple.com/x"}, {}, "--notify-url"),
     ({"notify_url": "https://hooks.example:99999/x"}, {}, "--notify-url"),
     ({"ui_url": "http://"}, {}, "--ui-url"),
+    ({"executor": "submitit", "jobs": JobSettings(cluster="moon")}, {}, "--cluster"),
 ]
 
 
@@ -542,3 +547,14 @@ def test_the_compose_file_runs_the_watcher_as_the_images_unprivileged_user():
     assert "--allow-root" not in watch["command"]
     user = str(watch["user"]).split(":")[0]
     assert f"useradd" in (ROOT / "Dockerfile").read_text() and f" {user}" in (ROOT / "Dockerfile").read_text()
+
+
+def test_a_job_folder_others_can_write_is_refused_the_watcher_loads_results_from_it(tmp_path):
+    folder = tmp_path / "jobs"
+    folder.mkdir()
+    folder.chmod(0o777)
+    options = WatchOptions(tracking_uri="sqlite:///x.db", executor="submitit", jobs=JobSettings(folder=str(folder)))
+    with pytest.raises(ReplayError, match="can be written by other users"):
+        options.check()
+    folder.chmod(0o700)
+    options.check()

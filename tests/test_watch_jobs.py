@@ -1,0 +1,110 @@
+"""`replay watch --executor submitit`: each triage step a job, through submitit's local executor (the jobs are real
+subprocesses, as on SLURM they are real allocations). A SQLite store holds the failed runs (the team server's path is
+tests/test_watch.py's); the watchers are the installed command."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import time
+
+import pytest
+
+from conftest import EXAMPLES, REPLAY, Workspace, in_folder
+from watch_servers import ALLOW_ROOT
+
+pytestmark = pytest.mark.slow
+
+
+def _failed_run(workspace: Workspace, experiment: str = "Model training") -> str:
+    """examples/nan_forward for 30 steps (NaN at step 20), trained in this process into `experiment`."""
+    from unittest import mock
+
+    import replaybisect as rb
+
+    with in_folder(workspace.path), mock.patch.dict(os.environ, {"MLFLOW_EXPERIMENT_NAME": experiment}):
+        result = rb.train(["train.steps=30"], config_dir=EXAMPLES / "nan_forward", tracking_uri=workspace.tracking_uri)
+    assert result.status == "nonfinite"
+    return result.run_id
+
+
+def _watch(workspace: Workspace, *extra: str) -> list[str]:
+    return [REPLAY, "watch", *ALLOW_ROOT, "--once", "--json", "--horizon", "5", "--settle", "0.5", "--executor", "submitit",
+            "--cluster", "local", "--executor-folder", str(workspace.path / "jobs"), *extra]
+
+
+def _events(output: str) -> list[dict]:
+    return [json.loads(line) for line in output.splitlines() if line.strip().startswith("{")]
+
+
+def _messages(output: str, run_id: str) -> list[str]:
+    return [event.get("message", "") for event in _events(output) if event.get("run_id") == run_id]
+
+
+def _job_of(workspace: Workspace, run_id: str, timeout: float = 120) -> str:
+    """The reference of the nan step's job, once the watcher wrote it on the run."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        reference = workspace.store().tags(run_id).get("triage.job.nan", "")
+        if reference:
+            return reference
+        time.sleep(0.2)
+    raise AssertionError("the watcher wrote no job on the run")
+
+
+@pytest.fixture
+def jobs_workspace(tmp_path) -> Workspace:
+    workspace = Workspace(tmp_path)
+    (tmp_path / "jobs").mkdir(mode=0o700)
+    return workspace
+
+
+def test_once_triages_a_failed_run_through_jobs(jobs_workspace):
+    workspace = jobs_workspace
+    run_id = _failed_run(workspace)
+    done = subprocess.run(_watch(workspace), cwd=workspace.path, env=workspace.env(), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    messages = _messages(done.stdout, run_id)
+    submitted = [re.search(r"^(nan|ablate): job (\d+) submitted \(local\)$", message) for message in messages]
+    assert [match.group(1) for match in submitted if match] == ["nan", "ablate"]
+    tags = workspace.store().tags(run_id)
+    assert tags["triage"] == "done" and tags["triage.nan"].startswith("forward at step 20: torch.exp in gate")
+    assert tags["triage.job.nan"] == "" and tags["triage.job.ablate"] == ""  # consumed
+
+
+def test_a_job_killed_midway_fails_the_step_once_and_a_killed_watchers_job_is_followed_by_the_next(jobs_workspace):
+    workspace = jobs_workspace
+    killed_run, followed_run = _failed_run(workspace, "killed job"), _failed_run(workspace, "killed watcher")
+    env = workspace.env()
+
+    # 1. a run's nan job killed while it runs: its step fails with the job's reason, once; the triage is not retried
+    watcher = subprocess.Popen(_watch(workspace, "--experiment", "killed job"), cwd=workspace.path, env=env,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    killed = _job_of(workspace, killed_run).rsplit(":", 1)[1]
+    os.kill(int(killed), signal.SIGKILL)
+    stdout, stderr = watcher.communicate(timeout=300)
+    assert watcher.returncode == 0, stderr[-3000:]
+    tags = workspace.store().tags(killed_run)
+    assert tags["triage"] == "failed" and tags["triage.reason"].startswith(f"nan: submitit job {killed} failed"), tags
+    assert [event["event"] for event in _events(stdout) if event.get("run_id") == killed_run].count("failed") == 1
+
+    # 2. a watcher killed while its run's nan job runs; a successor, once the lease ran out, follows that job to its
+    # end (nothing submitted again) and finishes the triage
+    watcher = subprocess.Popen(_watch(workspace, "--experiment", "killed watcher", "--lease", "4"), cwd=workspace.path,
+                               env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    followed = _job_of(workspace, followed_run).rsplit(":", 1)[1]
+    watcher.send_signal(signal.SIGKILL)
+    watcher.communicate(timeout=60)
+    time.sleep(4.5)
+    successor = subprocess.run(_watch(workspace, "--experiment", "killed watcher", "--lease", "4"), cwd=workspace.path,
+                               env=env, capture_output=True, text=True, timeout=600)
+    assert successor.returncode == 0, successor.stderr[-3000:]
+    messages = _messages(successor.stdout, followed_run)
+    assert any(message.startswith(f"nan: following job {followed}") for message in messages), messages
+    assert not any(message.startswith("nan: job") and "submitted" in message for message in messages)
+    tags = workspace.store().tags(followed_run)
+    assert tags["triage"] == "done" and tags["triage.nan"].startswith("forward at step 20"), tags
+    assert workspace.store().tags(killed_run)["triage"] == "failed"  # not triaged again
