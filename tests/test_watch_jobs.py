@@ -45,14 +45,33 @@ def _messages(output: str, run_id: str) -> list[str]:
 
 
 def _job_of(workspace: Workspace, run_id: str, timeout: float = 120) -> str:
-    """The reference of the nan step's job, once the watcher wrote it on the run."""
+    """The id of the nan step's job, once the watcher wrote it on the run."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        reference = workspace.store().tags(run_id).get("triage.job.nan", "")
-        if reference:
-            return reference
+        job_id = workspace.store().tags(run_id).get("triage.job.nan", "")
+        if job_id:
+            return job_id
         time.sleep(0.2)
     raise AssertionError("the watcher wrote no job on the run")
+
+
+def _children(pid: int, timeout: float = 30) -> list[int]:
+    """The processes whose parent is `pid` (read from /proc), once there is one."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = []
+        for entry in os.listdir("/proc"):
+            if entry.isdigit():
+                try:
+                    with open(f"/proc/{entry}/stat", encoding="ascii") as stat:
+                        if int(stat.read().rsplit(")", 1)[1].split()[1]) == pid:
+                            found.append(int(entry))
+                except (OSError, ValueError, IndexError):
+                    continue
+        if found:
+            return found
+        time.sleep(0.1)
+    raise AssertionError(f"job {pid} started no task")
 
 
 @pytest.fixture
@@ -72,7 +91,8 @@ def test_once_triages_a_failed_run_through_jobs(jobs_workspace):
     assert [match.group(1) for match in submitted if match] == ["nan", "ablate"]
     tags = workspace.store().tags(run_id)
     assert tags["triage"] == "done" and tags["triage.nan"].startswith("forward at step 20: torch.exp in gate")
-    assert tags["triage.job.nan"] == "" and tags["triage.job.ablate"] == ""  # consumed
+    assert tags["triage.job.nan"].isdigit() and tags["triage.job.ablate"].isdigit()  # where each step ran
+    assert list((workspace.path / "jobs" / "running").iterdir()) == []  # consumed: nothing left to follow
 
 
 def test_a_job_killed_midway_fails_the_step_once_and_a_killed_watchers_job_is_followed_by_the_next(jobs_workspace):
@@ -83,8 +103,9 @@ def test_a_job_killed_midway_fails_the_step_once_and_a_killed_watchers_job_is_fo
     # 1. a run's nan job killed while it runs: its step fails with the job's reason, once; the triage is not retried
     watcher = subprocess.Popen(_watch(workspace, "--experiment", "killed job"), cwd=workspace.path, env=env,
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    killed = _job_of(workspace, killed_run).rsplit(":", 1)[1]
-    os.kill(int(killed), signal.SIGKILL)
+    killed = _job_of(workspace, killed_run)
+    for task in _children(int(killed)):  # the job's task (its controller's child), as a node failure or an OOM kill ends it
+        os.kill(task, signal.SIGKILL)
     stdout, stderr = watcher.communicate(timeout=300)
     assert watcher.returncode == 0, stderr[-3000:]
     tags = workspace.store().tags(killed_run)
@@ -95,7 +116,7 @@ def test_a_job_killed_midway_fails_the_step_once_and_a_killed_watchers_job_is_fo
     # end (nothing submitted again) and finishes the triage
     watcher = subprocess.Popen(_watch(workspace, "--experiment", "killed watcher", "--lease", "4"), cwd=workspace.path,
                                env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    followed = _job_of(workspace, followed_run).rsplit(":", 1)[1]
+    followed = _job_of(workspace, followed_run)
     watcher.send_signal(signal.SIGKILL)
     watcher.communicate(timeout=60)
     time.sleep(4.5)

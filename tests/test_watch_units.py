@@ -554,7 +554,24 @@ def test_a_job_folder_others_can_write_is_refused_the_watcher_loads_results_from
     folder.mkdir()
     folder.chmod(0o777)
     options = WatchOptions(tracking_uri="sqlite:///x.db", executor="submitit", jobs=JobSettings(folder=str(folder)))
-    with pytest.raises(ReplayError, match="can be written by other users"):
+    with pytest.raises(ReplayError, match="is open to other users"):
         options.check()
     folder.chmod(0o700)
     options.check()
+
+
+def test_a_job_is_followed_only_from_the_watchers_own_notes_and_only_inside_its_job_folder(tmp_path):
+    """A stored run's tags never name a job to follow (anyone who writes runs could make the watcher load a pickle or
+    signal a process); a note naming a folder outside the job folder, or an id that is no job's, is ignored."""
+    from replaybisect.core import jobs
+
+    settings = JobSettings(cluster="local", folder=str(tmp_path / "jobs"))
+    notes = tmp_path / "jobs" / "running"
+    notes.mkdir(parents=True)
+    for name, reference in (("outside", f"local:{tmp_path / 'elsewhere' / '4242'}:4242"), ("everyone", f"local:{tmp_path / 'jobs' / '-1'}:-1"),
+                            ("init", f"local:{tmp_path / 'jobs' / '1'}:1"), ("cluster", f"moon:{tmp_path / 'jobs' / '7'}:7")):
+        (notes / name).write_text(reference)
+        assert jobs.recall(settings, name) is None, name
+    (notes / "ours").write_text(f"local:{tmp_path / 'jobs' / '4242'}:4242")
+    assert jobs.recall(settings, "ours").job_id == "4242"
+    assert jobs.recall(settings, "missing") is None

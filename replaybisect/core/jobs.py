@@ -5,8 +5,8 @@ processes here; `submitit` runs them as jobs through submitit: on SLURM when `sb
 The job settings are one frozen dataclass, checked once (a negative GPU count, an unknown SLURM parameter, a job folder
 that is a file: one line, before anything is submitted) and turned into submitit's parameters in one place. A command
 job (`submit_command`) runs an argv in a folder with an environment and hands back its exit status and output, as a
-local process would; it can be followed again by its id from another process (`follow`), which is how a restarted
-watcher picks up the jobs its predecessor submitted.
+local process would. A job noted in the job folder (`remember`) is found again from another process (`recall`),
+which is how a watcher that takes a run over follows the job its predecessor submitted.
 """
 
 from __future__ import annotations
@@ -158,8 +158,8 @@ def run_command(argv: list[str], cwd: str, env: dict[str, str]) -> dict:
 
 class CommandJob:
     """A command running as a submitit job, waited on as a local process is: `communicate()` -> (exit status, stdout,
-    stderr). A job that failed outside the command (cancelled, timed out, its node lost) gives exit status -1 and
-    the scheduler's reason as stderr."""
+    stderr). A job that failed outside the command (cancelled, timed out, its node lost) gives JOB_FAILED and the
+    scheduler's reason as stderr."""
 
     def __init__(self, job, cluster: str):
         self.job, self.cluster = job, cluster
@@ -196,20 +196,21 @@ class CommandJob:
         return True
 
     def communicate(self) -> tuple[int, str, str]:
+        """(exit status, stdout, stderr) of the command; a job that failed outside it: JOB_FAILED and the reason."""
         self.wait()
         try:
             answer = self.job.result()
         except Exception as error:  # noqa: BLE001 - the job failed outside the command: its reason, one line
             lines = [line for line in str(error).strip().splitlines() if line.strip()]
-            return -1, "", f"submitit job {self.job_id} failed: {lines[-1] if lines else type(error).__name__}"
+            return JOB_FAILED, "", f"submitit job {self.job_id} failed: {lines[-1] if lines else type(error).__name__}"
         return int(answer["returncode"]), answer["stdout"], answer["stderr"]
 
     def cancel(self) -> None:
         if self.done():
             return
-        if self.cluster != "slurm" and self.job._process is None:
+        if self.cluster != "slurm" and self.job._process is None:  # as submitit's LocalJob.cancel signals its controller
             try:
-                os.kill(int(self.job_id), signal.SIGTERM)
+                os.kill(int(self.job_id), signal.SIGINT)
             except (ProcessLookupError, PermissionError, ValueError):
                 pass
             return
@@ -224,11 +225,30 @@ def submit_command(settings: JobSettings, name: str, argv: list[str], cwd: str, 
     return CommandJob(executor.submit(run_command, argv, cwd, env), settings.resolved_cluster)
 
 
-def follow(reference: str) -> Optional[CommandJob]:
-    """The job `CommandJob.reference` names, from any process; None when the reference does not parse."""
+JOB_FAILED = -1000  # CommandJob.communicate's exit status for a job that failed outside its command
+
+
+def remember(job: CommandJob, settings: JobSettings, name: str) -> None:
+    """Note `job` under `name` in the job folder (written whole, readable by this user only), for a successor to
+    `recall`: the folder is the watcher's own, never a stored run's word."""
+    folder = _notes(settings)
+    folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+    partial = folder / f"{name}.partial"
+    partial.write_text(job.reference, encoding="utf-8")
+    partial.replace(folder / name)
+
+
+def recall(settings: JobSettings, name: str) -> Optional[CommandJob]:
+    """The job noted under `name` in the job folder, if it is one of that folder's jobs; None otherwise."""
+    note = _notes(settings) / name
+    try:
+        reference = note.read_text(encoding="utf-8").strip()
+    except OSError:
+        return None
     cluster, _, rest = reference.partition(":")
     folder, _, job_id = rest.rpartition(":")
-    if cluster not in CLUSTERS or not folder or not job_id:
+    root = Path(settings.folder).expanduser().resolve()
+    if cluster not in CLUSTERS or not job_id.isdigit() or int(job_id) <= 1 or Path(folder).resolve().parent != root:
         return None
     import submitit
 
@@ -239,6 +259,17 @@ def follow(reference: str) -> Optional[CommandJob]:
 
         job = LocalJob(folder=folder, job_id=job_id)
     return CommandJob(job, cluster)
+
+
+def forget(settings: JobSettings, name: str) -> None:
+    try:
+        (_notes(settings) / name).unlink()
+    except OSError:
+        pass
+
+
+def _notes(settings: JobSettings) -> Path:
+    return Path(settings.folder).expanduser().resolve() / "running"
 
 
 def _alive(pid: int) -> bool:

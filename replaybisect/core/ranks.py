@@ -171,7 +171,7 @@ class RankLink:
 
         started = time.monotonic()
         next_look, pause = started + WAIT_SLICE.total_seconds(), 0.0005
-        while not self._store.check([key]):
+        while not self._has(key):
             now = time.monotonic()
             if now >= next_look:
                 failed = self.failed_ranks()
@@ -184,6 +184,15 @@ class RankLink:
             time.sleep(pause)
             pause = min(pause * 2, 0.02)  # answers that come at once are read at once; a long wait polls 50 times a second
         return self._store.get(key)
+
+    def _has(self, key: str) -> bool:
+        """Whether `key` is set; a store that is gone (rank 0 hosts it, and died) is said in one line."""
+        try:
+            return self._store.check([key])
+        except Exception as error:  # noqa: BLE001 - DistNetworkError and kin: the store's host is gone
+            failed = self.failed_ranks()
+            who = "; ".join(f"rank {rank} {why}" for rank, why in sorted(failed.items())) or "rank 0, which holds the job's store, is gone"
+            raise ReplayError(f"rank {self.rank} stopped: {who} ({str(error).splitlines()[0][:120] if str(error) else type(error).__name__})") from None
 
 
 def _alive(pid: int) -> bool:

@@ -429,6 +429,12 @@ def _kept_from_the_script(watch: StepWatch):
         watch.on_error(error)
 
 
+def _clips_the_step(parameters: list, watch: StepWatch) -> bool:
+    """Whether a clip is of the step's own parameters (another model's, a GAN's discriminator, is not its moment)."""
+    owned = {id(param) for param in watch.state.params}
+    return any(id(param) in owned for param in parameters)
+
+
 @contextlib.contextmanager
 def watching(watch: StepWatch):
     """The step watch's moments where the user's step reaches them: every `.backward()` (the loss), the step's own
@@ -469,8 +475,8 @@ def watching(watch: StepWatch):
             watch.gradients()
 
     def clip_grad_norm_(parameters, *args, **kwargs):  # the step's own clip (accelerate's and Lightning's call it too)
-        if not manual and not watch.stopped:
-            parameters = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        parameters = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        if not manual and not watch.stopped and _clips_the_step(parameters, watch):
             with _kept_from_the_script(watch):
                 watch.gradients()  # the gradients before the clip: their norm, the non-finite rule, an arm's clip first
         return original_clip(parameters, *args, **kwargs)

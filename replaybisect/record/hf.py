@@ -77,15 +77,25 @@ def build(config) -> dict[str, Any]:
 
 
 def _model_config(stored) -> dict:
-    """The model's config as plain data, with an attention implementation this replay builds itself."""
+    """The model's config as plain data, with attention implementations this replay builds itself (at any depth:
+    a composite model's sub-configs name their own)."""
     from omegaconf import OmegaConf
 
     values = OmegaConf.to_container(stored, resolve=True)
-    for key in ("attn_implementation", "_attn_implementation"):
-        if values.get(key) not in ATTENTION:
-            raise ConfigError(f"the model's config asks for attention {values[key]!r}; a replay builds eager or sdpa attention "
-                              "only (others load code from the Hub)")
+    _check_attention(values)
     return values
+
+
+def _check_attention(node) -> None:
+    if isinstance(node, dict):
+        for key, value in node.items():
+            if key in ("attn_implementation", "_attn_implementation") and value not in ATTENTION:
+                raise ConfigError(f"the model's config asks for attention {value!r}; a replay builds eager or sdpa attention "
+                                  "only (others load code from the Hub)")
+            _check_attention(value)
+    elif isinstance(node, list):
+        for value in node:
+            _check_attention(value)
 
 
 def hf_step(model, optimizer, scheduler, scaler, batch, config):
@@ -112,7 +122,8 @@ def hf_step(model, optimizer, scheduler, scaler, batch, config):
     if scaler is not None:
         scaler.unscale_(optimizer)
     if settings.max_grad_norm > 0:  # (the recorder sees the gradients as this clip starts, as it did in the Trainer)
-        torch.nn.utils.clip_grad_norm_([p for group in optimizer.param_groups for p in group["params"]], settings.max_grad_norm)
+        # model.parameters(), as the Trainer passes them: the total norm sums the parameters' norms in this order
+        torch.nn.utils.clip_grad_norm_(model.parameters(), settings.max_grad_norm)
     skipped = False
     if scaler is not None:
         scale = scaler.get_scale()

@@ -55,6 +55,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 from urllib.parse import urlparse
 
+from replaybisect.core.jobs import JOB_FAILED
 from replaybisect.errors import GitError, ReplayError
 from replaybisect.verbs.bisect.gitops import CommitInfo, PrivateClone, UserRepo, cache_root, clean_git_env
 from replaybisect.verbs.bisect.trial_process import JobLauncher, Launcher, signal_group
@@ -483,6 +484,8 @@ class TrainRunner:
         """(the run, whether the result may be cached)."""
         report = _parse_json(stdout)
         run_id = report.get("run_id")
+        if returncode == JOB_FAILED:  # the job, not the trial: a crash, tried once more and not remembered
+            return SeedRun(seed, "skip", detail=_last_line(stderr)), False
         if returncode == 0:
             if not run_id:
                 return SeedRun(seed, "skip", detail="`replay train` printed no run id"), False
@@ -517,6 +520,8 @@ class CommandRunner:
         return ["/bin/sh", "-c", self.cmd]
 
     def interpret(self, store, returncode: int, stdout: str, stderr: str, seed: int) -> tuple[SeedRun, bool]:
+        if returncode == JOB_FAILED:  # the job, not the command: a crash, tried once more and not remembered
+            return SeedRun(seed, "skip", detail=_last_line(stderr)), False
         if returncode < 0 or returncode >= 128:
             raise BisectAborted(f"--cmd exited with status {returncode if returncode >= 0 else 128 - returncode} "
                                 f"(>= 128 means abort, as in git bisect run): {_last_line(stderr) or _last_line(stdout)}; "

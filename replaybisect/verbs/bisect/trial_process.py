@@ -137,24 +137,36 @@ class TrialJob:
     def __init__(self, job, on_state=None):
         self.job, self.on_state = job, on_state
         self._said = None
+        self._stopped = False
 
     def _poll(self) -> None:
+        if self._stopped:  # cancelled: the scheduler may say so only minutes later; the bisect does not wait for it
+            raise _JobStopped()
         state = self.job.state()
         if state != self._said and self.on_state is not None:
             self.on_state(self.job.job_id, state)
         self._said = state
 
     def communicate(self) -> tuple[int, str, str]:
-        self.job.wait(on_poll=self._poll)
-        self._poll()
+        try:
+            self.job.wait(on_poll=self._poll)
+            self._poll()
+        except _JobStopped:
+            return -signal.SIGINT, "", f"submitit job {self.job.job_id} cancelled"
         return self.job.communicate()
 
     def wait(self, timeout: float) -> None:
-        if not self.job.wait(timeout):
+        """A stopped job is not waited for (its cancel is sent); a running one up to `timeout` seconds."""
+        if not self._stopped and not self.job.wait(timeout):
             raise subprocess.TimeoutExpired(f"submitit job {self.job.job_id}", timeout)
 
     def stop(self, signum: int) -> None:
+        self._stopped = True
         self.job.cancel()
+
+
+class _JobStopped(Exception):
+    pass
 
 
 def _shadows_preloaded(folder: Path) -> bool:

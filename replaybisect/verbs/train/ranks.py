@@ -136,6 +136,9 @@ def _rank_config(cfg, world_size: int, local_rank: int):
     cfg.train.nproc = world_size
     device = resolve_device(cfg.train.device)
     if device.type == "cuda":
+        if local_rank >= torch.cuda.device_count():
+            raise ConfigError(f"rank {local_rank} of {world_size} has no GPU of its own ({torch.cuda.device_count()} here); "
+                              f"set train.nproc to at most {torch.cuda.device_count()}, or train.device=cpu")
         cfg.train.device = f"cuda:{local_rank}"
     return cfg, device.type
 
@@ -340,7 +343,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 def _write(path: Path, answer: dict) -> None:
     """Written whole or not at all: the launcher reads it after every rank ended."""
-    partial = path.with_suffix(".partial")
+    partial = path.with_suffix(f".{os.getpid()}.partial")  # ranks failing at once each write their own
     partial.write_text(json.dumps(answer), encoding="utf-8")
     partial.replace(path)
 

@@ -34,6 +34,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Optional
 
+from replaybisect.core.jobs import JOB_FAILED
 from replaybisect.errors import ReplayError, StoreUnreachable
 from replaybisect.store import (
     TAG, Store, all_experiment_ids, experiment_ids_named, search_all_runs, search_runs_without_tag,
@@ -48,7 +49,7 @@ STEP = "triage.step"
 SUMMARY = "triage.summary"
 NEXT = "triage.next"
 REASON = "triage.reason"
-JOB = "triage.job"  # triage.job.<step>: the step's running job (core/jobs.CommandJob.reference), with --executor submitit
+JOB = "triage.job"  # triage.job.<step>: the id of the step's job, with --executor submitit (for people; never read back)
 FINISHED_STATES = ("done", "failed")
 MAX_ATTEMPTS = 3  # claims of one run before it is given up (its watchers died mid-triage each time)
 FAILED_STATUSES = ("FAILED", "KILLED")
@@ -123,9 +124,11 @@ class WatchOptions:
             return
         self.jobs = (self.jobs or JobSettings()).checked()
         folder = os.path.expanduser(self.jobs.folder)
-        if os.path.isdir(folder) and os.stat(folder).st_mode & 0o022:
-            raise ReplayError(f"--executor-folder {folder} can be written by other users; the watcher loads its jobs' results "
-                              f"from there: make it private (chmod go-w {folder}) or pass another folder")
+        if not os.path.isdir(folder):
+            os.makedirs(folder, mode=0o700)
+        if os.stat(folder).st_mode & 0o077:
+            raise ReplayError(f"--executor-folder {folder} is open to other users; the watcher loads its jobs' results from "
+                              f"there and the jobs carry its environment: make it private (chmod 700 {folder}) or pass another folder")
 
     def check_trust(self) -> None:
         """The folders and prefixes the triage children will be given (options and environment), checked as they
@@ -242,7 +245,7 @@ class _Active:
 
     run_id: str
     claim: Claim
-    process: Any = None  # the running step's child process, or its job (core/jobs.CommandJob)
+    process: Optional[subprocess.Popen] = None  # the running step's child (a job is never killed: see _run_step_as_job)
     lost: bool = False  # another watcher holds the run now: stop
     released: bool = False
 
@@ -275,6 +278,10 @@ def run_url(options: WatchOptions, experiment_id: str, run_id: str) -> Optional[
     if not base:
         return None
     return f"{base.rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}"
+
+
+class _LeftRunning(Exception):
+    """A triage job this watcher stopped waiting for: the run is no longer its own (released, lost, shutting down)."""
 
 
 class _Abandoned(Exception):
@@ -683,45 +690,50 @@ class Watcher:
         return self._run_step_here(step, run_id, active, scratch, lines)
 
     def _run_step_as_job(self, step: str, run_id: str, active: _Active, lines: dict[str, str]) -> TriageStepResult:
-        """One verb as a job (core/jobs.py). The job's reference is written on the run before it is waited on: a
-        watcher that takes the run over after this one died follows the same job to its end instead of submitting it
-        again. A job that failed, timed out or was cancelled is the step's failure, with the scheduler's reason."""
+        """One verb as a job (core/jobs.py). The job is noted in the watcher's private job folder before it is waited
+        on (and its id on the run, for people): a watcher that takes the run over after this one stopped or died
+        follows that job to its end instead of submitting it again. A job that failed, timed out or was cancelled is
+        the step's failure, with the scheduler's reason in one line."""
         from replaybisect.core import jobs
 
-        key = f"{JOB}.{step}"
-        recorded = self._call(self.store.get_run, run_id, run_id=run_id).data.tags.get(TAG + key, "")
-        job = jobs.follow(recorded) if recorded else None
+        settings, note = self.options.jobs, f"{run_id}.{step}"
+        job = jobs.recall(settings, note)
         if job is not None:
             self.on_event(Event("step", f"{step}: following job {job.job_id} ({job.cluster}), submitted by an earlier watcher", run_id))
         else:
             argv = [sys.executable, "-m", "replaybisect.verbs.watch.child", str(self.options.memory_mb), "--scratch", "--",
                     *self._verb_args(step, run_id, lines)]
-            env = {key_: value for key_, value in os.environ.items()}
+            env = dict(os.environ)
             if env.get(CODE_DIR_ENV):
                 env[CODE_DIR_ENV] = os.pathsep.join(_absolute(part) for part in env[CODE_DIR_ENV].split(os.pathsep) if part.strip())
-            job = jobs.submit_command(self.options.jobs, f"replay-triage-{step}", argv, tempfile.gettempdir(), env)
-            self._call(self.store.set_tags, run_id, {key: job.reference}, run_id=run_id)
+            job = jobs.submit_command(settings, f"replay-triage-{step}", argv, tempfile.gettempdir(), env)
+            jobs.remember(job, settings, note)
             self.on_event(Event("step", f"{step}: job {job.job_id} submitted ({job.cluster})", run_id))
+        self._call(self.store.set_tags, run_id, {f"{JOB}.{step}": job.job_id}, run_id=run_id)
         started = time.monotonic()
-        active.process = job
         said = None
-        try:
-            def say_state() -> None:
-                nonlocal said
-                state = job.state()
-                if state != said and state != "done":
-                    self.on_event(Event("step", f"{step}: job {job.job_id} {state}", run_id))
-                said = state
 
-            if not job.wait(self.options.time_limit, on_poll=say_state) and not (active.released or active.lost):
+        def watch_it() -> None:  # the job's state as it changes; a run this watcher no longer holds is left to it
+            nonlocal said
+            if active.released or active.lost or self.abandon.is_set():
+                raise _LeftRunning()
+            state = job.state()
+            if state != said and state != "done":
+                self.on_event(Event("step", f"{step}: job {job.job_id} {state}", run_id))
+            said = state
+
+        try:
+            if not job.wait(self.options.time_limit, on_poll=watch_it):
                 job.cancel()
+                jobs.forget(settings, note)
                 return TriageStepResult(step, False, reason=f"job {job.job_id} stopped at the time limit ({self.options.time_limit:.0f} s)",
                                         seconds=time.monotonic() - started)
-            returncode, stdout, error_text = job.communicate()
-        finally:
-            active.process = None
-        if not (active.released or active.lost):
-            self._call(self.store.set_tags, run_id, {key: ""}, run_id=run_id)  # consumed: a rerun submits anew
+        except _LeftRunning:  # the job runs on: the watcher that holds the run now (or next) follows it
+            if self.abandon.is_set():
+                raise _Abandoned() from None
+            return TriageStepResult(step, False, reason=f"job {job.job_id} left to the next watcher", seconds=time.monotonic() - started)
+        returncode, stdout, error_text = job.communicate()
+        jobs.forget(settings, note)  # consumed: a rerun submits anew
         return self._step_result(step, returncode, stdout, error_text, time.monotonic() - started, job_id=job.job_id)
 
     def _run_step_here(self, step: str, run_id: str, active: _Active, scratch: str, lines: dict[str, str]) -> TriageStepResult:
@@ -762,7 +774,7 @@ class Watcher:
                 return TriageStepResult(step, True, result=json.loads(stdout), seconds=seconds)
             except ValueError:
                 return TriageStepResult(step, False, reason="its JSON result did not parse", seconds=seconds)
-        if job_id is not None and returncode == -1:  # the job itself failed (the scheduler's reason is the text)
+        if job_id is not None and returncode == JOB_FAILED:  # the job itself failed (the scheduler's reason is the text)
             return TriageStepResult(step, False, reason=error_text, seconds=seconds, detail=error_text)
         reason = _failure_reason(returncode, error_text, self.options.memory_mb)
         return TriageStepResult(step, False, reason=f"job {job_id}: {reason}" if job_id else reason,
@@ -898,11 +910,7 @@ def remove_dead_scratch_folders() -> list[str]:
     return removed
 
 
-def _kill(process) -> None:
-    """A triage child (its whole group), or a triage job (cancelled)."""
-    if process is not None and hasattr(process, "cancel"):
-        process.cancel()
-        return
+def _kill(process: Optional[subprocess.Popen]) -> None:
     if process is None or process.poll() is not None:
         return
     try:
