@@ -1,5 +1,5 @@
 """`replay watch --executor submitit`: each triage step a job, through submitit's local executor (the jobs are real
-subprocesses, as on SLURM they are real allocations). A SQLite store holds the failed runs (the team server's path is
+subprocesses, as on SLURM they are real allocations). One test walks the three cases in turn, sharing its runs. A SQLite store holds the failed runs (the team server's path is
 tests/test_watch.py's); the watchers are the installed command."""
 
 from __future__ import annotations
@@ -81,21 +81,7 @@ def jobs_workspace(tmp_path) -> Workspace:
     return workspace
 
 
-def test_once_triages_a_failed_run_through_jobs(jobs_workspace):
-    workspace = jobs_workspace
-    run_id = _failed_run(workspace)
-    done = subprocess.run(_watch(workspace), cwd=workspace.path, env=workspace.env(), capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    messages = _messages(done.stdout, run_id)
-    submitted = [re.search(r"^(nan|ablate): job (\d+) submitted \(local\)$", message) for message in messages]
-    assert [match.group(1) for match in submitted if match] == ["nan", "ablate"]
-    tags = workspace.store().tags(run_id)
-    assert tags["triage"] == "done" and tags["triage.nan"].startswith("forward at step 20: torch.exp in gate")
-    assert tags["triage.job.nan"].isdigit() and tags["triage.job.ablate"].isdigit()  # where each step ran
-    assert list((workspace.path / "jobs" / "running").iterdir()) == []  # consumed: nothing left to follow
-
-
-def test_a_job_killed_midway_fails_the_step_once_and_a_killed_watchers_job_is_followed_by_the_next(jobs_workspace):
+def test_triage_through_jobs_a_killed_job_fails_once_and_a_killed_watchers_job_is_followed(jobs_workspace):
     workspace = jobs_workspace
     killed_run, followed_run = _failed_run(workspace, "killed job"), _failed_run(workspace, "killed watcher")
     env = workspace.env()
@@ -126,6 +112,9 @@ def test_a_job_killed_midway_fails_the_step_once_and_a_killed_watchers_job_is_fo
     messages = _messages(successor.stdout, followed_run)
     assert any(message.startswith(f"nan: following job {followed}") for message in messages), messages
     assert not any(message.startswith("nan: job") and "submitted" in message for message in messages)
+    assert any(re.match(r"^ablate: job \d+ submitted \(local\)$", message) for message in messages), messages
     tags = workspace.store().tags(followed_run)
-    assert tags["triage"] == "done" and tags["triage.nan"].startswith("forward at step 20"), tags
+    assert tags["triage"] == "done" and tags["triage.nan"].startswith("forward at step 20: torch.exp in gate"), tags
+    assert tags["triage.job.nan"] == followed and tags["triage.job.ablate"].isdigit()  # where each step ran
+    assert list((workspace.path / "jobs" / "running").iterdir()) == []  # consumed: nothing left to follow
     assert workspace.store().tags(killed_run)["triage"] == "failed"  # not triaged again
