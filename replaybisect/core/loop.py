@@ -418,11 +418,15 @@ def run_step(
     *,
     halt_on_nonfinite: bool = True,
     observer: StepObserver | None = None,
+    defer_reads: bool = False,
 ) -> StepOutcome:
     """One optimizer step. With halt_on_nonfinite, a non-finite loss or grad norm returns before the
-    update, so parameters, optimizer, scheduler and scaler still hold the state before this step."""
+    update, so parameters, optimizer, scheduler and scaler still hold the state before this step. `defer_reads`
+    (a recorded built-in step): one host read in the step, the non-finite guard's; the loss and the gradient norm
+    stay on the device (StepOutcome reads them when asked)."""
     outcome = StepOutcome(step=step, loss=math.nan, lr=float(state.optimizer.param_groups[0]["lr"]))
-    watch = StepWatch(state, outcome, observer, on_fault=fault_handler(halt_on_nonfinite), ranks_agree=state.ranks_agree)
+    watch = StepWatch(state, outcome, observer, on_fault=fault_handler(halt_on_nonfinite), ranks_agree=state.ranks_agree,
+                      defer_reads=defer_reads and not state.user_loop)
     if state.user_loop:  # the user's own step (forward, backward, update inside): the same moments, the same halting
         user_step.run(state, watch, batch)
         return outcome
@@ -449,7 +453,7 @@ def _builtin_step(state: TrainState, watch: StepWatch, batch) -> None:
         part = loss / len(micro_batches) if len(micro_batches) > 1 else loss
         watch.loss(loss, part)
         (scaler.scale(part) if scaler else part).backward()
-    outcome.loss = watch.loss_so_far()
+    outcome.loss = watch.running_loss if watch.defer_reads else watch.loss_so_far()
     if scaler:
         scaler.unscale_(optimizer)
     watch.gradients()  # the grad norm, the non-finite rule, an arm's clip
@@ -600,7 +604,7 @@ def take_step(state: TrainState, step: int, batch, hooks: LoopHooks, buffers: Bu
     device_batch = to_device(batch, state.device)
     carry_at_start = user_step.copied(state.carry, "carry") if state.user_loop else None
     step_started = time.perf_counter()
-    outcome = run_step(state, step, device_batch, observer=hooks.observer(step))
+    outcome = run_step(state, step, device_batch, observer=hooks.observer(step), defer_reads=getattr(hooks, "defers_reads", False))
     keep_going = True
     if outcome.nonfinite:
         buffers.restore()  # undo the forward's in-place buffer updates: hooks see the state before the step

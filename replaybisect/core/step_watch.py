@@ -28,16 +28,43 @@ from replaybisect.core.observer import forward_context, notify
 
 @dataclass
 class StepOutcome:
-    """What one optimizer step did, as the recorder logs it and a replay compares it."""
+    """What one optimizer step did, as the recorder logs it and a replay compares it. `loss` and `grad_norm` may be
+    set to 0-dim tensors not read yet (a recorded step that defers its reads, StepWatch(defer_reads=True)): they are
+    read on the host, once, when first asked for; `unread` hands them to a batched reader first."""
 
     step: int
-    loss: float
-    grad_norm: Optional[float] = None  # pre-clip total norm (after unscaling for fp16)
+    loss_value: Any = math.nan  # a float, or a 0-dim tensor on the device not read yet
+    grad_norm_value: Any = None  # pre-clip total norm (after unscaling for fp16); the same
     lr: float = 0.0
     nonfinite: Optional[str] = None  # "loss" | "grad_norm" | ANOTHER_RANK when the step failed
     updated: bool = False  # the optimizer applied an update
     scaler_skipped: bool = False  # fp16: the GradScaler skipped an overflowing step (normal)
     rank_losses: Optional[list] = None  # a distributed run's replayed step: each rank's loss (core/ranks.py)
+
+    def __init__(self, step: int, loss: Any = math.nan, grad_norm: Any = None, lr: float = 0.0, nonfinite: Optional[str] = None,
+                 updated: bool = False, scaler_skipped: bool = False, rank_losses: Optional[list] = None):
+        self.step, self.loss_value, self.grad_norm_value, self.lr = step, loss, grad_norm, lr
+        self.nonfinite, self.updated, self.scaler_skipped, self.rank_losses = nonfinite, updated, scaler_skipped, rank_losses
+
+    @property
+    def loss(self) -> float:
+        if isinstance(self.loss_value, torch.Tensor):
+            self.loss_value = float(self.loss_value.item())
+        return self.loss_value
+
+    @loss.setter
+    def loss(self, value) -> None:
+        self.loss_value = value
+
+    @property
+    def grad_norm(self) -> Optional[float]:
+        if isinstance(self.grad_norm_value, torch.Tensor):
+            self.grad_norm_value = float(self.grad_norm_value.item())
+        return self.grad_norm_value
+
+    @grad_norm.setter
+    def grad_norm(self, value) -> None:
+        self.grad_norm_value = value
 
 
 ANOTHER_RANK = "loss on another rank"  # a distributed job's rank halted because another rank's loss went non-finite
@@ -61,8 +88,12 @@ class StepWatch:
     (model, optimizer, scaler, clip_grad_norm); `on_fault` is called at the first non-finite loss or gradient."""
 
     def __init__(self, state, outcome: StepOutcome, observer=None, on_fault: Optional[Callable[[], None]] = None,
-                 ranks_agree: Optional[Callable[[bool], bool]] = None):
+                 ranks_agree: Optional[Callable[[bool], bool]] = None, defer_reads: bool = False):
         self.state, self.outcome, self.observer, self.on_fault = state, outcome, observer, on_fault
+        # a recorded built-in step: the losses' non-finite flag stays on the device and is read once, with the
+        # gradients' (their norm, the loss and the norm logged later, in one read per metrics flush)
+        self.defer_reads = defer_reads and ranks_agree is None
+        self._loss_failed: Optional[torch.Tensor] = None  # with defer_reads: any backpropagated loss not finite
         # a rank of a distributed job: a non-finite loss is not halted before its backward (the other ranks wait in
         # its all-reduce); after the backward every rank says whether its loss failed, and all halt if one did
         self.ranks_agree = ranks_agree
@@ -96,6 +127,10 @@ class StepWatch:
         notify(self.observer, "after_forward", self.state, loss)
         share = (loss if part is None else part).detach().float().sum()
         self.running_loss = share if self.running_loss is None else self.running_loss + share
+        if self.defer_reads:  # judged with the gradients, before the update: one read for both
+            failed = ~torch.isfinite(loss.detach()).all()
+            self._loss_failed = failed if self._loss_failed is None else self._loss_failed | failed
+            return
         if self.outcome.nonfinite is None and not finite(loss):
             self._fault("loss")
 
@@ -109,13 +144,31 @@ class StepWatch:
         params = self.state.params
         grads = guard.gradients(params)
         norm = guard.total_norm(grads)
-        self.outcome.grad_norm = float(norm.item())
+        if self.defer_reads:
+            self.outcome.grad_norm = norm.detach()  # read later, with the step's other metrics
+            self._judge_deferred(grads, norm)
+        else:
+            self.outcome.grad_norm = float(norm.item())
         notify(self.observer, "after_backward", self.state)
-        if self.outcome.nonfinite is None and guard.nonfinite_gradient(grads, self.outcome.grad_norm, self.state.scaler):
+        if not self.defer_reads and self.outcome.nonfinite is None and guard.nonfinite_gradient(grads, self.outcome.grad_norm, self.state.scaler):
             self._fault("grad_norm")
         if self.state.clip_grad_norm is not None and grads:  # an ablation arm's clip (a user's own clip came first)
             torch.nn.utils.clip_grads_with_norm_(params, self.state.clip_grad_norm, norm)
         notify(self.observer, "before_update", self.state, self.outcome)
+
+    def _judge_deferred(self, grads: list, norm: torch.Tensor) -> None:
+        """The step's one read: did a loss, or (without an enabled GradScaler, which skips such steps itself) the
+        gradients' norm, go non-finite? A non-finite norm is a fault only when an element is (guard's rule)."""
+        loss_failed = self._loss_failed if self._loss_failed is not None else torch.zeros((), dtype=torch.bool, device=norm.device)
+        norm_failed = ~torch.isfinite(norm) if not guard.scaler_enabled(self.state.scaler) else torch.zeros_like(loss_failed)
+        failed_loss, failed_norm = torch.stack([loss_failed.to(norm.device), norm_failed]).tolist()
+        if self.outcome.nonfinite is not None:
+            return
+        if failed_loss:
+            self.outcome.loss = self.loss_so_far()
+            self._fault("loss")
+        elif failed_norm and guard.nonfinite_gradient(grads, float(norm), self.state.scaler):
+            self._fault("grad_norm")
 
     def backward_done(self) -> None:
         """A backward returned. A rank of a distributed job asks every rank whether its loss went non-finite (each

@@ -16,7 +16,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -41,6 +41,8 @@ class RecordingHooks:
     """The loop hooks (loop.LoopHooks) that record a run, whichever path trains it (`replay train`, the `Recorder`,
     the Lightning callback): metrics, layer statistics, snapshots with their batches, the failing step."""
 
+    defers_reads = True  # the built-in step keeps its loss and gradient norm on the device: read at each metrics flush
+
     def __init__(self, store: Store, run_id: str, cfg, state: TrainState, data_position: dict[str, Any]):
         self.store = store
         self.run_id = run_id
@@ -63,7 +65,7 @@ class RecordingHooks:
         self.snapshot_blocking: list[tuple[int, float, int]] = []  # (step, seconds the step waited, bytes copied)
         self.first_nonfinite_step: int | None = None
         self.nonfinite_what: str | None = None
-        self.last_loss: float | None = None
+        self._last_outcome: Optional[StepOutcome] = None  # the last step that logged a loss
         self.steps_completed = 0
 
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="replaybisect-writer", initializer=_lower_priority)
@@ -112,20 +114,22 @@ class RecordingHooks:
 
     def after_step(self, outcome: StepOutcome, batch, step_time: float, data_time: float) -> bool:
         step = outcome.step
-        # a NaN loss that is no failure is a step without a loss (Lightning's training_step returned None): not logged
-        has_loss = not (math.isnan(outcome.loss) and outcome.nonfinite is None)
-        self.metrics += [("loss", outcome.loss, step)] if has_loss else []
+        # a NaN loss that is no failure is a step without a loss (Lightning's training_step returned None): not logged;
+        # a loss still on the device (a deferred read) is a computed one, read with the others at the flush
+        unread = isinstance(outcome.loss_value, torch.Tensor)
+        has_loss = unread or not (math.isnan(outcome.loss) and outcome.nonfinite is None)
+        self.metrics += [("loss", outcome.loss_value, step)] if has_loss else []
         self.metrics += [("lr", outcome.lr, step)] if self._logs_lr else []
         self.metrics += [("step_time", step_time, step), ("data_time", data_time, step)]
-        if outcome.grad_norm is not None:
-            self.metrics.append(("grad_norm", outcome.grad_norm, step))
+        if outcome.grad_norm_value is not None:
+            self.metrics.append(("grad_norm", outcome.grad_norm_value, step))
         if self._stats is not None:
             self.metrics += [(key, value, step) for key, value in self._stats.finish().items()]
             self._stats = None
         if self._open_snapshot is not None and step != self.first_nonfinite_step:
             self._keep_batch(step, batch)
         if has_loss:
-            self.last_loss = outcome.loss
+            self._last_outcome = outcome  # its loss read when asked (last_loss)
         self.steps_completed = step + 1
         if (step + 1) % self.flush_every == 0 or time.monotonic() >= self._next_flush:
             self._flush_metrics()
@@ -213,10 +217,14 @@ class RecordingHooks:
 
     # ---- metrics and the background worker -------------------------------------------------------
     def _flush_metrics(self) -> None:
-        points, self.metrics = self.metrics, []
+        points, self.metrics = read_points(self.metrics), []
         self._next_flush = time.monotonic() + self.flush_seconds
         if points:
             self._submit(self._log_metrics, points)
+
+    @property
+    def last_loss(self) -> Optional[float]:
+        return self._last_outcome.loss if self._last_outcome is not None else None
 
     def _log_metrics(self, points: list[tuple[str, float, int]]) -> None:
         with _disk_full_named("metrics", self.store.uri, in_store=True):
@@ -306,6 +314,22 @@ class NullHooks:
 
     def after_validation(self, step, val_loss):
         pass
+
+
+def read_points(points: list[tuple[str, Any, int]]) -> list[tuple[str, float, int]]:
+    """The metric points with every value still on a device (deferred reads) read in one transfer per device."""
+    unread = [index for index, (_, value, _) in enumerate(points) if isinstance(value, torch.Tensor)]
+    if not unread:
+        return points
+    read = list(points)
+    by_device: dict = {}
+    for index in unread:
+        by_device.setdefault(points[index][1].device, []).append(index)
+    for indices in by_device.values():
+        values = torch.stack([points[index][1].detach().float().reshape(()) for index in indices]).tolist()
+        for index, value in zip(indices, values):
+            read[index] = (points[index][0], value, points[index][2])
+    return read
 
 
 def is_finite(value: float | None) -> bool:
