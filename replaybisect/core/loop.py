@@ -455,6 +455,7 @@ def _builtin_step(state: TrainState, watch: StepWatch, batch) -> None:
         (scaler.scale(part) if scaler else part).backward()
     outcome.loss = watch.running_loss if watch.defer_reads else watch.loss_so_far()
     if scaler:
+        watch.judge_losses()  # (deferred reads: a halt comes before the unscale, which a halted step must not make)
         scaler.unscale_(optimizer)
     watch.gradients()  # the grad norm, the non-finite rule, an arm's clip
 

@@ -94,6 +94,7 @@ class StepWatch:
         # gradients' (their norm, the loss and the norm logged later, in one read per metrics flush)
         self.defer_reads = defer_reads and ranks_agree is None
         self._loss_failed: Optional[torch.Tensor] = None  # with defer_reads: any backpropagated loss not finite
+        self._losses_judged = False
         # a rank of a distributed job: a non-finite loss is not halted before its backward (the other ranks wait in
         # its all-reduce); after the backward every rank says whether its loss failed, and all halt if one did
         self.ranks_agree = ranks_agree
@@ -156,12 +157,24 @@ class StepWatch:
             torch.nn.utils.clip_grads_with_norm_(params, self.state.clip_grad_norm, norm)
         notify(self.observer, "before_update", self.state, self.outcome)
 
+    def judge_losses(self) -> None:
+        """With deferred reads and an enabled GradScaler: the step's one read, before the scaler unscales (a halted
+        step must leave the scaler as it was); its gradients need none (the scaler skips a non-finite step itself)."""
+        if not self.defer_reads or self._losses_judged:
+            return
+        self._losses_judged = True
+        if self._loss_failed is not None and bool(self._loss_failed) and self.outcome.nonfinite is None:
+            self.outcome.loss = self.loss_so_far()
+            self._fault("loss")
+
     def _judge_deferred(self, grads: list, norm: torch.Tensor) -> None:
         """The step's one read: did a loss, or (without an enabled GradScaler, which skips such steps itself) the
         gradients' norm, go non-finite? A non-finite norm is a fault only when an element is (guard's rule)."""
+        if guard.scaler_enabled(self.state.scaler):
+            self.judge_losses()  # (normally done already, before the unscale)
+            return
         loss_failed = self._loss_failed if self._loss_failed is not None else torch.zeros((), dtype=torch.bool, device=norm.device)
-        norm_failed = ~torch.isfinite(norm) if not guard.scaler_enabled(self.state.scaler) else torch.zeros_like(loss_failed)
-        failed_loss, failed_norm = torch.stack([loss_failed.to(norm.device), norm_failed]).tolist()
+        failed_loss, failed_norm = torch.stack([loss_failed.to(norm.device), ~torch.isfinite(norm)]).tolist()
         if self.outcome.nonfinite is not None:
             return
         if failed_loss:
