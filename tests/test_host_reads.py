@@ -127,3 +127,16 @@ def test_with_reads_deferred_a_nan_loss_still_stops_before_its_update_and_is_nam
     last = outcomes[-1]
     assert last.step == 20 and last.nonfinite == "loss" and not last.updated and not math.isfinite(last.loss)
     assert hooks.first_nonfinite_step == 20 and hooks.nonfinite_what == "loss"
+
+
+def test_an_fp16_run_that_goes_on_past_a_nan_loss_takes_the_step_again(tmp_path):
+    """The guard's read comes before the GradScaler unscales: the halted step leaves the scaler as it was, so with
+    on_nonfinite=continue the step is taken again (a second unscale_ in one step would raise)."""
+    import replaybisect as rb
+    from conftest import in_folder
+
+    with in_folder(tmp_path):
+        result = rb.train(["train.steps=14", "train.precision=fp16", "snapshot.on_nonfinite=continue"],
+                          config_dir=EXAMPLES / "nan_forward", tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
+    assert result.status == "nonfinite" and result.first_nonfinite_step == 11 and result.nonfinite_what == "loss"
+    assert result.steps_completed == 14 and not result.stopped
