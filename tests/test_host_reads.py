@@ -140,3 +140,50 @@ def test_an_fp16_run_that_goes_on_past_a_nan_loss_takes_the_step_again(tmp_path)
                           config_dir=EXAMPLES / "nan_forward", tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
     assert result.status == "nonfinite" and result.first_nonfinite_step == 11 and result.nonfinite_what == "loss"
     assert result.steps_completed == 14 and not result.stopped
+
+
+# ---- the Recorder's step: the guard's read and the loss it returns -------------------------------------------
+def build(config):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
+    scaler = torch.amp.GradScaler("cpu") if config["precision"] == "fp16" else None
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-3), None, scaler
+
+
+def train_step(model, optimizer, scaler, batch, config):
+    """Four micro-batches, each loss backpropagated (scaled in fp16), a clip, the update: a common loop's shape."""
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(config["precision"])
+    optimizer.zero_grad(set_to_none=True)
+    total = 0.0
+    for x, y in zip(batch[0].chunk(4), batch[1].chunk(4)):
+        with torch.autocast("cpu", dtype=dtype, enabled=dtype is not None):
+            loss = torch.nn.functional.cross_entropy(model(x), y) / 4
+        (scaler.scale(loss) if scaler is not None else loss).backward()
+        total = total + loss.detach()
+    if scaler is not None:
+        scaler.unscale_(optimizer)
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    (scaler.step(optimizer), scaler.update()) if scaler is not None else optimizer.step()
+    return total
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+def test_a_recorder_step_reads_the_guard_and_the_loss_it_returns(tmp_path, precision):
+    import replaybisect
+
+    config = {"precision": precision}
+    model, optimizer, _, scaler = build(config)
+    generator = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(32, 16, generator=generator), torch.randint(0, 4, (32,), generator=generator)) for _ in range(25)]
+    rec = replaybisect.Recorder(model, optimizer, scaler=scaler, step_fn=train_step, build=build, config=config,
+                                precision=precision, tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}", snapshot_every=1000,
+                                layer_stats_every=0)
+    for batch in batches[:5]:
+        rec.step(batch)
+    reads = HostReads()
+    with reads:
+        losses = [rec.step(batch) for batch in batches[5:]]
+    rec.close()
+    # each step: the guard's one read and the loss the step returns (it was 4 loss checks + the norm + the loss: 6)
+    assert reads.count <= 20 * 2 + 2, reads.count
+    assert all(isinstance(loss, float) and math.isfinite(loss) for loss in losses)
