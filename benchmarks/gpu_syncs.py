@@ -3,7 +3,9 @@ host wait for the device. Counted two ways on the same steps:
 - `aten::_local_scalar_dense` calls (`.item()`, `float(t)`, `bool(t)`) seen by a TorchDispatchMode, on any device;
 - on CUDA, the warnings of `torch.cuda.set_sync_debug_mode("warn")` (every synchronizing call PyTorch knows of).
 
-Each path is run plain and with the per-layer statistics observer (what a statistics step of the recorder adds).
+Each path is run plain, with its reads deferred as a recorded step defers them (one guard read a step, the loss and
+norm read at each metrics flush: `deferred_reads`), and with the per-layer statistics observer (what a statistics
+step of the recorder adds).
 Core modules only (no MLflow): `python benchmarks/gpu_syncs.py` (CUDA when present, else the CPU).
 """
 
@@ -21,6 +23,7 @@ from replaybisect.core.layer_stats import LayerStats
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 WARMUP, STEPS = 3, 10
+FLUSH_EVERY = 10  # the recorder's default snapshot.metrics_flush_every
 
 
 class ScalarReads(TorchDispatchMode):
@@ -73,7 +76,7 @@ def user_state(precision: str):
     return state, batch
 
 
-def count(path: str, precision: str, with_stats: bool) -> dict:
+def count(path: str, precision: str, with_stats: bool, deferred: bool = False) -> dict:
     state, batch_of = (builtin_state if path == "builtin" else user_state)(precision)
     for step in range(WARMUP):
         loop.run_step(state, step, batch_of(step))
@@ -88,14 +91,16 @@ def count(path: str, precision: str, with_stats: bool) -> dict:
             with reads:
                 for step, batch in zip(range(WARMUP, WARMUP + STEPS), batches):
                     observer = LayerStats(state.model) if with_stats else None
-                    loop.run_step(state, step, batch, observer=observer)
+                    outcome = loop.run_step(state, step, batch, observer=observer, defer_reads=deferred)
+                    if deferred and step % FLUSH_EVERY == FLUSH_EVERY - 1:  # what the recorder's metrics flush reads
+                        torch.stack([torch.as_tensor(v, device=DEVICE).float() for v in (outcome.loss_value, outcome.grad_norm_value)]).tolist()
                     if observer is not None:
                         observer.finish()  # the recorder reads them at the end of a statistics step
         finally:
             if DEVICE == "cuda":
                 torch.cuda.set_sync_debug_mode(0)
         cuda_syncs = sum("synchroniz" in str(w.message) for w in caught)
-    return {"device": DEVICE, "path": path, "precision": precision, "layer_stats": with_stats,
+    return {"device": DEVICE, "path": path, "precision": precision, "layer_stats": with_stats, "deferred_reads": deferred,
             "scalar_reads_per_step": reads.count / STEPS,
             "cuda_syncs_per_step": cuda_syncs / STEPS if DEVICE == "cuda" else None}
 
@@ -104,5 +109,5 @@ if __name__ == "__main__":
     print(torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu", torch.__version__)
     for path in ("builtin", "user"):
         for precision in ("fp32", "bf16", "fp16"):
-            for with_stats in (False, True):
-                print(json.dumps(count(path, precision, with_stats)))
+            for with_stats, deferred in ((False, False), (False, True), (True, False)):
+                print(json.dumps(count(path, precision, with_stats, deferred)))
