@@ -11,7 +11,7 @@ pays page faults on the next step's large allocations, and a loop that keeps som
 than "on". The headline ratio therefore runs both with trimming off (MALLOC_TRIM_THRESHOLD_ /
 MALLOC_MMAP_THRESHOLD_, the same for both); the default allocator's figures are printed too.
 
-    python benchmarks/recorder_overhead.py [--steps 300] [--repeats 2]
+    python benchmarks/recorder_overhead.py [--steps 300] [--repeats 2] [--flush 10]   # metrics read every N steps
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from pathlib import Path
 MODEL = ["model.hidden=1600", "model.depth=3", "model.dropout=0.0"]
 
 
-def child(mode: str, steps: int, folder: str) -> None:
+def child(mode: str, steps: int, folder: str, flush: int = 10) -> None:
     import torch
 
     from replaybisect.core import config
@@ -39,6 +39,7 @@ def child(mode: str, steps: int, folder: str) -> None:
 
     torch.set_num_threads(2)
     overrides = MODEL + [f"train.steps={steps}", "train.batch_size=64", "train.val_every=0", "snapshot.every=100", "snapshot.layer_stats_every=50"]
+    overrides.append(f"snapshot.metrics_flush_every={flush}")  # the loss and norm read every `flush` steps
     if mode == "off":
         overrides.append("snapshot.enabled=false")
     cfg = config.compose(None, "config", overrides)
@@ -71,9 +72,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--child", choices=["off", "on"])
     parser.add_argument("--folder")
+    parser.add_argument("--flush", type=int, default=10, help="snapshot.metrics_flush_every of the recorded runs")
     args = parser.parse_args()
     if args.child:
-        child(args.child, args.steps, args.folder)
+        child(args.child, args.steps, args.folder, args.flush)
         return
 
     pinned = {"MALLOC_TRIM_THRESHOLD_": str(2**28), "MALLOC_MMAP_THRESHOLD_": str(2**28)}
@@ -84,12 +86,14 @@ def main() -> None:
             for _ in range(args.repeats):
                 for mode in ("off", "on"):
                     done = subprocess.run(
-                        [sys.executable, __file__, "--child", mode, "--steps", str(args.steps), "--folder", folder],
+                        [sys.executable, __file__, "--child", mode, "--steps", str(args.steps), "--folder", folder,
+                         "--flush", str(args.flush)],
                         capture_output=True, text=True, check=True, env={**os.environ, **extra_env},
                     )
                     results[mode].append(json.loads(done.stdout.strip().splitlines()[-1]))
     results = runs["trimming off"]
-    print(f"model: {results['on'][0]['params'] / 1e6:.2f}M parameters, AdamW, {args.steps} steps, {args.repeats} runs each")
+    print(f"model: {results['on'][0]['params'] / 1e6:.2f}M parameters, AdamW, {args.steps} steps, {args.repeats} runs each, "
+          f"metrics read every {args.flush} step(s)")
     for allocator, measured in runs.items():
         off = statistics.median(r["seconds"] for r in measured["off"])
         on = statistics.median(r["seconds"] for r in measured["on"])
