@@ -177,7 +177,8 @@ class StepWatch:
         failed_loss, failed_norm = torch.stack([loss_failed.to(norm.device), ~torch.isfinite(norm)]).tolist()
         if self.outcome.nonfinite is not None:
             return
-        if failed_loss:
+        if failed_loss:  # as a step that halts at its loss: no gradient measured (these came from a non-finite loss)
+            self.outcome.grad_norm = None
             self.outcome.loss = self.loss_so_far()
             self._fault("loss")
         elif failed_norm and guard.nonfinite_gradient(grads, float(norm), self.state.scaler):
