@@ -91,7 +91,9 @@ class StepWatch:
                  ranks_agree: Optional[Callable[[bool], bool]] = None, defer_reads: bool = False):
         self.state, self.outcome, self.observer, self.on_fault = state, outcome, observer, on_fault
         # a recorded built-in step: the losses' non-finite flag stays on the device and is read once, with the
-        # gradients' (their norm, the loss and the norm logged later, in one read per metrics flush)
+        # gradients' (their norm, the loss and the norm logged later, in one read per metrics flush). Not a user's
+        # step: between its backward and the guard's read it may step another optimizer, or a fused one through a
+        # GradScaler (which sets the optimizer's grad_scale before the pre-hook that would halt it)
         self.defer_reads = defer_reads and ranks_agree is None
         self._loss_failed: Optional[torch.Tensor] = None  # with defer_reads: any backpropagated loss not finite
         self._losses_judged = False

@@ -485,19 +485,10 @@ def watching(watch: StepWatch):
         if stepping is optimizer:
             watch.updated()
 
-    original_unscale = torch.amp.GradScaler.unscale_
-
-    def unscale_(scaler, optimizer_):  # (also reached from scaler.step): a deferred guard reads before it unscales
-        if scaler is watch.state.scaler and not watch.stopped:
-            with _kept_from_the_script(watch):
-                watch.judge_losses()
-        return original_unscale(scaler, optimizer_)
-
     original_clip = torch.nn.utils.clip_grad_norm_
     handles = [register_optimizer_step_pre_hook(before_update), register_optimizer_step_post_hook(after_update)]
     torch.Tensor.backward = backward
     torch.nn.utils.clip_grad_norm_ = clip_grad_norm_
-    torch.amp.GradScaler.unscale_ = unscale_
     try:
         watch.open_forward()
         yield
@@ -505,7 +496,6 @@ def watching(watch: StepWatch):
         watch.close_forward()
         torch.Tensor.backward = original_backward
         torch.nn.utils.clip_grad_norm_ = original_clip
-        torch.amp.GradScaler.unscale_ = original_unscale
         for handle in handles:
             handle.remove()
 

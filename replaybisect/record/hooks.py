@@ -326,10 +326,13 @@ def read_points(points: list[tuple[str, Any, int]]) -> list[tuple[str, float, in
     for index in unread:
         by_device.setdefault(points[index][1].device, []).append(index)
     for indices in by_device.values():
-        values = torch.stack([points[index][1].detach().float().reshape(()) for index in indices]).tolist()
+        try:
+            values = torch.stack([points[index][1].detach().float().reshape(()) for index in indices]).tolist()
+        except RuntimeError:  # a device that failed (a sticky CUDA error): its values are lost, the others kept
+            values = [None] * len(indices)
         for index, value in zip(indices, values):
             read[index] = (points[index][0], value, points[index][2])
-    return read
+    return [point for point in read if point[1] is not None]
 
 
 def is_finite(value: float | None) -> bool:
