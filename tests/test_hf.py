@@ -45,7 +45,8 @@ def _answer(workspace: Workspace, verb: str, run_id: str, **options) -> dict:
 
 def test_a_trainer_lr_explosion_replays_exact_and_ablate_fixes_it_by_lr(shared):
     run_id, done = _trainer(shared, "--steps", "60", "--lr", "3", "--optim", "sgd", "--clip", "0")
-    assert "replaybisect.NonFiniteStep: loss is nan at step" in done.stderr and "Traceback" not in done.stderr
+    assert re.search(r"replaybisect.NonFiniteStep: (loss|grad_norm) is (nan|inf) at step \d+", done.stderr), done.stderr[-2000:]
+    assert "Traceback" not in done.stderr
     store = shared.store()
     assert store.get_run(run_id).info.status == "FAILED" and store.tags(run_id)["trainer"] == "transformers"
     report = _answer(shared, "find_nan", run_id)

@@ -8,7 +8,7 @@ import argparse
 import sys
 
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments, set_seed
 
 from replaybisect.hf import ReplayCallback  # replaybisect
 
@@ -64,6 +64,7 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--own-training-step", action="store_true", help="a Trainer subclass with its own training_step")
     args = parser.parse_args(argv)
     config = GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=VOCAB, n_positions=LENGTH, bos_token_id=0, eos_token_id=0)
+    set_seed(0)  # the Trainer seeds only after the model is built: its initial weights would differ from run to run
     model = ScaledEmbeddingGPT2(config) if args.plant is not None else GPT2LMHeadModel(config)
     training = TrainingArguments(
         output_dir=args.out, per_device_train_batch_size=4, gradient_accumulation_steps=2, max_steps=args.steps,
