@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
+from replaybisect.core.processes import alive
 from replaybisect.errors import ReplayError
 
 EXECUTORS = ("local", "submitit")
@@ -181,7 +182,7 @@ class CommandJob:
         if self.job.paths.result_pickle.exists():
             return True
         if self.cluster != "slurm" and self.job._process is None:  # a local job followed from another process
-            return not _alive(int(self.job_id))
+            return not alive(int(self.job_id))
         return bool(self.job.done())
 
     def wait(self, timeout: Optional[float] = None, on_poll: Optional[Callable[[], None]] = None) -> bool:
@@ -270,17 +271,3 @@ def forget(settings: JobSettings, name: str) -> None:
 
 def _notes(settings: JobSettings) -> Path:
     return Path(settings.folder).expanduser().resolve() / "running"
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:  # a zombie (exited, not yet reaped by its parent) has ended
-        with open(f"/proc/{pid}/stat", encoding="ascii") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except OSError:
-        return True

@@ -29,6 +29,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from replaybisect.core.processes import alive
 from replaybisect.errors import ConfigError, ReplayError
 
 RECORD_RANKS = "ranks"
@@ -159,7 +160,7 @@ class RankLink:
                 if not self._store.check([f"pid/{peer}"]):  # not started yet: get would wait for it
                     continue
                 where = json.loads(self._store.get(f"pid/{peer}"))
-                if where["host"] == host and not _alive(int(where["pid"])):
+                if where["host"] == host and not alive(int(where["pid"])):
                     failed[peer] = f"process {where['pid']} is gone (killed)"
         return failed
 
@@ -193,23 +194,6 @@ class RankLink:
             failed = self.failed_ranks()
             who = "; ".join(f"rank {rank} {why}" for rank, why in sorted(failed.items())) or "rank 0, which holds the job's store, is gone"
             raise ReplayError(f"rank {self.rank} stopped: {who} ({str(error).splitlines()[0][:120] if str(error) else type(error).__name__})") from None
-
-
-def _alive(pid: int) -> bool:
-    """A process that has not exited (a killed one its launcher has not reaped yet, a zombie, has)."""
-    try:
-        with open(f"/proc/{pid}/stat", encoding="ascii") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except FileNotFoundError:
-        return False
-    except OSError:  # no /proc here: ask the kernel
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            pass
-        return True
 
 
 # ---- replay on one process ----------------------------------------------------------------------------------

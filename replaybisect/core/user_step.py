@@ -429,12 +429,6 @@ def _kept_from_the_script(watch: StepWatch):
         watch.on_error(error)
 
 
-def _clips_the_step(parameters: list, watch: StepWatch) -> bool:
-    """Whether a clip is of the step's own parameters (another model's, a GAN's discriminator, is not its moment)."""
-    owned = {id(param) for param in watch.state.params}
-    return any(id(param) in owned for param in parameters)
-
-
 @contextlib.contextmanager
 def watching(watch: StepWatch):
     """The step watch's moments where the user's step reaches them: every `.backward()` (the loss), the step's own
@@ -476,7 +470,8 @@ def watching(watch: StepWatch):
 
     def clip_grad_norm_(parameters, *args, **kwargs):  # the step's own clip (accelerate's and Lightning's call it too)
         parameters = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-        if not manual and not watch.stopped and _clips_the_step(parameters, watch):
+        # only a clip of the step's own parameters (another model's, a GAN's discriminator, is not its moment)
+        if not manual and not watch.stopped and any(id(param) in owned for param in parameters):
             with _kept_from_the_script(watch):
                 watch.gradients()  # the gradients before the clip: their norm, the non-finite rule, an arm's clip first
         return original_clip(parameters, *args, **kwargs)
@@ -486,6 +481,7 @@ def watching(watch: StepWatch):
             watch.updated()
 
     original_clip = torch.nn.utils.clip_grad_norm_
+    owned = {id(param) for param in watch.state.params}
     handles = [register_optimizer_step_pre_hook(before_update), register_optimizer_step_post_hook(after_update)]
     torch.Tensor.backward = backward
     torch.nn.utils.clip_grad_norm_ = clip_grad_norm_

@@ -38,7 +38,8 @@ from replaybisect.core import reentry
 from replaybisect.core.config import OnNonfinite
 from replaybisect.core.step_watch import StepOutcome, StepWatch
 from replaybisect.errors import ConfigError
-from replaybisect.record.recorder import (_watch_unclosed, function_target, nonfinite_step, one_line_failures, open_session,
+from replaybisect.store import end_fluent_run
+from replaybisect.record.recorder import (_checked_arguments, _watch_unclosed, function_target, nonfinite_step, one_line_failures, open_session,
                                           own_sources, replay_config)
 
 STEP_TARGET = "replaybisect.hf.hf_step"
@@ -254,13 +255,7 @@ class ReplayCallback(TrainerCallback):
 
     def __init__(self, *, tracking_uri: Optional[str] = None, experiment: Optional[str] = None, run_name: Optional[str] = None,
                  snapshot_every: int = 100, layer_stats_every: int = 50, on_nonfinite: OnNonfinite = "stop"):
-        from replaybisect.core import arguments
-
-        arguments.tracking_uri(tracking_uri)
-        arguments.text(experiment, "experiment")
-        arguments.text(run_name, "run_name")
-        arguments.count(snapshot_every, "snapshot_every")
-        arguments.count(layer_stats_every, "layer_stats_every")
+        _checked_arguments(tracking_uri, experiment, run_name, None, snapshot_every, layer_stats_every, None, on_nonfinite)
         self.tracking_uri, self.experiment, self.run_name = tracking_uri, experiment, run_name
         self.snapshot_every, self.layer_stats_every, self.on_nonfinite = snapshot_every, layer_stats_every, on_nonfinite
         self.run_id: Optional[str] = None
@@ -370,7 +365,7 @@ class ReplayCallback(TrainerCallback):
         if self._open:
             self._unwatch()
             self._session.fail(error)
-            _end_fluent_run(self.run_id, "KILLED" if isinstance(error, KeyboardInterrupt) else "FAILED")
+            end_fluent_run(self.run_id, "KILLED" if isinstance(error, KeyboardInterrupt) else "FAILED")
 
     def _unwatch(self) -> None:
         while self._undo:
@@ -474,18 +469,12 @@ class ReplayCallback(TrainerCallback):
         self._hooks.after_step(outcome, step.record(), time.perf_counter() - step.started, 0.0)
         self._unwatch()
         self._session.finish()
-        _end_fluent_run(self.run_id, "FAILED")
+        end_fluent_run(self.run_id, "FAILED")
         raise nonfinite_step(outcome, self.run_id)
 
     def _fail_now(self, error: BaseException) -> None:
         self._fail(error)
         raise error
-
-
-def _end_fluent_run(run_id: Optional[str], status: str) -> None:
-    from replaybisect.store import end_fluent_run
-
-    end_fluent_run(run_id, status)
 
 
 @dataclass
