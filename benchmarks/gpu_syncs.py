@@ -3,8 +3,8 @@ host wait for the device. Counted two ways on the same steps:
 - `aten::_local_scalar_dense` calls (`.item()`, `float(t)`, `bool(t)`) seen by a TorchDispatchMode, on any device;
 - on CUDA, the warnings of `torch.cuda.set_sync_debug_mode("warn")` (every synchronizing call PyTorch knows of).
 
-Each path is run plain, with its reads deferred as `replay train`'s recorded step defers them (one guard read a
-step, the loss and norm read at each metrics flush: `deferred_reads`; a user's step does not defer), and with the
+Each path is run plain, with its reads deferred as a recorded step defers them (one guard read a
+step, the loss and norm read at each metrics flush: `deferred_reads`), and with the
 per-layer statistics observer (what a statistics step of the recorder adds).
 Core modules only (no MLflow): `python benchmarks/gpu_syncs.py` (CUDA when present, else the CPU).
 """

@@ -140,3 +140,182 @@ def test_an_fp16_run_that_goes_on_past_a_nan_loss_takes_the_step_again(tmp_path)
                           config_dir=EXAMPLES / "nan_forward", tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
     assert result.status == "nonfinite" and result.first_nonfinite_step == 11 and result.nonfinite_what == "loss"
     assert result.steps_completed == 14 and not result.stopped
+
+
+# ---- the Recorder's step: the guard's one read -----------------------------------------------------------------
+def build(config):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
+    scaler = torch.amp.GradScaler("cpu") if config["precision"] == "fp16" else None
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-3, fused=config.get("fused", False)), None, scaler
+
+
+def train_step(model, optimizer, scaler, batch, config):
+    """Four micro-batches, each loss backpropagated (scaled in fp16), a clip, the update: a common loop's shape."""
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(config["precision"])
+    optimizer.zero_grad(set_to_none=True)
+    total = 0.0
+    for x, y in zip(batch[0].chunk(4), batch[1].chunk(4)):
+        with torch.autocast("cpu", dtype=dtype, enabled=dtype is not None):
+            loss = torch.nn.functional.cross_entropy(model(x), y) / 4
+        (scaler.scale(loss) if scaler is not None else loss).backward()
+        total = total + loss.detach()
+    if scaler is not None and not config.get("fused"):
+        scaler.unscale_(optimizer)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    elif scaler is None:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    (scaler.step(optimizer), scaler.update()) if scaler is not None else optimizer.step()
+    return total
+
+
+def _batches(count: int, nan_at: int | None = None) -> list:
+    generator = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(32, 16, generator=generator), torch.randint(0, 4, (32,), generator=generator)) for _ in range(count)]
+    if nan_at is not None:
+        batches[nan_at][0][5] = math.nan
+    return batches
+
+
+def _recorder(tmp_path, config, **extra):
+    import replaybisect
+
+    model, optimizer, _, scaler = build(config)
+    return replaybisect.Recorder(model, optimizer, scaler=scaler, step_fn=train_step, build=build, config=config,
+                                 precision=config["precision"], tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}",
+                                 snapshot_every=1000, layer_stats_every=0, **extra)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+def test_a_recorder_step_reads_the_guard_once_and_returns_its_loss_unread(tmp_path, precision):
+    rec = _recorder(tmp_path, {"precision": precision})  # (metrics flushed every 10 steps, the default)
+    batches = _batches(25)
+    for batch in batches[:5]:
+        rec.step(batch)
+    reads = HostReads()
+    with reads:
+        losses = [rec.step(batch) for batch in batches[5:]]
+    rec.close()
+    # the guard's one read a step, one a flush (it was 4 loss checks + the norm + the returned loss: 6)
+    assert reads.count <= 20 + 2, reads.count
+    assert all(isinstance(loss, torch.Tensor) and loss.dim() == 0 and math.isfinite(loss) for loss in losses)
+    history = dict(rec.store.metric_history(rec.run_id, "loss"))
+    assert [history[step] for step in range(5, 25)] == [float(loss) for loss in losses]
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["foreach", "fused"])
+def test_a_recorder_fp16_step_halts_before_its_grad_scaler_touches_anything_and_goes_on_when_asked(tmp_path, fused):
+    """A NaN loss at step 7: the deferred guard reads before the GradScaler unscales or steps (a fused optimizer's
+    step takes the scale from the scaler before any pre-hook runs), so the halted step leaves the model, optimizer
+    and scaler as they were, and with on_nonfinite=continue the same step is taken again."""
+    import replaybisect
+
+    config = {"precision": "fp16", "fused": fused}
+    batches = _batches(10, nan_at=7)
+    rec = _recorder(tmp_path, config)
+    for batch in batches[:7]:
+        rec.step(batch)
+    model, optimizer, scaler = rec.state.model, rec.state.optimizer, rec.state.scaler
+    before = ({k: v.clone() for k, v in model.state_dict().items()}, scaler.state_dict(), optimizer.state_dict()["state"][0]["step"].clone())
+    with pytest.raises(replaybisect.NonFiniteStep) as stopped:
+        rec.step(batches[7])
+    assert stopped.value.what == "loss" and stopped.value.step == 7
+    assert all(torch.equal(before[0][k], v) for k, v in model.state_dict().items())
+    assert scaler.state_dict() == before[1] and torch.equal(optimizer.state_dict()["state"][0]["step"], before[2])
+    assert not hasattr(optimizer, "grad_scale") and not hasattr(optimizer, "found_inf")
+
+    going_on = _recorder(tmp_path, config, on_nonfinite="continue")
+    with going_on:
+        losses = [going_on.step(batch) for batch in batches]
+    assert going_on.first_nonfinite_step == 7 and math.isnan(losses[7]) and math.isfinite(losses[9])
+
+
+def gan_build(config):
+    torch.manual_seed(0)
+    model = torch.nn.ModuleDict({"g": torch.nn.Linear(8, 8), "d": torch.nn.Linear(8, 1)})
+    return model, torch.optim.SGD(model["g"].parameters(), lr=0.1), None, None
+
+
+D_OPTIMIZER = {}
+
+
+def gan_step(model, optimizer, batch):
+    """The discriminator's loss and update first (its own optimizer), then the generator's: a NaN in the
+    discriminator's loss must stop the step before the discriminator's update."""
+    d_optimizer = D_OPTIMIZER.setdefault("d", torch.optim.SGD(model["d"].parameters(), lr=0.1))
+    d_optimizer.zero_grad()
+    d_loss = model["d"](batch).mean()
+    d_loss.backward()
+    d_optimizer.step()
+    optimizer.zero_grad()
+    g_loss = -model["d"](model["g"](batch)).mean()
+    g_loss.backward()
+    optimizer.step()
+    return g_loss
+
+
+def test_a_recorder_step_with_a_second_optimizer_halts_before_that_optimizers_update(tmp_path):
+    import replaybisect
+
+    model, optimizer, _, _ = gan_build({})
+    batches = [torch.randn(4, 8, generator=torch.Generator().manual_seed(step)) for step in range(4)]
+    batches[2][1, 3] = math.nan
+    rec = replaybisect.Recorder(model, optimizer, step_fn=gan_step, build=gan_build, config={},
+                                tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}", snapshot_every=1000, layer_stats_every=0)
+    rec.step(batches[0])
+    rec.step(batches[1])
+    discriminator = {k: v.clone() for k, v in model["d"].state_dict().items()}
+    with pytest.raises(replaybisect.NonFiniteStep) as stopped:
+        rec.step(batches[2])
+    assert stopped.value.what == "loss" and stopped.value.step == 2
+    assert all(torch.equal(discriminator[k], v) for k, v in model["d"].state_dict().items())
+
+
+# ---- the Lightning callback's step ----------------------------------------------------------------------------
+try:
+    import lightning as L
+except ImportError:  # (the test below is skipped)
+    L = None
+
+if L is not None:
+    class LitNet(L.LightningModule):
+        def __init__(self, width: int = 32):
+            super().__init__()
+            self.save_hyperparameters()
+            self.net = torch.nn.Sequential(torch.nn.Linear(16, width), torch.nn.ReLU(), torch.nn.Linear(width, 4))
+
+        def training_step(self, batch):
+            return torch.nn.functional.cross_entropy(self.net(batch[0]), batch[1])
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    class CountingReads(L.Callback):
+        """Counts from the 6th step on (past the first steps' one-off work) to the end of training."""
+
+        def __init__(self):
+            self.reads = HostReads()
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if batch_idx == 5:
+                self.reads.__enter__()
+
+        def on_train_end(self, trainer, pl_module):
+            self.reads.__exit__(None, None, None)
+
+
+@pytest.mark.skipif(L is None, reason="lightning is not installed")
+def test_a_lightning_recorded_step_reads_the_guard_once(tmp_path):
+    from replaybisect.lightning import ReplayCallback
+    from replaybisect.store import open_store
+
+    torch.manual_seed(0)
+    data = torch.utils.data.DataLoader(_batches(25), batch_size=None)
+    counting = CountingReads()
+    recording = ReplayCallback(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}", snapshot_every=1000, layer_stats_every=0)
+    trainer = L.Trainer(max_steps=25, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, callbacks=[counting, recording])
+    trainer.fit(LitNet(), data)
+    assert counting.reads.count <= 20 + 2, counting.reads.count  # it was 2 a step: the loss's flag and the norm, and the loss
+    history = dict(open_store(f"sqlite:///{tmp_path / 'mlflow.db'}", create=False).metric_history(recording.run_id, "loss"))
+    assert sorted(history) == list(range(25)) and all(math.isfinite(value) for value in history.values())

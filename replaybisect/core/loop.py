@@ -422,12 +422,12 @@ def run_step(
 ) -> StepOutcome:
     """One optimizer step. With halt_on_nonfinite, a non-finite loss or grad norm returns before the
     update, so parameters, optimizer, scheduler and scaler still hold the state before this step. `defer_reads`
-    (a recorded built-in step): one host read in the step, the non-finite guard's; the loss and the gradient norm
-    stay on the device (StepOutcome reads them when asked). The built-in step only: a user's step may step another
-    optimizer, or a fused one through a GradScaler, between its backward and the moment the guard could read."""
+    (a recorded step): one host read in the step, the non-finite guard's; the loss and the gradient norm stay on the
+    device (StepOutcome reads them when asked). A user's step that steps another optimizer, or a GradScaler, first
+    has the losses judged before it (StepWatch.judge_losses)."""
     outcome = StepOutcome(step=step, loss=math.nan, lr=float(state.optimizer.param_groups[0]["lr"]))
     watch = StepWatch(state, outcome, observer, on_fault=fault_handler(halt_on_nonfinite), ranks_agree=state.ranks_agree,
-                      defer_reads=defer_reads and not state.user_loop)  # (a user's step: see StepWatch.defer_reads)
+                      defer_reads=defer_reads)
     if state.user_loop:  # the user's own step (forward, backward, update inside): the same moments, the same halting
         user_step.run(state, watch, batch)
         return outcome

@@ -90,13 +90,11 @@ class StepWatch:
     def __init__(self, state, outcome: StepOutcome, observer=None, on_fault: Optional[Callable[[], None]] = None,
                  ranks_agree: Optional[Callable[[bool], bool]] = None, defer_reads: bool = False):
         self.state, self.outcome, self.observer, self.on_fault = state, outcome, observer, on_fault
-        # a recorded built-in step: the losses' non-finite flag stays on the device and is read once, with the
-        # gradients' (their norm, the loss and the norm logged later, in one read per metrics flush). Not a user's
-        # step: between its backward and the guard's read it may step another optimizer, or a fused one through a
-        # GradScaler (which sets the optimizer's grad_scale before the pre-hook that would halt it)
+        # a recorded step: the losses' non-finite flag stays on the device and is read once, with the gradients'
+        # (their norm, the loss and the norm logged later, in one read per metrics flush); earlier only where
+        # something could change the state first (judge_losses: a GradScaler's unscale or step, another optimizer)
         self.defer_reads = defer_reads and ranks_agree is None
-        self._loss_failed: Optional[torch.Tensor] = None  # with defer_reads: any backpropagated loss not finite
-        self._losses_judged = False
+        self._loss_failed: Optional[torch.Tensor] = None  # with defer_reads: a loss not judged yet was not finite
         # a rank of a distributed job: a non-finite loss is not halted before its backward (the other ranks wait in
         # its all-reduce); after the backward every rank says whether its loss failed, and all halt if one did
         self.ranks_agree = ranks_agree
@@ -160,12 +158,14 @@ class StepWatch:
         notify(self.observer, "before_update", self.state, self.outcome)
 
     def judge_losses(self) -> None:
-        """With deferred reads and an enabled GradScaler: the step's one read, before the scaler unscales (a halted
-        step must leave the scaler as it was); its gradients need none (the scaler skips a non-finite step itself)."""
-        if not self.defer_reads or self._losses_judged:
+        """With deferred reads: read the flag of the losses backpropagated since the last judgement, before anything
+        could change the state (a GradScaler's unscale or step: a halted step must leave the scaler as it was;
+        another optimizer's update). With an enabled GradScaler this is the step's one read: its gradients need
+        none (the scaler skips a non-finite step itself)."""
+        pending, self._loss_failed = self._loss_failed, None
+        if not self.defer_reads or pending is None or self.outcome.nonfinite is not None:
             return
-        self._losses_judged = True
-        if self._loss_failed is not None and bool(self._loss_failed) and self.outcome.nonfinite is None:
+        if bool(pending):
             self.outcome.loss = self.loss_so_far()
             self._fault("loss")
 
@@ -175,7 +175,8 @@ class StepWatch:
         if guard.scaler_enabled(self.state.scaler):
             self.judge_losses()  # (normally done already, before the unscale)
             return
-        loss_failed = self._loss_failed if self._loss_failed is not None else torch.zeros((), dtype=torch.bool, device=norm.device)
+        pending, self._loss_failed = self._loss_failed, None
+        loss_failed = pending if pending is not None else torch.zeros((), dtype=torch.bool, device=norm.device)
         failed_loss, failed_norm = torch.stack([loss_failed.to(norm.device), ~torch.isfinite(norm)]).tolist()
         if self.outcome.nonfinite is not None:
             return

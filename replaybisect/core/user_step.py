@@ -467,6 +467,9 @@ def watching(watch: StepWatch):
     def before_update(stepping, args, kwargs) -> None:
         if stepping is optimizer and not manual:
             watch.gradients()
+        elif not watch.stopped:  # another optimizer (a GAN's other half) updates: losses judged before it does
+            with _kept_from_the_script(watch):
+                watch.judge_losses()
 
     def clip_grad_norm_(parameters, *args, **kwargs):  # the step's own clip (accelerate's and Lightning's call it too)
         parameters = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
@@ -480,11 +483,24 @@ def watching(watch: StepWatch):
         if stepping is optimizer:
             watch.updated()
 
+    def judged_first(scaler_method):
+        """The step's GradScaler unscales or steps (a fused optimizer's step sets its grad_scale before any pre-hook):
+        with deferred reads the losses are judged before it changes anything, so a halted step leaves it as it was."""
+        def method(scaler, *args, **kwargs):
+            if scaler is watch.state.scaler and not watch.stopped:
+                with _kept_from_the_script(watch):
+                    watch.judge_losses()
+            return scaler_method(scaler, *args, **kwargs)
+        return method
+
     original_clip = torch.nn.utils.clip_grad_norm_
+    original_unscale, original_scaler_step = torch.amp.GradScaler.unscale_, torch.amp.GradScaler.step
     owned = {id(param) for param in watch.state.params}
     handles = [register_optimizer_step_pre_hook(before_update), register_optimizer_step_post_hook(after_update)]
     torch.Tensor.backward = backward
     torch.nn.utils.clip_grad_norm_ = clip_grad_norm_
+    if watch.defer_reads:
+        torch.amp.GradScaler.unscale_, torch.amp.GradScaler.step = judged_first(original_unscale), judged_first(original_scaler_step)
     try:
         watch.open_forward()
         yield
@@ -492,6 +508,7 @@ def watching(watch: StepWatch):
         watch.close_forward()
         torch.Tensor.backward = original_backward
         torch.nn.utils.clip_grad_norm_ = original_clip
+        torch.amp.GradScaler.unscale_, torch.amp.GradScaler.step = original_unscale, original_scaler_step
         for handle in handles:
             handle.remove()
 
@@ -537,7 +554,9 @@ def _run_record(state, watch: StepWatch, record) -> None:
         outcome.loss = math.nan
     else:
         outcome.loss = _loss_value(returned, watch)
-        if not math.isfinite(outcome.loss) and outcome.nonfinite is None:
+        # a returned loss that is not what was backpropagated: not finite after the update (with deferred reads,
+        # read at the metrics flush and logged as it is)
+        if not watch.defer_reads and not math.isfinite(outcome.loss) and outcome.nonfinite is None:
             outcome.nonfinite = "loss"
     watch.settle()
     if state.scheduler is not None and not steps_scheduler_itself(state.step_fn):
@@ -547,10 +566,11 @@ def _run_record(state, watch: StepWatch, record) -> None:
 def _loss_value(returned: Any, watch: StepWatch) -> float:
     """What the step returned (a tensor or a number); a step that returns nothing logs the sum of what it
     backpropagated (the mean loss, for micro-batch losses divided by their count)."""
-    if isinstance(returned, torch.Tensor):
-        return float(returned.detach().float().item())
+    if isinstance(returned, torch.Tensor):  # with deferred reads it stays on the device, read at the metrics flush
+        value = returned.detach().float().reshape(()).clone()  # (a tensor the step reuses may change later)
+        return value if watch.defer_reads else float(value.item())
     if isinstance(returned, (int, float)):
         return float(returned)
     if returned is None and watch.running_loss is not None:
-        return watch.loss_so_far()
+        return watch.running_loss if watch.defer_reads else watch.loss_so_far()
     raise ConfigError(f"step_fn returned a {type(returned).__name__}; return the step's loss (a tensor or a number)")

@@ -365,7 +365,7 @@ class ReplayCallback(Callback):
             self._ranked.opened()
         outcome = StepOutcome(step=step, loss=math.nan, lr=float(self.state.optimizer.param_groups[0]["lr"]))
         watch = StepWatch(self.state, outcome, self._hooks.observer(step), on_fault=self._nonfinite,
-                          ranks_agree=self.state.ranks_agree)
+                          ranks_agree=self.state.ranks_agree, defer_reads=getattr(self._hooks, "defers_reads", False))
         watch.open_forward()
         now = time.perf_counter()
         return _StepInProgress(watch=watch, batches=[packed[user_step.RECORD_BATCH]], positions=[position],
@@ -402,7 +402,9 @@ class ReplayCallback(Callback):
             return
         step, self._step = self._step, None
         outcome = step.watch.outcome
-        outcome.loss = float(step.logged_loss.item()) if step.logged_loss is not None else math.nan
+        # with deferred reads the loss stays on the device, read with the step's other metrics at the flush
+        logged = step.logged_loss.clone() if step.logged_loss is not None else math.nan
+        outcome.loss = logged if step.watch.defer_reads or not isinstance(logged, torch.Tensor) else float(logged.item())
         step.watch.settle()
         self._last_step_end = time.perf_counter()
         stored = self._stored(step)

@@ -49,6 +49,8 @@ import weakref
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+import torch
+
 from replaybisect.core import ranks, reentry
 from replaybisect.record import ranked
 from replaybisect.core.config import PRECISIONS, OnNonfinite, Precision
@@ -180,7 +182,6 @@ class Recorder:
                  tracking_uri: Optional[str] = None, experiment: Optional[str] = None, run_name: Optional[str] = None,
                  snapshot_every: int = 100, layer_stats_every: int = 50, on_nonfinite: OnNonfinite = "stop",
                  steps: Optional[int] = None):
-        import torch
         from omegaconf import OmegaConf
 
         from replaybisect.core import user_step
@@ -228,7 +229,7 @@ class Recorder:
                                 ranks_agree=ranks.any_rank_failed(user_step.model_device(model)) if link is not None else None)
         self._buffers = BufferGuard(model)
         self.steps_taken = 0
-        self.last_loss: Optional[float] = None
+        self._last_outcome = None  # the last recorded step's outcome: its loss read when asked (last_loss)
         self.first_nonfinite_step: Optional[int] = None
         self._config_written = False
         self._last_step_end: Optional[float] = None
@@ -269,11 +270,17 @@ class Recorder:
                                       lambda: reentry.hand_over(self._handover), updates_by_hand=updates_by_hand)
             self._handover["step_fn"] = self._remote
             reentry.at_script_end(self._remote.script_done)  # a script without rec.close() ends its loop there
-        self.run_id, self.store, self.steps_taken, self.last_loss = reentry.replayed_run_id(), None, 0, None
+        self.run_id, self.store, self.steps_taken, self._last_outcome = reentry.replayed_run_id(), None, 0, None
 
     # ---- the loop ------------------------------------------------------------------------------------------
-    def step(self, batch) -> float:
-        """Run one step of your step function on `batch` and record it; returns the loss."""
+    @property
+    def last_loss(self) -> Optional[float]:
+        """The last recorded step's loss (read from the device when asked)."""
+        return self._last_outcome.loss if self._last_outcome is not None else None
+
+    def step(self, batch) -> torch.Tensor:
+        """Run one step of your step function on `batch` and record it; returns the loss as a 0-dim tensor, on the
+        step's device and not read from it (read it when you print it, as a plain loop would: `f"{loss:.4f}"`)."""
         from replaybisect.core import loop, user_step
 
         if self._handover is not None and self._remote is None:
@@ -308,14 +315,15 @@ class Recorder:
             raise
         if not keep_going:
             self._stop(outcome)
-        return outcome.loss
+        value = outcome.loss_value
+        return value if isinstance(value, torch.Tensor) else torch.tensor(value)
 
     def _stepped(self, outcome) -> None:
         """A step is recorded (by `step`, or seen in the loop: record/inline.py)."""
         if not self._config_written:
             self._write_config()
         self.steps_taken = outcome.step + 1
-        self.last_loss = outcome.loss
+        self._last_outcome = outcome
         if outcome.nonfinite and self.first_nonfinite_step is None:
             self.first_nonfinite_step = outcome.step
 
