@@ -228,6 +228,9 @@ def test_a_recorder_fp16_step_halts_before_its_grad_scaler_touches_anything_and_
     with going_on:
         losses = [going_on.step(batch) for batch in batches]
     assert going_on.first_nonfinite_step == 7 and math.isnan(losses[7]) and math.isfinite(losses[9])
+    # the gradient norm is the unscaled one on both paths (a fused optimizer unscales inside its step)
+    norms = dict(rec.store.metric_history(rec.run_id, "grad_norm"))
+    assert 0 < norms[0] < 100, norms[0]
 
 
 def gan_build(config):

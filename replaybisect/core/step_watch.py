@@ -145,6 +145,9 @@ class StepWatch:
         params = self.state.params
         grads = guard.gradients(params)
         norm = guard.total_norm(grads)
+        still_scaled = getattr(self.state.optimizer, "grad_scale", None)  # a fused optimizer a GradScaler steps: it
+        if isinstance(still_scaled, torch.Tensor):  # unscales inside its step, after this moment (no read: on the device)
+            norm = norm / still_scaled.to(norm.device)
         if self.defer_reads:
             self.outcome.grad_norm = norm.detach()  # read later, with the step's other metrics
             self._judge_deferred(grads, norm)
