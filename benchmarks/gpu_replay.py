@@ -21,10 +21,11 @@ from replaybisect.core.state import apply, live_tensors, state_json
 START, STEPS = 20, 30
 
 
-def train_steps(state, source, start, stop):
+def train_steps(state, source, start, stop, recording: bool = False):
+    """`recording`: as a recorded step runs (its reads deferred: one guard read, the loss and norm read later)."""
     losses, norms = [], []
     for step in range(start, stop):
-        outcome = loop.run_step(state, step, loop.to_device(source.batch(step), state.device))
+        outcome = loop.run_step(state, step, loop.to_device(source.batch(step), state.device), defer_reads=recording)
         losses.append(outcome.loss)
         norms.append(outcome.grad_norm)
     return losses, norms
@@ -45,7 +46,7 @@ def check(precision: str, deterministic: bool) -> dict:
             snapshot.STATE: snapshot.write_atomic(folder / snapshot.STATE, snapshot.encode_json(saved)),
         }
         snapshot.write_manifest(folder, START, files)
-        original, original_norms = train_steps(state, source, START, START + STEPS)
+        original, original_norms = train_steps(state, source, START, START + STEPS, recording=True)
         loaded = snapshot.load(folder)
     restored = loop.build_state(cfg)
     apply(restored, {k: v.to(restored.device) for k, v in loaded.tensors.items()}, loaded.state)

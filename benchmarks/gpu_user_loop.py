@@ -75,7 +75,8 @@ def check(precision: str) -> dict:
             snapshot.BATCHES: snapshot.write_atomic(folder / snapshot.BATCHES, snapshot.encode_batches(records)),
         }
         snapshot.write_manifest(folder, START, files)
-        original = [loop.run_step(state, step, records[step]).loss for step in range(START, START + STEPS)]
+        # recorded as the Recorder's step runs (its reads deferred); replayed as a replay runs it
+        original = [loop.run_step(state, step, records[step], defer_reads=True).loss for step in range(START, START + STEPS)]
         loaded = snapshot.load(folder)
     restored = state_for(precision)
     apply(restored, loaded.tensors, loaded.state)
