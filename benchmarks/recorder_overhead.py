@@ -99,7 +99,7 @@ def main() -> None:
         on = statistics.median(r["seconds"] for r in measured["on"])
         print(f"[{allocator}] recorder off: {off:.2f} s   on: {on:.2f} s   ratio on/off: {on / off:.3f}  (target <= 1.03)")
     blocking = [b for r in results["on"] for b in r["blocking"]]
-    for step, seconds, size in blocking[: len(blocking) // args.repeats]:
+    for step, seconds, size, _ in blocking[: len(blocking) // args.repeats]:
         print(f"  snapshot at step {step}: blocked the step {seconds * 1e3:.1f} ms for {size / 1e6:.1f} MB ({size / 1e9 / max(seconds, 1e-9):.1f} GB/s)")
     rss_off = max(r["max_rss_mb"] for r in results["off"])
     rss_on = max(r["max_rss_mb"] for r in results["on"])

@@ -6,13 +6,15 @@ pays for the copy, and, while the write runs, for whatever the writer takes from
 
 For each state size (the built-in MLP's parameters with AdamW's two moments: 12 bytes a parameter) the same training
 runs twice in one process, without snapshots and with one every `--every` steps, on a real SQLite store:
-- copy: the time the step waited for the copy (the recorder's own `snapshot_blocking_time`), and its bandwidth;
-- stall: (recorded steps' time - plain steps' time) / snapshots: everything a snapshot cost the step, the copy and
-  the background write's interference together;
-- against the plain step's time, and the copy's bandwidth against this machine's (one large `copy_`).
-The first snapshot of a run also allocates the host buffers; it is reported apart.
+- wait: the step waits for the previous snapshot's write first (one in flight, its host buffers are reused);
+- copy: then copies the state into the host buffers (its bandwidth, against this machine's memcpy: one large
+  `copy_`);
+- interference: what the background write takes from the steps while it runs (CPU time, memory bandwidth):
+  (recorded steps' time - plain steps' time) / snapshots, step time as the run logs it (the copy is not in it);
+- the stall, their sum, against the plain step's time and the interval between snapshots.
+The first snapshot of a run also allocates the host buffers; its copy is reported apart.
 
-    python benchmarks/snapshot_stall.py [--sizes 21,100,300,1000] [--steps 40] [--every 10] [--threads 2]
+    python benchmarks/snapshot_stall.py [--sizes 21,100,300,1000] [--steps 50] [--every 16] [--threads 2]
 """
 
 from __future__ import annotations
@@ -46,8 +48,9 @@ def memory_bandwidth(megabytes: int = 1024, repeats: int = 5) -> float:
 
 
 def hidden_for(megabytes: float) -> int:
-    """The MLP width whose AdamW state is about `megabytes` (DEPTH hidden layers of hidden x hidden)."""
-    return max(16, round(math.sqrt(megabytes * 1e6 / ADAMW_BYTES_PER_PARAM / DEPTH)))
+    """The MLP width whose AdamW state is about `megabytes` (DEPTH linear layers: 64 -> hidden, DEPTH - 1 of
+    hidden x hidden, hidden -> 10)."""
+    return max(16, round(math.sqrt(megabytes * 1e6 / ADAMW_BYTES_PER_PARAM / (DEPTH - 1))))
 
 
 def child(megabytes: float, steps: int, every: int, threads: int, folder: str) -> None:
@@ -83,26 +86,26 @@ def child(megabytes: float, steps: int, every: int, threads: int, folder: str) -
 
 
 def report(measured: dict, every: int, bandwidth: float) -> None:
-    plain = measured["plain"]
-    recorded = measured["snapshots"]
-    snapshots = measured["blocking"]
+    plain, recorded, snapshots = measured["plain"], measured["snapshots"], measured["blocking"]
     later = snapshots[1:] or snapshots  # the first also allocates the host buffers
     plain_step = statistics.median(plain)
-    stall = (sum(recorded[1:]) - sum(plain[1:])) / max(1, len(later))  # step 0 of both runs left out (warm-up)
-    copy = statistics.median(seconds for _, seconds, _ in later)
-    first_copy = snapshots[0][1]
+    interference = max(0.0, (sum(recorded[1:]) - sum(plain[1:])) / max(1, len(later)))  # step 0 left out (warm-up)
+    wait = statistics.median(waited for _, _, _, waited in later)
+    copy = statistics.median(seconds - waited for _, seconds, _, waited in later)
+    first_copy = snapshots[0][1] - snapshots[0][3]
+    stall = wait + copy + interference
     size = measured["state_bytes"]
-    print(f"{size / 1e6:8.0f} MB | plain step {plain_step * 1e3:7.1f} ms | copy {copy * 1e3:7.1f} ms "
-          f"({size / copy / 1e9:5.1f} GB/s, {size / copy / 1e9 / bandwidth:4.0%} of memcpy; first {first_copy * 1e3:.0f} ms) | "
-          f"stall a snapshot {stall * 1e3:7.1f} ms = {stall / plain_step:5.2f} plain steps, "
-          f"{stall / plain_step / every:5.1%} of the {every} steps between snapshots")
+    print(f"{size / 1e6:6.0f} MB | plain step {plain_step * 1e3:6.1f} ms | wait {wait * 1e3:6.1f} ms | copy {copy * 1e3:6.1f} ms "
+          f"({size / copy / 1e9:4.1f} GB/s = {size / copy / 1e9 / bandwidth:4.0%} of memcpy; first {first_copy * 1e3:.0f} ms) | "
+          f"interference {interference * 1e3:6.1f} ms | stall {stall * 1e3:6.1f} ms = {stall / plain_step:4.2f} plain steps, "
+          f"{stall / plain_step / every:5.1%} of {every} steps")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--sizes", default="21,100,300,1000", help="state sizes in MB")
-    parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--every", type=int, default=10, help="snapshot.every of the recorded run")
+    parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--every", type=int, default=16, help="snapshot.every of the recorded run")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--child", type=float)
     parser.add_argument("--folder")

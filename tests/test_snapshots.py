@@ -22,7 +22,7 @@ from replaybisect.core import snapshot as fmt
 from replaybisect.restore import logged_losses, newest_good_snapshot, replay, restore
 
 MAX_KILL_TRIALS = 30  # kills until one lands mid-write (in practice one of the first few does)
-MIN_KILL_TRIALS = 5  # each trial is a `replay train` start-up (seconds of CPU); 5 random moments and one mid-write
+MIN_KILL_TRIALS = 3  # each trial is a `replay train` start-up (seconds of CPU); 3 random moments and one mid-write
 
 
 def _wait_for_first_snapshot(store, known_runs: set[str], process) -> str:
@@ -41,7 +41,7 @@ def _snapshot_root(store, run_id: str) -> Path:
 
 
 def test_sigkill_during_snapshot_writes_never_yields_a_partial_snapshot(workspace):
-    """At least 5 trials: kill -9 at random moments of a run snapshotting every 2 steps, until at least one
+    """At least 3 trials: kill -9 at random moments of a run snapshotting every 2 steps, until at least one
     kill has landed mid-write (a snapshot folder without its manifest): otherwise the test proves nothing."""
     rng = random.Random(1234)
     store = workspace.store()

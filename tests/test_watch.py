@@ -341,7 +341,7 @@ def test_sigterm_releases_sigkill_leaves_a_lease_and_the_next_watcher_resumes(te
 
     # 2. the next watcher takes it at once; SIGKILLed once nan is done, it leaves a live claim and no child behind
     # a lease long enough for the next check (a `replay watch` process) to start on a loaded 2-core machine
-    second = subprocess.Popen(watch_args(team, experiment, "--lease", "30"), cwd=project, env=env_for(team, experiment),
+    second = subprocess.Popen(watch_args(team, experiment, "--lease", "20"), cwd=project, env=env_for(team, experiment),
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     _wait_for_tag(team, run_id, "replaybisect.triage.step", "ablate", second)
     second.kill()

@@ -1,8 +1,9 @@
 """The recording hooks: batched metrics, per-layer statistics, two-phase asynchronous snapshots, the NaN guard.
 
 Two-phase snapshots (CheckFreq's design): the step pays only for copying tensors into preallocated host
-buffers; one background worker serialises, writes (temp name, fsync, rename) and uploads. One snapshot
-in flight: the next copy waits for the previous write instead of dropping a snapshot.
+buffers (on a GPU, pinned buffers and asynchronous copies: the step only queues them, and the writer waits for
+them); one background worker serialises, writes (temp name, fsync, rename) and uploads. One snapshot in flight:
+the next copy waits for the previous write instead of dropping a snapshot.
 """
 
 from __future__ import annotations
@@ -62,7 +63,8 @@ class RecordingHooks:
         self.metrics: list[tuple[str, float, int]] = []
         self.snapshot_steps: list[int] = []  # closed (written or being written), in order
         self._written_steps: list[int] = []  # manifest on disk
-        self.snapshot_blocking: list[tuple[int, float, int]] = []  # (step, seconds the step waited, bytes copied)
+        # (step, seconds the step waited in all, bytes copied, of those seconds the wait for the previous write)
+        self.snapshot_blocking: list[tuple[int, float, int, float]] = []
         self.first_nonfinite_step: int | None = None
         self.nonfinite_what: str | None = None
         self._last_outcome: Optional[StepOutcome] = None  # the last step that logged a loss
@@ -146,6 +148,7 @@ class RecordingHooks:
         started = time.perf_counter()
         if self._buffers_job is not None:
             self._buffers_job.result()  # one in flight: the host buffers are about to be reused
+        waited = time.perf_counter() - started
         host = {}
         for name, tensor in live_tensors(self.state).items():
             buffer = self._host_buffers.get(name)
@@ -154,14 +157,13 @@ class RecordingHooks:
                 self._host_buffers[name] = buffer
             buffer.copy_(tensor.detach(), non_blocking=tensor.is_cuda)
             host[name] = buffer
-        if self.state.device.type == "cuda":
-            torch.cuda.synchronize(self.state.device)
+        copied = _copies_done(self.state.device)  # on a GPU the step does not wait: the writer does, before it reads
         saved_state = state_json(self.state, step, rng_raw, {**self.data_position, "step": step}, reason)
         blocking = time.perf_counter() - started
-        self.snapshot_blocking.append((step, blocking, sum(b.numel() * b.element_size() for b in host.values())))
+        self.snapshot_blocking.append((step, blocking, sum(b.numel() * b.element_size() for b in host.values()), waited))
         self.metrics.append(("snapshot_blocking_time", blocking, step))
         folder = self._folder(step)
-        self._buffers_job = self._submit(self._write_state_files, folder, host, saved_state)
+        self._buffers_job = self._submit(self._write_state_files, folder, host, saved_state, copied)
         self._open_snapshot = {"step": step, "folder": folder, "batches": {}, "files_job": self._buffers_job}
         if not (self.keep_batches or keep_open):
             self._close_open_snapshot()
@@ -192,7 +194,9 @@ class RecordingHooks:
         return folder
 
     @staticmethod
-    def _write_state_files(folder: Path, host: dict[str, torch.Tensor], saved_state: dict) -> dict[str, dict]:
+    def _write_state_files(folder: Path, host: dict[str, torch.Tensor], saved_state: dict, copied=None) -> dict[str, dict]:
+        if copied is not None:
+            copied.synchronize()  # the device's copies into the host buffers have landed
         with _disk_full_named(f"snapshot {folder.name}", folder.parent):
             return {
                 fmt.TENSORS: fmt.write_tensors_atomic(folder / fmt.TENSORS, host),
@@ -260,6 +264,16 @@ class RecordingHooks:
         for folder in self._created_folders:
             if folder.is_dir() and not (folder / fmt.MANIFEST).is_file():
                 shutil.rmtree(folder, ignore_errors=True)
+
+
+def _copies_done(device: torch.device):
+    """A CUDA event after the step's copies into pinned host buffers (queued on the device's stream, so they read
+    the state before the next step's kernels change it); None on the CPU, where the copies are done already."""
+    if device.type != "cuda":
+        return None
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(device))
+    return event
 
 
 @contextmanager
