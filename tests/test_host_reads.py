@@ -142,6 +142,65 @@ def test_an_fp16_run_that_goes_on_past_a_nan_loss_takes_the_step_again(tmp_path)
     assert result.steps_completed == 14 and not result.stopped
 
 
+# ---- a fused optimizer: the guard's verdict stays on the device ---------------------------------------------------
+def test_a_recorded_builtin_step_with_a_fused_optimizer_reads_nothing_but_its_flushes(tmp_path):
+    cfg, state, source, session, hooks = _recorded_builtin(tmp_path, "+optim.fused=true", "snapshot.metrics_flush_every=10")
+    assert hooks.device_guard is not None
+    _count_steps(state, source, hooks, range(0, 5))
+    reads, _ = _count_steps(state, source, hooks, range(5, 25))
+    session.close_hooks()
+    session.finish()
+    assert reads <= 2, reads  # one a flush (steps 9 and 19), none in a step: the optimizer skips on the device
+    history = dict(session.store.metric_history(session.run_id, "loss"))
+    assert sorted(history) == list(range(25)) and all(math.isfinite(v) for v in history.values())
+
+
+def _nan_forward_run(tmp_path, name: str, on_device: bool, monkeypatch) -> tuple:
+    """examples/nan_forward (NaN at step 20) with a fused AdamW and a cosine schedule, snapshots every 6 steps and
+    metrics flushed every 8: the failure is found at the flush after step 23, three skipped steps later, inside the
+    interval of the snapshot at step 18."""
+    import replaybisect as rb
+    from conftest import in_folder
+    from replaybisect.record.device_guard import DeviceGuard
+
+    if not on_device:
+        monkeypatch.setattr(DeviceGuard, "applies", staticmethod(lambda cfg, state: False))
+    uri = f"sqlite:///{tmp_path / name}.db"
+    with in_folder(tmp_path):
+        result = rb.train(["train.steps=40", "+optim.fused=true", "+scheduler=cosine", "snapshot.every=6",
+                           "snapshot.metrics_flush_every=8", "snapshot.metrics_flush_seconds=0"],
+                          config_dir=EXAMPLES / "nan_forward", tracking_uri=uri)
+    monkeypatch.undo()
+    return result, uri
+
+
+def test_a_fused_run_found_at_a_flush_stops_at_the_failing_steps_state_as_one_halted_at_once(tmp_path, monkeypatch):
+    """The verdict read steps later: the run records what a run that halted at the failing step records (the
+    same losses, the same snapshot before step 20 bit for bit: parameters, moments, step counts, the lr and the
+    schedule put back), and it replays exactly."""
+    import replaybisect as rb
+    from replaybisect.restore import load_snapshot, snapshot_steps
+    from replaybisect.store import open_store
+
+    at_once, uri_at_once = _nan_forward_run(tmp_path, "at_once", False, monkeypatch)
+    later, uri_later = _nan_forward_run(tmp_path, "later", True, monkeypatch)
+    for result in (at_once, later):
+        assert (result.status, result.first_nonfinite_step, result.nonfinite_what, result.stopped) == ("nonfinite", 20, "loss", True)
+    assert later.steps_completed == at_once.steps_completed == 21 and later.snapshot_steps == at_once.snapshot_steps
+    stores = open_store(uri_at_once, create=False), open_store(uri_later, create=False)
+    for key in ("loss", "grad_norm", "lr"):
+        histories = [dict(store.metric_history(result.run_id, key)) for store, result in zip(stores, (at_once, later))]
+        assert histories[0] == histories[1] or all(math.isnan(a) == math.isnan(b) for a, b in zip(histories[0].values(), histories[1].values())), key
+        assert max(histories[1]) <= 20, key  # nothing after the failing step
+    assert snapshot_steps(stores[1], later.run_id) == snapshot_steps(stores[0], at_once.run_id)
+    expected, got = load_snapshot(stores[0], at_once.run_id, 20), load_snapshot(stores[1], later.run_id, 20)
+    assert expected.tensors.keys() == got.tensors.keys()
+    assert all(torch.equal(expected.tensors[name], got.tensors[name]) for name in expected.tensors)
+    assert expected.state == got.state and sorted(got.batches) == sorted(expected.batches)
+    report = rb.find_nan(later.run_id, tracking_uri=uri_later, publish=False)
+    assert report.reproduced == "exact" and report.failing_step == 20, (report.reproduced, report.failing_step)
+
+
 # ---- the Recorder's step: the guard's one read -----------------------------------------------------------------
 def build(config):
     torch.manual_seed(0)

@@ -419,6 +419,7 @@ def run_step(
     halt_on_nonfinite: bool = True,
     observer: StepObserver | None = None,
     defer_reads: bool = False,
+    device_guard=None,
 ) -> StepOutcome:
     """One optimizer step. With halt_on_nonfinite, a non-finite loss or grad norm returns before the
     update, so parameters, optimizer, scheduler and scaler still hold the state before this step. `defer_reads`
@@ -427,7 +428,7 @@ def run_step(
     has the losses judged before it (StepWatch.judge_losses)."""
     outcome = StepOutcome(step=step, loss=math.nan, lr=float(state.optimizer.param_groups[0]["lr"]))
     watch = StepWatch(state, outcome, observer, on_fault=fault_handler(halt_on_nonfinite), ranks_agree=state.ranks_agree,
-                      defer_reads=defer_reads)
+                      defer_reads=defer_reads, device_guard=device_guard if not state.user_loop else None)
     if state.user_loop:  # the user's own step (forward, backward, update inside): the same moments, the same halting
         user_step.run(state, watch, batch)
         return outcome
@@ -466,6 +467,8 @@ def _builtin_step(state: TrainState, watch: StepWatch, batch) -> None:
         scaler.update()
     elif needs_closure(optimizer):
         optimizer.step(_closure(state, micro_batches))
+    elif watch.device_guard is not None:  # a fused optimizer skips a failed step on the device: nothing read here
+        watch.device_guard.step_with(optimizer, watch.verdict)
     else:
         optimizer.step()
     if state.scheduler is not None:
@@ -606,7 +609,8 @@ def take_step(state: TrainState, step: int, batch, hooks: LoopHooks, buffers: Bu
     device_batch = to_device(batch, state.device)
     carry_at_start = user_step.copied(state.carry, "carry") if state.user_loop else None
     step_started = time.perf_counter()
-    outcome = run_step(state, step, device_batch, observer=hooks.observer(step), defer_reads=getattr(hooks, "defers_reads", False))
+    outcome = run_step(state, step, device_batch, observer=hooks.observer(step), defer_reads=getattr(hooks, "defers_reads", False),
+                       device_guard=getattr(hooks, "device_guard", None))
     keep_going = True
     if outcome.nonfinite:
         buffers.restore()  # undo the forward's in-place buffer updates: hooks see the state before the step

@@ -88,12 +88,15 @@ class StepWatch:
     (model, optimizer, scaler, clip_grad_norm); `on_fault` is called at the first non-finite loss or gradient."""
 
     def __init__(self, state, outcome: StepOutcome, observer=None, on_fault: Optional[Callable[[], None]] = None,
-                 ranks_agree: Optional[Callable[[bool], bool]] = None, defer_reads: bool = False):
+                 ranks_agree: Optional[Callable[[bool], bool]] = None, defer_reads: bool = False, device_guard=None):
         self.state, self.outcome, self.observer, self.on_fault = state, outcome, observer, on_fault
         # a recorded step: the losses' non-finite flag stays on the device and is read once, with the gradients'
         # (their norm, the loss and the norm logged later, in one read per metrics flush); earlier only where
         # something could change the state first (judge_losses: a GradScaler's unscale or step, another optimizer)
         self.defer_reads = defer_reads and ranks_agree is None
+        # record/device_guard.py: the verdict is not read in the step at all; the optimizer skips on the device
+        self.device_guard = device_guard if self.defer_reads else None
+        self.verdict: Optional[torch.Tensor] = None  # with device_guard: [loss failed, gradients failed], on the device
         self._loss_failed: Optional[torch.Tensor] = None  # with defer_reads: a loss not judged yet was not finite
         # a rank of a distributed job: a non-finite loss is not halted before its backward (the other ranks wait in
         # its all-reduce); after the backward every rank says whether its loss failed, and all halt if one did
@@ -150,7 +153,10 @@ class StepWatch:
             norm = norm / still_scaled.to(norm.device)
         if self.defer_reads:
             self.outcome.grad_norm = norm.detach()  # read later, with the step's other metrics
-            self._judge_deferred(grads, norm)
+            if self.device_guard is not None:
+                self._verdict_on_device(grads, norm)
+            else:
+                self._judge_deferred(grads, norm)
         else:
             self.outcome.grad_norm = float(norm.item())
         notify(self.observer, "after_backward", self.state)
@@ -189,6 +195,15 @@ class StepWatch:
             self._fault("loss")
         elif failed_norm and guard.nonfinite_gradient(grads, float(norm), self.state.scaler):
             self._fault("grad_norm")
+
+    def _verdict_on_device(self, grads: list, norm: torch.Tensor) -> None:
+        """No read: did a loss, or a gradient element (its largest magnitude: inf or NaN), go non-finite? Kept on the
+        device for the optimizer to skip on (record/device_guard.py) and the hooks to read at the flush."""
+        pending, self._loss_failed = self._loss_failed, None
+        device = norm.device
+        loss_failed = pending.to(device) if pending is not None else torch.zeros((), dtype=torch.bool, device=device)
+        largest = torch.nn.utils.get_total_norm(grads, norm_type=math.inf).to(device) if grads else torch.zeros((), device=device)
+        self.verdict = torch.stack([loss_failed, ~torch.isfinite(largest)])
 
     def backward_done(self) -> None:
         """A backward returned. A rank of a distributed job asks every rank whether its loss went non-finite (each

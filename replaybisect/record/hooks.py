@@ -22,6 +22,7 @@ from typing import Any, Optional
 import torch
 
 from replaybisect.errors import DiskFull, is_disk_full
+from replaybisect.record.device_guard import DeviceGuard, PendingStep
 from replaybisect.core.layer_stats import LayerStats
 from replaybisect.core.loop import TrainState
 from replaybisect.core.step_watch import StepOutcome
@@ -69,6 +70,9 @@ class RecordingHooks:
         self.nonfinite_what: str | None = None
         self._last_outcome: Optional[StepOutcome] = None  # the last step that logged a loss
         self.steps_completed = 0
+        # a fused optimizer in replay train's step: the non-finite verdicts stay on the device until a flush
+        self.device_guard = DeviceGuard(state) if DeviceGuard.applies(cfg, state) else None
+        self.halted = False  # a flush found a failed step: the loop stops, nothing after it is recorded
 
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="replaybisect-writer", initializer=_lower_priority)
         self._jobs: list[Future] = []
@@ -85,8 +89,15 @@ class RecordingHooks:
 
     # ---- LoopHooks --------------------------------------------------------------------------
     def before_step(self, step: int, state: TrainState, rng_at_start: dict) -> None:
+        snapshot_due = self.snapshot_every and step % self.snapshot_every == 0
+        if self.device_guard is not None:
+            if snapshot_due and self.device_guard.pending:
+                self._flush_metrics()  # the verdicts are read before a snapshot of a state they may have stopped at
+            self.device_guard.opened(step, rng_at_start)
+        if self.halted:
+            return
         self._rng_at_start = rng_at_start
-        if self.snapshot_every and step % self.snapshot_every == 0:
+        if snapshot_due:
             self._close_open_snapshot()
             self._begin_snapshot(step, rng_at_start, reason="periodic")
 
@@ -115,7 +126,11 @@ class RecordingHooks:
         return not self.on_nonfinite_stop
 
     def after_step(self, outcome: StepOutcome, batch, step_time: float, data_time: float) -> bool:
+        if self.halted:  # a step after the failure a flush found (skipped on the device): not recorded
+            return False
         step = outcome.step
+        if self.device_guard is not None:
+            self.device_guard.ran(outcome, batch)
         # a NaN loss that is no failure is a step without a loss (Lightning's training_step returned None): not logged;
         # a loss still on the device (a deferred read) is a computed one, read with the others at the flush
         unread = isinstance(outcome.loss_value, torch.Tensor)
@@ -137,7 +152,7 @@ class RecordingHooks:
             self._flush_metrics()
         if self._writer_failure is not None:  # a failed write (a full disk) stops training now, not at close
             raise self._writer_failure
-        return True
+        return not self.halted
 
     def after_validation(self, step: int, val_loss: float) -> None:
         self.metrics.append(("val_loss", val_loss, step))
@@ -221,10 +236,39 @@ class RecordingHooks:
 
     # ---- metrics and the background worker -------------------------------------------------------
     def _flush_metrics(self) -> None:
-        points, self.metrics = read_points(self.metrics), []
+        judging = self.device_guard is not None and not self.halted  # (once halted, later steps are not recorded)
+        verdicts = self.device_guard.verdict_points() if judging else []
+        points, self.metrics = read_points(self.metrics + verdicts), []  # one transfer for both
         self._next_flush = time.monotonic() + self.flush_seconds
+        if judging:
+            read = {(name, step): value for name, value, step in points if name.startswith(VERDICT)}
+            points = [point for point in points if not point[0].startswith(VERDICT)]
+            failure = self.device_guard.first_failure(read)
+            if failure is not None:
+                points = self._stop_at(*failure, points)
         if points:
             self._submit(self._log_metrics, points)
+
+    def _stop_at(self, failed: PendingStep, what: str, points: list) -> list:
+        """A flush found that `failed` went non-finite (its update and every later one were skipped on the device):
+        the state is put back to the one before it and it is recorded as a step halted at once; the points of later
+        steps are dropped. Returns the points to log."""
+        step, outcome = failed.step, failed.outcome
+        self.device_guard.put_back(failed)
+        kept = [(name, value, at) for name, value, at in points
+                if at < step or (at == step and name != "val_loss" and not (what == "loss" and name == "grad_norm"))]
+        outcome.nonfinite, outcome.updated = what, False
+        outcome.loss = next((value for name, value, at in kept if name == "loss" and at == step), math.nan)
+        if what == "loss":
+            outcome.grad_norm = None
+        if self._open_snapshot is not None:  # the interval's batches end with the failing one
+            self._open_snapshot["batches"] = {at: batch for at, batch in self._open_snapshot["batches"].items() if at < step}
+        self._rng_at_start = failed.rng_at_start
+        self._last_outcome = outcome
+        self.steps_completed = step + 1
+        self.halted = True
+        self.on_nonfinite(outcome, failed.batch)
+        return kept
 
     @property
     def last_loss(self) -> Optional[float]:
@@ -249,6 +293,7 @@ class RecordingHooks:
         Interrupted (Ctrl-C, SIGTERM) or failed, it still finishes what it can and leaves no incomplete
         snapshot folder and no temp file behind."""
         try:
+            self._flush_metrics()  # (first: a failure it finds ends the open snapshot's interval at the failing step)
             self._close_open_snapshot()
             self._flush_metrics()
             for job in self._jobs:
@@ -328,6 +373,9 @@ class NullHooks:
 
     def after_validation(self, step, val_loss):
         pass
+
+
+VERDICT = "verdict/"  # record/device_guard.py's points: read with the metrics, never logged
 
 
 def read_points(points: list[tuple[str, Any, int]]) -> list[tuple[str, float, int]]:

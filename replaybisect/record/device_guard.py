@@ -1,0 +1,104 @@
+"""The non-finite guard kept on the device: `replay train`'s recorded step with a fused optimizer reads nothing.
+
+A fused AdamW/Adam/SGD takes `found_inf` as a GradScaler hands it: a flag on the device that makes its kernel skip
+the update (parameters, moments, step counts). Each step's verdict (a loss or a gradient element not finite) is
+or-ed into a sticky flag that this step and every later one hand their optimizer, so from the failing step on no
+update is applied, without the host waiting for the device. The verdicts are read with the metrics, at each flush
+and before each snapshot: a failure found there puts back what the skipped steps still changed (the scheduler and
+the lr it set, the buffers the forwards updated), and the failing step is recorded as a step halted at once would
+be: the snapshot of the state before it, with its batch, and nothing past it logged.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+
+from replaybisect.core import guard
+
+
+@dataclass
+class PendingStep:
+    """A step taken since the last read of the verdicts, and what to put back if it failed."""
+
+    step: int
+    rng_at_start: dict
+    lrs: list[float]
+    scheduler_state: Optional[dict]
+    buffers: list[torch.Tensor]
+    outcome: Any = None  # StepOutcome once the step ran
+    batch: Any = None
+    verdict: Optional[torch.Tensor] = None  # [loss failed, gradients failed], on the device
+
+
+@dataclass
+class DeviceGuard:
+    state: Any  # TrainState
+    failed: Optional[torch.Tensor] = None  # sticky: 1.0 from the first failing step on
+    pending: list[PendingStep] = field(default_factory=list)
+
+    @staticmethod
+    def applies(cfg, state) -> bool:
+        """`replay train`'s own step, stopping at a failure, with a fused optimizer that takes found_inf, and no
+        enabled GradScaler (which hands the optimizer its own)."""
+        optimizer = state.optimizer
+        return (not state.user_loop and state.ranks_agree is None and cfg.snapshot.on_nonfinite == "stop"
+                and bool(getattr(optimizer, "defaults", {}).get("fused")) and getattr(optimizer, "_step_supports_amp_scaling", False)
+                and not guard.scaler_enabled(state.scaler))
+
+    def opened(self, step: int, rng_at_start: dict) -> None:
+        """A step opens: what it may change without its update (its buffers are the forward's, its lr the
+        scheduler's) is kept until its verdict is read."""
+        scheduler = self.state.scheduler
+        self.pending.append(PendingStep(
+            step=step, rng_at_start=rng_at_start, lrs=[group["lr"] for group in self.state.optimizer.param_groups],
+            scheduler_state=copy.deepcopy(scheduler.state_dict()) if scheduler is not None else None,
+            buffers=[buffer.detach().clone() for buffer in self.state.model.buffers() if buffer.numel()]))
+
+    def found_inf(self, verdict: torch.Tensor) -> torch.Tensor:
+        """The flag this step's optimizer gets: 1.0 when this step or an earlier one failed."""
+        self.pending[-1].verdict = verdict
+        step_failed = verdict.any().float()
+        self.failed = step_failed if self.failed is None else torch.maximum(self.failed, step_failed)
+        return self.failed
+
+    def step_with(self, optimizer, verdict: torch.Tensor) -> None:
+        """optimizer.step(), skipped on the device when the sticky flag is set."""
+        optimizer.grad_scale, optimizer.found_inf = None, self.found_inf(verdict)
+        try:
+            optimizer.step()
+        finally:
+            del optimizer.grad_scale, optimizer.found_inf
+
+    def ran(self, outcome, batch) -> None:
+        self.pending[-1].outcome, self.pending[-1].batch = outcome, batch
+
+    def verdict_points(self) -> list[tuple[str, Any, int]]:
+        """The pending steps' verdicts as points to read with the metrics (in the same transfer)."""
+        return [(f"verdict/{name}", step.verdict[index], step.step) for step in self.pending if step.verdict is not None
+                for index, name in enumerate(("loss", "gradients"))]
+
+    def first_failure(self, read: dict[tuple[str, int], float]) -> Optional[tuple[PendingStep, str]]:
+        """The first pending step whose verdict (read) failed, and what failed; the pending steps are done."""
+        pending, self.pending = self.pending, []
+        for step in pending:
+            if read.get(("verdict/loss", step.step)):
+                return step, "loss"
+            if read.get(("verdict/gradients", step.step)):
+                return step, "grad_norm"
+        return None
+
+    def put_back(self, failed: PendingStep) -> None:
+        """The state before the failing step: its updates and every later one were skipped on the device; the
+        scheduler, the lr it set and the forwards' buffer updates are put back."""
+        for group, lr in zip(self.state.optimizer.param_groups, failed.lrs):
+            group["lr"] = lr
+        if failed.scheduler_state is not None:
+            self.state.scheduler.load_state_dict(failed.scheduler_state)
+        with torch.no_grad():
+            buffers = [buffer for buffer in self.state.model.buffers() if buffer.numel()]
+            for buffer, kept in zip(buffers, failed.buffers):
+                buffer.copy_(kept)
