@@ -10,7 +10,8 @@
    (recorder_overhead.py, `replay train`'s loop on the GPU);
 4. the snapshot stall against state size, 21 MB to 1 GB (snapshot_stall.py).
 
-Each part's output is printed as it comes and kept in `--out` (JSON). Exit status 1 when a replay was not exact.
+Each part's output is printed as it comes and kept in `--out` (JSON). Exit status 1 when a replay was not exact
+or a part failed.
 Without a CUDA device it says so and runs nothing (`--cpu` runs the same parts on the CPU, to try the script).
 """
 
@@ -81,7 +82,7 @@ def main() -> None:
     print(f"\n{len(results) - len(failed)} of {len(results)} parts ran clean; kept in {args.out}")
     for result in failed:
         print(f"  {result['part']}: exit {result['exit']}, not exact: {result['not_exact']}")
-    sys.exit(1 if any(result["not_exact"] for result in results) else 0)
+    sys.exit(1 if failed else 0)
 
 
 if __name__ == "__main__":

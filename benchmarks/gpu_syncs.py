@@ -95,7 +95,7 @@ def count(path: str, precision: str, with_stats: bool, deferred: bool = False) -
                     if deferred and step % FLUSH_EVERY == FLUSH_EVERY - 1:  # what the recorder's metrics flush reads
                         torch.stack([torch.as_tensor(v, device=DEVICE).float() for v in (outcome.loss_value, outcome.grad_norm_value)]).tolist()
                     if observer is not None:
-                        observer.finish()  # the recorder reads them at the end of a statistics step
+                        observer.finish()  # (their values stay on the device: the recorder reads them at its metrics flush)
         finally:
             if DEVICE == "cuda":
                 torch.cuda.set_sync_debug_mode(0)

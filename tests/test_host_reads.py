@@ -155,7 +155,7 @@ def test_a_recorded_builtin_step_with_a_fused_optimizer_reads_nothing_but_its_fl
     assert sorted(history) == list(range(25)) and all(math.isfinite(v) for v in history.values())
 
 
-def _nan_forward_run(tmp_path, name: str, on_device: bool, monkeypatch) -> tuple:
+def _nan_forward_run(tmp_path, name: str, on_device: bool, monkeypatch, steps: int = 40) -> tuple:
     """examples/nan_forward (NaN at step 20) with a fused AdamW and a cosine schedule, snapshots every 6 steps and
     metrics flushed every 8: the failure is found at the flush after step 23, three skipped steps later, inside the
     interval of the snapshot at step 18."""
@@ -167,7 +167,7 @@ def _nan_forward_run(tmp_path, name: str, on_device: bool, monkeypatch) -> tuple
         monkeypatch.setattr(DeviceGuard, "applies", staticmethod(lambda cfg, state: False))
     uri = f"sqlite:///{tmp_path / name}.db"
     with in_folder(tmp_path):
-        result = rb.train(["train.steps=40", "+optim.fused=true", "+scheduler=cosine", "snapshot.every=6",
+        result = rb.train([f"train.steps={steps}", "+optim.fused=true", "+scheduler=cosine", "snapshot.every=6",
                            "snapshot.metrics_flush_every=8", "snapshot.metrics_flush_seconds=0"],
                           config_dir=EXAMPLES / "nan_forward", tracking_uri=uri)
     monkeypatch.undo()
@@ -199,6 +199,39 @@ def test_a_fused_run_found_at_a_flush_stops_at_the_failing_steps_state_as_one_ha
     assert expected.state == got.state and sorted(got.batches) == sorted(expected.batches)
     report = rb.find_nan(later.run_id, tracking_uri=uri_later, publish=False)
     assert report.reproduced == "exact" and report.failing_step == 20, (report.reproduced, report.failing_step)
+
+
+def test_a_fused_runs_failure_found_only_when_training_ends_still_stops_the_run(tmp_path, monkeypatch):
+    """23 steps: the failure at step 20 is in the last, unflushed interval and is found as the recording closes."""
+    result, _ = _nan_forward_run(tmp_path, "at_close", True, monkeypatch, steps=23)
+    assert (result.status, result.first_nonfinite_step, result.stopped, result.steps_completed) == ("nonfinite", 20, True, 21)
+
+
+def test_the_device_guard_puts_back_what_skipped_steps_changed_around_the_update():
+    """A fused SGD with momentum skipping its very first update still creates its momentum buffer (uninitialised
+    memory); a one-cycle schedule moves momentum with the lr; a BatchNorm forward moves its running statistics:
+    all put back as they were before the failing step."""
+    from types import SimpleNamespace
+
+    from replaybisect.record.device_guard import DeviceGuard
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, fused=True)
+    scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=1.0, total_steps=10)
+    guard = DeviceGuard(SimpleNamespace(model=model, optimizer=optimizer, scheduler=scheduler))
+    before = ({k: v.clone() for k, v in model.state_dict().items()}, [dict(g, params=None) for g in optimizer.param_groups],
+              scheduler.state_dict())
+    for step in range(3):  # the first step fails; the two after it are skipped too (the flag is sticky)
+        guard.opened(step, {})
+        model(torch.randn(8, 4)).sum().backward()
+        guard.step_with(optimizer, torch.tensor([step == 0, False]))
+        scheduler.step()
+    assert optimizer.state and optimizer.param_groups[0]["momentum"] != before[1][0]["momentum"]
+    guard.put_back(guard.pending[0])
+    assert not optimizer.state  # no momentum buffer from a skipped first update
+    assert [dict(g, params=None) for g in optimizer.param_groups] == before[1] and scheduler.state_dict() == before[2]
+    assert all(torch.equal(before[0][k], v) for k, v in model.state_dict().items())
 
 
 # ---- the Recorder's step: the guard's one read -----------------------------------------------------------------
@@ -247,7 +280,7 @@ def _recorder(tmp_path, config, **extra):
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
 def test_a_recorder_step_reads_the_guard_once_and_returns_its_loss_unread(tmp_path, precision):
-    rec = _recorder(tmp_path, {"precision": precision})  # (metrics flushed every 10 steps, the default)
+    rec = _recorder(tmp_path, {"precision": precision})  # (metrics flushed every 50 steps or 5 s, the defaults)
     batches = _batches(25)
     for batch in batches[:5]:
         rec.step(batch)
@@ -290,6 +323,37 @@ def test_a_recorder_fp16_step_halts_before_its_grad_scaler_touches_anything_and_
     # the gradient norm is the unscaled one on both paths (a fused optimizer unscales inside its step)
     norms = dict(rec.store.metric_history(rec.run_id, "grad_norm"))
     assert 0 < norms[0] < 100, norms[0]
+
+
+def linear_build(config):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 4)
+    return model, torch.optim.SGD(model.parameters(), lr=0.1)
+
+
+def skipping_step(model, optimizer, batch):
+    """Backpropagates, then skips its own update when the loss is not finite (as a GradScaler would)."""
+    optimizer.zero_grad()
+    loss = torch.nn.functional.mse_loss(model(batch), torch.zeros(len(batch), 4))
+    loss.backward()
+    if torch.isfinite(loss):
+        optimizer.step()
+    return loss
+
+
+def test_a_recorder_step_that_skips_its_own_update_on_a_nan_loss_still_halts_there(tmp_path):
+    import replaybisect
+
+    model, optimizer = linear_build({})
+    batches = [torch.randn(4, 8, generator=torch.Generator().manual_seed(step)) for step in range(4)]
+    batches[2][0, 0] = math.nan
+    rec = replaybisect.Recorder(model, optimizer, step_fn=skipping_step, build=linear_build, config={},
+                                tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}", snapshot_every=1000, layer_stats_every=0)
+    rec.step(batches[0])
+    rec.step(batches[1])
+    with pytest.raises(replaybisect.NonFiniteStep) as stopped:
+        rec.step(batches[2])
+    assert stopped.value.what == "loss" and stopped.value.step == 2
 
 
 def gan_build(config):

@@ -77,9 +77,10 @@ class LayerStats:
         self._pending["update_ratio"] = update_norm / param_norm.clamp_min(1e-12)
         self._before = []
 
-    def finish(self) -> dict[str, float]:
-        """The step's statistics, read from the device in one go; the module hooks removed."""
+    def finish(self) -> dict[str, torch.Tensor]:
+        """The step's statistics, still on the device (the recorder reads them with its other metrics, in one
+        transfer at the flush); the module hooks removed."""
         for handle in self._handles:
             handle.remove()
         self._handles = []
-        return {key: float(value.item()) for key, value in self._pending.items()}
+        return dict(self._pending)

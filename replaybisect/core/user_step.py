@@ -548,6 +548,7 @@ def _run_record(state, watch: StepWatch, record) -> None:
             returned = call_step(state, batch, outcome.step)
             if isinstance(state.optimizer, ManualUpdate) and state.optimizer._before is not None:
                 state.optimizer.step()  # the update the step made (an lr arm scales it here)
+            watch.judge_losses()  # deferred reads: losses no update came after (a step that skipped its update)
         except StepHalted:
             return
     if returned is NO_LOSS:  # NaN and no failure: the recorder logs no loss for it (Lightning's training_step -> None)

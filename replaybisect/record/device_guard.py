@@ -26,7 +26,8 @@ class PendingStep:
 
     step: int
     rng_at_start: dict
-    lrs: list[float]
+    groups: list[dict]  # each param group's settings but its params (the lr, and what a scheduler moves with it)
+    had_state: set[int]  # the parameters with optimizer state (a skipped first update still creates it)
     scheduler_state: Optional[dict]
     buffers: list[torch.Tensor]
     outcome: Any = None  # StepOutcome once the step ran
@@ -39,6 +40,7 @@ class DeviceGuard:
     state: Any  # TrainState
     failed: Optional[torch.Tensor] = None  # sticky: 1.0 from the first failing step on
     pending: list[PendingStep] = field(default_factory=list)
+    _buffers: list[tuple[torch.Tensor, int, torch.Tensor]] = field(default_factory=list)  # (buffer, its version, copy)
 
     @staticmethod
     def applies(cfg, state) -> bool:
@@ -52,11 +54,23 @@ class DeviceGuard:
     def opened(self, step: int, rng_at_start: dict) -> None:
         """A step opens: what it may change without its update (its buffers are the forward's, its lr the
         scheduler's) is kept until its verdict is read."""
-        scheduler = self.state.scheduler
+        scheduler, optimizer = self.state.scheduler, self.state.optimizer
         self.pending.append(PendingStep(
-            step=step, rng_at_start=rng_at_start, lrs=[group["lr"] for group in self.state.optimizer.param_groups],
+            step=step, rng_at_start=rng_at_start,
+            groups=[copy.deepcopy({key: value for key, value in group.items() if key != "params"}) for group in optimizer.param_groups],
+            had_state={id(param) for param in optimizer.state},
             scheduler_state=copy.deepcopy(scheduler.state_dict()) if scheduler is not None else None,
-            buffers=[buffer.detach().clone() for buffer in self.state.model.buffers() if buffer.numel()]))
+            buffers=self._buffer_copies()))
+
+    def _buffer_copies(self) -> list[torch.Tensor]:
+        """The model's buffers as this step starts: a new copy only of those changed since the last step's (the
+        forward's running statistics), the copy kept before for the others (an attention mask never changes)."""
+        buffers = [buffer for buffer in self.state.model.buffers() if buffer.numel()]
+        if len(self._buffers) != len(buffers):
+            self._buffers = [(buffer, -1, buffer) for buffer in buffers]
+        self._buffers = [(buffer, buffer._version, kept if version == buffer._version else buffer.detach().clone())
+                         for buffer, (_, version, kept) in zip(buffers, self._buffers)]
+        return [kept for _, _, kept in self._buffers]
 
     def found_inf(self, verdict: torch.Tensor) -> torch.Tensor:
         """The flag this step's optimizer gets: 1.0 when this step or an earlier one failed."""
@@ -85,6 +99,8 @@ class DeviceGuard:
         """The first pending step whose verdict (read) failed, and what failed; the pending steps are done."""
         pending, self.pending = self.pending, []
         for step in pending:
+            if step.outcome is None:  # (interrupted before its end: Ctrl-C, an error; not recorded)
+                continue
             if read.get(("verdict/loss", step.step)):
                 return step, "loss"
             if read.get(("verdict/gradients", step.step)):
@@ -93,9 +109,13 @@ class DeviceGuard:
 
     def put_back(self, failed: PendingStep) -> None:
         """The state before the failing step: its updates and every later one were skipped on the device; the
-        scheduler, the lr it set and the forwards' buffer updates are put back."""
-        for group, lr in zip(self.state.optimizer.param_groups, failed.lrs):
-            group["lr"] = lr
+        scheduler and what it set (lr, momentum...), the optimizer state a skipped first update created and the
+        forwards' buffer updates are put back."""
+        optimizer = self.state.optimizer
+        for group, settings in zip(optimizer.param_groups, failed.groups):
+            group.update(settings)
+        for param in [param for param in optimizer.state if id(param) not in failed.had_state]:
+            del optimizer.state[param]
         if failed.scheduler_state is not None:
             self.state.scheduler.load_state_dict(failed.scheduler_state)
         with torch.no_grad():

@@ -255,8 +255,7 @@ class RecordingHooks:
         steps are dropped. Returns the points to log."""
         step, outcome = failed.step, failed.outcome
         self.device_guard.put_back(failed)
-        kept = [(name, value, at) for name, value, at in points
-                if at < step or (at == step and name != "val_loss" and not (what == "loss" and name == "grad_norm"))]
+        kept = [(name, value, at) for name, value, at in points if at < step or (at == step and _logged_when_halted(name, what))]
         outcome.nonfinite, outcome.updated = what, False
         outcome.loss = next((value for name, value, at in kept if name == "loss" and at == step), math.nan)
         if what == "loss":
@@ -376,6 +375,13 @@ class NullHooks:
 
 
 VERDICT = "verdict/"  # record/device_guard.py's points: read with the metrics, never logged
+AFTER_BACKWARD = ("grad_norm/", "weight_norm/", "param_norm", "update_ratio")  # layer statistics of a step's backward and update
+
+
+def _logged_when_halted(name: str, what: str) -> bool:
+    """Whether a step halted before its update (at its loss, or at its gradients) logs this point: not its
+    validation, nor the layer statistics of its backward and update, nor a gradient norm after a failed loss."""
+    return name != "val_loss" and not name.startswith(AFTER_BACKWARD) and not (what == "loss" and name == "grad_norm")
 
 
 def read_points(points: list[tuple[str, Any, int]]) -> list[tuple[str, float, int]]:

@@ -278,9 +278,10 @@ class Recorder:
         """The last recorded step's loss (read from the device when asked)."""
         return self._last_outcome.loss if self._last_outcome is not None else None
 
-    def step(self, batch) -> torch.Tensor:
-        """Run one step of your step function on `batch` and record it; returns the loss as a 0-dim tensor, on the
-        step's device and not read from it (read it when you print it, as a plain loop would: `f"{loss:.4f}"`)."""
+    def step(self, batch) -> torch.Tensor | float:
+        """Run one step of your step function on `batch` and record it; returns the loss: a 0-dim tensor on the
+        step's device, not read from it (read it when you print it, as a plain loop would: `f"{loss:.4f}"`), or a
+        float where it was read anyway (a DDP job's rank, a step that returned a number)."""
         from replaybisect.core import loop, user_step
 
         if self._handover is not None and self._remote is None:
@@ -315,8 +316,8 @@ class Recorder:
             raise
         if not keep_going:
             self._stop(outcome)
-        value = outcome.loss_value
-        return value if isinstance(value, torch.Tensor) else torch.tensor(value)
+        value = outcome.loss_value  # (a copy: the value queued for logging stays as the step left it)
+        return value.clone() if isinstance(value, torch.Tensor) else value
 
     def _stepped(self, outcome) -> None:
         """A step is recorded (by `step`, or seen in the loop: record/inline.py)."""

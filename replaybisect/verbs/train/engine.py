@@ -88,7 +88,7 @@ def train(
         first_nonfinite_step=hooks.first_nonfinite_step,
         nonfinite_what=hooks.nonfinite_what,
         final_loss=hooks.last_loss,
-        stopped=stopped_by is not None,
+        stopped=stopped_by is not None or getattr(hooks, "halted", False),  # (a failure found at the last flush)
         snapshot_steps=sorted(set(hooks.snapshot_steps)),
         tracking_uri=store.uri,
     )
