@@ -345,15 +345,23 @@ def test_a_recorder_step_that_skips_its_own_update_on_a_nan_loss_still_halts_the
     import replaybisect
 
     model, optimizer = linear_build({})
-    batches = [torch.randn(4, 8, generator=torch.Generator().manual_seed(step)) for step in range(4)]
-    batches[2][0, 0] = math.nan
-    rec = replaybisect.Recorder(model, optimizer, step_fn=skipping_step, build=linear_build, config={},
+    rec, bad_batch = _two_steps_recorded(tmp_path, model, optimizer, skipping_step, linear_build, nan_at=(0, 0))
+    with pytest.raises(replaybisect.NonFiniteStep) as stopped:
+        rec.step(bad_batch)
+    assert stopped.value.what == "loss" and stopped.value.step == 2
+
+
+def _two_steps_recorded(tmp_path, model, optimizer, step_fn, build, nan_at: tuple[int, int]):
+    """A Recorder that recorded two healthy steps of `step_fn`, and the third batch, with a NaN at `nan_at`."""
+    import replaybisect
+
+    batches = [torch.randn(4, 8, generator=torch.Generator().manual_seed(step)) for step in range(3)]
+    batches[2][nan_at] = math.nan
+    rec = replaybisect.Recorder(model, optimizer, step_fn=step_fn, build=build, config={},
                                 tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}", snapshot_every=1000, layer_stats_every=0)
     rec.step(batches[0])
     rec.step(batches[1])
-    with pytest.raises(replaybisect.NonFiniteStep) as stopped:
-        rec.step(batches[2])
-    assert stopped.value.what == "loss" and stopped.value.step == 2
+    return rec, batches[2]
 
 
 def gan_build(config):
@@ -384,15 +392,10 @@ def test_a_recorder_step_with_a_second_optimizer_halts_before_that_optimizers_up
     import replaybisect
 
     model, optimizer, _, _ = gan_build({})
-    batches = [torch.randn(4, 8, generator=torch.Generator().manual_seed(step)) for step in range(4)]
-    batches[2][1, 3] = math.nan
-    rec = replaybisect.Recorder(model, optimizer, step_fn=gan_step, build=gan_build, config={},
-                                tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}", snapshot_every=1000, layer_stats_every=0)
-    rec.step(batches[0])
-    rec.step(batches[1])
+    rec, bad_batch = _two_steps_recorded(tmp_path, model, optimizer, gan_step, gan_build, nan_at=(1, 3))
     discriminator = {k: v.clone() for k, v in model["d"].state_dict().items()}
     with pytest.raises(replaybisect.NonFiniteStep) as stopped:
-        rec.step(batches[2])
+        rec.step(bad_batch)
     assert stopped.value.what == "loss" and stopped.value.step == 2
     assert all(torch.equal(discriminator[k], v) for k, v in model["d"].state_dict().items())
 
