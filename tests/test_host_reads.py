@@ -325,6 +325,48 @@ def test_a_recorder_fp16_step_halts_before_its_grad_scaler_touches_anything_and_
     assert 0 < norms[0] < 100, norms[0]
 
 
+def _fused_recorder_run(tmp_path, name: str, on_device: bool, monkeypatch) -> tuple:
+    """A Recorder step with a fused AdamW (fp32: no GradScaler), a NaN in batch 20, snapshots every 6 steps; returns
+    the Recorder, the rec.step call that raised, the NonFiniteStep, and the host reads of steps 5..19."""
+    import replaybisect
+    from replaybisect.record.device_guard import DeviceGuard
+
+    if not on_device:
+        monkeypatch.setattr(DeviceGuard, "applies", staticmethod(lambda cfg, state: False))
+    config = {"precision": "fp32", "fused": True}
+    model, optimizer, _, _ = build(config)
+    rec = replaybisect.Recorder(model, optimizer, step_fn=train_step, build=build, config=config, precision="fp32",
+                                tracking_uri=f"sqlite:///{tmp_path / name}.db", snapshot_every=6, layer_stats_every=0)
+    reads, raised_at, stop = HostReads(), None, None
+    for step, batch in enumerate(_batches(30, nan_at=20)):
+        try:
+            if 5 <= step < 20:
+                with reads:
+                    rec.step(batch)
+            else:
+                rec.step(batch)
+        except replaybisect.NonFiniteStep as error:
+            raised_at, stop = step, error
+            break
+    monkeypatch.undo()
+    return rec, raised_at, stop, reads.count
+
+
+def test_a_recorder_step_with_a_fused_optimizer_reads_nothing_and_stops_at_the_failing_steps_state(tmp_path, monkeypatch):
+    from replaybisect.restore import load_snapshot
+
+    at_once, raised_at_once, stop_at_once, _ = _fused_recorder_run(tmp_path, "at_once", False, monkeypatch)
+    later, raised_later, stop_later, reads = _fused_recorder_run(tmp_path, "later", True, monkeypatch)
+    assert raised_at_once == 20 and stop_at_once.step == 20 and stop_at_once.what == "loss"
+    assert raised_later >= 20 and stop_later.step == 20 and stop_later.what == "loss"  # raised at the flush that read it
+    assert reads <= 3 + 1, reads  # none in the steps: one a flush, before each snapshot (steps 6, 12, 18) and every 5 s
+    expected, got = load_snapshot(at_once.store, at_once.run_id, 20), load_snapshot(later.store, later.run_id, 20)
+    assert all(torch.equal(expected.tensors[name], got.tensors[name]) for name in expected.tensors)
+    assert expected.tensors.keys() == got.tensors.keys() and expected.state == got.state
+    losses = [dict(rec.store.metric_history(rec.run_id, "loss")) for rec in (at_once, later)]
+    assert losses[0].keys() == losses[1].keys() and max(losses[1]) == 20
+
+
 def linear_build(config):
     torch.manual_seed(0)
     model = torch.nn.Linear(8, 4)

@@ -428,7 +428,7 @@ def run_step(
     has the losses judged before it (StepWatch.judge_losses)."""
     outcome = StepOutcome(step=step, loss=math.nan, lr=float(state.optimizer.param_groups[0]["lr"]))
     watch = StepWatch(state, outcome, observer, on_fault=fault_handler(halt_on_nonfinite), ranks_agree=state.ranks_agree,
-                      defer_reads=defer_reads, device_guard=device_guard if not state.user_loop else None)
+                      defer_reads=defer_reads, device_guard=device_guard)
     if state.user_loop:  # the user's own step (forward, backward, update inside): the same moments, the same halting
         user_step.run(state, watch, batch)
         return outcome

@@ -467,6 +467,8 @@ def watching(watch: StepWatch):
     def before_update(stepping, args, kwargs) -> None:
         if stepping is optimizer and not manual:
             watch.gradients()
+            if watch.device_guard is not None:  # a fused optimizer skips a failed update on the device: no read
+                watch.device_guard.arm(optimizer, watch.verdict)
         elif not watch.stopped:  # another optimizer (a GAN's other half) updates: losses judged before it does
             with _kept_from_the_script(watch):
                 watch.judge_losses()
@@ -481,6 +483,8 @@ def watching(watch: StepWatch):
 
     def after_update(stepping, args, kwargs) -> None:
         if stepping is optimizer:
+            if watch.device_guard is not None:
+                watch.device_guard.disarm(optimizer)
             watch.updated()
 
     def judged_first(scaler_method):
@@ -506,6 +510,8 @@ def watching(watch: StepWatch):
         yield
     finally:
         watch.close_forward()
+        if watch.device_guard is not None:
+            watch.device_guard.disarm(optimizer)  # (a step that raised inside its optimizer's step)
         torch.Tensor.backward = original_backward
         torch.nn.utils.clip_grad_norm_ = original_clip
         torch.amp.GradScaler.unscale_, torch.amp.GradScaler.step = original_unscale, original_scaler_step

@@ -44,10 +44,11 @@ class DeviceGuard:
 
     @staticmethod
     def applies(cfg, state) -> bool:
-        """`replay train`'s own step, stopping at a failure, with a fused optimizer that takes found_inf, and no
-        enabled GradScaler (which hands the optimizer its own)."""
+        """A recorded step of one process (`replay train`'s, or a `Recorder`'s step function), stopping at a
+        failure, with a fused optimizer that takes found_inf, and no enabled GradScaler (which hands the optimizer
+        its own). Not a loop recorded as written (its steps are watched, not run: record/inline.py)."""
         optimizer = state.optimizer
-        return (not state.user_loop and state.ranks_agree is None and cfg.snapshot.on_nonfinite == "stop"
+        return (state.ranks_agree is None and cfg.snapshot.on_nonfinite == "stop"
                 and bool(getattr(optimizer, "defaults", {}).get("fused")) and getattr(optimizer, "_step_supports_amp_scaling", False)
                 and not guard.scaler_enabled(state.scaler))
 
@@ -81,11 +82,21 @@ class DeviceGuard:
 
     def step_with(self, optimizer, verdict: torch.Tensor) -> None:
         """optimizer.step(), skipped on the device when the sticky flag is set."""
-        optimizer.grad_scale, optimizer.found_inf = None, self.found_inf(verdict)
+        self.arm(optimizer, verdict)
         try:
             optimizer.step()
         finally:
-            del optimizer.grad_scale, optimizer.found_inf
+            self.disarm(optimizer)
+
+    def arm(self, optimizer, verdict: torch.Tensor) -> None:
+        """Before the optimizer's step (a user's step calls it: its pre-step hook arms it), as a GradScaler does."""
+        optimizer.grad_scale, optimizer.found_inf = None, self.found_inf(verdict)
+
+    @staticmethod
+    def disarm(optimizer) -> None:
+        for name in ("grad_scale", "found_inf"):
+            if name in vars(optimizer):
+                delattr(optimizer, name)
 
     def ran(self, outcome, batch) -> None:
         self.pending[-1].outcome, self.pending[-1].batch = outcome, batch

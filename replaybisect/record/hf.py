@@ -297,7 +297,7 @@ class ReplayCallback(TrainerCallback):
         self.run_id = self._session.run_id
         with self._session.failure_ends_run():
             self._session.write_config(self.cfg)
-            self._hooks = self._session.start_recording(self.cfg, self.state, {"seed": int(self.cfg.seed)})
+            self._hooks = self._session.start_recording(self.cfg, self.state, {"seed": int(self.cfg.seed)}, runs_steps=False)
         self._trainer = trainer
         self._watch(trainer, model, torch_optimizer)
         _watch_unclosed(self)  # a train() that an exception ends: the run FAILED at exit, not left RUNNING

@@ -45,7 +45,7 @@ class RecordingHooks:
 
     defers_reads = True  # the built-in step keeps its loss and gradient norm on the device: read at each metrics flush
 
-    def __init__(self, store: Store, run_id: str, cfg, state: TrainState, data_position: dict[str, Any]):
+    def __init__(self, store: Store, run_id: str, cfg, state: TrainState, data_position: dict[str, Any], runs_steps: bool = True):
         self.store = store
         self.run_id = run_id
         self.cfg = cfg
@@ -71,8 +71,9 @@ class RecordingHooks:
         self._last_outcome: Optional[StepOutcome] = None  # the last step that logged a loss
         self.steps_completed = 0
         # a fused optimizer in replay train's step: the non-finite verdicts stay on the device until a flush
-        self.device_guard = DeviceGuard(state) if DeviceGuard.applies(cfg, state) else None
+        self.device_guard = DeviceGuard(state) if runs_steps and DeviceGuard.applies(cfg, state) else None
         self.halted = False  # a flush found a failed step: the loop stops, nothing after it is recorded
+        self.failed_outcome: Optional[StepOutcome] = None  # that step's outcome
 
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="replaybisect-writer", initializer=_lower_priority)
         self._jobs: list[Future] = []
@@ -263,7 +264,7 @@ class RecordingHooks:
         if self._open_snapshot is not None:  # the interval's batches end with the failing one
             self._open_snapshot["batches"] = {at: batch for at, batch in self._open_snapshot["batches"].items() if at < step}
         self._rng_at_start = failed.rng_at_start
-        self._last_outcome = outcome
+        self._last_outcome = self.failed_outcome = outcome
         self.steps_completed = step + 1
         self.halted = True
         self.on_nonfinite(outcome, failed.batch)

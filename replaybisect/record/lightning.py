@@ -289,7 +289,7 @@ class ReplayCallback(Callback):
         self._last_step_end: Optional[float] = None
         def start_recording(session):
             session.write_config(self.cfg)
-            return session.start_recording(self.cfg, self.state, {"seed": int(self.cfg.seed)})
+            return session.start_recording(self.cfg, self.state, {"seed": int(self.cfg.seed)}, runs_steps=False)
 
         self._session, self._hooks = run_of_this_rank(
             link, self.tracking_uri, self.on_nonfinite,

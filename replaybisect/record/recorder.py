@@ -239,7 +239,7 @@ class Recorder:
             link, tracking_uri, on_nonfinite,
             lambda: open_session(tracking_uri, experiment, code_folder, {"replaybisect.loop": "user", **sources, **self.run_tags},
                                  run_name or f"train {name} (own loop)"),
-            lambda session: session.start_recording(self.cfg, self.state, {"seed": int(self.cfg.seed)}))
+            lambda session: session.start_recording(self.cfg, self.state, {"seed": int(self.cfg.seed)}, runs_steps=not inline))
         self.store, self.run_id = self._session.store, self._session.run_id
         one_line_failures()  # (rank 0 has it from open_session; the other ranks end with one line too)
         self._exit = contextlib.ExitStack()
@@ -315,7 +315,7 @@ class Recorder:
                 raise failure from error
             raise
         if not keep_going:
-            self._stop(outcome)
+            self._stop(getattr(self._hooks, "failed_outcome", None) or outcome)  # (a failure found at a flush: the step it happened at)
         value = outcome.loss_value  # (a copy: the value queued for logging stays as the step left it)
         return value.clone() if isinstance(value, torch.Tensor) else value
 
@@ -330,6 +330,7 @@ class Recorder:
 
     def _stop(self, outcome) -> None:
         """A non-finite step ended the run: it is closed, and NonFiniteStep says so."""
+        self.first_nonfinite_step, self.steps_taken = outcome.step, outcome.step + 1
         self.close()
         raise nonfinite_step(outcome, self.run_id)
 

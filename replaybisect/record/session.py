@@ -69,10 +69,12 @@ class RunSession:
         self.store.log_params(self.run_id, params)
         self.store.log_text(self.run_id, config_mod.to_yaml(cfg), "config.yaml")
 
-    def start_recording(self, cfg, state, data_position: dict[str, Any]):
-        """The hooks that record every step (or, with snapshot.enabled=false, only count them)."""
+    def start_recording(self, cfg, state, data_position: dict[str, Any], runs_steps: bool = True):
+        """The hooks that record every step (or, with snapshot.enabled=false, only count them). `runs_steps`: the
+        steps go through loop.take_step (replay train, the Recorder), so a fused optimizer's update can be skipped
+        on the device (record/device_guard.py); a Trainer's callback only watches them."""
         if cfg.snapshot.enabled:
-            self.hooks = RecordingHooks(self.store, self.run_id, cfg, state, data_position)
+            self.hooks = RecordingHooks(self.store, self.run_id, cfg, state, data_position, runs_steps=runs_steps)
         else:
             self.hooks = NullHooks(cfg.snapshot.on_nonfinite == "stop")
         return self.hooks
