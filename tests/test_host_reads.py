@@ -207,6 +207,26 @@ def test_a_fused_runs_failure_found_only_when_training_ends_still_stops_the_run(
     assert (result.status, result.first_nonfinite_step, result.stopped, result.steps_completed) == ("nonfinite", 20, True, 21)
 
 
+def test_a_step_interrupted_before_its_end_is_not_taken_for_the_failure():
+    """Ctrl-C between a failing step's update and its end: that step has a verdict but no outcome; the read finds
+    no recorded failure in it (the run ends KILLED with what was recorded before)."""
+    from types import SimpleNamespace
+
+    from replaybisect.record.device_guard import DeviceGuard
+
+    model = torch.nn.Linear(4, 4)
+    optimizer = torch.optim.AdamW(model.parameters(), fused=True)
+    guard = DeviceGuard(SimpleNamespace(model=model, optimizer=optimizer, scheduler=None))
+    for step, failed in enumerate((False, True)):
+        guard.opened(step, {})
+        model(torch.randn(2, 4)).sum().backward()
+        guard.step_with(optimizer, torch.tensor([failed, False]))
+        if not failed:
+            guard.ran(f"outcome of step {step}", f"batch {step}")  # (step 1 is interrupted before it ends)
+    read = {(name, at): float(value) for name, value, at in guard.verdict_points()}
+    assert read[("verdict/loss", 1)] == 1.0 and guard.first_failure(read) is None and guard.pending == []
+
+
 def test_the_device_guard_puts_back_what_skipped_steps_changed_around_the_update():
     """A fused SGD with momentum skipping its very first update still creates its momentum buffer (uninitialised
     memory); a one-cycle schedule moves momentum with the lr; a BatchNorm forward moves its running statistics:

@@ -184,9 +184,7 @@ class StepWatch:
         if guard.scaler_enabled(self.state.scaler):
             self.judge_losses()  # (normally done already, before the unscale)
             return
-        pending, self._loss_failed = self._loss_failed, None
-        loss_failed = pending if pending is not None else torch.zeros((), dtype=torch.bool, device=norm.device)
-        failed_loss, failed_norm = torch.stack([loss_failed.to(norm.device), ~torch.isfinite(norm)]).tolist()
+        failed_loss, failed_norm = torch.stack([self._take_loss_flag(norm.device), ~torch.isfinite(norm)]).tolist()
         if self.outcome.nonfinite is not None:
             return
         if failed_loss:  # as a step that halts at its loss: no gradient measured (these came from a non-finite loss)
@@ -199,11 +197,14 @@ class StepWatch:
     def _verdict_on_device(self, grads: list, norm: torch.Tensor) -> None:
         """No read: did a loss, or a gradient element (its largest magnitude: inf or NaN), go non-finite? Kept on the
         device for the optimizer to skip on (record/device_guard.py) and the hooks to read at the flush."""
-        pending, self._loss_failed = self._loss_failed, None
         device = norm.device
-        loss_failed = pending.to(device) if pending is not None else torch.zeros((), dtype=torch.bool, device=device)
         largest = torch.nn.utils.get_total_norm(grads, norm_type=math.inf).to(device) if grads else torch.zeros((), device=device)
-        self.verdict = torch.stack([loss_failed, ~torch.isfinite(largest)])
+        self.verdict = torch.stack([self._take_loss_flag(device), ~torch.isfinite(largest)])
+
+    def _take_loss_flag(self, device: torch.device) -> torch.Tensor:
+        """The flag of the losses not judged yet (False when none), on `device`; they count as judged now."""
+        pending, self._loss_failed = self._loss_failed, None
+        return pending.to(device) if pending is not None else torch.zeros((), dtype=torch.bool, device=device)
 
     def backward_done(self) -> None:
         """A backward returned. A rank of a distributed job asks every rank whether its loss went non-finite (each

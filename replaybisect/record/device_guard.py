@@ -27,7 +27,8 @@ class PendingStep:
     step: int
     rng_at_start: dict
     groups: list[dict]  # each param group's settings but its params (the lr, and what a scheduler moves with it)
-    had_state: set[int]  # the parameters with optimizer state (a skipped first update still creates it)
+    states: int  # how many parameters had optimizer state (a skipped first update still creates it; state is
+    # only ever added, in order, so the later entries are the ones to drop)
     scheduler_state: Optional[dict]
     buffers: list[torch.Tensor]
     outcome: Any = None  # StepOutcome once the step ran
@@ -59,7 +60,7 @@ class DeviceGuard:
         self.pending.append(PendingStep(
             step=step, rng_at_start=rng_at_start,
             groups=[copy.deepcopy({key: value for key, value in group.items() if key != "params"}) for group in optimizer.param_groups],
-            had_state={id(param) for param in optimizer.state},
+            states=len(optimizer.state),
             scheduler_state=copy.deepcopy(scheduler.state_dict()) if scheduler is not None else None,
             buffers=self._buffer_copies()))
 
@@ -125,7 +126,7 @@ class DeviceGuard:
         optimizer = self.state.optimizer
         for group, settings in zip(optimizer.param_groups, failed.groups):
             group.update(settings)
-        for param in [param for param in optimizer.state if id(param) not in failed.had_state]:
+        for param in list(optimizer.state)[failed.states:]:
             del optimizer.state[param]
         if failed.scheduler_state is not None:
             self.state.scheduler.load_state_dict(failed.scheduler_state)

@@ -402,9 +402,12 @@ class ReplayCallback(Callback):
             return
         step, self._step = self._step, None
         outcome = step.watch.outcome
-        # with deferred reads the loss stays on the device, read with the step's other metrics at the flush
-        logged = step.logged_loss.clone() if step.logged_loss is not None else math.nan
-        outcome.loss = logged if step.watch.defer_reads or not isinstance(logged, torch.Tensor) else float(logged.item())
+        if step.logged_loss is None:
+            outcome.loss = math.nan
+        elif step.watch.defer_reads:  # stays on the device, read with the step's other metrics at the flush
+            outcome.loss = step.logged_loss.clone()
+        else:
+            outcome.loss = float(step.logged_loss.item())
         step.watch.settle()
         self._last_step_end = time.perf_counter()
         stored = self._stored(step)
