@@ -120,19 +120,21 @@ def find_nan(
     code_dirs: Sequence[str | Path] = (),
     trust: Sequence[str] = (),
     publish: bool = True,
+    nproc: Optional[int] = None,
 ) -> "NanReport":
     """Where the first NaN/Inf of a recorded run came from, and why (as `replay nan`): the state before the
     failing step is restored, the replay checked against the logged losses, and the step re-run under probes.
     `device` replays elsewhere than the run's train.device; `code_dirs`/`trust` say which of the stored config's
-    `_target_`s may be built (see the README's trust model)."""
+    `_target_`s may be built (see the README's trust model); `nproc` replays a distributed run over the real
+    collective, one process per recorded rank (as `--nproc`)."""
     from replaybisect.verbs.nan.request import NanRequest
 
     request = NanRequest(run_id=run_id, step=step, device=device, tracking_uri=tracking_uri, code_dirs=code_dirs,
-                         trust=trust, publish=publish)
-    from replaybisect.verbs.nan.engine import find_nan as find
+                         trust=trust, publish=publish, nproc=nproc)
+    from replaybisect.verbs.nan.ranked import answer
 
     store = _run_store(request.tracking_uri, request.run_id)
-    report = find(store, request.run_id, request.step, device=request.torch_device, trust=request.trusted)
+    report = answer(store, request)
     if request.publish:
         from replaybisect.verbs.nan.report import publish as publish_report
 

@@ -57,7 +57,12 @@ def failing_step(store: Store, run_id: str) -> Optional[int]:
 
 
 def logged_losses(store: Store, run_id: str) -> dict[int, float]:
-    return dict(store.metric_history(run_id, "loss"))
+    """The losses the run logged: rank 0's of a distributed run (`loss`), or in a replay over the real collective
+    (replay nan --nproc) this process's rank's own (`loss/rankN`)."""
+    from replaybisect.core import ranks
+
+    here = ranks.world()
+    return dict(store.metric_history(run_id, "loss" if here is None or here[0] == 0 else f"loss/rank{here[0]}"))
 
 
 def snapshot_steps(store: Store, run_id: str) -> list[int]:
@@ -240,7 +245,7 @@ def restore(
     """Rebuild model, optimizer, scheduler, scaler, RNG streams and data position from the newest good
     snapshot at or before `step` (the latest one when None). `cfg` replaces the run's config (ablations):
     objects are built from it, state comes from the snapshot."""
-    from replaybisect.core import loop
+    from replaybisect.core import loop, ranks
     from replaybisect.core.state import apply
 
     warnings: list[str] = []
@@ -253,6 +258,8 @@ def restore(
         candidates = good_snapshots(store, run_id, step, warnings)
     for candidate in candidates:
         state = loop.build_state(cfg, device)
+        if ranks.world() is not None:  # replay nan --nproc: the ranks halt together, as they did recording
+            state.ranks_agree = ranks.any_rank_failed(state.device)
         try:
             apply(state, candidate.tensors, candidate.state)
         except SnapshotError as error:

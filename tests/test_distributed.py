@@ -87,6 +87,31 @@ def test_a_nan_row_on_rank_1_is_named_with_its_rank_and_row(shared, nan_row_run)
     assert "non-finite loss on rank 1 at step 12" in failure["summary"]
 
 
+def test_a_step_with_a_collective_of_its_own_replays_exact_over_the_real_collective(shared):
+    """The step returns the ranks' mean loss (its own all-reduce): one process does not reproduce the logged losses and
+    says how to replay it; `--nproc 2` replays every rank in its own process over gloo, exact, and names rank 1's row."""
+    run_id, done = _torchrun(shared, "--steps", "14", "--nan-step", "12", "--plant", "mean-loss", expect_failure=True)
+    assert "loss is nan at step 12" in done.stderr
+    alone = _answer(shared, "find_nan", run_id)
+    assert alone["reproduced"] == "diverged", alone["evidence"]
+    assert any(f"replay nan --run-id {run_id} --nproc 2" in warning for warning in alone["warnings"]), alone["warnings"]
+
+    result = shared.replay("nan", "--run-id", run_id, "--nproc", "2", "--json")
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = result.json()  # the ranks' own output (the user's prints) went to stderr
+    assert (report["reproduced"], report["replay"]["processes"], report["replay"]["ranks_compared"]) == ("exact", 2, 2), report["evidence"]
+    assert report["evidence"][0].startswith("replayed steps 10..11 from the snapshot of step 10 over the real collective (2 processes, gloo)")
+    assert report["category"] == "data" and report["failing_step"] == 12, report["headline"]
+    [finding] = report["batch"]
+    assert finding["rank"] == 1 and finding["rows"] == [5] and "rank 1's batch[0]" in report["headline"]
+    assert report["evidence"][1] == "the failure starts on rank 1: its batch went non-finite"
+
+    for args, said in ((("--nproc", "3"), "recorded with 2 ranks; pass --nproc 2"), (("--nproc", "0"), "--nproc")):
+        refused = shared.replay("nan", "--run-id", run_id, *args)
+        assert refused.returncode == 2 and len(refused.stderr.strip().splitlines()) == 1, refused.stderr
+        assert said in refused.stderr
+
+
 def test_a_diverging_lr_is_a_divergence_and_ablate_fixes_it_by_lr(shared, diverging_run):
     run_id, done = diverging_run
     assert "loss is inf at step 13" in done.stderr

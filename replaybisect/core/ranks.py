@@ -275,7 +275,8 @@ def _reduce(reduction: Reduction, param: torch.Tensor, grad: torch.Tensor) -> No
     peers = reduction.kept.get(key, [])
     if len(peers) != reduction.world_size - 1:
         raise ReplayError("the ranks' recorded steps reduced their gradients a different number of times: they took "
-                          "different paths; this step cannot be replayed on one process")
+                          "different paths; this step cannot be replayed on one process: replay it over the real "
+                          f"collective with `replay nan --run-id RUN_ID --nproc {reduction.world_size}`")
     share = 1.0 / reduction.world_size  # DDP's reducer multiplies each rank's gradient by 1/W (exact for W = 2, 4, ...)
     reduced = grad.mul(share)
     for peer in peers:  # the sum in rank order, as gloo adds the ranks' shares

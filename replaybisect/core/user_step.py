@@ -110,7 +110,7 @@ def build_parts(cfg) -> dict[str, Any]:
         ranks.one_process_group()
     parts = unpack_parts(build(config), "train.build")
     parts["step_fn"] = instantiate(cfg.train.step_fn, "train.step_fn")
-    if distributed and not ranks.reduces_itself(parts["step_fn"]):
+    if distributed and not ranks.reduces_itself(parts["step_fn"]) and ranks.world() is None:  # (--nproc: DDP's own)
         ranks.attach_reduction(parts["model"])
     parts["user_config"] = config
     step_arguments(parts["step_fn"])
@@ -524,10 +524,12 @@ def run(state, watch: StepWatch, record) -> None:
     filling `watch.outcome` (see loop.run_step)."""
     from replaybisect.core import ranks
 
-    if ranks.is_ranks_record(record):
-        ranks.run_global_step(state, watch, record, _run_record)
-    else:
+    if not ranks.is_ranks_record(record):
         _run_record(state, watch, record)
+    elif ranks.world() is not None:  # replay nan --nproc: this process is one recorded rank, DDP's all-reduce is real
+        _run_record(state, watch, ranks.rank_records(record)[ranks.world()[0]])
+    else:
+        ranks.run_global_step(state, watch, record, _run_record)
 
 
 def _run_record(state, watch: StepWatch, record) -> None:

@@ -1,8 +1,9 @@
 """A distributed data-parallel job as users write one, started with torchrun (2 processes, gloo on CPU): the process
 group set up in main, the model wrapped in DDP by build, each rank drawing its own data, the same Recorder lines as
 one process. Plants: a NaN row in rank 1's batch at a step (--nan-step), a learning rate that diverges (--loss mse --lr 3 --clip 0),
-and rank asymmetries (--plant seed | hook | loss-count: a rank-dependent init, rank 1 changing its
-gradients after the all-reduce, a loss divided by a per-rank count).
+rank asymmetries (--plant seed | hook | loss-count: a rank-dependent init, rank 1 changing its
+gradients after the all-reduce, a loss divided by a per-rank count), and a step that returns the ranks' mean loss
+(--plant mean-loss: a collective of its own in the step).
 
 Run: torchrun --nproc_per_node 2 ddp_loop.py --steps 20 [--nan-step 12] [--lr 0.05] [--plant NAME,...] [--fp16]"""
 import argparse
@@ -50,6 +51,10 @@ def train_step(model, optimizer, scaler, batch, config):
         scaler.update()
     else:
         optimizer.step()
+    if config["plant"] == "mean-loss":  # returns the ranks' mean loss: an all-reduce of its own, which one process cannot replay
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)
+        return mean / dist.get_world_size()
     return loss
 
 

@@ -7,13 +7,16 @@ from typing import Optional
 import typer
 
 from replaybisect.options import CodeDirs, JsonFlag, TrackingUri, TrustPrefixes, print_json, stderr_console
-from replaybisect.verbs.nan.request import STEP, NanRequest
+from replaybisect.verbs.nan.request import NPROC, STEP, NanRequest
 
 
 def nan_command(
     run_id: str = typer.Option(..., "--run-id", help="The run that went non-finite."),
     step: Optional[int] = typer.Option(None, "--step", **STEP.limits, help="Examine this step instead of the run's first non-finite step."),
     device: Optional[str] = typer.Option(None, "--device", help="Replay on this device (default: the run's train.device)."),
+    nproc: Optional[int] = typer.Option(None, "--nproc", **NPROC.limits, help="A distributed run: replay it over the real "
+                                        "collective, one process per recorded rank on this machine (gloo), for what "
+                                        "one process cannot reproduce."),
     no_child_run: bool = typer.Option(False, "--no-child-run", help="Do not record the report as a child run."),
     tracking_uri: Optional[str] = TrackingUri,
     as_json: bool = JsonFlag,
@@ -45,17 +48,16 @@ def nan_command(
 
     # bad input (a device this machine lacks, a --code-dir that is no folder) is refused before the store is opened
     request = NanRequest(run_id=run_id, step=step, device=device, tracking_uri=tracking_uri, code_dirs=code_dirs or (),
-                         trust=trust_prefixes or (), publish=not no_child_run)
+                         trust=trust_prefixes or (), publish=not no_child_run, nproc=nproc)
     store = run_store(request.tracking_uri, request.run_id)  # an unknown run is answered before torch is imported
     from replaybisect.core.tags import step_tag
 
     step_tag(store.tags(run_id), "first_nonfinite_step", run_id)  # a damaged tag too (torch is not imported yet)
-    from replaybisect.verbs.nan.engine import find_nan
+    from replaybisect.verbs.nan.ranked import answer
     from replaybisect.verbs.nan.report import print_rich, publish
 
     progress = stderr_console()
-    report = find_nan(store, request.run_id, request.step, device=request.torch_device, trust=request.trusted,
-                      log=lambda message: progress.print(f"[dim]{message}[/dim]"))
+    report = answer(store, request, log=lambda message: progress.print(f"[dim]{message}[/dim]"))
     if request.publish:
         publish(store, report)
     if as_json:

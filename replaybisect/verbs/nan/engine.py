@@ -191,6 +191,7 @@ def find_nan(
                     f"the replay does not follow the recorded run; examining step {examined}"
                 )
             reproduced = "unchecked" if replayed is None else ("diverged" if examined != target else replayed.reproduced)
+            warnings.extend(_needs_the_collective(run_id, cfg, reproduced))
             timings["replay_s"] = time.perf_counter() - started
             rng_at_step = capture_raw()
 
@@ -317,14 +318,30 @@ def _replay_sentence(report: NanReport, replayed, stored_batch: bool) -> str:
     batch_from = "the stored batch" if stored_batch else "a batch rebuilt from the data source"
     if replayed is None:
         return f"restored the snapshot of step {report.snapshot_step} (no earlier snapshot: reproduction unchecked); step {report.failing_step} uses {batch_from}"
+    from replaybisect.core import ranks
+
     n = replayed.end_step - replayed.start_step
     losses = f"the losses of all {replayed.ranks_compared} ranks" if replayed.ranks_compared > 1 else "losses"
     where = " on one process (each rank's batch, gradients averaged as DDP does)" if replayed.ranks_compared > 1 else ""
+    if ranks.world() is not None:  # one rank of replay nan --nproc (the launcher words the job's sentence)
+        losses, where = f"rank {ranks.world()[0]}'s losses", f" over the real collective ({ranks.world()[1]} processes)"
     text = (f"replayed {n} step(s) {replayed.start_step}..{replayed.end_step - 1} from the snapshot of step "
             f"{report.snapshot_step}{where}: {losses} {report.reproduced}")
     if replayed.mismatches:
         text += f" (max relative error {replayed.max_relative_error:.3g})"
     return text + f"; step {report.failing_step} uses {batch_from}"
+
+
+def _needs_the_collective(run_id: str, cfg, reproduced: str) -> list[str]:
+    """A distributed run that one process did not reproduce: offer the replay over the real collective."""
+    from replaybisect.core import ranks
+
+    world_size = int(cfg.train.get("world_size") or 1)
+    if reproduced != "diverged" or world_size < 2 or ranks.world() is not None:
+        return []
+    return [f"one process did not reproduce this {world_size}-rank run (the step may use collectives of its own, or the "
+            f"ranks took different paths): replay it over the real collective on this machine with `replay nan --run-id "
+            f"{run_id} --nproc {world_size}`"]
 
 
 def _reproduce_step0(cfg, state, rng_at_step, snapshot, batch, logged_loss, recorded_what) -> dict[str, Any]:
@@ -478,7 +495,7 @@ def _bits(value) -> Optional[str]:
 
 
 def _probe_step(state, step, batch, rng_at_step, dataset_rows, log) -> _StepResults:
-    from replaybisect.core import rng
+    from replaybisect.core import ranks, rng
     from replaybisect.verbs.nan import probes
 
     live_before = fingerprint(state)
@@ -490,7 +507,8 @@ def _probe_step(state, step, batch, rng_at_step, dataset_rows, log) -> _StepResu
     log(f"step {step}: probes (forward hooks, gradient hooks, update)")
     probe = on_copy(state, rng_at_step, lambda copy: probes.StepProbe(copy).run(step, batch))
     log(f"step {step}: detect_anomaly")
-    anomaly = on_copy(state, rng_at_step, lambda copy: probes.anomaly_pass(copy, step, batch))
+    alone = ranks.world() is None  # (replay nan --nproc: every rank runs each pass to its end)
+    anomaly = on_copy(state, rng_at_step, lambda copy: probes.anomaly_pass(copy, step, batch, raise_on_nan=alone))
     _, again = on_copy(state, rng_at_step, plain_run(step, batch))
     isolation = {
         "state_unchanged": fingerprint(state) == live_before,

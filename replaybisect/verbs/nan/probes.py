@@ -818,17 +818,19 @@ class _FirstBadNode(loop.StepObserver):
         return hook
 
 
-def anomaly_pass(state: "loop.TrainState", step: int, batch: Any) -> AnomalyFinding:
+def anomaly_pass(state: "loop.TrainState", step: int, batch: Any, raise_on_nan: bool = True) -> AnomalyFinding:
     """The step (`loop.run_step`) under torch.autograd.detect_anomaly, on a COPY of the state.
 
     detect_anomaly raises only on NaN produced in backward; a post-hook on every node also catches Inf, and
-    the forward traceback anomaly mode stores on every node names the user's line either way."""
+    the forward traceback anomaly mode stores on every node names the user's line either way. A rank replayed over
+    the real collective (replay nan --nproc) does not raise: a backward left midway would leave the other ranks
+    waiting in its all-reduce."""
     watch = _FirstBadNode()
     message = None
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
-            with torch.autograd.detect_anomaly(check_nan=True):
+            with torch.autograd.detect_anomaly(check_nan=raise_on_nan):
                 loop.run_step(state, step, batch, halt_on_nonfinite=False, observer=watch)
         except RuntimeError as error:
             if not watch.in_backward:

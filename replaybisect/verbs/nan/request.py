@@ -6,9 +6,11 @@ from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
 from replaybisect import request as checks
+from replaybisect.core.config import MAX_PROCESSES
 from replaybisect.request import Bound
 
 STEP = Bound("nan", ("--step",), low=0)
+NPROC = Bound("nan", ("--nproc",), low=1, high=MAX_PROCESSES)
 
 
 @dataclass(frozen=True)
@@ -23,6 +25,7 @@ class NanRequest:
     code_dirs: Sequence[str] = ()
     trust: Sequence[str] = ()
     publish: bool = True  # record the report as a child run (--no-child-run: False)
+    nproc: Optional[int] = None  # a distributed run replayed over the real collective, one process per recorded rank
     # built from the fields above when the request is: the trust decision, the device (a torch.device, or None)
     trusted: Any = field(init=False, repr=False, compare=False)
     torch_device: Any = field(init=False, repr=False, compare=False)
@@ -31,6 +34,7 @@ class NanRequest:
         checks.setattrs(
             self, tracking_uri=checks.tracking_uri(self.tracking_uri), run_id=checks.run_id(self.run_id),
             step=checks.integer(self.step, "step", STEP, optional=True),
+            nproc=checks.integer(self.nproc, "nproc", NPROC, optional=True),
             device=checks.text(self.device, "device", optional=True),
             code_dirs=checks.paths(self.code_dirs, "code_dirs"), trust=checks.strings(self.trust, "trust", what="module prefixes"),
             publish=checks.flag(self.publish, "publish"),

@@ -14,23 +14,20 @@ import argparse
 import contextlib
 import json
 import os
-import socket
-import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
 
 import torch
 
+from replaybisect.core import launch as launch_mod
 from replaybisect.errors import ConfigError, ReplayError
 from replaybisect.record.recorder import Recorder
 
 ENTRY = "replaybisect.verbs.train.ranks"
 LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
-PEER_GRACE_SECONDS = 15.0  # after one rank failed, the others this long to end their run's record before they are stopped
 
 
 # ---- the run's build and step: what a replay rebuilds on one process ------------------------------------------
@@ -255,9 +252,9 @@ def launch(cfg, *, tracking_uri: str, run_name: Optional[str], tags: dict[str, s
                    "--tracking-uri", tracking_uri, "--code-folder", str(code_folder), "--tags", json.dumps(tags)]
         if run_name:
             command += ["--run-name", run_name]
-        processes = _start(command, nproc, cfg.train.num_threads)
-        codes = _wait(processes)
-        answer = json.loads(result_file.read_text(encoding="utf-8")) if result_file.is_file() else None
+        processes = launch_mod.start_ranks(command, nproc, cfg.train.num_threads)
+        codes = launch_mod.wait_ranks(processes)
+        answer = launch_mod.read_answer(result_file)
     if answer is not None and "result" in answer:
         return TrainResult(**answer["result"])
     if answer is not None and "error" in answer:
@@ -265,50 +262,6 @@ def launch(cfg, *, tracking_uri: str, run_name: Optional[str], tags: dict[str, s
     failed = next((rank for rank, code in enumerate(codes) if code not in (0, None)), 0)
     raise ReplayError(f"rank {failed} of the {nproc}-process job ended with exit status {codes[failed]} before its run was "
                       "recorded; its output is above")
-
-
-def _start(command: list[str], nproc: int, num_threads: Optional[int]) -> list[subprocess.Popen]:
-    with socket.socket() as probe:  # a free port for the job's rendezvous (as torchrun --standalone finds one)
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    threads = str(num_threads or max(1, (os.cpu_count() or 1) // nproc))
-    processes = []
-    for rank in range(nproc):
-        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc),
-               "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-               "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", threads)}
-        processes.append(subprocess.Popen(command, env=env, stdout=sys.stderr.fileno()))
-    return processes
-
-
-def _wait(processes: list[subprocess.Popen]) -> list[Optional[int]]:
-    """Every rank's exit status. One that fails gives the others PEER_GRACE_SECONDS (they notice, and rank 0 or a
-    survivor ends the run FAILED naming it), then they are stopped. Ctrl-C stops them all."""
-    failed_at = None
-    try:
-        while any(process.poll() is None for process in processes):
-            codes = [process.poll() for process in processes]
-            if failed_at is None and any(code not in (None, 0) for code in codes):
-                failed_at = time.monotonic()
-            if failed_at is not None and time.monotonic() - failed_at > PEER_GRACE_SECONDS:
-                _stop(processes)
-            time.sleep(0.1)
-    except BaseException:
-        _stop(processes)
-        raise
-    return [process.returncode for process in processes]
-
-
-def _stop(processes: list[subprocess.Popen]) -> None:
-    for process in processes:
-        if process.poll() is None:
-            process.terminate()
-    for process in processes:
-        try:
-            process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
 
 
 # ---- one launched rank: python -m replaybisect.verbs.train.ranks ----------------------------------------------
@@ -334,18 +287,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     except (ReplayError, KeyboardInterrupt) as error:  # the launcher prints the line (rank 0's, or the first one's)
         line = str(error) if isinstance(error, ReplayError) else "stopped"
         if rank == 0 or not result_file.exists():
-            _write(result_file, {"error": f"rank {rank}: {line}", "exit": getattr(error, "exit_code", 1)})
+            launch_mod.write_answer(result_file, {"error": f"rank {rank}: {line}", "exit": getattr(error, "exit_code", 1)})
         return getattr(error, "exit_code", 1)
     if result is not None:
-        _write(result_file, {"result": result.to_json()})
+        launch_mod.write_answer(result_file, {"result": result.to_json()})
     return 0
-
-
-def _write(path: Path, answer: dict) -> None:
-    """Written whole or not at all: the launcher reads it after every rank ended."""
-    partial = path.with_suffix(f".{os.getpid()}.partial")  # ranks failing at once each write their own
-    partial.write_text(json.dumps(answer), encoding="utf-8")
-    partial.replace(path)
 
 
 if __name__ == "__main__":  # run from the module by its name, so the run names its build and step by their import path
