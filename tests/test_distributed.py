@@ -201,6 +201,11 @@ def test_lightning_ddp_a_nan_row_on_rank_1_is_named_and_a_high_lr_is_a_divergenc
     assert report["category"] == "data" and report["failing_step"] == 6
     [finding] = report["batch"]
     assert finding["rank"] == 1 and finding["rows"] == [5]
+    import replaybisect as rb
+    from replaybisect.errors import ConfigError
+
+    with in_folder(shared.path), pytest.raises(ConfigError, match="is a Lightning run: its replay averages"):
+        rb.find_nan(run_id, tracking_uri=shared.tracking_uri, publish=False, nproc=2)
 
     run_id, done = _lightning(shared, "1.0", "60")
     assert "loss is inf at step 25" in done.stderr
