@@ -108,6 +108,8 @@ MADE_BY_COMMANDS = [
     ("nan-code-dir-not-a-folder", ["nan", "--run-id", RUN, "--code-dir", "jobs"], lambda: rb.find_nan(RUN, code_dirs=["jobs"])),
     ("nan-trust-not-a-module", ["nan", "--run-id", RUN, "--trust", "my-pkg"], lambda: rb.find_nan(RUN, trust=["my-pkg"])),
     ("nan-empty-run", ["nan", "--run-id", ""], lambda: rb.find_nan("")),
+    ("nan-nproc-zero", ["nan", "--run-id", RUN, "--nproc", "0"], lambda: rb.find_nan(RUN, nproc=0)),
+    ("nan-nproc-huge", ["nan", "--run-id", RUN, "--nproc", "65"], lambda: rb.find_nan(RUN, nproc=65)),
     ("diagnose-blank-run", ["diagnose", "--run-id", " "], lambda: rb.diagnose(" ")),
     ("nan-uri-empty", ["nan", "--run-id", RUN, "--tracking-uri", ""], lambda: rb.find_nan(RUN, tracking_uri="")),
     ("bisect-threshold-inf", ["bisect", "a", "b", "--threshold", "inf"], lambda: rb.bisect("a", "b", threshold=math.inf)),
