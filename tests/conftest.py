@@ -159,13 +159,13 @@ def assert_one_line_error(result: CliResult, *fragments: str) -> None:
 # the suite's last minutes). Without --no-loadscope-reorder xdist orders modules by their number of tests instead.
 # The order: each module's summed test time on a 2-core machine, longest first.
 LONGEST_FIRST = [
-    "test_watch.py", "test_bisect_train.py", "test_watch_jobs.py", "test_hf.py", "test_trust.py", "test_train.py", "test_ablate.py", "test_check_run_state.py",
-    "test_user_loop.py", "test_step_guard.py", "test_snapshots.py", "test_watch_units.py", "test_script_loop.py", "test_inline_loop.py", "test_distributed.py",
-    "test_check.py",
-    "test_divergence.py", "test_workers.py", "test_ablate_patch.py", "test_bisect.py", "test_cli_errors.py",
-    "test_lightning.py", "test_diagnose.py", "test_signals.py", "test_nan.py", "test_store_safety.py", "test_zoo.py",
-    "test_bisect_printing.py", "test_store_race.py", "test_ablate_values.py", "test_bad_input.py", "test_optim_factory.py",
-    "test_user_stdout.py", "test_snapshot_fuzz.py", "test_store_location.py", "test_disk_full.py", "test_runs.py",
+    "test_inline_loop.py", "test_distributed.py", "test_watch.py", "test_bisect_train.py", "test_ablate.py", "test_trust.py",
+    "test_script_loop.py", "test_check_run_state.py", "test_train.py", "test_user_loop.py", "test_watch_units.py", "test_bisect.py",
+    "test_hf.py", "test_lightning.py", "test_zoo.py", "test_watch_jobs.py", "test_step_guard.py", "test_ablate_patch.py",
+    "test_divergence.py", "test_diagnose.py", "test_snapshots.py", "test_signals.py", "test_check.py", "test_cli_errors.py",
+    "test_workers.py", "test_ablate_values.py", "test_nan.py", "test_store_safety.py", "test_bad_input.py", "test_store_race.py",
+    "test_bisect_printing.py", "test_user_stdout.py", "test_store_location.py", "test_snapshot_fuzz.py", "test_optim_factory.py",
+    "test_disk_full.py", "test_runs.py", "test_nan_fix.py", "test_host_reads.py", "test_check_library.py",
 ]
 
 

@@ -44,9 +44,9 @@ FINAL_WINDOW = 10
 # The pre-failure reference: median of the recorded losses of the REFERENCE_WINDOW steps before the arms'
 # start plus the steps from the start to the failure.
 REFERENCE_WINDOW = 20
-# --workers auto: a spawned worker pays ~5 s (import torch + MLflow, measured on these 2-core machines; much
-# more under load) before its first step, so arms whose replays are estimated (recorded step_time x steps) to
-# take less than this in total run in-process, one after another.
+# --workers auto: a pool of workers pays ~3 s (its server imports torch + MLflow once, measured on these 2-core
+# machines; more under load) before its first step, so arms whose replays are estimated (recorded step_time x
+# steps) to take less than this in total run in-process, one after another.
 AUTO_IN_PROCESS_SECONDS = 20.0
 # An arm's verdict (the baseline's is fails-again | inconclusive, or reference for a run that never failed).
 VERDICTS = ("fixes", "delays", "no-effect", "worse", "inconclusive", "not-applicable", "error")
@@ -315,9 +315,13 @@ def _replay_arm(spec: dict[str, Any], on_step: Optional[Callable[[int], None]] =
 _PROGRESS_QUEUE = None
 
 
-def _init_worker(queue) -> None:
+def _init_worker(queue, environment: dict[str, str]) -> None:
+    """A local worker, forked from the preloaded server: this ablation's environment (trusted code folders, the
+    store), not the one the server started with."""
     global _PROGRESS_QUEUE
     _PROGRESS_QUEUE = queue
+    os.environ.clear()
+    os.environ.update(environment)
 
 
 def run_arm(spec: dict[str, Any], on_step: Optional[Callable[[int], None]] = None) -> dict[str, Any]:
@@ -361,14 +365,18 @@ def _run_here(specs: list[dict], progress: Optional[ProgressFn]) -> dict[str, di
 
 @contextlib.contextmanager
 def local_pool(workers: int):
-    """A spawn-context process pool and its progress channel: fresh interpreters (no forked torch/MLflow state).
-    A sweep keeps one across its rounds, so each round does not pay the workers' start-up again."""
-    import multiprocessing
+    """A process pool and its progress channel. The workers are forked from a server that has imported torch and
+    MLflow and nothing else (core/processes.py): no torch or MLflow state of this process, and no seconds of imports
+    each. multiprocessing hands them this process's working folder and sys.path; the environment is handed here.
+    A sweep keeps one pool across its rounds."""
     from concurrent.futures import ProcessPoolExecutor
 
-    context = multiprocessing.get_context("spawn")
+    from replaybisect.core.processes import preloaded_forkserver
+
+    context = preloaded_forkserver()
     channel = context.Queue()
-    with ProcessPoolExecutor(max_workers=workers, mp_context=context, initializer=_init_worker, initargs=(channel,)) as pool:
+    with ProcessPoolExecutor(max_workers=workers, mp_context=context, initializer=_init_worker,
+                             initargs=(channel, dict(os.environ))) as pool:
         yield pool, channel
 
 

@@ -21,7 +21,7 @@ import tempfile
 import threading
 from pathlib import Path
 
-PRELOAD = ["torch", "hydra", "hydra.utils", "omegaconf", "mlflow", "mlflow.store.tracking.sqlalchemy_store"]
+from replaybisect.core.processes import preloaded_forkserver
 _SHADOWABLE = {"torch", "hydra", "omegaconf", "mlflow"}
 _start_lock = threading.Lock()
 
@@ -102,11 +102,7 @@ class Launcher:
 
     def _forkserver(self):
         if self._context is None:
-            import multiprocessing
-
-            context = multiprocessing.get_context("forkserver")
-            context.set_forkserver_preload(PRELOAD)
-            self._context = context
+            self._context = preloaded_forkserver()
         return self._context
 
     def start(self, argv: list[str], cwd: Path, env: dict[str, str]):
