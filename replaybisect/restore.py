@@ -56,13 +56,9 @@ def failing_step(store: Store, run_id: str) -> Optional[int]:
     return min(steps) if steps else None
 
 
-def logged_losses(store: Store, run_id: str) -> dict[int, float]:
-    """The losses the run logged: rank 0's of a distributed run (`loss`), or in a replay over the real collective
-    (replay nan --nproc) this process's rank's own (`loss/rankN`)."""
-    from replaybisect.core import ranks
-
-    here = ranks.world()
-    return dict(store.metric_history(run_id, "loss" if here is None or here[0] == 0 else f"loss/rank{here[0]}"))
+def logged_losses(store: Store, run_id: str, rank: int = 0) -> dict[int, float]:
+    """The losses the run logged: rank 0's of a distributed run (`loss`), or another rank's own (`loss/rankN`)."""
+    return dict(store.metric_history(run_id, "loss" if rank == 0 else f"loss/rank{rank}"))
 
 
 def snapshot_steps(store: Store, run_id: str) -> list[int]:
@@ -245,7 +241,7 @@ def restore(
     """Rebuild model, optimizer, scheduler, scaler, RNG streams and data position from the newest good
     snapshot at or before `step` (the latest one when None). `cfg` replaces the run's config (ablations):
     objects are built from it, state comes from the snapshot."""
-    from replaybisect.core import loop, ranks
+    from replaybisect.core import loop
     from replaybisect.core.state import apply
 
     warnings: list[str] = []
@@ -258,8 +254,6 @@ def restore(
         candidates = good_snapshots(store, run_id, step, warnings)
     for candidate in candidates:
         state = loop.build_state(cfg, device)
-        if ranks.world() is not None:  # replay nan --nproc: the ranks halt together, as they did recording
-            state.ranks_agree = ranks.any_rank_failed(state.device)
         try:
             apply(state, candidate.tensors, candidate.state)
         except SnapshotError as error:
@@ -414,7 +408,9 @@ def replay(
     end = (stopped.step if stopped is not None else until)
     mismatches = []
     worst = 0.0
-    ranks = int(restored.cfg.train.get("world_size") or 1)
+    from replaybisect.core.ranks import recorded_world_size
+
+    ranks = recorded_world_size(restored.cfg)
     if logged is not None:
         compared = [(step, logged, loss) for step, loss in sorted(hooks.losses.items())]
         for rank in range(1, ranks):  # the other ranks' losses of a distributed run, as each rank logged its own

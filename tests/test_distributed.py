@@ -112,6 +112,13 @@ def test_a_step_with_a_collective_of_its_own_replays_exact_over_the_real_collect
     with in_folder(shared.path), pytest.raises(ConfigError, match="recorded with 2 ranks; pass --nproc 2"):
         rb.find_nan(run_id, tracking_uri=shared.tracking_uri, publish=False, nproc=3)
 
+    # at step 0 (no snapshot before it: the step is reproduced from the config, every rank building its DDP module)
+    run_id, _ = _torchrun(shared, "--steps", "3", "--nan-step", "0", "--plant", "mean-loss", expect_failure=True)
+    report = _answer(shared, "find_nan", run_id, nproc=2)
+    assert (report["failing_step"], report["category"], report["replay"]["failure_starts_on_rank"]) == (0, "data", 1), report["evidence"]
+    replay = report["replay"]  # rank 0's Python and NumPy streams are the script's own, not rebuilt: close, as on one process
+    assert (replay["reproduced_from"], replay["same_outcome"], replay["as_logged"]) == ("config", True, True), report["evidence"]
+
 
 def test_a_diverging_lr_is_a_divergence_and_ablate_fixes_it_by_lr(shared, diverging_run):
     run_id, done = diverging_run

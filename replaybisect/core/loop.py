@@ -256,8 +256,11 @@ def build_state(cfg, device: torch.device | None = None) -> TrainState:
 
 def _build_user_state(cfg) -> TrainState:
     """A run recorded from the user's own loop: their build(config) makes the objects (on the device they choose)."""
+    from replaybisect.core import ranks
+
     seed_everything(cfg.seed)
     parts = user_step.build_parts(cfg)
+    device = user_step.model_device(parts["model"])
     return TrainState(
         cfg=cfg,
         model=parts["model"],
@@ -266,12 +269,14 @@ def _build_user_state(cfg) -> TrainState:
         scaler=parts["scaler"],
         loss_fn=None,
         step_fn=parts["step_fn"],
-        device=user_step.model_device(parts["model"]),
+        device=device,
         precision=cfg.train.precision,
         clip_grad_norm=cfg.train.clip_grad_norm,
         user_loop=True,
         user_config=parts["user_config"],
         live=cfg.train.get("script") is not None,
+        # replay nan --nproc: the ranks halt together at a non-finite step, as they did recording
+        ranks_agree=ranks.any_rank_failed(device) if ranks.replaying_rank() is not None else None,
     )
 
 

@@ -39,3 +39,15 @@ def preloaded_forkserver():
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(PRELOAD)
     return context
+
+
+def adopt_environment(environment: dict[str, str]) -> None:
+    """In a process forked from the preloaded server: the environment of the process that asked for it (the server
+    keeps the one it started with), and the thread count torch read from OMP_NUM_THREADS when the server imported
+    it. Modules imported before this (multiprocessing imports a script's `__main__` first) saw the server's."""
+    import sys
+
+    os.environ.clear()
+    os.environ.update(environment)
+    if "torch" in sys.modules and environment.get("OMP_NUM_THREADS", "").isdigit():
+        sys.modules["torch"].set_num_threads(int(environment["OMP_NUM_THREADS"]))

@@ -33,6 +33,7 @@ from replaybisect.core.processes import alive
 from replaybisect.errors import ConfigError, ReplayError
 
 RECORD_RANKS = "ranks"
+LIGHTNING_STEP = "replaybisect.lightning.lightning_step"  # the step a Lightning run replays: it averages the ranks itself
 _LINKS = itertools.count()  # this process's links so far
 KEY_PREFIX = "replaybisect/"
 PEER_TIMEOUT = datetime.timedelta(minutes=10)  # a peer this late is gone (the job's own collectives time out sooner)
@@ -46,6 +47,43 @@ def world() -> Optional[tuple[int, int]]:
         return None
     size = torch.distributed.get_world_size()
     return (torch.distributed.get_rank(), size) if size > 1 else None
+
+
+def recorded_world_size(cfg) -> int:
+    """How many ranks the run was recorded with (1: one process)."""
+    return int(cfg.train.get("world_size") or 1)
+
+
+def replays_over_the_collective(cfg) -> bool:
+    """Whether `replay nan --nproc` can replay the run: a distributed run whose step goes through DDP's own all-reduce
+    (not a Lightning run, whose replayed step averages the ranks' gradients itself)."""
+    from omegaconf import OmegaConf
+
+    return recorded_world_size(cfg) > 1 and OmegaConf.select(cfg, "train.step_fn._target_", default=None) != LIGHTNING_STEP
+
+
+# ---- this process as one recorded rank of `replay nan --nproc` (verbs/nan/ranked.py) -------------------------------
+_REPLAYING_RANKS = False  # set by that launcher's rank processes only, not by a user's own torchrun job
+
+
+def replay_ranks_here() -> None:
+    """This process replays one recorded rank over a real process group (set before anything is restored)."""
+    global _REPLAYING_RANKS
+    _REPLAYING_RANKS = True
+
+
+def replaying_rank() -> Optional[tuple[int, int]]:
+    """(rank, world size) when this process is one rank of `replay nan --nproc`; None otherwise (a one-process
+    replay, or a replay called from inside a user's own distributed job)."""
+    return world() if _REPLAYING_RANKS else None
+
+
+def agreed(failed_here: bool) -> bool:
+    """Whether any rank of `replay nan --nproc` says yes (one all-reduce); this process's answer elsewhere. Every rank
+    asks at the same point, before a decision that leads to collectives (a replay, a rebuilt DDP module)."""
+    if replaying_rank() is None:
+        return failed_here
+    return any_rank_failed(torch.device("cpu"))(failed_here)
 
 
 def is_ranks_record(record: Any) -> bool:
@@ -259,10 +297,10 @@ def reduce_gradients(params) -> None:
     module while recording), at the moment DDP's would have finished: after the step's last backward."""
     for param in params:
         if param.grad is not None:
-            _reduce(REDUCTION, param, param.grad)
+            _reduce(REDUCTION, param, param.grad, through_ddp=False)
 
 
-def _reduce(reduction: Reduction, param: torch.Tensor, grad: torch.Tensor) -> None:
+def _reduce(reduction: Reduction, param: torch.Tensor, grad: torch.Tensor, through_ddp: bool = True) -> None:
     """One parameter's gradient in a rank's pass: kept (ranks 1..W-1), or replaced in place by the reduction (rank 0)."""
     if reduction.rank is None:
         return
@@ -274,9 +312,10 @@ def _reduce(reduction: Reduction, param: torch.Tensor, grad: torch.Tensor) -> No
         return
     peers = reduction.kept.get(key, [])
     if len(peers) != reduction.world_size - 1:
+        over_the_collective = (": replay it over the real collective with `replay nan --run-id RUN_ID --nproc "
+                               f"{reduction.world_size}`") if through_ddp else ""
         raise ReplayError("the ranks' recorded steps reduced their gradients a different number of times: they took "
-                          "different paths; this step cannot be replayed on one process: replay it over the real "
-                          f"collective with `replay nan --run-id RUN_ID --nproc {reduction.world_size}`")
+                          f"different paths; this step cannot be replayed on one process{over_the_collective}")
     share = 1.0 / reduction.world_size  # DDP's reducer multiplies each rank's gradient by 1/W (exact for W = 2, 4, ...)
     reduced = grad.mul(share)
     for peer in peers:  # the sum in rank order, as gloo adds the ranks' shares

@@ -93,7 +93,7 @@ def user_config(cfg):
 
 def build_parts(cfg) -> dict[str, Any]:
     """model, optimizer, scheduler, scaler from the user's build(config), and the step function."""
-    from replaybisect.core import reentry
+    from replaybisect.core import ranks, reentry
     from replaybisect.core.config import instantiate
 
     if cfg.train.get("script") is not None:  # recorded from a script: the objects its re-entered run handed over
@@ -103,14 +103,12 @@ def build_parts(cfg) -> dict[str, Any]:
         return parts
     build = instantiate(cfg.train.build, "train.build")
     config = user_config(cfg)
-    distributed = (cfg.train.get("world_size") or 1) > 1
+    distributed = ranks.recorded_world_size(cfg) > 1
     if distributed:  # the user's build wraps the model in DDP: one process stands in for the recorded ranks
-        from replaybisect.core import ranks
-
         ranks.one_process_group()
     parts = unpack_parts(build(config), "train.build")
     parts["step_fn"] = instantiate(cfg.train.step_fn, "train.step_fn")
-    if distributed and not ranks.reduces_itself(parts["step_fn"]) and ranks.world() is None:  # (--nproc: DDP's own)
+    if distributed and not ranks.reduces_itself(parts["step_fn"]) and ranks.replaying_rank() is None:  # (--nproc: DDP's own)
         ranks.attach_reduction(parts["model"])
     parts["user_config"] = config
     step_arguments(parts["step_fn"])
@@ -526,8 +524,8 @@ def run(state, watch: StepWatch, record) -> None:
 
     if not ranks.is_ranks_record(record):
         _run_record(state, watch, record)
-    elif ranks.world() is not None:  # replay nan --nproc: this process is one recorded rank, DDP's all-reduce is real
-        _run_record(state, watch, ranks.rank_records(record)[ranks.world()[0]])
+    elif ranks.replaying_rank() is not None:  # replay nan --nproc: this process is one recorded rank, DDP's all-reduce is real
+        _run_record(state, watch, ranks.rank_records(record)[ranks.replaying_rank()[0]])
     else:
         ranks.run_global_step(state, watch, record, _run_record)
 
@@ -565,8 +563,10 @@ def _run_record(state, watch: StepWatch, record) -> None:
         outcome.loss = _loss_value(returned, watch)
         # a returned loss that is not what was backpropagated: not finite after the update (with deferred reads,
         # read at the metrics flush and logged as it is)
-        if not watch.defer_reads and not math.isfinite(outcome.loss) and outcome.nonfinite is None:
-            outcome.nonfinite = "loss"
+        from replaybisect.core.ranks import agreed
+
+        if not watch.defer_reads and outcome.nonfinite is None and agreed(not math.isfinite(outcome.loss)):
+            outcome.nonfinite = "loss"  # (replay nan --nproc: every rank halts with the one whose value failed)
     watch.settle()
     if state.scheduler is not None and not steps_scheduler_itself(state.step_fn):
         state.scheduler.step()

@@ -37,7 +37,7 @@ from replaybisect.errors import ConfigError, NonFiniteStep
 from replaybisect.record.ranked import RankedSteps, run_of_this_rank
 from replaybisect.record.recorder import function_target, nonfinite_step, one_line_failures, open_session, own_sources, plain_config, replay_config
 
-STEP_TARGET = "replaybisect.lightning.lightning_step"
+STEP_TARGET = ranks.LIGHTNING_STEP
 BUILD_TARGET = "replaybisect.lightning.build"
 PRECISIONS = {"32-true": "fp32", "32": "fp32", "bf16-mixed": "bf16", "16-mixed": "fp16"}
 AUTOCAST = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}

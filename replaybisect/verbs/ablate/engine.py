@@ -318,10 +318,11 @@ _PROGRESS_QUEUE = None
 def _init_worker(queue, environment: dict[str, str]) -> None:
     """A local worker, forked from the preloaded server: this ablation's environment (trusted code folders, the
     store), not the one the server started with."""
+    from replaybisect.core.processes import adopt_environment
+
     global _PROGRESS_QUEUE
     _PROGRESS_QUEUE = queue
-    os.environ.clear()
-    os.environ.update(environment)
+    adopt_environment(environment)
 
 
 def run_arm(spec: dict[str, Any], on_step: Optional[Callable[[int], None]] = None) -> dict[str, Any]:

@@ -21,7 +21,7 @@ import tempfile
 import threading
 from pathlib import Path
 
-from replaybisect.core.processes import preloaded_forkserver
+from replaybisect.core.processes import adopt_environment, preloaded_forkserver
 _SHADOWABLE = {"torch", "hydra", "omegaconf", "mlflow"}
 _start_lock = threading.Lock()
 
@@ -80,13 +80,10 @@ def _forked_main(module_args: list[str], cwd: str, env: dict[str, str], stdout_p
         os.dup2(target, fd)
         os.close(target)
     os.chdir(cwd)
-    os.environ.clear()
-    os.environ.update(env)
+    adopt_environment(env)
     sys.path.insert(0, cwd)  # what `python -m` does with the working folder (and PYTHONPATH names it too)
     for name in [name for name in sys.modules if name == "replaybisect" or name.startswith("replaybisect.")]:
         del sys.modules[name]  # imported fresh from the path: the worktree's own copy wins if it has one
-    if "torch" in sys.modules and env.get("OMP_NUM_THREADS", "").isdigit():
-        sys.modules["torch"].set_num_threads(int(env["OMP_NUM_THREADS"]))  # torch read the variable at import
     import runpy
 
     sys.argv = ["replay", *module_args]

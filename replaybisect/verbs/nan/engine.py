@@ -147,6 +147,7 @@ def find_nan(
     """Find where the first non-finite value of run `run_id` came from, and why; reads the store, writes nothing.
     `trust`: the user's decision on the stored config's code (replaybisect.core.trust.Trust; default: the
     working folder)."""
+    from replaybisect.core import ranks
     from replaybisect.core.rng import capture_raw, isolated_rng
 
     log = log or (lambda message: None)
@@ -156,8 +157,10 @@ def find_nan(
     recorded = restore_mod.failing_step(store, run_id)
     losses = restore_mod.logged_losses(store, run_id)
     grad_norms = dict(store.metric_history(run_id, "grad_norm"))
-    target = _target_step(run_id, step, recorded, tags, losses, grad_norms)
+    target = _target_step(run_id, step, recorded, tags, losses, grad_norms)  # (rank 0's: the same on every rank)
     cfg = restore_mod.run_config(store, run_id, trust)
+    here = ranks.replaying_rank()  # replay nan --nproc: each rank compares its own logged losses
+    own_losses = restore_mod.logged_losses(store, run_id, here[0]) if here is not None else losses
     if cfg.train.get("script") is not None and not reentry.replaying():  # a script's run: diagnosed inside the script
         from replaybisect.script_replay import run_in_script
 
@@ -180,7 +183,7 @@ def find_nan(
         # a step that raises on a batch the run stored (rewritten after recording) is one line, not a crash
         with restore_mod.stored_batch_errors(restored):
             replayed = restore_mod.replay(
-                restored, target, logged=losses, stop_on_nonfinite=cfg.snapshot.on_nonfinite == "stop",
+                restored, target, logged=own_losses, stop_on_nonfinite=cfg.snapshot.on_nonfinite == "stop",
                 observer_factory=layers.observer,
             ) if target > snapshot.step else None
             examined = target
@@ -204,7 +207,7 @@ def find_nan(
             step0 = None
             if replayed is None and snapshot.step == examined == 0 and not state.live:  # (a script's objects: not rebuilt)
                 log("step 0: rebuilding the state from the config to check the reproduction")
-                step0 = _reproduce_step0(cfg, state, rng_at_step, snapshot, batch, losses.get(0), tags.get("nonfinite_what"))
+                step0 = _reproduce_step0(cfg, state, rng_at_step, snapshot, batch, own_losses.get(0), tags.get("nonfinite_what"))
                 reproduced = step0["reproduced"]
 
             probes_started = time.perf_counter()
@@ -323,8 +326,9 @@ def _replay_sentence(report: NanReport, replayed, stored_batch: bool) -> str:
     n = replayed.end_step - replayed.start_step
     losses = f"the losses of all {replayed.ranks_compared} ranks" if replayed.ranks_compared > 1 else "losses"
     where = " on one process (each rank's batch, gradients averaged as DDP does)" if replayed.ranks_compared > 1 else ""
-    if ranks.world() is not None:  # one rank of replay nan --nproc (the launcher words the job's sentence)
-        losses, where = f"rank {ranks.world()[0]}'s losses", f" over the real collective ({ranks.world()[1]} processes)"
+    if ranks.replaying_rank() is not None:  # one rank of replay nan --nproc (the launcher words the job's sentence)
+        rank, world_size = ranks.replaying_rank()
+        losses, where = f"rank {rank}'s losses", f" over the real collective ({world_size} processes)"
     text = (f"replayed {n} step(s) {replayed.start_step}..{replayed.end_step - 1} from the snapshot of step "
             f"{report.snapshot_step}{where}: {losses} {report.reproduced}")
     if replayed.mismatches:
@@ -336,9 +340,9 @@ def _needs_the_collective(run_id: str, cfg, reproduced: str) -> list[str]:
     """A distributed run that one process did not reproduce: offer the replay over the real collective."""
     from replaybisect.core import ranks
 
-    world_size = int(cfg.train.get("world_size") or 1)
-    if reproduced != "diverged" or world_size < 2 or ranks.world() is not None:
+    if reproduced != "diverged" or not ranks.replays_over_the_collective(cfg) or ranks.replaying_rank() is not None:
         return []
+    world_size = ranks.recorded_world_size(cfg)
     return [f"one process did not reproduce this {world_size}-rank run (the step may use collectives of its own, or the "
             f"ranks took different paths): replay it over the real collective on this machine with `replay nan --run-id "
             f"{run_id} --nproc {world_size}`"]
@@ -432,14 +436,25 @@ def _compare_with_snapshot(state, rng_raw, snapshot) -> tuple[str, list[str]]:
     saved_rng = snapshot.state.get("rng", {})
     replayed_rng = rng.to_json(rng_raw)
     rng_differ = [k for k in ("python", "numpy", "torch") if saved_rng.get(k) != replayed_rng.get(k)]
+    other_rank = _another_ranks_streams()
+    if other_rank:
+        rng_differ = []
     if not differ and not rng_differ:
-        return f"bit-identical ({len(live)} tensors and the RNG streams)", []
+        compared = "; the snapshot holds rank 0's RNG streams, not compared" if other_rank else " and the RNG streams"
+        return f"bit-identical ({len(live)} tensors{compared})", []
     parts = []
     if differ:
         parts.append(f"{len(differ)} of {len(live)} tensors differ ({', '.join(differ[:5])}{'...' if len(differ) > 5 else ''})")
     if rng_differ:
         parts.append(f"RNG streams differ ({', '.join(rng_differ)})")
     return "differs: " + "; ".join(parts), differ + [f"rng/{k}" for k in rng_differ]
+
+
+def _another_ranks_streams() -> bool:
+    """A rank other than 0 of replay nan --nproc: the snapshots hold rank 0's RNG streams, not this rank's."""
+    from replaybisect.core.ranks import replaying_rank
+
+    return replaying_rank() is not None and replaying_rank()[0] != 0
 
 
 def _dataset_indices(snapshot, step: int) -> Optional[list[int]]:
@@ -507,7 +522,7 @@ def _probe_step(state, step, batch, rng_at_step, dataset_rows, log) -> _StepResu
     log(f"step {step}: probes (forward hooks, gradient hooks, update)")
     probe = on_copy(state, rng_at_step, lambda copy: probes.StepProbe(copy).run(step, batch))
     log(f"step {step}: detect_anomaly")
-    alone = ranks.world() is None  # (replay nan --nproc: every rank runs each pass to its end)
+    alone = ranks.replaying_rank() is None  # (replay nan --nproc: every rank runs each pass to its end)
     anomaly = on_copy(state, rng_at_step, lambda copy: probes.anomaly_pass(copy, step, batch, raise_on_nan=alone))
     _, again = on_copy(state, rng_at_step, plain_run(step, batch))
     isolation = {
@@ -525,7 +540,11 @@ def _classify(report: NanReport, results: _StepResults, restored, store, run_id,
     _record_probe_facts(report, results)
     if _is_transient(report, results, restored, run_id):
         return
-    if results.state:  # the state before the step is already non-finite: trace back to the step that corrupted it
+    from replaybisect.core.ranks import agreed
+
+    # the state before the step is already non-finite (on any rank of replay nan --nproc, whose buffers are its own):
+    # trace back to the step that corrupted it
+    if agreed(bool(results.state)):
         _classify_corrupt(report, results, restored, store, run_id, cfg, log)
         return
     if _is_data(report, results, restored.state.model):
@@ -754,10 +773,10 @@ def _classify_corrupt(report: NanReport, results: _StepResults, restored, store,
     ev = report.evidence
     t = report.failing_step
     listed = ", ".join(f"{f.kind} {f.name} ({f.nan} NaN, {f.inf} Inf of {f.numel})" for f in results.state[:5])
-    ev.append(f"the state before step {t} is already non-finite: {listed}")
+    ev.append(f"the state before step {t} is already non-finite: {listed or 'on another rank'}")
     report.phase = "state"
-    first = results.state[0]
-    report.module = display_module(first.module, restored.state.model) if first.kind != "param group" else None
+    first = results.state[0] if results.state else None
+    report.module = display_module(first.module, restored.state.model) if first is not None and first.kind != "param group" else None
     log("the state is already corrupt: tracing back to the step that corrupted it")
     from replaybisect.core import loop
 
@@ -804,10 +823,11 @@ class _StopWhenStateNonfinite(restore_mod.ReplayHooks):
         self.corrupted_at: Optional[int] = None
 
     def after_step(self, outcome, batch, step_time, data_time):
+        from replaybisect.core.ranks import agreed
         from replaybisect.verbs.nan import probes
 
         keep_going = super().after_step(outcome, batch, step_time, data_time)
-        if not probes.finiteness(self.state):
+        if agreed(not probes.finiteness(self.state)):  # (replay nan --nproc: every rank stops at the same step)
             self.corrupted_at = outcome.step
             return False
         return keep_going

@@ -29,25 +29,27 @@ ENTRY = "replaybisect.verbs.nan.ranked"
 WHERE_A_RANK_STARTS_IT = ("data", "forward", "loss")  # categories decided by a rank's own batch and forward
 REPRODUCTION_ORDER = ("exact", "close", "unchecked", "diverged")  # best first
 STATE_MATCH = "the replayed state "  # engine.find_nan's evidence line: "the replayed state before step N vs the snapshot..."
-LIGHTNING_STEP = "replaybisect.lightning.lightning_step"  # record/lightning.py STEP_TARGET
 
 
 def check_nproc(cfg, run_id: str, nproc: int, device: Optional[str]) -> None:
-    """A replay over the real collective: a distributed run, one process per recorded rank, on this machine's CPU."""
-    world_size = int(cfg.train.get("world_size") or 1)
+    """A replay over the real collective: a distributed run of DDP modules, one process per recorded rank, over gloo
+    on this machine's CPU."""
+    from replaybisect.core import ranks
+
+    world_size = ranks.recorded_world_size(cfg)
     if world_size < 2:
         raise ConfigError(f"run {run_id} was recorded on one process; --nproc replays a distributed run's ranks: leave "
                           "it out")
+    if not ranks.replays_over_the_collective(cfg):
+        raise ConfigError(f"run {run_id} is a Lightning run: its replay averages the ranks' gradients on one process; "
+                          "leave --nproc out")
     if nproc != world_size:
         raise ConfigError(f"run {run_id} was recorded with {world_size} ranks; pass --nproc {world_size} (each process "
                           "replays one recorded rank)")
-    if device not in (None, "cpu"):
-        raise ConfigError("--nproc replays the ranks on this machine's CPU (gloo); leave --device out")
-    from omegaconf import OmegaConf
-
-    if OmegaConf.select(cfg, "train.step_fn._target_", default=None) == LIGHTNING_STEP:  # (importing it imports Lightning)
-        raise ConfigError(f"run {run_id} is a Lightning run: its replay averages the ranks' gradients on one process; "
-                          "leave --nproc out")
+    backend = cfg.train.get("backend") or "gloo"
+    if device not in (None, "cpu") or backend != "gloo":
+        raise ConfigError(f"--nproc replays the ranks over gloo on this machine's CPU (the run was recorded over {backend}); "
+                          "leave --device out, or replay on one process")
 
 
 def answer(store, request, log: Optional[Callable[[str], None]] = None):
@@ -79,12 +81,20 @@ def find_nan_on_ranks(store, run_id: str, step: Optional[int], nproc: int, *, co
         answers = [launch.read_answer(Path(folder) / f"rank{rank}.json") for rank in range(nproc)]
     failed = next((answer for answer in answers if answer is not None and "error" in answer), None)
     if failed is not None:
-        raise (ConfigError if failed.get("exit") == 2 else ReplayError)(failed["error"])
+        raise _error_of(failed)
     missing = [rank for rank, answer in enumerate(answers) if answer is None]
     if missing:
         raise ReplayError(f"rank {missing[0]} of the {nproc}-process replay ended with exit status {codes[missing[0]]} "
                           "before its report; its output is above")
     return merge([NanReport.from_json(answer["report"]) for answer in answers])
+
+
+def _error_of(answer: dict) -> ReplayError:
+    """The error a rank raised, as the same kind (RunNotFound, SnapshotError, DiskFull, ...: their exit statuses)."""
+    from replaybisect import errors
+
+    kind = getattr(errors, str(answer.get("kind")), None)
+    return (kind if isinstance(kind, type) and issubclass(kind, ReplayError) else ReplayError)(answer["error"])
 
 
 def merge(reports: list):
@@ -104,7 +114,8 @@ def merge(reports: list):
                      "max_relative_error": max(float(each.replay.get("max_relative_error", 0.0)) for each in reports),
                      "failure_starts_on_rank": chosen_rank if starts else None}
     _state_match_of_rank_0(report, reports[0])
-    report.evidence[0] = _job_sentence(reports)
+    if "reproduced_from" not in report.replay:  # (step 0, reproduced from the config: its own sentence stays)
+        report.evidence[0] = _job_sentence(reports)
     report.evidence.insert(1, f"the failure starts on rank {chosen_rank}: its {'batch' if report.category == 'data' else report.category} "
                               "went non-finite" if starts else "no rank's own batch, forward or loss went non-finite first: the "
                               "gradients after the all-reduce and the update are the same on every rank (rank 0's report)")
@@ -140,6 +151,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     import torch.distributed as dist
 
     from replaybisect import request as checks
+    from replaybisect.core import ranks
+    from replaybisect.core.jsonutil import to_jsonable
     from replaybisect.store import open_store
     from replaybisect.verbs.nan.engine import find_nan
 
@@ -152,17 +165,18 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = parser.parse_args(argv)
     rank = int(os.environ.get("RANK", "0"))
     answer = Path(args.out) / f"rank{rank}.json"
-    dist.init_process_group("gloo")
+    dist.init_process_group("gloo", timeout=ranks.PEER_TIMEOUT)  # (a rank that stopped: the others, within this)
+    ranks.replay_ranks_here()
     try:
         report = find_nan(open_store(args.tracking_uri), args.run_id, args.step,
                           trust=checks.trust_of(tuple(args.code_dir), tuple(args.trust)),
                           log=(lambda message: print(message, file=sys.stderr, flush=True)) if rank == 0 else None)
     except ReplayError as error:  # the launcher raises the first rank's line
-        launch.write_answer(answer, {"error": f"rank {rank}: {error}", "exit": error.exit_code})
+        launch.write_answer(answer, {"error": f"rank {rank}: {error}", "kind": type(error).__name__})
         return error.exit_code
     finally:
         dist.destroy_process_group()
-    launch.write_answer(answer, {"report": report.to_json()})
+    launch.write_answer(answer, {"report": to_jsonable(report)})  # (whole: to_json shortens the histories)
     return 0
 
 
