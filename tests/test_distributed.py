@@ -81,8 +81,10 @@ def test_a_nan_row_on_rank_1_is_named_with_its_rank_and_row(shared, nan_row_run)
     [finding] = report["batch"]
     assert finding["rank"] == 1 and finding["rows"] == [5] and finding["field"].startswith("rank 1's batch[0]")
 
-    # healthy ranks before the NaN: no asymmetry found, only the failure, on rank 1's loss
-    [failure] = _answer(shared, "diagnose", run_id)["findings"]
+    # healthy ranks before the NaN: no asymmetry found, only the failure, on rank 1's loss (a loaded machine may add
+    # input-pipeline-bound: this tiny model's step is quicker than the loop's own work between steps)
+    findings = _answer(shared, "diagnose", run_id)["findings"]
+    [failure] = [finding for finding in findings if finding["pattern"] != "input-pipeline-bound"]
     assert failure["pattern"] == "nan-after-k" and failure["evidence"]["ranks_nonfinite_loss"] == [1]
     assert "non-finite loss on rank 1 at step 12" in failure["summary"]
 

@@ -38,6 +38,8 @@ TOP_KINDS = {"model": (MODULE,), "loss": (MODULE,), "optim": (OPTIMIZER,), "sche
 BUILT_IN_STEPS = {"replaybisect.core.loop.supervised_step", "replaybisect.core.loop.sequence_step",
                   "replaybisect.lightning.lightning_step"}
 BUILT_IN_BUILDS = {"replaybisect.lightning.build"}
+LOOP_STEPS = {"replaybisect.core.loop.supervised_step", "replaybisect.core.loop.sequence_step"}  # also in `user`: a
+# `replay train` DDP run's user config is the composed config that trained it, its step included
 BUILT_IN_BLOCKS = {"replaybisect.models.MLP", "replaybisect.models.SmallCNN", "replaybisect.models.CharTransformer",
                    "replaybisect.data.Digits", "replaybisect.data.Blobs", "replaybisect.data.CharText"}
 
@@ -122,7 +124,7 @@ def _allowed(path: str, key: str, nested: bool, folder: Path) -> bool:
     if key == "train.build" and not nested:
         return path in BUILT_IN_BUILDS
     if path.startswith("replaybisect."):
-        return path in BUILT_IN_BLOCKS and key in ("model", "data", "val_data", "user.net")
+        return (path in BUILT_IN_BLOCKS and key in ("model", "data", "val_data", "user.net")) or (path in LOOP_STEPS and key == "user.net")
     kinds = TOP_KINDS[key] if not nested else (TOP_KINDS[key] if key == "user.net" else (MODULE,))
     return inspect.isclass(obj) and bool(kinds) and issubclass(obj, kinds)
 
