@@ -7,6 +7,8 @@ and own no run: `PeerSession` stands in for theirs, and ends the run itself only
 
 from __future__ import annotations
 
+import signal
+
 from typing import Any, Callable, Optional
 
 from replaybisect.core import ranks
@@ -120,10 +122,15 @@ class PeerSession:
         if self.ended:
             return None
         self.ended = True
+        # the launcher's SIGTERM (sent as soon as it sees a rank die, rank 0 here) must not cut short what follows, or a
+        # dead rank 0's run stays RUNNING (seen on a loaded machine); with rank 0 alive it applies again after
+        previous = _ignore_sigterm()
         self.link.say_failed(error)
         failed = self.link.failed_ranks()
         if 0 in failed:
             self._end_for_rank_0(failed, error)
+        elif previous is not None:
+            signal.signal(signal.SIGTERM, previous)
         return None
 
     def _end_for_rank_0(self, failed: dict[int, str], error: BaseException) -> None:
@@ -131,7 +138,6 @@ class PeerSession:
 
         store = self._store_if_rank_0_dies
         try:
-            _ignore_sigterm()  # the launcher stops this rank too now: the run's end (a second or less) comes first
             if store.get_run(self.run_id).info.status != "RUNNING":
                 return
             store.set_tags(self.run_id, failure_tags(failed))
@@ -140,11 +146,10 @@ class PeerSession:
             return
 
 
-def _ignore_sigterm() -> None:
-    """From here on this process finishes what it does; the launcher's SIGKILL after its grace period still ends it."""
-    import signal
-
+def _ignore_sigterm():
+    """From here on this process finishes what it does; the launcher's SIGKILL after its grace period still ends it.
+    The handler it replaced (None: not the main thread, where it is left as it is)."""
     try:
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    except ValueError:  # not the main thread: leave the handler as it is
-        pass
+        return signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    except ValueError:
+        return None
