@@ -100,7 +100,8 @@ def test_a_step_with_a_collective_of_its_own_replays_exact_over_the_real_collect
 
     result = shared.replay("nan", "--run-id", run_id, "--nproc", "2", "--json")
     assert result.returncode == 0, result.stderr[-3000:]
-    report = result.json()  # the ranks' own output (the user's prints) went to stderr
+    report = result.json()  # the ranks' own output went to stderr: the step's print of the mean loss, each replayed step
+    assert "rank 1 mean loss" in result.stderr and "mean loss" not in result.stdout
     assert (report["reproduced"], report["replay"]["processes"], report["replay"]["ranks_compared"]) == ("exact", 2, 2), report["evidence"]
     assert report["evidence"][0].startswith("replayed steps 10..11 from the snapshot of step 10 over the real collective (2 processes, gloo)")
     assert report["category"] == "data" and report["failing_step"] == 12, report["headline"]

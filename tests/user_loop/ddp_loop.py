@@ -54,6 +54,7 @@ def train_step(model, optimizer, scaler, batch, config):
     if config["plant"] == "mean-loss":  # returns the ranks' mean loss: an all-reduce of its own, which one process cannot replay
         mean = loss.detach().clone()
         dist.all_reduce(mean)
+        print(f"rank {dist.get_rank()} mean loss {float(mean) / dist.get_world_size():.6f}", flush=True)  # in the step: replays print it too
         return mean / dist.get_world_size()
     return loss
 
