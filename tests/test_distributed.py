@@ -110,10 +110,12 @@ def test_a_step_with_a_collective_of_its_own_replays_exact_over_the_real_collect
     assert report["evidence"][1] == "the failure starts on rank 1: its batch went non-finite"
 
     import replaybisect as rb
-    from replaybisect.errors import ConfigError
+    from replaybisect.errors import ConfigError, ReplayError
 
     with in_folder(shared.path), pytest.raises(ConfigError, match="recorded with 2 ranks; pass --nproc 2"):
         rb.find_nan(run_id, tracking_uri=shared.tracking_uri, publish=False, nproc=3)
+    with in_folder(shared.path), pytest.raises(ReplayError, match=r"^rank 0: step 5 of run \w+ was finite"):  # a rank's own
+        rb.find_nan(run_id, 5, tracking_uri=shared.tracking_uri, publish=False, nproc=2)  # refusal, raised by the launcher
 
     # at step 0 (no snapshot before it: the step is reproduced from the config, every rank building its DDP module)
     run_id, _ = _torchrun(shared, "--steps", "3", "--nan-step", "0", "--plant", "mean-loss", expect_failure=True)

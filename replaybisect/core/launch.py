@@ -70,3 +70,19 @@ def write_answer(path: Path, answer: dict[str, Any]) -> None:
 
 def read_answer(path: Path) -> Optional[dict[str, Any]]:
     return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
+
+
+def failure(rank: int, error: BaseException) -> dict[str, Any]:
+    """A rank's error as its answer: its one line (a Ctrl-C or the launcher's SIGTERM: "stopped") and its kind."""
+    from replaybisect.errors import ReplayError
+
+    line = str(error) if isinstance(error, ReplayError) else "stopped"
+    return {"error": f"rank {rank}: {line}", "kind": type(error).__name__}
+
+
+def raise_failure(answer: dict[str, Any]) -> None:
+    """The launcher raises a rank's error as the same kind (ConfigError, SnapshotError, DiskFull: their exit statuses)."""
+    from replaybisect import errors
+
+    kind = getattr(errors, str(answer.get("kind")), None)
+    raise (kind if isinstance(kind, type) and issubclass(kind, errors.ReplayError) else errors.ReplayError)(answer["error"])

@@ -28,6 +28,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from replaybisect.core import rng
+from replaybisect.core.ranks import agreed
 from replaybisect.core.outside_model import names_read
 from replaybisect.core.inline_step import RemoteStep
 from replaybisect.core.step_watch import StepHalted, StepWatch
@@ -524,8 +525,8 @@ def run(state, watch: StepWatch, record) -> None:
 
     if not ranks.is_ranks_record(record):
         _run_record(state, watch, record)
-    elif ranks.replaying_rank() is not None:  # replay nan --nproc: this process is one recorded rank, DDP's all-reduce is real
-        _run_record(state, watch, ranks.rank_records(record)[ranks.replaying_rank()[0]])
+    elif (here := ranks.replaying_rank()) is not None:  # replay nan --nproc: this process is one recorded rank, DDP's all-reduce is real
+        _run_record(state, watch, ranks.rank_records(record)[here[0]])
     else:
         ranks.run_global_step(state, watch, record, _run_record)
 
@@ -563,8 +564,6 @@ def _run_record(state, watch: StepWatch, record) -> None:
         outcome.loss = _loss_value(returned, watch)
         # a returned loss that is not what was backpropagated: not finite after the update (with deferred reads,
         # read at the metrics flush and logged as it is)
-        from replaybisect.core.ranks import agreed
-
         if not watch.defer_reads and outcome.nonfinite is None and agreed(not math.isfinite(outcome.loss)):
             outcome.nonfinite = "loss"  # (replay nan --nproc: every rank halts with the one whose value failed)
     watch.settle()

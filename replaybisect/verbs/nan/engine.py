@@ -326,8 +326,8 @@ def _replay_sentence(report: NanReport, replayed, stored_batch: bool) -> str:
     n = replayed.end_step - replayed.start_step
     losses = f"the losses of all {replayed.ranks_compared} ranks" if replayed.ranks_compared > 1 else "losses"
     where = " on one process (each rank's batch, gradients averaged as DDP does)" if replayed.ranks_compared > 1 else ""
-    if ranks.replaying_rank() is not None:  # one rank of replay nan --nproc (the launcher words the job's sentence)
-        rank, world_size = ranks.replaying_rank()
+    if (here := ranks.replaying_rank()) is not None:  # one rank of replay nan --nproc (the launcher words the job's sentence)
+        rank, world_size = here
         losses, where = f"rank {rank}'s losses", f" over the real collective ({world_size} processes)"
     text = (f"replayed {n} step(s) {replayed.start_step}..{replayed.end_step - 1} from the snapshot of step "
             f"{report.snapshot_step}{where}: {losses} {report.reproduced}")
@@ -454,7 +454,8 @@ def _another_ranks_streams() -> bool:
     """A rank other than 0 of replay nan --nproc: the snapshots hold rank 0's RNG streams, not this rank's."""
     from replaybisect.core.ranks import replaying_rank
 
-    return replaying_rank() is not None and replaying_rank()[0] != 0
+    here = replaying_rank()
+    return here is not None and here[0] != 0
 
 
 def _dataset_indices(snapshot, step: int) -> Optional[list[int]]:

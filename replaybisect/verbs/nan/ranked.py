@@ -81,20 +81,12 @@ def find_nan_on_ranks(store, run_id: str, step: Optional[int], nproc: int, *, co
         answers = [launch.read_answer(Path(folder) / f"rank{rank}.json") for rank in range(nproc)]
     failed = next((answer for answer in answers if answer is not None and "error" in answer), None)
     if failed is not None:
-        raise _error_of(failed)
+        launch.raise_failure(failed)
     missing = [rank for rank, answer in enumerate(answers) if answer is None]
     if missing:
         raise ReplayError(f"rank {missing[0]} of the {nproc}-process replay ended with exit status {codes[missing[0]]} "
                           "before its report; its output is above")
     return merge([NanReport.from_json(answer["report"]) for answer in answers])
-
-
-def _error_of(answer: dict) -> ReplayError:
-    """The error a rank raised, as the same kind (RunNotFound, SnapshotError, DiskFull, ...: their exit statuses)."""
-    from replaybisect import errors
-
-    kind = getattr(errors, str(answer.get("kind")), None)
-    return (kind if isinstance(kind, type) and issubclass(kind, ReplayError) else ReplayError)(answer["error"])
 
 
 def merge(reports: list):
@@ -172,7 +164,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                           trust=checks.trust_of(tuple(args.code_dir), tuple(args.trust)),
                           log=(lambda message: print(message, file=sys.stderr, flush=True)) if rank == 0 else None)
     except ReplayError as error:  # the launcher raises the first rank's line
-        launch.write_answer(answer, {"error": f"rank {rank}: {error}", "kind": type(error).__name__})
+        launch.write_answer(answer, launch.failure(rank, error))
         return error.exit_code
     finally:
         dist.destroy_process_group()

@@ -258,7 +258,7 @@ def launch(cfg, *, tracking_uri: str, run_name: Optional[str], tags: dict[str, s
     if answer is not None and "result" in answer:
         return TrainResult(**answer["result"])
     if answer is not None and "error" in answer:
-        raise (ConfigError if answer.get("exit") == 2 else ReplayError)(answer["error"])
+        launch_mod.raise_failure(answer)
     failed = next((rank for rank, code in enumerate(codes) if code not in (0, None)), 0)
     raise ReplayError(f"rank {failed} of the {nproc}-process job ended with exit status {codes[failed]} before its run was "
                       "recorded; its output is above")
@@ -285,9 +285,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             result = train_this_rank(cfg, tracking_uri=args.tracking_uri, run_name=args.run_name, tags=json.loads(args.tags),
                                      code_folder=Path(args.code_folder), progress=bar.update if rank == 0 else None)
     except (ReplayError, KeyboardInterrupt) as error:  # the launcher prints the line (rank 0's, or the first one's)
-        line = str(error) if isinstance(error, ReplayError) else "stopped"
         if rank == 0 or not result_file.exists():
-            launch_mod.write_answer(result_file, {"error": f"rank {rank}: {line}", "exit": getattr(error, "exit_code", 1)})
+            launch_mod.write_answer(result_file, launch_mod.failure(rank, error))
         return getattr(error, "exit_code", 1)
     if result is not None:
         launch_mod.write_answer(result_file, {"result": result.to_json()})
