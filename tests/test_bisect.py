@@ -459,6 +459,23 @@ def test_trials_fork_from_the_preloaded_server_unless_the_worktree_shadows_a_pre
     assert isinstance(command, PlainProcess) and command.communicate()[0] == 3
 
 
+def test_a_forked_process_takes_the_callers_temp_folder_not_the_servers(tmp_path, monkeypatch):
+    """The preloaded server read its own TMPDIR while importing (tempfile caches it): a trial or an ablation worker
+    forked from it uses the TMPDIR of the process that asked for it (a triage's scratch folder, say)."""
+    import tempfile
+
+    from replaybisect.core.processes import adopt_environment
+
+    monkeypatch.setattr(tempfile, "tempdir", "/where/the/server/started")
+    saved = dict(os.environ)
+    try:
+        adopt_environment({**saved, "TMPDIR": str(tmp_path)})
+        assert tempfile.gettempdir() == str(tmp_path)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
 def test_run_from_inside_the_repository_keeps_the_default_store_out_of_it(shared, tmp_path):
     """With no --tracking-uri and no MLFLOW_TRACKING_URI, the default ./mlflow.db would land in the working tree."""
     path = tmp_path / "inside"

@@ -5,6 +5,7 @@ library only."""
 from __future__ import annotations
 
 import os
+import tempfile
 
 
 def alive(pid: int) -> bool:
@@ -49,5 +50,6 @@ def adopt_environment(environment: dict[str, str]) -> None:
 
     os.environ.clear()
     os.environ.update(environment)
+    tempfile.tempdir = None  # read again from this environment's TMPDIR (a module the server imported may have read it)
     if "torch" in sys.modules and environment.get("OMP_NUM_THREADS", "").isdigit():
         sys.modules["torch"].set_num_threads(int(environment["OMP_NUM_THREADS"]))
