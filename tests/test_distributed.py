@@ -299,3 +299,29 @@ def test_replay_train_under_torchrun_records_one_run_and_bad_nproc_is_one_line(s
                           capture_output=True, text=True, timeout=300)
     assert done.returncode != 0 and "train.nproc=3 but the launcher started 2 processes; leave train.nproc out" in done.stderr
     assert len(shared.store().search_runs()) == runs_before
+
+
+def test_a_sharded_model_is_refused_before_a_run_exists(tmp_path):
+    """FSDP (fully_shard) parameters are shards on each rank; the Recorder says so in one line and records nothing."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    import replaybisect as rb
+    from replaybisect.errors import ConfigError
+
+    ours = not dist.is_initialized()  # a replay in this process may have made its one-process group already
+    if ours:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 1))
+        fully_shard(model)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+        with pytest.raises(ConfigError, match=r"cannot record a sharded model yet \(FSDP"):
+            rb.Recorder(model, optimizer, step_fn=lambda model, batch: model(batch).sum(), build=lambda config: None,
+                        tracking_uri=uri)
+        assert not (tmp_path / "mlflow.db").exists()
+    finally:
+        if ours:
+            dist.destroy_process_group()

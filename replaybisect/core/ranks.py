@@ -49,6 +49,18 @@ def world() -> Optional[tuple[int, int]]:
     return (torch.distributed.get_rank(), size) if size > 1 else None
 
 
+def is_sharded(model: torch.nn.Module) -> bool:
+    """Parameters that are shards (DTensors: FSDP's fully_shard, tensor parallel), or a FullyShardedDataParallel
+    module (its flat parameters). Only a process with a process group can hold either."""
+    if not torch.distributed.is_available() or not torch.distributed.is_initialized():
+        return False
+    from torch.distributed.fsdp import FullyShardedDataParallel
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(param, DTensor) for param in model.parameters()) or \
+        any(isinstance(module, FullyShardedDataParallel) for module in model.modules())
+
+
 def recorded_world_size(cfg) -> int:
     """How many ranks the run was recorded with (1: one process)."""
     return int(cfg.train.get("world_size") or 1)

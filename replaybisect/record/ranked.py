@@ -32,6 +32,16 @@ def link_for(inline: bool, build, step_fn) -> Optional[ranks.RankLink]:
     return ranks.RankLink(*where)
 
 
+def refuse_sharded(model) -> None:
+    """A sharded model (FSDP's fully_shard, FullyShardedDataParallel, tensor parallel) is refused before any run
+    exists: a snapshot holds whole tensors, and each rank holds only its shards (README: FSDP, the design)."""
+    if not ranks.is_sharded(model):
+        return
+    raise ConfigError("the Recorder cannot record a sharded model yet (FSDP, fully_shard or tensor parallel: each rank "
+                      "holds only shards of the parameters, and a snapshot needs them whole); record the job with "
+                      "DistributedDataParallel, or on one process, to replay it; nothing was recorded")
+
+
 def run_of_this_rank(link: Optional[ranks.RankLink], tracking_uri: Optional[str], on_nonfinite: str,
                      open_writer: Callable[[], Any], start_recording: Callable[[Any], Any]) -> tuple[Any, Any]:
     """(session, hooks). One process, or rank 0 of a job: the run opened by `open_writer`, its id shared with the
