@@ -62,6 +62,8 @@ class TrainConfig:
     """Processes of a distributed data-parallel job (torchrun + DDP), recorded per rank and replayed on one process."""
     backend: Optional[str] = None
     """The recorded job's process-group backend (gloo, nccl), for a distributed run."""
+    sharding: Optional[str] = None
+    """fsdp: the recorded job's model was sharded with FSDP2's fully_shard (snapshots hold the gathered tensors)."""
     script: Any = None
     """loop: user, recorded from a script whose step is a closure (no build): {path, module, args, cwd}, how a
     replay runs the script again to take its objects over (core/reentry.py)."""

@@ -61,6 +61,47 @@ def is_sharded(model: torch.nn.Module) -> bool:
         any(isinstance(module, FullyShardedDataParallel) for module in model.modules())
 
 
+def unrecordable_sharding(model: torch.nn.Module) -> Optional[str]:
+    """Why a sharded model cannot be recorded (None: it is not sharded, or FSDP2's `fully_shard` over one dimension
+    of ranks, each parameter split along its first dimension, which is recorded)."""
+    if not is_sharded(model):
+        return None
+    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+    from torch.distributed.tensor import DTensor, Shard
+
+    if any(isinstance(module, FullyShardedDataParallel) for module in model.modules()):
+        return "FullyShardedDataParallel (FSDP1): its flat parameters are not the model's own; wrap with fully_shard (FSDP2)"
+    if not any(isinstance(module, FSDPModule) for module in model.modules()):
+        return "parameters sharded without fully_shard (tensor parallel)"
+    for name, param in model.named_parameters():
+        if isinstance(param, DTensor) and (param.device_mesh.ndim != 1 or tuple(param.placements) != (Shard(0),)):
+            return f"{name} is placed as {tuple(param.placements)} on a {param.device_mesh.ndim}-D mesh (HSDP or tensor parallel)"
+    return None
+
+
+def is_shard(tensor: torch.Tensor) -> bool:
+    """A DTensor: one rank's part of a sharded tensor (fully_shard's parameters and their optimizer moments)."""
+    if type(tensor) in (torch.Tensor, torch.nn.Parameter) or not torch.distributed.is_available():
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(tensor, DTensor)
+
+
+def whole(tensor: torch.Tensor) -> torch.Tensor:
+    """The full tensor of a shard (an all-gather: every rank calls it at the same point); a plain tensor as it is."""
+    return tensor.full_tensor() if is_shard(tensor) else tensor
+
+
+def shard_like(value: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
+    """A whole tensor from a snapshot, placed as the live sharded tensor `live` is (a plain tensor as it is)."""
+    if not is_shard(live) or is_shard(value):
+        return value
+    from torch.distributed.tensor import distribute_tensor
+
+    return distribute_tensor(value.to(live.device), live.device_mesh, live.placements)
+
+
 def recorded_world_size(cfg) -> int:
     """How many ranks the run was recorded with (1: one process)."""
     return int(cfg.train.get("world_size") or 1)
@@ -68,10 +109,12 @@ def recorded_world_size(cfg) -> int:
 
 def replays_over_the_collective(cfg) -> bool:
     """Whether `replay nan --nproc` can replay the run: a distributed run whose step goes through DDP's own all-reduce
-    (not a Lightning run, whose replayed step averages the ranks' gradients itself)."""
+    (not a Lightning run, whose replayed step averages the ranks' gradients itself, nor a sharded one, whose
+    snapshot holds whole tensors that its ranks would have to shard again)."""
     from omegaconf import OmegaConf
 
-    return recorded_world_size(cfg) > 1 and OmegaConf.select(cfg, "train.step_fn._target_", default=None) != LIGHTNING_STEP
+    return recorded_world_size(cfg) > 1 and OmegaConf.select(cfg, "train.step_fn._target_", default=None) != LIGHTNING_STEP \
+        and not recorded_sharded(cfg)
 
 
 # ---- this process as one recorded rank of `replay nan --nproc` (verbs/nan/ranked.py) -------------------------------
@@ -116,8 +159,13 @@ def param_checksum(model: torch.nn.Module) -> float:
     """A cheap fingerprint of the replica's parameters (float64 sum of every element), summed where the parameters
     live and read once: replicas that drifted apart show different values at the same step."""
     with torch.no_grad():
-        sums = [param.detach().sum(dtype=torch.float64) for param in model.parameters()]
+        sums = [_local(param.detach()).sum(dtype=torch.float64) for param in model.parameters()]
         return float(torch.stack(sums).sum()) if sums else 0.0
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a tensor (a shard's local tensor; a plain tensor is all of it)."""
+    return tensor.to_local() if is_shard(tensor) else tensor
 
 
 def any_rank_failed(device: torch.device) -> Callable[[bool], bool]:
@@ -131,10 +179,15 @@ def any_rank_failed(device: torch.device) -> Callable[[bool], bool]:
     return agree
 
 
-def layout(world_size: int) -> dict[str, Any]:
-    """The job's shape as the run's config stores it."""
+def layout(world_size: int, sharded: bool = False) -> dict[str, Any]:
+    """The job's shape as the run's config stores it (`sharding: fsdp` for a model sharded with fully_shard)."""
     backend = torch.distributed.get_backend()
-    return {"world_size": world_size, "backend": str(backend)}
+    return {"world_size": world_size, "backend": str(backend), **({"sharding": "fsdp"} if sharded else {})}
+
+
+def recorded_sharded(cfg) -> bool:
+    """Whether the run's model was sharded with fully_shard while recording."""
+    return cfg.train.get("sharding") == "fsdp"
 
 
 # ---- the link between ranks while recording ------------------------------------------------------------------
@@ -272,6 +325,30 @@ def attach_reduction(model: torch.nn.Module) -> None:
             raise ConfigError(f"build(config) registers a DDP communication hook ({str(error).splitlines()[0][:120]}); a "
                               "one-process replay averages the ranks' gradients as DDP's default does: leave the hook out "
                               "of build to replay the run") from None
+
+
+def attach_sharded_reduction(model: torch.nn.Module) -> None:
+    """FSDP's reduce-scatter of every fully_shard module of `model` goes through REDUCTION: over a one-process group
+    it only copies the gradients, and its all-reduce hook then gets the module's flat gradient, which it keeps (ranks
+    1..W-1) or replaces by the ranks' average (rank 0), as for a DDP bucket."""
+    from torch.distributed.fsdp import FSDPModule
+
+    wrapped = [module for module in model.modules() if isinstance(module, FSDPModule)]
+    if not wrapped:
+        raise ConfigError("the run was recorded with a model sharded by fully_shard, but build(config) returned one without "
+                          "it; shard the model in build, as the recorded job did")
+    for module in wrapped:
+        module.set_all_reduce_hook(_FlatReduction(module))
+
+
+class _FlatReduction:
+    """One fully_shard module's all-reduce hook: its flat gradient, reduced in place."""
+
+    def __init__(self, module):
+        self.module = module
+
+    def __call__(self, flat_gradient: torch.Tensor) -> None:
+        _reduce(REDUCTION, self.module, flat_gradient, through_ddp=False)
 
 
 @dataclass

@@ -13,16 +13,18 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from replaybisect.errors import SnapshotError
 from replaybisect.core import rng
+from replaybisect.core.ranks import is_shard, shard_like, whole
 from replaybisect.core.jsonutil import to_jsonable as _jsonable
 
 
 def live_tensors(state) -> dict[str, torch.Tensor]:
-    """References (not copies) to every tensor a step depends on: model state and optimizer moments."""
-    tensors = {f"model/{name}": value for name, value in state.model.state_dict().items()}
+    """References (not copies) to every tensor a step depends on: model state and optimizer moments. A sharded
+    tensor (fully_shard) is gathered whole: every rank of the job calls this at the same point."""
+    tensors = {f"model/{name}": whole(value) for name, value in state.model.state_dict().items()}
     for index, param_state in state.optimizer.state_dict()["state"].items():
         for key, value in param_state.items():
             if torch.is_tensor(value):
-                tensors[f"optim/{index}/{key}"] = value
+                tensors[f"optim/{index}/{key}"] = whole(value)
     return tensors
 
 
@@ -191,7 +193,9 @@ def apply(state, tensors: dict[str, torch.Tensor], saved: dict[str, Any]) -> Non
     SnapshotError, and the caller builds a fresh TrainState for another snapshot."""
     step = saved.get("step") if isinstance(saved, dict) else None
     checked = check_state(saved, step, lambda why: SnapshotError(f"state.json {why}"))
+    live = state.model.state_dict()
     model_state = {name[len("model/"):]: value for name, value in tensors.items() if name.startswith("model/")}
+    model_state = {name: shard_like(value, live[name]) if name in live else value for name, value in model_state.items()}
     try:
         state.model.load_state_dict(model_state)
     except RuntimeError as error:
@@ -203,6 +207,7 @@ def apply(state, tensors: dict[str, torch.Tensor], saved: dict[str, Any]) -> Non
     raw_rng = rng.from_json(checked.rng)
     try:
         state.optimizer.load_state_dict(optimizer_state)
+        _shard_optimizer_state(state.optimizer)
         if checked.scheduler is not None and state.scheduler is not None:
             state.scheduler.load_state_dict(_unjson_float(checked.scheduler))
         if checked.scaler is not None and state.scaler is not None:
@@ -212,6 +217,18 @@ def apply(state, tensors: dict[str, torch.Tensor], saved: dict[str, Any]) -> Non
     if checked.num_threads:
         torch.set_num_threads(checked.num_threads)
     rng.restore_raw(raw_rng)
+
+
+def _shard_optimizer_state(optimizer) -> None:
+    """Moments loaded whole for sharded parameters (fully_shard), placed as their parameters are."""
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            if not is_shard(param) or param not in optimizer.state:
+                continue
+            moments = optimizer.state[param]
+            for key, value in moments.items():
+                if torch.is_tensor(value) and value.shape == param.shape:
+                    moments[key] = shard_like(value, param)
 
 
 # ---- copies of a live state, in memory (a check's trial steps, a distributed replay's rank passes) -------------

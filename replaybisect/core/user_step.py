@@ -110,7 +110,10 @@ def build_parts(cfg) -> dict[str, Any]:
     parts = unpack_parts(build(config), "train.build")
     parts["step_fn"] = instantiate(cfg.train.step_fn, "train.step_fn")
     if distributed and not ranks.reduces_itself(parts["step_fn"]) and ranks.replaying_rank() is None:  # (--nproc: DDP's own)
-        ranks.attach_reduction(parts["model"])
+        if ranks.recorded_sharded(cfg):
+            ranks.attach_sharded_reduction(parts["model"])
+        else:
+            ranks.attach_reduction(parts["model"])
     parts["user_config"] = config
     step_arguments(parts["step_fn"])
     return parts

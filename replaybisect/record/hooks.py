@@ -27,6 +27,7 @@ from replaybisect.core.layer_stats import LayerStats
 from replaybisect.core.loop import TrainState
 from replaybisect.core.step_watch import StepOutcome
 from replaybisect.core.user_step import ManualUpdate
+from replaybisect.core import ranks
 from replaybisect.core import snapshot as fmt
 from replaybisect.core.state import live_tensors, state_json
 from replaybisect.store import Store
@@ -52,6 +53,7 @@ class RecordingHooks:
         self.state = state
         self.data_position = data_position
         self.snapshot_every = cfg.snapshot.every
+        self.sharded = ranks.is_sharded(state.model)  # fully_shard (core/ranks.py)
         self.stats_every = cfg.snapshot.layer_stats_every
         self.flush_every = max(1, cfg.snapshot.metrics_flush_every)
         self.flush_seconds = cfg.snapshot.metrics_flush_seconds or math.inf  # 0: by step count only
@@ -103,6 +105,8 @@ class RecordingHooks:
             self._begin_snapshot(step, rng_at_start, reason="periodic")
 
     def observer(self, step: int):
+        if self.sharded:  # per-layer statistics of shards would take collectives rank 0 alone calls: not taken
+            return None
         if self.stats_every and step % self.stats_every == 0:
             self._stats = LayerStats(self.state.model)
             return self._stats
@@ -115,7 +119,9 @@ class RecordingHooks:
             self.nonfinite_what = outcome.nonfinite
             opened = self._open_snapshot
             self._keep_batch(outcome.step, batch, force=True)  # the open interval ends with the failing batch
-            if not (opened and opened["step"] == outcome.step):  # else the periodic snapshot of this step is it
+            # else the periodic snapshot of this step is it; a sharded model's state is gathered by every rank together, at
+            # periodic snapshots only: its replay starts from the last one, through the interval's batches
+            if not (opened and opened["step"] == outcome.step) and not self.sharded:
                 self._close_open_snapshot()
                 self._begin_snapshot(outcome.step, self._rng_at_start, reason="nonfinite", keep_open=True)
                 self._keep_batch(outcome.step, batch, force=True)

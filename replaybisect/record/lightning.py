@@ -268,7 +268,7 @@ class ReplayCallback(Callback):
         user = {"module": module, "hparams": _hparams(pl_module), "trainer": settings}
         where = ranks.world()  # one rank of a DDP job: rank 0 records the run, the others send it their steps
         link = ranks.RankLink(*where) if where is not None else None
-        self._ranked = RankedSteps(link, pl_module) if link is not None else None
+        self._ranked = RankedSteps(link, pl_module, self.snapshot_every) if link is not None else None
         precision = PRECISIONS[settings["precision"]]
         steps = trainer.max_steps if trainer.max_steps and trainer.max_steps > 0 else None
         self.cfg = replay_config(step_target=STEP_TARGET, build_target=None if script else BUILD_TARGET, config=user,
@@ -362,7 +362,7 @@ class ReplayCallback(Callback):
         step = self.steps_taken
         loop.open_step(step, self.state, self._hooks, self._buffers)
         if self._ranked is not None:
-            self._ranked.opened()
+            self._ranked.opened(step, self.state)
         outcome = StepOutcome(step=step, loss=math.nan, lr=float(self.state.optimizer.param_groups[0]["lr"]))
         watch = StepWatch(self.state, outcome, self._hooks.observer(step), on_fault=self._nonfinite,
                           ranks_agree=self.state.ranks_agree, defer_reads=getattr(self._hooks, "defers_reads", False))

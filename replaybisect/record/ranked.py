@@ -33,13 +33,13 @@ def link_for(inline: bool, build, step_fn) -> Optional[ranks.RankLink]:
 
 
 def refuse_sharded(model) -> None:
-    """A sharded model (FSDP's fully_shard, FullyShardedDataParallel, tensor parallel) is refused before any run
-    exists: a snapshot holds whole tensors, and each rank holds only its shards (README: FSDP, the design)."""
-    if not ranks.is_sharded(model):
+    """A model sharded in a way a replay cannot rebuild is refused before any run exists (FSDP2's fully_shard over
+    one dimension of ranks is recorded: core/ranks.py)."""
+    why = ranks.unrecordable_sharding(model)
+    if why is None:
         return
-    raise ConfigError("the Recorder cannot record a sharded model yet (FSDP, fully_shard or tensor parallel: each rank "
-                      "holds only shards of the parameters, and a snapshot needs them whole); record the job with "
-                      "DistributedDataParallel, or on one process, to replay it; nothing was recorded")
+    raise ConfigError(f"the Recorder cannot record this sharded model: {why}; record the job with fully_shard over one "
+                      "dimension of ranks, DistributedDataParallel, or on one process, to replay it; nothing was recorded")
 
 
 def run_of_this_rank(link: Optional[ranks.RankLink], tracking_uri: Optional[str], on_nonfinite: str,
@@ -61,16 +61,26 @@ def run_of_this_rank(link: Optional[ranks.RankLink], tracking_uri: Optional[str]
 class RankedSteps:
     """Each step of one rank: what rank 0 stores for it, and the ranks' losses and checksums as rank 0's metrics."""
 
-    def __init__(self, link: ranks.RankLink, model):
+    def __init__(self, link: ranks.RankLink, model, snapshot_every: int):
         self.link, self.model = link, model
         self._checksum = 0.0  # the replica's parameters as the step started
+        self.sharded = ranks.is_sharded(model)  # fully_shard: no replicas to compare, and snapshots gather the shards
+        self.snapshot_every = snapshot_every
 
     @property
     def is_writer(self) -> bool:
         return self.link.rank == 0
 
-    def opened(self) -> None:
-        """A step starts: the replica's checksum now (replicas that began different show at step 0)."""
+    def opened(self, step: int, state) -> None:
+        """A step starts: the replica's checksum now (replicas that began different show at step 0). A sharded model's
+        other ranks join the gather of rank 0's periodic snapshot (made as the step opened): every rank all-gathers
+        the same tensors in the same order."""
+        if self.sharded:
+            if not self.is_writer and self.snapshot_every and step % self.snapshot_every == 0:
+                from replaybisect.core.state import live_tensors
+
+                live_tensors(state)
+            return
         self._checksum = ranks.param_checksum(self.model)
 
     def stored(self, step: int, record: Any) -> Any:
@@ -86,10 +96,11 @@ class RankedSteps:
         if not self.is_writer:
             self.link.send_outcome(step, loss, checksum)
             return
-        points = [("param_checksum/rank0", checksum, step)]
+        points = [] if self.sharded else [("param_checksum/rank0", checksum, step)]
         for peer, (peer_loss, peer_checksum) in self.link.peer_outcomes(step).items():
             points.append((f"loss/rank{peer}", peer_loss, step))
-            points.append((f"param_checksum/rank{peer}", peer_checksum, step))
+            if not self.sharded:  # shards differ by design: only replicas are compared
+                points.append((f"param_checksum/rank{peer}", peer_checksum, step))
         hooks.metrics.extend(points)
 
     def blamed(self, error: BaseException, store, run_id: str) -> BaseException:

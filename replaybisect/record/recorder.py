@@ -213,14 +213,14 @@ class Recorder:
                               "cannot take your loop's step again; pass step_fn= to go on past it")
         step_target, build_target, script, code_folder, name = self._how_replayed(step_fn, build)
         link = ranked.link_for(inline, build, step_fn)  # one rank of a distributed job, or None
-        self._ranked = ranked.RankedSteps(link, model) if link is not None else None
+        self._ranked = ranked.RankedSteps(link, model, snapshot_every) if link is not None else None
         if precision is not None and precision not in PRECISIONS:
             raise ConfigError(f"precision={precision!r} is not one of {', '.join(PRECISIONS)}")
         config_plain = plain_config(config)
         self._settings = dict(step_target=step_target, build_target=build_target, script=script, config=config_plain,
                               seed=torch.initial_seed() if seed is None else seed, snapshot_every=snapshot_every,
                               layer_stats_every=layer_stats_every, on_nonfinite=on_nonfinite, steps=steps,
-                              distributed=ranks.layout(link.world_size) if link is not None else None,
+                              distributed=ranks.layout(link.world_size, self._ranked.sharded) if link is not None else None,
                               clip_grad_norm=self.clip_grad_norm)
         self.cfg = replay_config(precision=precision or "fp32", **self._settings)  # validates before any run exists
         self._precision_seen: Optional[list[str]] = None if precision else []  # noted on the first step
@@ -301,7 +301,7 @@ class Recorder:
                                     user_step.step_variables(self.state.step_fn) if self._settings["script"] else None)
             stored = record
             if self._ranked is not None:
-                self._ranked.opened()
+                self._ranked.opened(step, self.state)
                 stored = self._ranked.stored(step, record)
             data_started = self._last_step_end if self._last_step_end is not None else time.perf_counter()
             with self._noting_precision():

@@ -238,7 +238,7 @@ def find_nan(
             report.replay = {**report.replay, **step0}
             report.evidence.insert(0, step0["sentence"])
         else:
-            report.evidence.insert(0, _replay_sentence(report, replayed, stored_batch))
+            report.evidence.insert(0, _replay_sentence(report, replayed, stored_batch, ranks_reduce=_ranks_reduce(cfg)))
         if state_match is not None:
             report.evidence.insert(1, f"the replayed state before step {examined} vs the snapshot the run saved there: {state_match}")
         report.loss_history = sorted((s, v) for s, v in losses.items() if s < examined)
@@ -317,7 +317,14 @@ def _choose_snapshots(store: Store, run_id: str, target: int):
     return snapshot, at_target, warnings
 
 
-def _replay_sentence(report: NanReport, replayed, stored_batch: bool) -> str:
+def _ranks_reduce(cfg) -> str:
+    """How the recorded ranks averaged their gradients, as the one-process replay does it."""
+    from replaybisect.core import ranks
+
+    return "FSDP's reduce-scatter" if ranks.recorded_sharded(cfg) else "DDP"
+
+
+def _replay_sentence(report: NanReport, replayed, stored_batch: bool, ranks_reduce: str = "DDP") -> str:
     batch_from = "the stored batch" if stored_batch else "a batch rebuilt from the data source"
     if replayed is None:
         return f"restored the snapshot of step {report.snapshot_step} (no earlier snapshot: reproduction unchecked); step {report.failing_step} uses {batch_from}"
@@ -325,7 +332,7 @@ def _replay_sentence(report: NanReport, replayed, stored_batch: bool) -> str:
 
     n = replayed.end_step - replayed.start_step
     losses = f"the losses of all {replayed.ranks_compared} ranks" if replayed.ranks_compared > 1 else "losses"
-    where = " on one process (each rank's batch, gradients averaged as DDP does)" if replayed.ranks_compared > 1 else ""
+    where = f" on one process (each rank's batch, gradients averaged as {ranks_reduce} does)" if replayed.ranks_compared > 1 else ""
     if (here := ranks.replaying_rank()) is not None:  # one rank of replay nan --nproc (the launcher words the job's sentence)
         rank, world_size = here
         losses, where = f"rank {rank}'s losses", f" over the real collective ({world_size} processes)"

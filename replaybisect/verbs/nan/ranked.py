@@ -40,6 +40,9 @@ def check_nproc(cfg, run_id: str, nproc: int, device: Optional[str]) -> None:
     if world_size < 2:
         raise ConfigError(f"run {run_id} was recorded on one process; --nproc replays a distributed run's ranks: leave "
                           "it out")
+    if ranks.recorded_sharded(cfg):
+        raise ConfigError(f"run {run_id}'s model was sharded with fully_shard: its replay averages the ranks' gradients on "
+                          "one process (its snapshots hold whole tensors); leave --nproc out")
     if not ranks.replays_over_the_collective(cfg):
         raise ConfigError(f"run {run_id} is a Lightning run: its replay averages the ranks' gradients on one process; "
                           "leave --nproc out")
