@@ -301,10 +301,55 @@ def test_replay_train_under_torchrun_records_one_run_and_bad_nproc_is_one_line(s
     assert len(shared.store().search_runs()) == runs_before
 
 
-def test_a_sharded_model_is_refused_before_a_run_exists(tmp_path):
-    """FSDP (fully_shard) parameters are shards on each rank; the Recorder says so in one line and records nothing."""
+@pytest.fixture(scope="module")
+def fsdp_runs(shared):
+    """One torchrun job sharding the model with fully_shard: a run with a NaN row on rank 1 at step 12, then a run whose
+    lr diverges (the job records the second after the first stopped)."""
+    done = subprocess.run([*TORCHRUN, "ddp_loop.py", "--fsdp", "--plant", "none,diverge", "--nan-step", "12", "--steps", "20"],
+                          cwd=shared.path, env=shared.env(), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, f"exit {done.returncode}\n{done.stdout}\n{done.stderr[-3000:]}"
+    nan_row, diverged = re.findall(r"recording run ([0-9a-f]{32})", done.stderr)
+    return nan_row, diverged, done
+
+
+def test_fsdp_runs_replay_exact_on_one_process_name_the_rank_and_row_and_ablate_fixes_the_lr(shared, fsdp_runs):
+    """Every rank gathers the shards at a periodic snapshot, rank 0 writes them whole; one process replays the ranks
+    through a one-process group's fully_shard (the reduce-scatter stood in for), exact; no replica checksums (shards
+    differ by design), so diagnose finds no drift; --nproc is refused for it."""
+    nan_row, diverged, done = fsdp_runs
+    assert "rank 0: the loss on another rank went non-finite at step 12" in done.stdout
+    assert "loss is inf at step 13" in done.stdout
+    store = shared.store()
+    config = (Path(store.local_artifact_dir(nan_row)) / "config.yaml").read_text()
+    assert "world_size: 2" in config and "sharding: fsdp" in config
+    assert store.metric_history(nan_row, "param_checksum/rank1") == [] and len(store.metric_history(nan_row, "loss/rank1")) == 13
+    assert store.tags(nan_row)["snapshot_steps"] == "0,5,10"
+
+    report = _answer(shared, "find_nan", nan_row)
+    assert (report["reproduced"], report["category"], report["failing_step"]) == ("exact", "data", 12), report["evidence"]
+    assert "gradients averaged as FSDP's reduce-scatter does): the losses of all 2 ranks exact" in report["evidence"][0]
+    [finding] = report["batch"]
+    assert finding["rank"] == 1 and finding["rows"] == [5]
+    findings = _answer(shared, "diagnose", nan_row)["findings"]
+    assert not [finding for finding in findings if finding["pattern"] == "replicas-drifted"], findings
+
+    report = _answer(shared, "find_nan", diverged)
+    assert (report["reproduced"], report["category"], report["failing_step"]) == ("exact", "divergence", 13), report["evidence"]
+    answer = _answer(shared, "ablate", diverged, arms=["lr"], workers=1)
+    assert answer["baseline"]["verdict"] == "fails-again" and {arm["name"]: arm["verdict"] for arm in answer["arms"]} == {"lr": "fixes"}
+
+    import replaybisect as rb
+    from replaybisect.errors import ConfigError
+
+    with in_folder(shared.path), pytest.raises(ConfigError, match="sharded with fully_shard.*leave --nproc out"):
+        rb.find_nan(nan_row, tracking_uri=shared.tracking_uri, publish=False, nproc=2)
+
+
+def test_a_sharding_a_replay_cannot_rebuild_is_refused_before_a_run_exists(tmp_path):
+    """HSDP (fully_shard over a 2-D mesh), tensor parallel and FSDP1 are refused by the Recorder in one line."""
     import torch
     import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     import replaybisect as rb
@@ -315,10 +360,10 @@ def test_a_sharded_model_is_refused_before_a_run_exists(tmp_path):
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 1))
-        fully_shard(model)
+        fully_shard(model, mesh=init_device_mesh("cpu", (1, 1), mesh_dim_names=("replicate", "shard")))
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
         uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-        with pytest.raises(ConfigError, match=r"cannot record a sharded model yet \(FSDP"):
+        with pytest.raises(ConfigError, match=r"cannot record this sharded model: 0.weight is placed as .* 2-D mesh \(HSDP"):
             rb.Recorder(model, optimizer, step_fn=lambda model, batch: model(batch).sum(), build=lambda config: None,
                         tracking_uri=uri)
         assert not (tmp_path / "mlflow.db").exists()

@@ -3,9 +3,11 @@ group set up in main, the model wrapped in DDP by build, each rank drawing its o
 one process. Plants: a NaN row in rank 1's batch at a step (--nan-step), a learning rate that diverges (--loss mse --lr 3 --clip 0),
 rank asymmetries (--plant seed | hook | loss-count: a rank-dependent init, rank 1 changing its
 gradients after the all-reduce, a loss divided by a per-rank count), and a step that returns the ranks' mean loss
-(--plant mean-loss: a collective of its own in the step).
+(--plant mean-loss: a collective of its own in the step). --fsdp shards the model with FSDP2's fully_shard instead of
+wrapping it in DDP, and records a run per plant even where one stops at a non-finite step (--plant none,diverge: a NaN
+row, then an lr that diverges).
 
-Run: torchrun --nproc_per_node 2 ddp_loop.py --steps 20 [--nan-step 12] [--lr 0.05] [--plant NAME,...] [--fp16]"""
+Run: torchrun --nproc_per_node 2 ddp_loop.py --steps 20 [--nan-step 12] [--lr 0.05] [--plant NAME,...] [--fp16] [--fsdp]"""
 import argparse
 import os
 import time
@@ -14,6 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import replaybisect
@@ -22,6 +25,12 @@ import replaybisect
 def build(config):
     torch.manual_seed(0 if config["plant"] != "seed" else 1 + dist.get_rank())  # planted: a rank-dependent init...
     model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Dropout(0.1), nn.Linear(32, 4))
+    if config.get("fsdp"):  # each Linear its own shard group, then the root: FSDP2 as its docs show it
+        for layer in model:
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer)
+        fully_shard(model)
+        return model, torch.optim.SGD(model.parameters(), lr=config["lr"], momentum=0.9), None, None
     ddp = DDP(model, init_sync=config["plant"] != "seed")  # ...that DDP does not broadcast
     optimizer = torch.optim.SGD(ddp.parameters(), lr=config["lr"], momentum=0.9)
     scaler = torch.amp.GradScaler("cpu") if config["fp16"] else None
@@ -69,16 +78,24 @@ def main():
     parser.add_argument("--loss", default="ce")  # ce | mse
     parser.add_argument("--sleep", type=float, default=0.0)  # seconds per step (a test kills a rank mid-run)
     parser.add_argument("--fp16", action="store_true")  # autocast fp16 with a GradScaler
+    parser.add_argument("--fsdp", action="store_true")  # fully_shard instead of DDP
     args = parser.parse_args()
     dist.init_process_group("gloo")
     for plant in args.plant.split(","):  # one run per plant, one after another in the same job
-        record(args, plant)
+        try:
+            record(args, plant)
+        except replaybisect.NonFiniteStep as stop:
+            if not args.fsdp:
+                raise
+            print(f"rank {dist.get_rank()}: {stop}", flush=True)
     dist.destroy_process_group()
 
 
 def record(args, plant: str):
     rank = dist.get_rank()
-    config = {"lr": args.lr, "plant": plant, "clip": args.clip, "loss": args.loss, "fp16": args.fp16}
+    config = {"lr": args.lr, "plant": plant, "clip": args.clip, "loss": args.loss, "fp16": args.fp16, "fsdp": args.fsdp}
+    if plant == "diverge":  # a regression at too high an lr, unclipped
+        config.update(lr=3.0, loss="mse", clip=0.0)
     model, optimizer, _, scaler = build(config)
     rec = replaybisect.Recorder(model, optimizer, scaler=scaler, step_fn=train_step, build=build, config=config,
                                 snapshot_every=5, layer_stats_every=0)
@@ -88,7 +105,7 @@ def record(args, plant: str):
         for step in range(args.steps):
             x = torch.randn(16, 8, generator=generator)
             y = (x[:, 0] > 0).long() + 2 * (x[:, 1] > 0).long()
-            if rank == 1 and step == args.nan_step:
+            if rank == 1 and step == args.nan_step and plant != "diverge":
                 x[5, 3] = float("nan")  # planted: one bad row on rank 1
             loss = rec.step((x, y))
             print(f"rank {rank} step {step} loss {loss:.6f}", flush=True)  # user code prints to stdout
