@@ -30,6 +30,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from replaybisect.core.processes import alive
+from replaybisect.core.shards import local
 from replaybisect.errors import ConfigError, ReplayError
 
 RECORD_RANKS = "ranks"
@@ -77,29 +78,6 @@ def unrecordable_sharding(model: torch.nn.Module) -> Optional[str]:
         if isinstance(param, DTensor) and (param.device_mesh.ndim != 1 or tuple(param.placements) != (Shard(0),)):
             return f"{name} is placed as {tuple(param.placements)} on a {param.device_mesh.ndim}-D mesh (HSDP or tensor parallel)"
     return None
-
-
-def is_shard(tensor: torch.Tensor) -> bool:
-    """A DTensor: one rank's part of a sharded tensor (fully_shard's parameters and their optimizer moments)."""
-    if type(tensor) in (torch.Tensor, torch.nn.Parameter) or not torch.distributed.is_available():
-        return False
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(tensor, DTensor)
-
-
-def whole(tensor: torch.Tensor) -> torch.Tensor:
-    """The full tensor of a shard (an all-gather: every rank calls it at the same point); a plain tensor as it is."""
-    return tensor.full_tensor() if is_shard(tensor) else tensor
-
-
-def shard_like(value: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
-    """A whole tensor from a snapshot, placed as the live sharded tensor `live` is (a plain tensor as it is)."""
-    if not is_shard(live) or is_shard(value):
-        return value
-    from torch.distributed.tensor import distribute_tensor
-
-    return distribute_tensor(value.to(live.device), live.device_mesh, live.placements)
 
 
 def recorded_world_size(cfg) -> int:
@@ -159,13 +137,8 @@ def param_checksum(model: torch.nn.Module) -> float:
     """A cheap fingerprint of the replica's parameters (float64 sum of every element), summed where the parameters
     live and read once: replicas that drifted apart show different values at the same step."""
     with torch.no_grad():
-        sums = [_local(param.detach()).sum(dtype=torch.float64) for param in model.parameters()]
+        sums = [local(param.detach()).sum(dtype=torch.float64) for param in model.parameters()]
         return float(torch.stack(sums).sum()) if sums else 0.0
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    """This rank's part of a tensor (a shard's local tensor; a plain tensor is all of it)."""
-    return tensor.to_local() if is_shard(tensor) else tensor
 
 
 def any_rank_failed(device: torch.device) -> Callable[[bool], bool]:

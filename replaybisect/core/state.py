@@ -13,7 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from replaybisect.errors import SnapshotError
 from replaybisect.core import rng
-from replaybisect.core.ranks import is_shard, shard_like, whole
+from replaybisect.core.shards import is_shard, shard_like, whole
 from replaybisect.core.jsonutil import to_jsonable as _jsonable
 
 
