@@ -343,10 +343,12 @@ def test_fsdp_runs_replay_exact_on_one_process_name_the_rank_and_row_and_ablate_
 
     with in_folder(shared.path), pytest.raises(ConfigError, match="sharded with fully_shard.*leave --nproc out"):
         rb.find_nan(nan_row, tracking_uri=shared.tracking_uri, publish=False, nproc=2)
+    with in_folder(shared.path), pytest.raises(ConfigError, match="replay check does not check a sharded run's state yet"):
+        rb.check(run_id=nan_row, tracking_uri=shared.tracking_uri, publish=False)
 
 
 def test_a_sharding_a_replay_cannot_rebuild_is_refused_before_a_run_exists(tmp_path):
-    """HSDP (fully_shard over a 2-D mesh), tensor parallel and FSDP1 are refused by the Recorder in one line."""
+    """HSDP (fully_shard over a 2-D mesh) and fully_shard over one process are refused by the Recorder in one line."""
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -366,6 +368,11 @@ def test_a_sharding_a_replay_cannot_rebuild_is_refused_before_a_run_exists(tmp_p
         with pytest.raises(ConfigError, match=r"cannot record this sharded model: 0.weight is placed as .* 2-D mesh \(HSDP"):
             rb.Recorder(model, optimizer, step_fn=lambda model, batch: model(batch).sum(), build=lambda config: None,
                         tracking_uri=uri)
+        alone = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 1))
+        fully_shard(alone)  # over this one process: a replay would have no ranks to average
+        with pytest.raises(ConfigError, match=r"cannot record this sharded model: fully_shard over one process"):
+            rb.Recorder(alone, torch.optim.SGD(alone.parameters(), lr=0.1), step_fn=lambda model, batch: model(batch).sum(),
+                        build=lambda config: None, tracking_uri=uri)
         assert not (tmp_path / "mlflow.db").exists()
     finally:
         if ours:

@@ -40,6 +40,11 @@ ALLOWED_FILES = {TENSORS, BATCHES, STATE}
 STEP_DIR = re.compile(r"^step-(\d{6,})$")
 
 
+def snapshot_due(step: int, every: int) -> bool:
+    """Whether a periodic snapshot is taken as `step` opens (every=0: none)."""
+    return bool(every) and step % every == 0
+
+
 def folder_name(step: int) -> str:
     return f"step-{step:06d}"
 

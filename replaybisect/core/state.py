@@ -6,7 +6,7 @@ import copy
 import math
 import platform
 from dataclasses import dataclass
-from typing import Annotated, Any, Callable, Optional
+from typing import Annotated, Any, Callable, Iterator, Optional
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -18,14 +18,19 @@ from replaybisect.core.jsonutil import to_jsonable as _jsonable
 
 
 def live_tensors(state) -> dict[str, torch.Tensor]:
-    """References (not copies) to every tensor a step depends on: model state and optimizer moments. A sharded
-    tensor (fully_shard) is gathered whole: every rank of the job calls this at the same point."""
-    tensors = {f"model/{name}": whole(value) for name, value in state.model.state_dict().items()}
+    """References (not copies) to every tensor a step depends on: model state and optimizer moments."""
+    return dict(iter_live_tensors(state))
+
+
+def iter_live_tensors(state) -> Iterator[tuple[str, torch.Tensor]]:
+    """live_tensors one at a time. A sharded tensor (fully_shard) is gathered whole as it comes: every rank of the job
+    iterates at the same point, and each may drop a tensor before the next is gathered."""
+    for name, value in state.model.state_dict().items():
+        yield f"model/{name}", whole(value)
     for index, param_state in state.optimizer.state_dict()["state"].items():
         for key, value in param_state.items():
             if torch.is_tensor(value):
-                tensors[f"optim/{index}/{key}"] = whole(value)
-    return tensors
+                yield f"optim/{index}/{key}", whole(value)
 
 
 def _unjson_float(value: Any) -> Any:
@@ -195,8 +200,8 @@ def apply(state, tensors: dict[str, torch.Tensor], saved: dict[str, Any]) -> Non
     checked = check_state(saved, step, lambda why: SnapshotError(f"state.json {why}"))
     live = state.model.state_dict()
     model_state = {name[len("model/"):]: value for name, value in tensors.items() if name.startswith("model/")}
-    model_state = {name: shard_like(value, live[name]) if name in live else value for name, value in model_state.items()}
     try:
+        model_state = {name: shard_like(value, live[name]) if name in live else value for name, value in model_state.items()}
         state.model.load_state_dict(model_state)
     except RuntimeError as error:
         raise SnapshotError(f"the snapshot does not fit the model built from the config: {str(error).splitlines()[0]}") from None
@@ -227,7 +232,7 @@ def _shard_optimizer_state(optimizer) -> None:
                 continue
             moments = optimizer.state[param]
             for key, value in moments.items():
-                if torch.is_tensor(value) and value.shape == param.shape:
+                if key in PARAM_SHAPED and torch.is_tensor(value):
                     moments[key] = shard_like(value, param)
 
 

@@ -29,7 +29,7 @@ from replaybisect.core.step_watch import StepOutcome
 from replaybisect.core.user_step import ManualUpdate
 from replaybisect.core import ranks
 from replaybisect.core import snapshot as fmt
-from replaybisect.core.state import live_tensors, state_json
+from replaybisect.core.state import iter_live_tensors, state_json
 from replaybisect.store import Store
 
 def _lower_priority() -> None:
@@ -92,15 +92,15 @@ class RecordingHooks:
 
     # ---- LoopHooks --------------------------------------------------------------------------
     def before_step(self, step: int, state: TrainState, rng_at_start: dict) -> None:
-        snapshot_due = self.snapshot_every and step % self.snapshot_every == 0
+        due = fmt.snapshot_due(step, self.snapshot_every)
         if self.device_guard is not None:
-            if snapshot_due and self.device_guard.pending:
+            if due and self.device_guard.pending:
                 self._flush_metrics()  # the verdicts are read before a snapshot of a state they may have stopped at
             self.device_guard.opened(step, rng_at_start)
         if self.halted:
             return
         self._rng_at_start = rng_at_start
-        if snapshot_due:
+        if due:
             self._close_open_snapshot()
             self._begin_snapshot(step, rng_at_start, reason="periodic")
 
@@ -172,7 +172,7 @@ class RecordingHooks:
             self._buffers_job.result()  # one in flight: the host buffers are about to be reused
         waited = time.perf_counter() - started
         host = {}
-        for name, tensor in live_tensors(self.state).items():
+        for name, tensor in iter_live_tensors(self.state):  # a shard gathered whole one tensor at a time
             buffer = self._host_buffers.get(name)
             if buffer is None or buffer.shape != tensor.shape or buffer.dtype != tensor.dtype:
                 buffer = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=tensor.is_cuda)

@@ -12,6 +12,7 @@ import signal
 from typing import Any, Callable, Optional
 
 from replaybisect.core import ranks
+from replaybisect.core.snapshot import snapshot_due
 from replaybisect.errors import ConfigError
 
 
@@ -32,10 +33,16 @@ def link_for(inline: bool, build, step_fn) -> Optional[ranks.RankLink]:
     return ranks.RankLink(*where)
 
 
-def refuse_sharded(model) -> None:
-    """A model sharded in a way a replay cannot rebuild is refused before any run exists (FSDP2's fully_shard over
-    one dimension of ranks is recorded: core/ranks.py)."""
+def refuse_sharded(model, snapshot_every: int) -> None:
+    """A model sharded in a way a replay cannot rebuild is refused before any run exists. FSDP2's fully_shard over one
+    dimension of ranks is recorded (core/ranks.py), in a job of several processes with periodic snapshots: they are
+    the only state its replay can start from."""
     why = ranks.unrecordable_sharding(model)
+    if why is None and ranks.is_sharded(model):
+        if ranks.world() is None:
+            why = "fully_shard over one process (shard it under torchrun with several, or leave fully_shard out)"
+        elif not snapshot_every:
+            why = "snapshot_every=0: a sharded run's replay starts from a periodic snapshot; pass snapshot_every=N"
     if why is None:
         return
     raise ConfigError(f"the Recorder cannot record this sharded model: {why}; record the job with fully_shard over one "
@@ -76,10 +83,11 @@ class RankedSteps:
         other ranks join the gather of rank 0's periodic snapshot (made as the step opened): every rank all-gathers
         the same tensors in the same order."""
         if self.sharded:
-            if not self.is_writer and self.snapshot_every and step % self.snapshot_every == 0:
-                from replaybisect.core.state import live_tensors
+            if not self.is_writer and snapshot_due(step, self.snapshot_every):
+                from replaybisect.core.state import iter_live_tensors
 
-                live_tensors(state)
+                for _ in iter_live_tensors(state):  # each gathered tensor dropped at once: rank 0 keeps its own
+                    pass
             return
         self._checksum = ranks.param_checksum(self.model)
 

@@ -207,7 +207,7 @@ class Recorder:
             self._hand_over_later(parts, step_fn, updates_by_hand=optimizer is None)
             return
         one_line_failures()  # a refusal below ends the script with its one line (each rank's, under torchrun)
-        ranked.refuse_sharded(model)
+        ranked.refuse_sharded(model, snapshot_every)
         if inline and on_nonfinite != "stop":
             raise ConfigError("without step_fn a non-finite step stops the run (on_nonfinite=\"stop\"): the Recorder "
                               "cannot take your loop's step again; pass step_fn= to go on past it")

@@ -27,7 +27,7 @@ from replaybisect.core import loop, user_step
 from replaybisect.core.guard import scaler_enabled
 from replaybisect.core.layer_stats import SATURATING, ZEROING, norm_of, parameter_owners
 from replaybisect.core.snapshot import like
-from replaybisect.errors import ReplayError
+from replaybisect.errors import ConfigError, ReplayError
 from replaybisect.core.rng import isolated_rng, seed_everything
 from replaybisect.verbs.check import lr_finder
 
@@ -1578,6 +1578,11 @@ def _recorded_context(store, run_id: str, step: Optional[int], options: CheckOpt
         )
     choice = recorded.choose_snapshot(store, run_id, step)  # a bad --step: one line, before anything is built
     cfg = restore_mod.run_config(store, run_id, trust)  # trust: --code-dir/--trust (replaybisect.core.trust.Trust)
+    from replaybisect.core import ranks
+
+    if ranks.recorded_sharded(cfg):  # its probes read whole parameters; a sharded replay holds DTensors
+        raise ConfigError(f"run {run_id}'s model was sharded with fully_shard: replay check does not check a sharded run's "
+                          "state yet; check its config on one process (replay check with its overrides), or replay nan / ablate the run")
     peak = recorded.peak_lr(store, run_id)
     warnings: list[str] = []
     if choice.step is None:

@@ -31,6 +31,8 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
+
+from replaybisect.core.shards import local
 from torch.overrides import TorchFunctionMode
 
 from replaybisect.core import loop
@@ -753,12 +755,13 @@ def explain_update(state, bad: list[StateFinding], before: dict, grads_before: d
         param = names.get(pname)
         if param is None:
             continue
+        grad, old = grads_before.get(id(param)), before.get(id(param))
+        moments = {key: local(value) if torch.is_tensor(value) else value for key, value in state.optimizer.state.get(param, {}).items()}
+        # a sharded parameter (fully_shard over the replay's one rank): its local tensor is all of it
+        param, grad, old = local(param), (local(grad) if grad is not None else None), (local(old) if old is not None else None)
         bad_entries = ~torch.isfinite(param)
-        grad = grads_before.get(id(param))
-        old = before.get(id(param))
         if old is not None and not torch.isfinite(old[bad_entries]).all():
             continue
-        moments = state.optimizer.state.get(param, {})
         eps = group.get("eps")
         if "exp_avg_sq" in moments and eps is not None and float(eps) == 0.0:
             zero_v = int((moments["exp_avg_sq"][bad_entries] == 0).sum())
