@@ -97,6 +97,9 @@ def test_a_step_with_a_collective_of_its_own_replays_exact_over_the_real_collect
     alone = _answer(shared, "find_nan", run_id)
     assert alone["reproduced"] == "diverged", alone["evidence"]
     assert any(f"replay nan --run-id {run_id} --nproc 2" in warning for warning in alone["warnings"]), alone["warnings"]
+    ablated = _answer(shared, "ablate", run_id, arms=["lr"], workers=1)  # its arms replay on one process too: said
+    assert any(f"replay nan --run-id {run_id} --nproc 2" in warning and "ablate has no --nproc" in warning
+               for warning in ablated["warnings"]), ablated["warnings"]
 
     result = shared.replay("nan", "--run-id", run_id, "--nproc", "2", "--json")
     assert result.returncode == 0, result.stderr[-3000:]

@@ -95,6 +95,16 @@ def replays_over_the_collective(cfg) -> bool:
         and not recorded_sharded(cfg)
 
 
+def collective_offer(run_id: str, cfg, reproduced: str) -> list[str]:
+    """A distributed run that one process did not reproduce: the replay over the real collective, offered."""
+    if reproduced != "diverged" or not replays_over_the_collective(cfg) or replaying_rank() is not None:
+        return []
+    world_size = recorded_world_size(cfg)
+    return [f"one process did not reproduce this {world_size}-rank run (the step may use collectives of its own, or the "
+            f"ranks took different paths): replay it over the real collective on this machine with `replay nan --run-id "
+            f"{run_id} --nproc {world_size}`"]
+
+
 # ---- this process as one recorded rank of `replay nan --nproc` (verbs/nan/ranked.py) -------------------------------
 _REPLAYING_RANKS = False  # set by that launcher's rank processes only, not by a user's own torchrun job
 

@@ -958,6 +958,11 @@ class _Runner:
             raw = _run_arms(every, self.executor, self.workers, self.submitit_options, self.progress, self.pool)
         if self.baseline is None:
             self.baseline, self.baseline_failed, self.inconclusive = _baseline_outcome(raw[BASELINE], self.plan)
+            from replaybisect.core import ranks
+
+            for offer in ranks.collective_offer(self.run_id, self.plan.cfg, self.baseline.reproduced):
+                self.plan.warnings.append(f"{offer}; the arms here replay on one process, as the baseline did (ablate "
+                                          "has no --nproc)")
         return [_arm_outcome(spec, self.plan.changes[spec.name], raw.get(spec.name), self.plan, self.baseline_failed,
                              self.inconclusive) for spec in specs]
 

@@ -194,7 +194,7 @@ def find_nan(
                     f"the replay does not follow the recorded run; examining step {examined}"
                 )
             reproduced = "unchecked" if replayed is None else ("diverged" if examined != target else replayed.reproduced)
-            warnings.extend(_needs_the_collective(run_id, cfg, reproduced))
+            warnings.extend(ranks.collective_offer(run_id, cfg, reproduced))
             timings["replay_s"] = time.perf_counter() - started
             rng_at_step = capture_raw()
 
@@ -341,18 +341,6 @@ def _replay_sentence(report: NanReport, replayed, stored_batch: bool, ranks_redu
     if replayed.mismatches:
         text += f" (max relative error {replayed.max_relative_error:.3g})"
     return text + f"; step {report.failing_step} uses {batch_from}"
-
-
-def _needs_the_collective(run_id: str, cfg, reproduced: str) -> list[str]:
-    """A distributed run that one process did not reproduce: offer the replay over the real collective."""
-    from replaybisect.core import ranks
-
-    if reproduced != "diverged" or not ranks.replays_over_the_collective(cfg) or ranks.replaying_rank() is not None:
-        return []
-    world_size = ranks.recorded_world_size(cfg)
-    return [f"one process did not reproduce this {world_size}-rank run (the step may use collectives of its own, or the "
-            f"ranks took different paths): replay it over the real collective on this machine with `replay nan --run-id "
-            f"{run_id} --nproc {world_size}`"]
 
 
 def _reproduce_step0(cfg, state, rng_at_step, snapshot, batch, logged_loss, recorded_what) -> dict[str, Any]:
