@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import functools
 import itertools
 import json
 import os
@@ -320,18 +321,8 @@ def attach_sharded_reduction(model: torch.nn.Module) -> None:
     if not wrapped:
         raise ConfigError("the run was recorded with a model sharded by fully_shard, but build(config) returned one without "
                           "it; shard the model in build, as the recorded job did")
-    for module in wrapped:
-        module.set_all_reduce_hook(_FlatReduction(module))
-
-
-class _FlatReduction:
-    """One fully_shard module's all-reduce hook: its flat gradient, reduced in place."""
-
-    def __init__(self, module):
-        self.module = module
-
-    def __call__(self, flat_gradient: torch.Tensor) -> None:
-        _reduce(REDUCTION, self.module, flat_gradient, through_ddp=False)
+    for module in wrapped:  # the module's flat gradient, reduced in place as a DDP bucket's gradients are
+        module.set_all_reduce_hook(functools.partial(_reduce, REDUCTION, module, through_ddp=False))
 
 
 @dataclass

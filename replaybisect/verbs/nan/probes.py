@@ -758,7 +758,7 @@ def explain_update(state, bad: list[StateFinding], before: dict, grads_before: d
         grad, old = grads_before.get(id(param)), before.get(id(param))
         moments = {key: local(value) if torch.is_tensor(value) else value for key, value in state.optimizer.state.get(param, {}).items()}
         # a sharded parameter (fully_shard over the replay's one rank): its local tensor is all of it
-        param, grad, old = local(param), (local(grad) if grad is not None else None), (local(old) if old is not None else None)
+        param, grad, old = (local(tensor) if tensor is not None else None for tensor in (param, grad, old))
         bad_entries = ~torch.isfinite(param)
         if old is not None and not torch.isfinite(old[bad_entries]).all():
             continue
