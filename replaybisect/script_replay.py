@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from replaybisect import errors
+from replaybisect.core.processes import shadows_preloaded
 from replaybisect.core.trust import Trust
 from replaybisect.errors import ReplayError, UntrustedConfig
 
@@ -107,37 +108,77 @@ def _module_file(cwd: Path, module: str) -> Optional[Path]:
 
 def _run_child(job: dict[str, Any], scratch: Path, output: Path, log: Callable[[str], None]) -> int:
     """Start the script under the child's runner; relay its progress lines to `log`; its exit status. The runner
-    starts in the replay's own temp folder (nothing of the script's folder shadows its imports) and moves to the
-    script's folder itself."""
+    is forked from the preloaded server (an ablation's arms start in a fraction of a second each, not after seconds of
+    imports), or a fresh interpreter started in the replay's own temp folder where the script's folder has a module
+    of a preloaded library's name (the script's own must win, as it does when the script runs)."""
+    job_file = scratch / "job.json"
+    if shadows_preloaded(_import_folder(job["script"])):
+        return _wait(_start_interpreter(job, job_file, scratch, output), log)
+    from replaybisect.core.processes import preloaded_forkserver, start_forked
+    from replaybisect.verbs import script_child
+
+    context = preloaded_forkserver()
+    reader, writer = context.Pipe(duplex=False)
+    job_file.write_text(json.dumps(job), encoding="utf-8")
+    child = context.Process(target=script_child.forked_main, name="replaybisect-script",
+                            args=(str(job_file), writer, str(output), {**os.environ, "PYTHONUNBUFFERED": "1"}))
+    try:
+        start_forked(child)
+    finally:
+        writer.close()  # the child holds the only write end: the relay ends when it does
+    read_end = os.dup(reader.fileno())
+    reader.close()
+    return _wait((child, read_end), log)
+
+
+def _start_interpreter(job: dict[str, Any], job_file: Path, scratch: Path, output: Path):
+    """`python -m replaybisect.verbs.script_child JOB`, its output into `output`, its progress through a pipe."""
     read_end, write_end = os.pipe()
     job["progress_fd"] = write_end
-    job_file = scratch / "job.json"
     job_file.write_text(json.dumps(job), encoding="utf-8")
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    with open(output, "wb") as sink:
-        try:
+    try:
+        with open(output, "wb") as sink:
             child = subprocess.Popen([sys.executable, "-m", CHILD_MODULE, str(job_file)], cwd=scratch,
                                      stdin=subprocess.DEVNULL, stdout=sink, stderr=sink, pass_fds=(write_end,), env=env)
-        except BaseException:
-            os.close(read_end)
-            raise
-        finally:
-            os.close(write_end)
+    except BaseException:
+        os.close(read_end)
+        raise
+    finally:
+        os.close(write_end)
+    return child, read_end
+
+
+def _wait(started, log: Callable[[str], None]) -> int:
+    """Relay the child's progress until it ends; its exit status (a Popen's or a multiprocessing Process's)."""
+    child, read_end = started
+    with _children_lock:
+        _children.add(child)
+    relay = threading.Thread(target=_relay, args=(read_end, log), daemon=True)
+    relay.start()
+    try:
+        code = _join(child)
+    except BaseException:  # Ctrl-C: the script stops with us
+        child.kill()
+        _join(child)
+        raise
+    finally:
         with _children_lock:
-            _children.add(child)
-        relay = threading.Thread(target=_relay, args=(read_end, log), daemon=True)
-        relay.start()
-        try:
-            code = child.wait()
-        except BaseException:  # Ctrl-C: the script stops with us
-            child.kill()
-            child.wait()
-            raise
-        finally:
-            with _children_lock:
-                _children.discard(child)
-        relay.join(timeout=5)
+            _children.discard(child)
+    relay.join(timeout=5)
     return code
+
+
+def _join(child) -> int:
+    if isinstance(child, subprocess.Popen):
+        return child.wait()
+    child.join()
+    return child.exitcode
+
+
+def _import_folder(script: dict[str, Any]) -> Path:
+    """The folder a script's imports look in first: its own (`python script.py`), or its working folder (`python -m`)."""
+    return Path(script["cwd"]) if script.get("module") else Path(script["path"]).parent
 
 
 def _relay(read_end: int, log: Callable[[str], None]) -> None:

@@ -46,22 +46,30 @@ def _torchrun(workspace: Workspace, *args: str, expect_failure: bool) -> tuple[s
     return re.search(r"recording run ([0-9a-f]{32})", done.stderr).group(1), done
 
 
-@pytest.fixture(scope="module")
-def nan_row_run(shared):
-    return _torchrun(shared, "--steps", "20", "--nan-step", "12", expect_failure=True)
+STOPPING = ("diverge", "fp16", "mean-loss", "none")
 
 
 @pytest.fixture(scope="module")
-def diverging_run(shared):
-    return _torchrun(shared, "--steps", "40", "--loss", "mse", "--lr", "3", "--clip", "0", expect_failure=True)
+def stopping_runs(shared) -> tuple[dict[str, str], subprocess.CompletedProcess]:
+    """One torchrun job recording a run per plant, each stopping at a non-finite step: an lr that diverges (inf at
+    step 13), then fp16 with a GradScaler, a step returning the ranks' mean loss and plain DDP, each with a NaN row in
+    rank 1's batch at step 12. The job ends with the last run's NonFiniteStep, as a user's script does; each run
+    before it says its stop in a line on stdout."""
+    done = subprocess.run([*TORCHRUN, "ddp_loop.py", "--steps", "20", "--nan-step", "12", "--plant", ",".join(STOPPING)],
+                          cwd=shared.path, env=shared.env(), capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0, f"exit {done.returncode}\n{done.stdout}\n{done.stderr[-3000:]}"
+    run_ids = re.findall(r"recording run ([0-9a-f]{32})", done.stderr)
+    assert len(set(run_ids)) == len(STOPPING), done.stderr[-3000:]
+    return dict(zip(STOPPING, run_ids)), done
 
 
-def test_a_nan_row_on_rank_1_is_named_with_its_rank_and_row(shared, nan_row_run):
-    run_id, done = nan_row_run
+def test_a_nan_row_on_rank_1_is_named_with_its_rank_and_row(shared, stopping_runs):
+    run_ids, done = stopping_runs
+    run_id = run_ids["none"]
     # every rank stopped at the failing step before its update, each with one line (no rank hung in an all-reduce)
     assert done.stderr.count("replaybisect.NonFiniteStep: ") == 2 and "[rank1]: Traceback" not in done.stderr
     assert "loss is nan at step 12" in done.stderr and "the loss on another rank went non-finite at step 12" in done.stderr
-    assert "rank 1 step 11 loss" in done.stdout and "step 12 loss" not in done.stdout
+    assert "rank 1 none step 11 loss" in done.stdout and "none step 12 loss" not in done.stdout
     store = shared.store()
     tags = store.tags(run_id)
     assert tags["status"] == "nonfinite" and tags["first_nonfinite_step"] == "12"
@@ -89,11 +97,12 @@ def test_a_nan_row_on_rank_1_is_named_with_its_rank_and_row(shared, nan_row_run)
     assert "non-finite loss on rank 1 at step 12" in failure["summary"]
 
 
-def test_a_step_with_a_collective_of_its_own_replays_exact_over_the_real_collective(shared):
+def test_a_step_with_a_collective_of_its_own_replays_exact_over_the_real_collective(shared, stopping_runs):
     """The step returns the ranks' mean loss (its own all-reduce): one process does not reproduce the logged losses and
     says how to replay it; `--nproc 2` replays every rank in its own process over gloo, exact, and names rank 1's row."""
-    run_id, done = _torchrun(shared, "--steps", "14", "--nan-step", "12", "--plant", "mean-loss", expect_failure=True)
-    assert "loss is nan at step 12" in done.stderr
+    run_ids, done = stopping_runs
+    run_id = run_ids["mean-loss"]
+    assert "rank 1: loss is nan at step 12" in done.stdout
     alone = _answer(shared, "find_nan", run_id)
     assert alone["reproduced"] == "diverged", alone["evidence"]
     assert any(f"replay nan --run-id {run_id} --nproc 2" in warning for warning in alone["warnings"]), alone["warnings"]
@@ -128,9 +137,10 @@ def test_a_step_with_a_collective_of_its_own_replays_exact_over_the_real_collect
     assert (replay["reproduced_from"], replay["same_outcome"], replay["as_logged"]) == ("config", True, True), report["evidence"]
 
 
-def test_a_diverging_lr_is_a_divergence_and_ablate_fixes_it_by_lr(shared, diverging_run):
-    run_id, done = diverging_run
-    assert "loss is inf at step 13" in done.stderr
+def test_a_diverging_lr_is_a_divergence_and_ablate_fixes_it_by_lr(shared, stopping_runs):
+    run_ids, done = stopping_runs
+    run_id = run_ids["diverge"]
+    assert "loss is inf at step 13" in done.stdout
     report = _answer(shared, "find_nan", run_id)
     assert report["reproduced"] == "exact" and report["category"] == "divergence"
     answer = _answer(shared, "ablate", run_id, arms=["lr"], workers=1)
@@ -144,7 +154,7 @@ def test_a_killed_rank_is_named_on_the_failed_run(shared):
     seen = ""
     for line in trainer.stdout:  # the ranks share the pipe: one rank's text may land inside another's line
         seen += line
-        if "rank 1 step 8 " in seen:
+        if "rank 1 none step 8 " in seen:
             break
     pid = int(re.search(r"rank 1 pid (\d+)", seen).group(1))
     os.kill(pid, signal.SIGKILL)
@@ -189,11 +199,14 @@ def test_diagnose_names_each_planted_rank_asymmetry(shared):
             assert findings[0]["evidence"]["rank"] == 1 and 0.4 < findings[0]["evidence"]["median_ratio"] < 0.6
 
 
-def test_fp16_with_a_grad_scaler_every_rank_stops_at_the_nan_row_and_it_replays(shared):
+def test_fp16_with_a_grad_scaler_every_rank_stops_at_the_nan_row_and_it_replays(shared, stopping_runs):
     """Rank 1's fp16 loss is NaN: its GradScaler would skip the update without calling the optimizer, so the ranks
     agree right after the backward (not at the optimizer step, which the scaler never reaches) and all stop there."""
-    run_id, done = _torchrun(shared, "--steps", "12", "--nan-step", "8", "--fp16", expect_failure=True)
-    assert "loss is nan at step 8" in done.stderr and "the loss on another rank went non-finite at step 8" in done.stderr
+    run_ids, done = stopping_runs
+    run_id = run_ids["fp16"]
+    assert "rank 1: loss is nan at step 12" in done.stdout
+    assert "rank 0: the loss on another rank went non-finite at step 12" in done.stdout
+    assert "fp16 step 11 loss" in done.stdout and "fp16 step 12 loss" not in done.stdout
     report = _answer(shared, "find_nan", run_id)
     assert report["reproduced"] == "exact" and report["replay"]["ranks_compared"] == 2 and report["precision"] == "fp16"
     [finding] = report["batch"]
@@ -240,7 +253,7 @@ def test_a_killed_rank_0_is_named_by_the_rank_that_survives_it(shared):
     seen = ""
     for line in trainer.stdout:
         seen += line
-        if "rank 0 step 8 " in seen:
+        if "rank 0 none step 8 " in seen:
             break
     os.kill(int(re.search(r"rank 0 pid (\d+)", seen).group(1)), signal.SIGKILL)
     _, stderr = trainer.communicate(timeout=120)

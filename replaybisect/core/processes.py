@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import os
 import tempfile
+import threading
+from pathlib import Path
 
 
 def alive(pid: int) -> bool:
@@ -29,6 +31,8 @@ def alive(pid: int) -> bool:
 # forked: about 5 s of imports a fresh interpreter pays (2-core machines), paid once by the server instead of once per
 # process. torch._dynamo is torch's own: building any optimizer imports it (1.5 s), and importing it starts no thread.
 PRELOAD = ["torch", "torch._dynamo", "hydra", "hydra.utils", "omegaconf", "mlflow", "mlflow.store.tracking.sqlalchemy_store"]
+PRELOADED_PACKAGES = ("torch", "hydra", "omegaconf", "mlflow")
+_starting = threading.Lock()
 
 
 def preloaded_forkserver():
@@ -40,6 +44,19 @@ def preloaded_forkserver():
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(PRELOAD)
     return context
+
+
+def start_forked(process) -> None:
+    """Start a process of the preloaded server (a multiprocessing Process of its context), one at a time: a verb's
+    threads may start several at once."""
+    with _starting:
+        process.start()
+
+
+def shadows_preloaded(folder: Path) -> bool:
+    """A top-level torch/, mlflow.py, ... in `folder` (first on a process's path) would not be imported by a process
+    forked from the server, which imported the real one: such a process starts as a fresh interpreter instead."""
+    return any((folder / name).exists() or (folder / f"{name}.py").exists() for name in PRELOADED_PACKAGES)
 
 
 def adopt_environment(environment: dict[str, str]) -> None:

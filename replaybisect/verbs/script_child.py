@@ -1,12 +1,14 @@
-"""The child side of a script's replay (replaybisect/script_replay.py starts it): `python -m
-replaybisect.verbs.script_child JOB`. It runs the user's script as `python script.py ARGS` would, with writes into
-the user's folders refused; the script's Recorder hands its objects over at the first `rec.step`
+"""The child side of a script's replay (replaybisect/script_replay.py starts it): a process forked from the
+preloaded server (core/processes.py) running `forked_main`, or, where the script's folder would shadow a preloaded
+library, `python -m replaybisect.verbs.script_child JOB`. It runs the user's script as `python script.py ARGS` would,
+with writes into the user's folders refused; the script's Recorder hands its objects over at the first `rec.step`
 (core/reentry.py), the verb's engine runs on them, its result goes to the job's result file, and the process ends
 there (the rest of the script, its `finally` blocks and exit handlers, never runs).
 """
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import runpy
@@ -20,13 +22,46 @@ from replaybisect.errors import ReplayError
 
 
 def main() -> None:
+    """`python -m replaybisect.verbs.script_child JOB`: stdout and stderr are the output file, the progress pipe
+    is an inherited descriptor."""
     job = json.loads(Path(sys.argv[1]).read_text(encoding="utf-8"))
-    progress = os.fdopen(job["progress_fd"], "w", encoding="utf-8", buffering=1)
+    _serve(job, os.fdopen(job["progress_fd"], "w", encoding="utf-8", buffering=1))
+
+
+def forked_main(job_file: str, progress_writer, output: str, environment: dict[str, str]) -> None:
+    """In a process forked from the preloaded server: become what `main` is in a fresh interpreter (this replay's
+    environment, stdin empty, stdout and stderr unbuffered into `output`), then serve the job."""
+    from replaybisect.core.processes import adopt_environment
+
+    adopt_environment(environment)
+    _own_stdio(output)
+    progress = os.fdopen(os.dup(progress_writer.fileno()), "w", encoding="utf-8", buffering=1)
+    progress_writer.close()
+    _serve(json.loads(Path(job_file).read_text(encoding="utf-8")), progress)
+
+
+def _own_stdio(output: str) -> None:
+    """stdin from /dev/null, stdout and stderr into `output`, written through as `python -u` writes them (a killed
+    script's last line is there to quote)."""
+    empty = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(empty, 0)
+    os.close(empty)
+    target = os.open(output, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    for fd in (1, 2):
+        os.dup2(target, fd)
+    os.close(target)
+    encoding = sys.__stdout__.encoding if sys.__stdout__ is not None else "utf-8"
+    sys.stdout = sys.__stdout__ = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), encoding=encoding, write_through=True)
+    sys.stderr = sys.__stderr__ = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), encoding=encoding,
+                                                   errors="backslashreplace", write_through=True)
+
+
+def _serve(job: dict[str, Any], progress) -> None:
     sys.dont_write_bytecode = True  # no __pycache__ in the user's folders either
     reentry.refuse_writes_under([Path(folder) for folder in job["protect"]])
     _redirect_saves_under(job["protect"], Path(job["script"]["scratch"]) / "saved")
     reentry.set_takeover(lambda parts: _take_over(job, progress), job["run_id"])
-    os.chdir(job["script"]["cwd"])  # started in the replay's temp folder: our own imports came from nowhere of the script's
+    os.chdir(job["script"]["cwd"])  # only now: our own imports came from nowhere of the script's
     failure, clean = _run_script(job["script"])
     if clean and reentry.taken_over():
         reentry.script_ended()  # a loop recorded as written ended without rec.close(): its replay is told so

@@ -1,13 +1,14 @@
 """A distributed data-parallel job as users write one, started with torchrun (2 processes, gloo on CPU): the process
 group set up in main, the model wrapped in DDP by build, each rank drawing its own data, the same Recorder lines as
-one process. Plants: a NaN row in rank 1's batch at a step (--nan-step), a learning rate that diverges (--loss mse --lr 3 --clip 0),
-rank asymmetries (--plant seed | hook | loss-count: a rank-dependent init, rank 1 changing its
-gradients after the all-reduce, a loss divided by a per-rank count), and a step that returns the ranks' mean loss
-(--plant mean-loss: a collective of its own in the step). --fsdp shards the model with FSDP2's fully_shard instead of
-wrapping it in DDP, and records a run per plant even where one stops at a non-finite step (--plant none,diverge: a NaN
-row, then an lr that diverges).
+one process. Plants: a NaN row in rank 1's batch at a step (--nan-step), rank asymmetries (--plant seed | hook |
+loss-count: a rank-dependent init, rank 1 changing its gradients after the all-reduce, a loss divided by a per-rank
+count), a step that returns the ranks' mean loss (--plant mean-loss: a collective of its own in the step), fp16
+autocast with a GradScaler (--plant fp16) and an lr that diverges (--plant diverge, or --loss mse --lr 3 --clip 0).
+--fsdp shards the model with FSDP2's fully_shard instead of wrapping it in DDP. Several plants record a run each, one
+after another: a run that stops at a non-finite step says so in a line and the next starts, except the job's last
+run, whose NonFiniteStep ends the job as it ends a user's script (under --fsdp every run's is a line).
 
-Run: torchrun --nproc_per_node 2 ddp_loop.py --steps 20 [--nan-step 12] [--lr 0.05] [--plant NAME,...] [--fp16] [--fsdp]"""
+Run: torchrun --nproc_per_node 2 ddp_loop.py --steps 20 [--nan-step 12] [--lr 0.05] [--plant NAME,...] [--fsdp]"""
 import argparse
 import os
 import time
@@ -77,15 +78,15 @@ def main():
     parser.add_argument("--clip", type=float, default=5.0)  # 0: no clipping
     parser.add_argument("--loss", default="ce")  # ce | mse
     parser.add_argument("--sleep", type=float, default=0.0)  # seconds per step (a test kills a rank mid-run)
-    parser.add_argument("--fp16", action="store_true")  # autocast fp16 with a GradScaler
     parser.add_argument("--fsdp", action="store_true")  # fully_shard instead of DDP
     args = parser.parse_args()
     dist.init_process_group("gloo")
-    for plant in args.plant.split(","):  # one run per plant, one after another in the same job
+    plants = args.plant.split(",")
+    for position, plant in enumerate(plants):  # one run per plant, one after another in the same job
         try:
             record(args, plant)
         except replaybisect.NonFiniteStep as stop:
-            if not args.fsdp:
+            if position == len(plants) - 1 and not args.fsdp:
                 raise
             print(f"rank {dist.get_rank()}: {stop}", flush=True)
     dist.destroy_process_group()
@@ -93,7 +94,7 @@ def main():
 
 def record(args, plant: str):
     rank = dist.get_rank()
-    config = {"lr": args.lr, "plant": plant, "clip": args.clip, "loss": args.loss, "fp16": args.fp16, "fsdp": args.fsdp}
+    config = {"lr": args.lr, "plant": plant, "clip": args.clip, "loss": args.loss, "fp16": plant == "fp16", "fsdp": args.fsdp}
     if plant == "diverge":  # a regression at too high an lr, unclipped
         config.update(lr=3.0, loss="mse", clip=0.0)
     model, optimizer, _, scaler = build(config)
@@ -108,7 +109,7 @@ def record(args, plant: str):
             if rank == 1 and step == args.nan_step and plant != "diverge":
                 x[5, 3] = float("nan")  # planted: one bad row on rank 1
             loss = rec.step((x, y))
-            print(f"rank {rank} step {step} loss {loss:.6f}", flush=True)  # user code prints to stdout
+            print(f"rank {rank} {plant} step {step} loss {loss:.6f}", flush=True)  # user code prints to stdout
             time.sleep(args.sleep)
     if rank == 0:
         print("run", rec.run_id)

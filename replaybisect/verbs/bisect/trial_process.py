@@ -18,12 +18,9 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
 from pathlib import Path
 
-from replaybisect.core.processes import adopt_environment, preloaded_forkserver
-_SHADOWABLE = {"torch", "hydra", "omegaconf", "mlflow"}
-_start_lock = threading.Lock()
+from replaybisect.core.processes import adopt_environment, preloaded_forkserver, shadows_preloaded, start_forked
 
 
 class PlainProcess:
@@ -51,8 +48,7 @@ class ForkedProcess:
         self.stdout_path, self.stderr_path = folder / "stdout", folder / "stderr"
         self.process = context.Process(target=_forked_main, name="replaybisect-trial",
                                        args=(module_args, str(cwd), env, str(self.stdout_path), str(self.stderr_path)))
-        with _start_lock:
-            self.process.start()
+        start_forked(self.process)
         self.pid = self.process.pid
 
     def communicate(self) -> tuple[int, str, str]:
@@ -104,7 +100,7 @@ class Launcher:
 
     def start(self, argv: list[str], cwd: Path, env: dict[str, str]):
         module_args = argv[3:] if argv[:3] == [sys.executable, "-m", "replaybisect"] else None
-        if self.fork and module_args is not None and not _shadows_preloaded(cwd):
+        if self.fork and module_args is not None and not shadows_preloaded(cwd):
             return ForkedProcess(self._forkserver(), module_args, cwd, env)
         return PlainProcess(argv, cwd, env)
 
@@ -160,11 +156,6 @@ class TrialJob:
 
 class _JobStopped(Exception):
     pass
-
-
-def _shadows_preloaded(folder: Path) -> bool:
-    """A top-level torch/, mlflow.py, ... in the worktree would not be used by a fork that imported the real one."""
-    return any((folder / name).exists() or (folder / f"{name}.py").exists() for name in _SHADOWABLE)
 
 
 def signal_group(process, signum: int) -> None:
