@@ -270,10 +270,16 @@ def test_recorded_variables_set_only_the_scalars_the_step_reads():
 
 
 def test_a_hydra_app_replays_with_its_outputs_kept_out_of_the_project(recorded, monkeypatch):
+    """Its folder holds a hydra/ folder of notes: a name the preloaded server imported, so the script runs again in a
+    fresh interpreter (script_replay), not forked from the server; the replay is the same."""
     import replaybisect as rb
+    from replaybisect.core.processes import shadows_preloaded
 
     workspace, _, _ = recorded
     project, run_id = _record_script(workspace, "hydra-project", "hydra_script.py", "lr=0.3", expect="loss is inf at step 16")
+    (project / "hydra").mkdir()
+    (project / "hydra" / "notes.md").write_text("the sweeps we tried\n")
+    assert shadows_preloaded(project)
     before = _tree(project)
     assert any(name.startswith("outputs/") for name in before)  # Hydra's output folder, from the recording
     monkeypatch.chdir(project)
