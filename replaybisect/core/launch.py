@@ -1,7 +1,9 @@
 """Starting a job's processes on this machine as torchrun starts its workers (rank, world size, a free port on
 127.0.0.1 for the rendezvous), waiting for them, and the answer file a rank leaves its launcher: `replay train
 train.nproc=N` and `replay nan --nproc N`. Their stdout goes to the launcher's stderr: the launcher's stdout is
-replay's own (`--json`), and user code may print anything."""
+replay's own (`--json`), and user code may print anything. A rank is `python -m MODULE ARGS` forked from the
+preloaded server (core/processes.py: no seconds of imports a rank), or started as that command where the working
+folder has a module of a preloaded library's name."""
 
 from __future__ import annotations
 
@@ -13,6 +15,8 @@ import sys
 import time
 from pathlib import Path
 from typing import Any, Optional
+
+from replaybisect.core.processes import InheritedFd, adopt_environment, preloaded_forkserver, shadows_preloaded, start_forked
 
 PEER_GRACE_SECONDS = 15.0  # after one rank failed, the others this long to end what they record before they are stopped
 
@@ -27,8 +31,63 @@ def start_ranks(command: list[str], nproc: int, num_threads: Optional[int] = Non
         env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc),
                "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
                "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", threads)}
-        processes.append(subprocess.Popen(command, env=env, stdout=sys.stderr.fileno()))
+        processes.append(_start_rank(command, env))
     return processes
+
+
+def _start_rank(command: list[str], env: dict[str, str]):
+    if command[:2] == [sys.executable, "-m"] and not shadows_preloaded(Path.cwd()):
+        return ForkedRank(command[2], command[3:], env)
+    return subprocess.Popen(command, env=env, stdout=sys.stderr.fileno())
+
+
+class ForkedRank:
+    """`python -m MODULE ARGS` forked from the preloaded server, its output on this process's stderr, with the part of
+    subprocess.Popen's interface the launcher uses."""
+
+    def __init__(self, module: str, args: list[str], env: dict[str, str]):
+        context = preloaded_forkserver()
+        self._process = context.Process(target=_rank_main, name="replaybisect-rank",
+                                        args=(module, args, env, InheritedFd(sys.stderr.fileno())))
+        start_forked(self._process)
+        self.pid = self._process.pid
+
+    @property
+    def returncode(self) -> Optional[int]:
+        return self._process.exitcode
+
+    def poll(self) -> Optional[int]:
+        return self._process.exitcode
+
+    def terminate(self) -> None:
+        self._process.terminate()
+
+    def kill(self) -> None:
+        self._process.kill()
+
+    def wait(self, timeout: Optional[float] = None) -> int:
+        self._process.join(timeout)
+        if self._process.exitcode is None:
+            raise subprocess.TimeoutExpired(self._process.name, timeout)
+        return self._process.exitcode
+
+
+def _rank_main(module: str, args: list[str], env: dict[str, str], output: int) -> None:
+    """In the forked rank: become `python -m MODULE ARGS` run in this folder with `env`, printing onto `output`, and
+    end as the interpreter ends (its exit handlers run: a process of multiprocessing ends with os._exit)."""
+    import atexit
+    import runpy
+
+    for fd in (1, 2):
+        os.dup2(output, fd)
+    os.close(output)
+    adopt_environment(env)
+    sys.path.insert(0, os.getcwd())  # what `python -m` does with the working folder
+    sys.argv = [module, *args]
+    try:
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+    finally:
+        atexit._run_exitfuncs()
 
 
 def wait_ranks(processes: list[subprocess.Popen]) -> list[Optional[int]]:

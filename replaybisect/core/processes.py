@@ -53,6 +53,23 @@ def start_forked(process) -> None:
         process.start()
 
 
+class InheritedFd:
+    """A file descriptor of this process, handed to a process of the preloaded server as an argument: duplicated into
+    it as it starts (multiprocessing's DupFd), an int there."""
+
+    def __init__(self, fd: int):
+        self.fd = fd
+
+    def __reduce__(self):
+        from multiprocessing import reduction
+
+        return _detach, (reduction.DupFd(self.fd),)
+
+
+def _detach(duplicate) -> int:
+    return duplicate.detach()
+
+
 def shadows_preloaded(folder: Path) -> bool:
     """A top-level torch/, mlflow.py, ... in `folder` (first on a process's path) would not be imported by a process
     forked from the server, which imported the real one: such a process starts as a fresh interpreter instead."""
