@@ -114,20 +114,18 @@ def _run_child(job: dict[str, Any], scratch: Path, output: Path, log: Callable[[
     job_file = scratch / "job.json"
     if shadows_preloaded(_import_folder(job["script"])):
         return _wait(_start_interpreter(job, job_file, scratch, output), log)
-    from replaybisect.core.processes import preloaded_forkserver, start_forked
-    from replaybisect.verbs import script_child
+    from replaybisect.core.processes import Forked, InheritedFd, call_by_name
 
-    context = preloaded_forkserver()
-    reader, writer = context.Pipe(duplex=False)
+    read_end, write_end = os.pipe()
     job_file.write_text(json.dumps(job), encoding="utf-8")
-    child = context.Process(target=script_child.forked_main, name="replaybisect-script",
-                            args=(str(job_file), writer, str(output), {**os.environ, "PYTHONUNBUFFERED": "1"}))
     try:
-        start_forked(child)
+        child = Forked(call_by_name, (CHILD_MODULE, "forked_main", str(job_file), InheritedFd(write_end), str(output),
+                                      {**os.environ, "PYTHONUNBUFFERED": "1"}), "replaybisect-script")
+    except BaseException:
+        os.close(read_end)
+        raise
     finally:
-        writer.close()  # the child holds the only write end: the relay ends when it does
-    read_end = os.dup(reader.fileno())
-    reader.close()
+        os.close(write_end)  # the child holds the only write end: the relay ends when it does
     return _wait((child, read_end), log)
 
 
@@ -150,30 +148,23 @@ def _start_interpreter(job: dict[str, Any], job_file: Path, scratch: Path, outpu
 
 
 def _wait(started, log: Callable[[str], None]) -> int:
-    """Relay the child's progress until it ends; its exit status (a Popen's or a multiprocessing Process's)."""
+    """Relay the child's progress until it ends; its exit status."""
     child, read_end = started
     with _children_lock:
         _children.add(child)
     relay = threading.Thread(target=_relay, args=(read_end, log), daemon=True)
     relay.start()
     try:
-        code = _join(child)
+        code = child.wait()
     except BaseException:  # Ctrl-C: the script stops with us
         child.kill()
-        _join(child)
+        child.wait()
         raise
     finally:
         with _children_lock:
             _children.discard(child)
     relay.join(timeout=5)
     return code
-
-
-def _join(child) -> int:
-    if isinstance(child, subprocess.Popen):
-        return child.wait()
-    child.join()
-    return child.exitcode
 
 
 def _import_folder(script: dict[str, Any]) -> Path:

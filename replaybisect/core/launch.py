@@ -16,12 +16,12 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from replaybisect.core.processes import InheritedFd, adopt_environment, preloaded_forkserver, shadows_preloaded, start_forked
+from replaybisect.core.processes import Forked, InheritedFd, adopt_environment, shadows_preloaded
 
 PEER_GRACE_SECONDS = 15.0  # after one rank failed, the others this long to end what they record before they are stopped
 
 
-def start_ranks(command: list[str], nproc: int, num_threads: Optional[int] = None) -> list[subprocess.Popen]:
+def start_ranks(command: list[str], nproc: int, num_threads: Optional[int] = None) -> list:
     with socket.socket() as probe:  # a free port for the job's rendezvous (as torchrun --standalone finds one)
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
@@ -37,39 +37,8 @@ def start_ranks(command: list[str], nproc: int, num_threads: Optional[int] = Non
 
 def _start_rank(command: list[str], env: dict[str, str]):
     if command[:2] == [sys.executable, "-m"] and not shadows_preloaded(Path.cwd()):
-        return ForkedRank(command[2], command[3:], env)
+        return Forked(_rank_main, (command[2], command[3:], env, InheritedFd(sys.stderr.fileno())), "replaybisect-rank")
     return subprocess.Popen(command, env=env, stdout=sys.stderr.fileno())
-
-
-class ForkedRank:
-    """`python -m MODULE ARGS` forked from the preloaded server, its output on this process's stderr, with the part of
-    subprocess.Popen's interface the launcher uses."""
-
-    def __init__(self, module: str, args: list[str], env: dict[str, str]):
-        context = preloaded_forkserver()
-        self._process = context.Process(target=_rank_main, name="replaybisect-rank",
-                                        args=(module, args, env, InheritedFd(sys.stderr.fileno())))
-        start_forked(self._process)
-        self.pid = self._process.pid
-
-    @property
-    def returncode(self) -> Optional[int]:
-        return self._process.exitcode
-
-    def poll(self) -> Optional[int]:
-        return self._process.exitcode
-
-    def terminate(self) -> None:
-        self._process.terminate()
-
-    def kill(self) -> None:
-        self._process.kill()
-
-    def wait(self, timeout: Optional[float] = None) -> int:
-        self._process.join(timeout)
-        if self._process.exitcode is None:
-            raise subprocess.TimeoutExpired(self._process.name, timeout)
-        return self._process.exitcode
 
 
 def _rank_main(module: str, args: list[str], env: dict[str, str], output: int) -> None:

@@ -1,13 +1,16 @@
 """Processes of this host: whether one still runs (a DDP job's ranks, core/ranks.py, and a job followed by its id,
-core/jobs.py, ask it), and the preloaded server that bisect trials and ablation workers are forked from. Standard
+core/jobs.py, ask it), and the preloaded server that replaybisect's own processes are forked from: bisect trials,
+ablation workers, a script's replay, the ranks of `--nproc` and `train.nproc`, a watcher's triage steps. Standard
 library only."""
 
 from __future__ import annotations
 
 import os
+import subprocess
 import tempfile
 import threading
 from pathlib import Path
+from typing import Any, Callable, Optional
 
 
 def alive(pid: int) -> bool:
@@ -27,7 +30,7 @@ def alive(pid: int) -> bool:
         return True
 
 
-# What a process forked for replaybisect's work (a bisect trial, an ablation worker) has imported before it is
+# What a process forked for replaybisect's work (a bisect trial, an ablation worker, ...) has imported before it is
 # forked: about 5 s of imports a fresh interpreter pays (2-core machines), paid once by the server instead of once per
 # process. torch._dynamo is torch's own: building any optimizer imports it (1.5 s), and importing it starts no thread.
 PRELOAD = ["torch", "torch._dynamo", "hydra", "hydra.utils", "omegaconf", "mlflow", "mlflow.store.tracking.sqlalchemy_store"]
@@ -53,6 +56,35 @@ def start_forked(process) -> None:
         process.start()
 
 
+class Forked:
+    """A process of the preloaded server running `target(*args)`, with the part of subprocess.Popen's interface its
+    callers wait for and stop it with (pid, poll, wait, terminate, kill, returncode)."""
+
+    def __init__(self, target: Callable[..., Any], args: tuple, name: str):
+        self._process = preloaded_forkserver().Process(target=target, args=args, name=name)
+        start_forked(self._process)
+        self.pid = self._process.pid
+
+    @property
+    def returncode(self) -> Optional[int]:
+        return self._process.exitcode
+
+    def poll(self) -> Optional[int]:
+        return self._process.exitcode
+
+    def wait(self, timeout: Optional[float] = None) -> int:
+        self._process.join(timeout)
+        if self._process.exitcode is None:
+            raise subprocess.TimeoutExpired(self._process.name, timeout)
+        return self._process.exitcode
+
+    def terminate(self) -> None:
+        self._process.terminate()
+
+    def kill(self) -> None:
+        self._process.kill()
+
+
 class InheritedFd:
     """A file descriptor of this process, handed to a process of the preloaded server as an argument: duplicated into
     it as it starts (multiprocessing's DupFd), an int there."""
@@ -68,6 +100,14 @@ class InheritedFd:
 
 def _detach(duplicate) -> int:
     return duplicate.detach()
+
+
+def call_by_name(module: str, function: str, *args: Any) -> Any:
+    """A Forked target named, not imported: the library starts a verb's process (a script's replay runs
+    verbs/script_child.py) without importing a verb, as it names the module for `python -m` when it starts one fresh."""
+    import importlib
+
+    return getattr(importlib.import_module(module), function)(*args)
 
 
 def shadows_preloaded(folder: Path) -> bool:

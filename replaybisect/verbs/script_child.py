@@ -28,15 +28,14 @@ def main() -> None:
     _serve(job, os.fdopen(job["progress_fd"], "w", encoding="utf-8", buffering=1))
 
 
-def forked_main(job_file: str, progress_writer, output: str, environment: dict[str, str]) -> None:
+def forked_main(job_file: str, progress_fd: int, output: str, environment: dict[str, str]) -> None:
     """In a process forked from the preloaded server: become what `main` is in a fresh interpreter (this replay's
     environment, stdin empty, stdout and stderr unbuffered into `output`), then serve the job."""
     from replaybisect.core.processes import adopt_environment
 
     adopt_environment(environment)
     _own_stdio(output)
-    progress = os.fdopen(os.dup(progress_writer.fileno()), "w", encoding="utf-8", buffering=1)
-    progress_writer.close()
+    progress = os.fdopen(progress_fd, "w", encoding="utf-8", buffering=1)
     _serve(json.loads(Path(job_file).read_text(encoding="utf-8")), progress)
 
 

@@ -1,11 +1,15 @@
-"""The triage child's launcher: limits first, then `python -m replaybisect ARGS...` in their place.
+"""The triage child: limits first, then `python -m replaybisect ARGS...` in their place.
+
+A watcher's own step (`start_step`) is forked from the preloaded server (core/processes.py: no seconds of imports a
+step); a triage job runs this module on its node:
 
     python -m replaybisect.verbs.watch.child MEMORY_MB [--scratch] -- nan --run-id X --json ...
 
 The memory limit (RLIMIT_AS, inherited by the verb's own worker processes) makes a run that allocates too much
 fail with MemoryError instead of taking the watcher's machine down; the watcher enforces the time limit. The
-child dies with the watcher thread that started it (Linux PR_SET_PDEATHSIG), so a watcher killed with SIGKILL
-leaves no triage running on behind its expired claim. Standard library only: this runs before anything else.
+child dies with its parent (Linux PR_SET_PDEATHSIG: the server, which ends when the watcher does, or the job's
+launcher), so a watcher killed with SIGKILL leaves no triage running on behind its expired claim. Standard library
+only: this runs before anything else.
 """
 
 from __future__ import annotations
@@ -31,6 +35,44 @@ def _die_with_parent() -> None:
         os._exit(137)
 
 
+def _limit_memory(memory_mb: int) -> None:
+    if memory_mb > 0:
+        limit = memory_mb * 1024 * 1024
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+
+
+def start_step(memory_mb: int, verb_args: list[str], cwd: str, env: dict[str, str], stdout, stderr):
+    """`python -m replaybisect VERB_ARGS` in `cwd` with `env`, its output into the files `stdout` and `stderr`, in a
+    session of its own (a timeout stops its workers too): forked from the preloaded server. A Popen-like process."""
+    from replaybisect.core.processes import Forked, InheritedFd
+
+    return Forked(_forked_step, (memory_mb, verb_args, cwd, env, InheritedFd(stdout.fileno()), InheritedFd(stderr.fileno())),
+                  "replaybisect-triage")
+
+
+def _forked_step(memory_mb: int, verb_args: list[str], cwd: str, env: dict[str, str], stdout: int, stderr: int) -> None:
+    import atexit
+    import runpy
+
+    from replaybisect.core.processes import adopt_environment
+
+    os.setsid()
+    empty = os.open(os.devnull, os.O_RDONLY)
+    for source, fd in ((empty, 0), (stdout, 1), (stderr, 2)):
+        os.dup2(source, fd)
+        os.close(source)
+    _die_with_parent()
+    _limit_memory(memory_mb)
+    os.chdir(cwd)
+    adopt_environment(env)
+    sys.path.insert(0, cwd)  # what `python -m` does with the working folder
+    sys.argv = ["replay", *verb_args]
+    try:
+        runpy.run_module("replaybisect", run_name="__main__", alter_sys=True)
+    finally:
+        atexit._run_exitfuncs()  # as the interpreter does at exit (a process of multiprocessing ends with os._exit)
+
+
 def main(argv: list[str]) -> None:
     memory_mb, *rest = argv
     scratch = rest[:1] == ["--scratch"]  # a triage job: its own scratch folder on the node it runs on
@@ -38,9 +80,7 @@ def main(argv: list[str]) -> None:
     if separator != "--":
         raise SystemExit("usage: python -m replaybisect.verbs.watch.child MEMORY_MB [--scratch] -- VERB ARGS...")
     _die_with_parent()
-    if int(memory_mb) > 0:
-        limit = int(memory_mb) * 1024 * 1024
-        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+    _limit_memory(int(memory_mb))
     command = [sys.executable, "-m", "replaybisect", *verb_args]
     if not scratch:
         os.execv(sys.executable, command)

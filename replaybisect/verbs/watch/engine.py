@@ -34,6 +34,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Optional
 
+from replaybisect.core.processes import Forked
 from replaybisect.core.jobs import JOB_FAILED
 from replaybisect.errors import ReplayError, StoreUnreachable
 from replaybisect.store import (
@@ -245,7 +246,7 @@ class _Active:
 
     run_id: str
     claim: Claim
-    process: Optional[subprocess.Popen] = None  # the running step's child (a job is never killed: see _run_step_as_job)
+    process: Optional[Forked] = None  # the running step's child (a job is never killed: see _run_step_as_job)
     lost: bool = False  # another watcher holds the run now: stop
     released: bool = False
 
@@ -737,32 +738,32 @@ class Watcher:
         return self._step_result(step, returncode, stdout, error_text, time.monotonic() - started, job_id=job.job_id)
 
     def _run_step_here(self, step: str, run_id: str, active: _Active, scratch: str, lines: dict[str, str]) -> TriageStepResult:
-        """One verb in a child process with the memory and time limits; its JSON comes back on a pipe of ours. It runs
-        in the triage's scratch folder (never the watcher's working folder: nothing there is trusted or importable)
-        with its caches and temporary files there too."""
-        argv = [sys.executable, "-m", "replaybisect.verbs.watch.child", str(self.options.memory_mb), "--",
-                *self._verb_args(step, run_id, lines)]
+        """One verb in a child process with the memory and time limits (watch/child.py); its JSON comes back in a file
+        of ours. It runs in the triage's scratch folder (never the watcher's working folder: nothing there is trusted
+        or importable) with its caches and temporary files there too."""
+        from replaybisect.verbs.watch.child import start_step
+
         work = os.path.join(scratch, "work")
         env = dict(os.environ, PWD=work, TMPDIR=os.path.join(scratch, "tmp"), REPLAYBISECT_CACHE=os.path.join(scratch, "cache"))
         if env.get(CODE_DIR_ENV):  # the folders as the watcher reads them, not relative to the child's scratch folder
             env[CODE_DIR_ENV] = os.pathsep.join(_absolute(part) for part in env[CODE_DIR_ENV].split(os.pathsep) if part.strip())
         started = time.monotonic()
-        with tempfile.TemporaryFile() as stderr:
-            process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=stderr, stdin=subprocess.DEVNULL, cwd=work, env=env,
-                                       start_new_session=True)  # its own group: a timeout stops its workers too
+        with tempfile.TemporaryFile() as stdout, tempfile.TemporaryFile() as stderr:
+            process = start_step(self.options.memory_mb, self._verb_args(step, run_id, lines), work, env, stdout, stderr)
             active.process = process
             try:
-                stdout, _ = process.communicate(timeout=self.options.time_limit)
+                process.wait(timeout=self.options.time_limit)
             except subprocess.TimeoutExpired:
                 _kill(process)
-                process.communicate()
+                process.wait()
                 return TriageStepResult(step, False, reason=f"stopped at the time limit ({self.options.time_limit:.0f} s)",
                                    seconds=time.monotonic() - started)
             finally:
                 active.process = None
+            stdout.seek(0)
             stderr.seek(0)
-            error_text = stderr.read().decode("utf-8", "replace")
-        return self._step_result(step, process.returncode, stdout, error_text, time.monotonic() - started)
+            output, error_text = stdout.read(), stderr.read().decode("utf-8", "replace")
+        return self._step_result(step, process.returncode, output, error_text, time.monotonic() - started)
 
     def _step_result(self, step: str, returncode: int, stdout, error_text: str, seconds: float,
                      job_id: Optional[str] = None) -> TriageStepResult:
@@ -910,12 +911,15 @@ def remove_dead_scratch_folders() -> list[str]:
     return removed
 
 
-def _kill(process: Optional[subprocess.Popen]) -> None:
+def _kill(process: Optional[Forked]) -> None:
+    """The step's child and its own workers (its session)."""
     if process is None or process.poll() is not None:
         return
     try:
         os.killpg(process.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
+    except ProcessLookupError:  # forked a moment ago: its session is not made yet
+        process.kill()
+    except PermissionError:
         pass
 
 
