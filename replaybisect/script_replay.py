@@ -28,7 +28,7 @@ from replaybisect.errors import ReplayError, UntrustedConfig
 CHILD_MODULE = "replaybisect.verbs.script_child"
 
 
-_children: set[subprocess.Popen] = set()  # the scripts running now (an ablation runs several): Ctrl-C stops them all
+_children: set = set()  # the scripts running now (an ablation runs several): Ctrl-C stops them all
 _children_lock = threading.Lock()
 
 
@@ -113,11 +113,18 @@ def _run_child(job: dict[str, Any], scratch: Path, output: Path, log: Callable[[
     of a preloaded library's name (the script's own must win, as it does when the script runs)."""
     job_file = scratch / "job.json"
     if shadows_preloaded(_import_folder(job["script"])):
-        return _wait(_start_interpreter(job, job_file, scratch, output), log)
+        child, read_end = _start_interpreter(job, job_file, scratch, output)
+    else:
+        child, read_end = _start_forked(job, job_file, output)
+    return _wait(child, read_end, log)
+
+
+def _start_forked(job: dict[str, Any], job_file: Path, output: Path):
+    """The child's runner forked from the preloaded server, its output into `output`, its progress through a pipe."""
     from replaybisect.core.processes import Forked, InheritedFd, call_by_name
 
-    read_end, write_end = os.pipe()
     job_file.write_text(json.dumps(job), encoding="utf-8")
+    read_end, write_end = os.pipe()
     try:
         child = Forked(call_by_name, (CHILD_MODULE, "forked_main", str(job_file), InheritedFd(write_end), str(output),
                                       {**os.environ, "PYTHONUNBUFFERED": "1"}), "replaybisect-script")
@@ -126,16 +133,16 @@ def _run_child(job: dict[str, Any], scratch: Path, output: Path, log: Callable[[
         raise
     finally:
         os.close(write_end)  # the child holds the only write end: the relay ends when it does
-    return _wait((child, read_end), log)
+    return child, read_end
 
 
 def _start_interpreter(job: dict[str, Any], job_file: Path, scratch: Path, output: Path):
     """`python -m replaybisect.verbs.script_child JOB`, its output into `output`, its progress through a pipe."""
     read_end, write_end = os.pipe()
     job["progress_fd"] = write_end
-    job_file.write_text(json.dumps(job), encoding="utf-8")
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     try:
+        job_file.write_text(json.dumps(job), encoding="utf-8")
         with open(output, "wb") as sink:
             child = subprocess.Popen([sys.executable, "-m", CHILD_MODULE, str(job_file)], cwd=scratch,
                                      stdin=subprocess.DEVNULL, stdout=sink, stderr=sink, pass_fds=(write_end,), env=env)
@@ -147,9 +154,8 @@ def _start_interpreter(job: dict[str, Any], job_file: Path, scratch: Path, outpu
     return child, read_end
 
 
-def _wait(started, log: Callable[[str], None]) -> int:
+def _wait(child, read_end: int, log: Callable[[str], None]) -> int:
     """Relay the child's progress until it ends; its exit status."""
-    child, read_end = started
     with _children_lock:
         _children.add(child)
     relay = threading.Thread(target=_relay, args=(read_end, log), daemon=True)

@@ -17,7 +17,6 @@ import hashlib
 import json
 import re
 import shutil
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 

@@ -14,7 +14,6 @@ import subprocess
 import sys
 import textwrap
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 import torch
@@ -22,8 +21,7 @@ from torch import nn
 
 from conftest import Workspace
 from replaybisect.core import config as config_mod
-from replaybisect.core import guard, loop, user_step
-from replaybisect.restore import ReplayHooks
+from replaybisect.core import guard, loop
 
 PLANT_AT = 7  # the step whose gradient is planted
 

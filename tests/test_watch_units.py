@@ -546,7 +546,7 @@ def test_the_compose_file_runs_the_watcher_as_the_images_unprivileged_user():
     assert watch.get("user") not in (None, "root", "0", 0) and not str(watch["user"]).startswith(("0:", "root:"))
     assert "--allow-root" not in watch["command"]
     user = str(watch["user"]).split(":")[0]
-    assert f"useradd" in (ROOT / "Dockerfile").read_text() and f" {user}" in (ROOT / "Dockerfile").read_text()
+    assert "useradd" in (ROOT / "Dockerfile").read_text() and f" {user}" in (ROOT / "Dockerfile").read_text()
 
 
 def test_a_job_folder_others_can_write_is_refused_the_watcher_loads_results_from_it(tmp_path):

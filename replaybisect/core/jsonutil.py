@@ -9,7 +9,6 @@ when its module is already loaded, so `replay --help` stays light.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import sys
 from pathlib import PurePath

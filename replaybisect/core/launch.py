@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from replaybisect.core.processes import Forked, InheritedFd, adopt_environment, shadows_preloaded
+from replaybisect.core.processes import Forked, InheritedFd, run_module, shadows_preloaded
 
 PEER_GRACE_SECONDS = 15.0  # after one rank failed, the others this long to end what they record before they are stopped
 
@@ -42,24 +42,11 @@ def _start_rank(command: list[str], env: dict[str, str]):
 
 
 def _rank_main(module: str, args: list[str], env: dict[str, str], output: int) -> None:
-    """In the forked rank: become `python -m MODULE ARGS` run in this folder with `env`, printing onto `output`, and
-    end as the interpreter ends (its exit handlers run: a process of multiprocessing ends with os._exit)."""
-    import atexit
-    import runpy
-
-    for fd in (1, 2):
-        os.dup2(output, fd)
-    os.close(output)
-    adopt_environment(env)
-    sys.path.insert(0, os.getcwd())  # what `python -m` does with the working folder
-    sys.argv = [module, *args]
-    try:
-        runpy.run_module(module, run_name="__main__", alter_sys=True)
-    finally:
-        atexit._run_exitfuncs()
+    """In the forked rank: `python -m MODULE ARGS` run in this folder with `env`, printing onto `output`."""
+    run_module(module, args, env, output, output)
 
 
-def wait_ranks(processes: list[subprocess.Popen]) -> list[Optional[int]]:
+def wait_ranks(processes: list) -> list[Optional[int]]:
     """Every rank's exit status. One that fails gives the others PEER_GRACE_SECONDS (they notice, and rank 0 or a
     survivor ends the run FAILED naming it), then they are stopped. Ctrl-C stops them all."""
     failed_at = None
@@ -77,7 +64,7 @@ def wait_ranks(processes: list[subprocess.Popen]) -> list[Optional[int]]:
     return [process.returncode for process in processes]
 
 
-def stop(processes: list[subprocess.Popen]) -> None:
+def stop(processes: list) -> None:
     for process in processes:
         if process.poll() is None:
             process.terminate()

@@ -35,13 +35,15 @@ def alive(pid: int) -> bool:
 # process. torch._dynamo is torch's own: building any optimizer imports it (1.5 s), and importing it starts no thread.
 PRELOAD = ["torch", "torch._dynamo", "hydra", "hydra.utils", "omegaconf", "mlflow", "mlflow.store.tracking.sqlalchemy_store"]
 PRELOADED_PACKAGES = ("torch", "hydra", "omegaconf", "mlflow")
-_starting = threading.Lock()
+_starting = threading.Lock()  # a verb's threads may start several processes at once: one at a time
 
 
 def preloaded_forkserver():
-    """multiprocessing's forkserver context, its server importing PRELOAD. The server is a fresh interpreter that
-    only imports (no threads running, no store open, no CUDA), so a process forked from it starts as cleanly as a
-    spawned one, but in a fraction of a second. It keeps the environment it started with: pass a process its own."""
+    """multiprocessing's forkserver context, its server importing PRELOAD. The server is an interpreter started
+    for it that imports PRELOAD and nothing of the caller's (no threads, no store, no CUDA), so a process forked from
+    it starts in a fraction of a second. What a fresh interpreter has and a forked one does not is the forked
+    process's to set again: its environment (adopt_environment), and for a Forked one its standard streams
+    (own_stdio) and how it ends (run_module)."""
     import multiprocessing
 
     context = multiprocessing.get_context("forkserver")
@@ -49,20 +51,43 @@ def preloaded_forkserver():
     return context
 
 
-def start_forked(process) -> None:
-    """Start a process of the preloaded server (a multiprocessing Process of its context), one at a time: a verb's
-    threads may start several at once."""
-    with _starting:
-        process.start()
+_as_fresh = threading.local()  # set while this thread starts a Forked process
+
+
+def _preparation(name: str) -> dict:
+    """multiprocessing's preparation of a process (spawn.get_preparation_data): a copy of this process's sys.path,
+    and this process's `__main__` run again in it (a user's script that calls the API without a main guard would run
+    again). A Forked process is a `python -m` of its own: it keeps the server's sys.path, a fresh interpreter's."""
+    data = _full_preparation(name)
+    if getattr(_as_fresh, "on", False):
+        for key in ("sys_path", "init_main_from_name", "init_main_from_path"):
+            data.pop(key, None)
+    return data
+
+
+def _install_preparation() -> None:
+    global _full_preparation
+    from multiprocessing import spawn
+
+    if spawn.get_preparation_data is not _preparation:
+        _full_preparation = spawn.get_preparation_data
+        spawn.get_preparation_data = _preparation
 
 
 class Forked:
-    """A process of the preloaded server running `target(*args)`, with the part of subprocess.Popen's interface its
-    callers wait for and stop it with (pid, poll, wait, terminate, kill, returncode)."""
+    """A process of the preloaded server running `target(*args)` (a module-level function, named by pickle), with
+    the part of subprocess.Popen's interface its callers wait for and stop it with (pid, poll, wait, terminate,
+    kill, returncode). It starts with the server's sys.path and without this process's `__main__`."""
 
     def __init__(self, target: Callable[..., Any], args: tuple, name: str):
-        self._process = preloaded_forkserver().Process(target=target, args=args, name=name)
-        start_forked(self._process)
+        self._process = preloaded_forkserver().Process(target=_forked, args=(target, args), name=name)
+        with _starting:
+            _install_preparation()
+            _as_fresh.on = True
+            try:
+                self._process.start()
+            finally:
+                _as_fresh.on = False
         self.pid = self._process.pid
 
     @property
@@ -83,6 +108,64 @@ class Forked:
 
     def kill(self) -> None:
         self._process.kill()
+
+
+def _forked(target: Callable[..., Any], args: tuple) -> None:
+    """A Forked process's first step: let go of the server's "alive" pipe. multiprocessing hands every process of the
+    server the write end its launcher holds (for processes of their own), so the server, and a child that dies
+    with it (PR_SET_PDEATHSIG), would outlive a launcher killed with SIGKILL. One this process starts later gets a
+    server of its own."""
+    from multiprocessing import forkserver
+
+    alive = forkserver._forkserver._forkserver_alive_fd
+    if alive is not None:
+        forkserver._forkserver._forkserver_alive_fd = None
+        os.close(alive)
+    target(*args)
+
+
+def run_module(module: str, args: list[str], environment: dict[str, str], stdout: int, stderr: int,
+               cwd: Optional[str] = None) -> None:
+    """In a Forked process: become `cd CWD; ENVIRONMENT python -m MODULE ARGS` (stdin empty; stdout and stderr onto
+    the descriptors given, which it closes), and end as that interpreter ends: its threads joined and its exit
+    handlers run (a process of multiprocessing ends with os._exit). Its exit status is the module's."""
+    import atexit
+    import runpy
+    import sys
+
+    own_stdio(stdout, stderr)
+    if cwd is not None:
+        os.chdir(cwd)
+    adopt_environment(environment)
+    here = os.getcwd()
+    if sys.path and sys.path[0] == "":  # the server's `python -c` entry: `python -m` puts the working folder there
+        sys.path[0] = here
+    else:
+        sys.path.insert(0, here)
+    sys.argv = [module, *args]
+    try:
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+    finally:
+        threading._shutdown()  # type: ignore[attr-defined]  # as the interpreter ends: its threads first, then atexit
+        atexit._run_exitfuncs()
+
+
+def own_stdio(stdout: int, stderr: int) -> None:
+    """stdin from /dev/null, stdout and stderr onto these descriptors (closed here), and sys.stdout/sys.stderr made
+    again over them, written through as `python -u` writes them (the server's were made for its own descriptors; a
+    killed process's last line is there to quote)."""
+    import io
+    import sys
+
+    empty = os.open(os.devnull, os.O_RDONLY)
+    for source, fd in ((empty, 0), (stdout, 1), (stderr, 2)):
+        os.dup2(source, fd)
+    for source in {empty, stdout, stderr} - {0, 1, 2}:
+        os.close(source)
+    encoding = sys.__stdout__.encoding if sys.__stdout__ is not None else "utf-8"
+    sys.stdout = sys.__stdout__ = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), encoding=encoding, write_through=True)
+    sys.stderr = sys.__stderr__ = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), encoding=encoding,
+                                                   errors="backslashreplace", write_through=True)
 
 
 class InheritedFd:
@@ -111,19 +194,38 @@ def call_by_name(module: str, function: str, *args: Any) -> Any:
 
 
 def shadows_preloaded(folder: Path) -> bool:
-    """A top-level torch/, mlflow.py, ... in `folder` (first on a process's path) would not be imported by a process
-    forked from the server, which imported the real one: such a process starts as a fresh interpreter instead."""
-    return any((folder / name).exists() or (folder / f"{name}.py").exists() for name in PRELOADED_PACKAGES)
+    """A module or package in `folder` (first on a process's path) named as one the server imported (torch/,
+    mlflow.py, or one they import, such as yaml.py: those this process imported from elsewhere stand for them) would be
+    imported by a fresh interpreter and not by a process forked from the server, which has the real one: such a
+    process starts as a fresh interpreter instead."""
+    import sys
+
+    try:
+        entries = os.listdir(folder)
+    except OSError:
+        return False
+    names = {entry[:-3] if entry.endswith(".py") else entry for entry in entries
+             if entry.endswith(".py") or (folder / entry).is_dir()}
+    if names & set(PRELOADED_PACKAGES):
+        return True
+    own = str(Path(folder).resolve()) + os.sep
+    for name in names & {module.partition(".")[0] for module in list(sys.modules)}:
+        origin = getattr(sys.modules.get(name), "__file__", None) or ""
+        if not os.path.realpath(origin).startswith(own):  # not the folder's own module, imported from it
+            return True
+    return False
 
 
 def adopt_environment(environment: dict[str, str]) -> None:
     """In a process forked from the preloaded server: the environment of the process that asked for it (the server
     keeps the one it started with), and the thread count torch read from OMP_NUM_THREADS when the server imported
-    it. Modules imported before this (multiprocessing imports a script's `__main__` first) saw the server's."""
+    it. Modules imported before this saw the server's."""
     import sys
 
     os.environ.clear()
     os.environ.update(environment)
     tempfile.tempdir = None  # read again from this environment's TMPDIR (a module the server imported may have read it)
+    if "numpy.random" in sys.modules:  # a fresh interpreter seeds numpy's global generator anew; a fork copies it
+        sys.modules["numpy.random"].seed()
     if "torch" in sys.modules and environment.get("OMP_NUM_THREADS", "").isdigit():
         sys.modules["torch"].set_num_threads(int(environment["OMP_NUM_THREADS"]))

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import math
 import platform
 from dataclasses import dataclass
 from typing import Annotated, Any, Callable, Iterator, Optional

@@ -8,7 +8,6 @@ there (the rest of the script, its `finally` blocks and exit handlers, never run
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import runpy
@@ -30,29 +29,14 @@ def main() -> None:
 
 def forked_main(job_file: str, progress_fd: int, output: str, environment: dict[str, str]) -> None:
     """In a process forked from the preloaded server: become what `main` is in a fresh interpreter (this replay's
-    environment, stdin empty, stdout and stderr unbuffered into `output`), then serve the job."""
-    from replaybisect.core.processes import adopt_environment
+    environment, stdin empty, stdout and stderr written through into `output`), then serve the job."""
+    from replaybisect.core.processes import adopt_environment, own_stdio
 
     adopt_environment(environment)
-    _own_stdio(output)
+    target = os.open(output, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    own_stdio(target, target)
     progress = os.fdopen(progress_fd, "w", encoding="utf-8", buffering=1)
     _serve(json.loads(Path(job_file).read_text(encoding="utf-8")), progress)
-
-
-def _own_stdio(output: str) -> None:
-    """stdin from /dev/null, stdout and stderr into `output`, written through as `python -u` writes them (a killed
-    script's last line is there to quote)."""
-    empty = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(empty, 0)
-    os.close(empty)
-    target = os.open(output, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    for fd in (1, 2):
-        os.dup2(target, fd)
-    os.close(target)
-    encoding = sys.__stdout__.encoding if sys.__stdout__ is not None else "utf-8"
-    sys.stdout = sys.__stdout__ = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), encoding=encoding, write_through=True)
-    sys.stderr = sys.__stderr__ = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), encoding=encoding,
-                                                   errors="backslashreplace", write_through=True)
 
 
 def _serve(job: dict[str, Any], progress) -> None:

@@ -125,7 +125,6 @@ class ArmProgress:
 
     def __enter__(self):
         if self.enabled:
-            from rich.console import Console
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
             self._progress = Progress(

@@ -20,7 +20,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from replaybisect.core.processes import adopt_environment, preloaded_forkserver, shadows_preloaded, start_forked
+from replaybisect.core.processes import Forked, run_module, shadows_preloaded
 
 
 class PlainProcess:
@@ -42,17 +42,16 @@ class PlainProcess:
 class ForkedProcess:
     """A `python -m replaybisect ...` trial forked from the preloaded forkserver."""
 
-    def __init__(self, context, module_args: list[str], cwd: Path, env: dict[str, str]):
+    def __init__(self, module_args: list[str], cwd: Path, env: dict[str, str]):
         folder = Path(tempfile.mkdtemp(prefix="replaybisect-trial-"))
         self.folder = folder
         self.stdout_path, self.stderr_path = folder / "stdout", folder / "stderr"
-        self.process = context.Process(target=_forked_main, name="replaybisect-trial",
-                                       args=(module_args, str(cwd), env, str(self.stdout_path), str(self.stderr_path)))
-        start_forked(self.process)
+        self.process = Forked(_forked_main, (module_args, str(cwd), env, str(self.stdout_path), str(self.stderr_path)),
+                              "replaybisect-trial")
         self.pid = self.process.pid
 
     def communicate(self) -> tuple[int, str, str]:
-        self.process.join()
+        code = self.process.wait()
         try:
             stdout = self.stdout_path.read_text(errors="replace") if self.stdout_path.exists() else ""
             stderr = self.stderr_path.read_text(errors="replace") if self.stderr_path.exists() else ""
@@ -60,30 +59,20 @@ class ForkedProcess:
             for path in (self.stdout_path, self.stderr_path):
                 path.unlink(missing_ok=True)
             self.folder.rmdir()
-        return self.process.exitcode, stdout, stderr
+        return code, stdout, stderr
 
     def wait(self, timeout: float) -> None:
-        self.process.join(timeout)
-        if self.process.exitcode is None:
-            raise subprocess.TimeoutExpired("replaybisect-trial", timeout)
+        self.process.wait(timeout)
 
 
 def _forked_main(module_args: list[str], cwd: str, env: dict[str, str], stdout_path: str, stderr_path: str) -> None:
-    """Runs in the forked trial: become `cd CWD; env ...; python -m replaybisect ARGS` and exit with its status."""
-    os.setsid()  # a session of its own, like start_new_session: the bisect signals the whole group
-    for fd, path in ((1, stdout_path), (2, stderr_path)):
-        target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        os.dup2(target, fd)
-        os.close(target)
-    os.chdir(cwd)
-    adopt_environment(env)
-    sys.path.insert(0, cwd)  # what `python -m` does with the working folder (and PYTHONPATH names it too)
+    """Runs in the forked trial: `cd CWD; env ... python -m replaybisect ARGS` in a session of its own (like
+    start_new_session: the bisect signals the whole group), its output into the two files."""
+    os.setsid()
+    stdout, stderr = (os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600) for path in (stdout_path, stderr_path))
     for name in [name for name in sys.modules if name == "replaybisect" or name.startswith("replaybisect.")]:
         del sys.modules[name]  # imported fresh from the path: the worktree's own copy wins if it has one
-    import runpy
-
-    sys.argv = ["replay", *module_args]
-    runpy.run_module("replaybisect", run_name="__main__", alter_sys=True)
+    run_module("replaybisect", module_args, env, stdout, stderr, cwd=cwd)
 
 
 class Launcher:
@@ -91,17 +80,11 @@ class Launcher:
 
     def __init__(self, fork: bool | None = None):
         self.fork = os.environ.get("REPLAYBISECT_TRIAL_FORK", "1") != "0" if fork is None else fork
-        self._context = None
-
-    def _forkserver(self):
-        if self._context is None:
-            self._context = preloaded_forkserver()
-        return self._context
 
     def start(self, argv: list[str], cwd: Path, env: dict[str, str]):
         module_args = argv[3:] if argv[:3] == [sys.executable, "-m", "replaybisect"] else None
         if self.fork and module_args is not None and not shadows_preloaded(cwd):
-            return ForkedProcess(self._forkserver(), module_args, cwd, env)
+            return ForkedProcess(module_args, cwd, env)
         return PlainProcess(argv, cwd, env)
 
 

@@ -99,7 +99,7 @@ class NanReport:
     fix: Optional[dict[str, str]] = None  # an op-level fault of a known pattern: the change, and the command proving it
 
     def to_json(self) -> dict[str, Any]:
-        from replaybisect.verbs.nan.probes import to_jsonable
+        from replaybisect.core.jsonutil import to_jsonable
 
         data = to_jsonable(self)
         # DESIGN §5 keys first
@@ -546,15 +546,15 @@ def _classify(report: NanReport, results: _StepResults, restored, store, run_id,
     if _is_data(report, results, restored.state.model):
         return
     report.evidence.append("the batch is finite; parameters, buffers and optimizer state before the step are finite")
-    for decide in (_is_forward, _is_loss, _is_backward, _is_update):
-        if decide(report, results, restored.state):
+    for classify in (_is_forward, _is_loss, _is_backward, _is_update):
+        if classify(report, results, restored.state):
             return
     _not_isolated(report, results)
 
 
 def _record_probe_facts(report: NanReport, results: _StepResults) -> None:
     """What every probe saw, kept on the report whatever the verdict."""
-    from replaybisect.verbs.nan.probes import to_jsonable
+    from replaybisect.core.jsonutil import to_jsonable
 
     probe, plain = results.probe, results.plain
     report.batch = results.batch
@@ -720,7 +720,7 @@ def _name_forward_op(report: NanReport, op, intended: list[str] = ()) -> None:
 
 
 def _forward_json(probe) -> dict[str, Any]:
-    from replaybisect.verbs.nan.probes import to_jsonable
+    from replaybisect.core.jsonutil import to_jsonable
 
     def call_json(call):
         if call is None:
@@ -742,7 +742,7 @@ def _forward_json(probe) -> dict[str, Any]:
 
 
 def _optimizer_verdict(report: NanReport, update, step: int, grad_norm) -> None:
-    from replaybisect.verbs.nan.probes import to_jsonable
+    from replaybisect.core.jsonutil import to_jsonable
 
     report.category, report.phase = "optimizer", "update"
     report.update = to_jsonable(update)

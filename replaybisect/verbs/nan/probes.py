@@ -36,7 +36,6 @@ from replaybisect.core.shards import local
 from torch.overrides import TorchFunctionMode
 
 from replaybisect.core import loop
-from replaybisect.core.jsonutil import to_jsonable  # noqa: F401  (re-exported for nan.engine)
 from replaybisect.frames import QUOTED_FRAME, is_ours, is_user_code
 
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep  # also when torch is not under site-packages (a source build)

@@ -58,7 +58,7 @@ def print_rich(report, tracking_uri: str, console=None) -> None:
     say("[bold]evidence[/bold]")
     for line in report.evidence:
         say(f"  {'' if line.startswith('  ') else '- '}{escape(line)}")
-    say(f"[bold]next[/bold]  " + escape(report.suggestion).replace("\n", "\n      "))
+    say("[bold]next[/bold]  " + escape(report.suggestion).replace("\n", "\n      "))
     if report.replay_run_id:
         say(f"report: child run {report.replay_run_id} (report.md, report.json, nan_report.png); view: {mlflow_ui_hint(tracking_uri)}")
 

@@ -6,10 +6,10 @@ step); a triage job runs this module on its node:
     python -m replaybisect.verbs.watch.child MEMORY_MB [--scratch] -- nan --run-id X --json ...
 
 The memory limit (RLIMIT_AS, inherited by the verb's own worker processes) makes a run that allocates too much
-fail with MemoryError instead of taking the watcher's machine down; the watcher enforces the time limit. The
-child dies with its parent (Linux PR_SET_PDEATHSIG: the server, which ends when the watcher does, or the job's
-launcher), so a watcher killed with SIGKILL leaves no triage running on behind its expired claim. Standard library
-only: this runs before anything else.
+fail with MemoryError instead of taking the watcher's machine down; the watcher enforces the time limit. A
+watcher's step ends with the watcher, and a job's child with its launcher (Linux PR_SET_PDEATHSIG), so a watcher
+killed with SIGKILL leaves no triage running on behind its expired claim. Standard library only: this runs before
+anything else.
 """
 
 from __future__ import annotations
@@ -35,6 +35,23 @@ def _die_with_parent() -> None:
         os._exit(137)
 
 
+def _die_with_launcher() -> None:
+    """A forked step's session ends at once when the watcher that started it does, SIGKILL included: its parent is
+    the preloaded server, which ends with the watcher but seconds later (it finalizes torch and MLflow first), so a
+    thread waits on multiprocessing's sentinel of the launching process instead."""
+    import multiprocessing
+    import threading
+    from multiprocessing.connection import wait
+
+    launcher = multiprocessing.parent_process()
+
+    def end_with_launcher() -> None:
+        wait([launcher.sentinel])
+        os.killpg(0, signal.SIGKILL)
+
+    threading.Thread(target=end_with_launcher, name="replaybisect-ends-with-watcher", daemon=True).start()
+
+
 def _limit_memory(memory_mb: int) -> None:
     if memory_mb > 0:
         limit = memory_mb * 1024 * 1024
@@ -51,26 +68,12 @@ def start_step(memory_mb: int, verb_args: list[str], cwd: str, env: dict[str, st
 
 
 def _forked_step(memory_mb: int, verb_args: list[str], cwd: str, env: dict[str, str], stdout: int, stderr: int) -> None:
-    import atexit
-    import runpy
-
-    from replaybisect.core.processes import adopt_environment
+    from replaybisect.core.processes import run_module
 
     os.setsid()
-    empty = os.open(os.devnull, os.O_RDONLY)
-    for source, fd in ((empty, 0), (stdout, 1), (stderr, 2)):
-        os.dup2(source, fd)
-        os.close(source)
-    _die_with_parent()
+    _die_with_launcher()
     _limit_memory(memory_mb)
-    os.chdir(cwd)
-    adopt_environment(env)
-    sys.path.insert(0, cwd)  # what `python -m` does with the working folder
-    sys.argv = ["replay", *verb_args]
-    try:
-        runpy.run_module("replaybisect", run_name="__main__", alter_sys=True)
-    finally:
-        atexit._run_exitfuncs()  # as the interpreter does at exit (a process of multiprocessing ends with os._exit)
+    run_module("replaybisect", verb_args, env, stdout, stderr, cwd=cwd)
 
 
 def main(argv: list[str]) -> None:

@@ -207,7 +207,7 @@ def post_json(url: str, payload: dict[str, Any], timeout: float = NOTIFY_TIMEOUT
     try:
         with opener.open(request, timeout=timeout) as response:
             response.read()
-    except Exception as error:
+    except Exception:
         if expired.is_set() or time.monotonic() - started >= timeout:
             raise NotifyDeadline(f"no answer within {timeout:g} s") from None
         raise
