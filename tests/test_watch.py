@@ -349,7 +349,7 @@ def test_sigterm_releases_sigkill_leaves_a_lease_and_the_next_watcher_resumes(te
     first.send_signal(signal.SIGTERM)
     stdout, stderr = first.communicate(timeout=120)
     assert first.returncode == 143, stderr
-    assert "released" in [event["event"] for event in events(stdout)]
+    assert "released" in [event["event"] for event in events(stdout)], stdout + stderr
     assert tags_of(team, run_id)["replaybisect.triage.claim"].endswith(" until 0.0")
 
     # 2. the next watcher takes it at once; SIGKILLed once nan is done, it leaves a live claim and no child behind
