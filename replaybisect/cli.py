@@ -86,6 +86,7 @@ def main() -> None:
     handlers) still says so in one line and exits 143, instead of the default death by signal with no line."""
     import signal
 
+    from replaybisect.core.processes import end_process
     from replaybisect.errors import Terminated, interruption
 
     # outside the command (from here, and during the shutdown after it): a SIGTERM prints its line and exits 143;
@@ -98,7 +99,7 @@ def main() -> None:
         print(line, file=sys.stderr)
     if Terminated.received:  # the terminated line is out: a second SIGTERM during the shutdown adds nothing
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    sys.exit(exit_code)
+    end_process(exit_code)
 
 
 def _terminated_at_exit(signum, frame) -> None:

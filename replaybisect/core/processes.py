@@ -10,7 +10,7 @@ import subprocess
 import tempfile
 import threading
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, NoReturn, Optional
 
 
 def alive(pid: int) -> bool:
@@ -33,7 +33,7 @@ def alive(pid: int) -> bool:
 # What a process forked for replaybisect's work (a bisect trial, an ablation worker, ...) has imported before it is
 # forked: about 5 s of imports a fresh interpreter pays (2-core machines), paid once by the server instead of once per
 # process. torch._dynamo is torch's own: building any optimizer imports it (1.5 s), and importing it starts no thread.
-PRELOAD = ["torch", "torch._dynamo", "hydra", "hydra.utils", "omegaconf", "mlflow", "mlflow.store.tracking.sqlalchemy_store"]
+PRELOAD = ["replaybisect.core.server_exit", "torch", "torch._dynamo", "hydra", "hydra.utils", "omegaconf", "mlflow", "mlflow.store.tracking.sqlalchemy_store"]
 PRELOADED_PACKAGES = ("torch", "hydra", "omegaconf", "mlflow")
 _starting = threading.Lock()  # a verb's threads may start several processes at once: one at a time
 
@@ -148,6 +148,44 @@ def run_module(module: str, args: list[str], environment: dict[str, str], stdout
     finally:
         threading._shutdown()  # type: ignore[attr-defined]  # as the interpreter ends: its threads first, then atexit
         atexit._run_exitfuncs()
+
+
+def end_process(code: Any) -> NoReturn:
+    """End this process as the interpreter ends it after `sys.exit(code)`: its threads joined, its exit handlers run
+    (MLflow's, multiprocessing's, logging's, temporary folders'), its standard streams flushed. The one thing left out
+    is tearing down every module, which writes nothing and costs a second or more of CPU in a process that imported
+    torch and MLflow (benchmarks/process_exit.py)."""
+    import atexit
+    import sys
+
+    if code is not None and not isinstance(code, int):  # as sys.exit("message"): the message, status 1
+        print(code, file=sys.stderr)
+        code = 1
+    threading._shutdown()  # type: ignore[attr-defined]
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001 - a closed or broken stream: the status matters more
+            pass
+    os._exit(code or 0)
+
+
+def end_server_without_teardown() -> None:
+    """In the preloaded server, importing PRELOAD (core/server_exit.py is its first entry): its last exit handler,
+    run after those of its imports, ends it without tearing torch and MLflow down. The server ends only when its last
+    client has gone (status 0); processes forked from it run their own handlers and end their own way. Anywhere else
+    this does nothing."""
+    import atexit
+    import sys
+
+    frame = sys._getframe()
+    while frame is not None and not (frame.f_code.co_name == "main" and frame.f_globals.get("__name__") == "multiprocessing.forkserver"):
+        frame = frame.f_back
+    if frame is None:
+        return
+    server = os.getpid()
+    atexit.register(lambda: os.getpid() == server and os._exit(0))
 
 
 def own_stdio(stdout: int, stderr: int) -> None:
