@@ -353,8 +353,9 @@ def test_sigterm_releases_sigkill_leaves_a_lease_and_the_next_watcher_resumes(te
     assert tags_of(team, run_id)["replaybisect.triage.claim"].endswith(" until 0.0")
 
     # 2. the next watcher takes it at once; SIGKILLed once nan is done, it leaves a live claim and no child behind
-    # a lease long enough for the next check (a `replay watch` process) to start on a loaded 2-core machine
-    second = subprocess.Popen(watch_args(team, experiment, "--lease", "20"), cwd=project, env=env_for(team, experiment),
+    # a lease that outlasts the checks below on a loaded 2-core machine (renewed every third of it: at least 6.7 s
+    # left at the kill); the check that nobody takes it runs in this process, so it needs no process start-up
+    second = subprocess.Popen(watch_args(team, experiment, "--lease", "10"), cwd=project, env=env_for(team, experiment),
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     _wait_for_tag(team, run_id, "replaybisect.triage.step", "ablate", second)
     second.kill()
