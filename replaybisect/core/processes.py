@@ -152,40 +152,71 @@ def run_module(module: str, args: list[str], environment: dict[str, str], stdout
 
 def end_process(code: Any) -> NoReturn:
     """End this process as the interpreter ends it after `sys.exit(code)`: its threads joined, its exit handlers run
-    (MLflow's, multiprocessing's, logging's, temporary folders'), its standard streams flushed. The one thing left out
-    is tearing down every module, which writes nothing and costs a second or more of CPU in a process that imported
-    torch and MLflow (benchmarks/process_exit.py)."""
+    (MLflow's, multiprocessing's, logging's, temporary folders'), every open file's buffer written (Python's and C's,
+    a user's module-level log file too), then os._exit. What it leaves out is tearing every module down, which writes
+    nothing and costs a second or more of CPU in a process that imported torch and MLflow
+    (benchmarks/process_exit.py). A Ctrl-C while threads are joined does not change the status."""
     import atexit
     import sys
 
     if code is not None and not isinstance(code, int):  # as sys.exit("message"): the message, status 1
         print(code, file=sys.stderr)
         code = 1
-    threading._shutdown()  # type: ignore[attr-defined]
-    atexit._run_exitfuncs()
-    for stream in (sys.stdout, sys.stderr):
+    for last_steps in (threading._shutdown, atexit._run_exitfuncs):  # type: ignore[attr-defined]
         try:
-            stream.flush()
-        except Exception:  # noqa: BLE001 - a closed or broken stream: the status matters more
+            last_steps()
+        except KeyboardInterrupt:  # as the interpreter's own shutdown: ignored, the command's status stands
             pass
+    _flush_everything()
     os._exit(code or 0)
+
+
+def _flush_everything() -> None:
+    """What the interpreter's teardown and C's exit() would write: Python's open files (their buffers), then C stdio's
+    (a C extension's printf into a pipe)."""
+    import ctypes
+    import gc
+    import io
+
+    buffered = {io.BufferedWriter, io.BufferedRandom, io.TextIOWrapper}
+    for stream in gc.get_objects():
+        if type(stream) in buffered:  # not isinstance: some objects warn or compute when their class is asked
+            try:
+                if not stream.closed:
+                    stream.flush()
+            except Exception:  # noqa: BLE001 - a closed pipe, a read-only stream: nothing of it to save
+                pass
+    try:
+        ctypes.CDLL(None).fflush(None)
+    except (OSError, AttributeError):
+        pass
 
 
 def end_server_without_teardown() -> None:
     """In the preloaded server, importing PRELOAD (core/server_exit.py is its first entry): its last exit handler,
-    run after those of its imports, ends it without tearing torch and MLflow down. The server ends only when its last
-    client has gone (status 0); processes forked from it run their own handlers and end their own way. Anywhere else
-    this does nothing."""
+    run after those of its imports, ends it without tearing torch and MLflow down once its last client has gone
+    (status 0). A server that failed ends as it would (its status kept); processes forked from it (their pid is
+    another) run their own handlers and end their own way. Anywhere else this does nothing."""
     import atexit
     import sys
 
+    names = []
     frame = sys._getframe()
-    while frame is not None and not (frame.f_code.co_name == "main" and frame.f_globals.get("__name__") == "multiprocessing.forkserver"):
+    while frame is not None:
+        if frame.f_globals.get("__name__") == "multiprocessing.forkserver":
+            names.append(frame.f_code.co_name)
         frame = frame.f_back
-    if frame is None:
+    if names != ["main"]:  # not the server's own preload (a process forked from it runs under _serve_one too)
         return
     server = os.getpid()
-    atexit.register(lambda: os.getpid() == server and os._exit(0))
+
+    def end_server() -> None:
+        if os.getpid() != server or getattr(sys, "last_value", None) is not None:  # a fork of it, or a failure
+            return
+        _flush_everything()
+        os._exit(0)
+
+    atexit.register(end_server)
 
 
 def own_stdio(stdout: int, stderr: int) -> None:

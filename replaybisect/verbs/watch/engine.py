@@ -751,7 +751,7 @@ class Watcher:
         with tempfile.TemporaryFile() as stdout, tempfile.TemporaryFile() as stderr:
             process = start_step(self.options.memory_mb, self._verb_args(step, run_id, lines), work, env, stdout, stderr)
             active.process = process
-            if active.released or active.lost or self.abandon.is_set():  # released while it started: _release saw no process
+            if active.released or active.lost:  # given up while it started, when _release or _renew saw no process yet
                 _kill(process)
             try:
                 process.wait(timeout=self.options.time_limit)
