@@ -20,10 +20,11 @@ ENDINGS = {
     "end_process": "from replaybisect.core.processes import end_process; end_process(0)",
 }
 SERVER = """
-import multiprocessing, os, resource, sys
+import multiprocessing, os, sys
 from multiprocessing import forkserver
 from replaybisect.core import processes
-preload = processes.PRELOAD if sys.argv[1] == "end_process" else processes.PRELOAD[1:]
+without = "replaybisect.core.server_exit" if sys.argv[1] == "sys.exit" else None
+preload = [name for name in processes.PRELOAD if name != without]
 context = multiprocessing.get_context("forkserver")
 context.set_forkserver_preload(preload)
 process = context.Process(target=print, args=("forked",))

@@ -76,6 +76,12 @@ def test_a_process_ended_without_teardown_ends_as_sys_exit_would(tmp_path):
         assert done.stdout == "buffered, no newlineexit handlers ran\n", done.stdout
         assert marker.exists() and log.read_text() == "written at the end"
         assert done.stderr == ("a message\n" if status == 1 else "")
+    interrupted = code.replace("time.sleep(0.3)", "time.sleep(5)").replace(  # Ctrl-C while its thread is joined
+        "ending = sys.argv[1]", "ending = sys.argv[1]; threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()")
+    interrupted = interrupted.replace("import atexit, sys", "import atexit, os, signal, sys")
+    done = subprocess.run([sys.executable, "-c", interrupted, "3"], capture_output=True, text=True, timeout=120)
+    assert (done.returncode, done.stderr) == (3, ""), done.stderr  # the status stands, no traceback
+    assert done.stdout == "buffered, no newlineexit handlers ran\n", done.stdout
     torn_down = subprocess.run([sys.executable, "-c", code, "sys.exit"], capture_output=True, text=True, timeout=120)
     assert torn_down.stdout.endswith(" torn down"), torn_down.stdout  # what the check above would see without it
 

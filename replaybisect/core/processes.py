@@ -129,7 +129,6 @@ def run_module(module: str, args: list[str], environment: dict[str, str], stdout
     """In a Forked process: become `cd CWD; ENVIRONMENT python -m MODULE ARGS` (stdin empty; stdout and stderr onto
     the descriptors given, which it closes), and end as that interpreter ends: its threads joined and its exit
     handlers run (a process of multiprocessing ends with os._exit). Its exit status is the module's."""
-    import atexit
     import runpy
     import sys
 
@@ -146,8 +145,7 @@ def run_module(module: str, args: list[str], environment: dict[str, str], stdout
     try:
         runpy.run_module(module, run_name="__main__", alter_sys=True)
     finally:
-        threading._shutdown()  # type: ignore[attr-defined]  # as the interpreter ends: its threads first, then atexit
-        atexit._run_exitfuncs()
+        _interpreter_exit_steps()
 
 
 def end_process(code: Any) -> NoReturn:
@@ -156,19 +154,26 @@ def end_process(code: Any) -> NoReturn:
     a user's module-level log file too), then os._exit. What it leaves out is tearing every module down, which writes
     nothing and costs a second or more of CPU in a process that imported torch and MLflow
     (benchmarks/process_exit.py). A Ctrl-C while threads are joined does not change the status."""
-    import atexit
     import sys
 
     if code is not None and not isinstance(code, int):  # as sys.exit("message"): the message, status 1
         print(code, file=sys.stderr)
         code = 1
+    _interpreter_exit_steps()
+    _flush_everything()
+    os._exit(code or 0)
+
+
+def _interpreter_exit_steps() -> None:
+    """What the interpreter does first as it ends: its threads joined, then its exit handlers run. A Ctrl-C meanwhile
+    is ignored, as the interpreter ignores it there: the status stands."""
+    import atexit
+
     for last_steps in (threading._shutdown, atexit._run_exitfuncs):  # type: ignore[attr-defined]
         try:
             last_steps()
-        except KeyboardInterrupt:  # as the interpreter's own shutdown: ignored, the command's status stands
+        except KeyboardInterrupt:
             pass
-    _flush_everything()
-    os._exit(code or 0)
 
 
 def _flush_everything() -> None:
