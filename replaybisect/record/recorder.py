@@ -294,6 +294,7 @@ class Recorder:
         if self._session.ended:
             raise RuntimeError("this Recorder is closed; make a new one for another run")
         step = self.steps_taken
+        called = time.perf_counter()
         try:
             rng_at_start = loop.open_step(step, self.state, self._hooks, self._buffers)
             record = user_step.pack(batch, self.state.device, rng_at_start, self.state.optimizer,
@@ -303,7 +304,10 @@ class Recorder:
             if self._ranked is not None:
                 self._ranked.opened(step, self.state)
                 stored = self._ranked.stored(step, record)
-            data_started = self._last_step_end if self._last_step_end is not None else time.perf_counter()
+            # data time is the loop's own time between its calls, not the recorder's opening (snapshot, RNG, a ranked
+            # job's gather of every rank's batch): that work is moved out of it
+            opening = time.perf_counter() - called
+            data_started = (self._last_step_end if self._last_step_end is not None else called) + opening
             with self._noting_precision():
                 outcome, keep_going = loop.take_step(self.state, step, record, self._hooks, self._buffers, rng_at_start,
                                                      data_started, stored=stored)
