@@ -39,8 +39,8 @@ from replaybisect.core.config import OnNonfinite
 from replaybisect.core.step_watch import StepOutcome, StepWatch
 from replaybisect.errors import ConfigError
 from replaybisect.store import end_fluent_run
-from replaybisect.record.recorder import (_checked_arguments, _watch_unclosed, function_target, nonfinite_step, one_line_failures, open_session,
-                                          own_sources, replay_config)
+from replaybisect.record.recorder import (_checked_arguments, _watch_unclosed, function_target, loop_data_started, nonfinite_step,
+                                          one_line_failures, open_session, own_sources, replay_config)
 
 STEP_TARGET = "replaybisect.hf.hf_step"
 BUILD_TARGET = "replaybisect.hf.build"
@@ -382,12 +382,12 @@ class ReplayCallback(TrainerCallback):
         if not self._open:
             return
         step = self.steps_taken
+        called = time.perf_counter()
         loop.open_step(step, self.state, self._hooks, self._buffers)
         outcome = StepOutcome(step=step, loss=math.nan, lr=float(self.state.optimizer.param_groups[0]["lr"]))
         watch = StepWatch(self.state, outcome, self._hooks.observer(step), on_fault=self._nonfinite)
         now = time.perf_counter()
-        self._step = _StepInProgress(watch=watch, started=now,
-                                     data_started=self._last_step_end if self._last_step_end is not None else now)
+        self._step = _StepInProgress(watch=watch, started=now, data_started=loop_data_started(self._last_step_end, called, now))
 
     def _before_forward(self, model, args, kwargs):
         """A training call of the model: one accumulated batch, its keyword arguments and the RNG state it starts with."""
@@ -446,9 +446,9 @@ class ReplayCallback(TrainerCallback):
         outcome = step.watch.outcome
         outcome.loss = step.watch.loss_so_far()
         step.watch.settle()
-        self._last_step_end = time.perf_counter()
-        self._hooks.after_step(outcome, step.record(), self._last_step_end - step.started, step.started - step.data_started)
+        self._hooks.after_step(outcome, step.record(), time.perf_counter() - step.started, step.started - step.data_started)
         self.steps_taken = outcome.step + 1
+        self._last_step_end = time.perf_counter()  # after the recorder's own flush of the step
 
     def _nonfinite(self) -> None:
         """The step watch's fault: the state is still the one before this step. Stop: record it, end the run FAILED

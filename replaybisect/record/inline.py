@@ -177,9 +177,9 @@ class InlineRecording:
         self.recorder._stop(current.outcome)
 
     def _finish(self, current: _OpenStep) -> None:
-        self._last_close = time.perf_counter()
-        self.recorder._hooks.after_step(current.outcome, current.record, self._last_close - current.opened, current.data_time)
+        self.recorder._hooks.after_step(current.outcome, current.record, time.perf_counter() - current.opened, current.data_time)
         self.recorder._stepped(current.outcome)
+        self._last_close = time.perf_counter()  # after the recorder's own flush of the step
 
     def close(self) -> None:
         """The loop is over: its last step closed, the model and optimizer left as they were."""

@@ -35,7 +35,8 @@ from replaybisect.core.user_step import LIGHTNING_BATCHES, LIGHTNING_POSITIONS, 
 from replaybisect.core.config import OnNonfinite
 from replaybisect.errors import ConfigError, NonFiniteStep
 from replaybisect.record.ranked import RankedSteps, run_of_this_rank
-from replaybisect.record.recorder import function_target, nonfinite_step, one_line_failures, open_session, own_sources, plain_config, replay_config
+from replaybisect.record.recorder import (function_target, loop_data_started, nonfinite_step, one_line_failures, open_session,
+                                          own_sources, plain_config, replay_config)
 
 STEP_TARGET = ranks.LIGHTNING_STEP
 BUILD_TARGET = "replaybisect.lightning.build"
@@ -345,18 +346,19 @@ class ReplayCallback(Callback):
 
         if not self._open:
             return
+        called = time.perf_counter()
         packed = user_step.pack(batch, self.state.device)  # a copy of the batch, and the RNG states it starts with
         position = {"batch_idx": int(batch_idx), "takes_batch_idx": self._takes_batch_idx, "rng": None,
                     "accumulate": int(trainer.accumulate_grad_batches), "scheduler_step": _scheduler_steps(trainer, batch_idx)}
         if self._step is None:
-            self._step = self._begin_step(packed, position)
+            self._step = self._begin_step(packed, position, called)
             return
         position["rng"] = packed[user_step.RECORD_RNG]  # a later accumulated batch: the RNG state it starts with
         self._step.batches.append(packed[user_step.RECORD_BATCH])
         self._step.positions.append(position)
         self._step.watch.open_forward()
 
-    def _begin_step(self, packed: dict, position: dict) -> "_StepInProgress":
+    def _begin_step(self, packed: dict, position: dict, called: float) -> "_StepInProgress":
         from replaybisect.core import loop, user_step
 
         step = self.steps_taken
@@ -370,7 +372,7 @@ class ReplayCallback(Callback):
         now = time.perf_counter()
         return _StepInProgress(watch=watch, batches=[packed[user_step.RECORD_BATCH]], positions=[position],
                                rng=packed[user_step.RECORD_RNG], started=now,
-                               data_started=self._last_step_end if self._last_step_end is not None else now)
+                               data_started=loop_data_started(self._last_step_end, called, now))
 
     def on_before_backward(self, trainer, pl_module, loss) -> None:
         if self._step is not None:
@@ -409,12 +411,13 @@ class ReplayCallback(Callback):
         else:
             outcome.loss = float(step.logged_loss.item())
         step.watch.settle()
-        self._last_step_end = time.perf_counter()
+        ended = time.perf_counter()
         stored = self._stored(step)
-        self._hooks.after_step(outcome, stored, self._last_step_end - step.started, step.started - step.data_started)
+        self._hooks.after_step(outcome, stored, ended - step.started, step.started - step.data_started)
         if self._ranked is not None:
             self._ranked.finished(outcome.step, outcome.loss, self._hooks)
         self.steps_taken = outcome.step + 1
+        self._last_step_end = time.perf_counter()  # after the recorder's own flush of the step
 
     def _stored(self, step: "_StepInProgress"):
         """What the run stores for the step: its record; in a DDP job, every rank's (rank 0 gathers them)."""

@@ -157,6 +157,13 @@ def _partial(target: Optional[str]) -> Optional[dict]:
 
 
 # ---- the recorder ---------------------------------------------------------------------------------------------
+
+def loop_data_started(last_step_end: Optional[float], called: float, opened: float) -> float:
+    """When the loop's data time for a step began: the recorder's last step end (the first step: when the recorder was
+    called), moved on by the recorder's own opening of the step (called..opened: snapshot, RNG, batch copy, a ranked
+    job's gather of every rank's batch), which is not the loop's time."""
+    return (last_step_end if last_step_end is not None else called) + (opened - called)
+
 class Recorder:
     """Records your loop: metrics to MLflow every step, snapshots (model, optimizer, scheduler, scaler, RNG) every
     `snapshot_every` steps with every batch in between. `step(batch)` runs your step function on the batch.
@@ -304,17 +311,14 @@ class Recorder:
             if self._ranked is not None:
                 self._ranked.opened(step, self.state)
                 stored = self._ranked.stored(step, record)
-            # data time is the loop's own time between its calls, not the recorder's opening (snapshot, RNG, a ranked
-            # job's gather of every rank's batch): that work is moved out of it
-            opening = time.perf_counter() - called
-            data_started = (self._last_step_end if self._last_step_end is not None else called) + opening
+            data_started = loop_data_started(self._last_step_end, called, time.perf_counter())
             with self._noting_precision():
                 outcome, keep_going = loop.take_step(self.state, step, record, self._hooks, self._buffers, rng_at_start,
                                                      data_started, stored=stored)
             if self._ranked is not None:
                 self._ranked.finished(step, outcome.loss, self._hooks)
-            self._last_step_end = time.perf_counter()
             self._stepped(outcome)
+            self._last_step_end = time.perf_counter()  # after the recorder's own flush of the step
         except BaseException as error:
             failure = self._fail(error)
             if failure is not None:  # a full disk met outside the snapshot writer: its one line, as replay train says it
