@@ -39,32 +39,32 @@ def _answer(workspace: Workspace, verb: str, run_id: str, **options) -> dict:
         return as_printed(getattr(rb, verb)(run_id, tracking_uri=workspace.tracking_uri, publish=False, **options))
 
 
-def _torchrun(workspace: Workspace, *args: str, expect_failure: bool) -> tuple[str, subprocess.CompletedProcess]:
-    done = subprocess.run([*TORCHRUN, "ddp_loop.py", *args], cwd=workspace.path, env=workspace.env(), capture_output=True,
-                          text=True, timeout=300)
-    assert (done.returncode != 0) == expect_failure, f"exit {done.returncode}\n{done.stdout}\n{done.stderr[-3000:]}"
-    return re.search(r"recording run ([0-9a-f]{32})", done.stderr).group(1), done
-
-
-STOPPING = ("diverge", "fp16", "mean-loss", "none")
+STOPPING = ("diverge", "fp16", "mean-loss", "none")  # 20 steps, a NaN row on rank 1 at step 12 (diverge: inf at 13)
+PLANTS = {"none": (None, None), "seed": ("replicas-drifted", 0), "hook": ("replicas-drifted", 1),
+          "loss-count": ("rank-loss-scale", 0)}
+HEALTHY = {plant: f"{plant}:steps=12:nan-step=-1" for plant in PLANTS}  # 12 steps, no NaN row: diagnose's asymmetries
+SHARDED = ("none:fsdp", "diverge:fsdp")  # fully_shard: a NaN row on rank 1 at step 12, then an lr that diverges
+AT_STEP_0 = "mean-loss:steps=3:nan-step=0"  # a NaN row at the first step: no snapshot before it
 
 
 @pytest.fixture(scope="module")
-def stopping_runs(shared) -> tuple[dict[str, str], subprocess.CompletedProcess]:
-    """One torchrun job recording a run per plant, each stopping at a non-finite step: an lr that diverges (inf at
-    step 13), then fp16 with a GradScaler, a step returning the ranks' mean loss and plain DDP, each with a NaN row in
-    rank 1's batch at step 12. The job ends with the last run's NonFiniteStep, as a user's script does; each run
-    before it says its stop in a line on stdout."""
-    done = subprocess.run([*TORCHRUN, "ddp_loop.py", "--steps", "20", "--nan-step", "12", "--plant", ",".join(STOPPING)],
-                          cwd=shared.path, env=shared.env(), capture_output=True, text=True, timeout=300)
+def job(shared) -> tuple[dict[str, str], subprocess.CompletedProcess]:
+    """One torchrun job recording every run of this module's plants, one after another (a job's process group and
+    imports are paid once): the healthy plants, the sharded runs, a NaN at step 0, then the runs that stop at a
+    non-finite step: an lr that diverges (inf at step 13), fp16 with a GradScaler, a step returning the ranks' mean
+    loss and plain DDP, each with a NaN row in rank 1's batch at step 12. The job ends with the last run's
+    NonFiniteStep, as a user's script does; each run before it says its stop in a line on stdout."""
+    specs = (*HEALTHY.values(), *SHARDED, AT_STEP_0, *STOPPING)
+    done = subprocess.run([*TORCHRUN, "ddp_loop.py", "--steps", "20", "--nan-step", "12", "--plant", ",".join(specs)],
+                          cwd=shared.path, env=shared.env(), capture_output=True, text=True, timeout=600)
     assert done.returncode != 0, f"exit {done.returncode}\n{done.stdout}\n{done.stderr[-3000:]}"
     run_ids = re.findall(r"recording run ([0-9a-f]{32})", done.stderr)
-    assert len(set(run_ids)) == len(STOPPING), done.stderr[-3000:]
-    return dict(zip(STOPPING, run_ids)), done
+    assert len(set(run_ids)) == len(specs), done.stderr[-3000:]
+    return dict(zip(specs, run_ids)), done
 
 
-def test_a_nan_row_on_rank_1_is_named_with_its_rank_and_row(shared, stopping_runs):
-    run_ids, done = stopping_runs
+def test_a_nan_row_on_rank_1_is_named_with_its_rank_and_row(shared, job):
+    run_ids, done = job
     run_id = run_ids["none"]
     # every rank stopped at the failing step before its update, each with one line (no rank hung in an all-reduce)
     assert done.stderr.count("replaybisect.NonFiniteStep: ") == 2 and "[rank1]: Traceback" not in done.stderr
@@ -95,12 +95,12 @@ def test_a_nan_row_on_rank_1_is_named_with_its_rank_and_row(shared, stopping_run
     assert "non-finite loss on rank 1 at step 12" in failure["summary"]
 
 
-def test_a_step_with_a_collective_of_its_own_replays_exact_over_the_real_collective(shared, stopping_runs):
+def test_a_step_with_a_collective_of_its_own_replays_exact_over_the_real_collective(shared, job):
     """The step returns the ranks' mean loss (its own all-reduce): one process does not reproduce the logged losses and
     says how to replay it; `--nproc 2` replays every rank in its own process over gloo, exact, and names rank 1's row."""
-    run_ids, done = stopping_runs
+    run_ids, done = job
     run_id = run_ids["mean-loss"]
-    assert "rank 1: loss is nan at step 12" in done.stdout
+    assert "rank 1 mean-loss: loss is nan at step 12" in done.stdout
     alone = _answer(shared, "find_nan", run_id)
     assert alone["reproduced"] == "diverged", alone["evidence"]
     assert any(f"replay nan --run-id {run_id} --nproc 2" in warning for warning in alone["warnings"]), alone["warnings"]
@@ -128,17 +128,16 @@ def test_a_step_with_a_collective_of_its_own_replays_exact_over_the_real_collect
         rb.find_nan(run_id, 5, tracking_uri=shared.tracking_uri, publish=False, nproc=2)  # refusal, raised by the launcher
 
     # at step 0 (no snapshot before it: the step is reproduced from the config, every rank building its DDP module)
-    run_id, _ = _torchrun(shared, "--steps", "3", "--nan-step", "0", "--plant", "mean-loss", expect_failure=True)
-    report = _answer(shared, "find_nan", run_id, nproc=2)
+    report = _answer(shared, "find_nan", run_ids[AT_STEP_0], nproc=2)
     assert (report["failing_step"], report["category"], report["replay"]["failure_starts_on_rank"]) == (0, "data", 1), report["evidence"]
     replay = report["replay"]  # rank 0's Python and NumPy streams are the script's own, not rebuilt: close, as on one process
     assert (replay["reproduced_from"], replay["same_outcome"], replay["as_logged"]) == ("config", True, True), report["evidence"]
 
 
-def test_a_diverging_lr_is_a_divergence_and_ablate_fixes_it_by_lr(shared, stopping_runs):
-    run_ids, done = stopping_runs
+def test_a_diverging_lr_is_a_divergence_and_ablate_fixes_it_by_lr(shared, job):
+    run_ids, done = job
     run_id = run_ids["diverge"]
-    assert "loss is inf at step 13" in done.stdout
+    assert "diverge: loss is inf at step 13" in done.stdout
     report = _answer(shared, "find_nan", run_id)
     assert report["reproduced"] == "exact" and report["category"] == "divergence"
     answer = _answer(shared, "ablate", run_id, arms=["lr"], workers=1)
@@ -176,10 +175,6 @@ def test_a_killed_rank_is_named_on_the_failed_run(shared):
     assert replayed.reproduced == "exact" and replayed.ranks_compared == 2 and sorted(replayed.losses) == [5, 6, 7]
 
 
-PLANTS = {"none": (None, None), "seed": ("replicas-drifted", 0), "hook": ("replicas-drifted", 1),
-          "loss-count": ("rank-loss-scale", 0)}
-
-
 def _findings_beside_timing(shared, run_id):
     """diagnose's findings less input-pipeline-bound, which a loaded machine may add to these runs: the toy model's
     step is quicker than the loop's own work between steps, so it says nothing about the ranks."""
@@ -187,14 +182,11 @@ def _findings_beside_timing(shared, run_id):
     return [finding for finding in findings if finding["pattern"] != "input-pipeline-bound"]
 
 
-def test_diagnose_names_each_planted_rank_asymmetry(shared):
+def test_diagnose_names_each_planted_rank_asymmetry(shared, job):
     """One job records a run per plant, one after another: each run's ranks find each other's keys, not the last run's."""
-    done = subprocess.run([*TORCHRUN, "ddp_loop.py", "--steps", "12", "--plant", ",".join(PLANTS)], cwd=shared.path,
-                          env=shared.env(), capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    run_ids = re.findall(r"recording run ([0-9a-f]{32})", done.stderr)
-    assert len(set(run_ids)) == len(PLANTS)
-    for run_id, (plant, (pattern, step)) in zip(run_ids, PLANTS.items()):
+    run_ids, _ = job
+    for plant, (pattern, step) in PLANTS.items():
+        run_id = run_ids[HEALTHY[plant]]
         assert len(shared.store().metric_history(run_id, "loss/rank1")) == 12, plant
         findings = _findings_beside_timing(shared, run_id)
         assert [(f["pattern"], f["step"]) for f in findings] == ([(pattern, step)] if pattern else []), plant
@@ -204,13 +196,13 @@ def test_diagnose_names_each_planted_rank_asymmetry(shared):
             assert findings[0]["evidence"]["rank"] == 1 and 0.4 < findings[0]["evidence"]["median_ratio"] < 0.6
 
 
-def test_fp16_with_a_grad_scaler_every_rank_stops_at_the_nan_row_and_it_replays(shared, stopping_runs):
+def test_fp16_with_a_grad_scaler_every_rank_stops_at_the_nan_row_and_it_replays(shared, job):
     """Rank 1's fp16 loss is NaN: its GradScaler would skip the update without calling the optimizer, so the ranks
     agree right after the backward (not at the optimizer step, which the scaler never reaches) and all stop there."""
-    run_ids, done = stopping_runs
+    run_ids, done = job
     run_id = run_ids["fp16"]
-    assert "rank 1: loss is nan at step 12" in done.stdout
-    assert "rank 0: the loss on another rank went non-finite at step 12" in done.stdout
+    assert "rank 1 fp16: loss is nan at step 12" in done.stdout
+    assert "rank 0 fp16: the loss on another rank went non-finite at step 12" in done.stdout
     assert "fp16 step 11 loss" in done.stdout and "fp16 step 12 loss" not in done.stdout
     report = _answer(shared, "find_nan", run_id)
     assert report["reproduced"] == "exact" and report["replay"]["ranks_compared"] == 2 and report["precision"] == "fp16"
@@ -316,30 +308,21 @@ def test_replay_train_under_torchrun_records_one_run_and_bad_nproc_is_one_line(s
     runs_before = len(shared.store().search_runs())
     done = shared.replay("train", "train.nproc=0")
     assert done.returncode == 2 and done.stderr.strip().splitlines()[-1].endswith("train.nproc=0 must be between 1 and 64")
-    done = subprocess.run([*TORCHRUN, replay, "train", "train.nproc=3"], cwd=shared.path, env=shared.env(),
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode != 0 and "train.nproc=3 but the launcher started 2 processes; leave train.nproc out" in done.stderr
+    # as one of the processes torchrun starts (its variables: the refusal comes before any process group)
+    done = shared.replay("train", "train.nproc=3", env=shared.env(RANK="0", WORLD_SIZE="2", LOCAL_RANK="0"))
+    assert done.returncode == 2 and done.stderr.strip().splitlines()[-1].endswith(
+        "train.nproc=3 but the launcher started 2 processes; leave train.nproc out under torchrun"), done.stderr[-3000:]
     assert len(shared.store().search_runs()) == runs_before
 
 
-@pytest.fixture(scope="module")
-def fsdp_runs(shared):
-    """One torchrun job sharding the model with fully_shard: a run with a NaN row on rank 1 at step 12, then a run whose
-    lr diverges (the job records the second after the first stopped)."""
-    done = subprocess.run([*TORCHRUN, "ddp_loop.py", "--fsdp", "--plant", "none,diverge", "--nan-step", "12", "--steps", "20"],
-                          cwd=shared.path, env=shared.env(), capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, f"exit {done.returncode}\n{done.stdout}\n{done.stderr[-3000:]}"
-    nan_row, diverged = re.findall(r"recording run ([0-9a-f]{32})", done.stderr)
-    return nan_row, diverged, done
-
-
-def test_fsdp_runs_replay_exact_on_one_process_name_the_rank_and_row_and_ablate_fixes_the_lr(shared, fsdp_runs):
+def test_fsdp_runs_replay_exact_on_one_process_name_the_rank_and_row_and_ablate_fixes_the_lr(shared, job):
     """Every rank gathers the shards at a periodic snapshot, rank 0 writes them whole; one process replays the ranks
     through a one-process group's fully_shard (the reduce-scatter stood in for), exact; no replica checksums (shards
     differ by design), so diagnose finds no drift; --nproc is refused for it."""
-    nan_row, diverged, done = fsdp_runs
-    assert "rank 0: the loss on another rank went non-finite at step 12" in done.stdout
-    assert "loss is inf at step 13" in done.stdout
+    run_ids, done = job
+    nan_row, diverged = (run_ids[spec] for spec in SHARDED)
+    assert "rank 0 none:fsdp: the loss on another rank went non-finite at step 12" in done.stdout
+    assert "diverge:fsdp: loss is inf at step 13" in done.stdout
     store = shared.store()
     config = (Path(store.local_artifact_dir(nan_row)) / "config.yaml").read_text()
     assert "world_size: 2" in config and "sharding: fsdp" in config

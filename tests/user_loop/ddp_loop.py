@@ -6,9 +6,10 @@ count), a step that returns the ranks' mean loss (--plant mean-loss: a collectiv
 autocast with a GradScaler (--plant fp16) and an lr that diverges (--plant diverge, or --loss mse --lr 3 --clip 0).
 --fsdp shards the model with FSDP2's fully_shard instead of wrapping it in DDP. Several plants record a run each, one
 after another: a run that stops at a non-finite step says so in a line and the next starts, except the job's last
-run, whose NonFiniteStep ends the job as it ends a user's script (under --fsdp every run's is a line).
+run, whose NonFiniteStep ends the job as it ends a user's script (a sharded run's is a line too). A plant may set its
+own run's steps, NaN step and sharding (PLANT:steps=N:nan-step=K:fsdp); its lines name it as written.
 
-Run: torchrun --nproc_per_node 2 ddp_loop.py --steps 20 [--nan-step 12] [--lr 0.05] [--plant NAME,...] [--fsdp]"""
+Run: torchrun --nproc_per_node 2 ddp_loop.py --steps 20 [--nan-step 12] [--lr 0.05] [--plant SPEC,...] [--fsdp]"""
 import argparse
 import os
 import time
@@ -81,20 +82,30 @@ def main():
     parser.add_argument("--fsdp", action="store_true")  # fully_shard instead of DDP
     args = parser.parse_args()
     dist.init_process_group("gloo")
-    plants = args.plant.split(",")
-    for position, plant in enumerate(plants):  # one run per plant, one after another in the same job
+    runs = [run_of(spec, args) for spec in args.plant.split(",")]
+    for position, run in enumerate(runs):  # one run per plant, one after another in the same job
         try:
-            record(args, plant)
+            record(args, run)
         except replaybisect.NonFiniteStep as stop:
-            if position == len(plants) - 1 and not args.fsdp:
+            if position == len(runs) - 1 and not run["fsdp"]:
                 raise
-            print(f"rank {dist.get_rank()}: {stop}", flush=True)
+            print(f"rank {dist.get_rank()} {run['label']}: {stop}", flush=True)
     dist.destroy_process_group()
 
 
-def record(args, plant: str):
-    rank = dist.get_rank()
-    config = {"lr": args.lr, "plant": plant, "clip": args.clip, "loss": args.loss, "fp16": plant == "fp16", "fsdp": args.fsdp}
+def run_of(spec: str, args) -> dict:
+    """One run of --plant: PLANT[:steps=N][:nan-step=K][:fsdp], the job's --steps, --nan-step and --fsdp otherwise."""
+    plant, *options = spec.split(":")
+    run = {"label": spec, "plant": plant, "steps": args.steps, "nan_step": args.nan_step, "fsdp": args.fsdp}
+    for option in options:
+        key, _, value = option.partition("=")
+        run[key.replace("-", "_")] = int(value) if value else True
+    return run
+
+
+def record(args, run: dict):
+    rank, plant = dist.get_rank(), run["plant"]
+    config = {"lr": args.lr, "plant": plant, "clip": args.clip, "loss": args.loss, "fp16": plant == "fp16", "fsdp": run["fsdp"]}
     if plant == "diverge":  # a regression at too high an lr, unclipped
         config.update(lr=3.0, loss="mse", clip=0.0)
     model, optimizer, _, scaler = build(config)
@@ -103,13 +114,13 @@ def record(args, plant: str):
     generator = torch.Generator().manual_seed(100 + rank)  # each rank its own shard of the data
     print(f"rank {rank} pid {os.getpid()}", flush=True)
     with rec:
-        for step in range(args.steps):
+        for step in range(run["steps"]):
             x = torch.randn(16, 8, generator=generator)
             y = (x[:, 0] > 0).long() + 2 * (x[:, 1] > 0).long()
-            if rank == 1 and step == args.nan_step and plant != "diverge":
+            if rank == 1 and step == run["nan_step"] and plant != "diverge":
                 x[5, 3] = float("nan")  # planted: one bad row on rank 1
             loss = rec.step((x, y))
-            print(f"rank {rank} {plant} step {step} loss {loss:.6f}", flush=True)  # user code prints to stdout
+            print(f"rank {rank} {run['label']} step {step} loss {loss:.6f}", flush=True)  # user code prints to stdout
             time.sleep(args.sleep)
     if rank == 0:
         print("run", rec.run_id)
