@@ -115,15 +115,23 @@ def test_low_precision_runs_replay_exactly(project, dtype):
     assert report.reproduced == "exact", report.headline
 
 
-def test_a_hand_written_softmax_is_found_at_its_op(project):
+@pytest.fixture(scope="module")
+def hand_softmax(project) -> str:
+    """A hand-written softmax whose exp() overflows at the first step, trained in bf16 with `with ctx:` entered
+    before the model's call."""
+    workspace, folder = project
+    done = _train(workspace, folder, *HAND_SOFTMAX, "--dtype=bfloat16", "--out_dir=out-hand")
+    assert "replaybisect.NonFiniteStep: loss is inf at step 0" in done.stderr, done.stderr[-2000:]
+    return _run_id(done)
+
+
+def test_a_hand_written_softmax_is_found_at_its_op(project, hand_softmax):
     import replaybisect as rb
 
     workspace, folder = project
-    done = _train(workspace, folder, *HAND_SOFTMAX, "--out_dir=out-hand")
-    assert "replaybisect.NonFiniteStep: loss is inf at step 0" in done.stderr, done.stderr[-2000:]
     with pytest.MonkeyPatch.context() as patch:
         patch.chdir(folder)
-        report = rb.find_nan(_run_id(done), tracking_uri=workspace.tracking_uri, publish=False)
+        report = rb.find_nan(hand_softmax, tracking_uri=workspace.tracking_uri, publish=False)
     assert report.category == "forward" and report.module == "(root) TinyLM", report.headline
     assert report.op == "torch.log" and "subtract the max before exp" in report.suggestion
 
@@ -149,14 +157,12 @@ def _status(workspace: Workspace, run_id: str) -> str:
     return workspace.store().client.get_run(run_id).info.status
 
 
-def test_low_precision_is_noted_when_autocast_is_entered_before_the_models_call(project):
+def test_low_precision_is_noted_when_autocast_is_entered_before_the_models_call(project, hand_softmax):
     """The loop enters `with ctx:` before calling the model: the run's precision is still bf16, at its first step."""
     from replaybisect.restore import run_config
 
-    workspace, folder = project
-    done = _train(workspace, folder, *HAND_SOFTMAX, "--dtype=bfloat16", "--out_dir=out-hand-bf16")
-    assert "replaybisect.NonFiniteStep" in done.stderr, done.stderr[-2000:]
-    assert run_config(workspace.store(), _run_id(done)).train.precision == "bf16"
+    workspace, _ = project
+    assert run_config(workspace.store(), hand_softmax).train.precision == "bf16"
 
 
 def test_a_script_that_crashes_fails_its_run_and_one_without_close_finishes_it(project):
@@ -207,10 +213,14 @@ def test_a_loop_that_stops_itself_on_a_nan_loss_is_told_to_skip_that_check_in_a_
     workspace, folder = project
     done = _train(workspace, folder, *DIVERGING, "--stop_on_nan=1", "--out_dir=out-stop")
     assert "replaybisect.NonFiniteStep: loss is nan at step 9" in done.stderr, done.stderr[-2000:]
-    result = Workspace(folder).replay("nan", "--run-id", _run_id(done), env=workspace.env())
-    lines = [line for line in result.stderr.splitlines() if line.startswith("replay: error")]
-    assert result.returncode == 2 and len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
-    assert "right after a step the replay halted" in lines[0] and "replaybisect.replaying()" in lines[0]
+    import replaybisect as rb
+    from replaybisect.errors import ReplayError
+
+    with pytest.MonkeyPatch.context() as patch, pytest.raises(ReplayError) as refused:
+        patch.chdir(folder)
+        rb.find_nan(_run_id(done), tracking_uri=workspace.tracking_uri, publish=False)
+    line = str(refused.value)  # what `replay nan` prints as its one line
+    assert refused.value.exit_code == 2 and "\n" not in line and "right after a step the replay halted" in line and "replaybisect.replaying()" in line
 
 
 # ---- word_language_model's main.py as written ----------------------------------------------------------------------
