@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import EXAMPLES, FAST, Workspace
+from conftest import EXAMPLES, FAST, Workspace, as_printed, in_folder
 
 HERE = Path(__file__).resolve().parent
 
@@ -118,9 +118,15 @@ def test_state_carried_between_steps_is_replayed_and_recomputed_by_each_arm(shar
     assert arm["verdict"] == "fixes", ablation["arms"]
 
 
-def test_own_loop_planted_nan_is_found_by_replay_nan(shared):
+@pytest.fixture(scope="module")
+def planted(shared) -> tuple[Path, str, subprocess.CompletedProcess]:
+    """`python tiny_loop.py` with a NaN planted at its 27th call (step 13): the folder, the run id, the process."""
     folder = _project(shared, HERE / "user_loop")
-    run_id, done = _record(shared, folder, "tiny_loop.py", "fp32", "30", "27", expect_failure=True)  # call 27: step 13
+    return folder, *_record(shared, folder, "tiny_loop.py", "fp32", "30", "27", expect_failure=True)
+
+
+def test_own_loop_planted_nan_is_found_by_replay_nan(shared, planted):
+    _, run_id, done = planted
     assert "NonFiniteStep" in done.stderr and f"replay nan --run-id {run_id}" in done.stderr
     store = shared.store()
     assert store.tags(run_id)["first_nonfinite_step"] == "13"
@@ -135,13 +141,12 @@ def test_own_loop_planted_nan_is_found_by_replay_nan(shared):
     assert not [line for line in report["warnings"] if "changed since" in line]
 
 
-def test_a_script_changed_since_the_run_is_said(shared, monkeypatch):
+def test_a_script_changed_since_the_run_is_said(shared, planted, monkeypatch):
     """The run records the sha256 of the module defining its step and build (here the script itself); a replay after
     an edit says so (it runs today's code: a replay that no longer reproduces may be why)."""
     import replaybisect as rb
 
-    folder = _project(shared, HERE / "user_loop")
-    run_id, _ = _record(shared, folder, "tiny_loop.py", "fp32", "16", "21", expect_failure=True)
+    folder, run_id, _ = planted
     script = folder / "tiny_loop.py"
     original = script.read_text()
     try:
@@ -158,9 +163,10 @@ def test_a_script_changed_since_the_run_is_said(shared, monkeypatch):
 def test_hand_written_gpt_loop_nan_and_ablate(shared):
     """The example: a ~40-line GPT loop (causal mask, 4 micro-batches, configure_optimizers, bf16 autocast) in a
     Hydra app, recorded with a handful of added lines. Its planted overflow (a hand-written softmax at 10x the
-    learning rate) is found exactly, and ablation says the learning rate fixes it. (`replay nan` runs as a user
-    runs it; the ablation through the engine `replay ablate` calls, trusting the folder as the command does from
-    it: the command runs end to end in test_ablate*.py, and on a user's own module in test_trust.py.)"""
+    learning rate) is found exactly, and ablation says the learning rate fixes it. (`replay nan` through the API from
+    the project's folder, as the command runs there, and the ablation through the engine `replay ablate` calls,
+    trusting the folder as the command does from it: the commands run end to end in the test above, test_ablate*.py,
+    and on a user's own module in test_trust.py.)"""
     from replaybisect.core.trust import Trust
     from replaybisect.verbs.ablate.engine import ablate
 
@@ -169,7 +175,10 @@ def test_hand_written_gpt_loop_nan_and_ablate(shared):
     assert 0 < len(added) <= 10
     run_id, _ = _record(shared, folder, "gpt_loop.py", "hydra.run.dir=outputs", expect_failure=True)
 
-    nan = _replay_in(shared, folder, "nan", "--run-id", run_id, "--json")
+    import replaybisect as rb
+
+    with in_folder(folder):  # `replay nan --json` from the project's folder, computed here (the CLI: the test above)
+        nan = as_printed(rb.find_nan(run_id, tracking_uri=shared.tracking_uri, publish=False))
     assert nan["reproduced"] == "exact"
     assert nan["category"] == "forward"
     assert nan["module"].endswith(".attn") and nan["op"] == "torch.exp"
