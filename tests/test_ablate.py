@@ -30,12 +30,13 @@ def ablate(ws: Workspace, run_id: str, arms: str, *extra: str) -> dict:
     return result.json()
 
 
-def ablate_here(ws: Workspace, run_id: str, arms: str, horizon: int, from_step: int | None = None) -> dict:
-    """`replay ablate ARMS --run-id RUN_ID --horizon H --workers 1 --json` computed in this process (`rb.ablate`: the
-    command's request, engine and report; a `replay` start-up costs seconds). The arms run here one after another."""
+def ablate_here(ws: Workspace, run_id: str, arms: str, horizon: int, from_step: int | None = None, workers: int = 1) -> dict:
+    """`replay ablate ARMS --run-id RUN_ID --horizon H --workers W --json` computed in this process (`rb.ablate`: the
+    command's request, engine and report; a `replay` start-up costs seconds). With one worker the arms run here one
+    after another; with more, in processes forked from this process's preloaded server."""
     import replaybisect as rb
 
-    return as_printed(rb.ablate(run_id, arms.split(","), from_step=from_step, horizon=horizon, workers=1,
+    return as_printed(rb.ablate(run_id, arms.split(","), from_step=from_step, horizon=horizon, workers=workers,
                                 tracking_uri=ws.tracking_uri))
 
 
@@ -97,8 +98,8 @@ def test_nan_row_is_fixed_by_skip_batch_alone_same_verdicts_on_every_executor(ba
     assert fixes(one) == {"skip-batch"}, one["arms"]
     asked = [arm for arm in one["arms"] if not arm.get("suggested")]
     assert {arm["name"] for arm in asked if arm["verdict"] == "no-effect"} == {"lr", "clip", "eps", "warmup"}
-    # the same arms on two local processes, and on submitit's local executor (the SLURM code path)
-    two = ablate(ws, run.run_id, "lr,skip-batch", "--horizon", "15", "--workers", "2")
+    # the same arms on two local processes, and on submitit's local executor (the SLURM code path, from the CLI)
+    two = ablate_here(ws, run.run_id, "lr,skip-batch", 15, workers=2)
     submitit = ablate(ws, run.run_id, "lr,skip-batch", "--horizon", "15", "--workers", "2", "--executor", "submitit",
                       "--cluster", "local", "--executor-folder", str(ws.path / "submitit"))
     assert submitit["executor"] == "submitit"
