@@ -101,11 +101,19 @@ def test_bad_that_passes_is_reported_with_the_measured_numbers(clear):
     assert repo_fingerprint(repo.path) == before and _worktrees_left(workspace) == []
 
 
-def test_good_that_fails_is_reported(clear):
+def test_good_that_fails_is_reported(clear, monkeypatch):
+    """Through the API (`replay bisect` prints the same error as its one line, exit 2: the test above)."""
+    import replaybisect as rb
+    from replaybisect.errors import ReplayError
+
     workspace, repo, shas, before, report = clear
+    monkeypatch.chdir(workspace.path)
+    monkeypatch.setenv("REPLAYBISECT_CACHE", workspace.env()["REPLAYBISECT_CACHE"])
     # a Hydra override for every trial: a learning rate at which even GOOD overflows
-    result = workspace.replay("bisect", "--repo", str(repo.path), shas[0], shas[-1], "--workers", "2", "optim.lr=1e6")
-    line = _error_line(result)
+    with pytest.raises(ReplayError) as failed:
+        rb.bisect(shas[0], shas[-1], repo=repo.path, overrides=["optim.lr=1e6"], workers=2, tracking_uri=workspace.tracking_uri)
+    line = str(failed.value)
+    assert failed.value.exit_code == 2 and "\n" not in line
     assert f"GOOD {shas[0][:10]} fails: non-finite at seed 0 (step" in line
     assert repo_fingerprint(repo.path) == before and _worktrees_left(workspace) == []
 
