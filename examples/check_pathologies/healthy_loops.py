@@ -7,6 +7,8 @@ recipe, small enough for a test):
     python healthy_loops.py mnist 60     # PyTorch's MNIST example: a CNN with a wide first dense layer, Adadelta lr 1,
                                          # StepLR(gamma 0.7), on the digits upsampled to 16x16
 
+    python healthy_loops.py lm,cosine,mnist 60   # each in turn, a run each
+
 Then: replay check --run-id <run id printed last>
 """
 
@@ -176,4 +178,5 @@ def main(kind: str, steps: int) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]))
+    for kind in sys.argv[1].split(","):
+        main(kind, int(sys.argv[2]))
