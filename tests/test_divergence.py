@@ -140,3 +140,21 @@ def test_a_self_scaling_buffer_is_not_a_divergence():
     assert decide([], grad_norms, {}, {}, None, None).divergence
     flat = [(s, 2.0 + 0.1 * (s % 3)) for s in range(30)]
     assert not decide([], flat, {}, {}, None, None).divergence
+
+
+def test_the_grad_norm_trend_is_scipys_linregress_bit_for_bit():
+    """history_fit's line (slope, r, p) is linregress's, computed without importing scipy.stats (half a second)."""
+    import random
+
+    from scipy import stats
+
+    from replaybisect.verbs.nan.engine import linear_fit
+
+    rng = random.Random(0)
+    for _ in range(300):
+        steps = sorted(rng.sample(range(500), rng.randint(3, 50)))
+        rate, noise = rng.choice([0.0, 1e-3, 0.05, 2.0]), rng.choice([1e-6, 0.01, 1.0, 10.0])
+        logs = [rate * step + rng.gauss(0, noise) for step in steps]
+        fit = stats.linregress(steps, logs)
+        assert linear_fit(steps, logs) == (fit.slope, fit.rvalue, fit.pvalue)
+    assert linear_fit([0, 1, 2, 3], [0.0, 1.0, 2.0, 3.0]) == (1.0, 1.0, stats.linregress([0, 1, 2, 3], [0, 1, 2, 3]).pvalue)
