@@ -20,6 +20,8 @@ from torch.utils.data import Dataset
 from replaybisect.core import loop
 from replaybisect.core.rng import capture_raw
 
+from conftest import as_printed, in_folder
+
 # The project's dataset: jitter from torch, numpy and python in __getitem__, and a NaN when a draw is tiny.
 PROJECT_CODE = '''
 import random
@@ -157,8 +159,8 @@ def test_workers_run_replays_exactly_from_batches_built_without_workers(workspac
     from replaybisect.restore import logged_losses, replay, restore
 
     # batches are not kept: the replay rebuilds every batch in-process (0 workers), with dropout drawing meanwhile
-    result = workspace.train("train.num_workers=2", "snapshot.keep_batches=false", extra=("--config-dir", str(project)))
-    assert result["status"] == "ok" and result["snapshot_steps"] == [0, 10, 20]
+    result = workspace.train_here("train.num_workers=2", "snapshot.keep_batches=false", config_dir=project)
+    assert result["snapshot_steps"] == [0, 10, 20]
     store = workspace.store()
     logged = logged_losses(store, result["run_id"])
     restored = restore(store, result["run_id"], 0)
@@ -185,9 +187,10 @@ def test_nan_from_the_augmentation_under_workers_is_reproduced_exactly(workspace
     run = workspace.replay("train", "--json", "--config-dir", str(project), *args)
     assert run.returncode == 3, run.stderr
     assert run.json()["first_nonfinite_step"] == failing
-    report = workspace.replay("nan", "--run-id", run.json()["run_id"], "--json")
-    assert report.returncode == 0, report.stderr
-    found = report.json()
+    import replaybisect as rb  # `replay nan --json`, computed here (the training above is the command)
+
+    with in_folder(workspace.path):
+        found = as_printed(rb.find_nan(run.json()["run_id"], tracking_uri=workspace.tracking_uri, publish=False))
     assert found["failing_step"] == failing and found["reproduced"] == "exact", found
     assert found["category"] == "data", found
 
