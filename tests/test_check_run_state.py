@@ -94,7 +94,7 @@ def test_a_diverged_run_is_checked_at_its_last_snapshot_before_the_growth(ws, di
 
 def test_step_picks_a_snapshot_and_a_nonfinite_gradient_is_no_missing_one(ws, diverged):
     failing = int(ws.store().tags(diverged)["first_nonfinite_step"])
-    report, shown = checked(ws, diverged, "--step", str(failing), "--only", "grad")
+    report, shown = checked_here(ws, diverged, step=failing, only="grad")  # the table from the CLI: the test above
     assert report["snapshot_step"] == failing and report["snapshot_reason"] == f"the snapshot at --step {failing}"
     checks = by_name(report)
     assert checks["grad.nonfinite"]["status"] == "fail" and "non-finite" in checks["grad.nonfinite"]["detail"]
