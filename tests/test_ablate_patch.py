@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 import conftest
-from conftest import EXAMPLES, Workspace, assert_one_line_error
+from conftest import EXAMPLES, Workspace, as_printed, assert_one_line_error, in_folder
 
 PLANT = EXAMPLES / "nan_forward" / "planted_forward.py"
 OVERFLOWING = "weights = torch.exp(x / self.temperature)  # the bug: no x.max() subtracted first"
@@ -47,16 +47,19 @@ def write(ws: Workspace, name: str, text: str) -> Path:
     return path
 
 
-def ablate_json(ws: Workspace, run_id: str, *args: str) -> dict:
-    result = ws.replay("ablate", *args, "--run-id", run_id, "--horizon", "5", "--workers", "1", "--json")
-    assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout}\n{result.stderr}"
-    return result.json()
+def ablate_json(ws: Workspace, run_id: str, patch: Path) -> dict:
+    """`replay ablate --patch PATCH --run-id RUN_ID --horizon 5 --workers 1 --json` computed in this process (the
+    command's request, engine and report; its one-line refusals below run the installed command)."""
+    import replaybisect as rb
+
+    with in_folder(ws.path):
+        return as_printed(rb.ablate(run_id, patch=patch, horizon=5, workers=1, tracking_uri=ws.tracking_uri))
 
 
 def test_a_patch_that_subtracts_the_max_fixes_the_overflow(failed):
     ws, run = failed
     patch = SOFTMAX_FIX
-    data = ablate_json(ws, run.run_id, "--patch", str(patch))
+    data = ablate_json(ws, run.run_id, patch)
     assert data["baseline"]["verdict"] == "fails-again" and data["baseline"]["reproduced"] == "exact"
     [arm] = data["arms"]
     assert arm["name"] == "patch" and arm["verdict"] == "fixes", arm
@@ -70,7 +73,7 @@ def test_a_patch_that_subtracts_the_max_fixes_the_overflow(failed):
 
 def test_an_unrelated_change_does_not_fix_it(failed):
     ws, run = failed
-    data = ablate_json(ws, run.run_id, "--patch", str(write(ws, "unrelated/clamp_input.py", UNRELATED)))
+    data = ablate_json(ws, run.run_id, write(ws, "unrelated/clamp_input.py", UNRELATED))
     [arm] = data["arms"]
     assert arm["verdict"] == "no-effect" and arm["first_nonfinite_step"] == 3, arm
     assert data["conclusion"].startswith("your patch does not fix it: no-effect (non-finite")

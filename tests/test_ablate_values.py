@@ -1,7 +1,6 @@
 """`replay ablate` arms with values, the suggested clip threshold proven by an arm that ran, `--sweep lr|clip`, and
 run names that carry the answer in MLflow's default runs view. One recorded LR explosion (a warmup to an lr too
-high, examples/ablate_lr_explosion) is shared by the module; the arms replay short horizons in this process's
-`replay` (--workers 1)."""
+high, examples/ablate_lr_explosion) is shared by the module; the arms replay short horizons one after another (--workers 1)."""
 
 from __future__ import annotations
 
@@ -10,7 +9,7 @@ import math
 import pytest
 
 import conftest
-from conftest import Workspace, assert_one_line_error
+from conftest import Workspace, as_printed, assert_one_line_error, in_folder
 
 HORIZON = "8"
 
@@ -23,10 +22,14 @@ def exploded(tmp_path_factory):
     return ws, run
 
 
-def ablate_json(ws: Workspace, *args: str) -> dict:
-    result = ws.replay("ablate", *args, "--json")
-    assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout}\n{result.stderr}"
-    return result.json()
+def ablate_json(ws: Workspace, run_id: str, arms: str | None = None, sweep: str | None = None) -> dict:
+    """`replay ablate ARMS|--sweep S --run-id RUN_ID --horizon HORIZON --workers 1 --json` computed in this process
+    (the command's request, engine and report; the clip sweep's printed answer and the refusals run the command)."""
+    import replaybisect as rb
+
+    with in_folder(ws.path):
+        return as_printed(rb.ablate(run_id, arms.split(",") if arms else None, sweep=sweep, horizon=int(HORIZON), workers=1,
+                                    tracking_uri=ws.tracking_uri))
 
 
 def by_name(data: dict) -> dict[str, dict]:
@@ -35,7 +38,7 @@ def by_name(data: dict) -> dict[str, dict]:
 
 def test_arms_run_at_their_values_and_the_suggested_clip_is_an_arm_that_ran(exploded):
     ws, run = exploded
-    data = ablate_json(ws, "lr=x0.3,lr,clip,precision=fp32", "--run-id", run.run_id, "--horizon", HORIZON, "--workers", "1")
+    data = ablate_json(ws, run.run_id, "lr=x0.3,lr,clip,precision=fp32")
     assert data["baseline"]["verdict"] == "fails-again" and data["baseline"]["reproduced"] == "exact"
     arms = by_name(data)
     assert arms["lr=x0.3"]["change"] == "optim.lr 0.6 -> 0.18" and arms["lr=x0.3"]["value"] == 0.3
@@ -67,7 +70,7 @@ def test_arms_run_at_their_values_and_the_suggested_clip_is_an_arm_that_ran(expl
 
 def test_sweep_lr_finds_the_largest_factor_that_fixes_it_with_the_arms_that_prove_it(exploded):
     ws, run = exploded
-    data = ablate_json(ws, "--sweep", "lr", "--run-id", run.run_id, "--horizon", HORIZON, "--workers", "1")
+    data = ablate_json(ws, run.run_id, sweep="lr")
     sweep = data["sweep"]
     arms = by_name(data)
     stable, failing = sweep["stable_max"], sweep["fails_min"]
