@@ -18,6 +18,8 @@ import pytest
 
 pytest.importorskip("lightning")
 
+from conftest import Workspace  # noqa: E402
+
 HERE = Path(__file__).resolve().parent
 MODEL = HERE / "lightning_model"
 
@@ -30,16 +32,25 @@ def _trusting(folder: Path):
     return Trust.from_user([folder])
 
 
-def _record(workspace, *args: str, expect_failure: bool = False) -> tuple[Path, str, subprocess.CompletedProcess]:
-    """Copy the model's folder into the workspace and train it there with the callback (python lit_model.py ARGS)."""
+FITS = {"overflow": ("32-true", "0.12", "60"),  # last: its NonFiniteStep ends the process, as a user's script
+        "bf16": ("bf16-mixed", "0.05", "12", "0.5", "3"), "skip": ("bf16-mixed", "0.05", "12", "none", "2", "skip")}
+
+
+@pytest.fixture(scope="module")
+def recorded(tmp_path_factory) -> tuple[Workspace, Path, dict[str, str], subprocess.CompletedProcess]:
+    """The model's folder copied into a workspace and trained there with the callback, each of FITS a run, one after
+    another in one process (python lit_model.py ARGS + ARGS + ARGS): the workspace, the folder, the run ids, the process."""
+    workspace = Workspace(tmp_path_factory.mktemp("lightning"))
     folder = workspace.path / MODEL.name
-    if not folder.exists():
-        shutil.copytree(MODEL, folder)
+    shutil.copytree(MODEL, folder)
+    order = ("bf16", "skip", "overflow")
+    args = [word for name in order for word in ("+", *FITS[name])][1:]
     done = subprocess.run([sys.executable, "lit_model.py", *args], cwd=folder, env=workspace.env(), capture_output=True,
                           text=True, timeout=300)
-    assert (done.returncode != 0) == expect_failure, f"exit {done.returncode}\n{done.stdout}\n{done.stderr}"
-    run_id = re.search(r"recording run ([0-9a-f]{32})", done.stderr).group(1)
-    return folder, run_id, done
+    assert done.returncode != 0, f"exit {done.returncode}\n{done.stdout}\n{done.stderr}"
+    run_ids = re.findall(r"recording run ([0-9a-f]{32})", done.stderr)
+    assert len(set(run_ids)) == len(order), done.stderr[-3000:]
+    return workspace, folder, dict(zip(order, run_ids)), done
 
 
 def _replay_in(workspace, folder: Path, *args: str) -> dict:
@@ -62,12 +73,13 @@ def _assert_replays_exactly(store, run_id: str, from_steps) -> dict[int, float]:
     return logged
 
 
-def test_lightning_planted_overflow_nan_and_ablate(workspace):
+def test_lightning_planted_overflow_nan_and_ablate(recorded):
     """SGD at too high a learning rate diverges until ExpHead's exp overflows (step 23). The recorded fp32 run
     replays exactly up to it, `replay nan` names torch.exp in `head`, and ablation says the learning rate fixes it."""
     from replaybisect.verbs.ablate.engine import ablate
 
-    folder, run_id, done = _record(workspace, "32-true", "0.12", "60", expect_failure=True)
+    workspace, folder, run_ids, done = recorded
+    run_id = run_ids["overflow"]
     assert "NonFiniteStep" in done.stderr and f"replay nan --run-id {run_id}" in done.stderr
     store = workspace.store()
     tags = store.tags(run_id)
@@ -90,13 +102,14 @@ def test_lightning_planted_overflow_nan_and_ablate(workspace):
     assert {arm["name"]: arm["verdict"] for arm in ablation["arms"]} == {"lr": "fixes"}
 
 
-def test_lightning_bf16_clipping_accumulation_replays_exactly(workspace):
+def test_lightning_bf16_clipping_accumulation_replays_exactly(recorded):
     """bf16-mixed autocast, gradient_clip_val, accumulate_grad_batches=3 (an epoch of 16 batches ends in a group of
     one), dropout, a per-step scheduler, a shuffling DataLoader whose items draw noise from the global RNG."""
     from replaybisect.restore import run_config
     from replaybisect.verbs.check.engine import CheckOptions, check as run_checks
 
-    folder, run_id, _ = _record(workspace, "bf16-mixed", "0.05", "12", "0.5", "3")
+    workspace, folder, run_ids, _ = recorded
+    run_id = run_ids["bf16"]
     store = workspace.store()
     cfg = run_config(store, run_id)
     assert cfg.train.precision == "bf16" and cfg.user.trainer.gradient_clip_val == 0.5
@@ -110,7 +123,7 @@ def test_lightning_bf16_clipping_accumulation_replays_exactly(workspace):
     assert statuses["data.finite"]["status"] == "pass" and statuses["data.input_scale"]["status"] == "pass", statuses
 
 
-def test_batches_skipped_by_training_step_returning_none_replay_exactly(workspace):
+def test_batches_skipped_by_training_step_returning_none_replay_exactly(recorded):
     """training_step returns None for some batches (Lightning skips their backward): with 2 accumulated batches one
     step is half skipped and one wholly (no loss logged, not a failure)."""
     import torch
@@ -118,7 +131,8 @@ def test_batches_skipped_by_training_step_returning_none_replay_exactly(workspac
     from replaybisect.core.state import live_tensors
     from replaybisect.restore import replay, restore
 
-    _, run_id, _ = _record(workspace, "bf16-mixed", "0.05", "12", "none", "2", "skip")  # fp32 takes the same path
+    workspace, _, run_ids, _ = recorded
+    run_id = run_ids["skip"]  # bf16: fp32 takes the same path
     store = workspace.store()
     assert store.get_run(run_id).info.status == "FINISHED"
     logged = _assert_replays_exactly(store, run_id, (0,))

@@ -1,7 +1,7 @@
 """A LightningModule for the callback's tests: a small regressor whose prediction goes through exp (ExpHead), with
 dropout, a per-step StepLR, and a shuffling DataLoader. Too high a learning rate makes SGD diverge until the exp
 overflows: the planted NaN. Run: python lit_model.py PRECISION LR STEPS [CLIP [ACCUMULATE [skip]]] (skip: training_step
-returns None for some batches, as Lightning allows)"""
+returns None for some batches, as Lightning allows); several fits, a run each, one after another: ARGS + ARGS ..."""
 import sys
 
 import lightning as L
@@ -66,5 +66,7 @@ def main(precision: str, lr: float, steps: int, clip: float | None = None, accum
 
 
 if __name__ == "__main__":
-    precision, lr, steps, clip, accumulate, skip = sys.argv[1:] + ["none", "1", ""][len(sys.argv) - 4:]
-    main(precision, float(lr), int(steps), None if clip == "none" else float(clip), int(accumulate), skip == "skip")
+    for fit in " ".join(sys.argv[1:]).split(" + "):
+        args = fit.split()
+        precision, lr, steps, clip, accumulate, skip = args + ["none", "1", ""][len(args) - 3:]
+        main(precision, float(lr), int(steps), None if clip == "none" else float(clip), int(accumulate), skip == "skip")
