@@ -154,7 +154,7 @@ def test_healthy_report_and_artifacts_on_the_run(planted):
     png = store.local_artifact_dir(report_run_id) / "diagnosis_loss.png"
     assert workspace.path in png.parents
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    again = workspace.replay("diagnose", "--run-id", run_id, "--json").json()
+    again = json.loads(_diagnose_here(workspace, run_id))
     assert again["report_run_id"] != report_run_id and store.list_artifacts(report_run_id)  # nothing overwritten
 
 
@@ -198,9 +198,7 @@ def test_update_ratio_too_large_synthetic(workspace):
             points.append(("update_ratio", 40.0 + (step % 7), step))
     store.log_metrics(run_id, points)
     store.finish_run(run_id, "ok")
-    result = workspace.replay("diagnose", "--run-id", run_id, "--json")
-    assert result.returncode == 0, result.stderr
-    data = result.json()
+    data = json.loads(_diagnose_here(workspace, run_id))
     assert [f["pattern"] for f in data["findings"]] == ["update-ratio"]
     finding = data["findings"][0]
     assert finding["evidence"]["update_ratio_median"] > 10
