@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import shutil
 import subprocess
 import sys
@@ -138,7 +139,9 @@ def healthy(ws) -> dict[str, str]:
     done = subprocess.run([sys.executable, "healthy_loops.py", ",".join(kinds), "60"], cwd=folder, env=ws.env(),
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
-    return dict(zip(kinds, done.stdout.split()[-len(kinds):]))
+    run_ids = re.findall(r"^([0-9a-f]{32})$", done.stdout, re.MULTILINE)  # each loop prints its run id
+    assert len(run_ids) == len(kinds), done.stdout[-2000:]
+    return dict(zip(kinds, run_ids))
 
 
 def assert_nothing_flagged(report: dict, shown: str) -> None:

@@ -333,3 +333,40 @@ def test_a_loop_updating_by_hand_replays_a_nan_gradient_and_is_told_it_cannot_ac
     assert lines[-2].startswith("replaybisect: your loop backpropagated again before it updated the parameters")
     assert lines[-1].endswith("ended as crashed (FAILED); what it recorded is kept")
     assert _status(workspace, _run_id(refused)) == "FAILED"
+
+
+def test_a_loops_data_time_is_its_own_time_from_an_update_to_its_next_training_call(tmp_path):
+    """The loop's time between an update and its next training call (a slow data pipeline, planted as a sleep) is
+    the next step's data time, and no step's time; the recorder's own work at a step's start and end is in neither.
+    With a GradScaler the update ends when its `step` returns. (One script, a run each way.)"""
+    workspace = Workspace(tmp_path)
+    (tmp_path / "slow_data.py").write_text(
+        "import time, torch, replaybisect\n"
+        "for scaled in (False, True):\n"
+        "    torch.manual_seed(0)\n"
+        "    model = torch.nn.Linear(4, 1)\n"
+        "    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)\n"
+        "    scaler = torch.amp.GradScaler('cpu') if scaled else None\n"
+        "    rec = replaybisect.Recorder(model, optimizer, scaler=scaler, snapshot_every=2)\n"
+        "    for _ in range(4):\n"
+        "        time.sleep(0.2)  # the loop fetching its next batch\n"
+        "        optimizer.zero_grad()\n"
+        "        loss = model(torch.randn(8, 4)).pow(2).mean()\n"
+        "        if scaler:\n"
+        "            scaler.scale(loss).backward()\n"
+        "            scaler.step(optimizer)\n"
+        "            scaler.update()\n"
+        "        else:\n"
+        "            loss.backward()\n"
+        "            optimizer.step()\n"
+        "    rec.close()\n")
+    done = _train(workspace, tmp_path, script="slow_data.py")
+    assert done.returncode == 0, done.stderr[-2000:]
+    store = workspace.store()
+    run_ids = re.findall(r"recording run ([0-9a-f]{32})", done.stderr)
+    assert len(run_ids) == 2, done.stderr[-2000:]
+    for run_id in run_ids:
+        data_time, step_time = (dict(store.metric_history(run_id, name)) for name in ("data_time", "step_time"))
+        assert sorted(data_time) == sorted(step_time) == [0, 1, 2, 3]
+        assert all(0.2 <= data_time[step] < 0.7 for step in (1, 2, 3)), data_time
+        assert all(step_time[step] < 0.2 for step in (1, 2, 3)), step_time

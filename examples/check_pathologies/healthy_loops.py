@@ -9,7 +9,7 @@ recipe, small enough for a test):
 
     python healthy_loops.py lm,cosine,mnist 60   # each in turn, a run each
 
-Then: replay check --run-id <run id printed last>
+Then: replay check --run-id <the run id a loop printed (one line each)>
 """
 
 from __future__ import annotations

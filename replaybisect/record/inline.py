@@ -40,16 +40,17 @@ class _OpenStep:
     outcome: StepOutcome
     watch: StepWatch
     hooks_on: contextlib.ExitStack
-    opened: float
+    opened: float  # when the recorder's opening of the step was over: the step's time starts here
     data_time: float
     reached_update: bool = False
+    update_ended: Optional[float] = None  # when its optimizer (or GradScaler) step returned
 
 
 class InlineRecording:
     """The steps of `recorder`'s loop, found by watching its model and optimizer (see the module's text)."""
 
     def __init__(self, recorder):
-        from torch.optim.optimizer import register_optimizer_step_pre_hook
+        from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
         if needs_closure(recorder.state.optimizer):
             raise ConfigError(f"{type(recorder.state.optimizer).__name__} re-evaluates the loss inside step(closure): "
@@ -61,21 +62,23 @@ class InlineRecording:
         self._last_outputs: list[torch.Tensor] = []  # the last training call's, which the next one may carry on from
         self._warned_opaque = False
         self._manual = isinstance(self.state.optimizer, user_step.ManualUpdate)
-        self._last_close = time.perf_counter()
+        self._last_update_end = time.perf_counter()  # the loop's data time runs from here to its next training call
         self._undo = [intercept_training_calls(self.state.model, self._forward, self._returned),
                       self._watch_scaler_steps(self.state.scaler), self._targets.end]
         optimizer = self.state.optimizer  # a global hook: nothing of ours in the optimizer's own state (deepcopy, pickle)
         handle = register_optimizer_step_pre_hook(lambda stepping, args, kwargs: self._reached_update() if stepping is optimizer else None)
-        self._undo.append(handle.remove)
+        ended = register_optimizer_step_post_hook(lambda stepping, args, kwargs: self._update_returned() if stepping is optimizer else None)
+        self._undo += [handle.remove, ended.remove]
 
     def _forward(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         """A training call of the model: the step it belongs to (opened if the last one reached its update), its
         inputs stored; the model runs on them unchanged."""
+        arrived = time.perf_counter()
         self._targets.calling()
         if self._open is not None and self._update_reached():
             self.close_step()
         if self._open is None:
-            self._open = self._open_step(outside_model.loop_frame())
+            self._open = self._open_step(outside_model.loop_frame(), arrived)
         self._note_autocast()
         carried = outside_model.carried_inputs((tuple(args), dict(kwargs)), self._last_outputs)
         self._open.record[user_step.RECORD_BATCH].append({**user_step.copied(micro_batch(args, kwargs)), OUTSIDE: [], CARRIED: carried})
@@ -120,6 +123,10 @@ class InlineRecording:
                               "gradients on (model.train()); pass step_fn= for a loop that trains otherwise")
         self._open.reached_update = True
 
+    def _update_returned(self) -> None:
+        if self._open is not None:
+            self._open.update_ended = time.perf_counter()
+
     def _watch_scaler_steps(self, scaler):
         """A GradScaler that skips an overflowing update never calls `optimizer.step()`: its own `step` ends the
         step too."""
@@ -128,18 +135,24 @@ class InlineRecording:
         original = scaler.step
 
         def step(optimizer, *args, **kwargs):
-            if optimizer is self.state.optimizer:
-                self._reached_update()
-            return original(optimizer, *args, **kwargs)
+            if optimizer is not self.state.optimizer:
+                return original(optimizer, *args, **kwargs)
+            self._reached_update()
+            try:
+                return original(optimizer, *args, **kwargs)
+            finally:
+                self._update_returned()  # (an update the scaler skipped ends here too)
 
         scaler.step = step
         return lambda: setattr(scaler, "step", original)
 
     # ---- a step's opening and end -------------------------------------------------------------------------
-    def _open_step(self, frame) -> _OpenStep:
+    def _open_step(self, frame, arrived: float) -> _OpenStep:
+        """The step the training call that `arrived` begins. Its data time is the loop's own, from the last update's
+        end to that call (an update made by hand is seen only at the next call: none); its step time starts after
+        the recorder's opening (snapshot, RNG, the loop's numbers)."""
         recorder, state = self.recorder, self.state
         step = recorder.steps_taken
-        opened = time.perf_counter()
         rng_at_start = loop.open_step(step, state, recorder._hooks, recorder._buffers)
         # the lr the loop set for this step, and the floats its code reads (an lr it applies by hand)
         record = user_step.pack([], state.device, rng_at_start, state.optimizer, variables=outside_model.loop_numbers(frame))
@@ -149,7 +162,8 @@ class InlineRecording:
         hooks_on = contextlib.ExitStack()
         hooks_on.enter_context(recorder._noting_precision())
         hooks_on.enter_context(user_step.watching(watch))
-        return _OpenStep(step, record, outcome, watch, hooks_on, opened, opened - self._last_close)
+        data_time = max(0.0, arrived - self._last_update_end)
+        return _OpenStep(step, record, outcome, watch, hooks_on, time.perf_counter(), data_time)
 
     def close_step(self) -> None:
         """The open step is over (its update made, or the loop ended): logged, its record kept."""
@@ -177,9 +191,12 @@ class InlineRecording:
         self.recorder._stop(current.outcome)
 
     def _finish(self, current: _OpenStep) -> None:
-        self.recorder._hooks.after_step(current.outcome, current.record, time.perf_counter() - current.opened, current.data_time)
+        """The step logged: its time up to its update's end (a step closed at the next training call, or stopped
+        before its update: up to now), then the recorder's own flush, which is neither the step's time nor the loop's."""
+        ended = current.update_ended if current.update_ended is not None else time.perf_counter()
+        self._last_update_end = ended
+        self.recorder._hooks.after_step(current.outcome, current.record, ended - current.opened, current.data_time)
         self.recorder._stepped(current.outcome)
-        self._last_close = time.perf_counter()  # after the recorder's own flush of the step
 
     def close(self) -> None:
         """The loop is over: its last step closed, the model and optimizer left as they were."""
