@@ -77,6 +77,15 @@ class Workspace:
         assert printed["status"] == "ok", printed
         return printed
 
+    def answer_here(self, verb: str, run_id: str, folder: Path | None = None, publish: bool = False, **options) -> dict:
+        """What `replay VERB --run-id RUN_ID --json` prints (`--no-child-run` unless `publish`), computed in this
+        process with `rb.VERB` (find_nan, ablate, check, diagnose: the same request and engine, without a `replay`
+        process's seconds of imports), run from `folder` (this workspace unless given) as the command would be."""
+        import replaybisect as rb
+
+        with in_folder(folder or self.path):
+            return as_printed(getattr(rb, verb)(run_id=run_id, tracking_uri=self.tracking_uri, publish=publish, **options))
+
     def store(self):
         from replaybisect.store import open_store
 

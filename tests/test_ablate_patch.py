@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 import conftest
-from conftest import EXAMPLES, Workspace, as_printed, assert_one_line_error, in_folder
+from conftest import EXAMPLES, Workspace, assert_one_line_error
 
 PLANT = EXAMPLES / "nan_forward" / "planted_forward.py"
 OVERFLOWING = "weights = torch.exp(x / self.temperature)  # the bug: no x.max() subtracted first"
@@ -50,10 +50,7 @@ def write(ws: Workspace, name: str, text: str) -> Path:
 def ablate_json(ws: Workspace, run_id: str, patch: Path) -> dict:
     """`replay ablate --patch PATCH --run-id RUN_ID --horizon 5 --workers 1 --json` computed in this process (the
     command's request, engine and report; its one-line refusals below run the installed command)."""
-    import replaybisect as rb
-
-    with in_folder(ws.path):
-        return as_printed(rb.ablate(run_id, patch=patch, horizon=5, workers=1, tracking_uri=ws.tracking_uri))
+    return ws.answer_here("ablate", run_id, publish=True, patch=patch, horizon=5, workers=1)
 
 
 def test_a_patch_that_subtracts_the_max_fixes_the_overflow(failed):

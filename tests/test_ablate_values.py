@@ -9,7 +9,7 @@ import math
 import pytest
 
 import conftest
-from conftest import Workspace, as_printed, assert_one_line_error, in_folder
+from conftest import Workspace, assert_one_line_error
 
 HORIZON = "8"
 
@@ -25,11 +25,8 @@ def exploded(tmp_path_factory):
 def ablate_json(ws: Workspace, run_id: str, arms: str | None = None, sweep: str | None = None) -> dict:
     """`replay ablate ARMS|--sweep S --run-id RUN_ID --horizon HORIZON --workers 1 --json` computed in this process
     (the command's request, engine and report; the clip sweep's printed answer and the refusals run the command)."""
-    import replaybisect as rb
-
-    with in_folder(ws.path):
-        return as_printed(rb.ablate(run_id, arms.split(",") if arms else None, sweep=sweep, horizon=int(HORIZON), workers=1,
-                                    tracking_uri=ws.tracking_uri))
+    return ws.answer_here("ablate", run_id, publish=True, arms=arms.split(",") if arms else None, sweep=sweep,
+                          horizon=int(HORIZON), workers=1)
 
 
 def by_name(data: dict) -> dict[str, dict]:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import Workspace, as_printed, in_folder
+from conftest import Workspace, in_folder
 
 HERE = Path(__file__).resolve().parent
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone"]
@@ -28,15 +28,6 @@ def shared(tmp_path_factory) -> Workspace:
     shutil.copy(HERE / "user_loop" / "ddp_loop.py", workspace.path)
     shutil.copy(HERE / "user_loop" / "lightning_ddp.py", workspace.path)
     return workspace
-
-
-def _answer(workspace: Workspace, verb: str, run_id: str, **options) -> dict:
-    """`replay VERB --run-id RUN_ID --json` computed in this process (the Python API: the same request and engine),
-    without a `replay` process's seconds of imports; the first test runs the installed command."""
-    import replaybisect as rb
-
-    with in_folder(workspace.path):
-        return as_printed(getattr(rb, verb)(run_id, tracking_uri=workspace.tracking_uri, publish=False, **options))
 
 
 STOPPING = ("diverge", "fp16", "mean-loss", "none")  # 20 steps, a NaN row on rank 1 at step 12 (diverge: inf at 13)
@@ -101,10 +92,10 @@ def test_a_step_with_a_collective_of_its_own_replays_exact_over_the_real_collect
     run_ids, done = job
     run_id = run_ids["mean-loss"]
     assert "rank 1 mean-loss: loss is nan at step 12" in done.stdout
-    alone = _answer(shared, "find_nan", run_id)
+    alone = shared.answer_here("find_nan", run_id)
     assert alone["reproduced"] == "diverged", alone["evidence"]
     assert any(f"replay nan --run-id {run_id} --nproc 2" in warning for warning in alone["warnings"]), alone["warnings"]
-    ablated = _answer(shared, "ablate", run_id, arms=["lr"], workers=1)  # its arms replay on one process too: said
+    ablated = shared.answer_here("ablate", run_id, arms=["lr"], workers=1)  # its arms replay on one process too: said
     assert any(f"replay nan --run-id {run_id} --nproc 2" in warning and "ablate has no --nproc" in warning
                for warning in ablated["warnings"]), ablated["warnings"]
 
@@ -128,7 +119,7 @@ def test_a_step_with_a_collective_of_its_own_replays_exact_over_the_real_collect
         rb.find_nan(run_id, 5, tracking_uri=shared.tracking_uri, publish=False, nproc=2)  # refusal, raised by the launcher
 
     # at step 0 (no snapshot before it: the step is reproduced from the config, every rank building its DDP module)
-    report = _answer(shared, "find_nan", run_ids[AT_STEP_0], nproc=2)
+    report = shared.answer_here("find_nan", run_ids[AT_STEP_0], nproc=2)
     assert (report["failing_step"], report["category"], report["replay"]["failure_starts_on_rank"]) == (0, "data", 1), report["evidence"]
     replay = report["replay"]  # rank 0's Python and NumPy streams are the script's own, not rebuilt: close, as on one process
     assert (replay["reproduced_from"], replay["same_outcome"], replay["as_logged"]) == ("config", True, True), report["evidence"]
@@ -138,9 +129,9 @@ def test_a_diverging_lr_is_a_divergence_and_ablate_fixes_it_by_lr(shared, job):
     run_ids, done = job
     run_id = run_ids["diverge"]
     assert "diverge: loss is inf at step 13" in done.stdout
-    report = _answer(shared, "find_nan", run_id)
+    report = shared.answer_here("find_nan", run_id)
     assert report["reproduced"] == "exact" and report["category"] == "divergence"
-    answer = _answer(shared, "ablate", run_id, arms=["lr"], workers=1)
+    answer = shared.answer_here("ablate", run_id, arms=["lr"], workers=1)
     verdicts = {arm["name"]: arm["verdict"] for arm in answer["arms"]}
     assert answer["baseline"]["verdict"] == "fails-again" and verdicts["lr"] == "fixes"
 
@@ -178,7 +169,7 @@ def test_a_killed_rank_is_named_on_the_failed_run(shared):
 def _findings_beside_timing(shared, run_id):
     """diagnose's findings less input-pipeline-bound, which a loaded machine may add to these runs: the toy model's
     step is quicker than the loop's own work between steps, so it says nothing about the ranks."""
-    findings = _answer(shared, "diagnose", run_id)["findings"]
+    findings = shared.answer_here("diagnose", run_id)["findings"]
     return [finding for finding in findings if finding["pattern"] != "input-pipeline-bound"]
 
 
@@ -204,7 +195,7 @@ def test_fp16_with_a_grad_scaler_every_rank_stops_at_the_nan_row_and_it_replays(
     assert "rank 1 fp16: loss is nan at step 12" in done.stdout
     assert "rank 0 fp16: the loss on another rank went non-finite at step 12" in done.stdout
     assert "fp16 step 11 loss" in done.stdout and "fp16 step 12 loss" not in done.stdout
-    report = _answer(shared, "find_nan", run_id)
+    report = shared.answer_here("find_nan", run_id)
     assert report["reproduced"] == "exact" and report["replay"]["ranks_compared"] == 2 and report["precision"] == "fp16"
     [finding] = report["batch"]
     assert finding["rank"] == 1 and finding["rows"] == [5]
@@ -222,7 +213,7 @@ def test_lightning_ddp_a_nan_row_on_rank_1_is_named_and_a_high_lr_is_a_divergenc
     run_id, done = _lightning(shared, "0.05", "20", "nan")
     assert "loss is nan at step 6" in done.stderr and "the loss on another rank went non-finite at step 6" in done.stderr  # rank 1, 0
     assert "Traceback" not in done.stderr
-    report = _answer(shared, "find_nan", run_id)
+    report = shared.answer_here("find_nan", run_id)
     assert report["reproduced"] == "exact" and report["replay"]["ranks_compared"] == 2
     assert report["category"] == "data" and report["failing_step"] == 6
     [finding] = report["batch"]
@@ -235,9 +226,9 @@ def test_lightning_ddp_a_nan_row_on_rank_1_is_named_and_a_high_lr_is_a_divergenc
 
     run_id, done = _lightning(shared, "1.0", "60")
     assert "loss is inf at step 25" in done.stderr
-    report = _answer(shared, "find_nan", run_id)
+    report = shared.answer_here("find_nan", run_id)
     assert report["reproduced"] == "exact" and report["category"] == "divergence"
-    answer = _answer(shared, "ablate", run_id, arms=["lr"], workers=1)
+    answer = shared.answer_here("ablate", run_id, arms=["lr"], workers=1)
     assert answer["baseline"]["verdict"] == "fails-again"
     assert {arm["name"]: arm["verdict"] for arm in answer["arms"]}["lr"] == "fixes"
 
@@ -286,10 +277,10 @@ def test_replay_train_nproc_2_records_one_ddp_run_that_replays_exact_and_ablate_
     checksums = [dict(store.metric_history(run_id, f"param_checksum/rank{rank}")) for rank in (0, 1)]
     assert checksums[0] == checksums[1]
 
-    report = _answer(shared, "find_nan", run_id)
+    report = shared.answer_here("find_nan", run_id)
     assert report["reproduced"] == "exact" and report["replay"]["ranks_compared"] == 2
     assert report["category"] == "divergence" and report["failing_step"] == 58
-    answer = _answer(shared, "ablate", run_id, arms=["lr"], workers=1)
+    answer = shared.answer_here("ablate", run_id, arms=["lr"], workers=1)
     assert answer["baseline"]["verdict"] == "fails-again"
     assert {arm["name"]: arm["verdict"] for arm in answer["arms"]}["lr"] == "fixes"
 
@@ -329,17 +320,17 @@ def test_fsdp_runs_replay_exact_on_one_process_name_the_rank_and_row_and_ablate_
     assert store.metric_history(nan_row, "param_checksum/rank1") == [] and len(store.metric_history(nan_row, "loss/rank1")) == 13
     assert store.tags(nan_row)["snapshot_steps"] == "0,5,10"
 
-    report = _answer(shared, "find_nan", nan_row)
+    report = shared.answer_here("find_nan", nan_row)
     assert (report["reproduced"], report["category"], report["failing_step"]) == ("exact", "data", 12), report["evidence"]
     assert "gradients averaged as FSDP's reduce-scatter does): the losses of all 2 ranks exact" in report["evidence"][0]
     [finding] = report["batch"]
     assert finding["rank"] == 1 and finding["rows"] == [5]
-    findings = _answer(shared, "diagnose", nan_row)["findings"]
+    findings = shared.answer_here("diagnose", nan_row)["findings"]
     assert not [finding for finding in findings if finding["pattern"] == "replicas-drifted"], findings
 
-    report = _answer(shared, "find_nan", diverged)
+    report = shared.answer_here("find_nan", diverged)
     assert (report["reproduced"], report["category"], report["failing_step"]) == ("exact", "divergence", 13), report["evidence"]
-    answer = _answer(shared, "ablate", diverged, arms=["lr"], workers=1)
+    answer = shared.answer_here("ablate", diverged, arms=["lr"], workers=1)
     assert answer["baseline"]["verdict"] == "fails-again" and {arm["name"]: arm["verdict"] for arm in answer["arms"]} == {"lr": "fixes"}
 
     import replaybisect as rb

@@ -142,7 +142,7 @@ def test_a_self_scaling_buffer_is_not_a_divergence():
     assert not decide([], flat, {}, {}, None, None).divergence
 
 
-def test_the_grad_norm_trend_is_scipys_linregress_bit_for_bit():
+def test_the_grad_norm_trend_is_scipys_linregress():
     """history_fit's line (slope, r, p) is linregress's (bit for bit with the scipy of this writing: the same
     arithmetic), computed without importing scipy.stats (half a second)."""
     import random

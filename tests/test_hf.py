@@ -36,13 +36,6 @@ def _trainer(workspace: Workspace, *args: str, expect_failure: bool = True, scri
     return (found.group(1) if found else ""), done
 
 
-def _answer(workspace: Workspace, verb: str, run_id: str, **options) -> dict:
-    import replaybisect as rb
-
-    with in_folder(workspace.path):
-        return as_printed(getattr(rb, verb)(run_id, tracking_uri=workspace.tracking_uri, publish=False, **options))
-
-
 @pytest.fixture(scope="module")
 def lr_explosion(shared) -> tuple[str, subprocess.CompletedProcess, list]:
     """The Trainer diverging at too high an lr with its own MLflow callback on (report_to="mlflow"), as a team that
@@ -60,13 +53,13 @@ def test_a_trainer_lr_explosion_replays_exact_and_ablate_fixes_it_by_lr(shared, 
     assert "Traceback" not in done.stderr
     store = shared.store()
     assert store.get_run(run_id).info.status == "FAILED" and store.tags(run_id)["trainer"] == "transformers"
-    report = _answer(shared, "find_nan", run_id)
+    report = shared.answer_here("find_nan", run_id)
     assert report["reproduced"] == "exact" and report["state_match"].startswith("bit-identical")
     assert report["category"] == "divergence" and report["precision"] == "bf16"
-    answer = _answer(shared, "ablate", run_id, arms=["lr"], workers=1)
+    answer = shared.answer_here("ablate", run_id, arms=["lr"], workers=1)
     assert answer["baseline"]["verdict"] == "fails-again"
     assert {arm["name"]: arm["verdict"] for arm in answer["arms"]}["lr"] == "fixes"
-    findings = _answer(shared, "diagnose", run_id)["findings"]
+    findings = shared.answer_here("diagnose", run_id)["findings"]
     assert findings[0]["pattern"] == "nan-after-k" and "divergence" in findings[0]["summary"]
     import replaybisect as rb
 
@@ -79,7 +72,7 @@ def test_a_trainer_lr_explosion_replays_exact_and_ablate_fixes_it_by_lr(shared, 
 def test_an_inf_in_one_examples_embedding_path_is_found_at_its_op_with_the_clip_and_accumulation(shared):
     """max_grad_norm=1.0, accumulation 2 and bf16 on the steps before the failure: the replay is exact."""
     run_id, done = _trainer(shared, "--steps", "40", "--plant", "37")
-    report = _answer(shared, "find_nan", run_id)
+    report = shared.answer_here("find_nan", run_id)
     assert report["reproduced"] == "exact" and report["category"] == "forward"
     assert report["op"] == "Tensor.div" and "hf_trainer.py:" in report["source"]
     assert "self.token_counts.mean() / self.token_counts[input_ids]" in report["source"]
@@ -113,6 +106,6 @@ def test_an_accelerate_loop_recorded_in_three_lines_replays_exact_and_its_plante
     assert "step 13 loss" in done.stdout and "step 14 loss" not in done.stdout
     grad_norms = [value for _, value in shared.store().metric_history(run_id, "grad_norm")]
     assert len(set(grad_norms)) > 1 and max(grad_norms) > 1.0  # before accelerate's clip at 1.0, not after it
-    report = _answer(shared, "find_nan", run_id)
+    report = shared.answer_here("find_nan", run_id)
     assert report["reproduced"] == "exact" and report["category"] == "forward" and report["op"] == "Tensor.div"
     assert "accelerate_loop.py:" in report["source"]

@@ -220,7 +220,8 @@ def test_a_loop_that_stops_itself_on_a_nan_loss_is_told_to_skip_that_check_in_a_
         patch.chdir(folder)
         rb.find_nan(_run_id(done), tracking_uri=workspace.tracking_uri, publish=False)
     line = str(refused.value)  # what `replay nan` prints as its one line
-    assert refused.value.exit_code == 2 and "\n" not in line and "right after a step the replay halted" in line and "replaybisect.replaying()" in line
+    assert refused.value.exit_code == 2 and "\n" not in line
+    assert "right after a step the replay halted" in line and "replaybisect.replaying()" in line
 
 
 # ---- word_language_model's main.py as written ----------------------------------------------------------------------

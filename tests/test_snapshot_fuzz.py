@@ -26,7 +26,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import conftest
-from conftest import Workspace, as_printed, assert_one_line_error, in_folder
+from conftest import Workspace, assert_one_line_error
 from replaybisect.errors import SnapshotError
 from replaybisect.core import snapshot as fmt
 
@@ -362,10 +362,7 @@ def test_replay_nan_reports_a_tampered_snapshot_and_uses_an_earlier_one_then_fai
     batches = root / fmt.folder_name(8) / fmt.BATCHES
     batches.write_bytes((10**9).to_bytes(8, "little") + batches.read_bytes()[8:])
     resign(batches.parent, fmt.BATCHES)
-    import replaybisect as rb  # `replay nan --json --no-child-run`, computed here; the refusal below through the CLI
-
-    with in_folder(workspace.path):
-        report = as_printed(rb.find_nan(run_id, tracking_uri=workspace.tracking_uri, publish=False))
+    report = workspace.answer_here("find_nan", run_id)  # the refusal below through the CLI
     assert report["snapshot_step"] == 4 and report["reproduced"] == "exact"
     assert any("step-000008" in w and fmt.BATCHES in w for w in report["warnings"]), report["warnings"]
 

@@ -19,7 +19,7 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import Workspace, as_printed, in_folder
+from conftest import Workspace
 from replaybisect.core import config as config_mod
 from replaybisect.core import guard, loop
 
@@ -280,10 +280,7 @@ def test_lightning_with_a_disabled_scaler_stops_a_nan_gradient_and_replays_it(li
     assert result["halted"] == PLANT_AT and result["unchanged"]
     tags = workspace.store().tags(result["run"])
     assert (tags["status"], tags["first_nonfinite_step"], tags["nonfinite_what"]) == ("nonfinite", str(PLANT_AT), "grad_norm")
-    import replaybisect as rb  # `replay nan --json` computed here (the command's own run: the loop's test above)
-
-    with in_folder(workspace.path):  # rebuilds the scaler disabled, as recorded
-        report = as_printed(rb.find_nan(result["run"], tracking_uri=workspace.tracking_uri, publish=False))
+    report = workspace.answer_here("find_nan", result["run"])  # rebuilds the scaler disabled, as recorded
     assert report["reproduced"] == "exact"
     assert (report["category"], report["failing_step"]) == ("backward", PLANT_AT), report
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import EXAMPLES, FAST, Workspace, as_printed, in_folder
+from conftest import EXAMPLES, FAST, Workspace
 
 HERE = Path(__file__).resolve().parent
 
@@ -175,10 +175,7 @@ def test_hand_written_gpt_loop_nan_and_ablate(shared):
     assert 0 < len(added) <= 10
     run_id, _ = _record(shared, folder, "gpt_loop.py", "hydra.run.dir=outputs", expect_failure=True)
 
-    import replaybisect as rb
-
-    with in_folder(folder):  # `replay nan --json` from the project's folder, computed here (the CLI: the test above)
-        nan = as_printed(rb.find_nan(run_id, tracking_uri=shared.tracking_uri, publish=False))
+    nan = shared.answer_here("find_nan", run_id, folder=folder)  # from the project's folder (the CLI: the test above)
     assert nan["reproduced"] == "exact"
     assert nan["category"] == "forward"
     assert nan["module"].endswith(".attn") and nan["op"] == "torch.exp"

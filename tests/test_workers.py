@@ -20,8 +20,6 @@ from torch.utils.data import Dataset
 from replaybisect.core import loop
 from replaybisect.core.rng import capture_raw
 
-from conftest import as_printed, in_folder
-
 # The project's dataset: jitter from torch, numpy and python in __getitem__, and a NaN when a draw is tiny.
 PROJECT_CODE = '''
 import random
@@ -187,10 +185,7 @@ def test_nan_from_the_augmentation_under_workers_is_reproduced_exactly(workspace
     run = workspace.replay("train", "--json", "--config-dir", str(project), *args)
     assert run.returncode == 3, run.stderr
     assert run.json()["first_nonfinite_step"] == failing
-    import replaybisect as rb  # `replay nan --json`, computed here (the training above is the command)
-
-    with in_folder(workspace.path):
-        found = as_printed(rb.find_nan(run.json()["run_id"], tracking_uri=workspace.tracking_uri, publish=False))
+    found = workspace.answer_here("find_nan", run.json()["run_id"])  # (the training above is the command)
     assert found["failing_step"] == failing and found["reproduced"] == "exact", found
     assert found["category"] == "data", found
 

@@ -446,7 +446,8 @@ class ReplayCallback(TrainerCallback):
         outcome = step.watch.outcome
         outcome.loss = step.watch.loss_so_far()
         step.watch.settle()
-        self._hooks.after_step(outcome, step.record(), time.perf_counter() - step.started, step.started - step.data_started)
+        ended = time.perf_counter()
+        self._hooks.after_step(outcome, step.record(), ended - step.started, step.started - step.data_started)
         self.steps_taken = outcome.step + 1
         self._last_step_end = time.perf_counter()  # after the recorder's own flush of the step
 

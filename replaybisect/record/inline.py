@@ -66,9 +66,9 @@ class InlineRecording:
         self._undo = [intercept_training_calls(self.state.model, self._forward, self._returned),
                       self._watch_scaler_steps(self.state.scaler), self._targets.end]
         optimizer = self.state.optimizer  # a global hook: nothing of ours in the optimizer's own state (deepcopy, pickle)
-        handle = register_optimizer_step_pre_hook(lambda stepping, args, kwargs: self._reached_update() if stepping is optimizer else None)
-        ended = register_optimizer_step_post_hook(lambda stepping, args, kwargs: self._update_returned() if stepping is optimizer else None)
-        self._undo += [handle.remove, ended.remove]
+        reached = register_optimizer_step_pre_hook(lambda stepping, args, kwargs: self._reached_update() if stepping is optimizer else None)
+        returned = register_optimizer_step_post_hook(lambda stepping, args, kwargs: self._update_returned() if stepping is optimizer else None)
+        self._undo += [reached.remove, returned.remove]
 
     def _forward(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         """A training call of the model: the step it belongs to (opened if the last one reached its update), its

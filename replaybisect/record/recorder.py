@@ -157,12 +157,12 @@ def _partial(target: Optional[str]) -> Optional[dict]:
 
 
 # ---- the recorder ---------------------------------------------------------------------------------------------
-
 def loop_data_started(last_step_end: Optional[float], called: float, opened: float) -> float:
     """When the loop's data time for a step began: the recorder's last step end (the first step: when the recorder was
     called), moved on by the recorder's own opening of the step (called..opened: snapshot, RNG, batch copy, a ranked
     job's gather of every rank's batch), which is not the loop's time."""
     return (last_step_end if last_step_end is not None else called) + (opened - called)
+
 
 class Recorder:
     """Records your loop: metrics to MLflow every step, snapshots (model, optimizer, scheduler, scaler, RNG) every

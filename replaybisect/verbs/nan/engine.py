@@ -989,15 +989,16 @@ def history_fit(losses: list[tuple[int, float]], grad_norms: list[tuple[int, flo
 
 
 def linear_fit(xs: list[float], ys: list[float]) -> tuple[float, float, float]:
-    """(slope, r, two-sided p of a zero slope) of a least-squares line, as scipy.stats.linregress computes them,
-    with the Student t from scipy.special: scipy.stats takes half a second to import, a tenth of a `replay nan`."""
+    """(slope, r, two-sided p of a zero slope) of a least-squares line through points with distinct xs and ys not all
+    equal (history_fit's), as scipy.stats.linregress computes them, with the Student t from scipy.special:
+    scipy.stats takes half a second to import, a tenth of a `replay nan`."""
     import numpy as np
     from scipy.special import stdtr
 
     x, y = np.asarray(xs, dtype=np.float64), np.asarray(ys, dtype=np.float64)
     ssxm, ssxym, _, ssym = (float(value) for value in np.cov(x, y, bias=True).flat)
-    r = 0.0 if ssxm == 0 or ssym == 0 else min(max(ssxym / math.sqrt(ssxm * ssym), -1.0), 1.0)
-    slope = ssxym / ssxm if ssxm else math.nan
+    r = min(max(ssxym / math.sqrt(ssxm * ssym), -1.0), 1.0)
+    slope = ssxym / ssxm
     df = len(x) - 2
     t = r * math.sqrt(df / ((1.0 - r + 1e-20) * (1.0 + r + 1e-20)))
     return slope, r, float(2 * stdtr(df, -abs(t)))
