@@ -213,3 +213,20 @@ def test_continue_mode_takes_the_failed_step_again_from_the_same_rng():
     assert hooks.first_nonfinite == (2, "loss") and retried.updated
     assert not rng_differences(capture_raw(), rng_after_loop)  # dropout drew once, from the step's start
     assert differences(reference, state) == []
+
+
+@pytest.mark.parametrize("keep_going", [True, False])
+def test_a_frameworks_halted_step_is_shown_as_before_it_and_goes_on_from_its_forward(keep_going):
+    """Lightning's and the Trainer's callbacks cannot take a step again: their hooks see the BatchNorm statistics
+    from before the step, then the forward's updates are put back if they go on (else the state before it stays)."""
+    model = BatchNormMLP()
+    buffers = loop.BufferGuard(model)
+    buffers.save()
+    before = copy.deepcopy(model.state_dict())
+    model(torch.randn(8, 64))  # a training forward moves the running statistics
+    after_forward = copy.deepcopy(model.state_dict())
+    assert not same_bits(before, after_forward)
+    seen = []
+    assert buffers.ask_as_before_step(lambda: seen.append(copy.deepcopy(model.state_dict())) or keep_going) is keep_going
+    assert same_bits(seen[0], before)
+    assert same_bits(model.state_dict(), after_forward if keep_going else before)

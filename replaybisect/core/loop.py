@@ -552,6 +552,18 @@ class BufferGuard:
             for kept, buffer in zip(self.saved, self.buffers):
                 buffer.copy_(kept)
 
+    def ask_as_before_step(self, ask: Callable[[], bool]) -> bool:
+        """`ask()` (a halted step's hooks: go on?) with the buffers as they were before the step; if it says go on,
+        the forward's updates are put back, as a framework's own loop goes on from them. Returns its answer."""
+        after_forward = [buffer.detach().clone() for buffer in self.buffers]
+        self.restore()
+        keep_going = ask()
+        if keep_going:
+            with torch.no_grad():
+                for buffer, value in zip(self.buffers, after_forward):
+                    buffer.copy_(value)
+        return keep_going
+
 
 class LoopHooks(Protocol):
     """What the loop tells a recorder (or a replay comparator) about each step."""

@@ -458,12 +458,7 @@ class ReplayCallback(TrainerCallback):
         outcome = step.watch.outcome
         if self.first_nonfinite_step is None:
             self.first_nonfinite_step = outcome.step
-        after_forward = [b.detach().clone() for b in self._buffers.buffers]
-        self._buffers.restore()
-        if self._hooks.on_nonfinite(outcome, step.record()):
-            with torch.no_grad():
-                for buffer, value in zip(self._buffers.buffers, after_forward):
-                    buffer.copy_(value)
+        if self._buffers.ask_as_before_step(lambda: self._hooks.on_nonfinite(outcome, step.record())):
             return
         self._step = None
         step.watch.close_forward()

@@ -432,13 +432,8 @@ class ReplayCallback(Callback):
         outcome = step.watch.outcome
         if self.first_nonfinite_step is None:
             self.first_nonfinite_step = outcome.step
-        after_forward = [b.detach().clone() for b in self._buffers.buffers]
-        self._buffers.restore()
         stored = self._stored(step)
-        if self._hooks.on_nonfinite(outcome, stored):
-            with torch.no_grad():
-                for buffer, value in zip(self._buffers.buffers, after_forward):
-                    buffer.copy_(value)
+        if self._buffers.ask_as_before_step(lambda: self._hooks.on_nonfinite(outcome, stored)):
             return
         step.watch.close_forward()
         self._step = None
