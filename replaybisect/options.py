@@ -5,14 +5,13 @@ from __future__ import annotations
 import contextlib
 import functools
 import io
-import json
 import os
 import sys
 from typing import Any, Optional
 
 import typer
 
-from replaybisect.core.jsonutil import json_default
+from replaybisect.core.jsonutil import strict_json
 
 TrackingUri = typer.Option(None, "--tracking-uri", help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI, else the nearest mlflow.db in this folder or above, else ./mlflow.db).")
 JsonFlag = typer.Option(False, "--json", help="Print one JSON object on stdout (progress and logs go to stderr).")
@@ -170,7 +169,8 @@ def owns_stdout(command):
 
 
 def print_json(data: dict[str, Any]) -> None:
-    OUR_STDOUT.write(json.dumps(data, indent=2, default=json_default) + "\n")
+    """`--json` output: strict JSON (a NaN loss is "nan", as in every file we write), so jq reads it too."""
+    OUR_STDOUT.write(strict_json(data, indent=2) + "\n")
     OUR_STDOUT.flush()
 
 

@@ -9,6 +9,7 @@ when its module is already loaded, so `replay --help` stays light.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import sys
 from pathlib import PurePath
@@ -45,3 +46,8 @@ def json_default(value: Any) -> Any:
     else as str(). Floats json can write are left as they are, so output of plain data does not change."""
     converted = to_jsonable(value)
     return str(value) if converted is value else converted
+
+
+def strict_json(value: Any, indent: int | None = None) -> str:
+    """`value` as JSON text that any parser reads (jq included): non-finite floats as strings, never NaN literals."""
+    return json.dumps(to_jsonable(value), indent=indent, default=json_default, allow_nan=False)

@@ -4,7 +4,6 @@ report attached to the run (triage.md, triage.json), and the webhook notificatio
 from __future__ import annotations
 
 import datetime
-import json
 import queue
 import socket
 import threading
@@ -12,7 +11,7 @@ import time
 import urllib.request
 from typing import Any, Optional
 
-from replaybisect.core.jsonutil import json_default
+from replaybisect.core.jsonutil import strict_json
 from replaybisect.options import OUR_STDOUT
 from replaybisect.store import Store
 from replaybisect.verbs.watch.engine import Event, TriageResult
@@ -54,7 +53,7 @@ class EventLog:
     def write(self, event: Event) -> None:
         with self._lock:
             if self.as_json:
-                OUR_STDOUT.write(json.dumps(event_json(event), default=json_default) + "\n")
+                OUR_STDOUT.write(strict_json(event_json(event)) + "\n")
                 OUR_STDOUT.flush()
             else:
                 self._console.print(_rich_line(event), highlight=False)
@@ -198,7 +197,7 @@ def post_json(url: str, payload: dict[str, Any], timeout: float = NOTIFY_TIMEOUT
                     pass
 
     opener = urllib.request.build_opener(_HTTPHandler(connections), _HTTPSHandler(connections))
-    request = urllib.request.Request(url, data=json.dumps(payload, default=json_default).encode(), method="POST",
+    request = urllib.request.Request(url, data=strict_json(payload).encode(), method="POST",
                                      headers={"Content-Type": "application/json"})
     timer = threading.Timer(timeout, cut)
     timer.daemon = True
@@ -282,7 +281,7 @@ def health_line(health: dict[str, Any]) -> str:
 def print_status(status: dict[str, Any], as_json: bool) -> None:
     """`replay watch --status`: the server's triage state in one line (JSON: one object)."""
     if as_json:
-        OUR_STDOUT.write(json.dumps(status, default=json_default) + "\n")
+        OUR_STDOUT.write(strict_json(status) + "\n")
         OUR_STDOUT.flush()
         return
     running = ", ".join(f"{c['run_id']} by {c['watcher_id']} ({c['step'] or 'claimed'}, lease "
