@@ -346,7 +346,10 @@ class Store:
         self.client.log_text(run_id, text, artifact_file)
 
     def log_dict(self, run_id: str, data: dict, artifact_file: str) -> None:
-        self.client.log_dict(run_id, data, artifact_file)
+        """A JSON artifact in strict JSON (a NaN is "nan"; MLflow's own log_dict would write a NaN literal)."""
+        from replaybisect.core.jsonutil import strict_json
+
+        self.log_text(run_id, strict_json(data, indent=2), artifact_file)
 
     def log_figure(self, run_id: str, figure, artifact_file: str) -> None:
         self.client.log_figure(run_id, figure, artifact_file)

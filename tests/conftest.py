@@ -142,9 +142,9 @@ def in_folder(folder: Path):
 def as_printed(result) -> dict:
     """A verb's result as its `--json` prints it (the same encoding as options.print_json), for the tests that call
     the Python API in this process instead of starting `replay` (seconds of imports a process)."""
-    from replaybisect.options import json_default
+    from replaybisect.core.jsonutil import strict_json
 
-    return json.loads(json.dumps(result.to_json(), default=json_default))
+    return json.loads(strict_json(result.to_json()))
 
 
 def outcome_lines(stderr: str) -> list[str]:

@@ -52,7 +52,7 @@ CLI_DIAGNOSED = {"healthy_mlp_digits", "dead_relu"}
 
 def _diagnose_here(workspace: Workspace, run_id: str) -> str:
     """What `replay diagnose --run-id RUN_ID --json` prints, computed in this process (its command's three calls)."""
-    from replaybisect.options import json_default
+    from replaybisect.core.jsonutil import strict_json
     from replaybisect.verbs.diagnose.engine import analyse, load_curves
     from replaybisect.verbs.diagnose.report import publish
 
@@ -61,7 +61,7 @@ def _diagnose_here(workspace: Workspace, run_id: str) -> str:
     result = analyse(curves)
     with in_folder(workspace.path):
         report_run_id = publish(store, result, curves)
-    return json.dumps({**result.to_json(), "report_run_id": report_run_id}, default=json_default)
+    return strict_json({**result.to_json(), "report_run_id": report_run_id})
 
 
 def _train_here(workspace: Workspace, name: str) -> tuple[int, dict]:

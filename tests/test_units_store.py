@@ -72,6 +72,26 @@ def test_metric_history_gives_infinities_back_not_float_max(store):
     assert values == [math.inf, -math.inf, 2.5]
 
 
+def test_json_artifacts_and_output_are_strict_json(store):
+    """Non-finite numbers (floats, numpy's, a tensor's) as "nan"/"inf"/"-inf", which every JSON parser reads."""
+    import json
+
+    import numpy as np
+    import torch
+
+    from replaybisect.core.jsonutil import strict_json
+
+    def refuse(literal):
+        raise ValueError(f"{literal} is not JSON")
+
+    data = {"loss": float("nan"), "norm": np.float64("inf"), "lows": [np.float32("-inf"), 1.5], "t": torch.tensor(float("nan"))}
+    expected = {"loss": "nan", "norm": "inf", "lows": ["-inf", 1.5], "t": "nan"}
+    assert json.loads(strict_json(data), parse_constant=refuse) == expected
+    run_id = store.create_run("nan")
+    store.log_dict(run_id, data, "report.json")
+    assert json.loads(store.read_artifact_text(run_id, "report.json"), parse_constant=refuse) == expected
+
+
 def test_child_runs_filters_by_parent_and_kind(store):
     parent = store.create_run("ablate")
     other_parent = store.create_run("ablate")

@@ -24,8 +24,9 @@ def to_jsonable(value: Any) -> Any:
         return {str(k): to_jsonable(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         return [to_jsonable(v) for v in value]
-    if isinstance(value, float):
-        return float(value) if math.isfinite(value) else repr(value)  # "nan" / "inf" / "-inf"
+    if isinstance(value, float):  # numpy's float64 too: repr(float(...)), never "np.float64(nan)"
+        number = float(value)
+        return number if math.isfinite(number) else repr(number)  # "nan" / "inf" / "-inf"
     if isinstance(value, PurePath):
         return str(value)
     return _from_array_library(value)

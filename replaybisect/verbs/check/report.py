@@ -3,7 +3,6 @@ and `publish`, the check run with its artifacts, metrics and tags (the only MLfl
 
 from __future__ import annotations
 
-import json
 import math
 import tempfile
 import time
@@ -11,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from replaybisect.report import close_figure, console, fmt_number, markdown_table, mlflow_ui_hint, new_figure, print_table
-from replaybisect.core.jsonutil import json_default
+from replaybisect.core.jsonutil import strict_json
 
 STYLE = {"pass": "green", "warn": "yellow", "fail": "bold red", "skip": "dim"}
 MARK = {"pass": "PASS", "warn": "WARN", "fail": "FAIL", "skip": "skip"}
@@ -230,7 +229,7 @@ def log_to_run(store, run_id: str, report) -> list[str]:
     with tempfile.TemporaryDirectory(prefix="replay-check-") as folder:
         out = Path(folder)
         (out / "check.md").write_text(check_markdown(report), encoding="utf-8")
-        (out / "check.json").write_text(json.dumps({k: v for k, v in report.to_json().items() if k != "artifacts"}, indent=2, default=json_default), encoding="utf-8")
+        (out / "check.json").write_text(strict_json({k: v for k, v in report.to_json().items() if k != "artifacts"}, indent=2), encoding="utf-8")
         names += ["check.md", "check.json"]
         lr = report.lr_range
         if lr and lr.lrs:

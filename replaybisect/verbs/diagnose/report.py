@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import json
 import tempfile
 from pathlib import Path
 from typing import Any
 
+from replaybisect.core.jsonutil import strict_json
 from replaybisect.report import close_figure, fmt_number, markdown_table, new_figure, print_table
 from replaybisect.report import console as shared_console
 
@@ -214,7 +214,7 @@ def publish(store, result, curves) -> str:
             folder = Path(folder)
             figure.savefig(folder / PLOT, dpi=100)
             (folder / MARKDOWN).write_text(to_markdown(result), encoding="utf-8")
-            (folder / JSON_FILE).write_text(json.dumps(result.to_json(), indent=2), encoding="utf-8")
+            (folder / JSON_FILE).write_text(strict_json(result.to_json(), indent=2), encoding="utf-8")
             store.log_artifacts(child, folder)
     except BaseException:
         store.finish_run(child, "crashed", "FAILED")
