@@ -302,7 +302,7 @@ class Store:
         """(step, value) sorted by step; the last value logged wins for a repeated step."""
         by_step = {}
         for metric in sorted(self.client.get_metric_history(run_id, key), key=lambda m: (m.step, m.timestamp)):
-            by_step[metric.step] = _unclamp(metric.value)
+            by_step[metric.step] = unclamped(metric.value)
         return sorted(by_step.items())
 
     def metric_keys(self, run_id: str) -> list[str]:
@@ -366,7 +366,7 @@ class Store:
         return mlflow.artifacts.load_text(f"{self.artifact_uri(run_id).rstrip('/')}/{path}")
 
 
-def _unclamp(value: float) -> float:
+def unclamped(value: float) -> float:
     """MLflow stores +-inf as +-float max; give them back as infinities."""
     if abs(value) == sys.float_info.max:
         return math.copysign(math.inf, value)

@@ -186,7 +186,7 @@ def test_a_fused_run_found_at_a_flush_stops_at_the_failing_steps_state_as_one_ha
     later, uri_later = _nan_forward_run(tmp_path, "later", True, monkeypatch)
     for result in (at_once, later):
         assert (result.status, result.first_nonfinite_step, result.nonfinite_what, result.stopped) == ("nonfinite", 20, "loss", True)
-    assert later.steps_completed == at_once.steps_completed == 21 and later.snapshot_steps == at_once.snapshot_steps
+    assert later.steps_completed == at_once.steps_completed == 20 and later.snapshot_steps == at_once.snapshot_steps
     stores = open_store(uri_at_once, create=False), open_store(uri_later, create=False)
     for key in ("loss", "grad_norm", "lr"):
         histories = [dict(store.metric_history(result.run_id, key)) for store, result in zip(stores, (at_once, later))]
@@ -204,7 +204,7 @@ def test_a_fused_run_found_at_a_flush_stops_at_the_failing_steps_state_as_one_ha
 def test_a_fused_runs_failure_found_only_when_training_ends_still_stops_the_run(tmp_path, monkeypatch):
     """23 steps: the failure at step 20 is in the last, unflushed interval and is found as the recording closes."""
     result, _ = _nan_forward_run(tmp_path, "at_close", True, monkeypatch, steps=23)
-    assert (result.status, result.first_nonfinite_step, result.stopped, result.steps_completed) == ("nonfinite", 20, True, 21)
+    assert (result.status, result.first_nonfinite_step, result.stopped, result.steps_completed) == ("nonfinite", 20, True, 20)
 
 
 def test_a_step_interrupted_before_its_end_is_not_taken_for_the_failure():

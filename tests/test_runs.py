@@ -30,13 +30,13 @@ def test_runs_shows_the_triage_answer_and_a_dash_for_untriaged_runs(workspace):
     summary = store.tags(triaged)["triage.summary"]
     assert summary.startswith("failed run: ")
     untriaged = _crashed_run(store)
-    store.log_metrics(untriaged, [("loss", float("nan"), 30)])
+    store.log_metrics(untriaged, [("loss", float("inf"), 30)])  # MLflow keeps it as the largest float
 
     listed = workspace.replay("runs", "--json")
     assert listed.returncode == 0, listed.stderr
     by_id = {run["run_id"]: run for run in json.loads(listed.stdout, parse_constant=_not_json)["runs"]}
     assert by_id[triaged]["triage"] == summary and by_id[untriaged]["triage"] is None
-    assert by_id[untriaged]["last_loss"] == "nan"  # strict JSON for jq and friends: no NaN literal
+    assert by_id[untriaged]["last_loss"] == "inf"  # an infinity again, in strict JSON for jq: no Infinity literal
 
     table = workspace.replay("runs", env=workspace.env(COLUMNS="400"))
     assert table.returncode == 0, table.stderr

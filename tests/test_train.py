@@ -217,6 +217,7 @@ def test_planted_nan_stops_with_exit_3_tags_and_emergency_snapshot(workspace):
     assert f"step {failing}" in run.stderr, run.stderr  # --json: stdout is the JSON alone, the one line on stderr
     result = run.json()
     assert result["status"] == "nonfinite" and result["first_nonfinite_step"] == failing and result["stopped"]
+    assert result["steps_completed"] == failing  # steps 0..failing-1: the failing one halted before its update
 
     store = workspace.store()
     tags = store.tags(result["run_id"])

@@ -1171,7 +1171,7 @@ def summarise(curves: Curves) -> dict[str, Any]:
     summary: dict[str, Any] = {"steps_logged": int(len(loss))}
     if len(finite):
         start = _initial_loss(finite)
-        # loss_end is the last logged (finite) loss: the same number `replay train` prints as its final loss;
+        # loss_end is the last finite loss logged (for a healthy run, the final loss `replay train` prints);
         # the detectors read robust levels (medians), given as loss_end_median
         end_median = _loss_levels(finite)[1] if len(finite) >= 10 else float(finite.values[-1])
         summary.update(first_step=int(finite.steps[0]), last_step=int(finite.steps[-1]), loss_start=_round(start),

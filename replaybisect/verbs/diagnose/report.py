@@ -17,7 +17,7 @@ JSON_FILE = "diagnosis.json"
 SUMMARY_LABELS = [
     ("steps_logged", "steps logged"),
     ("loss_start", "loss at start"),
-    ("loss_end", "final loss (last logged step, as `replay train` reports it)"),
+    ("loss_end", "final loss (the last finite one logged)"),
     ("loss_end_median", "loss at end (median of the last tenth)"),
     ("val_best", "best val_loss"),
     ("val_best_step", "  at step"),

@@ -7,7 +7,7 @@ from typing import Optional
 
 from replaybisect.errors import ReplayError
 from replaybisect.core.tags import step_tag_or_none
-from replaybisect.store import TAG, Store
+from replaybisect.store import TAG, Store, unclamped
 
 KINDS = ("train", "replay", "ablation-arm", "bisect", "bisect-trial", "check", "ablation", "diagnosis", "triage")
 STATUSES = ("ok", "nonfinite", "crashed", "killed", "running")
@@ -48,7 +48,7 @@ def _summary(run) -> RunSummary:
         status=status,
         first_nonfinite_step=first,  # None also for a tag that is not a step: one damaged run does not hide the list
         steps=None,
-        last_loss=run.data.metrics.get("loss"),
+        last_loss=unclamped(loss) if (loss := run.data.metrics.get("loss")) is not None else None,
         snapshot_steps=[int(s) for s in snapshot_tag.split(",") if s],
         started=datetime.datetime.fromtimestamp(run.info.start_time / 1000).isoformat(timespec="seconds"),
         parent_run_id=tags.get("mlflow.parentRunId"),

@@ -14,7 +14,7 @@ from replaybisect.store import Store
 class TrainResult:
     run_id: str
     status: str  # ok | nonfinite
-    steps_completed: int
+    steps_completed: int  # steps whose update was applied: a stopped run's failing step is not one (completed_steps)
     first_nonfinite_step: Optional[int]
     nonfinite_what: Optional[str]  # "loss" | "grad_norm"
     final_loss: Optional[float]
@@ -81,14 +81,20 @@ def train(
 
     # 4. the verdict
     status = session.finish()
+    stopped = stopped_by is not None or getattr(hooks, "halted", False)  # (a failure found at the last flush)
     return TrainResult(
         run_id=session.run_id,
         status=status,
-        steps_completed=hooks.steps_completed,
+        steps_completed=completed_steps(hooks.steps_completed, hooks.first_nonfinite_step, stopped),
         first_nonfinite_step=hooks.first_nonfinite_step,
         nonfinite_what=hooks.nonfinite_what,
         final_loss=hooks.last_loss,
-        stopped=stopped_by is not None or getattr(hooks, "halted", False),  # (a failure found at the last flush)
+        stopped=stopped,
         snapshot_steps=sorted(set(hooks.snapshot_steps)),
         tracking_uri=store.uri,
     )
+
+
+def completed_steps(steps_taken: int, first_nonfinite_step: Optional[int], stopped: bool) -> int:
+    """The steps a run completed: those it took, less a stopped run's failing step (halted before its update)."""
+    return first_nonfinite_step if stopped and first_nonfinite_step is not None else steps_taken

@@ -158,7 +158,7 @@ def train_this_rank(cfg, *, tracking_uri: Optional[str], run_name: Optional[str]
     from replaybisect.core import loop
     from replaybisect.core.config import needs_closure
     from replaybisect.errors import NonFiniteStep
-    from replaybisect.verbs.train.engine import TrainResult
+    from replaybisect.verbs.train.engine import TrainResult, completed_steps
 
     rank, world_size, local_rank = launched_rank()
     cfg, device_type = _rank_config(cfg, world_size, local_rank)
@@ -188,7 +188,8 @@ def train_this_rank(cfg, *, tracking_uri: Optional[str], run_name: Optional[str]
     hooks = recorder._hooks
     return TrainResult(
         run_id=recorder.run_id, status="nonfinite" if recorder.first_nonfinite_step is not None else "ok",
-        steps_completed=recorder.steps_taken, first_nonfinite_step=recorder.first_nonfinite_step,
+        steps_completed=completed_steps(recorder.steps_taken, recorder.first_nonfinite_step, stopped is not None),
+        first_nonfinite_step=recorder.first_nonfinite_step,
         nonfinite_what=stopped.what if stopped is not None else hooks.nonfinite_what, final_loss=recorder.last_loss,
         stopped=stopped is not None, snapshot_steps=sorted(set(hooks.snapshot_steps)), tracking_uri=recorder.store.uri,
     )
