@@ -111,9 +111,20 @@ def test_sweep_clip_prints_the_stable_range_and_its_cost(exploded):
     (["clip=-1"], ["arm 'clip=-1'", "must be a positive number"]),
     (["lr,fp8=1"], ["unknown arm 'fp8'", "valid arms: lr, clip"]),
     (["skip-batch=soon"], ["must be a step number"]),
-    (["--sweep", "precision"], ["--sweep 'precision' cannot be swept", "lr or clip"]),
+    (["--sweep", "precision"], ["--sweep 'precision' cannot be swept", "lr or clip", "or try precision as an arm"]),
     (["lr", "--sweep", "lr"], ["--sweep lr runs its own arms"]),
 ])
 def test_bad_arms_and_sweeps_are_one_line(workspace, args, fragments):
     assert_one_line_error(workspace.replay("ablate", *args, "--run-id", "0123"), *fragments)
     assert not (workspace.path / "mlflow.db").exists()
+
+
+def test_a_sweep_of_what_is_no_arm_suggests_no_arm():
+    """`--sweep bogus`: the one line says what --sweep takes, and suggests running it as an arm only for a real arm."""
+    from replaybisect.errors import ReplayError
+    from replaybisect.verbs.ablate.request import DEFAULT_HORIZON, check_options
+
+    with pytest.raises(ReplayError) as refused:
+        check_options(None, horizon=DEFAULT_HORIZON, workers=None, executor="local", from_step=None, sweep="bogus")
+    assert str(refused.value) == "--sweep 'bogus' cannot be swept; --sweep takes lr or clip (a number to search)"
+

@@ -158,7 +158,7 @@ def compose(config_dir: str | Path | None = None, config_name: str | None = None
         with initialize_config_dir(config_dir=str(config_dir), version_base="1.3"):
             cfg = hydra_compose(config_name=ENTRY_NAME, overrides=overrides)
     except (HydraException, OmegaConfBaseException, ValueError) as error:
-        problem = _override_problem(_one_line(error), config_dir, config_name, overrides)
+        problem = _override_problem(_one_line(error), config_dir, config_name, overrides, error.__cause__)
         raise ConfigError(_clip_words(problem) + "; see `replay train --help` for overrides") from None
     except YAMLError as error:
         raise ConfigError(_yaml_problem(error)) from None
@@ -175,7 +175,8 @@ def compose(config_dir: str | Path | None = None, config_name: str | None = None
     return cfg
 
 
-def _override_problem(text: str, config_dir: Path, config_name: str, overrides: list[str]) -> str:
+def _override_problem(text: str, config_dir: Path, config_name: str, overrides: list[str],
+                      cause: BaseException | None = None) -> str:
     """Hydra's message for a misspelled key or group option, said the way a user fixes it: the key or option
     that was probably meant (Hydra suggests `+key=` for a typo and lists its config search path)."""
     import difflib
@@ -194,6 +195,9 @@ def _override_problem(text: str, config_dir: Path, config_name: str, overrides: 
         close = difflib.get_close_matches(key, _known_keys(config_dir, config_name, rest), n=1)
         return (f"no key '{key}' in the config" + (f"; did you mean {close[0]}?" if close else "")
                 + f" (a new key is added with +{unknown_key[2]})")
+    bad_value = re.match(r"Error merging override ([^=]+)=(.*)", text)
+    if bad_value and cause is not None:  # the schema's type check: OmegaConf's words say which type it wants
+        return f"{bad_value[1]}={bad_value[2]}: {_one_line(cause)}"
     return text
 
 

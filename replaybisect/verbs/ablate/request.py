@@ -119,8 +119,9 @@ def check_options(arms, *, horizon: int, workers: Optional[int], executor: str, 
                   patch: Optional[str] = None, sweep: Optional[str] = None) -> list[ArmSpec]:
     """Everything about the options that is wrong before any run is read (light: no torch, no MLflow)."""
     if sweep is not None and sweep not in SWEEPS:
-        raise ReplayError(f"--sweep {sweep[:80]!r} cannot be swept; --sweep takes {' or '.join(SWEEPS)} (a number to search), "
-                          f"or try {sweep[:80]} as an arm: replay ablate {sweep[:80]}")
+        as_arm = f", or try {sweep} as an arm: replay ablate {sweep}" if sweep in interventions.names() else ""
+        raise ReplayError(f"--sweep {sweep[:80]!r} cannot be swept; --sweep takes {' or '.join(SWEEPS)} (a number to search)"
+                          + as_arm)
     if sweep is not None and (patch is not None or (arms and str(arms).strip())):
         raise ReplayError(f"--sweep {sweep} runs its own arms; leave out the arms{' and --patch' if patch else ''} (run them in another `replay ablate`)")
     names = parse_arms(arms, default_all=patch is None) if sweep is None else []
