@@ -195,9 +195,13 @@ def _override_problem(text: str, config_dir: Path, config_name: str, overrides: 
         close = difflib.get_close_matches(key, _known_keys(config_dir, config_name, rest), n=1)
         return (f"no key '{key}' in the config" + (f"; did you mean {close[0]}?" if close else "")
                 + f" (a new key is added with +{unknown_key[2]})")
-    bad_value = re.match(r"Error merging override ([^=]+)=(.*)", text)
+    bad_value = re.match(r"Error merging override ([^=]+=.*)", text)
     if bad_value and cause is not None:  # the schema's type check: OmegaConf's words say which type it wants
-        return f"{bad_value[1]}={bad_value[2]}: {_one_line(cause)}"
+        wanted = re.search(r"could not be converted to (\w+)", str(cause))
+        if wanted:
+            kind = {"integer": "an integer", "float": "a number", "bool": "true or false"}.get(wanted[1].lower(), wanted[1])
+            return f"{bad_value[1]} is not {kind}"
+        return f"{bad_value[1]} ({_one_line(cause)})"
     return text
 
 
