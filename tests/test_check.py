@@ -142,3 +142,18 @@ def test_bad_input_is_one_line_exit_2(shared):
     assert_one_line_error(shared.replay("check", "--run-id", bare, "model=cnn"), "either --run-id or a config")
     # nothing was recorded for any of them
     assert {r.info.run_id for r in store.search_runs(max_results=1000)} == before
+
+
+def test_a_loss_that_turns_non_finite_whatever_the_lr_is_not_blamed_on_the_lr(shared):
+    """examples/nan_forward overflows in its forward after ~20 steps at any lr: the range test's sweep stops there,
+    the same steps at its lowest lr stop too, so it suggests no lr and points at `replay nan` instead."""
+    import replaybisect as rb
+
+    from conftest import EXAMPLES
+
+    report = rb.check(["train.num_threads=1"], config_dir=EXAMPLES / "nan_forward", lr_steps=40,
+                      tracking_uri=shared.tracking_uri)
+    found = {c.name: c for c in report.checks}["lr.range_test"]
+    assert found.status == "fail" and "not the learning rate" in found.detail, found.detail
+    assert report.lr_range.stop_reason == "fault" and report.lr_range.suggested_lr is None
+    assert found.extra["lr_judgement"] is None

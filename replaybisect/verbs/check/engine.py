@@ -601,10 +601,13 @@ class CheckContext:
         if self._lr_range is None:
             opts = self.options
             state = self._initial() if self._initial else self.copy()
-            self._lr_range = lr_finder.lr_range_test(
-                state, lambda i: loop.to_device(self.initial_batch(i), state.device),
-                lr_min=opts.lr_min, lr_max=opts.lr_max, steps=opts.lr_steps,
-            )
+            batch_of = lambda i: loop.to_device(self.initial_batch(i), state.device)  # noqa: E731
+            result = lr_finder.lr_range_test(state, batch_of, lr_min=opts.lr_min, lr_max=opts.lr_max, steps=opts.lr_steps)
+            if result.stop_reason == "nonfinite" and len(result.lrs) > lr_finder.SKIP_BEGIN:
+                control = self._initial() if self._initial else self.copy()
+                if lr_finder.nonfinite_at_lowest_lr(control, batch_of, result):
+                    result.stop_reason, result.suggested_lr, result.suggested_index = "fault", None, None
+            self._lr_range = result
         return self._lr_range
 
     def lr_judgement(self) -> Optional[str]:
@@ -612,6 +615,8 @@ class CheckContext:
         that lr, None when it cannot tell (no suggestion, or an lr past a sweep that never blew up)."""
         result = self.lr_range()
         lr = self.lr.lr
+        if result.stop_reason == "fault":  # non-finite whatever the lr: the sweep says nothing about it
+            return None
         stopped = result.diverged_lr is not None and result.stop_reason != "completed"
         if stopped and lr * LR_DIVERGENCE_MARGIN > result.diverged_lr:
             return "high"
@@ -1374,10 +1379,12 @@ def lr_range_test(ctx: CheckContext) -> Check:
     extra = {"lr_range": result, "configured_lr": lr, "lr_judgement": ctx.lr_judgement()}
     sweep = f"{len(result.lrs)} steps {opts.lr_min:.0e}..{result.lrs[-1]:.2g}" + ("" if ctx.at_init else ", from the run's initialization")
     stop = f", stopped at lr {result.diverged_lr:.3g} ({result.stop_reason})" if result.diverged_lr else ""
-    if result.stop_reason == "nonfinite" and len(result.lrs) <= lr_finder.SKIP_BEGIN:
+    if result.stop_reason == "fault" or (result.stop_reason == "nonfinite" and len(result.lrs) <= lr_finder.SKIP_BEGIN):
+        why = (f"and by then again with the lr held at {opts.lr_min:.0e}: not the learning rate"
+               if result.stop_reason == "fault" else "far too small to blame the learning rate")
         return Check(
             "lr.range_test", "fail", None,
-            f"the loss was non-finite at sweep step {len(result.lrs) - 1}, lr {result.diverged_lr:.2g}: far too small to blame the learning rate; "
+            f"the loss was non-finite at sweep step {len(result.lrs) - 1}, lr {result.diverged_lr:.2g}, {why}; "
             "a NaN/Inf in the data or the model comes first (see data.finite; after a run, `replay nan`)",
             extra=extra,
         )

@@ -32,7 +32,7 @@ class LRRangeResult:
     suggested_index: Optional[int] = None
     best_lr: Optional[float] = None  # lr at the lowest smoothed loss
     diverged_lr: Optional[float] = None  # lr at which the sweep stopped: loss > 4x best or non-finite
-    stop_reason: str = "completed"  # completed | diverged | nonfinite
+    stop_reason: str = "completed"  # completed | diverged | nonfinite | fault (non-finite at the lowest lr too)
     planned_steps: int = 0
 
     def to_json(self) -> dict[str, Any]:
@@ -117,3 +117,20 @@ def lr_range_test(
         result.suggested_index = index
         result.suggested_lr = result.lrs[index]
     return result
+
+
+def nonfinite_at_lowest_lr(state, batch_of: Callable[[int], Any], result: LRRangeResult) -> bool:
+    """The sweep's steps again on `state` (a fresh copy the caller owns) with the lr held at the sweep's lowest: True
+    when the loss turns non-finite there too, by the step the sweep stopped at. Then the fault is the data's or the
+    model's (a planted overflow fires whatever the lr), not the learning rate's, and the sweep suggests nothing."""
+    from replaybisect.core import loop
+
+    state.scheduler = None
+    for group in state.optimizer.param_groups:
+        group["lr"] = result.lrs[0]
+    for index in range(len(result.lrs)):
+        outcome = loop.run_step(state, index, batch_of(index))
+        if outcome.nonfinite or not math.isfinite(outcome.loss):
+            return True
+    return False
+

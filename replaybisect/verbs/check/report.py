@@ -46,6 +46,9 @@ def _next_steps(report) -> list[str]:
                      "`replay nan --run-id` says where they come from")
     elif wiring & {"overfit.one_batch", "grad.missing", "loss.output_mismatch"}:
         hints.append("fix the model/loss wiring, then re-run `replay check` before training")
+    if lr and lr.stop_reason == "fault" and "grad.nonfinite" not in failing:
+        hints.append("the loss turns non-finite whatever the lr: " + (f"`replay nan --run-id {report.checked_run_id}` says where"
+                     if report.checked_run_id else "train it, then `replay nan --run-id ID` says where it comes from"))
     range_check = report.find("lr.range_test")
     judged = range_check.extra.get("lr_judgement") if range_check is not None else None
     # a low lr is worth changing only when the model does not learn at it (a short sweep's steepest point is no target)
