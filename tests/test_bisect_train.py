@@ -78,16 +78,29 @@ def test_clear_bisect_leaves_the_repository_untouched_and_records_runs(clear):
     assert {"bisect.md", "bisect.png", "bisect.json"} <= {item.path for item in store.list_artifacts(report["run_id"])}
 
 
-def test_second_bisect_trains_nothing(clear):
+def test_second_bisect_trains_nothing_and_its_summary_wraps_in_its_box(clear, monkeypatch):
+    """Through the API, with the first bisect's cache; printed as `replay bisect` prints it, piped and narrow: the
+    summary box wraps its long lines (the test it ran) instead of cutting them."""
+    import io
+
+    from rich.console import Console
+
+    import replaybisect as rb
+    from replaybisect.verbs.bisect.report import render
+
     workspace, repo, shas, before, report = clear
     store = workspace.store()
     runs_before = _all_trial_runs(store)
-    again = workspace.replay("bisect", "--repo", str(repo.path), "--json", shas[0], shas[-1], "--workers", "2")
-    assert again.returncode == 0, again.stderr
-    assert again.json()["first_bad"] == shas[REGRESSION_AT]
-    assert again.json()["n_runs"] == 0 and again.json()["n_cached"] == report["n_runs"]
+    monkeypatch.chdir(workspace.path)
+    monkeypatch.setenv("REPLAYBISECT_CACHE", workspace.env()["REPLAYBISECT_CACHE"])
+    again = rb.bisect(shas[0], shas[-1], repo=repo.path, workers=2, tracking_uri=workspace.tracking_uri)
+    assert again.first_bad == shas[REGRESSION_AT]
+    assert again.n_runs == 0 and again.n_cached == report["n_runs"]
     assert _all_trial_runs(store) == runs_before
     assert repo_fingerprint(repo.path) == before
+    printed = io.StringIO()
+    render(again, Console(file=printed, width=100, soft_wrap=True))  # as report.console is, piped
+    assert "else one more seed" in printed.getvalue(), printed.getvalue()
 
 
 def test_bad_that_passes_is_reported_with_the_measured_numbers(clear):

@@ -63,7 +63,7 @@ def render(result: "BisectResult", console) -> None:
               f"{result.n_runs} runs trained, {result.n_cached} reused from earlier bisects, {result.seconds:.1f}s"]
     if result.run_id:
         lines.append(f"MLflow run {result.run_id} (bisect.md, bisect.png)")
-    console.print(Panel("\n".join(lines), title="replay bisect", expand=False))
+    console.print(Panel("\n".join(lines), title="replay bisect", expand=False), soft_wrap=False)  # wrapped inside its box, not cut
 
 
 def to_markdown(result: "BisectResult") -> str:
