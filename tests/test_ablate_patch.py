@@ -103,16 +103,18 @@ def test_a_patch_that_does_not_import_is_one_line(failed):
     broken = write(ws, "broken/fix_broken.py", "import torch\n\ndef forward(:\n")
     assert_one_line_error(ws.replay("ablate", "--patch", str(broken), "--run-id", run.run_id),
                           "--patch fix_broken.py: fix_broken does not import: SyntaxError", "line 3")
-    raising = write(ws, "raising/fix_raising.py", "import planted_forward\nraise RuntimeError('not yet')\n")
+    raising = write(ws, "raising/fix_raising.py", "import planted_forward\nraise RuntimeError('not yet')\n\n\n"
+                    "class GatedMLP(planted_forward.GatedMLP):\n    pass\n")  # defines the run's class, so it is imported
     assert_one_line_error(ws.replay("ablate", "--patch", str(raising), "--run-id", run.run_id),
                           "does not import: RuntimeError: not yet (fix_raising.py, line 2)")
 
 
 def test_a_patch_that_defines_none_of_the_runs_modules_is_one_line(failed):
     ws, run = failed
-    unrelated = write(ws, "other/helpers.py", "class Unrelated:\n    pass\n")
+    unrelated = write(ws, "other/helpers.py", "open(__file__ + '.ran', 'w').close()\n\n\nclass Unrelated:\n    pass\n")
     assert_one_line_error(ws.replay("ablate", "--patch", str(unrelated), "--run-id", run.run_id),
                           "--patch helpers.py defines none of the run's modules or classes", "planted_forward.GatedMLP")
+    assert not unrelated.with_name("helpers.py.ran").exists()  # read, never run: a script would train on import
     folder = unrelated.parent
     assert_one_line_error(ws.replay("ablate", "--patch", str(folder), "--run-id", run.run_id),
                           "--patch other defines none of the run's modules")

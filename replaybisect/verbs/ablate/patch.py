@@ -93,6 +93,7 @@ def load_patch(path: Path, cfg) -> Patch:
     targets = _own_targets(cfg)
     target_modules = list(dict.fromkeys(t.rpartition(".")[0] for t in targets))
     modules = _module_names(path)
+    _refuse_the_script(path, modules, cfg)
     run_modules = set(target_modules) | {name for name in modules if _imported_elsewhere(name, modules[name])}
     replaced = tuple(name for name in modules if name in run_modules)
     folder = path if path.is_dir() else path.parent
@@ -109,6 +110,31 @@ def load_patch(path: Path, cfg) -> Patch:
         for name in replaced:
             _import_from(name, modules[name], path)
     return patch
+
+
+def _refuse_the_script(path: Path, modules: dict[str, Path], cfg) -> None:
+    """A run recorded by a script: a patch holding that script (its file name) is refused before anything imports
+    it, since importing a script trains."""
+    script = (cfg.train.get("script") or {}).get("path")
+    if script is None:
+        return
+    name = Path(script).name
+    if any(file.name == name and file.parent == (path if path.is_dir() else path.parent) for file in modules.values()):
+        raise ReplayError(f"--patch {path.name}: {name} is the script that recorded this run, and a patch replaces the "
+                          "modules a script imports, not the script; move the code you changed into a module your "
+                          "script imports (then patch that module), or fix the script and train again; nothing was run")
+
+
+def _defines(path: Path, names: set[str]) -> bool:
+    """The file defines one of `names` at its top level (class or def), read without running it."""
+    import ast
+
+    try:
+        tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    except (SyntaxError, ValueError, UnicodeDecodeError, OSError):
+        return True  # let the import say what is wrong, in its one line
+    return any(isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.name in names
+               for node in tree.body)
 
 
 def _imported_elsewhere(name: str, file: Path) -> bool:
@@ -143,6 +169,8 @@ def _one_line(error: BaseException, file: Path) -> str:
 def _class_rewrites(path: Path, targets: list[str], folder: Path) -> dict[str, str]:
     """recorded target -> `stem.Name` for every target whose name the patch file defines itself: a class (a model),
     or a function (an own loop's step or build function). A name it only imports is the recorded object: no change."""
+    if not _defines(path, {target.rpartition(".")[2] for target in targets}):
+        return {}  # nothing to rewrite: never import (run) a file that cannot replace anything
     patch = Patch(path=str(path), folder=str(folder), replaced=(), evicted=(path.stem,))
     with patched_modules(patch):
         module = _import_from(path.stem, path, path)

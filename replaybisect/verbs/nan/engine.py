@@ -249,7 +249,7 @@ def find_nan(
         scaled = buffer_scaling(state.model, start_tensors)
         _judge_divergence(report, result, state.model, layers, recorded_layer_series(store, run_id, "grad_norm"),
                           recorded_layer_series(store, run_id, "weight_norm"), scaled)
-        _suggest(report, result)
+        _suggest(report, result, (cfg.train.get("script") or {}).get("path"))
         report.headline = headline(report)
     timings["total_s"] = time.perf_counter() - started
     report.timings = {k: round(v, 3) for k, v in timings.items()}
@@ -1005,7 +1005,7 @@ def linear_fit(xs: list[float], ys: list[float]) -> tuple[float, float, float]:
 
 
 # ---- what to try next --------------------------------------------------------------------------------------------
-def _suggest(report: NanReport, results: _StepResults) -> None:
+def _suggest(report: NanReport, results: _StepResults, script: Optional[str] = None) -> None:
     """The ablate arms to try, chosen from the verdict's fields (category, precision, history, update, origin)."""
     if report.category == "transient":
         report.suggestion = (
@@ -1022,17 +1022,18 @@ def _suggest(report: NanReport, results: _StepResults) -> None:
     CATEGORY_ARMS.get(report.category, lambda report, choice: None)(report, choice)
     assert report.category in CATEGORIES and set(choice.arms) <= set(ARMS), (report.category, choice.arms)
     _write_suggestion(report, choice)
-    _propose_fix(report)
+    _propose_fix(report, script)
 
 
-def _propose_fix(report: NanReport) -> None:
-    """An op-level fault of a known pattern: the change to make at the op's line, and the command proving it."""
+def _propose_fix(report: NanReport, script: Optional[str]) -> None:
+    """An op-level fault of a known pattern: the change to make at the op's line, and the command proving it (none
+    when the line is in the run's own script, `script`)."""
     from replaybisect.verbs.nan import fixes
 
     change = fixes.fix_for(report.op) if report.category in ("forward", "loss", "backward") else None
     if change is None:
         return
-    prove = fixes.patch_command(report.run_id, report.source)
+    prove = fixes.patch_command(report.run_id, report.source, script)
     report.fix = {"op": report.op, "change": change, **({"prove": prove} if prove else {})}
     where = f" at {_line_of(report.source)}" if report.source else ""
     report.suggestion += f"\nfix {report.op}{where}: {change}" + (

@@ -40,9 +40,12 @@ def source_file(source: Optional[str]) -> Optional[Path]:
     return Path(source.split(":", 1)[0])
 
 
-def patch_command(run_id: str, source: Optional[str]) -> Optional[str]:
-    """The command that proves a fix of the op's file: the user's fixed copy replaces the recorded module."""
+def patch_command(run_id: str, source: Optional[str], script: Optional[str] = None) -> Optional[str]:
+    """The command that proves a fix of the op's file: the user's fixed copy replaces the recorded module. None for
+    the run's own script (`script`): a patch replaces modules a script imports, never the script that trains."""
     path = source_file(source)
     if path is None or path.suffix != ".py":
+        return None
+    if script is not None and path.resolve() == Path(script).resolve():
         return None
     return f"replay ablate --patch fixed/{path.name} --run-id {run_id}"
