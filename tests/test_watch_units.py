@@ -192,6 +192,12 @@ def test_the_next_command_is_the_proven_fix_as_a_replay_train_override():
     assert conclude("nonfinite", "R", lines, "x", TRAINED, ["nan", "ablate"], {"optim.lr": "0.003"}).next_command.endswith(" optim.lr=0.0003")
     own = conclude("nonfinite", "R", lines, "train gpt_loop (own loop)", {"replaybisect.loop": "user"}, ["nan", "ablate"])
     assert own.next_command == "in your training code: optim.lr 0.003 -> 0.0003 (the ablation's lr arm trains past the failure)"
+    # a bad batch: dropping it is how the ablation proves the cause, not the fix to make
+    dropped = _lines(("nan", NAN_FORWARD), ("ablate", _ablation(_arm("skip-batch", "batch of step 25 dropped", "fixes"))))
+    for tags in ({"replaybisect.loop": "user"}, TRAINED):
+        assert conclude("nonfinite", "R", dropped, "x", tags, ["nan", "ablate"]).next_command == (
+            "fix the data: the batch of step 25 is what fails (the ablation's skip-batch arm, which drops it, trains past "
+            "the failure); inspect that batch and your data pipeline")
     clipped = _lines(("nan", NAN_FORWARD), ("ablate", _ablation(_arm("clip", "clip the gradient norm at 1 before each update", "fixes", label="clip=1"))))
     lightning = {"replaybisect.loop": "user", "replaybisect.trainer": "lightning"}
     assert conclude("nonfinite", "R", clipped, "train lit", lightning, ["nan", "ablate"]).next_command == \

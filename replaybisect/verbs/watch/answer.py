@@ -223,12 +223,15 @@ def _apply_fix(lines: dict[str, str], run_name: str, run_tags: dict[str, str], r
     change = lines.get(key("ablate", "fix.change"), "")
     if not change:
         return ""
+    arm = lines.get(key("ablate", "fix.arm"), "")
+    if arm.partition("=")[0] == "skip-batch":  # dropping the batch is a workaround: the data is what to fix
+        return (f"fix the data: the {change.removesuffix(' dropped')} is what fails (the ablation's {arm} arm, which drops "
+                "it, trains past the failure); inspect that batch and your data pipeline")
     override = lines.get(key("ablate", "fix"), "")
     if run_tags.get(TAG + "loop") != "user" and override:
         if run_params is not None and _override_key(override) not in run_params:  # e.g. optim.eps, a class default
             override = "++" + override
         return train_command(run_tags, run_name, override)
-    arm = lines.get(key("ablate", "fix.arm"), "")
     proof = f"(the ablation's {arm} arm trains past the failure)"
     if run_tags.get(TAG + "trainer") == "lightning":
         name, _, value = arm.partition("=")
