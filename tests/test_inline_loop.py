@@ -201,6 +201,9 @@ def test_a_script_that_crashes_fails_its_run_and_one_without_close_finishes_it(p
         result = rb.ablate(_run_id(diverged), ["lr"], horizon=60, workers=1, tracking_uri=workspace.tracking_uri, publish=False)
     lr_arm = next(arm for arm in result.arms if arm.name == "lr")
     assert result.verdicts() == {"lr": "fixes"} and max(lr_arm.losses) == 14, result.conclusion
+    from replaybisect.verbs.ablate.report import to_markdown  # its header and legend say where the loop ended
+
+    assert "the loop ended at step 14" in to_markdown(result) and "fixes: finite through step 14 " in to_markdown(result)
     (folder / "no_close.py").unlink()
 
 

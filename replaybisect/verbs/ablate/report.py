@@ -42,7 +42,7 @@ def _definitions(result) -> str:
         else "no pre-failure losses recorded: only non-finite steps count as failures"
     )
     return (
-        f"fixes: finite through step {result.end_step - 1} and the loss does not blow up; delays: fails later "
+        f"fixes: finite through step {last_step_run(result)} and the loss does not blow up; delays: fails later "
         f"(or finite but blown up); no-effect: fails at the same step; worse: fails earlier. {reference}."
     )
 
@@ -53,7 +53,18 @@ def _header(result) -> str:
         f" (snapshot {result.snapshot_step})" if result.snapshot_step != result.start_step else " (snapshot)"
     )
     climb = f", its loss climbing since step {result.divergence_onset}" if result.divergence_onset is not None else ""
-    return f"run {result.run_id} {failing}{climb}; arms replayed {start} to step {result.end_step - 1} (horizon {result.horizon})"
+    ended = last_step_run(result)
+    loop_end = f"; the loop ended at step {ended}" if ended < result.end_step - 1 else ""
+    return (f"run {result.run_id} {failing}{climb}; arms replayed {start} to step {result.end_step - 1} "
+            f"(horizon {result.horizon}{loop_end})")
+
+
+def last_step_run(result) -> int:
+    """The last step the arms that stayed finite ran: the horizon's end, or sooner where a script's own loop ended
+    first (an arm that failed stopped at its failure, which says nothing of the loop's end)."""
+    end = result.end_step - 1
+    finite = [arm for arm in (result.baseline, *result.arms) if arm.first_nonfinite_step is None and arm.losses and not arm.error]
+    return max((min(max(arm.losses), end) for arm in finite), default=end)
 
 
 def _notes(result) -> list[str]:
