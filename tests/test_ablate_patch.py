@@ -19,16 +19,20 @@ MAX_SUBTRACTED = "scaled = x / self.temperature\n        weights = torch.exp(sca
 # A fix in a file of its own, defining a class named as the config's `_target_` (planted_forward.GatedMLP)
 SOFTMAX_FIX = EXAMPLES / "ablate_patch" / "softmax_fix.py"
 
-# A change elsewhere in the same model: the gate still overflows
+# A change elsewhere in the same model: the gate still overflows. Bound to the run's class name by assignment, which
+# a patch is read for (ast) before it is imported.
 UNRELATED = '''
 import torch
 
 import planted_forward
 
 
-class GatedMLP(planted_forward.GatedMLP):
+class ClampedInput(planted_forward.GatedMLP):
     def forward(self, x):
         return super().forward(x.clamp(-10.0, 10.0))  # clamps the input, not the exp's argument
+
+
+GatedMLP = ClampedInput
 '''
 
 

@@ -711,6 +711,9 @@ def _plan_arms(store, run_id: str, specs: list[ArmSpec], from_step: Optional[int
     from replaybisect import restore as restore_mod
 
     cfg = restore_mod.run_config(store, run_id, trust)  # RunNotFound first
+    if patch_path is not None and cfg.train.get("script") is not None:  # before the patch is read, let alone imported
+        raise ReplayError(f"run {run_id} was recorded from a script, which each arm runs again on this machine with the "
+                          "script's own code: leave out --patch (edit the script and record again)")
     failing_step = _checked_failing_step(store, run_id, from_step)
     warnings: list[str] = []
     logged = restore_mod.logged_losses(store, run_id)
@@ -867,9 +870,9 @@ def ablate(
     from replaybisect.verbs.ablate.patch import check_path
 
     plan, snapshot = _plan_arms(store, run_id, specs, from_step, horizon, trust, check_path(patch) if patch else None)
-    if plan.cfg.train.get("script") is not None and (executor != "local" or patch):
+    if plan.cfg.train.get("script") is not None and executor != "local":
         raise ReplayError(f"run {run_id} was recorded from a script, which each arm runs again on this machine with the "
-                          "script's own code: leave out " + ("--patch (edit the script and record again)" if patch else "--executor submitit"))
+                          "script's own code: leave out --executor submitit")
     runner = _Runner(store, run_id, plan, trust, executor, workers, submitit_options, progress, on_plan)
     if sweep is not None:
         from replaybisect.verbs.ablate.sweep import run_sweep

@@ -93,7 +93,6 @@ def load_patch(path: Path, cfg) -> Patch:
     targets = _own_targets(cfg)
     target_modules = list(dict.fromkeys(t.rpartition(".")[0] for t in targets))
     modules = _module_names(path)
-    _refuse_the_script(path, modules, cfg)
     run_modules = set(target_modules) | {name for name in modules if _imported_elsewhere(name, modules[name])}
     replaced = tuple(name for name in modules if name in run_modules)
     folder = path if path.is_dir() else path.parent
@@ -112,29 +111,33 @@ def load_patch(path: Path, cfg) -> Patch:
     return patch
 
 
-def _refuse_the_script(path: Path, modules: dict[str, Path], cfg) -> None:
-    """A run recorded by a script: a patch holding that script (its file name) is refused before anything imports
-    it, since importing a script trains."""
-    script = (cfg.train.get("script") or {}).get("path")
-    if script is None:
-        return
-    name = Path(script).name
-    if any(file.name == name and file.parent == (path if path.is_dir() else path.parent) for file in modules.values()):
-        raise ReplayError(f"--patch {path.name}: {name} is the script that recorded this run, and a patch replaces the "
-                          "modules a script imports, not the script; move the code you changed into a module your "
-                          "script imports (then patch that module), or fix the script and train again; nothing was run")
-
-
 def _defines(path: Path, names: set[str]) -> bool:
-    """The file defines one of `names` at its top level (class or def), read without running it."""
+    """The file binds one of `names` at its top level (a class, a def, an assignment such as `GatedMLP = StableMLP`,
+    also under a top-level if/try/with), read without running it."""
     import ast
 
     try:
         tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
     except (SyntaxError, ValueError, UnicodeDecodeError, OSError):
         return True  # let the import say what is wrong, in its one line
-    return any(isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.name in names
-               for node in tree.body)
+    return bool(_top_level_names(tree.body) & names)
+
+
+def _top_level_names(body: list) -> set[str]:
+    import ast
+
+    bound: set[str] = set()
+    for node in body:
+        if isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            bound.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            bound |= {name.id for target in targets for name in ast.walk(target) if isinstance(name, ast.Name)}
+        elif isinstance(node, (ast.If, ast.Try, ast.With)):
+            blocks = [node.body, getattr(node, "orelse", []), getattr(node, "finalbody", [])]
+            blocks += [handler.body for handler in getattr(node, "handlers", [])]
+            bound |= set().union(*(_top_level_names(block) for block in blocks))
+    return bound
 
 
 def _imported_elsewhere(name: str, file: Path) -> bool:

@@ -605,6 +605,7 @@ class CheckContext:
             result = lr_finder.lr_range_test(state, batch_of, lr_min=opts.lr_min, lr_max=opts.lr_max, steps=opts.lr_steps)
             if result.stop_reason == "nonfinite" and len(result.lrs) > lr_finder.SKIP_BEGIN:
                 control = self._initial() if self._initial else self.copy()
+                seed_everything(self.seed)  # the sweep's random draws again (dropout), so only the lr differs
                 if lr_finder.nonfinite_at_lowest_lr(control, batch_of, result):
                     result.stop_reason, result.suggested_lr, result.suggested_index = "fault", None, None
             self._lr_range = result

@@ -1027,7 +1027,7 @@ def _suggest(report: NanReport, results: _StepResults, script: Optional[str] = N
 
 def _propose_fix(report: NanReport, script: Optional[str]) -> None:
     """An op-level fault of a known pattern: the change to make at the op's line, and the command proving it (none
-    when the line is in the run's own script, `script`)."""
+    for a run recorded by a script, `script`: its arms take no --patch)."""
     from replaybisect.verbs.nan import fixes
 
     change = fixes.fix_for(report.op) if report.category in ("forward", "loss", "backward") else None

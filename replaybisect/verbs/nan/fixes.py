@@ -41,11 +41,9 @@ def source_file(source: Optional[str]) -> Optional[Path]:
 
 
 def patch_command(run_id: str, source: Optional[str], script: Optional[str] = None) -> Optional[str]:
-    """The command that proves a fix of the op's file: the user's fixed copy replaces the recorded module. None for
-    the run's own script (`script`): a patch replaces modules a script imports, never the script that trains."""
+    """The command that proves a fix of the op's file: the user's fixed copy replaces the recorded module. None for a
+    run recorded by a script (`script`): its arms run the script's own code, so `replay ablate` takes no --patch."""
     path = source_file(source)
-    if path is None or path.suffix != ".py":
-        return None
-    if script is not None and path.resolve() == Path(script).resolve():
+    if path is None or path.suffix != ".py" or script is not None:
         return None
     return f"replay ablate --patch fixed/{path.name} --run-id {run_id}"
