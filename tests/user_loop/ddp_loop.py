@@ -11,6 +11,7 @@ own run's steps, NaN step and sharding (PLANT:steps=N:nan-step=K:fsdp); its line
 
 Run: torchrun --nproc_per_node 2 ddp_loop.py --steps 20 [--nan-step 12] [--lr 0.05] [--plant SPEC,...] [--fsdp]"""
 import argparse
+import datetime
 import os
 import time
 
@@ -88,6 +89,9 @@ def main():
             record(args, run)
         except replaybisect.NonFiniteStep as stop:
             if position == len(runs) - 1 and not run["fsdp"]:
+                # every rank is here before any ends the job: a rank leaving while its peer is still in a collective
+                # can abort the peer (SIGABRT, seen once in seven whole-suite runs) before the peer prints its line
+                dist.monitored_barrier(timeout=datetime.timedelta(seconds=120))
                 raise
             print(f"rank {dist.get_rank()} {run['label']}: {stop}", flush=True)
     dist.destroy_process_group()
