@@ -477,7 +477,7 @@ def judge_arm(arm: ArmOutcome, failing_step: Optional[int], baseline_failed: boo
         else:
             arm.verdict, arm.reason = "no-effect", "finite, as the baseline"
         return
-    through = min(max(arm.losses, default=end - 1), end - 1)  # the last step run (a script's loop may end sooner)
+    through = last_step_of(arm, end)
     if first is None and through <= failing_step:
         arm.verdict, arm.reason = "inconclusive", f"the arm ran to step {through} only, not past the failing step {failing_step}"
         return
@@ -673,6 +673,11 @@ def _checked_failing_step(store, run_id: str, from_step: Optional[int]) -> Optio
     if failing_step is not None and from_step is not None and from_step > failing_step:
         raise ReplayError(f"--from-step {from_step} is after the failing step {failing_step}; pass a step <= {failing_step}")
     return failing_step
+
+
+def last_step_of(arm: ArmOutcome, end: int) -> int:
+    """The last step `arm` ran before `end` (exclusive): a script's own loop may end sooner."""
+    return min(max(arm.losses, default=end - 1), end - 1)
 
 
 def _reference_loss(logged: dict[int, float], start: int, anchor: int, onset: Optional[int]) -> tuple[Optional[float], Optional[float]]:

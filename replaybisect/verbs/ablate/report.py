@@ -62,9 +62,10 @@ def _header(result) -> str:
 def last_step_run(result) -> int:
     """The last step the arms that stayed finite ran: the horizon's end, or sooner where a script's own loop ended
     first (an arm that failed stopped at its failure, which says nothing of the loop's end)."""
-    end = result.end_step - 1
+    from replaybisect.verbs.ablate.engine import last_step_of
+
     finite = [arm for arm in (result.baseline, *result.arms) if arm.first_nonfinite_step is None and arm.losses and not arm.error]
-    return max((min(max(arm.losses), end) for arm in finite), default=end)
+    return max((last_step_of(arm, result.end_step) for arm in finite), default=result.end_step - 1)
 
 
 def _notes(result) -> list[str]:

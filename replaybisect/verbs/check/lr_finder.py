@@ -87,7 +87,6 @@ def lr_range_test(
 ) -> LRRangeResult:
     """Sweep the learning rate on `state` (a copy the caller owns). `batch_of(i)` is the i-th batch on
     the state's device. The scheduler is switched off: the sweep sets every group's lr itself."""
-    from replaybisect.core import loop
 
     if not 0 < lr_min < lr_max:
         raise ValueError(f"LR range test needs 0 < lr_min < lr_max, got {lr_min} and {lr_max}")
@@ -95,12 +94,10 @@ def lr_range_test(
     result = LRRangeResult(planned_steps=steps)
     best = math.inf
     for index, lr in enumerate(lr_schedule(lr_min, lr_max, steps)):
-        for group in state.optimizer.param_groups:
-            group["lr"] = lr
-        outcome = loop.run_step(state, index, batch_of(index))
+        outcome, nonfinite = _step_at(state, lr, index, batch_of)
         result.lrs.append(lr)
         result.losses.append(outcome.loss)
-        if outcome.nonfinite or not math.isfinite(outcome.loss):
+        if nonfinite:
             result.smoothed.append(math.nan)
             result.diverged_lr, result.stop_reason = lr, "nonfinite"
             break
@@ -123,14 +120,16 @@ def nonfinite_at_lowest_lr(state, batch_of: Callable[[int], Any], result: LRRang
     """The sweep's steps again on `state` (a fresh copy the caller owns) with the lr held at the sweep's lowest: True
     when the loss turns non-finite there too, by the step the sweep stopped at. Then the fault is the data's or the
     model's (a planted overflow fires whatever the lr), not the learning rate's, and the sweep suggests nothing."""
+    state.scheduler = None
+    return any(_step_at(state, result.lrs[0], index, batch_of)[1] for index in range(len(result.lrs)))
+
+
+def _step_at(state, lr: float, index: int, batch_of: Callable[[int], Any]):
+    """One step of the sweep at `lr` (every group's), the one code path training uses: (its outcome, non-finite?)."""
     from replaybisect.core import loop
 
-    state.scheduler = None
     for group in state.optimizer.param_groups:
-        group["lr"] = result.lrs[0]
-    for index in range(len(result.lrs)):
-        outcome = loop.run_step(state, index, batch_of(index))
-        if outcome.nonfinite or not math.isfinite(outcome.loss):
-            return True
-    return False
+        group["lr"] = lr
+    outcome = loop.run_step(state, index, batch_of(index))
+    return outcome, outcome.nonfinite or not math.isfinite(outcome.loss)
 
