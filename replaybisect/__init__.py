@@ -119,18 +119,20 @@ def find_nan(
     tracking_uri: Optional[str] = None,
     code_dirs: Sequence[str | Path] = (),
     trust: Sequence[str] = (),
+    allow_unsigned: Optional[str] = None,
     publish: bool = True,
     nproc: Optional[int] = None,
 ) -> "NanReport":
     """Where the first NaN/Inf of a recorded run came from, and why (as `replay nan`): the state before the
     failing step is restored, the replay checked against the logged losses, and the step re-run under probes.
     `device` replays elsewhere than the run's train.device; `code_dirs`/`trust` say which of the stored config's
-    `_target_`s may be built (see the README's trust model); `nproc` replays a distributed run over the real
+    `_target_`s may be built and `allow_unsigned` (the run's id) replays a run whose signature does not verify (see
+    the README's trust model); `nproc` replays a distributed run over the real
     collective, one process per recorded rank (as `--nproc`)."""
     from replaybisect.verbs.nan.request import NanRequest
 
     request = NanRequest(run_id=run_id, step=step, device=device, tracking_uri=tracking_uri, code_dirs=code_dirs,
-                         trust=trust, publish=publish, nproc=nproc)
+                         trust=trust, allow_unsigned=allow_unsigned, publish=publish, nproc=nproc)
     from replaybisect.verbs.nan.ranked import answer
 
     store = _run_store(request.tracking_uri, request.run_id)
@@ -154,6 +156,7 @@ def ablate(
     tracking_uri: Optional[str] = None,
     code_dirs: Sequence[str | Path] = (),
     trust: Sequence[str] = (),
+    allow_unsigned: Optional[str] = None,
     publish: bool = True,
     patch: Optional[str | Path] = None,
     sweep: Optional[Literal["lr", "clip"]] = None,
@@ -170,7 +173,7 @@ def ablate(
         arms = ("lr", "clip", "precision")
     request = AblateRequest(run_id=run_id, arms=arms, from_step=from_step, horizon=horizon, workers=workers,
                             executor=executor, **_submitit_options(submitit), tracking_uri=tracking_uri,
-                            code_dirs=code_dirs, trust=trust, publish=publish, patch=patch, sweep=sweep)
+                            code_dirs=code_dirs, trust=trust, allow_unsigned=allow_unsigned, publish=publish, patch=patch, sweep=sweep)
     from replaybisect.verbs.ablate.engine import ablate_request
 
     store = _run_store(request.tracking_uri, request.run_id)
@@ -255,6 +258,7 @@ def check(
     tracking_uri: Optional[str] = None,
     code_dirs: Sequence[str | Path] = (),
     trust: Sequence[str] = (),
+    allow_unsigned: Optional[str] = None,
     publish: bool = True,
 ) -> "CheckReport":
     """The 5-minute checklist (as `replay check`) on a config (`overrides`, `config_dir`) or on a recorded run
@@ -263,7 +267,7 @@ def check(
     from replaybisect.verbs.check.request import CheckRequest
 
     request = CheckRequest(overrides=overrides, run_id=run_id, step=step, config_dir=config_dir, config_name=config_name,
-                           only=only, tracking_uri=tracking_uri, code_dirs=code_dirs, trust=trust,
+                           only=only, tracking_uri=tracking_uri, code_dirs=code_dirs, trust=trust, allow_unsigned=allow_unsigned,
                            overfit_steps=overfit_steps, overfit_samples=overfit_samples, lr_steps=lr_steps,
                            lr_min=lr_min, lr_max=lr_max, publish=publish)
     from replaybisect.core import config as config_mod

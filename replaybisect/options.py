@@ -37,6 +37,9 @@ def job_settings(*, cluster, partition, time_min, gpus, cpus, mem_gb, account, s
                        mem_gb=mem_gb, account=account, slurm=parse_slurm(slurm or ()))
 # The trust boundary (replaybisect/trust.py): where a stored run's `_target_`s may come from.
 CodeDirs = typer.Option(None, "--code-dir", help="A folder of your own code the run's `_target_`s may import from (repeatable; the working folder always counts).")
+AllowUnsigned = typer.Option(None, "--allow-unsigned", metavar="RUN_ID", help="Replay this run (its id again) although "
+                             "its signature does not verify, e.g. one recorded before runs were signed: you vouch that its "
+                             "config.yaml and tags are as recorded.")
 TrustPrefixes = typer.Option(None, "--trust", help="Trust `_target_`s under this module prefix, e.g. mypkg (repeatable; also $REPLAYBISECT_TRUST=a,b).")
 HYDRA_CONTEXT = {"allow_extra_args": True, "ignore_unknown_options": True}
 

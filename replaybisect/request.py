@@ -149,12 +149,17 @@ def run_id(value: Any) -> str:
     return arguments.run_id(value)
 
 
-def trust_of(code_dirs: tuple[str, ...], prefixes: tuple[str, ...]):
+def trust_of(code_dirs: tuple[str, ...], prefixes: tuple[str, ...], run_id: Optional[str] = None,
+             allow_unsigned: Optional[str] = None):
     """The trust decision for a stored run's `_target_`s (core/trust.py), from --code-dir and --trust (and the
-    environment's): a folder that is not one, a prefix that is not a module name, refused in one line."""
+    environment's): a folder that is not one, a prefix that is not a module name, refused in one line; and
+    --allow-unsigned, which must name the run replayed (the user vouches for that one run)."""
     from replaybisect.core.trust import Trust
 
-    return Trust.from_user(list(code_dirs), list(prefixes))
+    if allow_unsigned is not None and allow_unsigned != run_id:
+        raise ReplayError(f"--allow-unsigned {str(allow_unsigned)[:80]!r} is not the run replayed ({run_id}); pass "
+                          f"--allow-unsigned {run_id} to vouch for that run")
+    return Trust.from_user(list(code_dirs), list(prefixes), [allow_unsigned] if allow_unsigned else [])
 
 
 def setattrs(request: Any, **values: Any) -> None:

@@ -25,15 +25,20 @@ from replaybisect.core.thresholds import REPLAY_RELATIVE_TOLERANCE as CLOSE_RELA
 
 # ---- what a run recorded -------------------------------------------------------------------------
 def run_config(store: Store, run_id: str, trust: Optional[Trust] = None):
-    """The resolved config the run logged, re-validated by the schema, and admitted by the trust boundary:
-    a stored config is untrusted input, checked before any of its modules is imported (see trust.py).
+    """The resolved config the run logged, its signature verified (core/provenance.py), re-validated by the schema
+    and admitted by the trust boundary: a stored config is untrusted input, checked before any of its modules is
+    imported (see trust.py).
     `trust` is the user's decision (--code-dir, --trust); default: the working folder and the environment's."""
+    from replaybisect.core import provenance
+
     trust = trust or Trust.from_user()
-    code_dir = store.tags(run_id).get("code_dir")  # RunNotFound first
+    tags = store.tags(run_id)  # RunNotFound first
     try:
         text = store.read_artifact_text(run_id, "config.yaml")
     except Exception:
         raise ReplayError(f"run {run_id} has no config.yaml artifact: it was not recorded by `replay train`") from None
+    provenance.verify(run_id, text, tags, trust.unsigned)  # what picks code is the recording user's, or nothing runs
+    code_dir = tags.get("code_dir")
     cfg = config_mod.from_yaml(text, source=f"the stored config.yaml of run {run_id}")
     artifacts = store.local_artifact_dir(run_id)  # <root>/<experiment>/<run>/artifacts: never a code folder
     admit(cfg, trust, code_dir, source=f"run {run_id}", artifact_root=artifacts.parents[2] if artifacts else None)

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from replaybisect import errors
+from replaybisect.core import replayed_args
 from replaybisect.core.processes import shadows_preloaded
 from replaybisect.core.trust import Trust
 from replaybisect.errors import ReplayError, UntrustedConfig
@@ -37,7 +38,7 @@ def run_in_script(verb: str, store, run_id: str, cfg, trust: Optional[Trust], ar
     """Run `verb`'s engine inside the run's script, started again; returns what the engine returned there (JSON)."""
     trust = trust or Trust.from_user()
     artifacts = store.local_artifact_dir(run_id)  # <root>/<experiment>/<run>/artifacts: never the user's code
-    script = admitted_script(cfg, trust, run_id, artifacts.parents[2] if artifacts else None)
+    script = admitted_script(cfg, trust, run_id, artifacts.parents[2] if artifacts else None, store.tags(run_id))
     log(f"running {shlex.join([Path(script['path']).name, *script['args']])} again in {script['cwd']}, to take its "
         "objects over at its first step")
     with tempfile.TemporaryDirectory(prefix="replaybisect-script-") as scratch:
@@ -56,10 +57,12 @@ def stop_all() -> None:
             child.kill()
 
 
-def admitted_script(cfg, trust: Trust, run_id: str, artifact_root: Optional[Path] = None) -> dict[str, Any]:
+def admitted_script(cfg, trust: Trust, run_id: str, artifact_root: Optional[Path] = None,
+                    tags: Optional[dict[str, str]] = None) -> dict[str, Any]:
     """The stored `train.script`, if it names a Python file the user owns (in a folder they trust, outside every
     artifact folder), run from a trusted working folder that is still there, as a script or as the module that file
-    is; refused in one line otherwise, before anything runs."""
+    is, with the sha256 the run recorded, and a command line a replay may give it (core/replayed_args.py); refused in
+    one line otherwise, before anything runs. `tags`: the run's (verified with its config: core/provenance.py)."""
     script = script_of(cfg, run_id)
     path, cwd = Path(script["path"]), Path(script["cwd"])
     if not path.is_absolute() or path.suffix != ".py" or not trust.inside(path) or trust.uploaded(path, artifact_root):
@@ -77,7 +80,28 @@ def admitted_script(cfg, trust: Trust, run_id: str, artifact_root: Optional[Path
     if not cwd.is_dir():
         raise ReplayError(f"run {run_id}'s script ran in {cwd}, which is gone; create it (a replay runs the script "
                           "there again, for the paths it reads)")
+    _unchanged_since_recorded(path, tags or {}, run_id)
+    script["hydra"] = replayed_args.admit(path, script, cfg.get("user"), run_id)
     return script
+
+
+def _unchanged_since_recorded(path: Path, tags: dict[str, str], run_id: str) -> None:
+    """A script runs again only as the run ran it: its file with the sha256 the run recorded (tag source_sha256)."""
+    from replaybisect.core.repo import SOURCE_TAG, file_sha256
+
+    try:
+        recorded = json.loads(tags.get(SOURCE_TAG) or "{}").get(path.stem)
+    except (ValueError, AttributeError):
+        recorded = None
+    if not isinstance(recorded, str):
+        return  # the recorder could not hash it: nothing to compare with (the path itself is signed)
+    now = file_sha256(path)
+    if now != recorded:
+        version = tags.get("git_sha")
+        restore = f"git checkout {version[:12]} -- {path.name}" if version else "git stash"
+        raise ReplayError(f"{path} changed since run {run_id} recorded it (sha256 {recorded[:12]} then, "
+                          f"{now[:12] if now else 'unreadable'} now): a replay runs the script as the run ran it; put it "
+                          f"back as it was ({restore}), or record the run again; nothing was run")
 
 
 def script_of(cfg, run_id: str) -> dict[str, Any]:

@@ -103,6 +103,28 @@ def trusted_code_dirs(tmp_path_factory):
         yield
 
 
+@pytest.fixture(scope="session", autouse=True)
+def signing_key_folder(tmp_path_factory):
+    """The user's config folder, where the key that signs runs is made on first use (core/provenance.py): the suite's
+    own, never the developer's."""
+    from unittest import mock
+
+    with mock.patch.dict(os.environ, {"XDG_CONFIG_HOME": str(tmp_path_factory.mktemp("config"))}):
+        os.environ.pop("REPLAYBISECT_KEY", None)
+        os.environ.pop("REPLAYBISECT_KEY_FILE", None)
+        yield
+
+
+def sign_as_recorder(store, run_id: str) -> None:
+    """Sign the run's stored config.yaml and tags as they are now with this user's key, as the recorder would have:
+    for tests of what holds even in a signed config (the trust checks behind the signature, a replay's own limits)."""
+    from replaybisect.core import provenance
+
+    text = store.read_artifact_text(run_id, "config.yaml")
+    signed = provenance.signature(provenance.signing_key(create=True), run_id, text, store.tags(run_id))
+    store.set_tags(run_id, {provenance.SIGNATURE_TAG: signed})
+
+
 @pytest.fixture
 def workspace(tmp_path) -> Workspace:
     return Workspace(tmp_path)

@@ -72,7 +72,7 @@ def test_replay_nan_runs_the_script_again_exactly_and_writes_nothing_in_its_fold
     assert _tree(project) == before  # no checkpoint, log line or __pycache__ from the replay
 
 
-def test_a_changed_script_is_said_and_an_untrusted_one_is_not_run(recorded, monkeypatch):
+def test_a_changed_script_is_refused_and_an_untrusted_one_is_not_run(recorded, monkeypatch):
     import replaybisect as rb
     from replaybisect.errors import ReplayError, UntrustedConfig
 
@@ -87,12 +87,13 @@ def test_a_changed_script_is_said_and_an_untrusted_one_is_not_run(recorded, monk
     script = project / "train.py"
     original = script.read_text()
     script.write_text(original + "# edited after the run\n")
-    try:
-        report = rb.find_nan(run_id, tracking_uri=workspace.tracking_uri, publish=False)
+    before = _tree(project)
+    try:  # a replay runs the script only as the run ran it: the file with the sha256 the run recorded
+        with pytest.raises(ReplayError, match=r"train.py changed since run .* recorded it .*put it back as it was"):
+            rb.find_nan(run_id, tracking_uri=workspace.tracking_uri, publish=False)
+        assert _tree(project) == before  # nothing ran
     finally:
         script.write_text(original)
-    assert any("train.py changed since the run was recorded" in line for line in report.warnings), report.warnings
-    assert report.reproduced == "exact"  # a comment changes no loss
     with pytest.raises(ReplayError, match="only `replay nan` and `replay ablate` replay it"):
         rb.check(run_id=run_id, tracking_uri=workspace.tracking_uri, publish=False)
 

@@ -1,7 +1,8 @@
 """The trust boundary: a run's config read back from a tracking store is untrusted input.
 
 An attacker with write access to the store rewrites a real run's `config.yaml` artifact and its
-`replaybisect.code_dir` tag through the MLflow client. Replaying it from another folder must refuse (exit 2,
+`replaybisect.code_dir` tag through the MLflow client, and (here) signs it: a replay refuses an unsigned or
+tampered run before reading its config (test_provenance.py), and these checks are the wall behind that one. Replaying it from another folder must refuse (exit 2,
 one line naming the target and the key, no child run) and never import the attacker's module: importing it
 writes a marker file, which must never appear. The same module in a folder the user trusts (--code-dir,
 --trust) builds and runs: the marker does appear then, so its absence means something.
@@ -74,6 +75,12 @@ class Scene:
             node[last] = value
         self.store.log_text(self.run_id, yaml.safe_dump(config), "config.yaml")
         self.store.set_tags(self.run_id, {"code_dir": str(code_dir or self.attacker)})
+        self.sign()
+
+    def sign(self) -> None:
+        """Sign the stored config as it is now: these tests are of the wall behind the signature, which holds for a
+        run the user vouched for (--allow-unsigned) or whose signer was fooled (test_provenance.py: the signature)."""
+        conftest.sign_as_recorder(self.store, self.run_id)
 
     def children(self) -> int:
         return len(self.store.child_runs(self.run_id))
@@ -291,6 +298,7 @@ def test_the_unchanged_run_replays_from_anywhere(scene):
     """Built-in targets only (torch, replaybisect): no --code-dir needed, wherever the tag points."""
     scene.store.log_text(scene.run_id, scene.original, "config.yaml")
     scene.store.set_tags(scene.run_id, {"code_dir": str(scene.attacker)})
+    scene.sign()
     cfg = restore_mod.run_config(scene.store, scene.run_id, untrusted(scene))
     assert cfg.model._target_ == "replaybisect.models.MLP" and scene.markers() == []
     assert str(scene.attacker) not in sys.path
@@ -422,6 +430,7 @@ STORED_TEXTS = {
 def test_a_stored_config_that_replaybisect_never_wrote_is_one_line(scene, case):
     text, named = STORED_TEXTS[case]
     scene.store.log_text(scene.run_id, text, "config.yaml")
+    scene.sign()
     with pytest.raises(ReplayError) as refused:
         restore_mod.run_config(scene.store, scene.run_id, untrusted(scene))
     message = str(refused.value)
@@ -431,5 +440,6 @@ def test_a_stored_config_that_replaybisect_never_wrote_is_one_line(scene, case):
 
 def test_a_stored_alias_bomb_is_one_line_at_the_command_line(scene):
     scene.store.log_text(scene.run_id, STORED_TEXTS["an alias bomb"][0], "config.yaml")
+    scene.sign()
     result = scene.replay("nan", "--run-id", scene.run_id)
     assert_one_line_error(result, "alias")

@@ -103,10 +103,13 @@ class Trust:
 
     roots: tuple[str, ...]  # resolved folders: the working folder first, then --code-dir and $REPLAYBISECT_CODE_DIR
     prefixes: tuple[str, ...]  # torch, replaybisect (by kind and registry), then --trust and $REPLAYBISECT_TRUST
+    unsigned: tuple[str, ...] = ()  # runs replayed without a signature that verifies (--allow-unsigned RUN_ID)
 
     @classmethod
-    def from_user(cls, code_dirs: tuple[str | Path, ...] | list = (), prefixes: tuple[str, ...] | list = ()) -> "Trust":
-        """The working folder, `code_dirs` and `prefixes`, plus the environment's (one-line errors for bad ones)."""
+    def from_user(cls, code_dirs: tuple[str | Path, ...] | list = (), prefixes: tuple[str, ...] | list = (),
+                  unsigned: tuple[str, ...] | list = ()) -> "Trust":
+        """The working folder, `code_dirs` and `prefixes`, plus the environment's (one-line errors for bad ones), and
+        the runs the user vouches for without a signature (never from the environment: a flag names each run)."""
         env_dirs = [part for part in os.environ.get(CODE_DIR_ENV, "").split(os.pathsep) if part.strip()]
         env_prefixes = [part for part in os.environ.get(TRUST_ENV, "").split(",") if part.strip()]
         roots = [Path.cwd().resolve()]
@@ -123,15 +126,20 @@ class Trust:
                 if not _DOTTED.match(prefix):
                     raise ReplayError(f"{option} {name!r} is not a module prefix; pass a dotted name such as mypkg or mypkg.models")
                 trusted.append(prefix)
-        return cls(roots=tuple(dict.fromkeys(map(str, roots))), prefixes=tuple(dict.fromkeys(trusted)))
+        for run_id in unsigned:
+            if not isinstance(run_id, str) or not _RUN_ID.match(run_id):
+                raise ReplayError(f"--allow-unsigned {str(run_id)[:80]!r} is not a run id; pass the 32-character id of the "
+                                  "run you vouch for (`replay runs` lists them)")
+        return cls(roots=tuple(dict.fromkeys(map(str, roots))), prefixes=tuple(dict.fromkeys(trusted)),
+                   unsigned=tuple(dict.fromkeys(unsigned)))
 
     def to_json(self) -> dict[str, list[str]]:
         """For worker processes: they inherit this decision, not the run's tag."""
-        return {"roots": list(self.roots), "prefixes": list(self.prefixes)}
+        return {"roots": list(self.roots), "prefixes": list(self.prefixes), "unsigned": list(self.unsigned)}
 
     @classmethod
     def from_json(cls, data: dict[str, list[str]]) -> "Trust":
-        return cls(roots=tuple(data["roots"]), prefixes=tuple(data["prefixes"]))
+        return cls(roots=tuple(data["roots"]), prefixes=tuple(data["prefixes"]), unsigned=tuple(data.get("unsigned", ())))
 
     @property
     def own_prefixes(self) -> tuple[str, ...]:

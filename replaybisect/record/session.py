@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, Iterator, Optional
 
 from replaybisect.core import config as config_mod
+from replaybisect.core import provenance
 from replaybisect.core.repo import code_version
 from replaybisect.errors import DiskFull, is_disk_full
 from replaybisect.record.hooks import NullHooks, RecordingHooks
@@ -23,9 +24,11 @@ TAG = "replaybisect."
 class RunSession:
     """One run in the store, from creation to its end. `hooks` record the steps once `start_recording` ran."""
 
-    def __init__(self, store: Store, run_id: str):
+    def __init__(self, store: Store, run_id: str, tags: Optional[dict[str, str]] = None, key=None):
         self.store = store
         self.run_id = run_id
+        self.key = key  # provenance.Key the config is signed with
+        self.tags = {key[len(TAG):]: str(value) for key, value in (tags or {}).items() if key.startswith(TAG)}  # as set here
         self.hooks: Any = None  # RecordingHooks, or NullHooks with the recorder off
         self.ended = False
         self._hooks_closed = False
@@ -37,13 +40,14 @@ class RunSession:
         """Create the run: tagged with the code's git version and folder (where a replay imports the code from)."""
         from replaybisect.core.rng import isolated_rng
 
+        key = provenance.signing_key(create=True)  # a key that cannot be used is said before any run is created
         all_tags = {TAG + key: value for key, value in code_version(code_folder).items()}
         all_tags[TAG + "code_dir"] = str(code_folder)
         all_tags.update(tags or {})
         with isolated_rng():  # MLflow names runs with `random`: keep it off the (seeded) training streams
             random.seed(os.urandom(8))
             run_id = store.create_run(kind, run_name=run_name, parent_run_id=parent_run_id, experiment=experiment, tags=all_tags)
-        session = cls(store, run_id)
+        session = cls(store, run_id, all_tags, key)
         with session.failure_ends_run():
             session._remove_stale_temps()
         return session
@@ -52,22 +56,27 @@ class RunSession:
     def attach(cls, store: Store, run_id: str, *, code_folder: Path, tags: Optional[dict[str, str]] = None) -> "RunSession":
         """Record into a run another logger opened (the Trainer's MLflowCallback): tagged as `open` tags a new run.
         Its own params stay as they are (write_config adds only new keys)."""
+        key = provenance.signing_key(create=True)
         all_tags = {TAG + key: value for key, value in code_version(code_folder).items()}
         all_tags.update({TAG + "code_dir": str(code_folder), TAG + "kind": "train", TAG + "status": "running", **(tags or {})})
         store.set_tags(run_id, all_tags, prefix="")
-        session = cls(store, run_id)
+        session = cls(store, run_id, all_tags, key)
         session.attached = True
         return session
 
     attached = False  # recording into a run another logger opened
 
     def write_config(self, cfg) -> None:
-        """The config as params (what MLflow's UI compares) and as config.yaml (what a replay reads back)."""
+        """The config as params (what MLflow's UI compares) and as config.yaml (what a replay reads back), signed
+        with the tags that pick code as this session set them (core/provenance.py: a replay verifies both)."""
         params = config_mod.flatten(cfg)
         if self.attached:  # MLflow refuses a changed param: the other logger's keep their values
             params = {key: value for key, value in params.items() if key not in self.store.get_run(self.run_id).data.params}
         self.store.log_params(self.run_id, params)
-        self.store.log_text(self.run_id, config_mod.to_yaml(cfg), "config.yaml")
+        text = config_mod.to_yaml(cfg)
+        self.store.log_text(self.run_id, text, "config.yaml")
+        signed = provenance.signature(self.key or provenance.signing_key(create=True), self.run_id, text, self.tags)
+        self.store.set_tags(self.run_id, {provenance.SIGNATURE_TAG: signed})
 
     def start_recording(self, cfg, state, data_position: dict[str, Any], runs_steps: bool = True):
         """The hooks that record every step (or, with snapshot.enabled=false, only count them). `runs_steps`: the

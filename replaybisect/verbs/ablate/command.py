@@ -7,7 +7,7 @@ from typing import Optional
 import typer
 
 from replaybisect.options import (Account, Cluster, CodeDirs, Cpus, Executor, ExecutorFolder, Gpus, JsonFlag, MemGb, Partition, Slurm,
-                                  TimeMin, TrackingUri, TrustPrefixes, print_json)
+                                  TimeMin, TrackingUri, AllowUnsigned, TrustPrefixes, print_json)
 from replaybisect.verbs.ablate.request import DEFAULT_HORIZON, HORIZON, WORKERS, AblateRequest
 
 
@@ -34,6 +34,7 @@ def ablate_command(
     as_json: bool = JsonFlag,
     code_dirs: Optional[list[str]] = CodeDirs,
     trust_prefixes: Optional[list[str]] = TrustPrefixes,
+    allow_unsigned: Optional[str] = AllowUnsigned,
 ):
     """Replay the failure once unchanged (the baseline) and once per single change, from the snapshot before
     it over the same batches; say which change fixes, delays, does nothing or makes it worse. Examples:
@@ -68,7 +69,7 @@ def ablate_command(
         run_id=run_id, arms=arms, from_step=from_step, horizon=horizon, workers=workers, executor=executor, cluster=cluster,
         partition=partition, time_min=time_min, gpus=gpus, cpus=cpus, mem_gb=mem_gb, account=account, slurm=slurm or (),
         executor_folder=executor_folder,
-        sweep=sweep, patch=patch, tracking_uri=tracking_uri, code_dirs=code_dirs or (), trust=trust_prefixes or (),
+        sweep=sweep, patch=patch, tracking_uri=tracking_uri, code_dirs=code_dirs or (), trust=trust_prefixes or (), allow_unsigned=allow_unsigned,
     )
     from replaybisect.options import run_store
 

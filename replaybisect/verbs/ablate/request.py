@@ -55,6 +55,7 @@ class AblateRequest:
     tracking_uri: Optional[str] = None
     code_dirs: Sequence[str] = ()
     trust: Sequence[str] = ()
+    allow_unsigned: Optional[str] = None  # this run's id: replayed without a signature that verifies
     publish: bool = True
     trusted: Any = field(init=False, repr=False, compare=False)  # the trust decision, built when the request is
 
@@ -84,7 +85,7 @@ class AblateRequest:
                       from_step=self.from_step, patch=self.patch, sweep=self.sweep)
         if self.executor == "submitit" or self.cluster is not None:
             self.submitit_options()  # checked: one line for a setting that cannot work, before any run is read
-        checks.setattrs(self, trusted=checks.trust_of(self.code_dirs, self.trust))
+        checks.setattrs(self, trusted=checks.trust_of(self.code_dirs, self.trust, self.run_id, self.allow_unsigned))
 
     @property
     def arm_list(self) -> Union[str, list[str], None]:

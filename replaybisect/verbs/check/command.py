@@ -7,7 +7,7 @@ from typing import Optional
 
 import typer
 
-from replaybisect.options import HYDRA_CONTEXT, CodeDirs, JsonFlag, TrackingUri, TrustPrefixes, print_json
+from replaybisect.options import HYDRA_CONTEXT, CodeDirs, JsonFlag, TrackingUri, AllowUnsigned, TrustPrefixes, print_json
 from replaybisect.verbs.check.request import LR_STEPS, OVERFIT_SAMPLES, OVERFIT_STEPS, STEP, CheckRequest
 
 
@@ -21,6 +21,7 @@ def check_command(
     as_json: bool = JsonFlag,
     code_dirs: Optional[list[str]] = CodeDirs,
     trust_prefixes: Optional[list[str]] = TrustPrefixes,
+    allow_unsigned: Optional[str] = AllowUnsigned,
     overfit_steps: int = typer.Option(300, "--overfit-steps", **OVERFIT_STEPS.limits, help="Steps of the overfit-one-batch check."),
     overfit_samples: int = typer.Option(16, "--overfit-samples", **OVERFIT_SAMPLES.limits, help="Samples in the overfit batch (2-32)."),
     lr_steps: int = typer.Option(100, "--lr-steps", **LR_STEPS.limits, help="Steps of the LR range test."),
@@ -47,7 +48,7 @@ def check_command(
     # bad input (a step without a run, a run and a config, an unknown check) is refused before any store is opened
     request = CheckRequest(
         overrides=list(ctx.args), run_id=run_id, step=step, config_dir=config_dir, config_name=config_name, only=only,
-        tracking_uri=tracking_uri, code_dirs=code_dirs or (), trust=trust_prefixes or (), overfit_steps=overfit_steps,
+        tracking_uri=tracking_uri, code_dirs=code_dirs or (), trust=trust_prefixes or (), allow_unsigned=allow_unsigned, overfit_steps=overfit_steps,
         overfit_samples=overfit_samples, lr_steps=lr_steps, lr_min=lr_min, lr_max=lr_max,
     )
     from replaybisect.options import recording_store, run_store

@@ -33,6 +33,7 @@ class CheckRequest:
     tracking_uri: Optional[str] = None
     code_dirs: Sequence[str] = ()
     trust: Sequence[str] = ()
+    allow_unsigned: Optional[str] = None  # the run's id: replayed without a signature that verifies
     overfit_steps: int = 300
     overfit_samples: int = 16
     lr_steps: int = 100
@@ -60,15 +61,16 @@ class CheckRequest:
             raise ReplayError("--step picks a snapshot of a recorded run: pass it with --run-id")
         if self.run_id and (self.config_dir is not None or self.overrides or self.config_name != "config"):
             raise ReplayError("pass either --run-id or a config (--config-dir/--config-name/overrides), not both")
-        if not self.run_id and (self.code_dirs or self.trust):
-            raise ReplayError("--code-dir and --trust apply to --run-id (a stored config); a config you compose is your own code")
+        if not self.run_id and (self.code_dirs or self.trust or self.allow_unsigned):
+            raise ReplayError("--code-dir, --trust and --allow-unsigned apply to --run-id (a stored config); a config you "
+                              "compose is your own code")
         if not (0 < self.lr_min < self.lr_max < math.inf):
             raise ReplayError(f"--lr-min {float(self.lr_min)} and --lr-max {float(self.lr_max)} must be finite with 0 < lr-min < lr-max")
         if self.only:  # an unknown check is bad input before a store is opened (or created); the checks import torch
             from replaybisect.verbs.check.engine import select
 
             select(list(self.only))
-        checks.setattrs(self, trusted=checks.trust_of(self.code_dirs, self.trust) if self.run_id else None)
+        checks.setattrs(self, trusted=checks.trust_of(self.code_dirs, self.trust, self.run_id, self.allow_unsigned) if self.run_id else None)
 
     def options(self):
         """The engine's CheckOptions (imports torch)."""

@@ -6,7 +6,7 @@ from typing import Optional
 
 import typer
 
-from replaybisect.options import CodeDirs, JsonFlag, TrackingUri, TrustPrefixes, print_json, stderr_console
+from replaybisect.options import CodeDirs, JsonFlag, TrackingUri, AllowUnsigned, TrustPrefixes, print_json, stderr_console
 from replaybisect.verbs.nan.request import NPROC, STEP, NanRequest
 
 
@@ -22,6 +22,7 @@ def nan_command(
     as_json: bool = JsonFlag,
     code_dirs: Optional[list[str]] = CodeDirs,
     trust_prefixes: Optional[list[str]] = TrustPrefixes,
+    allow_unsigned: Optional[str] = AllowUnsigned,
 ):
     """Replay the failing step from the newest snapshot before it and probe it: the batch, the state, every
     module's forward and backward, the loss, the optimizer update, then detect_anomaly for the op.
@@ -48,7 +49,7 @@ def nan_command(
 
     # bad input (a device this machine lacks, a --code-dir that is no folder) is refused before the store is opened
     request = NanRequest(run_id=run_id, step=step, device=device, tracking_uri=tracking_uri, code_dirs=code_dirs or (),
-                         trust=trust_prefixes or (), publish=not no_child_run, nproc=nproc)
+                         trust=trust_prefixes or (), allow_unsigned=allow_unsigned, publish=not no_child_run, nproc=nproc)
     store = run_store(request.tracking_uri, request.run_id)  # an unknown run is answered before torch is imported
     from replaybisect.core.tags import step_tag
 

@@ -65,10 +65,10 @@ def answer(store, request, log: Optional[Callable[[str], None]] = None):
 
     check_nproc(run_config(store, request.run_id, request.trusted), request.run_id, request.nproc, request.device)
     return find_nan_on_ranks(store, request.run_id, request.step, request.nproc, code_dirs=request.code_dirs,
-                             trust=request.trust, log=log)
+                             trust=request.trust, allow_unsigned=request.allow_unsigned, log=log)
 
 
-def find_nan_on_ranks(store, run_id: str, step: Optional[int], nproc: int, *, code_dirs=(), trust=(),
+def find_nan_on_ranks(store, run_id: str, step: Optional[int], nproc: int, *, code_dirs=(), trust=(), allow_unsigned=None,
                       log: Optional[Callable[[str], None]] = None):
     """Start `nproc` rank processes replaying run `run_id`, wait for them, and merge their reports (a NanReport)."""
     from replaybisect.verbs.nan.engine import NanReport
@@ -80,6 +80,7 @@ def find_nan_on_ranks(store, run_id: str, step: Optional[int], nproc: int, *, co
         command += ["--step", str(step)] if step is not None else []
         command += [argument for path in code_dirs for argument in ("--code-dir", str(path))]
         command += [argument for prefix in trust for argument in ("--trust", prefix)]
+        command += ["--allow-unsigned", allow_unsigned] if allow_unsigned else []
         codes = launch.wait_ranks(launch.start_ranks(command, nproc, num_threads=1))
         answers = [launch.read_answer(Path(folder) / f"rank{rank}.json") for rank in range(nproc)]
     failed = next((answer for answer in answers if answer is not None and "error" in answer), None)
@@ -157,6 +158,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--step", type=int)
     parser.add_argument("--code-dir", action="append", default=[])
     parser.add_argument("--trust", action="append", default=[])
+    parser.add_argument("--allow-unsigned")
     args = parser.parse_args(argv)
     rank = int(os.environ.get("RANK", "0"))
     answer = Path(args.out) / f"rank{rank}.json"
@@ -164,7 +166,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     ranks.replay_ranks_here()
     try:
         report = find_nan(open_store(args.tracking_uri), args.run_id, args.step,
-                          trust=checks.trust_of(tuple(args.code_dir), tuple(args.trust)),
+                          trust=checks.trust_of(tuple(args.code_dir), tuple(args.trust), args.run_id, args.allow_unsigned),
                           log=(lambda message: print(message, file=sys.stderr, flush=True)) if rank == 0 else None)
     except ReplayError as error:  # the launcher raises the first rank's line
         launch.write_answer(answer, launch.failure(rank, error))

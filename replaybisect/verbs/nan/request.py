@@ -24,6 +24,7 @@ class NanRequest:
     tracking_uri: Optional[str] = None
     code_dirs: Sequence[str] = ()
     trust: Sequence[str] = ()
+    allow_unsigned: Optional[str] = None  # this run's id: replayed without a signature that verifies
     publish: bool = True  # record the report as a child run (--no-child-run: False)
     nproc: Optional[int] = None  # a distributed run replayed over the real collective, one process per recorded rank
     # built from the fields above when the request is: the trust decision, the device (a torch.device, or None)
@@ -44,4 +45,4 @@ class NanRequest:
             from replaybisect.core.device import resolve_device
 
             torch_device = resolve_device(self.device, "--device")
-        checks.setattrs(self, torch_device=torch_device, trusted=checks.trust_of(self.code_dirs, self.trust))
+        checks.setattrs(self, torch_device=torch_device, trusted=checks.trust_of(self.code_dirs, self.trust, self.run_id, self.allow_unsigned))

@@ -118,10 +118,10 @@ def watch_command(
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     log(Event("stop", f"stopped{' (' + received[0] + ')' if received else ''}: done {counts['done']}, failed {counts['failed']}, "
-                      f"lost {counts['lost']}, errors {counts['errors']}", data=counts))
+                      f"untrusted {counts['untrusted']}, lost {counts['lost']}, errors {counts['errors']}", data=counts))
     if received:
         raise typer.Exit(SIGNAL_EXIT if received[0] == "SIGTERM" else 130)
-    if once and counts["errors"] and not counts["done"] + counts["failed"]:
+    if once and counts["errors"] and not counts["done"] + counts["failed"] + counts["untrusted"]:
         raise typer.Exit(1)  # nothing triaged and the server or a triage failed: say so to the script that ran --once
 
 

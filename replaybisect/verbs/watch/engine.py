@@ -51,7 +51,7 @@ SUMMARY = "triage.summary"
 NEXT = "triage.next"
 REASON = "triage.reason"
 JOB = "triage.job"  # triage.job.<step>: the id of the step's job, with --executor submitit (for people; never read back)
-FINISHED_STATES = ("done", "failed")
+FINISHED_STATES = ("done", "failed", "untrusted")  # untrusted: its signature does not verify, so nothing of it was run
 MAX_ATTEMPTS = 3  # claims of one run before it is given up (its watchers died mid-triage each time)
 FAILED_STATUSES = ("FAILED", "KILLED")
 # An outage of the tracking server (restarting, its database down) is waited out, never a verdict on a run:
@@ -113,6 +113,9 @@ class WatchOptions:
                 check_http_url(option, url, example)
         self.check_trust()
         self.check_jobs()
+        from replaybisect.core import provenance
+
+        provenance.signing_key()  # the key runs are verified with (a team's: $REPLAYBISECT_KEY_FILE): one line if none
 
     def check_jobs(self) -> None:
         """With --executor submitit: the job settings, and a job folder only this user can write (submitit hands each
@@ -307,7 +310,7 @@ class Watcher:
         self._outage_seen = -math.inf  # time.time() of the last store call that failed for the server's reasons
         self._missing_experiments: set[str] = set()
         self.started = time.time()
-        self.counts = {"polls": 0, "done": 0, "failed": 0, "lost": 0, "errors": 0}
+        self.counts = {"polls": 0, "done": 0, "failed": 0, "untrusted": 0, "lost": 0, "errors": 0}
         self.last_poll: Optional[float] = None
 
     # ---- the loop ---------------------------------------------------------------------------------------
@@ -573,6 +576,10 @@ class Watcher:
         started = time.monotonic()
         examined = self._call(self.store.get_run, run_id, run_id=run_id).data
         tags = examined.tags
+        unverified = self._call(self._unverified, run_id, run_id=run_id)
+        if unverified:  # never run: said on the run, once (no --allow-unsigned here: a watcher vouches for no run)
+            said = Conclusion("", f"not triaged: {unverified}", "", [], "")
+            return self._finish(run, active, self._result(run, failure, "untrusted", said, unverified, [], {}, started, {}))
         lines: dict[str, str] = {}  # the finished steps' results as tags (resumed steps' from the run)
         results: dict[str, Any] = {}
         ran: list[str] = []
@@ -606,6 +613,23 @@ class Watcher:
             shutil.rmtree(scratch, ignore_errors=True)
         conclusion = conclude(failure, run_id, lines, run.info.run_name or "", tags, plan_for(failure), examined.params)
         return self._finish(run, active, self._result(run, failure, "done", conclusion, "", ran, results, started, lines))
+
+    def _unverified(self, run_id: str) -> str:
+        """Why the run's signature does not verify with this watcher's key (core/provenance.py), or "" when it does
+        or the run has no config to replay (its steps say so)."""
+        from replaybisect.core import provenance
+
+        try:
+            text = self.store.read_artifact_text(run_id, "config.yaml")
+        except Exception as error:
+            if _outage(error):
+                raise
+            return ""
+        try:
+            provenance.verify(run_id, text, self.store.tags(run_id))
+        except ReplayError as error:
+            return str(error)
+        return ""
 
     def _run_step_through_outages(self, step: str, run_id: str, active: _Active, scratch: str,
                                   lines: dict[str, str]) -> TriageStepResult:

@@ -19,7 +19,7 @@ from replaybisect.verbs.watch.engine import Event, TriageResult
 REPORT_MD = "triage/triage.md"
 REPORT_JSON = "triage/triage.json"
 NOTIFY_TIMEOUT = 10.0  # seconds one notification may take in all (--notify-timeout)
-STYLE = {"done": "green", "failed": "red", "lost": "yellow", "released": "yellow", "outage": "yellow", "error": "red",
+STYLE = {"done": "green", "failed": "red", "untrusted": "red", "lost": "yellow", "released": "yellow", "outage": "yellow", "error": "red",
          "claimed": "cyan", "health": "blue"}
 
 
