@@ -24,6 +24,15 @@ def _piped_width() -> int:
 console = Console(file=OUR_STDOUT, width=None if sys.stdout.isatty() else _piped_width(), soft_wrap=not sys.stdout.isatty())
 
 
+def plain(text: Any) -> str:
+    """`text` for a rich string (console.print, a table cell, a progress line), printed as it is: a `[red]` or a `[/x]`
+    in it is no markup. Every value we print that a store, the user's code or its config can write (run names, tags,
+    warnings, module names, paths, arm names, a child's log lines, error text) goes through this one function."""
+    from rich.markup import escape
+
+    return escape(str(text))
+
+
 def print_table(table: Table, out: Console | None = None) -> None:
     """A table when every word fits whole in the width, else the same facts as a plain list (one block per row):
     a cell is never broken mid-word (`fails-agai` / `n`)."""
@@ -65,7 +74,7 @@ def rich_table(title: str, headers: Sequence[str], rows: Iterable[Sequence[Any]]
     for header in headers:
         table.add_column(header)
     for row in rows:
-        table.add_row(*(fmt_number(cell) for cell in row))
+        table.add_row(*(plain(fmt_number(cell)) for cell in row))  # a cell is data, never markup
     return table
 
 
@@ -110,50 +119,44 @@ def run_label(cfg, config_dir=None, config_name: str = "config") -> str:
 
 def print_train_result(result) -> None:
     status_style = "green" if result.status == "ok" else "bold red"
-    console.print(f"[bold]run[/bold] {result.run_id}  status [{status_style}]{result.status}[/{status_style}]")
+    console.print(f"[bold]run[/bold] {plain(result.run_id)}  status [{status_style}]{plain(result.status)}[/{status_style}]")
     console.print(f"  steps completed {result.steps_completed}   final loss {fmt_number(result.final_loss)}")
     if result.snapshot_steps:
         console.print(f"  snapshots at steps {', '.join(str(s) for s in result.snapshot_steps)}")
     if result.status == "nonfinite":
-        failure = f"  [red]non-finite {result.nonfinite_what} at step {result.first_nonfinite_step}[/red]; "
+        failure = f"  [red]non-finite {plain(result.nonfinite_what)} at step {result.first_nonfinite_step}[/red]; "
         if result.first_nonfinite_step in result.snapshot_steps:
             console.print(
                 failure + "the state before it is saved.\n"
-                f"  next: [bold]replay nan --run-id {result.run_id}[/bold]   then   replay ablate lr,clip,precision --run-id {result.run_id}"
+                f"  next: [bold]replay nan --run-id {plain(result.run_id)}[/bold]   then   replay ablate lr,clip,precision --run-id {plain(result.run_id)}"
             )
         else:
             console.print(failure + "no snapshot saved (snapshot.enabled=false): train again with the recorder on to replay it.")
-    console.print(f"  view: {mlflow_ui_hint(result.tracking_uri)}")
-
-
-def _escape(text):
-    """Text from a run's tags printed as it is (a `[red]` in it is no markup)."""
-    from rich.markup import escape
-
-    return None if text is None else escape(text)
+    console.print(f"  view: {plain(mlflow_ui_hint(result.tracking_uri))}")
 
 
 def print_runs(summaries, location) -> None:
     if not summaries:
         if location.exists:
-            console.print(f"no runs yet in {location.shown}; start one with [bold]replay train[/bold]", soft_wrap=True)
+            console.print(f"no runs yet in {plain(location.shown)}; start one with [bold]replay train[/bold]", soft_wrap=True)
         else:
-            console.print(f"no runs yet: no mlflow.db in {Path.cwd()} or a folder above it (the store would be "
-                          f"{location.shown}); start one with [bold]replay train[/bold]", soft_wrap=True)  # paths unbroken
+            console.print(f"no runs yet: no mlflow.db in {plain(Path.cwd())} or a folder above it (the store would be "
+                          f"{plain(location.shown)}); start one with [bold]replay train[/bold]", soft_wrap=True)  # paths unbroken
         return
     rows = []
     for run in summaries:
-        status = run.status
-        if status == "nonfinite":
+        status = plain(run.status)
+        if run.status == "nonfinite":
             status = f"[red]nonfinite @ {'?' if run.first_nonfinite_step is None else run.first_nonfinite_step}[/red]"
-        elif status == "ok":
+        elif run.status == "ok":
             status = "[green]ok[/green]"
         snapshots = ",".join(str(s) for s in run.snapshot_steps[-6:])
         if len(run.snapshot_steps) > 6:
             snapshots = "…," + snapshots
-        rows.append((run.run_id, run.kind, status, run.steps, fmt_number(run.last_loss), snapshots, run.started[5:16].replace("T", " "),
-                     _escape(run.name), _escape(run.triage)))
-    table = Table(title=f"runs in {location.shown}", title_justify="left")
+        rows.append((plain(run.run_id), plain(run.kind), status, run.steps, fmt_number(run.last_loss), snapshots,
+                     run.started[5:16].replace("T", " "), None if run.name is None else plain(run.name),
+                     None if run.triage is None else plain(run.triage)))  # what a tag says is data, never markup
+    table = Table(title=f"runs in {plain(location.shown)}", title_justify="left")
     table.add_column("run id", no_wrap=True)
     for header in ("kind", "status", "steps", "last loss", "snapshots", "started", "name", "triage"):
         table.add_column(header)

@@ -6,7 +6,7 @@ import math
 import sys
 from typing import Any, Optional
 
-from replaybisect.report import close_figure, fmt_number, markdown_table, mlflow_ui_hint, new_figure, print_table
+from replaybisect.report import close_figure, fmt_number, markdown_table, mlflow_ui_hint, new_figure, plain, print_table
 from replaybisect.options import say, stderr_console
 from replaybisect.report import console as shared_console
 
@@ -90,26 +90,26 @@ def print_result(result, console=None) -> None:
     from rich.table import Table
 
     console = console or shared_console
-    console.print(f"[bold]ablation[/bold] {_header(result)}")
+    console.print(f"[bold]ablation[/bold] {plain(_header(result))}")
     table = Table(title_justify="left", show_lines=False)
     for header in HEADERS:
         table.add_column(header)
     for row in _rows(result):
-        cells = [fmt_number(cell) for cell in row]
+        cells = [plain(fmt_number(cell)) for cell in row]  # arm names, changes, reasons: text, never markup
         style = VERDICT_STYLE.get(str(row[2]), "")
         cells[2] = f"[{style}]{cells[2]}[/{style}]" if style else cells[2]
         table.add_row(*cells)
     print_table(table, console)
     for line in _notes(result):
-        console.print(f"  {line}")
+        console.print(f"  {plain(line)}")
     for warning in result.warnings:
-        console.print(f"  [yellow]warning[/yellow] {warning}")
+        console.print(f"  [yellow]warning[/yellow] {plain(warning)}")
     style = "magenta" if result.status == "inconclusive" else "bold"
-    console.print(f"[{style}]conclusion[/{style}] {result.conclusion}")
-    console.print(f"  [dim]{_definitions(result)}[/dim]")
+    console.print(f"[{style}]conclusion[/{style}] {plain(result.conclusion)}")
+    console.print(f"  [dim]{plain(_definitions(result))}[/dim]")
     console.print(
-        f"  {_cost(result)}; "
-        f"report: run {result.report_run_id or '-'} ({', '.join(result.artifacts) or '-'}); view: {mlflow_ui_hint(result.tracking_uri)}"
+        f"  {plain(_cost(result))}; report: run {plain(result.report_run_id or '-')} ({plain(', '.join(result.artifacts) or '-')}); "
+        f"view: {plain(mlflow_ui_hint(result.tracking_uri))}"
     )
 
 
@@ -121,7 +121,7 @@ def print_list(entries: list[tuple[str, str]], console=None) -> None:
     table.add_column("arm")
     table.add_column("change")
     for name, description in entries:
-        table.add_row(name, description)
+        table.add_row(plain(name), plain(description))
     print_table(table, console)
 
 
@@ -152,7 +152,7 @@ class ArmProgress:
             say(f"ablate: replaying {len(arms)} arm(s) ({', '.join(arms)}) over steps {start}..{end - 1}")
             return
         for arm in arms:
-            self._tasks[arm] = self._progress.add_task(arm, total=end - start)
+            self._tasks[arm] = self._progress.add_task(plain(arm), total=end - start)  # a bar's description is markup
 
     def update(self, arm: str, event: str, step: int) -> None:
         if self._progress is None and event == "done":

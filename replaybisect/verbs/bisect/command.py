@@ -128,6 +128,8 @@ class _Progress:
             self.bar.update(self.task, description=text, advance=advance)
 
     def event(self, kind: str, **data) -> None:
+        from replaybisect.report import plain
+
         print_line = self.console.print if self.bar is None else self.bar.console.print
         if kind == "start":
             self.per_run = data["mode"] == "train"  # --cmd runs once per commit: the trial line says it all
@@ -136,8 +138,8 @@ class _Progress:
             if self.bar is not None:
                 self.task = self.bar.add_task("endpoints", total=data["expected_rounds"] + 1)
         elif kind == "phase":
-            print_line(data["text"])
-            self._status(data["text"][:60])
+            print_line(plain(data["text"]))
+            self._status(plain(data["text"][:60]))
         elif kind == "run" and self.per_run:
             run = data["run"]
             value = f" {run.metric:.5g}" if run.metric is not None else ""
@@ -149,16 +151,14 @@ class _Progress:
             self._status("round 1", advance=1)
         elif kind == "round":
             shas = ", ".join(sha[:10] for sha in data["shas"])
-            print_line(f"round {data['number']}: testing {shas}")
-            self._status(f"round {data['number']}: {shas}", advance=1 if data["number"] > 1 else 0)
+            print_line(f"round {data['number']}: testing {plain(shas)}")
+            self._status(f"round {data['number']}: {plain(shas)}", advance=1 if data["number"] > 1 else 0)
         elif kind == "job":  # --executor submitit: where each trial runs
             print_line(f"  {data['trial']}: job {data['job_id']} {data['state']}", markup=False)
         elif kind == "trial":
             trial = data["trial"]
             style = {"good": "green", "bad": "red", "skip": "yellow"}.get(trial.verdict, "")
-            from rich.markup import escape
-
-            print_line(f"  [bold]#{trial.position} {trial.sha[:10]}[/] [{style}]{trial.verdict}[/] {escape(trial.note)}")
+            print_line(f"  [bold]#{trial.position} {plain(trial.sha[:10])}[/] [{style}]{plain(trial.verdict)}[/] {plain(trial.note)}")
 
 
 def register(app: typer.Typer) -> None:

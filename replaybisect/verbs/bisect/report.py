@@ -36,7 +36,7 @@ def render(result: "BisectResult", console) -> None:
     from rich.panel import Panel
     from rich.table import Table
 
-    from replaybisect.report import print_table
+    from replaybisect.report import plain, print_table
 
     table = Table(title=f"tried commits ({result.n_trials} of {result.history_length}, {result.n_rounds} rounds, "
                         f"{result.workers} worker{'s' * (result.workers > 1)})")
@@ -44,25 +44,25 @@ def render(result: "BisectResult", console) -> None:
     table.add_column("commit")
     table.add_column("subject", overflow="fold", max_width=48)
     table.add_column("verdict")
-    table.add_column(f"{result.metric_name} (seed mean)" if result.mode == "train" else "", justify="right")
+    table.add_column(f"{plain(result.metric_name)} (seed mean)" if result.mode == "train" else "", justify="right")
     table.add_column("seeds", justify="right")
     table.add_column("round", justify="right")
     table.add_column("why", overflow="fold", max_width=48)
     for trial in result.trials:
         style = VERDICT_STYLE.get(trial.verdict, "")
         marker = " ◀" if trial.sha == result.first_bad else ""
-        table.add_row(str(trial.position), trial.sha[:10] + marker, trial.subject, f"[{style}]{trial.verdict}[/]",
-                      _metric_text(trial), _runs_text(trial), str(trial.round) if trial.round else "end", trial.note)
+        table.add_row(str(trial.position), plain(trial.sha[:10]) + marker, plain(trial.subject), f"[{style}]{plain(trial.verdict)}[/]",
+                      _metric_text(trial), _runs_text(trial), str(trial.round) if trial.round else "end", plain(trial.note))
     print_table(table, console)
-    lines = [f"[bold]{headline(result)}[/]"]
+    lines = [f"[bold]{plain(headline(result))}[/]"]  # a commit's subject, author and diffstat are text, never markup
     if result.commit:
-        lines += [f"author: {result.commit.author}", f"date:   {result.commit.date}"]
+        lines += [f"author: {plain(result.commit.author)}", f"date:   {plain(result.commit.date)}"]
         if result.commit.diffstat:
-            lines += ["", result.commit.diffstat]
-    lines += ["", f"test: {result.baseline.describe()}",
+            lines += ["", plain(result.commit.diffstat)]
+    lines += ["", f"test: {plain(result.baseline.describe())}",
               f"{result.n_runs} runs trained, {result.n_cached} reused from earlier bisects, {result.seconds:.1f}s"]
     if result.run_id:
-        lines.append(f"MLflow run {result.run_id} (bisect.md, bisect.png)")
+        lines.append(f"MLflow run {plain(result.run_id)} (bisect.md, bisect.png)")
     console.print(Panel("\n".join(lines), title="replay bisect", expand=False), soft_wrap=False)  # wrapped inside its box, not cut
 
 

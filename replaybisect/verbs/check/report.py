@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from replaybisect.report import close_figure, console, fmt_number, markdown_table, mlflow_ui_hint, new_figure, print_table
+from replaybisect.report import close_figure, console, fmt_number, markdown_table, mlflow_ui_hint, new_figure, plain, print_table
 from replaybisect.core.jsonutil import strict_json
 
 STYLE = {"pass": "green", "warn": "yellow", "fail": "bold red", "skip": "dim"}
@@ -63,13 +63,13 @@ def _next_steps(report) -> list[str]:
 def print_check_report(report) -> None:
     from rich.table import Table
 
-    console.print(f"[bold]replay check[/bold] {_subject(report)}")
+    console.print(f"[bold]replay check[/bold] {plain(_subject(report))}")
     table = Table(show_header=True, header_style="bold", title_justify="left")
     for header in ("check", "status", "value", "detail"):
         table.add_column(header, overflow="fold")
     for check in report.checks:
         style = STYLE[check.status]
-        table.add_row(check.name, f"[{style}]{MARK[check.status]}[/{style}]", _value(check.value), check.detail)
+        table.add_row(plain(check.name), f"[{style}]{MARK[check.status]}[/{style}]", plain(_value(check.value)), plain(check.detail))
     print_table(table, console)
     counts = report.counts()
     style = STYLE[report.status]
@@ -79,12 +79,12 @@ def print_check_report(report) -> None:
     )
     lr = report.lr_range
     if lr and lr.suggested_lr:
-        console.print(f"  LR range test: suggested lr {lr.suggested_lr:.3g}, your lr {report.configured_lr:.3g} ({report.lr_source})")
+        console.print(f"  LR range test: suggested lr {lr.suggested_lr:.3g}, your lr {report.configured_lr:.3g} ({plain(report.lr_source)})")
     for warning in report.warnings:
-        console.print(f"  [yellow]note:[/yellow] {warning}")
+        console.print(f"  [yellow]note:[/yellow] {plain(warning)}")
     for hint in _next_steps(report):
-        console.print(f"  next: {hint}")
-    console.print(f"  check run {report.run_id} (check.md, lr_range.png); view: {mlflow_ui_hint(report.tracking_uri)}")
+        console.print(f"  next: {plain(hint)}")
+    console.print(f"  check run {plain(report.run_id)} (check.md, lr_range.png); view: {plain(mlflow_ui_hint(report.tracking_uri))}")
 
 
 def check_markdown(report) -> str:

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from replaybisect.core.jsonutil import strict_json
-from replaybisect.report import close_figure, fmt_number, markdown_table, new_figure, print_table
+from replaybisect.report import close_figure, fmt_number, markdown_table, new_figure, plain, print_table
 from replaybisect.report import console as shared_console
 
 MARKDOWN = "diagnosis.md"
@@ -54,33 +54,33 @@ def print_diagnosis(result, console=None, report_run_id: str | None = None) -> N
     from rich.table import Table
 
     console = console or shared_console
-    name = f" ({result.run_name})" if result.run_name else ""
-    console.print(f"[bold]diagnosis of run[/bold] {result.run_id}{name}  status {result.status}")
+    name = f" ({plain(result.run_name)})" if result.run_name else ""  # a run's name, a layer's: text, never markup
+    console.print(f"[bold]diagnosis of run[/bold] {plain(result.run_id)}{name}  status {plain(result.status)}")
     if result.healthy:
-        console.print("  [green]no pathology found[/green]: " + _summary_sentence(result.summary))
+        console.print("  [green]no pathology found[/green]: " + plain(_summary_sentence(result.summary)))
     elif not result.findings:
-        console.print(f"  [yellow]{result.verdict}[/yellow]: " + _summary_sentence(result.summary))
+        console.print(f"  [yellow]{plain(result.verdict)}[/yellow]: " + plain(_summary_sentence(result.summary)))
     else:
         for number, finding in enumerate(result.findings, 1):
-            where = f" [{finding.layer}]" if finding.layer else ""
-            console.print(f"\n[bold red]{number}. {finding.pattern}[/bold red]{where}  {finding.summary}")
+            where = f" {plain(f'[{finding.layer}]')}" if finding.layer else ""
+            console.print(f"\n[bold red]{number}. {plain(finding.pattern)}[/bold red]{where}  {plain(finding.summary)}")
             for line in _evidence_lines(finding.evidence):
                 console.print(f"     {line}", markup=False, highlight=False)
             if finding.source:
-                console.print(f"     [dim]threshold: {finding.source}[/dim]")
-            console.print(f"   next: [bold]{finding.next}[/bold]", highlight=False)
+                console.print(f"     [dim]threshold: {plain(finding.source)}[/dim]")
+            console.print(f"   next: [bold]{plain(finding.next)}[/bold]", highlight=False)
     table = Table(title="summary", title_justify="left", show_header=False)
     table.add_column("what")
     table.add_column("value")
     for key, label in SUMMARY_LABELS:
         if key in result.summary:
-            table.add_row(label, fmt_number(result.summary[key]))
+            table.add_row(label, plain(fmt_number(result.summary[key])))
     print_table(table, console)
     if result.skipped:
-        console.print("[dim]not checked: " + "; ".join(f"{p} ({why})" for p, why in result.skipped.items()) + "[/dim]")
+        console.print("[dim]not checked: " + plain("; ".join(f"{p} ({why})" for p, why in result.skipped.items())) + "[/dim]")
     if result.artifacts:
         holder = f"child run {report_run_id}" if report_run_id else "the run"
-        console.print(f"[dim]report: {holder} ({', '.join(result.artifacts)})[/dim]")
+        console.print(f"[dim]report: {plain(holder)} ({plain(', '.join(result.artifacts))})[/dim]")
 
 
 def _summary_sentence(summary: dict[str, Any]) -> str:

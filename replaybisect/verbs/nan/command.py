@@ -57,14 +57,21 @@ def nan_command(
     from replaybisect.verbs.nan.ranked import answer
     from replaybisect.verbs.nan.report import print_rich, publish
 
-    progress = stderr_console()
-    report = answer(store, request, log=lambda message: progress.print(f"[dim]{message}[/dim]"))
+    report = answer(store, request, log=progress_log(stderr_console()))
     if request.publish:
         publish(store, report)
     if as_json:
         print_json(report.to_json())
     else:
         print_rich(report, store.uri)
+
+
+def progress_log(console):
+    """The progress lines of a replay (`running train.py lr=0.3 again in ...`, a script's own lines relayed from its
+    process), dimmed on stderr: what they quote (stored args, paths, the script's output) is printed as it is."""
+    from replaybisect.report import plain
+
+    return lambda message: console.print(f"[dim]{plain(message)}[/dim]")
 
 
 def register(app: typer.Typer) -> None:

@@ -6,7 +6,7 @@ import math
 from typing import Any
 
 from replaybisect.options import OUR_STDOUT
-from replaybisect.report import fmt_number, mlflow_ui_hint, new_figure
+from replaybisect.report import fmt_number, mlflow_ui_hint, new_figure, plain
 
 CATEGORY_STYLE = {
     "divergence": "red", "data": "yellow", "forward": "red", "loss": "red", "backward": "red", "optimizer": "magenta",
@@ -44,23 +44,23 @@ def _headline(report) -> list[tuple[str, Any]]:
 def print_rich(report, tracking_uri: str, console=None) -> None:
     """The terminal report. Long lines soft-wrap (the terminal folds them), so paths and ids stay whole."""
     from rich.console import Console
-    from rich.markup import escape
 
     console = console or Console(file=OUR_STDOUT)
     say = lambda text: console.print(text, soft_wrap=True)  # noqa: E731
     style = CATEGORY_STYLE.get(report.category, "bold")
     category, _, rest = (report.headline or report.category).partition(" ")
-    say(f"[bold]replay nan[/bold]  run {report.run_id}  [bold {style}]{escape(category)}[/bold {style}] {escape(rest)}")
+    say(f"[bold]replay nan[/bold]  run {plain(report.run_id)}  [bold {style}]{plain(category)}[/bold {style}] {plain(rest)}")
     for key, value in _headline(report)[1:]:
-        say(f"  [dim]{key:>24}[/dim]  {escape(str(value))}")
+        say(f"  [dim]{key:>24}[/dim]  {plain(value)}")
     for warning in report.warnings:
-        say(f"[yellow]warning:[/yellow] {escape(warning)}")
+        say(f"[yellow]warning:[/yellow] {plain(warning)}")
     say("[bold]evidence[/bold]")
     for line in report.evidence:
-        say(f"  {'' if line.startswith('  ') else '- '}{escape(line)}")
-    say("[bold]next[/bold]  " + escape(report.suggestion).replace("\n", "\n      "))
+        say(f"  {'' if line.startswith('  ') else '- '}{plain(line)}")
+    say("[bold]next[/bold]  " + plain(report.suggestion).replace("\n", "\n      "))
     if report.replay_run_id:
-        say(f"report: child run {report.replay_run_id} (report.md, report.json, nan_report.png); view: {mlflow_ui_hint(tracking_uri)}")
+        say(f"report: child run {plain(report.replay_run_id)} (report.md, report.json, nan_report.png); "
+            f"view: {plain(mlflow_ui_hint(tracking_uri))}")
 
 
 def markdown(report) -> str:

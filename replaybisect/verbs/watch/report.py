@@ -112,17 +112,17 @@ def event_json(event: Event) -> dict[str, Any]:
 
 
 def _rich_line(event: Event) -> str:
-    from rich.markup import escape
+    from replaybisect.report import plain
 
     style = STYLE.get(event.kind, "white")
     clock = datetime.datetime.now().strftime("%H:%M:%S")
-    run = f" [bold]{event.run_id}[/bold]" if event.run_id else ""
-    text = f"[dim]{clock}[/dim] [{style}]{event.kind:<8}[/{style}]{run}  {escape(event.message)}"
+    run = f" [bold]{plain(event.run_id)}[/bold]" if event.run_id else ""
+    text = f"[dim]{clock}[/dim] [{style}]{event.kind:<8}[/{style}]{run}  {plain(event.message)}"
     indent = " " * 18
     if event.result is not None and event.result.next_command:
-        text += f"\n{indent}next: {escape(event.result.next_command)}"
+        text += f"\n{indent}next: {plain(event.result.next_command)}"
     if event.result is not None and event.result.run_url:
-        text += f"\n{indent}{escape(event.result.run_url)}"
+        text += f"\n{indent}{plain(event.result.run_url)}"
     return text
 
 
