@@ -41,7 +41,12 @@ def run_config(store: Store, run_id: str, trust: Optional[Trust] = None):
     code_dir = tags.get("code_dir")
     cfg = config_mod.from_yaml(text, source=f"the stored config.yaml of run {run_id}")
     artifacts = store.local_artifact_dir(run_id)  # <root>/<experiment>/<run>/artifacts: never a code folder
-    admit(cfg, trust, code_dir, source=f"run {run_id}", artifact_root=artifacts.parents[2] if artifacts else None)
+    artifact_root = artifacts.parents[2] if artifacts else None
+    if cfg.train.get("script") is not None:  # a script's run: its file and command line, before anything is imported
+        from replaybisect.script_replay import admitted_script
+
+        admitted_script(cfg, trust, run_id, artifact_root, tags)
+    admit(cfg, trust, code_dir, source=f"run {run_id}", artifact_root=artifact_root)
     return cfg
 
 

@@ -90,11 +90,15 @@ def _unchanged_since_recorded(path: Path, tags: dict[str, str], run_id: str) -> 
     from replaybisect.core.repo import SOURCE_TAG, file_sha256
 
     try:
-        recorded = json.loads(tags.get(SOURCE_TAG) or "{}").get(path.stem)
-    except (ValueError, AttributeError):
-        recorded = None
+        hashes = json.loads(tags.get(SOURCE_TAG) or "{}")
+    except ValueError:
+        hashes = None
+    if not hashes:
+        return  # the recorder could not hash its files: nothing to compare with (the path itself is signed)
+    recorded = hashes.get(path.stem) if isinstance(hashes, dict) else None
     if not isinstance(recorded, str):
-        return  # the recorder could not hash it: nothing to compare with (the path itself is signed)
+        raise ReplayError(f"refused to run {path} again for run {run_id}: it is not the script the run recorded (its "
+                          "recorded files are others); the stored config was changed after recording; nothing was run")
     now = file_sha256(path)
     if now != recorded:
         version = tags.get("git_sha")

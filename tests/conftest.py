@@ -109,9 +109,12 @@ def signing_key_folder(tmp_path_factory):
     own, never the developer's."""
     from unittest import mock
 
+    from replaybisect.core import provenance
+
     with mock.patch.dict(os.environ, {"XDG_CONFIG_HOME": str(tmp_path_factory.mktemp("config"))}):
         os.environ.pop("REPLAYBISECT_KEY", None)
         os.environ.pop("REPLAYBISECT_KEY_FILE", None)
+        provenance.signing_key(create=True)  # as after the user's first recording (test_provenance: before it)
         yield
 
 
@@ -148,6 +151,28 @@ def train_example(store, name: str, *overrides: str, env: dict[str, str] | None 
     with mock.patch.dict(os.environ, env or {}):
         cfg = config_mod.compose(folder, "config", list(overrides))
         return train(cfg, store, code_folder=folder)
+
+
+def record_script(workspace: Workspace, folder: str, source: str, *args: str, expect: str) -> tuple[Path, str]:
+    """tests/user_loop/SOURCE copied into a project folder as train.py and run with ARGS as a user runs it; it
+    must print `expect` (its failure). The project folder and the run id."""
+    import re
+
+    project = workspace.path / folder
+    project.mkdir()
+    shutil.copy(Path(__file__).resolve().parent / "user_loop" / source, project / "train.py")
+    done = subprocess.run([sys.executable, "train.py", *args], cwd=project, env=workspace.env(), capture_output=True,
+                          text=True, timeout=300)
+    assert expect in done.stdout + done.stderr, done.stdout + done.stderr[-2000:]
+    return project, re.search(r"recording run ([0-9a-f]{32})", done.stderr).group(1)
+
+
+def folder_tree(folder: Path) -> dict[str, str]:
+    """Every path under `folder` with its file's sha256: two trees are equal when nothing was written there."""
+    import hashlib
+
+    return {str(path.relative_to(folder)): hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else "folder"
+            for path in sorted(folder.rglob("*"))}
 
 
 @contextlib.contextmanager

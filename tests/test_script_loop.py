@@ -5,16 +5,14 @@ and what it prints stays out of `--json`."""
 
 from __future__ import annotations
 
-import hashlib
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from conftest import Workspace
+from conftest import Workspace, folder_tree, record_script
 
 DIVERGING = ("--optim=sgd", "--learning_rate=30", "--max_iters=30", "--eval_interval=4")  # NaN at step 9; snapshots every 5 steps
 
@@ -23,25 +21,8 @@ DIVERGING = ("--optim=sgd", "--learning_rate=30", "--max_iters=30", "--eval_inte
 def recorded(tmp_path_factory) -> tuple[Workspace, Path, str]:
     """The workspace (its store), the user's project folder (train.py and what it wrote) and the diverged run."""
     workspace = Workspace(tmp_path_factory.mktemp("script-loop"))
-    project, run_id = _record_script(workspace, "project", "script_loop.py", *DIVERGING, expect="stopped: loss is nan at step 9")
+    project, run_id = record_script(workspace, "project", "script_loop.py", *DIVERGING, expect="stopped: loss is nan at step 9")
     return workspace, project, run_id
-
-
-def _record_script(workspace: Workspace, folder: str, source: str, *args: str, expect: str) -> tuple[Path, str]:
-    """tests/user_loop/SOURCE copied into a project folder as train.py and run with ARGS as a user runs it; it
-    must print `expect` (its failure). The project folder and the run id."""
-    project = workspace.path / folder
-    project.mkdir()
-    shutil.copy(Path(__file__).resolve().parent / "user_loop" / source, project / "train.py")
-    done = subprocess.run([sys.executable, "train.py", *args], cwd=project, env=workspace.env(), capture_output=True,
-                          text=True, timeout=300)
-    assert expect in done.stdout + done.stderr, done.stdout + done.stderr[-2000:]
-    return project, re.search(r"recording run ([0-9a-f]{32})", done.stderr).group(1)
-
-
-def _tree(folder: Path) -> dict[str, str]:
-    return {str(path.relative_to(folder)): hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else "folder"
-            for path in sorted(folder.rglob("*"))}
 
 
 def test_the_run_names_the_script_and_no_functions(recorded):
@@ -57,7 +38,7 @@ def test_the_run_names_the_script_and_no_functions(recorded):
 
 def test_replay_nan_runs_the_script_again_exactly_and_writes_nothing_in_its_folder(recorded):
     workspace, project, run_id = recorded
-    before = _tree(project)
+    before = folder_tree(project)
     assert {"train.py", "out", "out/ckpt.pt", "out/log.txt"} <= set(before)
     result = Workspace(project).replay("nan", "--run-id", run_id, "--json", env=workspace.env())
     assert result.returncode == 0, result.stderr
@@ -69,7 +50,7 @@ def test_replay_nan_runs_the_script_again_exactly_and_writes_nothing_in_its_fold
     from replaybisect.verbs.nan.engine import NanReport
 
     assert NanReport.from_json(report).to_json() == report  # how a report comes back from the script's process
-    assert _tree(project) == before  # no checkpoint, log line or __pycache__ from the replay
+    assert folder_tree(project) == before  # no checkpoint, log line or __pycache__ from the replay
 
 
 def test_a_changed_script_is_refused_and_an_untrusted_one_is_not_run(recorded, monkeypatch):
@@ -87,11 +68,11 @@ def test_a_changed_script_is_refused_and_an_untrusted_one_is_not_run(recorded, m
     script = project / "train.py"
     original = script.read_text()
     script.write_text(original + "# edited after the run\n")
-    before = _tree(project)
+    before = folder_tree(project)
     try:  # a replay runs the script only as the run ran it: the file with the sha256 the run recorded
         with pytest.raises(ReplayError, match=r"train.py changed since run .* recorded it .*put it back as it was"):
             rb.find_nan(run_id, tracking_uri=workspace.tracking_uri, publish=False)
-        assert _tree(project) == before  # nothing ran
+        assert folder_tree(project) == before  # nothing ran
     finally:
         script.write_text(original)
     with pytest.raises(ReplayError, match="only `replay nan` and `replay ablate` replay it"):
@@ -154,13 +135,13 @@ def test_ablate_runs_each_arm_in_the_script_and_the_lr_arm_fixes_it(recorded, mo
 
     workspace, project, run_id = recorded
     monkeypatch.chdir(project)
-    before = _tree(project)
+    before = folder_tree(project)
     result = rb.ablate(run_id, ["lr", "precision"], horizon=30, workers=2, tracking_uri=workspace.tracking_uri, publish=False)
     verdicts = result.verdicts()
     assert result.baseline.verdict == "fails-again" and result.baseline.first_nonfinite_step == 9
     assert verdicts["lr"] == "fixes", result.conclusion  # as plain PyTorch at lr 3 trains this script
     assert verdicts["precision"] == "not-applicable"  # the run is fp32 already
-    assert _tree(project) == before
+    assert folder_tree(project) == before
     with pytest.raises(ReplayError, match="recorded from a script"):
         rb.ablate(run_id, ["lr"], executor="submitit", tracking_uri=workspace.tracking_uri, publish=False)
 
@@ -172,7 +153,7 @@ def test_a_hand_written_update_and_an_lr_the_script_changes_replay_exactly_and_a
     import replaybisect as rb
 
     workspace, _, _ = recorded
-    project, run_id = _record_script(workspace, "rnn-project", "rnn_script.py", "--lr", "2", "--growth", "8", "--epochs", "4",
+    project, run_id = record_script(workspace, "rnn-project", "rnn_script.py", "--lr", "2", "--growth", "8", "--epochs", "4",
                                      expect="stopped: loss is nan at step 14")
     monkeypatch.chdir(project)
     report = rb.find_nan(run_id, tracking_uri=workspace.tracking_uri, publish=False)
@@ -277,16 +258,16 @@ def test_a_hydra_app_replays_with_its_outputs_kept_out_of_the_project(recorded, 
     from replaybisect.core.processes import shadows_preloaded
 
     workspace, _, _ = recorded
-    project, run_id = _record_script(workspace, "hydra-project", "hydra_script.py", "lr=0.3", expect="loss is inf at step 16")
+    project, run_id = record_script(workspace, "hydra-project", "hydra_script.py", "lr=0.3", expect="loss is inf at step 16")
     (project / "hydra").mkdir()
     (project / "hydra" / "notes.md").write_text("the sweeps we tried\n")
     assert shadows_preloaded(project)
-    before = _tree(project)
+    before = folder_tree(project)
     assert any(name.startswith("outputs/") for name in before)  # Hydra's output folder, from the recording
     monkeypatch.chdir(project)
     report = rb.find_nan(run_id, tracking_uri=workspace.tracking_uri, publish=False)
     assert (report.reproduced, report.category, report.failing_step) == ("exact", "divergence", 16), report.headline
-    assert _tree(project) == before  # the replay's Hydra outputs went to its temp folder
+    assert folder_tree(project) == before  # the replay's Hydra outputs went to its temp folder
 
 
 def test_a_lightning_script_that_trains_at_import_replays_in_itself(recorded, monkeypatch):
@@ -297,12 +278,12 @@ def test_a_lightning_script_that_trains_at_import_replays_in_itself(recorded, mo
     from replaybisect.restore import run_config
 
     workspace, _, _ = recorded
-    project, run_id = _record_script(workspace, "lightning-project", "lightning_script.py", "0.3", expect="loss is inf at step 17")
+    project, run_id = record_script(workspace, "lightning-project", "lightning_script.py", "0.3", expect="loss is inf at step 17")
     cfg = run_config(workspace.store(), run_id)
     assert cfg.train.script.path == str(project / "train.py") and cfg.user.module == {"class": "LitRegression"}
-    before = _tree(project)
+    before = folder_tree(project)
     assert any(name.startswith("lightning_logs/") for name in before)
     monkeypatch.chdir(project)
     report = rb.find_nan(run_id, tracking_uri=workspace.tracking_uri, publish=False)
     assert (report.reproduced, report.category, report.failing_step) == ("exact", "divergence", 17), report.headline
-    assert _tree(project) == before  # (ablate's arms take the module over the same way: tested on the scripts above)
+    assert folder_tree(project) == before  # (ablate's arms take the module over the same way: tested on the scripts above)

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import EXAMPLES, REPLAY, assert_one_line_error, train_example
+from conftest import EXAMPLES, REPLAY, assert_one_line_error, sign_as_recorder, train_example
 from watch_servers import ALLOW_ROOT
 from replaybisect.core.jobs import JobSettings
 from replaybisect.errors import ReplayError
@@ -533,6 +533,7 @@ def test_triage_runs_in_a_scratch_folder_not_the_watchers(workspace):
     store.set_tags(run_id, {"first_nonfinite_step": 3})
     store.finish_run(run_id, "nonfinite", "FAILED")
     _replace_config(workspace, run_id, config)
+    sign_as_recorder(store, run_id)  # signed, so the triage runs: the scratch folder is the wall tested here
     marker = workspace.path / "MARKER"
     (workspace.path / "evilmod.py").write_text(EVIL_MODULE.format(marker=str(marker)))
     # the examples are the only code folder (conftest's default also trusts every temporary folder, this one too)

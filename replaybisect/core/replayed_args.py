@@ -95,6 +95,8 @@ def _check_override(argument: str, recorded: Any, run_id: str, name: str) -> Non
     if match is None:
         raise _refused(argument, "not a Hydra override of the app's config", run_id, name)
     prefix, key, value = match["prefix"] or "", match["key"], match["value"] or ""
+    if not value and prefix != "~":
+        raise _refused(argument, "not a Hydra override of the app's config (key=value)", run_id, name)
     top = re.split(r"[./]", key, maxsplit=1)[0]
     if top == "hydra":
         raise _refused(argument, "an override of Hydra's own settings (its callbacks, launcher and folders run code "
