@@ -282,12 +282,14 @@ class Store:
         return self.search_runs(filter_string, max_results=1000)
 
     # ---- params and metrics ------------------------------------------------------------
-    def log_params(self, run_id: str, params: dict[str, Any]) -> None:
-        from mlflow.entities import Param
+    def log_params(self, run_id: str, params: dict[str, Any], tags: Optional[dict[str, Any]] = None) -> None:
+        """The params, in batches; `tags` (replaybisect's, without the prefix) ride in the first batch."""
+        from mlflow.entities import Param, RunTag
 
         items = [Param(key, str(value)[:6000]) for key, value in params.items()]
-        for start in range(0, len(items), 100):  # MLflow's limit of params per batch
-            self.client.log_batch(run_id, params=items[start : start + 100])
+        extra = [RunTag(TAG + key, str(value)) for key, value in (tags or {}).items()]
+        for start in range(0, max(len(items), 1), 100):  # MLflow's limit of params per batch
+            self.client.log_batch(run_id, params=items[start : start + 100], tags=extra if start == 0 else [])
 
     def log_metrics(self, run_id: str, points: Iterable[tuple[str, float, int]]) -> None:
         """Log (key, value, step) points in batches of at most 1000: never one call per value."""

@@ -72,11 +72,10 @@ class RunSession:
         params = config_mod.flatten(cfg)
         if self.attached:  # MLflow refuses a changed param: the other logger's keep their values
             params = {key: value for key, value in params.items() if key not in self.store.get_run(self.run_id).data.params}
-        self.store.log_params(self.run_id, params)
         text = config_mod.to_yaml(cfg)
-        self.store.log_text(self.run_id, text, "config.yaml")
         signed = provenance.signature(self.key or provenance.signing_key(create=True), self.run_id, text, self.tags)
-        self.store.set_tags(self.run_id, {provenance.SIGNATURE_TAG: signed})
+        self.store.log_params(self.run_id, params, tags={provenance.SIGNATURE_TAG: signed})  # one call for both
+        self.store.log_text(self.run_id, text, "config.yaml")
 
     def start_recording(self, cfg, state, data_position: dict[str, Any], runs_steps: bool = True):
         """The hooks that record every step (or, with snapshot.enabled=false, only count them). `runs_steps`: the
