@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import signal
+import sys
 import threading
 from contextlib import contextmanager
 
@@ -90,31 +91,76 @@ class Terminated(KeyboardInterrupt):
 
     exit_code = 143
     received = False  # set by the first SIGTERM: typer turns a KeyboardInterrupt into a bare exit code 130
+    # raised, and not seen leaving a sigterm_raises block yet: a handler that ran in a finalizer (SQLAlchemy's weakref
+    # callbacks run in every store write and in any garbage collection) raised where Python ignores it
+    pending = False
+
+
+_deferring = 0  # sigterm_deferred blocks the main thread is in
 
 
 def _raise_terminated(signum, frame) -> None:
-    Terminated.received = True
+    Terminated.received = Terminated.pending = True
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # once: the cleanup that follows is not cut short by a second one
-    raise Terminated()
+    if not _deferring:
+        raise Terminated()
+
+
+def raise_if_terminated() -> None:
+    """Raise the SIGTERM whose Terminated was swallowed or deferred (a step's start, a run's end are the places)."""
+    if Terminated.pending and threading.current_thread() is threading.main_thread():
+        raise Terminated()
+
+
+def _quiet_when_terminated(hook):
+    """sys.unraisablehook: a Terminated that a finalizer swallowed is raised again later (raise_if_terminated), not
+    printed as a traceback; anything else goes to `hook`."""
+
+    def unraisable(seen) -> None:
+        if not (isinstance(seen.exc_type, type) and issubclass(seen.exc_type, Terminated)):
+            hook(seen)
+
+    return unraisable
 
 
 @contextmanager
 def sigterm_raises():
-    """Inside, SIGTERM raises Terminated in the main thread; the previous handler comes back after.
+    """Inside, SIGTERM raises Terminated in the main thread; the previous handler comes back after. One that a
+    finalizer swallowed is raised again at the next step, or as the block ends at the latest.
     Off the main thread (where signals cannot be handled) it does nothing."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    previous, previous_hook = signal.signal(signal.SIGTERM, _raise_terminated), sys.unraisablehook
+    sys.unraisablehook = _quiet_when_terminated(previous_hook)
     try:
         yield
+        raise_if_terminated()
+    except Terminated:
+        Terminated.pending = False  # on its way up: every cleanup it passes runs
+        raise
     finally:
+        sys.unraisablehook = previous_hook
         if previous is not None:  # None: a handler set from C, which Python cannot put back
             signal.signal(signal.SIGTERM, previous)
 
 
+@contextmanager
+def sigterm_deferred():
+    """Inside, a SIGTERM is only noted: a store write whose result must not be lost (a run created, its id not
+    returned yet) is not cut short. The caller raises it (raise_if_terminated) where it can end what it made."""
+    global _deferring
+    main = threading.current_thread() is threading.main_thread()
+    _deferring += main
+    try:
+        yield
+    finally:
+        _deferring -= main
+
+
 def interruption(error: BaseException | None = None) -> tuple[str, int]:
-    """The line to print and the exit status for Ctrl-C (130) or SIGTERM (143)."""
+    """The line to print and the exit status for Ctrl-C (130) or SIGTERM (143): the stop is handled."""
+    Terminated.pending = False
     if isinstance(error, Terminated) or Terminated.received:
         return "replay: terminated (SIGTERM)", Terminated.exit_code
     return "replay: interrupted", 130

@@ -8,6 +8,7 @@ start removes the temp files the dead writer left.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -197,3 +198,97 @@ def _cmdline(pid: str) -> str:
         return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
     except OSError:
         return ""
+
+
+# ---- a SIGTERM at any moment ends the run -------------------------------------------------------------------------
+def _run_rows(store_path: Path) -> int:
+    """Runs in the store, read with sqlite3 itself (fast: the moment the row appears is what counts)."""
+    import sqlite3
+
+    if not store_path.exists():
+        return 0
+    try:
+        with contextlib.closing(sqlite3.connect(store_path, timeout=0.05)) as db:
+            return db.execute("select count(*) from runs").fetchone()[0]
+    except sqlite3.Error:  # being created, or locked by the trainer for a moment
+        return 0
+
+
+def _assert_killed_in_one_line(process: subprocess.Popen, store, stderr: str) -> None:
+    assert process.returncode == 143, stderr
+    assert outcome_lines(stderr) == ["replay: terminated (SIGTERM)"], stderr
+    run = _only_run(store)
+    assert run.info.status == "KILLED" and run.data.tags["replaybisect.status"] == "killed", run.info.status
+
+
+MOMENTS = {  # after the run row appears: at once (its config being written), the first steps, the first metrics
+    "the run row": lambda store: True,
+    "0.5 s later": lambda store: time.sleep(0.5) or True,
+    "its first loss": lambda store: store.metric_history(_only_run(store).info.run_id, "loss"),
+}
+
+
+def test_sigterm_at_any_moment_of_replay_train_ends_it_killed(tmp_path):
+    """The trainers run side by side (each mostly imports); each gets its SIGTERM at its moment."""
+    started = {}
+    for moment in MOMENTS:
+        workspace = Workspace(tmp_path / moment.replace(" ", "_"))
+        workspace.path.mkdir()
+        started[moment] = workspace, _start(workspace, "snapshot.every=20")
+    for moment, (workspace, process) in started.items():
+        _wait_for(lambda: _run_rows(workspace.path / "mlflow.db"), process, "the run row", timeout=180)
+        store = workspace.store()
+        _wait_for(lambda: MOMENTS[moment](store), process, moment, timeout=120)
+        process.send_signal(signal.SIGTERM)
+    for moment, (workspace, process) in started.items():
+        _, stderr = process.communicate(timeout=90)
+        _assert_killed_in_one_line(process, workspace.store(), stderr)
+
+
+FINALIZING_MODEL = '''
+import contextlib
+import os
+import signal
+
+from torch import nn
+
+
+class SignalledInItsFinalizer:
+    def __del__(self):  # the SIGTERM's handler runs in here, where Python ignores what it raises
+        os.kill(os.getpid(), signal.SIGTERM)
+        sum(range(100))
+
+
+class FinalizingMLP(nn.Module):
+    def __init__(self, term_at: int = 30):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(64, 16), nn.ReLU(), nn.Linear(16, 10))
+        self.term_at, self.calls = term_at, 0
+
+    def forward(self, x):
+        self.calls += 1
+        if self.calls == self.term_at:
+            SignalledInItsFinalizer()  # made and dropped at once: its __del__ runs now
+        return self.net(x)
+'''
+
+
+def test_sigterm_that_lands_in_a_finalizer_still_ends_the_run(workspace):
+    """A signal's handler runs wherever the main thread is running Python code, also in a finalizer (SQLAlchemy's
+    weakref callbacks, run in the middle of every store write and of any garbage collection), where Python prints
+    what it raised and goes on: the run trained on and stayed RUNNING. The stop is taken up at the next step."""
+    conf = workspace.path / "conf"
+    conf.mkdir()
+    (conf / "finalizing.py").write_text(FINALIZING_MODEL)
+    (conf / "config.yaml").write_text(
+        "defaults:\n  - data: digits\n  - _self_\nmodel:\n  _target_: finalizing.FinalizingMLP\n"
+        "optim:\n  _target_: torch.optim.AdamW\n  _partial_: true\n  lr: 1e-3\n"
+        "train:\n  steps: 3000\n  batch_size: 32\n  val_every: 0\nsnapshot:\n  every: 20\n"
+    )
+    result = workspace.replay("train", "--config-dir", str(conf), timeout=180)
+    assert result.returncode == 143, result.stderr
+    assert outcome_lines(result.stderr) == ["replay: terminated (SIGTERM)"], result.stderr
+    run = _only_run(workspace.store())
+    assert run.info.status == "KILLED" and run.data.tags["replaybisect.status"] == "killed"
+    # stopped at the step after the one whose forward took the signal: not trained on
+    assert len(workspace.store().metric_history(run.info.run_id, "loss")) <= 31

@@ -32,7 +32,7 @@ from replaybisect.core.device import resolve_device
 from replaybisect.core.config import Precision, build_optimizer, check_closure_optimizer, instantiate, needs_closure
 from replaybisect.core.observer import StepObserver
 from replaybisect.core.step_watch import StepHalted, StepOutcome, StepWatch, fault_handler  # noqa: F401 (loop.StepOutcome)
-from replaybisect.errors import ConfigError, ReplayError
+from replaybisect.errors import ConfigError, ReplayError, raise_if_terminated
 from replaybisect.core.rng import (capture_raw, epoch_permutation_seed, isolated_rng, restore_raw, sample_seed, seed_everything,
                                    seed_sample_streams)
 
@@ -609,7 +609,9 @@ def train_loop(
 
 def open_step(step: int, state: TrainState, hooks: LoopHooks, buffers: BufferGuard) -> dict:
     """A step's opening, on every recording path: the RNG state it starts with (returned), its buffers saved (a
-    halted step puts them back), the hooks told (a snapshot of the state before it may begin)."""
+    halted step puts them back), the hooks told (a snapshot of the state before it may begin). A SIGTERM swallowed
+    since the last step (its handler ran in a finalizer) stops here."""
+    raise_if_terminated()
     rng_at_start = capture_raw()
     buffers.save()
     hooks.before_step(step, state, rng_at_start)

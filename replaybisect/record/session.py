@@ -14,7 +14,7 @@ from typing import Any, Iterator, Optional
 from replaybisect.core import config as config_mod
 from replaybisect.core import provenance
 from replaybisect.core.repo import code_version
-from replaybisect.errors import DiskFull, is_disk_full
+from replaybisect.errors import DiskFull, is_disk_full, raise_if_terminated, sigterm_deferred
 from replaybisect.record.hooks import NullHooks, RecordingHooks
 from replaybisect.store import Store
 
@@ -44,11 +44,14 @@ class RunSession:
         all_tags = {TAG + key: value for key, value in code_version(code_folder).items()}
         all_tags[TAG + "code_dir"] = str(code_folder)
         all_tags.update(tags or {})
-        with isolated_rng():  # MLflow names runs with `random`: keep it off the (seeded) training streams
+        # MLflow names runs with `random`: keep it off the (seeded) training streams. A SIGTERM while the run is
+        # created is raised once the session can end it KILLED
+        with isolated_rng(), sigterm_deferred():
             random.seed(os.urandom(8))
             run_id = store.create_run(kind, run_name=run_name, parent_run_id=parent_run_id, experiment=experiment, tags=all_tags)
         session = cls(store, run_id, all_tags, key)
         with session.failure_ends_run():
+            raise_if_terminated()
             session._remove_stale_temps()
         return session
 
@@ -96,11 +99,12 @@ class RunSession:
         A write that failed (a full disk) ends it FAILED instead, and is raised."""
         if self.ended:
             return self.status
-        with self.failure_ends_run():
+        with self.failure_ends_run():  # until the end is recorded, a SIGTERM ends the run KILLED
             self.close_hooks()
+            status = self.status
+            self.store.finish_run(self.run_id, status, "FAILED" if status == "nonfinite" else "FINISHED")
+            raise_if_terminated()  # one swallowed meanwhile (in SQLAlchemy's weakref callbacks)
         self.ended = True
-        status = self.status
-        self.store.finish_run(self.run_id, status, "FAILED" if status == "nonfinite" else "FINISHED")
         return status
 
     @contextmanager

@@ -78,9 +78,9 @@ def train(
                 stopped_by = loop.train_loop(state, batches, 0, cfg.train.steps, hooks, val_dataset=val_dataset, progress=report)
             finally:
                 session.close_hooks()
+        status = session.finish()  # (a SIGTERM until the run's end is recorded ends it KILLED)
 
     # 4. the verdict
-    status = session.finish()
     stopped = stopped_by is not None or getattr(hooks, "halted", False)  # (a failure found at the last flush)
     return TrainResult(
         run_id=session.run_id,
