@@ -23,3 +23,26 @@ def is_user_code(filename: str, libraries: tuple[str, ...] = ()) -> bool:
     path = os.path.abspath(filename)
     return not (path.startswith((PACKAGE_DIR, *_LIBRARY_DIRS, *libraries)) or "site-packages" in path
                 or "dist-packages" in path or filename.startswith("<"))
+
+
+def raised_at(error: BaseException) -> str | None:
+    """Where `error` was raised in the user's code: the innermost frame of theirs after replaybisect's own frames
+    (torch, the standard library and installed packages skipped), as "file:line in function: code"; None if none."""
+    import traceback
+
+    frames = traceback.extract_tb(error.__traceback__)
+    ours = [i for i, frame in enumerate(frames) if is_ours(frame.filename)]
+    frames = frames[ours[-1] + 1:] if ours else frames
+    torch = sys.modules.get("torch")
+    libraries = (os.path.dirname(os.path.abspath(torch.__file__)) + os.sep,) if torch is not None and torch.__file__ else ()
+    frame = next((frame for frame in reversed(frames) if is_user_code(frame.filename, libraries)), None)
+    if frame is None:
+        return None
+    line = (frame.line or "").strip()
+    return f"{frame.filename}:{frame.lineno} in {frame.name}" + (f": {line}" if line else "")
+
+
+def error_message(error: BaseException) -> str:
+    """The first line of `error`'s message, at most 300 characters ("" for none)."""
+    lines = str(error).strip().splitlines()
+    return lines[0][:300] if lines else ""

@@ -51,10 +51,14 @@ def run_config(store: Store, run_id: str, trust: Optional[Trust] = None):
 
 
 def failing_step(store: Store, run_id: str) -> Optional[int]:
-    """The first non-finite step: the run's tag, else the first non-finite loss or grad_norm logged."""
+    """The first non-finite step: the run's tag, else the step that raised (tag failing_step, failure=exception),
+    else the first non-finite loss or grad_norm logged."""
     from replaybisect.core.tags import step_tag
 
-    tag = step_tag(store.tags(run_id), "first_nonfinite_step", run_id)  # a tag that is not a step: one line
+    tags = store.tags(run_id)
+    tag = step_tag(tags, "first_nonfinite_step", run_id)  # a tag that is not a step: one line
+    if tag is None:
+        tag = step_tag(tags, "failing_step", run_id)
     if tag is not None:
         return tag
     steps = [

@@ -435,15 +435,28 @@ def run_step(
     watch = StepWatch(state, outcome, observer, on_fault=fault_handler(halt_on_nonfinite), ranks_agree=state.ranks_agree,
                       defer_reads=defer_reads, device_guard=device_guard)
     if state.user_loop:  # the user's own step (forward, backward, update inside): the same moments, the same halting
-        user_step.run(state, watch, batch)
+        with _outcome_on_error(outcome):
+            user_step.run(state, watch, batch)
         return outcome
     try:
-        _builtin_step(state, watch, batch)
+        with _outcome_on_error(outcome):
+            _builtin_step(state, watch, batch)
     except StepHalted:
         pass
     finally:
         watch.close_forward()  # an observer's forward region (a probe's TorchFunctionMode) never outlives the step
     return outcome
+
+
+@contextlib.contextmanager
+def _outcome_on_error(outcome: StepOutcome):
+    """An exception leaving the step carries its outcome (`replaybisect_outcome`: whether the update was applied)."""
+    try:
+        yield
+    except Exception as error:
+        with contextlib.suppress(Exception):
+            error.replaybisect_outcome = outcome
+        raise
 
 
 def _builtin_step(state: TrainState, watch: StepWatch, batch) -> None:
@@ -628,8 +641,12 @@ def take_step(state: TrainState, step: int, batch, hooks: LoopHooks, buffers: Bu
     device_batch = to_device(batch, state.device)
     carry_at_start = user_step.copied(state.carry, "carry") if state.user_loop else None
     step_started = time.perf_counter()
-    outcome = run_step(state, step, device_batch, observer=hooks.observer(step), defer_reads=getattr(hooks, "defers_reads", False),
-                       device_guard=getattr(hooks, "device_guard", None))
+    try:
+        outcome = run_step(state, step, device_batch, observer=hooks.observer(step), defer_reads=getattr(hooks, "defers_reads", False),
+                           device_guard=getattr(hooks, "device_guard", None))
+    except Exception as error:  # a crash in the step is its failing step, kept as a non-finite one is, and goes on up
+        _crashed(state, step, error, stored, hooks, buffers, carry_at_start)
+        raise
     keep_going = True
     if outcome.nonfinite:
         buffers.restore()  # undo the forward's in-place buffer updates: hooks see the state before the step
@@ -642,3 +659,19 @@ def take_step(state: TrainState, step: int, batch, hooks: LoopHooks, buffers: Bu
     step_ended = time.perf_counter()
     keep_going = hooks.after_step(outcome, stored, step_ended - step_started, step_started - data_started) and keep_going
     return outcome, keep_going
+
+
+def _crashed(state: TrainState, step: int, error: Exception, stored, hooks: LoopHooks, buffers: BufferGuard,
+             carry_at_start) -> None:
+    """`error` was raised inside step `step`: its forward's buffer updates (and, for the user's step, what it wrote
+    into carry) are undone, as for a non-finite step, and `hooks.on_exception` records the step as the run's failure.
+    A step that raised after its optimizer update: the state is past it, the hooks keep only its batch."""
+    on_exception = getattr(hooks, "on_exception", None)
+    if on_exception is None or isinstance(error, ReplayError):  # (the recorder's own refusals are no crash of the step)
+        return
+    updated = bool(getattr(getattr(error, "replaybisect_outcome", None), "updated", False))
+    if not updated:
+        buffers.restore()
+        if state.user_loop:
+            state.carry = carry_at_start
+    on_exception(step, error, stored, updated=updated)

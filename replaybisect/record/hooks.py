@@ -15,6 +15,7 @@ import threading
 import tempfile
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+import contextlib
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Optional
@@ -70,6 +71,7 @@ class RecordingHooks:
         self.snapshot_blocking: list[tuple[int, float, int, float]] = []
         self.first_nonfinite_step: int | None = None
         self.nonfinite_what: str | None = None
+        self.crashed_step: int | None = None  # the step that raised (on_exception)
         self._last_outcome: Optional[StepOutcome] = None  # the last step that logged a loss
         self.steps_completed = 0
         # a fused optimizer in replay train's step: the non-finite verdicts stay on the device until a flush
@@ -117,20 +119,44 @@ class RecordingHooks:
         if self.first_nonfinite_step is None:
             self.first_nonfinite_step = outcome.step
             self.nonfinite_what = outcome.nonfinite
-            opened = self._open_snapshot
-            self._keep_batch(outcome.step, batch, force=True)  # the open interval ends with the failing batch
-            # else the periodic snapshot of this step is it; a sharded model's state is gathered by every rank together, at
-            # periodic snapshots only: its replay starts from the last one, through the interval's batches
-            if not (opened and opened["step"] == outcome.step) and not self.sharded:
-                self._close_open_snapshot()
-                self._begin_snapshot(outcome.step, self._rng_at_start, reason="nonfinite", keep_open=True)
-                self._keep_batch(outcome.step, batch, force=True)
-            self._close_open_snapshot()
+            self._keep_failing_step(outcome.step, batch, "nonfinite")
             self.store.set_tags(
                 self.run_id,
                 {"first_nonfinite_step": outcome.step, "nonfinite_what": outcome.nonfinite, "status": "nonfinite"},
             )
         return not self.on_nonfinite_stop
+
+    def on_exception(self, step: int, error: BaseException, batch, updated: bool = False) -> None:
+        """Step `step` raised `error` (the loop raises it on): recorded as the run's failing step, as a non-finite
+        step is (the state before it and its batch, tags failing_step, failure=exception, error_type, error,
+        error_frame). `updated`: it raised after its optimizer update, so only its batch is kept (a replay reaches
+        it from the last snapshot). The run's end (FAILED, crashed) is the session's."""
+        from replaybisect.frames import error_message, raised_at
+
+        if self.device_guard is not None and self.device_guard.pending:
+            self._flush_metrics()  # an earlier step found non-finite at this flush is the failure
+        if self.halted or self.crashed_step is not None:
+            return
+        self.crashed_step = step
+        self._keep_failing_step(step, batch, "exception", state_intact=not updated)
+        frame = raised_at(error)
+        tags = {"failing_step": step, "failure": "exception", "error_type": type(error).__name__,
+                "error": error_message(error), **({"error_frame": frame[:500]} if frame else {})}
+        self.store.set_tags(self.run_id, tags)
+        with contextlib.suppress(Exception):  # the run's end names the step and the next command (session.mark_ended)
+            error.replaybisect_failing_step = step
+
+    def _keep_failing_step(self, step: int, batch, reason: str, state_intact: bool = True) -> None:
+        """The state before the failing `step` (still the live one when `state_intact`) and its batch, kept."""
+        opened = self._open_snapshot
+        self._keep_batch(step, batch, force=True)  # the open interval ends with the failing batch
+        # else the periodic snapshot of this step is it; a sharded model's state is gathered by every rank together, at
+        # periodic snapshots only: its replay starts from the last one, through the interval's batches
+        if state_intact and not (opened and opened["step"] == step) and not self.sharded:
+            self._close_open_snapshot()
+            self._begin_snapshot(step, self._rng_at_start, reason=reason, keep_open=True)
+            self._keep_batch(step, batch, force=True)
+        self._close_open_snapshot()
 
     def after_step(self, outcome: StepOutcome, batch, step_time: float, data_time: float) -> bool:
         if self.halted:  # a step after the failure a flush found (skipped on the device): not recorded

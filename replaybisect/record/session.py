@@ -173,4 +173,13 @@ def mark_ended(store: Store, run_id: str, error: BaseException) -> None:
     except Exception:
         return
     if isinstance(error, Exception) and not isinstance(error, DiskFull) and hasattr(error, "add_note"):  # Python >= 3.11
-        error.add_note(f"replaybisect: run {run_id} ended as crashed (FAILED); what it recorded is kept")
+        error.add_note(crash_note(error, run_id))
+
+
+def crash_note(error: BaseException, run_id: str) -> str:
+    """The line a crashed run ends with: a step that raised (its state and batch kept) names the next command."""
+    step = getattr(error, "replaybisect_failing_step", None)
+    if step is None:
+        return f"replaybisect: run {run_id} ended as crashed (FAILED); what it recorded is kept"
+    return (f"replaybisect: step {step} raised {type(error).__name__}; run {run_id} ended as crashed (FAILED) with the "
+            f"state before step {step} and its batch kept; replay it with: replay nan --run-id {run_id}")

@@ -29,7 +29,7 @@ from replaybisect.core import reentry
 from replaybisect.store import Store
 from replaybisect.verbs.nan.divergence import LayerHistory, buffer_scaling, decide, moderate_fault, recorded_layer_series
 
-CATEGORIES = ("divergence", "data", "forward", "loss", "backward", "optimizer", "corrupt-state", "transient")
+CATEGORIES = ("divergence", "data", "forward", "loss", "backward", "optimizer", "corrupt-state", "transient", "exception")
 FAULTS = ("forward", "loss", "backward", "optimizer")  # verdicts a divergence can stand behind (the op met runaway values)
 ARMS = ("lr", "clip", "precision", "warmup", "eps", "skip-batch", "seed")  # `replay ablate` arm names
 HISTORY_WINDOW = 50  # fit log(grad_norm) over the last <= 50 finite steps before t
@@ -97,6 +97,8 @@ class NanReport:
     overflow: Optional[dict[str, Any]] = None  # a divergence: where the runaway values first overflowed
     layer_history: dict[str, dict[int, float]] = field(default_factory=dict)  # layer -> step -> grad norm (picture)
     fix: Optional[dict[str, str]] = None  # an op-level fault of a known pattern: the change, and the command proving it
+    # a step that raised (the run's tag failure=exception): what it raised on replay, where, and what came before
+    exception: Optional[dict[str, Any]] = None
 
     def to_json(self) -> dict[str, Any]:
         from replaybisect.core.jsonutil import to_jsonable
@@ -211,7 +213,11 @@ def find_nan(
                 reproduced = step0["reproduced"]
 
             probes_started = time.perf_counter()
-            result = _probe_step(state, examined, batch, rng_at_step, dataset_rows, log)
+            crashed = tags.get("failure") == "exception" and examined == recorded  # the step raised: replay it so
+            if crashed:
+                result = _probe_crash(state, examined, batch, rng_at_step, dataset_rows, log)
+            else:
+                result = _probe_step(state, examined, batch, rng_at_step, dataset_rows, log)
             timings["probes_s"] = time.perf_counter() - probes_started
 
         report = NanReport(
@@ -245,11 +251,14 @@ def find_nan(
         report.grad_norm_history = sorted((s, v) for s, v in grad_norms.items() if s < examined)
         report.history = history_fit(report.loss_history, report.grad_norm_history)
 
-        _classify(report, result, restored, store, run_id, cfg, log)
-        scaled = buffer_scaling(state.model, start_tensors)
-        _judge_divergence(report, result, state.model, layers, recorded_layer_series(store, run_id, "grad_norm"),
-                          recorded_layer_series(store, run_id, "weight_norm"), scaled)
-        _suggest(report, result, (cfg.train.get("script") or {}).get("path"))
+        if crashed:
+            _classify_crash(report, result, tags)
+        else:
+            _classify(report, result, restored, store, run_id, cfg, log)
+            scaled = buffer_scaling(state.model, start_tensors)
+            _judge_divergence(report, result, state.model, layers, recorded_layer_series(store, run_id, "grad_norm"),
+                              recorded_layer_series(store, run_id, "weight_norm"), scaled)
+            _suggest(report, result, (cfg.train.get("script") or {}).get("path"))
         report.headline = headline(report)
     timings["total_s"] = time.perf_counter() - started
     report.timings = {k: round(v, 3) for k, v in timings.items()}
@@ -527,6 +536,122 @@ def _probe_step(state, step, batch, rng_at_step, dataset_rows, log) -> _StepResu
         "step_repeatable": again == plain_signature,
     }
     return _StepResults(plain, batch_findings, state_findings, probe, anomaly, isolation)
+
+
+# ---- a step that raised -------------------------------------------------------------------------------------
+@dataclass
+class _CrashResults:
+    error: Optional[str]  # "Type: message" the plain step raised on replay (None: it did not raise)
+    frame: Optional[str]  # the user's innermost frame it raised in
+    probe: Any  # the StepProbe, as far as the step got
+    raised: Any  # probes.RaisedOp: the torch call that raised, when one did
+    nonfinite: Any  # probes.OpFinding: the first op that made a non-finite value before the error, if any
+    batch: list  # "name: dtype[shape] range" of each tensor of the batch
+    batch_findings: list  # non-finite values in the batch
+    isolation: dict
+
+
+def _run_catching(step, batch):
+    """A function of a state copy: the step run through (no halt at a non-finite value: the recorded step raised
+    before any halt) -> (the error it raised or None, the user's frame, the outcome)."""
+    from replaybisect.core import loop
+    from replaybisect.frames import error_message, raised_at
+
+    def run(copy):
+        try:
+            outcome = loop.run_step(copy, step, batch, halt_on_nonfinite=False)
+        except Exception as error:  # noqa: BLE001 - the user's step raised: that is the finding
+            return f"{type(error).__name__}: {error_message(error)}", raised_at(error), None
+        return None, None, outcome
+
+    return run
+
+
+def _probe_crash(state, step, batch, rng_at_step, dataset_rows, log) -> _CrashResults:
+    """The recorded step that raised, replayed: plain (does it raise again, the same?), then under the probes (which
+    op raised, in which module; did a non-finite value come first, and from where), then plain again (repeatable)."""
+    from replaybisect.core import rng, user_step
+    from replaybisect.verbs.nan import probes
+
+    live_before = fingerprint(state)
+    rng_before = rng.to_json(rng.capture_raw())
+    log(f"step {step}: plain replay of the step that raised")
+    error, frame, _ = on_copy(state, rng_at_step, _run_catching(step, batch))
+    data = user_step.data_of(user_step.unpack(batch)[0]) if state.user_loop else batch
+    shapes = [f"{name}: {probes.value_brief(tensor)}" for name, tensor in probes.tensors_in(data, "batch")][:8]
+    log(f"step {step}: probes (forward hooks, the op that raised)")
+
+    def probed(copy):
+        probe = probes.StepProbe(copy)
+        try:
+            probe.run(step, batch)
+        except Exception:  # noqa: BLE001 - as the plain step: what the probe saw up to the error is the finding
+            pass
+        return probe
+
+    probe = on_copy(state, rng_at_step, probed)
+    again = on_copy(state, rng_at_step, _run_catching(step, batch))[:2]
+    isolation = {"state_unchanged": fingerprint(state) == live_before,
+                 "rng_unchanged": rng.to_json(rng.capture_raw()) == rng_before,
+                 "step_repeatable": again == (error, frame)}
+    return _CrashResults(error, frame, probe, probe.finder.raised, probe.finder.found,
+                         shapes, probes.probe_batch(data, dataset_rows), isolation)
+
+
+def _classify_crash(report: NanReport, results: _CrashResults, tags: dict) -> None:
+    """The verdict on a step that raised: reproduced (the same error), where (the user's frame, the op and module),
+    and a non-finite value made before it (the op that made it, as for a NaN loss)."""
+    from replaybisect.core.jsonutil import to_jsonable
+
+    t = report.failing_step
+    recorded = f"{tags.get('error_type') or 'an exception'}: {tags.get('error') or ''}".rstrip(": ")
+    report.batch = results.batch_findings
+    report.isolation = results.isolation
+    raised, first = results.raised, results.nonfinite
+    report.exception = {
+        "recorded": recorded, "recorded_frame": tags.get("error_frame"), "replayed": results.error,
+        "frame": results.frame, "as_recorded": results.error is not None and results.error.startswith(recorded),
+        "op": raised.op if raised else None, "module": raised.module if raised else None,
+        "op_inputs": raised.inputs if raised else [], "batch": results.batch,
+        "nonfinite_before": to_jsonable(first) if first is not None else None,
+    }
+    if not all(results.isolation.values()):
+        report.warnings.append(f"probe isolation check failed: {results.isolation} (please report this)")
+    if results.error is None:
+        report.category, report.phase = "transient", "none"
+        report.evidence.append(f"step {t} raised {recorded} in the recorded run but runs through on replay from the same "
+                               "state and batch: something outside the recorded state (a file, the environment, the "
+                               "device) made it raise")
+        report.suggestion = (f"resume from the snapshot of step {report.snapshot_step}; if it recurs, record what the step "
+                             "reads outside its state")
+        return
+    report.category = "exception"
+    report.phase = "forward" if raised is not None and raised.module is not None else "step"
+    report.module = raised.module if raised is not None else None
+    report.op = raised.op if raised is not None else None
+    report.source = results.frame or (raised.source if raised is not None else None)
+    same = "as recorded" if report.exception["as_recorded"] else f"(the run recorded {recorded})"
+    report.evidence.append(f"step {t} raised {results.error} again on replay, {same}, at {results.frame or 'a frame outside your code'}")
+    if raised is not None:
+        where = f" in the forward of {_shown_module(report.module)}" if raised.module is not None else ""
+        report.evidence.append(f"raised by {raised.op}{where}; its inputs: " + "; ".join(raised.inputs))
+    report.evidence.append("the batch: " + "; ".join(results.batch))
+    if first is not None:
+        where = f" in {_shown_module(first.module)}" if first.module is not None else ""
+        report.evidence.append(f"before it, {first.op}{where} made a non-finite value from finite inputs"
+                               + (f" at {first.source}" if first.source else "") + f" ({first.output.brief()})")
+        report.module, report.op, report.phase = first.module, first.op, "forward"
+        report.source = first.source or report.source
+    for finding in results.batch_findings:
+        report.evidence.append(f"the batch's {finding.field} holds non-finite values in rows {finding.rows[:8]}")
+    report.arms, report.ablate_command = [], None
+    report.suggestion = (f"fix the step at {_line_of(report.source) if report.source else 'the line that raised'}: it raised "
+                         f"{results.error} on the batch of step {t} (the snapshot of step {report.snapshot_step} and the "
+                         "stored batches replay it)")
+
+
+def _shown_module(name: Optional[str]) -> str:
+    return "the model" if name == "" else str(name)
 
 
 # ---- the verdict --------------------------------------------------------------------------------------------
@@ -944,7 +1069,19 @@ def headline(report: NanReport) -> str:
         began = f"; the climb began in {report.module}" + (f" ({kind})" if kind else "") if report.module else ""
         return f"divergence at step {t}: {climb}{began} (learning rate, clipping or init, not an op)"
     if category == "transient":
+        if report.exception is not None:
+            return f"transient at step {t}: raised {report.exception['recorded']} in the run, runs through on replay"
         return f"transient at step {t}: non-finite in the run, finite on replay from the same state and batch"
+    if category == "exception":
+        crash = report.exception or {}
+        line = f" at {_line_of(crash.get('frame'))}" if crash.get("frame") else ""
+        by = f" (raised by {crash['op']}" + (f" in {_shown_module(crash.get('module'))}" if crash.get("module") is not None else "") + ")" \
+            if crash.get("op") else ""
+        first = crash.get("nonfinite_before")
+        before = ""
+        if first:
+            before = f", after {first['op']}" + (f" in {_shown_module(first['module'])}" if first.get("module") is not None else "") + " made a non-finite value"
+        return f"exception at step {t}: {crash.get('replayed')}{line}{by}{before}"
     if category == "data":
         fields = ", ".join(sorted({finding.field for finding in report.batch})) or "a field"
         return f"data at step {t}: the batch holds non-finite values ({fields})"

@@ -365,6 +365,7 @@ class _OpFinder(TorchFunctionMode):
         self.intended: list[str] = []  # ops that made non-finite values on request (e.g. a -inf mask)
         self.lineage: dict[int, tuple[torch.Tensor, frozenset]] = {}  # id -> (tensor kept alive, fault indices)
         self.paused = 0
+        self.raised: Optional[RaisedOp] = None  # the first torch call that raised (a crashed step)
 
     @property
     def found(self) -> Optional[OpFinding]:
@@ -378,7 +379,12 @@ class _OpFinder(TorchFunctionMode):
         return [self.faults[i] for i in sorted(entry[1])]
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
+        try:
+            out = func(*args, **(kwargs or {}))
+        except Exception as error:
+            if self.raised is None and not self.paused:
+                self.raised = raised_op(func, args, kwargs or {}, error, self.current_module())
+            raise
         if self.paused:
             return out
         self.paused += 1
@@ -416,6 +422,38 @@ class _OpFinder(TorchFunctionMode):
         if len(self.lineage) < self.MAX_TRACKED:
             for tensor in bad_outputs:
                 self.lineage[id(tensor)] = (tensor, frozenset(inherited))
+
+
+@dataclass
+class RaisedOp:
+    """The torch call that raised in a crashed step: the op, the module whose forward ran it, the user's line, its
+    tensor inputs (shape, dtype, value range) and the error."""
+
+    op: str
+    module: Optional[str]
+    source: Optional[str]
+    inputs: list[str]
+    error: str
+
+
+def raised_op(func, args, kwargs, error: BaseException, module: Optional[str]) -> RaisedOp:
+    from replaybisect.frames import error_message
+
+    inputs = [f"{name}: {value_brief(tensor)}" for name, tensor in tensors_in(list(args) + list(kwargs.values()), "arg")[:4]]
+    return RaisedOp(op_name(func), module, format_frame(user_frame(traceback.extract_stack()[:-2])), inputs,
+                    f"{type(error).__name__}: {error_message(error)}")
+
+
+@torch.no_grad()
+def value_brief(tensor: torch.Tensor) -> str:
+    """dtype[shape] and the range of its values (integers too: an index out of range shows in it)."""
+    if is_float(tensor):
+        return tensor_stats(tensor).brief()
+    text = f"{str(tensor.dtype).replace('torch.', '')}{list(tensor.shape)}"
+    if tensor.numel() and tensor.dtype != torch.bool and not tensor.is_complex():
+        low, high = (int(v) for v in torch.aminmax(tensor.detach()))
+        text += f" range [{low}, {high}]"
+    return text
 
 
 # Ops whose output element i depends on input element i only (after broadcasting), besides aten's pointwise tag.
