@@ -97,6 +97,14 @@ def text(value: Any, name: str, *, optional: bool = False) -> Optional[str]:
     raise _kind(name, value, "a string", optional)
 
 
+def named(value: Any, name: str, flag_name: str, hint: str, *, optional: bool = False) -> Optional[str]:
+    """A name (a run's, a config's): a string with more than blanks in it (None too when optional)."""
+    value = text(value, name, optional=optional)
+    if value is not None and not value.strip():
+        raise ReplayError(f"{flag_name} {value!r} is empty; {hint}")
+    return value
+
+
 def flag(value: Any, name: str) -> bool:
     if isinstance(value, bool):
         return value

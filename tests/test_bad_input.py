@@ -304,6 +304,33 @@ def test_api_arguments_of_the_wrong_kind_raise_replay_error_at_the_call(tmp_path
     assert _contents(tmp_path) == []
 
 
+@pytest.mark.parametrize("args, fragment", [
+    (("snapshot.metrics_flush_seconds=nan",), "snapshot.metrics_flush_seconds=nan"),
+    (("snapshot.metrics_flush_seconds=-1",), "snapshot.metrics_flush_seconds=-1.0"),
+    (("--run-name", ""), "--run-name '' is empty"),
+    (("--config-name", ""), "--config-name '' is empty"),
+], ids=["flush-seconds-nan", "flush-seconds-negative", "run-name-empty", "config-name-empty"])
+def test_a_flush_period_or_name_no_run_can_have_is_refused_creating_nothing(tmp_path, args, fragment):
+    """Were accepted (exit 0): a NaN or negative flush period (a negative one flushed every step), an empty run name
+    (the default name instead), an empty config name."""
+    _refused_creating_nothing(Workspace(tmp_path), "train", "train.steps=2", *args, fragments=[fragment])
+
+
+@pytest.mark.parametrize("arguments, message", [
+    ({"config_name": ""}, "--config-name '' is empty"),
+    ({"run_name": " "}, "--run-name ' ' is empty"),
+    ({"overrides": ["snapshot.metrics_flush_seconds=nan"]}, "snapshot.metrics_flush_seconds=nan"),
+], ids=["config-name", "run-name", "flush-seconds"])
+def test_train_refuses_an_empty_name_or_a_nan_flush_period_from_python(tmp_path, monkeypatch, arguments, message):
+    import replaybisect
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    with pytest.raises(replaybisect.ReplayError, match=re.escape(message)):
+        replaybisect.train(**{"overrides": ["train.steps=2"], **arguments})
+    assert _contents(tmp_path) == []
+
+
 # ---- Lightning: a strategy that trains in new processes ----------------------------------------------------------
 def test_lightning_ddp_spawn_is_refused_at_fit_start_in_one_line(tmp_path, monkeypatch):
     """Was a 28-line ProcessRaisedException quoting the spawned process's traceback, after starting 2 processes."""

@@ -359,6 +359,9 @@ def validate(cfg) -> None:
         problems.append(f"train.clip_grad_norm={cfg.train.clip_grad_norm} must be positive or null")
     if cfg.train.val_every < 0 or cfg.snapshot.every < 0 or cfg.snapshot.layer_stats_every < 0:
         problems.append("train.val_every, snapshot.every and snapshot.layer_stats_every must be >= 0")
+    if not 0 <= cfg.snapshot.metrics_flush_seconds < float("inf"):  # (NaN too)
+        problems.append(f"snapshot.metrics_flush_seconds={cfg.snapshot.metrics_flush_seconds} must be a finite number of seconds >= 0 "
+                        "(0: by step count only)")
     if cfg.snapshot.on_nonfinite not in ON_NONFINITE:
         problems.append(f"snapshot.on_nonfinite={cfg.snapshot.on_nonfinite!r} is not one of {', '.join(ON_NONFINITE)}")
     if cfg.train.loop == "builtin" and cfg.train.device != "auto":  # a device that is not here: before any store or run

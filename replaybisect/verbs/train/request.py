@@ -33,9 +33,13 @@ class TrainRequest:
 
     def __post_init__(self) -> None:
         checks.setattrs(
-            self, tracking_uri=checks.tracking_uri(self.tracking_uri), run_name=checks.text(self.run_name, "run_name", optional=True),
+            self, tracking_uri=checks.tracking_uri(self.tracking_uri),
+            run_name=checks.named(self.run_name, "run_name", "--run-name", "name the run, or leave it out for its config's name",
+                                  optional=True),
             overrides=checks.strings(self.overrides, "overrides", what="Hydra overrides"),
-            config_dir=checks.config_folder(self.config_dir), config_name=checks.text(self.config_name, "config_name"),
+            config_dir=checks.config_folder(self.config_dir),
+            config_name=checks.named(self.config_name, "config_name", "--config-name",
+                                     "name a YAML file of the config folder without .yaml, or leave it out for `config`"),
             parent_run_id=checks.run_id(self.parent_run_id) if self.parent_run_id is not None else None,
             kind=checks.text(self.kind, "kind"), tags=checks.strings(self.tags, "tags", what="key=value tags"),
         )
