@@ -8,25 +8,29 @@ write files), so a stored config builds by **kind**: each key may build only wha
   config (`_args_`, keyword arguments) only `torch.nn.Module` subclasses; `optim` only `torch.optim.Optimizer`
   subclasses; `scheduler` only LR scheduler subclasses; `data`/`val_data` only `Dataset` subclasses; functions
   (`train.step_fn`, `train.build`) only from the registry. Nothing else of a library is ever built.
-- From the user's own code, anything it defines: modules that are real files (never a namespace package) under
-  the working folder or a `--code-dir`, never inside an MLflow artifact folder of any store; or an installed
-  package the user named with `--trust`.
+- From the user's own code, anything it defines: modules that are real files under the working folder or a
+  `--code-dir` (also in folders without `__init__.py`: a namespace package all of whose folders are there), never
+  inside an MLflow artifact folder of any store; or an installed package the user named with `--trust`.
 
-`admit` decides all of it before any call: first everything decidable from the names alone (and `importlib`'s
-finders, which execute nothing), then, only when every target passed, it imports the modules (torch's, the
-user's own) and checks each object's kind and where it was defined. Loader flags (`weights_only: false`, ...),
-interpolations and the calls that load pickles or code are refused whatever the user trusts.
+`admit` decides all of it before any call: first everything decidable without running anything: the names, the
+modules located with `importlib`'s finders, and what the user's files bind, read with `ast` (a re-export such as
+`mymod.T.load`, where mymod did `import torch as T`, is checked where it was defined: torch.load, refused); then,
+only when every target passed, it imports the modules (torch's first, then the user's own) and checks each object's
+kind and where it was defined. Loader flags (`weights_only: false`, ...), interpolations and the calls that load
+pickles or code are refused whatever the user trusts.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
+from replaybisect.core import bindings
 from replaybisect.core import config as config_mod
 from replaybisect.errors import ConfigError, ReplayError, UntrustedConfig
 
@@ -195,6 +199,13 @@ class _Target:
     key: str  # where the `_target_` is: model._args_[0]._target_
     kind: tuple[str, tuple[str, ...]]  # what a library object may be there
     source: str  # "library", "registry", "own" (a --trust package) or "file" (a module file in the user's folders)
+    alias_of: Optional[str] = None  # the config's own `_target_` when this is what it re-exports (mymod.nn.Linear)
+    optional: bool = False  # one of several `from X import *` a name may come from: not finding it there is no error
+
+    @property
+    def name(self) -> str:
+        """The target as the messages name it: `mymod.nn.Foo (= torch.nn.Foo)` for a re-export."""
+        return f"{self.alias_of} (= {self.path})" if self.alias_of else self.path
 
 
 def admit(cfg, trust: Trust, code_dir_tag: Optional[str], source: str, artifact_root: Optional[Path] = None) -> list[Path]:
@@ -206,15 +217,15 @@ def admit(cfg, trust: Trust, code_dir_tag: Optional[str], source: str, artifact_
     tree = OmegaConf.to_container(cfg, resolve=False)  # interpolations stay text: they are refused, not resolved
     folders, tag_ignored = trust.import_folders(code_dir_tag, artifact_root)
     context = _Context(trust, folders, source, code_dir_tag if tag_ignored else None, artifact_root)
-    targets = [_check_static(path, key, context) for path, key in _walk(tree, "", source)]
-    for target in targets:  # libraries first: they need none of the user's folders on sys.path
-        if target.source != "file":
+    targets = [target for path, key in _walk(tree, "", source) for target in _check_static(path, key, context)]
+    for target in targets:  # libraries first: they need none of the user's folders on sys.path, and run none of their code
+        if target.source in ("library", "registry"):
             _check_resolved(target, context)
     path_before = list(sys.path)
     config_mod.add_code_paths(*folders)
     try:
-        for target in targets:
-            if target.source == "file":
+        for target in targets:  # the user's own code last: a --trust package may live in a --code-dir too
+            if target.source in ("own", "file"):
                 _check_resolved(target, context)
     except ReplayError:
         sys.path[:] = path_before  # a refused config leaves no folder of it on sys.path
@@ -229,10 +240,31 @@ class _Context:
     source: str  # "run X", for the messages
     ignored_tag: Optional[str]
     artifact_root: Optional[Path]
+    _parsed: dict = field(default_factory=dict)  # a module file -> what it binds at its top level
 
     def own_file(self, path: str | Path) -> bool:
-        """A file of the user's: inside their folders and outside every artifact folder."""
+        """A file (or a namespace package's folder) of the user's: inside their folders and outside every artifact folder."""
         return self.trust.inside(Path(path)) and not self.trust.uploaded(Path(path), self.artifact_root)
+
+    @functools.cached_property
+    def import_path(self) -> list[str]:
+        """sys.path as it will be when the user's modules are imported (config.add_code_paths with these folders),
+        so a module is located here where its import will find it."""
+        path = list(sys.path)
+        for folder in reversed([str(folder.resolve()) for folder in self.folders if folder.is_dir()]):
+            if folder not in path:
+                path.insert(0, folder)
+        return path
+
+    def top_level(self, module: "_Module") -> Optional[bindings.TopLevel]:
+        """What `module` binds at its top level, read with ast (None: not Python source). SyntaxError and the like as
+        its import would raise them."""
+        if module.source is None:
+            return None
+        if module.source not in self._parsed:
+            tree = bindings.parse(module.source)
+            self._parsed[module.source] = bindings.top_level(tree, module.name, is_package=bool(module.portions))
+        return self._parsed[module.source]
 
 
 def _walk(node: Any, key: str, source: str) -> Iterator[tuple[str, str]]:
@@ -308,69 +340,252 @@ def _refuse_kind(path: str, key: str, kind: tuple[str, tuple[str, ...]] | None, 
     )
 
 
-def _check_static(path: Any, key: str, context: _Context) -> _Target:
-    """Everything decidable without importing: the name's shape, the deny-list, the key's kind, where it comes from."""
+def _check_static(path: Any, key: str, context: _Context, alias_of: Optional[str] = None, hops: int = 0) -> list[_Target]:
+    """Everything decidable without importing: the name's shape, the deny-list, the key's kind, where it comes from,
+    and, for the user's modules, what the name is bound to in their files (read with ast): a re-export is checked
+    the same way where it was defined (`mymod.T.load` is torch.load). The target, and what it re-exports."""
     source, trust = context.source, context.trust
     if not isinstance(path, str) or not _DOTTED.match(path) or len(path) > 300:
         raise UntrustedConfig(f"refused `_target_` {str(path)[:80]!r} at {key} in the stored config of {source}: not a dotted name; nothing was run")
+    shown = f"{alias_of} (= {path})" if alias_of else path  # what the messages name
     if _denied(path):
-        raise _refuse_denied(path, key, source)
+        raise _refuse_denied(alias_of or path, key, source, via=f" (= {_defined_at(path)})" if alias_of else "")
     kind = kind_at(key)
     if kind is None:
-        raise _refuse_kind(path, key, kind, source, "this key takes a value, not an object")
+        raise _refuse_kind(shown, key, kind, source, "this key takes a value, not an object")
+    if hops > MAX_HOPS:
+        raise UntrustedConfig(f"refused `_target_` {alias_of or path} at {key} in the stored config of {source}: re-exported "
+                              f"through more than {MAX_HOPS} modules; name it where it is defined; nothing was run")
     if _under(path, OWN_PREFIX):
         if not _registry_allows(path, key):
-            raise _refuse_kind(path, key, kind, source, "replaybisect builds only its registered step functions, models and datasets, each in its place")
-        return _Target(path, key, kind, "registry")
+            raise _refuse_kind(shown, key, kind, source, "replaybisect builds only its registered step functions, models and datasets, each in its place")
+        return [_Target(path, key, kind, "registry", alias_of)]
     if any(_under(path, prefix) for prefix in trust.own_prefixes):
-        _refuse_private(path, key, source)
-        return _Target(path, key, kind, "own")
+        _refuse_private(path, key, source, shown)
+        target = _Target(path, key, kind, "own", alias_of)
+        return [target, *(_resolve(target, context, strict=False, hops=hops) or [])]
     if _under(path, LIBRARY_PREFIX) or _under(path, MODEL_LIBRARY_PREFIX):
-        _refuse_private(path, key, source)
+        _refuse_private(path, key, source, shown)
         if not kind[1]:
-            raise _refuse_kind(path, key, kind, source, "a library function")
+            raise _refuse_kind(shown, key, kind, source, "a library function")
         if _under(path, MODEL_LIBRARY_PREFIX):  # a transformers model class, whatever else the key may build
             kind = (f"{MODULE[0]} (from transformers)", MODULE[1])
-        return _Target(path, key, kind, "library")
-    if _module_files(path, context):
-        return _Target(path, key, kind, "file")
+        return [_Target(path, key, kind, "library", alias_of)]
+    target = _Target(path, key, kind, "file", alias_of)
+    reexported = _resolve(target, context, strict=True, hops=hops)
+    if reexported is not None:
+        return [target, *reexported]
     where = "this folder" + (" or a --code-dir" if len(trust.roots) > 1 else "")
     top = path.split(".")[0]
     tag = "".join(c if c.isprintable() else "?" for c in context.ignored_tag[:200]) if context.ignored_tag else ""
     hint = f" (the run's code_dir tag {tag} is not inside {where}, so it is not used)" if context.ignored_tag else ""
     raise UntrustedConfig(
-        f"untrusted `_target_` {path} at {key} in the stored config of {source}: {top} is not a module file in {where}{hint}; "
+        f"untrusted `_target_` {shown} at {key} in the stored config of {source}: {top} is not a module file in {where}{hint}; "
         f"if you trust it, pass --code-dir DIR (the folder holding {top}) or --trust {top}"
     )
 
 
-def _refuse_private(path: str, key: str, source: str) -> None:
+MAX_HOPS = 16  # re-exports followed from one `_target_` (a cycle of imports ends here)
+
+
+class _NotBound(UntrustedConfig):
+    """The name is bound nowhere at its module's top level (a `from X import *` it may come from says so too)."""
+
+
+def _refuse_private(path: str, key: str, source: str, shown: Optional[str] = None) -> None:
     if any(part.startswith("_") for part in path.split(".")):
-        raise UntrustedConfig(f"refused `_target_` {path} at {key} in the stored config of {source}: a private name; nothing was run")
+        raise UntrustedConfig(f"refused `_target_` {shown or path} at {key} in the stored config of {source}: a private name; nothing was run")
 
 
-def _module_files(path: str, context: _Context) -> list[str]:
-    """The files of the modules a dotted path imports from the user's folders (found, never executed): each a real
-    file inside a root and outside every artifact folder. Empty when any is not (a namespace package, an upload)."""
+def _defined_at(path: str) -> str:
+    """Where a denied library name was defined, for its message (torch.load is torch.serialization.load); torch is
+    imported to say so, nothing else is."""
+    if not _under(path, LIBRARY_PREFIX):
+        return path
+    try:
+        from hydra.utils import get_object
+
+        return _origin(get_object(path)) or path
+    except Exception:
+        return path
+
+
+@dataclass(frozen=True)
+class _Module:
+    """A module located by importlib's PathFinder (which executes nothing)."""
+
+    name: str  # dotted
+    origin: Optional[str]  # its file (a package's __init__.py); None for a namespace package (folders without __init__.py)
+    portions: tuple[str, ...]  # the folders its submodules are found in (none for a plain module)
+
+    @property
+    def source(self) -> Optional[str]:
+        return self.origin if self.origin and self.origin.endswith(".py") else None
+
+
+def _find(name: str, locations: list[str]) -> Optional[_Module]:
+    """The module `name` as its import finds it in `locations` (sys.path, or its parent package's folders)."""
     from importlib.machinery import PathFinder
 
-    parts = path.split(".")
-    locations: list[str] = [str(folder) for folder in context.folders]
-    files = []
-    for end in range(1, len(parts)):  # the last part is the object, never a module
-        spec = PathFinder.find_spec(".".join(parts[:end]), locations)
-        if spec is None:
-            break
-        if not (spec.has_location and spec.origin and os.path.isfile(spec.origin)):
-            return []  # a namespace package: any folder of that name, an artifact folder included
-        origin = Path(spec.origin)
-        if not context.own_file(origin):
-            return []
-        files.append(str(origin))
-        if not spec.submodule_search_locations:
-            break
-        locations = list(spec.submodule_search_locations)
-    return files
+    # the last part only: PathFinder builds a namespace package's path from its parent's, which need not be imported
+    spec = PathFinder.find_spec(name.rpartition(".")[2], locations)
+    if spec is None:
+        return None
+    portions = tuple(spec.submodule_search_locations or ())  # now: a namespace path is recomputed when sys.path changes
+    if spec.has_location and spec.origin and os.path.isfile(spec.origin):
+        return _Module(name, spec.origin, portions)
+    return _Module(name, None, portions) if portions and spec.origin in (None, "namespace") else None
+
+
+def _own_module(module: Optional[_Module], context: _Context) -> bool:
+    """A module of the user's: a real file inside their folders and outside every artifact folder, or a namespace
+    package (a folder without __init__.py) every folder of which is such a folder."""
+    if module is None:
+        return False
+    if module.origin:
+        return context.own_file(module.origin)
+    return all(os.path.isdir(folder) and context.own_file(folder) for folder in module.portions)
+
+
+def _resolve(target: _Target, context: _Context, strict: bool, hops: int) -> Optional[list[_Target]]:
+    """Locate the target's modules as its import will and read what the first name after them is bound to (ast), as
+    hydra's `_locate` finds it: an attribute of the module first, else its submodule. Returns what it re-exports,
+    checked where it was defined.
+
+    `strict` (a module file of the user's): None when a module is not the user's (outside their folders, in an
+    artifact folder); the name must be bound at its module's top level, by class, def, assignment or import.
+    Otherwise (a --trust package): what can be read is followed, what cannot (an extension, a lazy module) is left
+    to the import."""
+    parts = target.path.split(".")
+    module = _find(parts[0], context.import_path)
+    if strict and not _own_module(module, context):
+        return None
+    found: list[_Target] = []
+    for index in range(1, len(parts)):
+        if module is None:
+            return found
+        name, rest = parts[index], parts[index + 1 :]
+        top = None  # a namespace package binds nothing: the name must be a module in it
+        if module.origin:
+            top = _read(module, target, context)
+            if top is None:  # an extension module: what it binds cannot be read before it runs
+                if not strict:
+                    return found
+                raise UntrustedConfig(
+                    f"refused `_target_` {target.alias_of or target.path} at {target.key} in the stored config of {context.source}: "
+                    f"{module.origin} is not Python source, so what it binds cannot be read before it runs; nothing was run")
+        if top is not None and name in top.names:
+            reexported, submodule = _follow(top, module.name, name, rest, target, context, hops)
+            found += reexported
+            if not submodule:
+                return found
+        sub = _find(f"{module.name}.{name}", list(module.portions)) if module.portions else None
+        if sub is not None:
+            if strict and not _own_module(sub, context):
+                return None
+            module = sub
+            continue
+        if top is not None and top.stars:
+            return found + _via_stars(top, module.name, ".".join(parts[index:]), target, context, hops)
+        if not strict:
+            return found
+        raise _NotBound(
+            f"refused `_target_` {target.alias_of or target.path} at {target.key} in the stored config of {context.source}: "
+            f"{name} is not bound at the top level of {module.origin or module.portions[0]} (by class, def, assignment or "
+            "import; read without running it), nor is it a module there; nothing was run")
+    return found  # the path names a module: its import decides
+
+
+def _read(module: _Module, target: _Target, context: _Context) -> Optional[bindings.TopLevel]:
+    try:
+        return context.top_level(module)
+    except (SyntaxError, ValueError, OSError) as error:  # its import would fail the same way, before running any of it
+        where = f" (line {error.lineno})" if isinstance(error, SyntaxError) and error.lineno else ""
+        reason = " ".join(str(getattr(error, "msg", None) or error).split())[:200]
+        raise ConfigError(f"cannot build `{target.key.removesuffix('._target_')}`: {target.path}: {module.origin} does not "
+                          f"parse: {type(error).__name__}: {reason}{where}") from None
+
+
+def _follow(top: bindings.TopLevel, module: str, name: str, rest: list[str], target: _Target, context: _Context,
+            hops: int) -> tuple[list[_Target], bool]:
+    """Every binding of `module.name` checked: defined there (class, def, assignment) is the user's own; a re-export
+    (`import torch as T`, `from x import Y`, `load = T.load`) is checked where it was defined. Also whether the
+    name is (also) the module's own submodule (`from . import model` in a package), which the caller walks into."""
+    import builtins
+
+    reexported: list[_Target] = []
+    submodule = defined = False
+    for binding in top.names[name]:
+        if binding.how == "import":
+            if binding.origin is None:
+                raise UntrustedConfig(
+                    f"refused `_target_` {target.alias_of or target.path} at {target.key} in the stored config of {context.source}: "
+                    f"{module}.{name} is a relative import beyond its top-level package (line {binding.line}); nothing was run")
+            if binding.origin == f"{module}.{name}":
+                submodule = True
+                continue
+            origin = binding.origin
+            if not _denied(origin) and not _locatable(origin.split(".")[0], context):
+                continue  # `try: from fastlib import X` where fastlib is not there: X is bound by the other branch
+        elif binding.how == "assign" and binding.origin:  # an alias of another name: resolved where that is bound
+            head = binding.origin.split(".")[0]
+            if head in top.names:
+                origin = f"{module}.{binding.origin}"
+            elif top.stars:  # `from torch import *` then `ld = load`
+                try:
+                    reexported += _via_stars(top, module, ".".join([binding.origin, *rest]), target, context, hops)
+                except _NotBound:
+                    pass  # bound nowhere: its import fails (NameError), or a builtin of that name, checked below
+                else:
+                    continue
+                if not hasattr(builtins, head):
+                    continue
+                origin = f"builtins.{binding.origin}"
+            elif hasattr(builtins, head):
+                origin = f"builtins.{binding.origin}"
+            else:
+                continue  # bound nowhere: its import fails (NameError)
+            if origin == f"{module}.{name}":
+                defined = True  # `x = x`
+                continue
+        else:
+            defined = True  # defined here: the user's own code
+            continue
+        reexported += _check_static(".".join([origin, *rest]), target.key, context, target.alias_of or target.path, hops + 1)
+    return reexported, submodule and not defined
+
+
+def _locatable(top: str, context: _Context) -> bool:
+    """Whether a top-level module can be imported at all (found without running it)."""
+    from importlib.machinery import FrozenImporter
+
+    return (top in sys.modules or top in sys.builtin_module_names or FrozenImporter.find_spec(top) is not None
+            or _find(top, context.import_path) is not None)
+
+
+def _via_stars(top: bindings.TopLevel, module: str, dotted: str, target: _Target, context: _Context, hops: int) -> list[_Target]:
+    """A name the module binds only through `from X import *`: each X it may come from, checked there (a module of
+    the user's that does not bind it is not where it comes from; a library's import decides)."""
+    found: list[_Target] = []
+    bound = False
+    for star in top.stars:
+        if star is None:
+            raise UntrustedConfig(
+                f"refused `_target_` {target.alias_of or target.path} at {target.key} in the stored config of {context.source}: "
+                f"{module} star-imports beyond its top-level package; nothing was run")
+        try:
+            candidates = _check_static(f"{star}.{dotted}", target.key, context, target.alias_of or target.path, hops + 1)
+        except _NotBound:
+            continue
+        bound = True
+        for candidate in candidates:
+            candidate.optional = candidate.source in ("library", "own")
+        found += candidates
+    if not bound:
+        raise _NotBound(
+            f"refused `_target_` {target.alias_of or target.path} at {target.key} in the stored config of {context.source}: "
+            f"{dotted.split('.')[0]} is bound at the top level of {module} by none of its `import *`; nothing was run")
+    return found
 
 
 def _check_resolved(target: _Target, context: _Context) -> None:
@@ -382,21 +597,23 @@ def _check_resolved(target: _Target, context: _Context) -> None:
     try:
         obj = get_object(target.path)
     except Exception as error:  # ImportError, AttributeError, or the user's module failing to import
+        if target.optional:  # one `from X import *` of several: the name comes from another
+            return
         reason = " ".join(str(error).split()) or type(error).__name__
         raise ConfigError(
-            f"cannot build `{target.key.removesuffix('._target_')}`: {target.path}: {reason[:300]}; "
+            f"cannot build `{target.key.removesuffix('._target_')}`: {target.name}: {reason[:300]}; "
             "if it lives in another folder, pass --code-dir DIR"
         ) from None
     origin = _origin(obj)
     if origin and _denied(origin):
-        raise _refuse_denied(target.path, target.key, context.source, via=f" (= {origin})")
+        raise _refuse_denied(target.alias_of or target.path, target.key, context.source, via=f" (= {origin})")
     if target.source == "file":
         _check_own_file(target, context)
     if target.source == "registry" or _defined_by_user(obj, target, context):
         return
     if not _of_kind(obj, target.kind[1]):
         what = "a function" if callable(obj) and not isinstance(obj, type) else f"{origin or type(obj).__name__}"
-        raise _refuse_kind(target.path, target.key, target.kind, context.source, f"{what} is not {target.kind[0]}" if target.kind[1] else "a library function")
+        raise _refuse_kind(target.name, target.key, target.kind, context.source, f"{what} is not {target.kind[0]}" if target.kind[1] else "a library function")
 
 
 def _check_own_file(target: _Target, context: _Context) -> None:
@@ -404,7 +621,7 @@ def _check_own_file(target: _Target, context: _Context) -> None:
     files = [getattr(module, "__file__", None)] if getattr(module, "__file__", None) else list(getattr(module, "__path__", []))
     if not files or not all(context.own_file(f) for f in files):
         raise UntrustedConfig(
-            f"untrusted `_target_` {target.path} at {target.key} in the stored config of {context.source}: its module was "
+            f"untrusted `_target_` {target.name} at {target.key} in the stored config of {context.source}: its module was "
             f"imported from {files[0] if files else 'nowhere'}, outside this folder and --code-dir; pass --code-dir DIR or --trust"
         )
 

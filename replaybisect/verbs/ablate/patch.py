@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
+from replaybisect.core import bindings
 from replaybisect.core.trust import BUILTIN_PREFIXES
 from replaybisect.errors import ReplayError
 
@@ -114,30 +115,11 @@ def load_patch(path: Path, cfg) -> Patch:
 def _defines(path: Path, names: set[str]) -> bool:
     """The file binds one of `names` at its top level (a class, a def, an assignment such as `GatedMLP = StableMLP`,
     also under a top-level if/try/with), read without running it."""
-    import ast
-
     try:
-        tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
-    except (SyntaxError, ValueError, UnicodeDecodeError, OSError):
+        tree = bindings.parse(path)
+    except (SyntaxError, ValueError, OSError):
         return True  # let the import say what is wrong, in its one line
-    return bool(_top_level_names(tree.body) & names)
-
-
-def _top_level_names(body: list) -> set[str]:
-    import ast
-
-    bound: set[str] = set()
-    for node in body:
-        if isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
-            bound.add(node.name)
-        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
-            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
-            bound |= {name.id for target in targets for name in ast.walk(target) if isinstance(name, ast.Name)}
-        elif isinstance(node, (ast.If, ast.Try, ast.With)):
-            blocks = [node.body, getattr(node, "orelse", []), getattr(node, "finalbody", [])]
-            blocks += [handler.body for handler in getattr(node, "handlers", [])]
-            bound |= set().union(*(_top_level_names(block) for block in blocks))
-    return bound
+    return bool(bindings.defined_names(tree) & names)
 
 
 def _imported_elsewhere(name: str, file: Path) -> bool:
