@@ -189,7 +189,7 @@ def _report_crash(error: BaseException) -> None:
     users = [site for site in sites if is_user_code(site[0])]
     if not users:
         traceback.print_exception(error)
-        print(f"replay: error: {raised} (raised in {_site(sites[-1])})", file=sys.stderr)
+        print(f"replay: error: {raised} (raised in {_site(sites[-1])}){_replayable(error)}", file=sys.stderr)
         return
     if quoted is None:
         first = next(i for i, frame in enumerate(frames) if is_user_code(frame.filename))
@@ -199,7 +199,16 @@ def _report_crash(error: BaseException) -> None:
         lines = "".join(list(shown.format())[1:]).rstrip("\n").splitlines()
     print("Traceback (from your code; REPLAYBISECT_FULL_ERROR=1 shows all of it):", file=sys.stderr)
     print("\n".join(lines), file=sys.stderr)
-    print(f"replay: error: your code raised {raised} ({_site(users[-1])}); fix it and run the command again", file=sys.stderr)
+    next_step = _replayable(error) or "; fix it and run the command again"
+    print(f"replay: error: your code raised {raised} ({_site(users[-1])}){next_step}", file=sys.stderr)
+
+
+def _replayable(error: BaseException) -> str:
+    """A step that raised while recording (record/hooks.py on_exception): the run keeps it, and the next command."""
+    step, run_id = getattr(error, "replaybisect_failing_step", None), getattr(error, "replaybisect_run_id", None)
+    if step is None or run_id is None:
+        return ""
+    return f" at step {step}; run {run_id} kept the state before it and its batch: replay nan --run-id {run_id}"
 
 
 def _quoted_worker_traceback(error: BaseException):

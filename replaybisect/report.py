@@ -148,6 +148,8 @@ def print_runs(summaries, location) -> None:
         status = plain(run.status)
         if run.status == "nonfinite":
             status = f"[red]nonfinite @ {'?' if run.first_nonfinite_step is None else run.first_nonfinite_step}[/red]"
+        elif run.crash is not None:
+            status = f"[red]crashed @ {plain(': '.join(run.crash.split(': ', 2)[:2]).split(' (')[0])}[/red]"  # step N: Type
         elif run.status == "ok":
             status = "[green]ok[/green]"
         snapshots = ",".join(str(s) for s in run.snapshot_steps[-6:])

@@ -71,3 +71,90 @@ def test_replay_nan_reproduces_the_exception_at_the_users_frame(crashed):
     assert crash["nonfinite_before"] is None
     assert report["headline"].startswith("exception at step 6: IndexError: index 4 is out of bounds") and "crash_loop.py:23" in report["headline"]
     assert all(report["isolation"].values())
+
+
+BUCKET_CONFIG = """\
+defaults:
+  - data: digits
+  - _self_
+model:
+  _target_: bucket.BucketMLP
+  raise_at: 8
+optim:
+  _target_: torch.optim.AdamW
+  _partial_: true
+  lr: 1e-3
+train:
+  steps: 20
+  batch_size: 32
+  val_every: 0
+snapshot:
+  every: 5
+  layer_stats_every: 5
+"""
+
+CHECKED_CONFIG = BUCKET_CONFIG.replace("bucket.BucketMLP", "checked.ScaledD").replace("raise_at", "blank_at").replace(
+    "optim:", "loss:\n  _target_: checked.BinaryBCE\noptim:")
+
+
+def _train_crashing(workspace: Workspace, module: str, config: str) -> tuple[str, list[str]]:
+    """`replay train --config-dir project` of tests/crash_models/MODULE.py: the run id and the stderr lines."""
+    project = workspace.path / module
+    project.mkdir()
+    shutil.copy(HERE / "crash_models" / f"{module}.py", project)
+    (project / "config.yaml").write_text(config)
+    result = workspace.replay("train", "--config-dir", str(project))
+    assert result.returncode == 1, result.stdout + result.stderr
+    lines = result.stderr.strip().splitlines()
+    return re.search(r"run ([0-9a-f]{32})", lines[-1]).group(1), lines
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> Workspace:
+    return Workspace(tmp_path_factory.mktemp("crash-train"))
+
+
+def test_replay_train_crash_is_replayed_and_named_by_runs_and_diagnose(trained):
+    """replay train: the forward raises IndexError at step 7 (no NaN): the run keeps it, its last line names replay
+    nan; replay nan reproduces it exactly; replay runs and replay diagnose say what the crash was."""
+    import replaybisect as rb
+    from replaybisect.verbs.runs.engine import recent_runs
+
+    run_id, lines = _train_crashing(trained, "bucket", BUCKET_CONFIG)
+    assert lines[-1].startswith("replay: error: your code raised IndexError: index 4 is out of bounds for dimension 0 "
+                                "with size 4 (bucket.py:17 in forward) at step 7;")
+    assert lines[-1].endswith(f"replay nan --run-id {run_id}")
+    tags = trained.store().tags(run_id)
+    assert (tags["status"], tags["failure"], tags["failing_step"], tags["error_type"]) == ("crashed", "exception", "7", "IndexError")
+    assert tags["snapshot_steps"] == "0,5,7"
+
+    report = trained.answer_here("find_nan", run_id)
+    assert (report["category"], report["failing_step"], report["snapshot_step"], report["reproduced"]) == ("exception", 7, 5, "exact")
+    assert report["state_match"].startswith("bit-identical")  # the forward's buffer update (calls) was undone first
+    assert report["exception"]["as_recorded"] and report["exception"]["frame"].endswith(
+        "bucket.py:17 in forward: return self.net(x) * self.scale[bucket]")
+    assert report["exception"]["op"] == "Tensor.__getitem__" and report["exception"]["module"] == ""
+    assert "batch[0]: float32[32, 64]" in report["exception"]["batch"][0]
+
+    (summary,) = [run for run in recent_runs(trained.store()) if run.run_id == run_id]
+    assert summary.status == "crashed"
+    assert summary.crash == "step 7: IndexError: index 4 is out of bounds for dimension 0 with size 4 (bucket.py:17)"
+    diagnosis = rb.diagnose(run_id=run_id, tracking_uri=trained.tracking_uri, publish=False)
+    assert diagnosis.verdict.startswith("exception")
+    (finding,) = [f for f in diagnosis.findings if f.pattern == "exception"]
+    assert finding.summary.startswith("step 7 raised IndexError: index 4 is out of bounds") and "bucket.py" in finding.summary
+    assert finding.next == f"replay nan --run-id {run_id}"
+
+
+def test_a_nan_before_the_exception_is_traced_to_its_op(trained):
+    """0/0 on a blank image in the forward, which binary_cross_entropy then refuses (RuntimeError): no non-finite loss
+    is ever logged; replay nan names the exception and, before it, the division that made the NaN."""
+    run_id, lines = _train_crashing(trained, "checked", CHECKED_CONFIG)
+    assert "raised RuntimeError: all elements of input should be between 0 and 1" in lines[-1]
+    report = trained.answer_here("find_nan", run_id)
+    assert (report["category"], report["failing_step"], report["reproduced"]) == ("exception", 7, "exact")
+    crash = report["exception"]
+    assert crash["op"] == "torch.nn.functional.binary_cross_entropy" and crash["module"] == "loss"
+    assert crash["nonfinite_before"]["op"] == "Tensor.div" and crash["nonfinite_before"]["module"] == ""
+    assert report["op"] == "Tensor.div" and "checked.py:16 in forward" in report["source"]
+    assert "made a non-finite value" in report["headline"]

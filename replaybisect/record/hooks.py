@@ -145,6 +145,7 @@ class RecordingHooks:
         self.store.set_tags(self.run_id, tags)
         with contextlib.suppress(Exception):  # the run's end names the step and the next command (session.mark_ended)
             error.replaybisect_failing_step = step
+            error.replaybisect_run_id = self.run_id
 
     def _keep_failing_step(self, step: int, batch, reason: str, state_intact: bool = True) -> None:
         """The state before the failing `step` (still the live one when `state_intact`) and its batch, kept."""

@@ -12,6 +12,7 @@ Steps are the recorded, 0-based step numbers: "the first step" is step 0.
 from __future__ import annotations
 
 import math
+import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
@@ -126,6 +127,7 @@ def load_curves(store: Store, run_id: str, workers: int = 8) -> Curves:
         metrics = dict(map(fetch, keys))
     tags = {k[len("replaybisect."):]: v for k, v in run.data.tags.items() if k.startswith("replaybisect.")}
     step_tag(tags, "first_nonfinite_step", run_id)  # a tag that is not a step is bad input: one line, before any analysis
+    step_tag(tags, "failing_step", run_id)
     return Curves(run_id=run_id, metrics=metrics, tags=tags, params=dict(run.data.params), run_name=run.info.run_name or "",
                   metric_keys=sorted(run.data.metrics))
 
@@ -267,6 +269,24 @@ def _cmd(verb: str, curves: Curves, extra: str = "") -> str:
 
 
 # ---- the detectors (symptoms -> causes; each cites its public source) ------------------------------------------------
+@detector("exception")
+def detect_exception(curves: Curves) -> list[Finding]:
+    """A step that raised (the recorder's tags failure=exception, failing_step, error_type, error, error_frame): the
+    run stopped there, the state before it and its batch kept; `replay nan` reproduces it."""
+    tags = curves.tags
+    if tags.get("failure") != "exception":
+        return []
+    step = step_tag(tags, "failing_step", curves.run_id)
+    raised = f"{tags.get('error_type') or 'an exception'}" + (f": {tags['error']}" if tags.get("error") else "")
+    frame = tags.get("error_frame")
+    where = f" at {os.path.basename(frame.split(' in ', 1)[0])}" if frame else ""
+    evidence = {"failing_step": step, "error_type": tags.get("error_type"), "error": tags.get("error"), "frame": frame,
+                "finite_steps_before": int(np.sum(curves.get("loss").steps < step)) if step is not None else None}
+    return [Finding("exception", f"step {step} raised {raised}{where}: the run crashed there (the state before the step "
+                    "and its batch are kept)", evidence, _cmd("nan", curves), step=step,
+                    source="the recorder keeps a step that raised as it keeps a non-finite one; replay nan reproduces it")]
+
+
 @detector("nan")
 def detect_nan(curves: Curves) -> list[Finding]:
     """NaN at step 1 (data, weights, init) or NaN after K steps (LR, explosion, overflow, log(0), 0/0)."""
@@ -1128,7 +1148,7 @@ def detect_rank_loss_scale(curves: Curves) -> list[Finding]:
 
 # ---- the analysis ----------------------------------------------------------------------------------------
 ORDER = [
-    "nan-at-start", "nan-after-k", "divergence", "dead-relu", "flat-from-start", "no-gradient", "exploding-gradients",
+    "exception", "nan-at-start", "nan-after-k", "divergence", "dead-relu", "flat-from-start", "no-gradient", "exploding-gradients",
     "vanishing-gradients", "update-ratio", "spikes", "oscillation", "slow-learning", "plateau", "overfitting",
     "distribution-mismatch", "input-pipeline-bound", "replicas-drifted", "rank-loss-scale",
 ]

@@ -165,7 +165,7 @@ def loss_figure(result, curves):
 
 
 COLORS = {
-    "nan-at-start": "red", "nan-after-k": "red", "spikes": "crimson", "plateau": "purple", "overfitting": "darkorange",
+    "exception": "red", "nan-at-start": "red", "nan-after-k": "red", "spikes": "crimson", "plateau": "purple", "overfitting": "darkorange",
     "distribution-mismatch": "brown", "oscillation": "magenta", "flat-from-start": "gray", "exploding-gradients": "red",
     "vanishing-gradients": "teal", "dead-relu": "black", "update-ratio": "olive", "input-pipeline-bound": "navy",
     "divergence": "red", "no-gradient": "gray", "slow-learning": "purple",
@@ -187,6 +187,7 @@ def _annotate(ax_loss, ax_grad, finding, curves) -> None:
     label = {
         "nan-at-start": f"{what} non-finite at step {step}",
         "nan-after-k": f"{what} non-finite at step {step}",
+        "exception": f"raised {finding.evidence.get('error_type') or 'an exception'} at step {step}",
         "divergence": f"diverging from {step}" + (f" ({finding.evidence['metric']})" if "metric" in finding.evidence else ""),
         "plateau": f"plateau from {step}",
         "overfitting": f"overfitting from {step}",

@@ -27,6 +27,7 @@ class RunSummary:
     started: str
     parent_run_id: Optional[str]
     triage: Optional[str] = None  # `replay watch`'s one-line answer (None: not triaged)
+    crash: Optional[str] = None  # a step that raised: "step 7: IndexError: index 4 is out of bounds ... (model.py:17)"
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -53,7 +54,19 @@ def _summary(run) -> RunSummary:
         started=datetime.datetime.fromtimestamp(run.info.start_time / 1000).isoformat(timespec="seconds"),
         parent_run_id=tags.get("mlflow.parentRunId"),
         triage=triage_answer(tags),
+        crash=crash_line(tags),
     )
+
+
+def crash_line(tags: dict[str, str]) -> Optional[str]:
+    """A run whose step raised (tags failure=exception, failing_step, error_type, error, error_frame), in one line."""
+    if tags.get(TAG + "failure") != "exception":
+        return None
+    step = step_tag_or_none({"step": tags.get(TAG + "failing_step")}, "step")
+    error = tags.get(TAG + "error")
+    frame = tags.get(TAG + "error_frame")
+    where = f" ({frame.split(' in ', 1)[0].rsplit('/', 1)[-1]})" if frame else ""
+    return f"step {'?' if step is None else step}: {tags.get(TAG + 'error_type') or 'exception'}" + (f": {error}" if error else "") + where
 
 
 def triage_answer(tags: dict[str, str]) -> Optional[str]:
