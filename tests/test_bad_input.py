@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import EXAMPLES, Workspace, assert_one_line_error, train_example
+from conftest import EXAMPLES, Workspace, assert_one_line_error, sign_as_recorder, train_example
 
 try:
     import lightning
@@ -144,9 +144,10 @@ def tag(failed):
 
     def set_tag(key: str, value: str) -> None:
         client.set_tag(failed.run_id, key, value)
+        sign_as_recorder(failed.store, failed.run_id)  # (a code_dir tag is signed: these tests are of what lies behind)
 
     yield set_tag
-    for key in ("replaybisect.first_nonfinite_step", "replaybisect.code_dir"):
+    for key in ("replaybisect.first_nonfinite_step", "replaybisect.code_dir", "replaybisect.signature"):
         client.set_tag(failed.run_id, key, saved[key])
 
 

@@ -274,7 +274,7 @@ def test_once_triages_the_failed_runs_and_leaves_the_healthy_one_alone(team, pro
     assert [event["event"] for event in events(again.stdout)] == ["start", "stop"]
     status = subprocess.run([REPLAY, "watch", "--status", "--json", "--tracking-uri", team.tracking_uri, "--experiment", experiment],
                             cwd=project, env=env_for(team, experiment), capture_output=True, text=True, timeout=120)
-    assert json.loads(status.stdout) | {"tracking_uri": None} == {"tracking_uri": None, "waiting": 0, "running": [], "done": 3, "failed": 0}
+    assert json.loads(status.stdout) | {"tracking_uri": None} == {"tracking_uri": None, "waiting": 0, "running": [], "done": 3, "failed": 0, "untrusted": 0}
 
 
 def test_two_watchers_triage_each_run_once_and_a_failed_triage_is_not_retried(team, project):
