@@ -292,3 +292,15 @@ def test_generated_tampered_command_lines_write_nothing_and_run_no_unrecorded_co
     assert folder_tree(project) == before and scripts.runs() == runs
     assert not scripts.marker.exists() and not Path("/tmp/replaybisect-tamper").exists()
     scripts.restore(run_id)
+
+
+def test_a_run_recorded_before_signing_replays_only_when_the_user_names_it(scripts, monkeypatch):
+    import replaybisect as rb
+
+    run_id = scripts.hydra_run
+    scripts.store.client.delete_tag(run_id, "replaybisect.signature")  # as every run recorded before signing
+    monkeypatch.chdir(scripts.hydra_project)
+    with pytest.raises(UnsignedRun, match=f"carries no signature .*pass --allow-unsigned {run_id}"):
+        rb.find_nan(run_id, tracking_uri=scripts.workspace.tracking_uri, publish=False)
+    report = rb.find_nan(run_id, tracking_uri=scripts.workspace.tracking_uri, publish=False, allow_unsigned=run_id)
+    assert (report.reproduced, report.failing_step) == ("exact", 16), report.headline
