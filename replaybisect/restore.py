@@ -35,7 +35,12 @@ def run_config(store: Store, run_id: str, trust: Optional[Trust] = None):
     tags = store.tags(run_id)  # RunNotFound first
     try:
         text = store.read_artifact_text(run_id, "config.yaml")
-    except Exception:
+    except Exception as error:
+        cause = error.__cause__ or error  # (MLflow wraps what went wrong)
+        if isinstance(cause, UnicodeDecodeError) or (isinstance(cause, OSError) and not isinstance(cause, FileNotFoundError)):
+            why = "is not text" if isinstance(cause, UnicodeDecodeError) else f"cannot be read ({cause.strerror or cause})"
+            raise ReplayError(f"the stored config.yaml of run {run_id} {why}: it is not a config replaybisect wrote "
+                              "(changed after recording?); re-record the run") from None
         raise ReplayError(f"run {run_id} has no config.yaml artifact: it was not recorded by `replay train`") from None
     provenance.verify(run_id, text, tags, trust.unsigned)  # what picks code is the recording user's, or nothing runs
     code_dir = tags.get("code_dir")
@@ -101,13 +106,27 @@ def load_snapshot(store: Store, run_id: str, step: int) -> fmt.Snapshot:
 
 
 def good_snapshots(store: Store, run_id: str, at_or_before: int | None, warnings: list[str]) -> Iterator[fmt.Snapshot]:
-    """The snapshots <= step that verify, newest first; each bad one is reported in `warnings` and skipped."""
+    """The snapshots <= step that verify, newest first; each bad one is skipped and said in `warnings`: why, and
+    the snapshot used instead (once the next one verifies)."""
     steps = [s for s in snapshot_steps(store, run_id) if at_or_before is None or s <= at_or_before]
+    skipped: list[str] = []
     for step in reversed(steps):
         try:
-            yield load_snapshot(store, run_id, step)
+            snapshot = load_snapshot(store, run_id, step)
         except SnapshotError as error:
-            warnings.append(f"{error}; using an earlier snapshot")
+            skipped.append(str(error))
+            continue
+        warnings += [f"{why}; using the earlier snapshot {snapshot.folder.name} instead" for why in skipped]
+        skipped = []
+        yield snapshot
+    warnings += [f"{why}; no earlier snapshot verifies" for why in skipped]
+
+
+def add_warning(warnings: list[str], warning: str) -> None:
+    """Add `warning` unless it is said already: one line per damaged snapshot (a warning's first clause, before
+    `; `, says which and why; the rest, what was done about it)."""
+    if warning.partition("; ")[0] not in {said.partition("; ")[0] for said in warnings}:
+        warnings.append(warning)
 
 
 def newest_good_snapshot(store: Store, run_id: str, at_or_before: int | None, warnings: list[str]) -> fmt.Snapshot:
@@ -201,8 +220,10 @@ class Restored:
             self._loaded_snapshots.add(snap_step)
             try:
                 self.take_batches(load_snapshot(self.store, self.run_id, snap_step))
-            except SnapshotError:
-                continue  # an unverifiable snapshot: try an older one, else the data source
+            except SnapshotError as error:  # an unverifiable snapshot: try an older one, else the data source
+                add_warning(self.warnings, f"{error}; its stored batches are not used: the steps they cover take their "
+                                           "batches from an earlier snapshot or the run's data source")
+                continue
             if step in self._stored_batches:
                 return
 
@@ -266,16 +287,19 @@ def restore(
         candidates = itertools.chain([snapshot], good_snapshots(store, run_id, snapshot.step - 1, warnings))
     else:
         candidates = good_snapshots(store, run_id, step, warnings)
+    unapplied: list[str] = []
     for candidate in candidates:
         state = loop.build_state(cfg, device)
         try:
             apply(state, candidate.tensors, candidate.state)
         except SnapshotError as error:
-            warnings.append(f"snapshot {candidate.folder.name}: {error}; using an earlier snapshot")
+            unapplied.append(f"snapshot {candidate.folder.name}: {error}")
             continue
+        warnings += [f"{why}; using the earlier snapshot {candidate.folder.name} instead" for why in unapplied]
         restored = Restored(store=store, run_id=run_id, cfg=cfg, state=state, snapshot=candidate, warnings=warnings)
         restored.take_batches(candidate)
         return restored
+    warnings += [f"{why}; no earlier snapshot applies" for why in unapplied]
     raise _none_verifies(store, run_id, step if snapshot is None else snapshot.step, warnings)
 
 

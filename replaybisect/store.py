@@ -90,14 +90,26 @@ def resolve_tracking_uri(cli_value: str | None = None) -> str:
 
 
 def absolute_uri(uri: str) -> str:
-    """A relative SQLite or file-store path made absolute; other URIs unchanged."""
+    """A relative SQLite or file-store path made absolute (a plain path to a SQLite file: that SQLite store); other
+    URIs unchanged."""
     if uri.startswith("sqlite:///") and not uri.startswith("sqlite:////"):
         path = uri[len("sqlite:///"):]
         if path and path != ":memory:":
             return "sqlite:///" + str(Path(path).expanduser().resolve())
     if urlparse(uri).scheme == "" and "://" not in uri:
-        return str(Path(uri).expanduser().resolve())
+        path = Path(uri).expanduser().resolve()
+        return f"sqlite:///{path}" if _is_sqlite_file(path) else str(path)  # a plain path to an mlflow.db is that store
     return uri
+
+
+def _is_sqlite_file(path: Path) -> bool:
+    if not path.is_file():  # a folder (a file store), nothing there yet, a pipe
+        return False
+    try:
+        with open(path, "rb") as file:
+            return file.read(len(SQLITE_MAGIC)) == SQLITE_MAGIC
+    except OSError:  # unreadable: the store's own checks say so
+        return False
 
 
 def require_run(location: StoreLocation, run_id: str) -> None:

@@ -77,6 +77,7 @@ CONFIG = [
     ("val-batches-negative", ["train.val_batches=-1"], ["train.val_batches=-1 must be positive"]),
     ("clip-nan", ["train.clip_grad_norm=nan"], ["train.clip_grad_norm=nan"]),
     ("seed-out-of-range", [f"seed={2**70}"], [f"seed={2**70}", "seed range"]),
+    ("config-dir-a-file", ["--config-dir", "conf/broken.yaml"], ["conf/broken.yaml is a file, not a folder", "--config-dir"]),
 ]
 
 
@@ -107,7 +108,7 @@ def test_usage_error_is_one_line_and_creates_nothing(tmp_path, args, fragments):
 # Both verbs compose the config with the same function (core/config.py's compose), which raises every one of these
 # errors: `train` runs every case; `check` imports torch before it composes (~3 s a case), so it runs the two that
 # prove its wiring: its own --config-dir/--config-name, and an override it passes on.
-CHECK_WIRING = {"yaml-syntax", "lr-not-number"}
+CHECK_WIRING = {"yaml-syntax", "lr-not-number", "config-dir-a-file"}
 CONFIG_CASES = [pytest.param("train", a, f, id=f"train-{i}") for i, a, f in CONFIG] + [
     pytest.param("check", a, f, id=f"check-{i}") for i, a, f in CONFIG if i in CHECK_WIRING
 ]
@@ -145,6 +146,20 @@ def test_bad_input_leaves_an_existing_store_unchanged(store_with_a_run, args):
     assert_one_line_error(result)
     assert hashlib.sha256(database.read_bytes()).hexdigest() == digest
     assert _contents(store_with_a_run.path) == contents
+
+
+def test_a_tracking_uri_that_is_a_plain_path_to_an_mlflow_db_is_that_store(store_with_a_run):
+    """Was: "tracking store mlflow.db is a file, not a folder" (a plain path was taken for a file store's folder)."""
+    database = store_with_a_run.path / "mlflow.db"
+    digest = hashlib.sha256(database.read_bytes()).hexdigest()
+    (run,) = store_with_a_run.store().search_runs("")
+    env = {key: value for key, value in store_with_a_run.env().items() if key != "MLFLOW_TRACKING_URI"}
+    listed = store_with_a_run.replay("runs", "--tracking-uri", "mlflow.db", env=env)
+    assert listed.returncode == 0 and run.info.run_id[:8] in listed.stdout, listed.stderr
+    assert f"store: {database} (from --tracking-uri)" in listed.stderr
+    missing = store_with_a_run.replay("diagnose", "--run-id", "nope", "--tracking-uri", str(database), env=env)
+    assert_one_line_error(missing, f"no run 'nope' in {database}")
+    assert hashlib.sha256(database.read_bytes()).hexdigest() == digest
 
 
 def test_runs_limit_cap_is_mlflows():

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import FAST, REPLAY, Workspace
+from conftest import EXAMPLES, FAST, REPLAY, Workspace
 from replaybisect.errors import SnapshotError
 from replaybisect.core import snapshot as fmt
 from replaybisect.restore import logged_losses, newest_good_snapshot, replay, restore
@@ -195,3 +195,101 @@ def test_train_against_a_real_mlflow_server_and_replay_from_it(tmp_path, mlflow_
     replayed = replay(restored, 40, logged=logged_losses(store, result["run_id"]))
     assert replayed.reproduced == "exact"
     assert not (workspace.path / "mlflow.db").exists()  # nothing went to the local default
+
+
+# ---- a damaged snapshot is said: which, why, and the one used instead ------------------------------------------
+@pytest.fixture(scope="module")
+def failed_run(tmp_path_factory):
+    """examples/nan_forward recorded once (snapshots at 0, 5, ..., 20; non-finite at step 20): (workspace, run id)."""
+    from conftest import train_example
+
+    workspace = Workspace(tmp_path_factory.mktemp("damaged"))
+    result = train_example(workspace.store(), "nan_forward")
+    assert result.first_nonfinite_step == 20 and 15 in result.snapshot_steps
+    return workspace, result.run_id
+
+
+@pytest.fixture
+def damage(failed_run):
+    """damage(step, how): the snapshot of `step` damaged as a disk or a hand would; put back after the test."""
+    workspace, run_id = failed_run
+    root = _snapshot_root(workspace.store(), run_id)
+    kept = []
+
+    def damage_it(step: int, how: str) -> None:
+        folder = root / fmt.folder_name(step)
+        kept.append((folder, {path.name: path.read_bytes() for path in folder.iterdir()}))
+        if how == "truncated":
+            (folder / fmt.TENSORS).write_bytes((folder / fmt.TENSORS).read_bytes()[:1000])
+        elif how == "flipped":
+            data = bytearray((folder / fmt.TENSORS).read_bytes())
+            data[-10] ^= 0xFF
+            (folder / fmt.TENSORS).write_bytes(bytes(data))
+        elif how == "missing":
+            (folder / fmt.STATE).unlink()
+        elif how == "garbage-manifest":
+            (folder / fmt.MANIFEST).write_bytes(random.Random(7).randbytes(300))
+
+    yield damage_it
+    for folder, files in kept:
+        shutil.rmtree(folder)
+        folder.mkdir()
+        for name, data in files.items():
+            (folder / name).write_bytes(data)
+
+
+DAMAGES = {"truncated": "size 1000, manifest says", "flipped": "checksum mismatch", "missing": "state.json is missing",
+           "garbage-manifest": "MANIFEST.json is not valid JSON"}
+
+
+@pytest.mark.parametrize("how", sorted(DAMAGES))
+def test_replay_nan_says_which_snapshot_was_damaged_why_and_which_it_used_instead(failed_run, damage, how):
+    """Was: "...; using an earlier snapshot", not saying which."""
+    workspace, run_id = failed_run
+    damage(15, how)
+    report = workspace.answer_here("find_nan", run_id)
+    assert report["snapshot_step"] == 10 and report["category"] == "forward"
+    (said,) = [warning for warning in report["warnings"] if "step-000015" in warning]
+    assert DAMAGES[how] in said and "using the earlier snapshot step-000010 instead" in said, said
+
+
+def test_a_damaged_snapshot_whose_batches_a_replay_needs_is_said(failed_run, damage):
+    """The failing step's snapshot holds its batch: damaged, the arms take that batch from the data source (was:
+    skipped without a word; replay nan already says it cannot compare with it, and says so once)."""
+    workspace, run_id = failed_run
+    damage(20, "flipped")
+    result = workspace.answer_here("ablate", run_id, arms="lr", horizon=3)
+    assert result["snapshot_step"] == 15, result
+    (said,) = [warning for warning in result["warnings"] if "step-000020" in warning]
+    assert "checksum mismatch" in said and "its stored batches are not used" in said and "data source" in said, said
+    nan = workspace.answer_here("find_nan", run_id)
+    assert [warning for warning in nan["warnings"] if "step-000020" in warning] == [
+        "snapshot step-000020: tensors.safetensors fails verification (checksum mismatch: the file is corrupt); "
+        "the replayed state cannot be compared with it"]
+
+
+def test_replay_ablate_prints_the_damaged_snapshot_and_the_one_it_used(failed_run, damage):
+    workspace, run_id = failed_run
+    damage(15, "garbage-manifest")
+    result = workspace.replay("ablate", "lr", "--run-id", run_id, "--horizon", "3", "--code-dir", str(EXAMPLES / "nan_forward"))
+    assert result.returncode == 0, result.stderr
+    assert "arms replayed from step 10" in result.stdout
+    (line,) = [line for line in result.stdout.splitlines() if "warning" in line and "step-000015" in line]
+    assert "MANIFEST.json is not valid JSON" in line and "using the earlier snapshot step-000010 instead" in line, line
+
+
+def test_a_stored_config_of_random_bytes_is_said_to_be_no_config_replaybisect_wrote(failed_run):
+    """Was: "has no config.yaml artifact", although it has one."""
+    import replaybisect
+
+    workspace, run_id = failed_run
+    stored = workspace.store().local_artifact_dir(run_id) / "config.yaml"
+    text = stored.read_bytes()
+    stored.write_bytes(random.Random(3).randbytes(500))
+    try:
+        with pytest.raises(replaybisect.ReplayError) as refused:
+            workspace.answer_here("find_nan", run_id)
+    finally:
+        stored.write_bytes(text)
+    said = str(refused.value)
+    assert "config.yaml" in said and "not a config replaybisect wrote" in said and "no config.yaml artifact" not in said, said

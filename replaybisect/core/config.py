@@ -141,7 +141,8 @@ def compose(config_dir: str | Path | None = None, config_name: str | None = None
     config_dir = Path(config_dir).expanduser().resolve() if config_dir else BUILTIN_CONFIG_DIR
     config_name = (config_name or "config").removesuffix(".yaml")
     if not config_dir.is_dir():
-        raise ConfigError(f"config dir {config_dir} does not exist; pass --config-dir with your Hydra config folder")
+        what = "is a file, not a folder" if config_dir.exists() else "does not exist"
+        raise ConfigError(f"config dir {config_dir} {what}; pass --config-dir with your Hydra config folder (the one holding config.yaml)")
     if not (config_dir / f"{config_name}.yaml").is_file():
         raise ConfigError(f"no {config_name}.yaml in {config_dir}; pass --config-name with one of its configs")
     overrides = list(overrides or [])

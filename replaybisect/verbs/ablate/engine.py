@@ -812,12 +812,18 @@ def _baseline_outcome(raw: dict, plan: _ArmPlan) -> tuple[ArmOutcome, bool, Opti
         raise (ReplayError if raw.get("user_error") else RuntimeError)(f"the baseline replay failed: {raw['error']}")
     baseline = ArmOutcome(name=BASELINE, change=interventions.baseline_change(plan.cfg).summary)
     _finish_outcome(baseline, raw)
-    for warning in raw.get("warnings", []):
-        if warning not in plan.warnings:
-            plan.warnings.append(warning)
+    _keep_warnings(plan, raw)
     baseline.reproduced = _reproduced(baseline.losses, plan.logged, plan.failing_step)
     baseline_failed, inconclusive = judge_baseline(baseline, plan.failing_step, plan.threshold, plan.end)
     return baseline, baseline_failed, inconclusive
+
+
+def _keep_warnings(plan: _ArmPlan, raw: dict) -> None:
+    """An arm's warnings in the ablation's, each once (every arm meets the same damaged snapshot)."""
+    from replaybisect.restore import add_warning
+
+    for warning in raw.get("warnings", []):
+        add_warning(plan.warnings, warning)
 
 
 def _arm_outcome(spec: ArmSpec, change: Change, raw: Optional[dict], plan: _ArmPlan, baseline_failed: bool,
@@ -833,9 +839,7 @@ def _arm_outcome(spec: ArmSpec, change: Change, raw: Optional[dict], plan: _ArmP
         outcome.reason = f"the arm crashed: {raw['error']}"
     else:
         _finish_outcome(outcome, raw)
-        for warning in raw.get("warnings", []):  # e.g. a user-loop run's recorded batches reused past the failure
-            if warning not in plan.warnings:
-                plan.warnings.append(warning)
+        _keep_warnings(plan, raw)  # e.g. a user-loop run's recorded batches reused past the failure
         if inconclusive:
             outcome.verdict, outcome.reason = "inconclusive", "the baseline did not fail again as recorded"
         else:

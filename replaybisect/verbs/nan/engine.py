@@ -177,7 +177,6 @@ def find_nan(
         log(f"restoring snapshot {snapshot.step}, replaying steps {snapshot.step}..{target - 1}")
         restored = restore_mod.restore(store, run_id, cfg=cfg, device=device, snapshot=snapshot)
         snapshot = restored.snapshot  # an earlier one when the chosen snapshot did not apply
-        warnings.extend(restored.warnings)
         state = restored.state
         start_tensors = restored.snapshot.tensors  # the state the replay starts from (did a buffer scale itself?)
         layers = LayerHistory()
@@ -220,6 +219,8 @@ def find_nan(
                 result = _probe_step(state, examined, batch, rng_at_step, dataset_rows, log)
             timings["probes_s"] = time.perf_counter() - probes_started
 
+        for warning in restored.warnings:  # after the replay, which adds some (a snapshot whose batches it could not use)
+            restore_mod.add_warning(warnings, warning)
         report = NanReport(
             run_id=run_id,
             failing_step=examined,
