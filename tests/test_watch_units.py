@@ -455,6 +455,35 @@ def test_sigterm_lets_a_running_triage_finish_within_the_grace(workspace):
     assert store.tags(run_id)["triage"] == "done" and len(hook.received) == 1
 
 
+@pytest.mark.parametrize("moment, after", [
+    ("start", 1.0),  # the run claimed, the claim's re-read after --settle not made yet
+    ("diagnose started", 0.0),  # the step's child starting: a fresh watcher's process server is still importing torch
+])
+def test_sigterm_at_any_moment_of_a_triage_exits_within_the_grace_and_the_notify_timeout(workspace, moment, after):
+    """The promise: a SIGTERMed watcher exits within --grace + --notify-timeout + 1 s, its claim released. It waited
+    for its triage threads (30 s, then without end) while one slept out --settle or waited for its child to start."""
+    store = workspace.store()
+    run_id = _crashed_run(store)
+    grace, notify_timeout = 1, 1
+    watcher = subprocess.Popen([REPLAY, "watch", *ALLOW_ROOT, "--json", "--settle", "8", "--lease", "60", "--grace", str(grace),
+                                "--notify-timeout", str(notify_timeout)], cwd=workspace.path, env=workspace.env(),
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    for line in watcher.stdout:
+        if moment in (json.loads(line)["event"], json.loads(line)["message"]):
+            break
+    time.sleep(after)
+    watcher.send_signal(signal.SIGTERM)
+    signalled = time.monotonic()
+    returncode = watcher.wait(timeout=60)
+    took = time.monotonic() - signalled
+    stdout, stderr = watcher.communicate(timeout=60)
+    assert returncode == 143, stderr
+    assert took < grace + notify_timeout + 1, f"exited {took:.1f} s after SIGTERM: {[e['message'][:60] for e in _events(stdout)]}"
+    assert "released" in [e["event"] for e in _events(stdout)]
+    tags = store.tags(run_id)
+    assert Claim.parse(tags["triage.claim"]).expires == 0 and tags["triage.attempts"] == "0", tags
+
+
 def _time(event: dict):
     import datetime
 

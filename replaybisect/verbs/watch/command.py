@@ -113,7 +113,7 @@ def watch_command(
     previous[signal.SIGUSR1] = signal.signal(signal.SIGUSR1, on_health)
     try:
         counts = watcher.run(once=once)
-        log.close()  # the notifications still queued: at most --notify-timeout more
+        log.close(until=watcher.exit_by)  # the notifications still queued: at most --notify-timeout more
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)

@@ -30,7 +30,7 @@ import tempfile
 import threading
 import time
 import uuid
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Optional
 
@@ -57,6 +57,9 @@ FAILED_STATUSES = ("FAILED", "KILLED")
 # An outage of the tracking server (restarting, its database down) is waited out, never a verdict on a run:
 BACKOFF_FIRST, BACKOFF_MAX = 1.0, 30.0  # seconds between tries of a store call, doubling
 STORE_RERUNS = 3  # a step whose child said the store failed while the store answers us: run again this often at most
+# SIGTERM: a watcher exits within --grace + --notify-timeout + 1 s of it. After the grace, the claims' releases (and the
+# triages ending) get RELEASE_SECONDS at most; EXIT_SECONDS is kept for the process's own end after the log is closed.
+RELEASE_SECONDS, EXIT_SECONDS = 1.0, 0.5
 # MLflow's error codes for a request that is wrong (not a server in trouble): retrying cannot help
 REQUEST_ERRORS = ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE", "BAD_REQUEST", "INVALID_STATE",
                   "RESOURCE_ALREADY_EXISTS", "INVALID_REQUEST", "ENDPOINT_NOT_FOUND")
@@ -250,8 +253,24 @@ class _Active:
     run_id: str
     claim: Claim
     process: Optional[Forked] = None  # the running step's child (a job is never killed: see _run_step_as_job)
+    scratch: Optional[str] = None  # the triage's scratch folder (_scratch_folder)
     lost: bool = False  # another watcher holds the run now: stop
     released: bool = False
+
+
+def _in_thread(fn: Callable, *args) -> Future:
+    """fn(*args) in a daemon thread of its own, its outcome in the Future: a watcher's exit never waits for it (a
+    ThreadPoolExecutor's threads are joined at exit, whatever they wait for)."""
+    future: Future = Future()
+
+    def run() -> None:
+        try:
+            future.set_result(fn(*args))
+        except BaseException as error:  # noqa: BLE001 - the future carries it
+            future.set_exception(error)
+
+    threading.Thread(target=run, name=f"replay-watch-{fn.__name__.strip('_')}", daemon=True).start()
+    return future
 
 
 def new_watcher_id() -> str:
@@ -304,6 +323,8 @@ class Watcher:
         self.watcher_id = new_watcher_id()
         self.stopping = threading.Event()  # SIGTERM/SIGINT: no new claims
         self.abandon = threading.Event()  # grace over: stop children, release claims
+        self.stopped_at: Optional[float] = None  # time.monotonic() of the first stop(): the grace counts from it
+        self.exit_by: Optional[float] = None  # after a stop(): when the log must be closed to exit within the promise
         self._lock = threading.Lock()
         self._active: dict[str, _Active] = {}
         self._unsettled: dict[str, Claim] = {}  # claims written or released during an outage: maybe landed, maybe not
@@ -322,25 +343,27 @@ class Watcher:
         heartbeat = threading.Thread(target=self._renew_leases, name="replay-watch-leases", daemon=True)
         heartbeat.start()
         futures: set[Future] = set()
-        with ThreadPoolExecutor(max_workers=self.options.workers, thread_name_prefix="replay-watch-triage") as pool:
-            while not self.stopping.is_set():
-                claimed = self._poll(pool, futures)
-                futures = {f for f in futures if not f.done()}
-                if once and not futures and not claimed:
-                    break
-                if once:  # poll again when a triage ends (its slot is free)
-                    while futures and not self.stopping.is_set() and not wait(futures, timeout=1.0, return_when=FIRST_COMPLETED)[0]:
-                        pass
-                else:
-                    self.stopping.wait(self.options.interval)
-            self._finish_or_release(futures)
+        while not self.stopping.is_set():
+            claimed = self._poll(futures)
+            futures = {f for f in futures if not f.done()}
+            if once and not futures and not claimed:
+                break
+            if once:  # poll again when a triage ends (its slot is free)
+                while futures and not self.stopping.is_set() and not wait(futures, timeout=1.0, return_when=FIRST_COMPLETED)[0]:
+                    pass
+            else:
+                self.stopping.wait(self.options.interval)
+        self._finish_or_release(futures)
         self.stopping.set()
         return dict(self.counts)
 
     def stop(self) -> None:
+        if self.stopped_at is None:
+            self.stopped_at = time.monotonic()
+            self.exit_by = self.stopped_at + self.options.grace + self.options.notify_timeout + 1.0 - EXIT_SECONDS
         self.stopping.set()
 
-    def _poll(self, pool: ThreadPoolExecutor, futures: set[Future]) -> int:
+    def _poll(self, futures: set[Future]) -> int:
         """Claim up to the free worker slots; returns how many triages were started."""
         self._settle_claims()
         free = self.options.workers - len([f for f in futures if not f.done()])
@@ -373,7 +396,7 @@ class Watcher:
                 continue
             if active is None:
                 continue
-            futures.add(pool.submit(self._triage_guarded, run, active))
+            futures.add(_in_thread(self._triage_guarded, run, active))
             started += 1
         return started
 
@@ -583,7 +606,7 @@ class Watcher:
         lines: dict[str, str] = {}  # the finished steps' results as tags (resumed steps' from the run)
         results: dict[str, Any] = {}
         ran: list[str] = []
-        scratch = _scratch_folder()
+        scratch = active.scratch = _scratch_folder()
         try:
             for step in plan_for(failure):
                 if TAG + f"{TRIAGE}.{step}" in tags:  # finished before a restart: resume after it
@@ -817,18 +840,30 @@ class Watcher:
 
     # ---- stopping -------------------------------------------------------------------------------------------
     def _finish_or_release(self, futures: set[Future]) -> None:
+        """Running triages get the grace (from the stop) to finish; then their children are killed and their claims
+        released, within RELEASE_SECONDS: a triage still starting its child or sleeping out --settle, or a release the
+        store does not answer, is not waited for (its lease lapses on its own), so the exit keeps its promise."""
         pending = {f for f in futures if not f.done()}
         if pending:
             self.on_event(Event("stop", f"waiting up to {self.options.grace:.0f} s for {len(pending)} triage(s) to finish"))
-            deadline = time.monotonic() + self.options.grace
+            deadline = (self.stopped_at or time.monotonic()) + self.options.grace
             while pending and time.monotonic() < deadline and not self.abandon.is_set():  # a second signal: at once
                 pending = wait(pending, timeout=min(1.0, max(0.0, deadline - time.monotonic())))[1]
         self.abandon.set()
         with self._lock:
             leftover = [a for a in self._active.values() if not a.released]
-        for active in leftover:
-            self._release(active, "released on shutdown; another watcher resumes it after its finished steps")
-        wait(futures, timeout=30)
+        releases = {_in_thread(self._release, active, "released on shutdown; another watcher resumes it after its finished steps")
+                    for active in leftover}
+        limit = RELEASE_SECONDS if self.exit_by is None else min(RELEASE_SECONDS, self.exit_by - time.monotonic())
+        unreleased = wait(releases | pending, timeout=max(0.0, limit))[1] & releases
+        if unreleased:
+            self.on_event(Event("error", f"{len(unreleased)} claim(s) not released in time (the store did not answer): "
+                                         f"they lapse with their lease ({self.options.lease:g} s)"))
+        with self._lock:
+            unfinished = list(self._active.values())
+        for active in unfinished:  # its thread is left behind: remove what it would have
+            if active.scratch:
+                shutil.rmtree(active.scratch, ignore_errors=True)
 
     def health(self) -> dict[str, Any]:
         with self._lock:

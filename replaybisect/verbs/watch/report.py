@@ -58,12 +58,14 @@ class EventLog:
             else:
                 self._console.print(_rich_line(event), highlight=False)
 
-    def close(self) -> None:
-        """Wait for the queued notifications, `notify_timeout` seconds at most in all; say what was not sent."""
+    def close(self, until: Optional[float] = None) -> None:
+        """Wait for the queued notifications, `notify_timeout` seconds at most in all (and no later than `until`, a
+        time.monotonic(): a stopped watcher's exit has a deadline); say what was not sent."""
         if self._sender is None:
             return
         self._queue.put(None)
-        self._sender.join(self.notify_timeout + 1.0)  # the one in flight is cut at its own deadline before this
+        wait = self.notify_timeout + 1.0  # the one in flight is cut at its own deadline before this
+        self._sender.join(wait if until is None else max(0.0, min(wait, until - time.monotonic())))
         unsent = [item for item in _drain(self._queue) if item is not None]
         if self._sender.is_alive():
             unsent.append(None)  # the one in flight
