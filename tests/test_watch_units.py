@@ -521,6 +521,20 @@ def _replace_config(workspace, run_id: str, config: dict) -> None:
     MlflowClient(workspace.tracking_uri).log_artifact(run_id, str(folder / "config.yaml"))
 
 
+@pytest.mark.parametrize("value", ["abc", "1e5", "-1", "9" * 40])
+def test_a_malformed_attempts_tag_fails_the_triage_with_the_reason(workspace, value):
+    """Anyone who writes runs can write the tag: a run whose count is no count is given up once, said on the run,
+    never a `claim failed` at every poll."""
+    store = workspace.store()
+    run_id = _crashed_run(store)
+    store.set_tags(run_id, {"triage.attempts": value})
+    result = workspace.replay("watch", "--once", *ALLOW_ROOT, "--json", "--settle", "0.2")
+    assert result.returncode == 0, result.stderr
+    tags = store.tags(run_id)
+    assert tags["triage"] == "failed" and "is not a count of claims" in tags["triage.reason"], tags
+    assert not any(event["event"] == "error" for event in _events(result.stdout)), result.stdout
+
+
 def test_a_refused_start_touches_no_run(workspace):
     """A hostile run waits (its config.yaml replaced: a torch function that runs a shell command). A watcher whose own
     options are bad (they used to fail every run they touched, for good), or one started as root without

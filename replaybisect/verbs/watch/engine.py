@@ -273,6 +273,14 @@ def _in_thread(fn: Callable, *args) -> Future:
     return future
 
 
+def attempts_of(tags: dict[str, str]) -> Optional[int]:
+    """The run's count of claims (0 when untagged), None when the tag is not a count: tags are data."""
+    from replaybisect.core.tags import step_tag_or_none
+
+    value = tags.get(TAG + ATTEMPTS)
+    return 0 if value in (None, "") else step_tag_or_none({"n": value}, "n")
+
+
 def new_watcher_id() -> str:
     return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
 
@@ -489,9 +497,12 @@ class Watcher:
         tags = fresh.data.tags
         if not self._claimable(tags, time.time()):
             return None
-        attempts = int(tags.get(TAG + ATTEMPTS, "0") or 0)
-        if attempts >= MAX_ATTEMPTS:
-            reason = f"given up after {attempts} attempts: the watchers triaging it stopped each time (crash, kill or memory)"
+        attempts = attempts_of(tags)
+        if attempts is None or attempts >= MAX_ATTEMPTS:
+            shown = repr(str(tags.get(TAG + ATTEMPTS))[:40])
+            reason = (f"its tag {TAG}{ATTEMPTS}={shown} is not a count of claims (the watcher writes one): delete the "
+                      "tag to triage it again") if attempts is None else \
+                f"given up after {attempts} attempts: the watchers triaging it stopped each time (crash, kill or memory)"
             self._record_final(fresh, "failed", summary=f"triage failed: {reason}", next_command="", reason=reason)
             self.on_event(Event("failed", reason, run_id))
             return None
@@ -552,7 +563,7 @@ class Watcher:
         tags = self.store.get_run(run_id).data.tags
         current = Claim.parse(tags.get(TAG + CLAIM))
         if current is not None and current.watcher_id == self.watcher_id and current.expires > 0:
-            attempts = max(0, int(tags.get(TAG + ATTEMPTS, "1") or 1) - 1)
+            attempts = max(0, (attempts_of(tags) or 1) - 1)
             self.store.set_tags(run_id, {CLAIM: Claim(self.watcher_id, 0.0).render(), ATTEMPTS: attempts})
 
     def _release(self, active: _Active, why: str) -> None:
