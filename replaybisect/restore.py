@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
 from replaybisect.core import config as config_mod
+from replaybisect.core import provenance
 from replaybisect.errors import ConfigError, ReplayError, SnapshotError
 from replaybisect.core import snapshot as fmt
 from replaybisect.store import Store
@@ -29,8 +30,6 @@ def run_config(store: Store, run_id: str, trust: Optional[Trust] = None):
     and admitted by the trust boundary: a stored config is untrusted input, checked before any of its modules is
     imported (see trust.py).
     `trust` is the user's decision (--code-dir, --trust); default: the working folder and the environment's."""
-    from replaybisect.core import provenance
-
     trust = trust or Trust.from_user()
     tags = store.tags(run_id)  # RunNotFound first
     try:
@@ -484,7 +483,4 @@ def code_changes(tags: dict[str, str], cfg) -> list[str]:
 
     targets = [OmegaConf.select(cfg, key) for key in ("train.step_fn._target_", "train.build._target_", "user.module._target_")]
     modules = [target.rsplit(".", 1)[0] for target in targets if isinstance(target, str) and "." in target]
-    path = OmegaConf.select(cfg, "train.script.path", default=None) if OmegaConf.is_dict(cfg.train.get("script")) else None
-    # a script run: its file, recorded under the stem of its name (`__main__`'s file, run as a script or with -m)
-    files = {Path(path).stem: Path(path)} if isinstance(path, str) and path.endswith(".py") else {}
-    return changed_sources(tags.get(SOURCE_TAG), modules, files)
+    return changed_sources(tags.get(SOURCE_TAG), modules)

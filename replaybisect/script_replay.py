@@ -35,10 +35,10 @@ _children_lock = threading.Lock()
 
 def run_in_script(verb: str, store, run_id: str, cfg, trust: Optional[Trust], arguments: dict[str, Any],
                   log: Callable[[str], None]) -> Any:
-    """Run `verb`'s engine inside the run's script, started again; returns what the engine returned there (JSON)."""
+    """Run `verb`'s engine inside the run's script, started again; returns what the engine returned there (JSON).
+    `cfg` is what restore.run_config returned: its script was admitted there (admitted_script), before any import."""
     trust = trust or Trust.from_user()
-    artifacts = store.local_artifact_dir(run_id)  # <root>/<experiment>/<run>/artifacts: never the user's code
-    script = admitted_script(cfg, trust, run_id, artifacts.parents[2] if artifacts else None, store.tags(run_id))
+    script = script_of(cfg, run_id)
     log(f"running {shlex.join([Path(script['path']).name, *script['args']])} again in {script['cwd']}, to take its "
         "objects over at its first step")
     with tempfile.TemporaryDirectory(prefix="replaybisect-script-") as scratch:

@@ -118,6 +118,14 @@ def signing_key_folder(tmp_path_factory):
         yield
 
 
+# Every verb that replays a stored run, as a user types it (the run id last), at its smallest.
+STORED_RUN_VERBS = {
+    "nan": ("nan", "--run-id"),
+    "ablate": ("ablate", "lr", "--workers", "2", "--horizon", "2", "--run-id"),
+    "check": ("check", "--overfit-steps", "5", "--lr-steps", "4", "--run-id"),
+}
+
+
 def sign_as_recorder(store, run_id: str) -> None:
     """Sign the run's stored config.yaml and tags as they are now with this user's key, as the recorder would have:
     for tests of what holds even in a signed config (the trust checks behind the signature, a replay's own limits)."""

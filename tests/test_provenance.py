@@ -11,7 +11,6 @@ run the user vouches for (--allow-unsigned) still gets its Hydra command line ch
 from __future__ import annotations
 
 import json
-import os
 import stat
 import subprocess
 import sys
@@ -22,7 +21,7 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import Workspace, assert_one_line_error, folder_tree, record_script, sign_as_recorder
+from conftest import STORED_RUN_VERBS, Workspace, assert_one_line_error, folder_tree, record_script, sign_as_recorder
 from replaybisect.core import provenance
 from replaybisect.core.provenance import KEY_ENV, KEY_FILE_ENV, SIGNED_TAGS, Key, UnsignedRun
 from replaybisect.errors import ReplayError, UntrustedConfig
@@ -160,11 +159,7 @@ def test_the_payload_runs_when_hydra_starts_the_app_with_it(scripts, tmp_path):
     assert marker.read_text() == "pwned", done.stderr[-2000:]
 
 
-VERBS = {
-    "nan": ("nan", "--run-id"),
-    "ablate": ("ablate", "lr", "--horizon", "2", "--workers", "1", "--run-id"),
-    "check": ("check", "--overfit-steps", "5", "--lr-steps", "4", "--run-id"),
-}
+VERBS = STORED_RUN_VERBS
 
 
 @pytest.mark.parametrize("verb", sorted(VERBS))
@@ -304,3 +299,11 @@ def test_a_run_recorded_before_signing_replays_only_when_the_user_names_it(scrip
         rb.find_nan(run_id, tracking_uri=scripts.workspace.tracking_uri, publish=False)
     report = rb.find_nan(run_id, tracking_uri=scripts.workspace.tracking_uri, publish=False, allow_unsigned=run_id)
     assert (report.reproduced, report.failing_step) == ("exact", 16), report.headline
+
+
+def test_a_watcher_without_a_key_does_not_start(workspace, tmp_path):
+    """It could verify no run: one line at start (exit 2), never every run tagged untrusted for want of a key."""
+    env = workspace.env(XDG_CONFIG_HOME=str(tmp_path / "no-config"))
+    assert_one_line_error(workspace.replay("watch", "--once", *ALLOW_ROOT, env=env), "signing key", "does not exist",
+                          "$REPLAYBISECT_KEY_FILE")
+    assert not (workspace.path / "mlflow.db").exists() or not workspace.store().search_runs()

@@ -114,11 +114,7 @@ def untrusted(scene) -> Trust:
 
 
 # ---- end to end: every verb that rebuilds a stored config refuses the attacker's module ------------------------
-VERBS = {
-    "nan": ("nan", "--run-id"),
-    "ablate": ("ablate", "lr", "--workers", "2", "--horizon", "2", "--run-id"),
-    "check": ("check", "--overfit-steps", "5", "--lr-steps", "4", "--run-id"),
-}
+VERBS = conftest.STORED_RUN_VERBS
 
 
 @pytest.mark.parametrize("verb", sorted(VERBS))

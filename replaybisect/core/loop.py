@@ -435,28 +435,28 @@ def run_step(
     watch = StepWatch(state, outcome, observer, on_fault=fault_handler(halt_on_nonfinite), ranks_agree=state.ranks_agree,
                       defer_reads=defer_reads, device_guard=device_guard)
     if state.user_loop:  # the user's own step (forward, backward, update inside): the same moments, the same halting
-        with _outcome_on_error(outcome):
+        try:
             user_step.run(state, watch, batch)
+        except Exception as error:
+            _carries_outcome(error, outcome)
+            raise
         return outcome
     try:
-        with _outcome_on_error(outcome):
-            _builtin_step(state, watch, batch)
+        _builtin_step(state, watch, batch)
     except StepHalted:
         pass
+    except Exception as error:
+        _carries_outcome(error, outcome)
+        raise
     finally:
         watch.close_forward()  # an observer's forward region (a probe's TorchFunctionMode) never outlives the step
     return outcome
 
 
-@contextlib.contextmanager
-def _outcome_on_error(outcome: StepOutcome):
+def _carries_outcome(error: Exception, outcome: StepOutcome) -> None:
     """An exception leaving the step carries its outcome (`replaybisect_outcome`: whether the update was applied)."""
-    try:
-        yield
-    except Exception as error:
-        with contextlib.suppress(Exception):
-            error.replaybisect_outcome = outcome
-        raise
+    with contextlib.suppress(Exception):  # (an exception type that refuses attributes)
+        error.replaybisect_outcome = outcome
 
 
 def _builtin_step(state: TrainState, watch: StepWatch, batch) -> None:

@@ -111,11 +111,11 @@ def file_sha256(path: Path) -> Optional[str]:
         return None
 
 
-def changed_sources(tag_value: Optional[str], modules: list[str], files: Optional[dict[str, Path]] = None) -> list[str]:
+def changed_sources(tag_value: Optional[str], modules: list[str]) -> list[str]:
     """What a replay should say about the run's own modules: each one whose file changed, or that is not found, since
     the run was recorded. `modules`: the modules the replay imports, named by the admitted config (never names read
-    from the tag alone: finding a dotted module imports its package); `files`: modules found by their file (a
-    re-entered script). A replay runs today's code, so a replay that no longer reproduces the run may be explained by
+    from the tag alone: finding a dotted module imports its package). (A re-entered script is never today's code: a
+    changed one is refused, script_replay.admitted_script.) A replay runs today's code, so a replay that no longer reproduces the run may be explained by
     one of these."""
     import importlib.util
     import json
@@ -127,16 +127,12 @@ def changed_sources(tag_value: Optional[str], modules: list[str], files: Optiona
     if not isinstance(recorded, dict):
         return []
     lines = []
-    files = files or {}
-    for name in sorted((set(modules) | set(files)) & set(recorded)):
-        if name in files:
-            origin = files[name]
-        else:
-            try:
-                spec = importlib.util.find_spec(name)
-            except (ImportError, ValueError):
-                spec = None
-            origin = Path(spec.origin) if spec is not None and spec.origin else None
+    for name in sorted(set(modules) & set(recorded)):
+        try:
+            spec = importlib.util.find_spec(name)
+        except (ImportError, ValueError):
+            spec = None
+        origin = Path(spec.origin) if spec is not None and spec.origin else None
         now = file_sha256(origin) if origin is not None else None
         if now is None:
             lines.append(f"module {name} (recorded with the run) cannot be read here; the replay builds from what it finds")
