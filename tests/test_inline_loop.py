@@ -15,6 +15,7 @@ import pytest
 from conftest import Workspace
 
 SCRIPT = Path(__file__).resolve().parent / "user_loop" / "inline_script.py"
+MNIST_SCRIPT = SCRIPT.with_name("mnist_script.py")  # pytorch/examples mnist/main.py: a StepLR made after the recorder
 WLM_SCRIPT = SCRIPT.with_name("wlm_script.py")  # word_language_model's main.py shape: updates by hand, carries its hidden state
 DIVERGING = ("--optim=sgd", "--learning_rate=30", "--max_iters=40", "--eval_interval=4")  # NaN at step 9; snapshots every 5 steps
 HAND_SOFTMAX = ("--softmax=hand", "--logit_scale=90")  # exp() overflows at the first step
@@ -387,3 +388,22 @@ def test_a_loops_data_time_is_its_own_time_from_an_update_to_its_next_training_c
         assert sorted(data_time) == sorted(step_time) == [0, 1, 2, 3]
         assert all(0.2 <= data_time[step] < 0.7 for step in (1, 2, 3)), data_time
         assert all(step_time[step] < 0.2 for step in (1, 2, 3)), step_time
+
+
+def test_pytorch_examples_mnist_as_written_replays_with_its_lr_scheduler(tmp_path):
+    """Its StepLR is made after the recorder and wraps `optimizer.step` by its `__func__`: the replay's watch on the
+    step must stay a bound method (a plain function ended the re-entered script with an AttributeError before its
+    first step). The planted log(softmax) is found at its line, the replay exact."""
+    import replaybisect as rb
+
+    workspace = Workspace(tmp_path)
+    folder = tmp_path / "mnist"
+    folder.mkdir()
+    shutil.copy(MNIST_SCRIPT, folder / "main.py")
+    diverged = _train(workspace, folder, "--lr", "1e3", "--epochs", "4", script="main.py")
+    assert "replaybisect.NonFiniteStep: loss is inf at step 1" in diverged.stderr, diverged.stderr[-2000:]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.chdir(folder)
+        report = rb.find_nan(_run_id(diverged), tracking_uri=workspace.tracking_uri, publish=False)
+    assert (report.reproduced, report.category, report.op) == ("exact", "forward", "torch.log"), report.headline
+    assert "main.py:" in report.headline

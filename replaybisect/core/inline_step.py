@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import types
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
@@ -281,4 +282,5 @@ class RemoteStep:
             finally:
                 self._ended_here()
 
-        optimizer.step = step
+        # a bound method, as `optimizer.step` is: an LR scheduler the script makes afterwards wraps it by its __func__
+        optimizer.step = types.MethodType(lambda _optimizer, *args, **kwargs: step(*args, **kwargs), optimizer)
