@@ -483,6 +483,15 @@ def watching(watch: StepWatch):
                 watch.gradients()  # the gradients before the clip: their norm, the non-finite rule, an arm's clip first
         return original_clip(parameters, *args, **kwargs)
 
+    def get_total_norm(tensors, *args, **kwargs):
+        """A clip in two parts (accelerate's, torchtitan's: get_total_norm, then clip_grads_with_norm_) measures
+        the step's gradients here first: the moment is before it, and the norm it takes is of what an arm left."""
+        tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+        if not manual and not watch.stopped and not watch.saw_gradients and _are_gradients_of(tensors, watch.state.params):
+            with _kept_from_the_script(watch):
+                watch.gradients()
+        return original_total_norm(tensors, *args, **kwargs)
+
     def after_update(stepping, args, kwargs) -> None:
         if stepping is optimizer:
             if watch.device_guard is not None:
@@ -499,12 +508,12 @@ def watching(watch: StepWatch):
             return scaler_method(scaler, *args, **kwargs)
         return method
 
-    original_clip = torch.nn.utils.clip_grad_norm_
+    original_clip, original_total_norm = torch.nn.utils.clip_grad_norm_, torch.nn.utils.get_total_norm
     original_unscale, original_scaler_step = torch.amp.GradScaler.unscale_, torch.amp.GradScaler.step
     owned = {id(param) for param in watch.state.params}
     handles = [register_optimizer_step_pre_hook(before_update), register_optimizer_step_post_hook(after_update)]
     torch.Tensor.backward = backward
-    torch.nn.utils.clip_grad_norm_ = clip_grad_norm_
+    torch.nn.utils.clip_grad_norm_, torch.nn.utils.get_total_norm = clip_grad_norm_, get_total_norm
     if watch.defer_reads:
         torch.amp.GradScaler.unscale_, torch.amp.GradScaler.step = judged_first(original_unscale), judged_first(original_scaler_step)
     try:
@@ -515,10 +524,16 @@ def watching(watch: StepWatch):
         if watch.device_guard is not None:
             watch.device_guard.disarm(optimizer)  # (a step that raised inside its optimizer's step)
         torch.Tensor.backward = original_backward
-        torch.nn.utils.clip_grad_norm_ = original_clip
+        torch.nn.utils.clip_grad_norm_, torch.nn.utils.get_total_norm = original_clip, original_total_norm
         torch.amp.GradScaler.unscale_, torch.amp.GradScaler.step = original_unscale, original_scaler_step
         for handle in handles:
             handle.remove()
+
+
+def _are_gradients_of(tensors: list, params) -> bool:
+    """Whether `tensors` hold a gradient of `params` (not another model's: a GAN's discriminator clipped apart)."""
+    grads = {id(param.grad) for param in params if param.grad is not None}
+    return any(id(tensor) in grads for tensor in tensors)
 
 
 def run(state, watch: StepWatch, record) -> None:
