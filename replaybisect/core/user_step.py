@@ -319,6 +319,63 @@ def data_of(batch: Any) -> Any:
     return batch
 
 
+def batch_rows(batch: Any) -> Optional[int]:
+    """How many rows a step's batch has: its first tensor's dim 0. None where a row number names no one row: no
+    tensor, a distributed step (each rank's batch), or several micro-batches (an accumulated step)."""
+    from torch.utils._pytree import tree_leaves
+
+    from replaybisect.core import ranks
+    from replaybisect.core.inline_step import ARGS
+
+    if ranks.is_ranks_record(batch):
+        return None
+    inner = unpack(batch)[0]
+    data = data_of(inner)
+    micro_batches = data is not inner or (isinstance(data, list) and data and all(isinstance(b, dict) and ARGS in b for b in data))
+    if micro_batches and len(data) != 1:
+        return None
+    return next((leaf.shape[0] for leaf in tree_leaves(data) if isinstance(leaf, torch.Tensor) and leaf.dim()), None)
+
+
+def without_rows(batch: Any, rows: tuple[int, ...]) -> Any:
+    """A step's batch with `rows` (positions along dim 0) dropped from each of its tensors that has batch_rows rows:
+    the inputs, the targets a loss meets outside the model. Its RNG states and lrs stay as they are."""
+    from torch.utils._pytree import tree_map
+
+    size = batch_rows(batch)
+    if size is None:
+        raise SnapshotError("this step's batch has no rows to drop (several micro-batches, or a distributed step)")
+    kept = torch.tensor([row for row in range(size) if row not in set(rows)], dtype=torch.long)
+
+    def dropped(value):
+        if isinstance(value, torch.Tensor) and value.dim() and value.shape[0] == size:
+            return value.index_select(0, kept.to(value.device))
+        return value
+
+    if _is_record(batch):
+        return {**batch, RECORD_BATCH: tree_map(dropped, batch[RECORD_BATCH])}
+    return tree_map(dropped, batch)
+
+
+def same_batch(one: Any, other: Any) -> bool:
+    """Whether two stored batches hold the same data (a batch loaded again from its snapshot is another object)."""
+    from torch.utils._pytree import tree_flatten
+
+    (first, first_spec), (second, second_spec) = tree_flatten(unpack(one)[0]), tree_flatten(unpack(other)[0])
+    if first_spec != second_spec:
+        return False
+    return all(_same_leaf(a, b) for a, b in zip(first, second))
+
+
+def _same_leaf(one: Any, other: Any) -> bool:
+    if isinstance(one, torch.Tensor) or isinstance(other, torch.Tensor):
+        return isinstance(one, torch.Tensor) and isinstance(other, torch.Tensor) and one.shape == other.shape and torch.equal(one, other)
+    try:
+        return bool(one == other)
+    except (TypeError, ValueError, RuntimeError):  # a leaf whose == is no truth value (an array)
+        return one is other
+
+
 def _warn_plain(kind: type, stored_as: str, access: str) -> None:
     """A batch container a replay cannot rebuild: said once per type, at record time."""
     if kind in _WARNED:

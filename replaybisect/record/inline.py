@@ -30,7 +30,7 @@ from replaybisect.core import loop, outside_model, user_step
 from replaybisect.core.inline_step import CARRIED, OUTSIDE, intercept_training_calls, micro_batch
 from replaybisect.core.config import needs_closure
 from replaybisect.core.step_watch import StepOutcome, StepWatch
-from replaybisect.errors import ConfigError
+from replaybisect.errors import ConfigError, NonFiniteStep, ReplayError
 
 
 @dataclass
@@ -189,6 +189,21 @@ class InlineRecording:
         self.recorder._hooks.on_nonfinite(current.outcome, current.record)
         self._finish(current)
         self.recorder._stop(current.outcome)
+
+    def crashed(self, error: BaseException) -> None:
+        """An exception ended the loop inside a step, before its update (a loss that checks its input, an index out
+        of range): that step is the run's failing step, kept as a non-finite one is (the state before it, its
+        micro-batches so far). One raised after the update (the loop's logging, its evaluation) is the run's crash only."""
+        current = self._open
+        if current is None or current.reached_update or not current.record[user_step.RECORD_BATCH]:
+            return
+        if not isinstance(error, Exception) or isinstance(error, (ReplayError, NonFiniteStep)):
+            return
+        self._open = None
+        self._targets.end()
+        current.hooks_on.close()
+        self.recorder._buffers.restore()  # the forward's buffer updates undone: the state before the step is kept
+        self.recorder._hooks.on_exception(current.step, error, current.record)
 
     def _finish(self, current: _OpenStep) -> None:
         """The step logged: its time up to its update's end (a step closed at the next training call, or stopped

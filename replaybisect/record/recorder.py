@@ -386,6 +386,7 @@ class Recorder:
         raise instead of `error`, if it is one."""
         try:
             if self._inline is not None:
+                self._inline.crashed(error)
                 self._inline.remove()
             if self._ranked is not None and self._ranked.is_writer:
                 error = self._ranked.blamed(error, self.store, self.run_id)

@@ -238,12 +238,36 @@ def _arm_batches(change: Change, recorded_batches, start: int):
     from replaybisect.core import loop
     from replaybisect.core.rng import ablation_reseed, isolated_rng, seed_everything
 
+    if change.skip_rows is not None:
+        return _without_rows(recorded_batches, *change.skip_rows)
     if change.reseed is None:
         return recorded_batches
     with isolated_rng():  # building the dataset must not draw from the streams reseeded below
         source, _ = loop.build_data(change.cfg)
     seed_everything(ablation_reseed(change.reseed, start))
     return source.batch
+
+
+def _without_rows(batches, step: int, rows: tuple[int, ...]):
+    """The recorded batches with `rows` dropped from step `step`'s (a skip-rows arm), also where a replay past the
+    recorded steps serves that batch again (an own loop's recorded batches, in turn)."""
+    from replaybisect.core.user_step import batch_rows, same_batch, without_rows
+
+    failing = []  # the failing step's batch, kept when the replay reaches it
+
+    def batch(at: int):
+        recorded = batches(at)
+        if at == step:
+            failing.append(recorded)
+        elif not failing or at < step or not same_batch(recorded, failing[0]):
+            return recorded
+        size = batch_rows(recorded)
+        if size is None or max(rows) >= size:
+            raise ReplayError(f"skip-rows: step {step}'s batch has " + (f"{size} rows (0..{size - 1})" if size else
+                              "no rows to drop (several micro-batches, or a distributed step)") + "; pass the rows replay nan named")
+        return without_rows(recorded, rows)
+
+    return batch
 
 
 def _replay_suffix(state, batches, hooks, change: Change, start: int, end: int):
@@ -286,18 +310,22 @@ def _replay_arm(spec: dict[str, Any], on_step: Optional[Callable[[int], None]] =
         restored = restore_mod.restore(store, run_id, cfg=cfg if start > spec["snapshot_step"] else change.cfg, snapshot=snapshot)
         if restored.step != spec["snapshot_step"]:  # every arm starts from the planned snapshot, or none runs
             raise SnapshotError(f"snapshot {spec['snapshot_step']} does not apply to arm {spec['arm']!r} ({'; '.join(restored.warnings)})")
+        raised = None  # (step, "exception"): a step of the arm raised at or after the recorded failure (a crash)
         with restore_mod.stored_batch_errors(restored):  # a stored batch the step raises on: one line, not a crash
-            state, stopped = _replay_prefix(restored, hooks, spec, change, patching)
-            hooks.lr_factor = change.lr_factor
-            if stopped is None:
-                _apply_optimizer_changes(state, change, hooks)
-                batches = _arm_batches(change, restored.batch, start)
-                try:
-                    stopped = _replay_suffix(state, batches, hooks, change, start, spec["end_step"])
-                except LoopEnded:  # a loop recorded as written ran out of iterations: the arm is judged on what it ran
-                    restored.warnings.append(f"the script's own loop ended after step {max(hooks.losses, default=start)}, "
-                                             f"before step {spec['end_step'] - 1}: this arm is judged on the steps it ran")
-    first = hooks.first_nonfinite
+            try:
+                state, stopped = _replay_prefix(restored, hooks, spec, change, patching)
+                hooks.lr_factor = change.lr_factor
+                if stopped is None:
+                    _apply_optimizer_changes(state, change, hooks)
+                    batches = _arm_batches(change, restored.batch, start)
+                    try:
+                        stopped = _replay_suffix(state, batches, hooks, change, start, spec["end_step"])
+                    except LoopEnded:  # a loop recorded as written ran out of iterations: the arm is judged on what it ran
+                        restored.warnings.append(f"the script's own loop ended after step {max(hooks.losses, default=start)}, "
+                                                 f"before step {spec['end_step'] - 1}: this arm is judged on the steps it ran")
+            except Exception as error:  # noqa: BLE001 - re-raised unless it is the arm's failure
+                raised = _raised_as_failure(error, hooks, spec)
+    first = hooks.first_nonfinite or raised
     return {
         "arm": spec["arm"],
         "losses": _by_step(hooks.losses),
@@ -309,6 +337,24 @@ def _replay_arm(spec: dict[str, Any], on_step: Optional[Callable[[int], None]] =
         "warnings": restored.warnings,
         "seconds": time.perf_counter() - started,
     }
+
+
+EXCEPTION = "exception"  # an arm's failure that is a step raising, not a non-finite value
+
+
+def failure_text(what: Optional[str]) -> str:
+    return "raised an exception" if what == EXCEPTION else f"non-finite {what}"
+
+
+def _raised_as_failure(error: Exception, hooks, spec: dict[str, Any]) -> tuple[int, str]:
+    """A step the arm replayed raised: at or after the recorded failing step it is the arm's failure, as a
+    non-finite step is (a crashed run's step raising again); before it, the run trained through it (re-raised)."""
+    if isinstance(error, (ReplayError, MemoryError)) or spec["failing_step"] is None:
+        raise error
+    step = max(hooks.losses, default=spec["snapshot_step"] - 1) + 1
+    if step < spec["failing_step"]:
+        raise error
+    return step, EXCEPTION
 
 
 # The progress channel of a local worker process (set by the pool's initializer).
@@ -471,7 +517,7 @@ def judge_arm(arm: ArmOutcome, failing_step: Optional[int], baseline_failed: boo
         # No failure to fix (a healthy run ablated with --from-step): only "worse" or "no-effect",
         # unless the baseline's loss blew up and the arm's did not.
         if first is not None:
-            arm.verdict, arm.reason = "worse", f"non-finite {arm.nonfinite_what} at step {first}; the baseline stayed finite"
+            arm.verdict, arm.reason = "worse", f"{failure_text(arm.nonfinite_what)} at step {first}; the baseline stayed finite"
         elif blown:
             arm.verdict, arm.reason = "worse", f"the loss blew up (final mean {arm.final_loss_mean:.4g} > {threshold:.4g})"
         else:
@@ -491,11 +537,11 @@ def judge_arm(arm: ArmOutcome, failing_step: Optional[int], baseline_failed: boo
                 f"; final mean loss {arm.final_loss_mean:.4g} <= {threshold:.4g}" if threshold is not None and arm.final_loss_mean is not None else ""
             )
     elif first > failing_step:
-        arm.verdict, arm.reason = "delays", f"non-finite {arm.nonfinite_what} at step {first}, {first - failing_step} step{'' if first - failing_step == 1 else 's'} later"
+        arm.verdict, arm.reason = "delays", f"{failure_text(arm.nonfinite_what)} at step {first}, {first - failing_step} step{'' if first - failing_step == 1 else 's'} later"
     elif first == failing_step:
-        arm.verdict, arm.reason = "no-effect", f"non-finite {arm.nonfinite_what} at step {first}, as the baseline"
+        arm.verdict, arm.reason = "no-effect", f"{failure_text(arm.nonfinite_what)} at step {first}, as the baseline"
     else:
-        arm.verdict, arm.reason = "worse", f"non-finite {arm.nonfinite_what} at step {first}, {failing_step - first} step{'' if failing_step - first == 1 else 's'} earlier"
+        arm.verdict, arm.reason = "worse", f"{failure_text(arm.nonfinite_what)} at step {first}, {failing_step - first} step{'' if failing_step - first == 1 else 's'} earlier"
 
 
 def judge_baseline(baseline: ArmOutcome, failing_step: Optional[int], threshold: Optional[float], end: int) -> tuple[bool, Optional[str]]:
@@ -504,13 +550,13 @@ def judge_baseline(baseline: ArmOutcome, failing_step: Optional[int], threshold:
     if failing_step is None:
         baseline.verdict = "reference"
         if first is not None:
-            baseline.reason = f"non-finite {baseline.nonfinite_what} at step {first}"
+            baseline.reason = f"{failure_text(baseline.nonfinite_what)} at step {first}"
         else:
             baseline.reason = "finite through step " + str(end - 1) + (" (the loss blew up)" if _blew_up(baseline, threshold) else "")
         return False, None
     if first == failing_step:
         baseline.verdict = "fails-again"
-        baseline.reason = f"non-finite {baseline.nonfinite_what} at step {first}, as recorded"
+        baseline.reason = f"{failure_text(baseline.nonfinite_what)} at step {first}, as recorded"
         return True, None
     baseline.verdict = "inconclusive"
     if first is None:
@@ -732,6 +778,7 @@ def _plan_arms(store, run_id: str, specs: list[ArmSpec], from_step: Optional[int
     ctx = ArmContext(failing_step=failing_step, start_step=start, end_step=end, grad_norms=grad_norms)
     specs = specs + _suggested_arms(specs, grad_norms)
     changes = {spec.name: interventions.get(spec.intervention).apply(cfg, ctx, spec.value) for spec in specs}
+    _check_rows(store, run_id, changes.values())
     patch = None
     if patch_path is not None:
         from replaybisect.verbs.ablate.patch import load_patch
@@ -744,6 +791,26 @@ def _plan_arms(store, run_id: str, specs: list[ArmSpec], from_step: Optional[int
                     logged=logged, reference=reference, threshold=threshold, grad_norms=grad_norms, changes=changes,
                     specs=specs, patch=patch, runnable=runnable, estimated_steps=len(runnable) * (end - snapshot.step),
                     warnings=warnings), snapshot
+
+
+def _check_rows(store, run_id: str, changes) -> None:
+    """A skip-rows arm names rows the failing step's batch has, before any arm runs (the batch the run kept with
+    the state before its failing step; without one, the arm itself says so)."""
+    from replaybisect import restore as restore_mod
+    from replaybisect.core.user_step import batch_rows
+
+    for change in changes:
+        if change.skip_rows is None:
+            continue
+        step, rows = change.skip_rows
+        try:
+            batch = restore_mod.load_snapshot(store, run_id, step).batches.get(step)
+        except (SnapshotError, OSError):
+            continue
+        size = batch_rows(batch) if batch is not None else None
+        if size is not None and max(rows) >= size:
+            raise ReplayError(f"skip-rows={'+'.join(map(str, rows))}: step {step}'s batch has {size} rows (0..{size - 1}); "
+                              f"pass the rows replay nan named (replay nan --run-id {run_id})")
 
 
 def _arm_specs(store, run_id: str, plan: _ArmPlan, trust: Trust) -> list[dict[str, Any]]:

@@ -46,6 +46,7 @@ class Change:
     lr_factor: Optional[Callable[[int], float]] = None  # step -> multiplier on the scheduled lr at that step's update
     group_scale: dict[str, float] = field(default_factory=dict)  # param-group key -> multiplier after restore
     skip_steps: frozenset = frozenset()  # steps whose batch is dropped (no forward, no update)
+    skip_rows: Optional[tuple[int, tuple[int, ...]]] = None  # (step, rows): rows dropped from that step's batch
     reseed: Optional[int] = None  # another data-order and RNG seed from the arm's start on
     note: str = ""  # extra advice shown with the arm (e.g. the suggested clip threshold)
     not_applicable: Optional[str] = None  # why this change means nothing for this run (then it is not run)
@@ -173,6 +174,13 @@ def parse_step(text: str) -> int:
     if not text.isdigit():
         raise ValueError(f"{text[:40]!r} must be a step number >= 0 (e.g. skip-batch=47)")
     return int(text)
+
+
+def parse_rows(text: str) -> tuple[int, ...]:
+    rows = text.split("+")
+    if not all(row.strip().isdigit() for row in rows):
+        raise ValueError(f"{text[:40]!r} must be row numbers of the failing step's batch joined by + (e.g. skip-rows=3+17)")
+    return tuple(sorted({int(row) for row in rows}))
 
 
 def parse_seed(text: str) -> int:
@@ -356,6 +364,22 @@ def skip_failing_batch(cfg, ctx: ArmContext, step: Optional[int]) -> Change:
         summary=f"batch of step {step} dropped",
         skip_steps=frozenset({step}),
     )
+
+
+@intervention("skip-rows", "drop rows of the failing step's batch (skip-rows=3+17, the rows `replay nan` names) and keep "
+              "the rest: is the failure in the data of those rows?", parse=parse_rows, show=lambda rows: "+".join(map(str, rows)))
+def skip_failing_rows(cfg, ctx: ArmContext, rows: Optional[tuple[int, ...]]) -> Change:
+    if rows is None:
+        return Change(cfg, {}, "no rows", not_applicable="name the rows to drop: skip-rows=3+17 (replay nan names the rows a "
+                                                         "fault keyed on the data came from)")
+    if ctx.failing_step is None:
+        return Change(cfg, {}, "no failing batch", not_applicable="the run never failed: there is no failing batch to drop rows from")
+    if not ctx.start_step <= ctx.failing_step < ctx.end_step:
+        return Change(cfg, {}, f"rows of step {ctx.failing_step}", not_applicable=f"step {ctx.failing_step} is outside the replay "
+                                                                               f"({ctx.start_step}..{ctx.end_step - 1})")
+    shown = "+".join(map(str, rows))
+    return Change(cfg=cfg, params={"skip_rows": shown, "skip_rows_step": ctx.failing_step},
+                  summary=f"row{'s' if len(rows) > 1 else ''} {shown} of step {ctx.failing_step}'s batch dropped", skip_rows=(ctx.failing_step, rows))
 
 
 @intervention("seed", "another data-order and dropout seed from the replay's start (default: the run's + 1; seed=7 for "

@@ -31,7 +31,7 @@ from replaybisect.verbs.nan.divergence import LayerHistory, buffer_scaling, deci
 
 CATEGORIES = ("divergence", "data", "forward", "loss", "backward", "optimizer", "corrupt-state", "transient", "exception")
 FAULTS = ("forward", "loss", "backward", "optimizer")  # verdicts a divergence can stand behind (the op met runaway values)
-ARMS = ("lr", "clip", "precision", "warmup", "eps", "skip-batch", "seed")  # `replay ablate` arm names
+ARMS = ("lr", "clip", "precision", "warmup", "eps", "skip-batch", "skip-rows", "seed")  # `replay ablate` arm names
 HISTORY_WINDOW = 50  # fit log(grad_norm) over the last <= 50 finite steps before t
 HISTORY_MIN_POINTS = 8
 from replaybisect.core.thresholds import GRAD_NORM_TREND_EXPLODING_FACTOR as EXPLODING_FACTOR  # noqa: E402
@@ -99,6 +99,8 @@ class NanReport:
     fix: Optional[dict[str, str]] = None  # an op-level fault of a known pattern: the change, and the command proving it
     # a step that raised (the run's tag failure=exception): what it raised on replay, where, and what came before
     exception: Optional[dict[str, Any]] = None
+    # a fault keyed on the data: the batch rows its first non-finite op made them in ({"rows", "of", "dataset_rows"})
+    rows: Optional[dict[str, Any]] = None
 
     def to_json(self) -> dict[str, Any]:
         from replaybisect.core.jsonutil import to_jsonable
@@ -254,8 +256,12 @@ def find_nan(
 
         if crashed:
             _classify_crash(report, result, tags)
+            _name_rows(report, result.nonfinite, batch, dataset_rows)
+            _suggest_for_crash(report)
         else:
             _classify(report, result, restored, store, run_id, cfg, log)
+            if report.category in ("forward", "loss"):
+                _name_rows(report, result.probe.forward_op, batch, dataset_rows)
             scaled = buffer_scaling(state.model, start_tensors)
             _judge_divergence(report, result, state.model, layers, recorded_layer_series(store, run_id, "grad_norm"),
                               recorded_layer_series(store, run_id, "weight_norm"), scaled)
@@ -649,6 +655,49 @@ def _classify_crash(report: NanReport, results: _CrashResults, tags: dict) -> No
     report.suggestion = (f"fix the step at {_line_of(report.source) if report.source else 'the line that raised'}: it raised "
                          f"{results.error} on the batch of step {t} (the snapshot of step {report.snapshot_step} and the "
                          "stored batches replay it)")
+    if first is not None:
+        from replaybisect.verbs.nan import fixes
+
+        report.suggestion = (f"fix {first.op} at {_line_of(report.source)}: {fixes.fix_for(first.op) or 'keep its values finite'} "
+                             f"(its non-finite value made step {t} raise {results.error})")
+
+
+def _name_rows(report: NanReport, fault, batch, dataset_rows: Optional[list[int]]) -> None:
+    """A fault keyed on the data: the first op to make a non-finite value made it in a few rows of its output whose
+    dim 0 is the batch's, and the other rows stayed finite through it. Those rows of the batch are named."""
+    from replaybisect.core import user_step
+    from replaybisect.verbs.nan.probes import MAX_ROWS
+
+    if fault is None or not fault.rows or not fault.output.shape:
+        return
+    size = user_step.batch_rows(batch)
+    if size is None or fault.output.shape[0] != size or len(fault.rows) >= size or len(fault.rows) > MAX_ROWS:
+        return
+    rows = list(fault.rows)
+    known = dataset_rows is not None and len(dataset_rows) == size
+    report.rows = {"rows": rows, "of": size, "dataset_rows": [int(dataset_rows[r]) for r in rows] if known else None}
+    also = f" (dataset rows {report.rows['dataset_rows']})" if known else ""
+    report.evidence.append(f"{fault.op} made its non-finite values in {_rows_text(rows)} of the batch's {size}{also} only: "
+                           "the fault is keyed on the data of those rows")
+
+
+def _rows_text(rows: list[int]) -> str:
+    return f"row {rows[0]}" if len(rows) == 1 else f"rows {rows}"
+
+
+def _skip_rows_arm(report: NanReport) -> str:
+    return "skip-rows=" + "+".join(str(row) for row in report.rows["rows"])
+
+
+def _suggest_for_crash(report: NanReport) -> None:
+    """A step that raised after a fault keyed on rows of its batch: the rows to look at, and the arm proving it."""
+    if report.rows is None or report.category != "exception":
+        return
+    choice = _ArmChoice()
+    _arms_for_rows(report, choice)
+    fix = report.suggestion
+    _write_suggestion(report, choice)
+    report.suggestion += "\n" + fix
 
 
 def _shown_module(name: Optional[str]) -> str:
@@ -1154,11 +1203,14 @@ def _suggest(report: NanReport, results: _StepResults, script: Optional[str] = N
         report.arms, report.ablate_command = [], None
         return
     choice = _ArmChoice()
-    _arms_for_data(report, choice)
-    _arms_for_precision(report, choice)
-    _arms_for_history(report, choice)
-    CATEGORY_ARMS.get(report.category, lambda report, choice: None)(report, choice)
-    assert report.category in CATEGORIES and set(choice.arms) <= set(ARMS), (report.category, choice.arms)
+    if report.rows is not None:  # keyed on the data: no lr or clip fixes what a few rows of the batch make
+        _arms_for_rows(report, choice)
+    else:
+        _arms_for_data(report, choice)
+        _arms_for_precision(report, choice)
+        _arms_for_history(report, choice)
+        CATEGORY_ARMS.get(report.category, lambda report, choice: None)(report, choice)
+    assert report.category in CATEGORIES and {arm.partition("=")[0] for arm in choice.arms} <= set(ARMS), (report.category, choice.arms)
     _write_suggestion(report, choice)
     _propose_fix(report, script)
 
@@ -1195,6 +1247,13 @@ def _arms_for_data(report: NanReport, choice: _ArmChoice) -> None:
         choice.add("skip-batch drops the failing batch" + (f"; then clean dataset rows {rows[:10]}" if rows else ""), "skip-batch")
 
 
+def _arms_for_rows(report: NanReport, choice: _ArmChoice) -> None:
+    rows = report.rows["rows"]
+    choice.add(f"look at {_rows_text(rows)} of step {report.failing_step}'s batch (e.g. a blank image, an empty sequence, "
+               f"a value the op cannot take); {_skip_rows_arm(report)} drops them from that batch: if the step is then "
+               "finite, the data of those rows made the failure", _skip_rows_arm(report))
+
+
 def _arms_for_precision(report: NanReport, choice: _ArmChoice) -> None:
     if report.precision != "fp32" and report.category in ("forward", "loss", "backward"):
         choice.add(f"precision: the run trains in {report.precision}; fp32 tells whether the overflow is a range problem", "precision")
@@ -1223,7 +1282,9 @@ def _line_of(source: Optional[str]) -> str:
 
 
 def _arms_for_forward(report: NanReport, choice: _ArmChoice) -> None:
-    fix = f"fix {_op_named(report)} (e.g. subtract the max before exp, clamp its input)" if report.op else "find the op with `replay nan --step`"
+    from replaybisect.verbs.nan import fixes
+
+    fix = f"fix {_op_named(report)} ({fixes.fix_for(report.op) or 'bound its input'})" if report.op else "find the op with `replay nan --step`"
     choice.add(f"lr / clip: smaller updates keep activations in range longer; if they only delay it, {fix}", "lr", "clip")
 
 

@@ -130,8 +130,9 @@ def tensor_stats(tensor: torch.Tensor) -> TensorStats:
 
 def user_frame(frames: list[traceback.FrameSummary]) -> Optional[traceback.FrameSummary]:
     """The innermost frame of the user's code inside the step: after replaybisect's own frames (whoever called
-    replaybisect is not the step), and not torch, the standard library or installed packages."""
-    ours = [i for i, frame in enumerate(frames) if is_ours(frame.filename)]
+    replaybisect is not the step), and not torch, the standard library or installed packages. Our torch function
+    modes pass a call through (a replay's stored loss targets): their frames are no caller."""
+    ours = [i for i, frame in enumerate(frames) if is_ours(frame.filename) and frame.name != "__torch_function__"]
     if ours:
         frames = frames[ours[-1] + 1 :]
     return next((frame for frame in reversed(frames) if is_user_code(frame.filename, (_TORCH_DIR,))), None)
@@ -205,8 +206,7 @@ def probe_batch(batch: Any, dataset_indices: Optional[list[int]] = None) -> list
         name = roles.get(name, name)
         if not is_float(tensor) or all_finite(tensor):
             continue
-        bad = ~torch.isfinite(tensor.detach())
-        rows = bad.reshape(len(tensor), -1).any(dim=1).nonzero().flatten().tolist() if tensor.dim() else [0]
+        rows = nonfinite_rows(tensor) if tensor.dim() else [0]
         findings.append(
             BatchFinding(
                 field=name,
@@ -218,6 +218,13 @@ def probe_batch(batch: Any, dataset_indices: Optional[list[int]] = None) -> list
             )
         )
     return findings
+
+
+def nonfinite_rows(tensor: torch.Tensor, limit: Optional[int] = None) -> list[int]:
+    """The positions along dim 0 of a tensor (with one) that hold a non-finite value, the first `limit` of them."""
+    bad = ~torch.isfinite(tensor.detach())
+    rows = bad.reshape(len(tensor), -1).any(dim=1).nonzero().flatten()
+    return rows[:limit].tolist()
 
 
 # ---- the state before the step ----------------------------------------------------------------------------
@@ -300,6 +307,7 @@ class OpFinding:
     inputs: list[TensorStats]
     output: TensorStats
     calls_done: int = 0  # module calls finished before it (its module's call is the next one of that name)
+    rows: list[int] = field(default_factory=list)  # the positions along its output's dim 0 that are non-finite
 
 
 @dataclass
@@ -345,6 +353,9 @@ class UpdateFinding:
     explanation: Optional[str]
 
 
+MAX_ROWS = 64  # a fault with more non-finite rows than this is not keyed on a few rows of its batch
+
+
 class _OpFinder(TorchFunctionMode):
     """Sees every torch call in the forward and the loss; records each op that made a non-finite value nobody
     asked for, and which of them each non-finite tensor descends from.
@@ -356,6 +367,7 @@ class _OpFinder(TorchFunctionMode):
     overflows after such a mask is the fault, and the mask is not."""
 
     MAX_TRACKED = 4096  # non-finite tensors kept for lineage (a failing step has few)
+    replaybisect_mode = True  # outside_model.OWN_MODE: a replay's stored loss targets are taken in above it
 
     def __init__(self, current_module, calls_done=lambda: 0):
         super().__init__()
@@ -417,6 +429,7 @@ class _OpFinder(TorchFunctionMode):
                         inputs=[tensor_stats(t) for t in inputs[:4]],
                         output=tensor_stats(bad_outputs[0]),
                         calls_done=self.calls_done(),
+                        rows=nonfinite_rows(bad_outputs[0], MAX_ROWS + 1) if bad_outputs[0].dim() else [],
                     )
                 )
         if len(self.lineage) < self.MAX_TRACKED:
