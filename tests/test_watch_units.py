@@ -198,6 +198,10 @@ def test_the_next_command_is_the_proven_fix_as_a_replay_train_override():
         assert conclude("nonfinite", "R", dropped, "x", tags, ["nan", "ablate"]).next_command == (
             "fix the data: the batch of step 25 is what fails (the ablation's skip-batch arm, which drops it, trains past "
             "the failure); inspect that batch and your data pipeline")
+    rows = _lines(("nan", NAN_FORWARD), ("ablate", _ablation(_arm("skip-rows=8", "row 8 of step 25's batch dropped", "fixes"))))
+    assert conclude("nonfinite", "R", rows, "x", {"replaybisect.loop": "user"}, ["nan", "ablate"]).next_command == (
+        "fix the data: the row 8 of step 25's batch is what fails (the ablation's skip-rows=8 arm, which drops it, trains "
+        "past the failure); inspect those rows and your data pipeline")
     clipped = _lines(("nan", NAN_FORWARD), ("ablate", _ablation(_arm("clip", "clip the gradient norm at 1 before each update", "fixes", label="clip=1"))))
     lightning = {"replaybisect.loop": "user", "replaybisect.trainer": "lightning"}
     assert conclude("nonfinite", "R", clipped, "train lit", lightning, ["nan", "ablate"]).next_command == \

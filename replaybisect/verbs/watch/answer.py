@@ -224,9 +224,10 @@ def _apply_fix(lines: dict[str, str], run_name: str, run_tags: dict[str, str], r
     if not change:
         return ""
     arm = lines.get(key("ablate", "fix.arm"), "")
-    if arm.partition("=")[0] == "skip-batch":  # dropping the batch is a workaround: the data is what to fix
+    if arm.partition("=")[0] in ("skip-batch", "skip-rows"):  # dropping data is a workaround: the data is what to fix
+        what = "that batch" if arm.startswith("skip-batch") else "those rows"
         return (f"fix the data: the {change.removesuffix(' dropped')} is what fails (the ablation's {arm} arm, which drops "
-                "it, trains past the failure); inspect that batch and your data pipeline")
+                f"it, trains past the failure); inspect {what} and your data pipeline")
     override = lines.get(key("ablate", "fix"), "")
     if run_tags.get(TAG + "loop") != "user" and override:
         if run_params is not None and _override_key(override) not in run_params:  # e.g. optim.eps, a class default
