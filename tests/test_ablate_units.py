@@ -55,7 +55,11 @@ def test_interventions_that_mean_nothing_for_a_run_say_why(sgd_cfg):
 
 def test_parse_arms():
     assert [spec.name for spec in ablate_mod.parse_arms("lr, clip,lr,lr=x0.1")] == ["lr", "clip"]  # lr is lr=x0.1
-    assert [spec.name for spec in ablate_mod.parse_arms(None)] == interventions.names()
+    # every intervention that runs bare: skip-rows needs its rows
+    assert [spec.name for spec in ablate_mod.parse_arms(None)] == [name for name in interventions.names() if name != "skip-rows"]
+    assert [spec.name for spec in ablate_mod.parse_arms("skip-rows=8+3")] == ["skip-rows=3+8"]
+    with pytest.raises(ReplayError, match=r"'8,' must be row numbers|'x' must be row numbers"):
+        ablate_mod.parse_arms("skip-rows=x")
     with pytest.raises(ReplayError, match="unknown arm 'fp8'; valid arms: lr, clip"):
         ablate_mod.parse_arms("lr,fp8")
 

@@ -60,6 +60,7 @@ class Intervention:
     parse: Optional[Callable[[str], Any]] = None  # the text after `name=` -> the value; ValueError says what is expected
     show: Callable[[Any], str] = str  # a value -> its text in an arm's label (`lr=x0.1`)
     default: Any = None  # the bare name's value (None: decided per run, e.g. the warmup's length)
+    needs_value: bool = False  # bare, it means nothing (skip-rows: which rows): left out of the default arms
 
 
 @dataclass(frozen=True)
@@ -89,9 +90,9 @@ REGISTRY: dict[str, Intervention] = {}
 
 
 def intervention(name: str, description: str, parse: Optional[Callable[[str], Any]] = None,
-                 show: Callable[[Any], str] = str, default: Any = None):
+                 show: Callable[[Any], str] = str, default: Any = None, needs_value: bool = False):
     def register(function: Callable[[Any, ArmContext, Any], Change]):
-        REGISTRY[name] = Intervention(name, description, function, parse, show, default)
+        REGISTRY[name] = Intervention(name, description, function, parse, show, default, needs_value)
         return function
 
     return register
@@ -367,7 +368,8 @@ def skip_failing_batch(cfg, ctx: ArmContext, step: Optional[int]) -> Change:
 
 
 @intervention("skip-rows", "drop rows of the failing step's batch (skip-rows=3+17, the rows `replay nan` names) and keep "
-              "the rest: is the failure in the data of those rows?", parse=parse_rows, show=lambda rows: "+".join(map(str, rows)))
+              "the rest: is the failure in the data of those rows?", parse=parse_rows, show=lambda rows: "+".join(map(str, rows)),
+              needs_value=True)
 def skip_failing_rows(cfg, ctx: ArmContext, rows: Optional[tuple[int, ...]]) -> Change:
     if rows is None:
         return Change(cfg, {}, "no rows", not_applicable="name the rows to drop: skip-rows=3+17 (replay nan names the rows a "
