@@ -664,11 +664,15 @@ def _classify_crash(report: NanReport, results: _CrashResults, tags: dict) -> No
 
 def _name_rows(report: NanReport, fault, batch, dataset_rows: Optional[list[int]]) -> None:
     """A fault keyed on the data: the first op to make a non-finite value made it in a few rows of its output whose
-    dim 0 is the batch's, and the other rows stayed finite through it. Those rows of the batch are named."""
+    dim 0 is the batch's, and the other rows stayed finite through it. Those rows of the batch are named. Not an
+    overflow (an exp or a product: the largest rows overflow first), nor a run whose gradients grew exponentially."""
     from replaybisect.core import user_step
+    from replaybisect.verbs.nan import fixes
     from replaybisect.verbs.nan.probes import MAX_ROWS
 
-    if fault is None or not fault.rows or not fault.output.shape:
+    if fault is None or not fault.rows or not fault.output.shape or fixes.overflows(fault.op):
+        return
+    if report.history is not None and report.history.exploding:
         return
     size = user_step.batch_rows(batch)
     if size is None or fault.output.shape[0] != size or len(fault.rows) >= size or len(fault.rows) > MAX_ROWS:

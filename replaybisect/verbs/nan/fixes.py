@@ -21,16 +21,26 @@ PATTERNS = (
 )
 
 
-def fix_for(op: Optional[str]) -> Optional[str]:
-    """The known fix for the op's pattern, or None."""
+# ops whose non-finite values are an overflow of large inputs (the largest rows overflow first: not a fault of the data)
+OVERFLOWS = ("exp", "expm1", "pow", "sinh", "cosh", "matmul", "linear", "bmm", "baddbmm", "addmm", "mm")
+
+
+def _matches(op: Optional[str], fragments) -> bool:
     if not op:
-        return None
+        return False
     name = op.lower().rsplit(".", 1)[-1].removeprefix("_").removesuffix("backward").removesuffix("backward0")
     name = name.strip("_")
-    for fragments, fix in PATTERNS:
-        if any(fragment == name or name.startswith(fragment) or name.endswith(fragment) for fragment in fragments):
-            return fix
-    return None
+    return any(fragment == name or name.startswith(fragment) or name.endswith(fragment) for fragment in fragments)
+
+
+def fix_for(op: Optional[str]) -> Optional[str]:
+    """The known fix for the op's pattern, or None."""
+    return next((fix for fragments, fix in PATTERNS if _matches(op, fragments)), None)
+
+
+def overflows(op: Optional[str]) -> bool:
+    """Whether the op is one that overflows on large inputs (exp, a product)."""
+    return _matches(op, OVERFLOWS)
 
 
 def source_file(source: Optional[str]) -> Optional[Path]:
