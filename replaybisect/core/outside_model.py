@@ -45,9 +45,8 @@ class LossInputs(TorchFunctionMode):
     (`targets`): recording, copies are appended; replaying, the i-th target first used after that call is replaced
     by the i-th stored one."""
 
-    def __init__(self, model_tensors: set[int], scaler, replaying: bool, on_error: Optional[Callable] = None):
+    def __init__(self, model_tensors: set[int], scaler, replaying: bool):
         super().__init__()
-        self._on_error = on_error  # replaying: an op of the loss raised (the recorded crash): what stands for its result
         self._state_ids = model_tensors  # the ids of the model's parameters and buffers (model_tensor_ids)
         self._scaler = scaler  # its scale is made at its first use: looked up then
         self._replaying = replaying
@@ -60,12 +59,12 @@ class LossInputs(TorchFunctionMode):
 
     def follow(self, outputs: Any, targets: list) -> None:
         """A training call returned `outputs`; `targets` is its micro-batch's list. The mode is entered only on an
-        mode stack empty of any but our own (OWN_MODE): one the loop entered around the model's call (`with torch.device(...)`) would pop ours
+        empty mode stack: one the loop entered around the model's call (`with torch.device(...)`) would pop ours
         on its way out, so such a loop's targets are not followed (a replay of it reports that it diverged)."""
         for tensor in tensors(outputs):
             self._derive(tensor)
         self._targets, self._taken = targets, 0
-        if only_own_modes():
+        if torch._C._len_torch_function_stack() == 0:
             self.__enter__()
             self.active = True
 
@@ -88,12 +87,7 @@ class LossInputs(TorchFunctionMode):
         if not any(isinstance(leaf, torch.Tensor) and id(leaf) in self._derived for leaf in leaves):
             return func(*args, **kwargs)
         args, kwargs = tree_unflatten([self._target(leaf) for leaf in leaves], spec)
-        try:
-            result = func(*args, **kwargs)
-        except Exception as error:
-            if self._on_error is None:
-                raise
-            result = self._on_error(error)  # the step is over; the rest of the script's iteration runs idle on it
+        result = func(*args, **kwargs)
         for tensor in tensors(result):
             self._derive(tensor)
         return result
@@ -123,31 +117,20 @@ class LossInputs(TorchFunctionMode):
 
     def _stored(self, index: int, leaf: torch.Tensor) -> torch.Tensor:
         """The stored target in `leaf`'s place, on its device; the live one where none of that shape and dtype was
-        stored there (the loop took another path than the recording's: the replay's losses say so). A stored target
-        may have fewer rows: an ablation arm dropped rows of the step's batch (skip-rows)."""
+        stored there (the loop took another path than the recording's: the replay's losses say so)."""
         stored = self._targets[index] if index < len(self._targets) else None
-        if (not isinstance(stored, torch.Tensor) or stored.dim() != leaf.dim() or stored.shape[1:] != leaf.shape[1:]
-                or (stored.dim() and stored.shape[0] > leaf.shape[0]) or stored.dtype != leaf.dtype):
+        if not isinstance(stored, torch.Tensor) or stored.shape != leaf.shape or stored.dtype != leaf.dtype:
             return leaf
         return stored.to(leaf.device)
-
-
-def only_own_modes() -> bool:
-    """No torch function mode but replaybisect's own (a probe's op finder, OWN_MODE) is entered in this thread."""
-    depth = torch._C._len_torch_function_stack()
-    return all(getattr(torch._C._get_function_stack_at(i), OWN_MODE, False) for i in range(depth))
-
-
-OWN_MODE = "replaybisect_mode"  # a class attribute, True on our own TorchFunctionModes that LossInputs may sit above
 
 
 class StepTargets:
     """A step's LossInputs as the recorder and the replay drive it alike: made at the step's first training call's
     return, paused at each later call, ended at the loss's backward or the step's end."""
 
-    def __init__(self, model: torch.nn.Module, scaler, replaying: bool, on_error: Optional[Callable] = None):
+    def __init__(self, model: torch.nn.Module, scaler, replaying: bool):
         self._model_tensors = model_tensor_ids(model)
-        self._scaler, self._replaying, self._on_error = scaler, replaying, on_error
+        self._scaler, self._replaying = scaler, replaying
         self._mode: Optional[LossInputs] = None
 
     def calling(self) -> None:
@@ -156,7 +139,7 @@ class StepTargets:
 
     def returned(self, outputs: Any, targets: list) -> None:
         if self._mode is None:
-            self._mode = LossInputs(self._model_tensors, self._scaler, self._replaying, self._on_error)
+            self._mode = LossInputs(self._model_tensors, self._scaler, self._replaying)
         self._mode.follow(outputs, targets)
 
     def end(self) -> None:
