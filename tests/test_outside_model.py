@@ -59,6 +59,19 @@ def test_every_call_of_a_step_is_followed_and_a_target_of_another_shape_is_left_
     replaying.pause()
 
 
+def test_a_stored_target_with_the_rows_of_the_models_outputs_stands_for_the_live_batchs():
+    """The stored inputs hold other rows than the script's live batch (an arm dropped rows, or the live loader's last
+    batch is ragged): the stored target that fits the model's outputs is taken, not the live one."""
+    model = torch.nn.Linear(3, 2)
+    stored = [torch.randn(3, 2)]
+    replaying = LossInputs(outside_model.model_tensor_ids(model), None, replaying=True)
+    out = model(torch.randn(3, 3))
+    replaying.follow(out, stored)
+    replayed = F.mse_loss(out, torch.randn(4, 2))  # the live target has the live batch's 4 rows
+    replaying.pause()
+    assert torch.equal(replayed, F.mse_loss(out, stored[0])) and _stack() == []
+
+
 def test_a_mode_the_loop_holds_around_the_models_call_is_left_alone():
     model = torch.nn.Linear(3, 2)
     stored: list = []

@@ -94,7 +94,7 @@ class RemoteStep:
         self._optimizer, self._scaler = optimizer, scaler
         self._manual = updates_by_hand  # the optimizer is a user_step.ManualUpdate: the loop updates by hand
         self._stored_targets: list = []
-        self._targets = outside_model.StepTargets(model, scaler, replaying=True)
+        self._targets = outside_model.StepTargets(model, scaler, replaying=True, on_error=self._raised_in_loss)
         intercept_training_calls(model, self._inputs, self._returned)
         self._skip_halted_updates(optimizer)
         self._note_scaler_steps(scaler)
@@ -238,6 +238,16 @@ class RemoteStep:
         if self._current is not None:
             self._current.error = error
             self._stop_here(self._current)
+
+    def _raised_in_loss(self, error: Exception) -> torch.Tensor:
+        """An op of the step's loss raised in the script's thread (a recorded crash replayed: a BCELoss refusing a
+        NaN): the engine gets the error as the step's, and the script's code goes on idle, on a NaN standing for the
+        op's result (its backward and update do nothing), to the next request. Outside a step it is the script's."""
+        if self._current is None:
+            raise error
+        if self._current.error is None:  # (later ops on the stand-in may raise too: the first error is the step's)
+            self._failed(error)
+        return torch.tensor(float("nan"))
 
     def _stop_here(self, request: _Request) -> None:
         """No more of the step is applied. A loop that updates by hand still runs its update: on zero gradients where

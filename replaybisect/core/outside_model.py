@@ -45,8 +45,9 @@ class LossInputs(TorchFunctionMode):
     (`targets`): recording, copies are appended; replaying, the i-th target first used after that call is replaced
     by the i-th stored one."""
 
-    def __init__(self, model_tensors: set[int], scaler, replaying: bool):
+    def __init__(self, model_tensors: set[int], scaler, replaying: bool, on_error: Optional[Callable] = None):
         super().__init__()
+        self._on_error = on_error  # replaying: an op of the loss raised (the recorded crash): what stands for its result
         self._state_ids = model_tensors  # the ids of the model's parameters and buffers (model_tensor_ids)
         self._scaler = scaler  # its scale is made at its first use: looked up then
         self._replaying = replaying
@@ -55,16 +56,20 @@ class LossInputs(TorchFunctionMode):
         self._replaced: dict[int, torch.Tensor] = {}  # a target already met -> what stands for it
         self._targets: list = []
         self._taken = 0  # targets met since the current call's return
+        self._output_rows: set[int] = set()  # the dim 0 of the model's outputs this step (its inputs' rows)
         self.active = False
 
     def follow(self, outputs: Any, targets: list) -> None:
-        """A training call returned `outputs`; `targets` is its micro-batch's list. The mode is entered only on an
-        empty mode stack: one the loop entered around the model's call (`with torch.device(...)`) would pop ours
-        on its way out, so such a loop's targets are not followed (a replay of it reports that it diverged)."""
+        """A training call returned `outputs`; `targets` is its micro-batch's list. The mode is entered only on a
+        mode stack holding none but our own (OWN_MODE: a probe's op finder): one the loop entered around the model's
+        call (`with torch.device(...)`) would pop ours on its way out, so such a loop's targets are not followed (a
+        replay of it reports that it diverged)."""
         for tensor in tensors(outputs):
             self._derive(tensor)
+            if tensor.dim():
+                self._output_rows.add(tensor.shape[0])
         self._targets, self._taken = targets, 0
-        if torch._C._len_torch_function_stack() == 0:
+        if only_own_modes():
             self.__enter__()
             self.active = True
 
@@ -87,7 +92,12 @@ class LossInputs(TorchFunctionMode):
         if not any(isinstance(leaf, torch.Tensor) and id(leaf) in self._derived for leaf in leaves):
             return func(*args, **kwargs)
         args, kwargs = tree_unflatten([self._target(leaf) for leaf in leaves], spec)
-        result = func(*args, **kwargs)
+        try:
+            result = func(*args, **kwargs)
+        except Exception as error:
+            if self._on_error is None:
+                raise
+            result = self._on_error(error)  # the step is over; the rest of the script's iteration runs idle on it
         for tensor in tensors(result):
             self._derive(tensor)
         return result
@@ -108,6 +118,11 @@ class LossInputs(TorchFunctionMode):
             self._kept.append(leaf)
         return self._replaced[id(leaf)]
 
+    def _fits(self, stored: torch.Tensor, leaf: torch.Tensor) -> bool:
+        if stored.shape == leaf.shape:
+            return True
+        return stored.dim() == leaf.dim() > 0 and stored.shape[1:] == leaf.shape[1:] and stored.shape[0] in self._output_rows
+
     def _scalers(self, leaf: torch.Tensor) -> bool:
         return any(leaf is getattr(self._scaler, name, None) for name in ("_scale", "_growth_tracker"))
 
@@ -117,20 +132,31 @@ class LossInputs(TorchFunctionMode):
 
     def _stored(self, index: int, leaf: torch.Tensor) -> torch.Tensor:
         """The stored target in `leaf`'s place, on its device; the live one where none of that shape and dtype was
-        stored there (the loop took another path than the recording's: the replay's losses say so)."""
+        stored there (the loop took another path than the recording's: the replay's losses say so). Rows may differ
+        where the model's outputs have the stored target's: the stored inputs hold other rows than the script's
+        live batch (an ablation arm dropped some: skip-rows)."""
         stored = self._targets[index] if index < len(self._targets) else None
-        if not isinstance(stored, torch.Tensor) or stored.shape != leaf.shape or stored.dtype != leaf.dtype:
+        if not isinstance(stored, torch.Tensor) or stored.dtype != leaf.dtype or not self._fits(stored, leaf):
             return leaf
         return stored.to(leaf.device)
+
+
+def only_own_modes() -> bool:
+    """No torch function mode but replaybisect's own (a probe's op finder, OWN_MODE) is entered in this thread."""
+    depth = torch._C._len_torch_function_stack()
+    return all(getattr(torch._C._get_function_stack_at(i), OWN_MODE, False) for i in range(depth))
+
+
+OWN_MODE = "replaybisect_mode"  # a class attribute, True on our own TorchFunctionModes that LossInputs may sit above
 
 
 class StepTargets:
     """A step's LossInputs as the recorder and the replay drive it alike: made at the step's first training call's
     return, paused at each later call, ended at the loss's backward or the step's end."""
 
-    def __init__(self, model: torch.nn.Module, scaler, replaying: bool):
+    def __init__(self, model: torch.nn.Module, scaler, replaying: bool, on_error: Optional[Callable] = None):
         self._model_tensors = model_tensor_ids(model)
-        self._scaler, self._replaying = scaler, replaying
+        self._scaler, self._replaying, self._on_error = scaler, replaying, on_error
         self._mode: Optional[LossInputs] = None
 
     def calling(self) -> None:
@@ -139,7 +165,7 @@ class StepTargets:
 
     def returned(self, outputs: Any, targets: list) -> None:
         if self._mode is None:
-            self._mode = LossInputs(self._model_tensors, self._scaler, self._replaying)
+            self._mode = LossInputs(self._model_tensors, self._scaler, self._replaying, self._on_error)
         self._mode.follow(outputs, targets)
 
     def end(self) -> None:

@@ -367,7 +367,7 @@ class _OpFinder(TorchFunctionMode):
     overflows after such a mask is the fault, and the mask is not."""
 
     MAX_TRACKED = 4096  # non-finite tensors kept for lineage (a failing step has few)
-
+    replaybisect_mode = True  # outside_model.OWN_MODE: a replay's stored loss targets are taken in above it
 
     def __init__(self, current_module, calls_done=lambda: 0):
         super().__init__()

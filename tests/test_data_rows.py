@@ -1,0 +1,108 @@
+"""A fault keyed on the data: pytorch/examples vae/main.py recorded as written (tests/user_loop/vae_script.py), whose
+loss divides each image's error by the image's brightness, trained on data with one blank image. `replay nan` names
+the op, its line and the one row of the batch it made the non-finite value in, and its next step is to drop that row
+(never `ablate lr,clip`: no learning rate fixes a division by a blank image); `replay ablate skip-rows=R` proves it."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import Workspace
+
+SCRIPT = Path(__file__).resolve().parent / "user_loop" / "vae_script.py"
+BLANK = 100  # the data set index of the all-zero image: with --seed 1 it is row 8 of step 7's batch
+
+
+@pytest.fixture(scope="module")
+def blank_image(tmp_path_factory) -> tuple[Workspace, Path, str]:
+    workspace = Workspace(tmp_path_factory.mktemp("data-rows"))
+    folder = workspace.path / "vae"
+    folder.mkdir()
+    shutil.copy(SCRIPT, folder / "main.py")
+    done = subprocess.run([sys.executable, "main.py", "--blank", str(BLANK), "--plant", "loss"], cwd=folder, env=workspace.env(),
+                          capture_output=True, text=True, timeout=300)
+    assert "replaybisect.NonFiniteStep: loss is inf at step 7" in done.stderr, done.stderr[-2000:]
+    return workspace, folder, re.search(r"recording run ([0-9a-f]{32})", done.stderr).group(1)
+
+
+def test_replay_nan_names_the_row_and_proposes_dropping_it(blank_image):
+    workspace, folder, run_id = blank_image
+    result = Workspace(folder).replay("nan", "--run-id", run_id, "--json", "--no-child-run", env=workspace.env())
+    assert result.returncode == 0, result.stderr
+    report = result.json()
+    assert (report["reproduced"], report["category"], report["op"]) == ("exact", "loss", "Tensor.div")
+    assert report["source"].startswith(f"{folder / 'main.py'}:") and "in loss_function: BCE = BCE / x.sum(1)" in report["source"]
+    assert report["rows"] == {"rows": [8], "of": 16, "dataset_rows": None}
+    assert any("row 8 of the batch's 16 only" in line for line in report["evidence"])
+    assert report["arms"] == ["skip-rows=8"] and report["ablate_command"] == f"replay ablate skip-rows=8 --run-id {run_id}"
+    assert "add an eps to the divisor" in report["suggestion"]  # the fix for a division, not "subtract the max before exp"
+
+
+def test_dropping_the_row_fixes_the_failure_and_dropping_another_does_not(blank_image):
+    workspace, folder, run_id = blank_image
+    result = Workspace(folder).replay("ablate", "skip-rows=8,skip-rows=3", "--run-id", run_id, "--json", env=workspace.env())
+    assert result.returncode == 0, result.stderr
+    data = result.json()
+    assert data["baseline"]["verdict"] == "fails-again"
+    assert {arm["name"]: arm["verdict"] for arm in data["arms"]} == {"skip-rows=8": "fixes", "skip-rows=3": "no-effect"}
+
+
+@pytest.mark.parametrize("arm, message", [
+    ("skip-rows=a", "'a' must be row numbers of the failing step's batch joined by + (e.g. skip-rows=3+17)"),
+    ("skip-rows=99", "skip-rows=99: step 7's batch has 16 rows (0..15); pass the rows replay nan named"),
+])
+def test_rows_no_batch_has_are_one_line_exit_2_and_nothing_recorded(blank_image, arm, message):
+    workspace, folder, run_id = blank_image
+    runs_before = len(workspace.store().search_runs())
+    result = Workspace(folder).replay("ablate", arm, "--run-id", run_id, env=workspace.env())
+    assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr
+    assert len(result.stderr.strip().splitlines()) <= 2  # (the store line, then the one error line)
+    assert len(workspace.store().search_runs()) == runs_before
+
+
+@pytest.fixture(scope="module")
+def crashed(tmp_path_factory) -> tuple[Workspace, Path, str]:
+    """--plant forward: a NaN made in the forward that binary_cross_entropy refuses; the step raises (no NaN loss)."""
+    workspace = Workspace(tmp_path_factory.mktemp("data-rows-crash"))
+    folder = workspace.path / "vae"
+    folder.mkdir()
+    shutil.copy(SCRIPT, folder / "main.py")
+    done = subprocess.run([sys.executable, "main.py", "--blank", str(BLANK), "--plant", "forward"], cwd=folder,
+                          env=workspace.env(), capture_output=True, text=True, timeout=300)
+    run_id = re.search(r"recording run ([0-9a-f]{32})", done.stderr).group(1)
+    assert done.returncode == 1 and done.stderr.strip().splitlines()[-1] == (
+        f"replaybisect: step 7 raised RuntimeError; run {run_id} ended as crashed (FAILED) with the state before step 7 "
+        f"and its batch kept; replay it with: replay nan --run-id {run_id}"), done.stderr[-2000:]
+    return workspace, folder, run_id
+
+
+def test_a_script_as_written_whose_loss_raises_on_a_nan_is_replayed_to_the_op_and_row(crashed):
+    """The step raised in the script's own code (its loss, outside the model): the replay runs the script again,
+    gets the same error from the same step, and names the division before it, its line and the row."""
+    workspace, folder, run_id = crashed
+    tags = workspace.store().tags(run_id)
+    assert (tags["failure"], tags["failing_step"], tags["error_type"]) == ("exception", "7", "RuntimeError")
+    result = Workspace(folder).replay("nan", "--run-id", run_id, "--json", "--no-child-run", env=workspace.env())
+    assert result.returncode == 0, result.stderr
+    report = result.json()
+    assert (report["reproduced"], report["category"], report["op"]) == ("exact", "exception", "Tensor.div")
+    assert report["exception"]["replayed"] == "RuntimeError: all elements of input should be between 0 and 1"
+    assert report["exception"]["as_recorded"] and report["exception"]["op"] == "torch.nn.functional.binary_cross_entropy"
+    assert "x = x / x.amax(dim=1, keepdim=True)" in report["source"]
+    assert report["rows"]["rows"] == [8] and report["arms"] == ["skip-rows=8"]
+    assert "add an eps to the divisor" in report["suggestion"]
+
+
+def test_ablate_takes_the_crash_as_the_failure(crashed):
+    workspace, folder, run_id = crashed
+    result = Workspace(folder).replay("ablate", "skip-rows=8,lr", "--run-id", run_id, "--json", env=workspace.env())
+    assert result.returncode == 0, result.stderr
+    data = result.json()
+    assert (data["baseline"]["verdict"], data["baseline"]["reason"]) == ("fails-again", "raised an exception at step 7, as recorded")
+    assert {arm["name"]: arm["verdict"] for arm in data["arms"]} == {"skip-rows=8": "fixes", "lr": "no-effect"}
