@@ -184,6 +184,15 @@ class Restored:
         self.last_stored_step = None
         return self._data_source().batch(step)
 
+    def recorded_step(self, step: int) -> Optional[int]:
+        """The recorded step whose stored batch `batch(step)` served: `step` itself, or for an own loop replayed past
+        its recorded batches the one it reused; None for a batch the run's data source built."""
+        if step in self._stored_batches:
+            return step
+        if isinstance(self._batch_source, _RecordedBatchesAgain):
+            return self._batch_source.recorded_step(step)
+        return None
+
     def _check_stored_batch(self, step: int, batch) -> None:
         """A snapshot's batch is untrusted input like the rest of it (its manifest can be rewritten to match): a
         built-in loop's batch is the collated batch of train.batch_size samples, every tensor in it that many rows."""
@@ -259,8 +268,10 @@ class _RecordedBatchesAgain:
             self.restored.warnings.append(
                 f"the run comes from your own loop and recorded batches up to step {self.steps[-1]}: steps from {step} on "
                 f"reuse the recorded batches of steps {self.steps[0]}..{self.steps[-1]} in order")
-        recorded = self.steps[(step - self.steps[0]) % len(self.steps)]
-        return self.restored._stored_batches[recorded]
+        return self.restored._stored_batches[self.recorded_step(step)]
+
+    def recorded_step(self, step: int) -> int:
+        return self.steps[(step - self.steps[0]) % len(self.steps)]
 
 
 def restore(

@@ -337,14 +337,11 @@ def batch_rows(batch: Any) -> Optional[int]:
     return next((leaf.shape[0] for leaf in tree_leaves(data) if isinstance(leaf, torch.Tensor) and leaf.dim()), None)
 
 
-def without_rows(batch: Any, rows: tuple[int, ...]) -> Any:
-    """A step's batch with `rows` (positions along dim 0) dropped from each of its tensors that has batch_rows rows:
-    the inputs, the targets a loss meets outside the model. Its RNG states and lrs stay as they are."""
+def without_rows(batch: Any, rows: tuple[int, ...], size: int) -> Any:
+    """A step's batch of `size` rows (batch_rows) with `rows` dropped from each of its tensors that has that many: the
+    inputs, the targets a loss meets outside the model. Its RNG states and lrs stay as they are."""
     from torch.utils._pytree import tree_map
 
-    size = batch_rows(batch)
-    if size is None:
-        raise SnapshotError("this step's batch has no rows to drop (several micro-batches, or a distributed step)")
     kept = torch.tensor([row for row in range(size) if row not in set(rows)], dtype=torch.long)
 
     def dropped(value):
@@ -355,25 +352,6 @@ def without_rows(batch: Any, rows: tuple[int, ...]) -> Any:
     if _is_record(batch):
         return {**batch, RECORD_BATCH: tree_map(dropped, batch[RECORD_BATCH])}
     return tree_map(dropped, batch)
-
-
-def same_batch(one: Any, other: Any) -> bool:
-    """Whether two stored batches hold the same data (a batch loaded again from its snapshot is another object)."""
-    from torch.utils._pytree import tree_flatten
-
-    (first, first_spec), (second, second_spec) = tree_flatten(unpack(one)[0]), tree_flatten(unpack(other)[0])
-    if first_spec != second_spec:
-        return False
-    return all(_same_leaf(a, b) for a, b in zip(first, second))
-
-
-def _same_leaf(one: Any, other: Any) -> bool:
-    if isinstance(one, torch.Tensor) or isinstance(other, torch.Tensor):
-        return isinstance(one, torch.Tensor) and isinstance(other, torch.Tensor) and one.shape == other.shape and torch.equal(one, other)
-    try:
-        return bool(one == other)
-    except (TypeError, ValueError, RuntimeError):  # a leaf whose == is no truth value (an array)
-        return one is other
 
 
 def _warn_plain(kind: type, stored_as: str, access: str) -> None:
@@ -543,10 +521,11 @@ def watching(watch: StepWatch):
     def get_total_norm(tensors, *args, **kwargs):
         """A clip in two parts (accelerate's, torchtitan's: get_total_norm, then clip_grads_with_norm_) measures
         the step's gradients here first: the moment is before it, and the norm it takes is of what an arm left."""
-        tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
-        if not manual and not watch.stopped and not watch.saw_gradients and _are_gradients_of(tensors, watch.state.params):
-            with _kept_from_the_script(watch):
-                watch.gradients()
+        if not (manual or watch.stopped or watch.saw_gradients):  # (the watch's own norm, every step, passes straight on)
+            tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+            if _are_gradients_of(tensors, watch.state.params):
+                with _kept_from_the_script(watch):
+                    watch.gradients()
         return original_total_norm(tensors, *args, **kwargs)
 
     def after_update(stepping, args, kwargs) -> None:

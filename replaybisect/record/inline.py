@@ -182,13 +182,19 @@ class InlineRecording:
 
     def _halt(self) -> None:
         """The step's first non-finite loss or gradient, before the update: the run stops here, as `rec.step` does."""
-        current, self._open = self._open, None
-        self._targets.end()
-        current.hooks_on.close()
-        self.recorder._buffers.restore()  # the forward's buffer updates undone: the state before the step is kept
+        current = self._stop_before_update()
         self.recorder._hooks.on_nonfinite(current.outcome, current.record)
         self._finish(current)
         self.recorder._stop(current.outcome)
+
+    def _stop_before_update(self) -> _OpenStep:
+        """The open step ends where it is, before its update: our watch off, the forward's buffer updates undone (the
+        state before the step is kept)."""
+        current, self._open = self._open, None
+        self._targets.end()
+        current.hooks_on.close()
+        self.recorder._buffers.restore()
+        return current
 
     def crashed(self, error: BaseException) -> None:
         """An exception ended the loop inside a step, before its update (a loss that checks its input, an index out
@@ -199,10 +205,7 @@ class InlineRecording:
             return
         if not isinstance(error, Exception) or isinstance(error, (ReplayError, NonFiniteStep)):
             return
-        self._open = None
-        self._targets.end()
-        current.hooks_on.close()
-        self.recorder._buffers.restore()  # the forward's buffer updates undone: the state before the step is kept
+        self._stop_before_update()
         self.recorder._hooks.on_exception(current.step, error, current.record)
 
     def _finish(self, current: _OpenStep) -> None:

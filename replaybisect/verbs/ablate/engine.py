@@ -233,41 +233,45 @@ def _apply_optimizer_changes(state, change: Change, hooks) -> None:
         _scale_lr_at_updates(state.optimizer, change.lr_factor, hooks)
 
 
-def _arm_batches(change: Change, recorded_batches, start: int):
-    """The recorded batches, or for a reseeded arm the data built from its config with every stream reseeded."""
+def _arm_batches(change: Change, restored, start: int):
+    """The recorded batches (a skip-rows arm's with its rows dropped), or for a reseeded arm the data built from its
+    config with every stream reseeded."""
     from replaybisect.core import loop
     from replaybisect.core.rng import ablation_reseed, isolated_rng, seed_everything
 
     if change.skip_rows is not None:
-        return _without_rows(recorded_batches, *change.skip_rows)
+        return _without_rows(restored, *change.skip_rows)
     if change.reseed is None:
-        return recorded_batches
+        return restored.batch
     with isolated_rng():  # building the dataset must not draw from the streams reseeded below
         source, _ = loop.build_data(change.cfg)
     seed_everything(ablation_reseed(change.reseed, start))
     return source.batch
 
 
-def _without_rows(batches, step: int, rows: tuple[int, ...]):
+def _without_rows(restored, step: int, rows: tuple[int, ...]):
     """The recorded batches with `rows` dropped from step `step`'s (a skip-rows arm), also where a replay past the
     recorded steps serves that batch again (an own loop's recorded batches, in turn)."""
-    from replaybisect.core.user_step import batch_rows, same_batch, without_rows
-
-    failing = []  # the failing step's batch, kept when the replay reaches it
+    from replaybisect.core.user_step import without_rows
 
     def batch(at: int):
-        recorded = batches(at)
-        if at == step:
-            failing.append(recorded)
-        elif not failing or at < step or not same_batch(recorded, failing[0]):
+        recorded = restored.batch(at)
+        if restored.recorded_step(at) != step:
             return recorded
-        size = batch_rows(recorded)
-        if size is None or max(rows) >= size:
-            raise ReplayError(f"skip-rows: step {step}'s batch has " + (f"{size} rows (0..{size - 1})" if size else
-                              "no rows to drop (several micro-batches, or a distributed step)") + "; pass the rows replay nan named")
-        return without_rows(recorded, rows)
+        return without_rows(recorded, rows, _rows_fit(recorded, step, rows))
 
     return batch
+
+
+def _rows_fit(batch, step: int, rows: tuple[int, ...]) -> int:
+    """The failing step's batch has the rows a skip-rows arm drops: its row count, else one line saying what it has."""
+    from replaybisect.core.user_step import batch_rows
+
+    size = batch_rows(batch)
+    if size is None or max(rows) >= size:
+        has = f"{size} rows (0..{size - 1})" if size else "no rows to drop (several micro-batches, or a distributed step)"
+        raise ReplayError(f"skip-rows={'+'.join(map(str, rows))}: step {step}'s batch has {has}; pass the rows replay nan named")
+    return size
 
 
 def _replay_suffix(state, batches, hooks, change: Change, start: int, end: int):
@@ -317,7 +321,7 @@ def _replay_arm(spec: dict[str, Any], on_step: Optional[Callable[[int], None]] =
                 hooks.lr_factor = change.lr_factor
                 if stopped is None:
                     _apply_optimizer_changes(state, change, hooks)
-                    batches = _arm_batches(change, restored.batch, start)
+                    batches = _arm_batches(change, restored, start)
                     try:
                         stopped = _replay_suffix(state, batches, hooks, change, start, spec["end_step"])
                     except LoopEnded:  # a loop recorded as written ran out of iterations: the arm is judged on what it ran
@@ -778,7 +782,7 @@ def _plan_arms(store, run_id: str, specs: list[ArmSpec], from_step: Optional[int
     ctx = ArmContext(failing_step=failing_step, start_step=start, end_step=end, grad_norms=grad_norms)
     specs = specs + _suggested_arms(specs, grad_norms)
     changes = {spec.name: interventions.get(spec.intervention).apply(cfg, ctx, spec.value) for spec in specs}
-    _check_rows(store, run_id, changes.values())
+    _check_rows(snapshot, changes.values())
     patch = None
     if patch_path is not None:
         from replaybisect.verbs.ablate.patch import load_patch
@@ -793,24 +797,13 @@ def _plan_arms(store, run_id: str, specs: list[ArmSpec], from_step: Optional[int
                     warnings=warnings), snapshot
 
 
-def _check_rows(store, run_id: str, changes) -> None:
-    """A skip-rows arm names rows the failing step's batch has, before any arm runs (the batch the run kept with
-    the state before its failing step; without one, the arm itself says so)."""
-    from replaybisect import restore as restore_mod
-    from replaybisect.core.user_step import batch_rows
-
+def _check_rows(snapshot, changes) -> None:
+    """A skip-rows arm names rows the failing step's batch has, before any arm runs, where the arms' snapshot holds
+    that batch (the interval a run's failure ends holds it); otherwise the arm says so as it reaches the step."""
     for change in changes:
-        if change.skip_rows is None:
-            continue
-        step, rows = change.skip_rows
-        try:
-            batch = restore_mod.load_snapshot(store, run_id, step).batches.get(step)
-        except (SnapshotError, OSError):
-            continue
-        size = batch_rows(batch) if batch is not None else None
-        if size is not None and max(rows) >= size:
-            raise ReplayError(f"skip-rows={'+'.join(map(str, rows))}: step {step}'s batch has {size} rows (0..{size - 1}); "
-                              f"pass the rows replay nan named (replay nan --run-id {run_id})")
+        if change.skip_rows is not None and change.skip_rows[0] in snapshot.batches:
+            step, rows = change.skip_rows
+            _rows_fit(snapshot.batches[step], step, rows)
 
 
 def _arm_specs(store, run_id: str, plan: _ArmPlan, trust: Trust) -> list[dict[str, Any]]:

@@ -652,14 +652,15 @@ def _classify_crash(report: NanReport, results: _CrashResults, tags: dict) -> No
     for finding in results.batch_findings:
         report.evidence.append(f"the batch's {finding.field} holds non-finite values in rows {finding.rows[:8]}")
     report.arms, report.ablate_command = [], None
-    report.suggestion = (f"fix the step at {_line_of(report.source) if report.source else 'the line that raised'}: it raised "
-                         f"{results.error} on the batch of step {t} (the snapshot of step {report.snapshot_step} and the "
-                         "stored batches replay it)")
     if first is not None:
         from replaybisect.verbs.nan import fixes
 
         report.suggestion = (f"fix {first.op} at {_line_of(report.source)}: {fixes.fix_for(first.op) or 'keep its values finite'} "
                              f"(its non-finite value made step {t} raise {results.error})")
+    else:
+        report.suggestion = (f"fix the step at {_line_of(report.source) if report.source else 'the line that raised'}: it "
+                             f"raised {results.error} on the batch of step {t} (the snapshot of step {report.snapshot_step} "
+                             "and the stored batches replay it)")
 
 
 def _name_rows(report: NanReport, fault, batch, dataset_rows: Optional[list[int]]) -> None:
