@@ -179,3 +179,16 @@ def test_a_sweep_stable_up_to_the_risky_end_runs_it():
     search = sweep._Search("clip", 0.5, 500.0, risky_known_to_fail=False)
     _sweep_until_done(search, 1e9, 1)
     assert search.rounds[-1] == [500.0] and search.bracket() == (500.0, None)
+
+
+def test_skip_rows_bare_or_on_a_run_that_never_failed_is_not_applicable():
+    cfg = None  # the arm reads no config
+    apply = interventions.get("skip-rows").apply
+    bare = apply(cfg, interventions.ArmContext(failing_step=7, start_step=6, end_step=20), None)
+    assert bare.not_applicable.startswith("name the rows to drop: skip-rows=3+17")
+    healthy = apply(cfg, interventions.ArmContext(failing_step=None, start_step=6, end_step=20), (3,))
+    assert healthy.not_applicable == "the run never failed: there is no failing batch to drop rows from"
+    outside = apply(cfg, interventions.ArmContext(failing_step=30, start_step=6, end_step=20), (3,))
+    assert outside.not_applicable == "step 30 is outside the replay (6..19)"
+    dropped = apply(cfg, interventions.ArmContext(failing_step=7, start_step=6, end_step=20), (3, 17))
+    assert dropped.skip_rows == (7, (3, 17)) and dropped.summary == "rows 3+17 of step 7's batch dropped"

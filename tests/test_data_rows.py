@@ -106,3 +106,38 @@ def test_ablate_takes_the_crash_as_the_failure(crashed):
     data = result.json()
     assert (data["baseline"]["verdict"], data["baseline"]["reason"]) == ("fails-again", "raised an exception at step 7, as recorded")
     assert {arm["name"]: arm["verdict"] for arm in data["arms"]} == {"skip-rows=8": "fixes", "lr": "no-effect"}
+
+
+CRASH_AFTER_UPDATE = """\
+import signal, sys, torch, replaybisect
+torch.manual_seed(0)
+model = torch.nn.Linear(4, 1)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+rec = replaybisect.Recorder(model, optimizer, snapshot_every=2)
+for step in range(6):
+    loss = model(torch.randn(8, 4)).pow(2).mean()
+    loss.backward()
+    if step == 3 and sys.argv[1] == "interrupt":
+        signal.raise_signal(signal.SIGINT)  # Ctrl-C in the middle of step 3, before its update
+    optimizer.step()
+    optimizer.zero_grad()
+    if step == 3 and sys.argv[1] == "after-update":
+        raise ValueError("the loop's own check, after the update")
+rec.close()
+"""
+
+
+@pytest.mark.parametrize("how, status", [("after-update", "FAILED"), ("interrupt", "KILLED")])
+def test_an_exception_after_the_update_or_a_ctrl_c_is_no_failing_step(tmp_path, how, status):
+    """Only an exception inside a step, before its update, is the step's failure: one after it (the loop's logging,
+    its evaluation) ends the run as a crash, and Ctrl-C ends it KILLED, neither naming a failing step."""
+    workspace = Workspace(tmp_path)
+    (tmp_path / "loop.py").write_text(CRASH_AFTER_UPDATE)
+    done = subprocess.run([sys.executable, "loop.py", how], cwd=tmp_path, env=workspace.env(), capture_output=True,
+                          text=True, timeout=300)
+    run_id = re.search(r"recording run ([0-9a-f]{32})", done.stderr).group(1)
+    store = workspace.store()
+    assert done.returncode != 0 and store.get_run(run_id).info.status == status, done.stderr[-2000:]
+    tags = store.tags(run_id)
+    assert "failing_step" not in tags and "failure" not in tags
+    assert "replay nan" not in done.stderr.strip().splitlines()[-1]
