@@ -141,3 +141,19 @@ def test_an_exception_after_the_update_or_a_ctrl_c_is_no_failing_step(tmp_path, 
     tags = store.tags(run_id)
     assert "failing_step" not in tags and "failure" not in tags
     assert "replay nan" not in done.stderr.strip().splitlines()[-1]
+
+
+def test_when_no_arm_fixes_it_the_report_says_what_next_in_100_columns(blank_image):
+    """lr and clip (and the suggested clip) cannot fix a division by a blank image: the conclusion names the next
+    step, the table fits 100 columns, and the clip arms' shared note is said once."""
+    workspace, folder, run_id = blank_image
+    result = Workspace(folder).replay("ablate", "lr,clip", "--run-id", run_id, env=workspace.env())
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    conclusion = next(line for line in out.splitlines() if line.startswith("conclusion"))
+    assert "no single change fixes the failure" in conclusion
+    assert f"next: replay nan --run-id {run_id} names the op" in conclusion and "skip-rows=R" in conclusion
+    table = [line for line in out.splitlines() if line[:1] in "┏┃┡│└"]
+    assert table and max(len(line) for line in table) <= 100
+    shared = [line for line in out.splitlines() if "clipped before your step's own clip_grad_norm_" in line]
+    assert len(shared) == 1 and shared[0].strip().startswith("clip=1, clip=")

@@ -582,9 +582,10 @@ def _proven_suggestion(arm: ArmOutcome) -> str:
     return f"suggested {arm.intervention} {arm.label.partition('=')[2]} ({arm.suggested}), run as arm {arm.label}: {arm.verdict}{where}"
 
 
-def conclusion_text(result_arms: list[ArmOutcome], failing_step: Optional[int], inconclusive: Optional[str]) -> str:
+def conclusion_text(result_arms: list[ArmOutcome], failing_step: Optional[int], inconclusive: Optional[str],
+                    run_id: Optional[str] = None) -> str:
     """One line: which arms (with the values they ran at) fix, delay or worsen the failure; every value suggested
-    is printed with the verdict of the arm that ran it."""
+    is printed with the verdict of the arm that ran it; when none fixes it, the next step (with the run's id)."""
     if inconclusive:
         return f"inconclusive: {inconclusive}"
     by_verdict: dict[str, list[str]] = {}
@@ -614,6 +615,9 @@ def conclusion_text(result_arms: list[ArmOutcome], failing_step: Optional[int], 
             parts.append("reduced-precision overflow/underflow: keep the failing ops in fp32 or use bf16")
     elif patch is None:
         parts.append("no single change fixes the failure")
+        if run_id is not None:
+            parts.append(f"next: replay nan --run-id {run_id} names the op that made the first non-finite value (its fix) "
+                         "and, where a few rows of the batch made it, those rows (skip-rows=R proves it)")
     elif len(result_arms) > 1:
         parts.append("no other arm fixes it")
     parts += [_proven_suggestion(arm) for arm in result_arms if arm.suggested and arm.verdict != "not-applicable"]
@@ -955,7 +959,7 @@ def ablate(
     else:
         runner.workers = workers or _auto_workers(store, run_id, plan.cfg, snapshot, plan.estimated_steps, len(plan.runnable), executor)
         outcomes, sweep_result = runner.run(plan.specs), None
-        conclusion = conclusion_text(outcomes, plan.failing_step, runner.inconclusive)
+        conclusion = conclusion_text(outcomes, plan.failing_step, runner.inconclusive, run_id)
     return AblationResult(
         run_id=run_id,
         failing_step=plan.failing_step,

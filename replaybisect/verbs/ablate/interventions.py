@@ -282,6 +282,10 @@ def clip_suggestion_note(grad_norms: list[float]) -> str:
     return f"the {CLIP_PERCENTILE:.0f}th percentile of the {len(grad_norms)} gradient norms recorded before the failure"
 
 
+CLIP_IN_YOUR_STEP = ("clipped before your step's own clip_grad_norm_, if it has one (an update by hand: as its "
+                     "backward returns)")
+
+
 @intervention("clip", f"clip the total gradient norm (default at {CLIP_MAX_NORM}; clip=265 for another threshold); "
               f"adds an arm at this run's {CLIP_PERCENTILE:.0f}th-percentile norm",
               parse=parse_positive, show=show_number, default=CLIP_MAX_NORM)
@@ -294,8 +298,7 @@ def clip_gradients(cfg, ctx: ArmContext, threshold: Optional[float]) -> Change:
     edited = _edit(cfg, **{"train.clip_grad_norm": threshold})
     if cfg.train.loop == "user" and old is None:  # the user's step may clip too: ours comes first, where it clips
         return Change(cfg=edited, params={"train.clip_grad_norm": threshold},
-                      summary=f"clip the gradient norm at {_fmt(threshold)} before each update (before your step's own "
-                              "clip_grad_norm_, if it has one; an update by hand: as its backward returns)")
+                      summary=f"clip the gradient norm at {_fmt(threshold)} before each update", note=CLIP_IN_YOUR_STEP)
     return Change(cfg=edited, params={"train.clip_grad_norm": threshold},
                   summary=f"train.clip_grad_norm {_fmt(old) if old is not None else 'off'} -> {_fmt(threshold)}")
 

@@ -21,7 +21,8 @@ VERDICT_STYLE = {
     "fails-again": "red",
     "reference": "dim",
 }
-HEADERS = ("arm", "change", "verdict", "first non-finite", "final loss", "why")
+HEADERS = ("arm", "change", "verdict", "fails at", "final loss", "why")  # fails at: the first non-finite step
+TABLE_WIDTH = 100  # the arms' table, wrapped inside it (a terminal or $COLUMNS narrower than this: theirs)
 
 
 def _rows(result) -> list[tuple[Any, ...]]:
@@ -70,7 +71,11 @@ def last_step_run(result) -> int:
 
 def _notes(result) -> list[str]:
     """What an arm's row cannot say: its note, why the report added it (a suggested value), the patch, the sweep."""
-    lines = [f"{arm.label or arm.name}: {arm.note}" for arm in result.arms if arm.note]
+    arms_of: dict[str, list[str]] = {}  # a note several arms share is said once, for all of them
+    for arm in result.arms:
+        if arm.note:
+            arms_of.setdefault(arm.note, []).append(arm.label or arm.name)
+    lines = [f"{', '.join(names)}: {note}" for note, names in arms_of.items()]
     lines += [f"{arm.label}: added to prove a suggested value: {arm.suggested}" for arm in result.arms if arm.suggested]
     if result.patch:
         lines.append(f"patch: {result.patch} (the same snapshot and batches as the baseline)")
@@ -91,7 +96,7 @@ def print_result(result, console=None) -> None:
 
     console = console or shared_console
     console.print(f"[bold]ablation[/bold] {plain(_header(result))}")
-    table = Table(title_justify="left", show_lines=False)
+    table = Table(title_justify="left", show_lines=False, width=min(console.width, TABLE_WIDTH))
     for header in HEADERS:
         table.add_column(header)
     for row in _rows(result):
