@@ -407,3 +407,38 @@ def test_pytorch_examples_mnist_as_written_replays_with_its_lr_scheduler(tmp_pat
         report = rb.find_nan(_run_id(diverged), tracking_uri=workspace.tracking_uri, publish=False)
     assert (report.reproduced, report.category, report.op) == ("exact", "forward", "torch.log"), report.headline
     assert "main.py:" in report.headline
+
+
+RAGGED = """\
+import torch, torch.nn.functional as F, replaybisect
+torch.manual_seed(0)
+x, y = torch.randn(87, 8), torch.randint(0, 3, (87,))
+loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=30, shuffle=True)  # 30, 30, 27
+model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+rec = replaybisect.Recorder(model, optimizer, snapshot_every=4)
+step = 0
+for epoch in range(4):
+    for xb, yb in loader:
+        if step == 10:
+            xb = xb.clone(); xb[3] = float("nan")
+        loss = F.cross_entropy(model(xb), yb)
+        optimizer.zero_grad(); loss.backward(); optimizer.step()
+        step += 1
+rec.close()
+"""
+
+
+def test_a_loader_that_keeps_its_ragged_last_batch_replays_exact(tmp_path):
+    """DataLoader's default drop_last=False: the replay from snapshot 8 feeds step 8's stored 27 rows while the re-run
+    script's loader is at a 30-row batch; the stored targets that fit the model's outputs stand for the live ones (the
+    replay ended with 'Expected input batch_size (27) to match target batch_size (30)' before)."""
+    workspace = Workspace(tmp_path)
+    (tmp_path / "train.py").write_text(RAGGED)
+    done = _train(workspace, tmp_path)
+    assert "loss is nan at step 10" in done.stderr, done.stderr[-2000:]
+    result = Workspace(tmp_path).replay("nan", "--run-id", _run_id(done), "--json", "--no-child-run", env=workspace.env())
+    assert result.returncode == 0, result.stderr
+    report = result.json()
+    assert (report["snapshot_step"], report["reproduced"], report["category"]) == (8, "exact", "data")
+    assert report["batch"][0]["rows"] == [3]
