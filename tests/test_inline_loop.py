@@ -413,7 +413,8 @@ RAGGED = """\
 import torch, torch.nn.functional as F, replaybisect
 torch.manual_seed(0)
 x, y = torch.randn(87, 8), torch.randint(0, 3, (87,))
-loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=30, shuffle=True)  # 30, 30, 27
+loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=30, shuffle=True,  # 30, 30, 27
+                                     num_workers=WORKERS)
 model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
 optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
 rec = replaybisect.Recorder(model, optimizer, snapshot_every=4)
@@ -429,12 +430,15 @@ rec.close()
 """
 
 
-def test_a_loader_that_keeps_its_ragged_last_batch_replays_exact(tmp_path):
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_loader_that_keeps_its_ragged_last_batch_replays_exact(tmp_path, workers):
     """DataLoader's default drop_last=False: the replay from snapshot 8 feeds step 8's stored 27 rows while the re-run
     script's loader is at a 30-row batch; the stored targets that fit the model's outputs stand for the live ones (the
-    replay ended with 'Expected input batch_size (27) to match target batch_size (30)' before)."""
+    replay ended with 'Expected input batch_size (27) to match target batch_size (30)' before). With loader workers,
+    the re-run script forks them as `python train.py` does (they ran the script again as __mp_main__, and the
+    replay ended before its first step: 'DataLoader worker exited unexpectedly')."""
     workspace = Workspace(tmp_path)
-    (tmp_path / "train.py").write_text(RAGGED)
+    (tmp_path / "train.py").write_text(RAGGED.replace("WORKERS", str(workers)))
     done = _train(workspace, tmp_path)
     assert "loss is nan at step 10" in done.stderr, done.stderr[-2000:]
     result = Workspace(tmp_path).replay("nan", "--run-id", _run_id(done), "--json", "--no-child-run", env=workspace.env())

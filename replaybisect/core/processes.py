@@ -115,12 +115,16 @@ def _forked(target: Callable[..., Any], args: tuple) -> None:
     server the write end its launcher holds (for processes of their own), so the server, and a child that dies
     with it (PR_SET_PDEATHSIG), would outlive a launcher killed with SIGKILL. One this process starts later gets a
     server of its own."""
+    import multiprocessing
     from multiprocessing import forkserver
 
     alive = forkserver._forkserver._forkserver_alive_fd
     if alive is not None:
         forkserver._forkserver._forkserver_alive_fd = None
         os.close(alive)
+    # as a fresh interpreter's: the server's forkserver would start a re-entered script's DataLoader workers by
+    # running the script again as __mp_main__ (its Recorder and loop too), where `python train.py` forks them
+    multiprocessing.set_start_method(None, force=True)
     target(*args)
 
 
