@@ -13,6 +13,7 @@ goes on to the next request.
 
 from __future__ import annotations
 
+import functools
 import queue
 import threading
 import types
@@ -21,7 +22,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from replaybisect.core import outside_model
+from replaybisect.core import outside_model, several
 from replaybisect.core.rng import capture_raw, restore_raw
 from replaybisect.core.step_watch import StepHalted, StepWatch
 from replaybisect.errors import ReplayError
@@ -29,6 +30,7 @@ from replaybisect.errors import ReplayError
 # a stored micro-batch: one training forward's arguments; the targets its loss met outside the model and which of its
 # inputs carried the previous call's outputs (core/outside_model.py)
 ARGS, KWARGS, OUTSIDE, CARRIED = "args", "kwargs", "outside", "carried"
+MODEL = "model"  # of several models (core/several.py): the name of the one called
 
 
 class LoopEnded(ReplayError):
@@ -57,9 +59,9 @@ def intercept_training_calls(model: torch.nn.Module, on_call: Callable[[tuple, d
     return lambda: setattr(model, "_compiled_call_impl", inner)
 
 
-def micro_batch(args: tuple, kwargs: dict) -> dict[str, Any]:
-    """One training forward's inputs as a recorded step stores them."""
-    return {ARGS: tuple(args), KWARGS: dict(kwargs)}
+def micro_batch(args: tuple, kwargs: dict, model: Optional[str] = None) -> dict[str, Any]:
+    """One training forward's inputs as a recorded step stores them (of several models: which one was called)."""
+    return {ARGS: tuple(args), KWARGS: dict(kwargs), **({MODEL: model} if model is not None else {})}
 
 
 @dataclass
@@ -68,8 +70,10 @@ class _Request:
     watch: StepWatch
     numbers: Any = None  # the floats the loop read as the recorded step opened (outside_model.loop_numbers)
     params_at_halt: Optional[list] = None  # updating by hand: the parameters as a halted step left them
-    forwards: int = 0
-    reached_update: bool = False  # the script called optimizer.step() (or its GradScaler's step): the next forward is the next step's
+    forwards: dict = field(default_factory=dict)  # training calls so far, by model (several: core/several.py)
+    stepped: set = field(default_factory=set)  # ids of the optimizers that stepped (several: core/several.py)
+    reached_update: bool = False  # each of them stepped (optimizer.step(), or its GradScaler's step): the next forward is the next step's
+    outputs: list = field(default_factory=list)  # the step's training calls' outputs so far, as a later call may take them
     halted: bool = False
     error: Optional[Exception] = None  # raised by the step's backward or update in the script's thread
     rng_after: Optional[dict] = None  # the RNG streams where the step ended (its update, or its halt)
@@ -95,8 +99,11 @@ class RemoteStep:
         self._manual = updates_by_hand  # the optimizer is a user_step.ManualUpdate: the loop updates by hand
         self._stored_targets: list = []
         self._targets = outside_model.StepTargets(model, scaler, replaying=True, on_error=self._raised_in_loss)
-        intercept_training_calls(model, self._inputs, self._returned)
-        self._skip_halted_updates(optimizer)
+        for name, member in several.named_models(model):
+            intercept_training_calls(member, functools.partial(self._inputs, name), self._returned)
+        self._optimizers = {id(member) for member in several.members(optimizer)}
+        for member in several.members(optimizer):
+            self._skip_halted_updates(member)
         self._note_scaler_steps(scaler)
 
     # ---- the engine's side --------------------------------------------------------------------------------
@@ -134,8 +141,9 @@ class RemoteStep:
         return None
 
     # ---- the script's side --------------------------------------------------------------------------------
-    def _inputs(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        """The stored inputs for this training forward, taking the next request when a step is over."""
+    def _inputs(self, model: Optional[str], live_args: tuple, live_kwargs: dict) -> tuple[tuple, dict]:
+        """The stored inputs for this training forward (of several models: the next stored call of the one named
+        `model`), taking the next request when a step is over."""
         if not self._started:
             self._started = True
             threading.Thread(target=self._start, name="replaybisect-replay", daemon=True).start()
@@ -149,12 +157,19 @@ class RemoteStep:
             outside_model.set_loop_numbers(outside_model.loop_frame(), current.numbers)
             current.watch.open_forward()
         # a step the recording stopped part-way (its first non-finite loss) stored the micro-batches it reached; reused
-        # past the failure (an ablation arm), it feeds them again in turn
-        stored = current.micro_batches[current.forwards % len(current.micro_batches)]
-        current.forwards += 1
+        # past the failure (an ablation arm), it feeds them again in turn; a model it never reached runs on the
+        # script's own inputs
+        calls = current.forwards.get(model, 0)
+        current.forwards[model] = calls + 1
+        own = [stored for stored in current.micro_batches if stored.get(MODEL) == model]
+        if not own:
+            return live_args, live_kwargs
+        stored = own[calls % len(own)]
         carry = current.watch.state.carry or {}
         args, kwargs = outside_model.fed_inputs((tuple(stored[ARGS]), dict(stored[KWARGS])), stored.get(CARRIED),
                                                 carry.get(outside_model.CARRIED_OUTPUTS, []))
+        # what an earlier call of this step made (a GAN's fakes, given to its discriminator) is the replay's own
+        args, kwargs = outside_model.made_in_step((args, kwargs), (tuple(live_args), dict(live_kwargs)), current.outputs)
         self._stored_targets = list(stored.get(OUTSIDE) or [])
         return tuple(args), dict(kwargs)
 
@@ -164,8 +179,10 @@ class RemoteStep:
         current = self._current
         if current is None:
             return
+        carried = outside_model.carried_outputs(outputs)
+        current.outputs += carried
         if current.watch.state.carry is not None:
-            current.watch.state.carry[outside_model.CARRIED_OUTPUTS] = outside_model.carried_outputs(outputs)
+            current.watch.state.carry[outside_model.CARRIED_OUTPUTS] = carried
         self._targets.returned(outputs, self._stored_targets)
 
     def _update_reached(self, request: _Request) -> bool:
@@ -196,7 +213,8 @@ class RemoteStep:
 
             def idle_when_halted(*args, _original=original, _name=name, **kwargs):
                 if self._current is not None and _name == "step":
-                    self._current.reached_update = True
+                    self._current.stepped.add(id(args[0]) if args else None)
+                    self._current.reached_update = self._current.stepped >= self._optimizers
                 if self._current is not None and self._current.halted:
                     return None
                 try:
@@ -279,7 +297,8 @@ class RemoteStep:
             current = self._current
             if current is None:
                 return original(*args, **kwargs)
-            current.reached_update = True
+            current.stepped.add(id(optimizer))
+            current.reached_update = current.stepped >= self._optimizers
             if current.halted:
                 return None
             try:

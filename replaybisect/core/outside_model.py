@@ -211,6 +211,22 @@ def fed_inputs(stored: tuple, carried: Any, previous_outputs: list[torch.Tensor]
     return tree_unflatten(leaves, spec)
 
 
+def made_in_step(fed: tuple, live: tuple, outputs: list[torch.Tensor]) -> tuple:
+    """Replay: where a training call's live input is what an earlier call of the same replayed step returned (as it
+    is, or detached), that live input is fed, not the stored copy: it is the replay's own value, with its graph (a
+    GAN's fakes: the generator's gradients come back through the discriminator)."""
+    if not outputs:
+        return fed
+    fed_leaves, spec = tree_flatten(fed)
+    live_leaves, live_spec = tree_flatten(live)
+    if live_spec != spec:
+        return fed
+    for index, leaf in enumerate(live_leaves):
+        if isinstance(leaf, torch.Tensor) and any(_aliases(leaf, output) for output in outputs):
+            fed_leaves[index] = leaf
+    return tree_unflatten(fed_leaves, spec)
+
+
 def carried_outputs(outputs: Any) -> list[torch.Tensor]:
     """A training call's outputs as the next call may carry them: detached (the graph is not kept), sharing storage."""
     return [tensor.detach() for tensor in tensors(outputs)]

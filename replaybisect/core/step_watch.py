@@ -22,7 +22,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from replaybisect.core import guard
+from replaybisect.core import guard, several
 from replaybisect.core.observer import forward_context, notify
 
 
@@ -95,7 +95,7 @@ class StepWatch:
         # something could change the state first (judge_losses: a GradScaler's unscale or step, another optimizer)
         self.defer_reads = defer_reads and ranks_agree is None
         # record/device_guard.py: the verdict is not read in the step at all; the optimizer skips on the device
-        self.device_guard = device_guard if self.defer_reads else None
+        self.device_guard = device_guard if self.defer_reads and not isinstance(state.optimizer, several.Optimizers) else None
         self.verdict: Optional[torch.Tensor] = None  # with device_guard: [loss failed, gradients failed], on the device
         self._loss_failed: Optional[torch.Tensor] = None  # with defer_reads: a loss not judged yet was not finite
         # a rank of a distributed job: a non-finite loss is not halted before its backward (the other ranks wait in
@@ -106,6 +106,7 @@ class StepWatch:
         self.on_loss: Optional[Callable[[], None]] = None  # set: called as each loss is about to be backpropagated
         self.running_loss: Optional[torch.Tensor] = None  # the sum of the losses backpropagated so far
         self.saw_gradients = False  # gradients() ran for this step
+        self._gradients_of: set[int] = set()  # several optimizers (core/several.py): those whose gradients() ran
         self._forward = None
         scaler = state.scaler
         self._scale_before = scaler.get_scale() if guard.scaler_enabled(scaler) else None
@@ -138,29 +139,34 @@ class StepWatch:
         if self.outcome.nonfinite is None and not finite(loss):
             self._fault("loss")
 
-    def gradients(self) -> None:
+    def gradients(self, optimizer=None) -> None:
         """The gradients are complete and unscaled, and not yet clipped: the loop's clip or its update is next.
-        Once per step (a step that clips reaches it at the clip, and not again at the update)."""
-        if self.saw_gradients:
+        Once per step (a step that clips reaches it at the clip, and not again at the update). With several
+        optimizers, once per `optimizer` that updates, over its own parameters: the step's norm joins theirs."""
+        if optimizer is None and self.saw_gradients or optimizer is not None and id(optimizer) in self._gradients_of:
             return
+        if optimizer is not None:
+            self._gradients_of.add(id(optimizer))
         self.saw_gradients = True
         self.close_forward()
-        params = self.state.params
+        params = self.state.params if optimizer is None else [p for group in optimizer.param_groups for p in group["params"]]
         grads = guard.gradients(params)
         norm = guard.total_norm(grads)
-        still_scaled = getattr(self.state.optimizer, "grad_scale", None)  # a fused optimizer a GradScaler steps: it
-        if isinstance(still_scaled, torch.Tensor):  # unscales inside its step, after this moment (no read: on the device)
+        still_scaled = getattr(optimizer or self.state.optimizer, "grad_scale", None)  # a fused optimizer a GradScaler
+        if isinstance(still_scaled, torch.Tensor):  # steps unscales inside its step, after this moment (no read: on the device)
             norm = norm / still_scaled.to(norm.device)
+        earlier = self.outcome.grad_norm_value if optimizer is not None else None  # another optimizer's, this step
         if self.defer_reads:
-            self.outcome.grad_norm = norm.detach()  # read later, with the step's other metrics
+            self.outcome.grad_norm = _joined(earlier, norm.detach())  # read later, with the step's other metrics
             if self.device_guard is not None:
                 self._verdict_on_device(grads, norm)
             else:
                 self._judge_deferred(grads, norm)
         else:
-            self.outcome.grad_norm = float(norm.item())
+            value = float(norm.item())
+            self.outcome.grad_norm = value if earlier is None else math.hypot(earlier, value)
         notify(self.observer, "after_backward", self.state)
-        if not self.defer_reads and self.outcome.nonfinite is None and guard.nonfinite_gradient(grads, self.outcome.grad_norm, self.state.scaler):
+        if not self.defer_reads and self.outcome.nonfinite is None and guard.nonfinite_gradient(grads, value, self.state.scaler):
             self._fault("grad_norm")
         if self.state.clip_grad_norm is not None and grads:  # an ablation arm's clip (a user's own clip came first)
             torch.nn.utils.clip_grads_with_norm_(params, self.state.clip_grad_norm, norm)
@@ -237,6 +243,13 @@ class StepWatch:
         self.outcome.loss = self.loss_so_far()  # the loss a halted step logs: what it backpropagated so far
         if self.on_fault is not None and not (what == "loss" and self.ranks_agree is not None):  # (see backward_done)
             self.on_fault()
+
+
+def _joined(earlier, norm: torch.Tensor) -> torch.Tensor:
+    """On the device: the norm of one optimizer's gradients joined to another's of the same step (None: the first)."""
+    if earlier is None:
+        return norm
+    return torch.linalg.vector_norm(torch.stack([torch.as_tensor(earlier, dtype=norm.dtype, device=norm.device), norm]))
 
 
 def fault_handler(halt_on_nonfinite: bool) -> Optional[Callable[[], Any]]:

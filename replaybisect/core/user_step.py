@@ -27,7 +27,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from replaybisect.core import rng
+from replaybisect.core import rng, several
 from replaybisect.core.ranks import agreed
 from replaybisect.core.outside_model import names_read
 from replaybisect.core.inline_step import RemoteStep
@@ -120,13 +120,15 @@ def build_parts(cfg) -> dict[str, Any]:
 
 
 def unpack_parts(built: Any, what: str) -> dict[str, Any]:
-    """A dict with model/optimizer[/scheduler/scaler], or a tuple in that order."""
+    """A dict with model/optimizer[/scheduler/scaler], or a tuple in that order. Models, optimizers and schedulers
+    may be several, each a dict by name (core/several.py)."""
     if isinstance(built, dict):
         parts = {key: built.get(key) for key in ("model", "optimizer", "scheduler", "scaler")}
     elif isinstance(built, (tuple, list)) and 2 <= len(built) <= 4:
         parts = dict(zip(("model", "optimizer", "scheduler", "scaler"), list(built) + [None] * (4 - len(built))))
     else:
         raise ConfigError(f"{what} returned a {type(built).__name__}; return (model, optimizer[, scheduler[, scaler]]) or a dict with those keys")
+    parts = several.joined(parts)
     if not isinstance(parts["model"], torch.nn.Module):
         raise ConfigError(f"{what} returned a {type(parts['model']).__name__} as the model; return a torch.nn.Module")
     if parts["optimizer"] is None:  # the loop updates the parameters by hand: the update is observed, not made
@@ -478,6 +480,9 @@ def watching(watch: StepWatch):
     original_backward = torch.Tensor.backward
     optimizer = watch.state.optimizer
     manual = isinstance(optimizer, ManualUpdate)
+    # several optimizers (core/several.py): each one's gradients are seen at its own update or clip
+    joined = isinstance(optimizer, several.Optimizers)
+    members = {id(member): member for member in several.members(optimizer)}
 
     def backward(tensor, *args, **kwargs):
         if watch.stopped:  # an inline run's replay halted this step: the rest of the script's iteration runs idle
@@ -502,8 +507,8 @@ def watching(watch: StepWatch):
         return returned
 
     def before_update(stepping, args, kwargs) -> None:
-        if stepping is optimizer and not manual:
-            watch.gradients()
+        if id(stepping) in members and not manual:
+            watch.gradients(stepping if joined else None)
             if watch.device_guard is not None:  # a fused optimizer skips a failed update on the device: no read
                 watch.device_guard.arm(optimizer, watch.verdict)
         elif not watch.stopped:  # another optimizer (a GAN's other half) updates: losses judged before it does
@@ -513,23 +518,24 @@ def watching(watch: StepWatch):
     def clip_grad_norm_(parameters, *args, **kwargs):  # the step's own clip (accelerate's and Lightning's call it too)
         parameters = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
         # only a clip of the step's own parameters (another model's, a GAN's discriminator, is not its moment)
-        if not manual and not watch.stopped and any(id(param) in owned for param in parameters):
+        owner = next((owners[id(param)] for param in parameters if id(param) in owners), None)
+        if not manual and not watch.stopped and owner is not None:
             with _kept_from_the_script(watch):
-                watch.gradients()  # the gradients before the clip: their norm, the non-finite rule, an arm's clip first
+                watch.gradients(owner if joined else None)  # the gradients before the clip: their norm, the non-finite rule, an arm's clip first
         return original_clip(parameters, *args, **kwargs)
 
     def get_total_norm(tensors, *args, **kwargs):
         """A clip in two parts (accelerate's, torchtitan's: get_total_norm, then clip_grads_with_norm_) measures
         the step's gradients here first: the moment is before it, and the norm it takes is of what an arm left."""
-        if not (manual or watch.stopped or watch.saw_gradients):  # (the watch's own norm, every step, passes straight on)
-            tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
-            if _are_gradients_of(tensors, watch.state.params):
+        if not (manual or watch.stopped or watch.saw_gradients and not joined):  # (the watch's own norm, every step,
+            tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)  # passes straight on)
+            if (owner := _owner_of_gradients(tensors, owners)) is not None:
                 with _kept_from_the_script(watch):
-                    watch.gradients()
+                    watch.gradients(owner if joined else None)
         return original_total_norm(tensors, *args, **kwargs)
 
     def after_update(stepping, args, kwargs) -> None:
-        if stepping is optimizer:
+        if id(stepping) in members:
             if watch.device_guard is not None:
                 watch.device_guard.disarm(optimizer)
             watch.updated()
@@ -546,7 +552,9 @@ def watching(watch: StepWatch):
 
     original_clip, original_total_norm = torch.nn.utils.clip_grad_norm_, torch.nn.utils.get_total_norm
     original_unscale, original_scaler_step = torch.amp.GradScaler.unscale_, torch.amp.GradScaler.step
-    owned = {id(param) for param in watch.state.params}
+    # the optimizer of each of the step's parameters: a clip of other parameters (a model the step does not train)
+    # is no moment of the step's
+    owners = {id(param): member for member in members.values() for group in member.param_groups for param in group["params"]}
     handles = [register_optimizer_step_pre_hook(before_update), register_optimizer_step_post_hook(after_update)]
     torch.Tensor.backward = backward
     torch.nn.utils.clip_grad_norm_, torch.nn.utils.get_total_norm = clip_grad_norm_, get_total_norm
@@ -566,10 +574,11 @@ def watching(watch: StepWatch):
             handle.remove()
 
 
-def _are_gradients_of(tensors: list, params) -> bool:
-    """Whether `tensors` hold a gradient of `params` (not another model's: a GAN's discriminator clipped apart)."""
-    grads = {id(param.grad) for param in params if param.grad is not None}
-    return any(id(tensor) in grads for tensor in tensors)
+def _owner_of_gradients(tensors: list, owners: dict[int, Any]) -> Any:
+    """The optimizer one of `tensors` is a gradient of a parameter of (None: no parameter of the step's)."""
+    grads = {id(param.grad): owner for owner in set(owners.values()) for group in owner.param_groups
+             for param in group["params"] if param.grad is not None}
+    return next((grads[id(tensor)] for tensor in tensors if id(tensor) in grads), None)
 
 
 def run(state, watch: StepWatch, record) -> None:

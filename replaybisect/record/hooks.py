@@ -114,12 +114,13 @@ class RecordingHooks:
             return self._stats
         return None
 
-    def on_nonfinite(self, outcome: StepOutcome, batch) -> bool:
-        """The state is still the one before this step: save it with the failing batch, tag the run."""
+    def on_nonfinite(self, outcome: StepOutcome, batch, state_intact: bool = True) -> bool:
+        """The state is still the one before this step: save it with the failing batch, tag the run. Not
+        `state_intact` (one of several optimizers updated before the fault): only the batch is kept."""
         if self.first_nonfinite_step is None:
             self.first_nonfinite_step = outcome.step
             self.nonfinite_what = outcome.nonfinite
-            self._keep_failing_step(outcome.step, batch, "nonfinite")
+            self._keep_failing_step(outcome.step, batch, "nonfinite", state_intact=state_intact)
             self.store.set_tags(
                 self.run_id,
                 {"first_nonfinite_step": outcome.step, "nonfinite_what": outcome.nonfinite, "status": "nonfinite"},

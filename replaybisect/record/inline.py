@@ -18,15 +18,16 @@ A replay runs the script again and lets its loop run each step it asks for (core
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
 
-from replaybisect.core import loop, outside_model, user_step
+from replaybisect.core import loop, outside_model, several, user_step
 from replaybisect.core.inline_step import CARRIED, OUTSIDE, intercept_training_calls, micro_batch
 from replaybisect.core.config import needs_closure
 from replaybisect.core.step_watch import StepOutcome, StepWatch
@@ -42,7 +43,8 @@ class _OpenStep:
     hooks_on: contextlib.ExitStack
     opened: float  # when the recorder's opening of the step was over: the step's time starts here
     data_time: float
-    reached_update: bool = False
+    stepped: set = field(default_factory=set)  # ids of the optimizers that stepped in it (several: core/several.py)
+    reached_update: bool = False  # each of them stepped
     update_ended: Optional[float] = None  # when its optimizer (or GradScaler) step returned
 
 
@@ -63,16 +65,18 @@ class InlineRecording:
         self._warned_opaque = False
         self._manual = isinstance(self.state.optimizer, user_step.ManualUpdate)
         self._last_update_end = time.perf_counter()  # the loop's data time runs from here to its next training call
-        self._undo = [intercept_training_calls(self.state.model, self._forward, self._returned),
+        self._undo = [*(intercept_training_calls(model, functools.partial(self._forward, name), self._returned)
+                        for name, model in several.named_models(self.state.model)),
                       self._watch_scaler_steps(self.state.scaler), self._targets.end]
-        optimizer = self.state.optimizer  # a global hook: nothing of ours in the optimizer's own state (deepcopy, pickle)
-        reached = register_optimizer_step_pre_hook(lambda stepping, args, kwargs: self._reached_update() if stepping is optimizer else None)
-        returned = register_optimizer_step_post_hook(lambda stepping, args, kwargs: self._update_returned() if stepping is optimizer else None)
+        # global hooks: nothing of ours in the optimizers' own state (deepcopy, pickle)
+        self._optimizers = {id(optimizer) for optimizer in several.members(self.state.optimizer)}
+        reached = register_optimizer_step_pre_hook(lambda stepping, args, kwargs: self._reached_update(stepping) if id(stepping) in self._optimizers else None)
+        returned = register_optimizer_step_post_hook(lambda stepping, args, kwargs: self._update_returned() if id(stepping) in self._optimizers else None)
         self._undo += [reached.remove, returned.remove]
 
-    def _forward(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        """A training call of the model: the step it belongs to (opened if the last one reached its update), its
-        inputs stored; the model runs on them unchanged."""
+    def _forward(self, model: Optional[str], args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """A training call of the model (of several: the one named `model`): the step it belongs to (opened if the
+        last one reached its update), its inputs stored; the model runs on them unchanged."""
         arrived = time.perf_counter()
         self._targets.calling()
         if self._open is not None and self._update_reached():
@@ -81,7 +85,7 @@ class InlineRecording:
             self._open = self._open_step(outside_model.loop_frame(), arrived)
         self._note_autocast()
         carried = outside_model.carried_inputs((tuple(args), dict(kwargs)), self._last_outputs)
-        self._open.record[user_step.RECORD_BATCH].append({**user_step.copied(micro_batch(args, kwargs)), OUTSIDE: [], CARRIED: carried})
+        self._open.record[user_step.RECORD_BATCH].append({**user_step.copied(micro_batch(args, kwargs, model)), OUTSIDE: [], CARRIED: carried})
         return args, kwargs
 
     def _returned(self, outputs) -> None:
@@ -116,12 +120,13 @@ class InlineRecording:
         if seen is not None and torch.is_autocast_enabled(device):
             seen.append(user_step.precision_name(torch.get_autocast_dtype(device)))
 
-    def _reached_update(self) -> None:
+    def _reached_update(self, stepping) -> None:
         if self._open is None:
             raise ConfigError("the optimizer stepped with no training call of the model since its last step: the "
                               "recorder sees a step through the model it was given, called in train mode with "
                               "gradients on (model.train()); pass step_fn= for a loop that trains otherwise")
-        self._open.reached_update = True
+        self._open.stepped.add(id(stepping))
+        self._open.reached_update = self._open.stepped >= self._optimizers
 
     def _update_returned(self) -> None:
         if self._open is not None:
@@ -135,9 +140,9 @@ class InlineRecording:
         original = scaler.step
 
         def step(optimizer, *args, **kwargs):
-            if optimizer is not self.state.optimizer:
+            if id(optimizer) not in self._optimizers:
                 return original(optimizer, *args, **kwargs)
-            self._reached_update()
+            self._reached_update(optimizer)
             try:
                 return original(optimizer, *args, **kwargs)
             finally:
@@ -183,7 +188,8 @@ class InlineRecording:
     def _halt(self) -> None:
         """The step's first non-finite loss or gradient, before the update: the run stops here, as `rec.step` does."""
         current = self._stop_before_update()
-        self.recorder._hooks.on_nonfinite(current.outcome, current.record)
+        # (one of several optimizers updated already: the state before the step is not the live one)
+        self.recorder._hooks.on_nonfinite(current.outcome, current.record, state_intact=not current.stepped)
         self._finish(current)
         self.recorder._stop(current.outcome)
 
@@ -199,14 +205,15 @@ class InlineRecording:
     def crashed(self, error: BaseException) -> None:
         """An exception ended the loop inside a step, before its update (a loss that checks its input, an index out
         of range): that step is the run's failing step, kept as a non-finite one is (the state before it, its
-        micro-batches so far). One raised after the update (the loop's logging, its evaluation) is the run's crash only."""
+        micro-batches so far). One raised after the update (the loop's logging, its evaluation) is the run's crash only;
+        one raised after some of several optimizers updated keeps only the step's batch (reached from a snapshot)."""
         current = self._open
         if current is None or current.reached_update or not current.record[user_step.RECORD_BATCH]:
             return
         if not isinstance(error, Exception) or isinstance(error, (ReplayError, NonFiniteStep)):
             return
         self._stop_before_update()
-        self.recorder._hooks.on_exception(current.step, error, current.record)
+        self.recorder._hooks.on_exception(current.step, error, current.record, updated=bool(current.stepped))
 
     def _finish(self, current: _OpenStep) -> None:
         """The step logged: its time up to its update's end (a step closed at the next training call, or stopped

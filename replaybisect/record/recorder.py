@@ -51,7 +51,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from replaybisect.core import ranks, reentry
+from replaybisect.core import ranks, reentry, several
 from replaybisect.record import ranked
 from replaybisect.core.config import PRECISIONS, OnNonfinite, Precision
 from replaybisect.errors import ConfigError, NonFiniteStep, ReplayError
@@ -175,6 +175,8 @@ class Recorder:
         is a dict the step keeps state in for the next step (an RNN's hidden state: `carry["hidden"] = h.detach()`):
         stored with every batch; a replay's first step starts from the stored one, and later steps from what the
         replay itself computed, not from the recording.
+    model, optimizer (and scheduler) may be several, by name: `Recorder({"G": netG, "D": netD}, {"G": optG, "D": optD})`
+        records a GAN's step (core/several.py): every optimizer in each snapshot, a step ends when each has stepped.
     build(config) -> (model, optimizer[, scheduler[, scaler]]) or a dict: how a replay makes the objects. Left out,
         the run is a script's: step_fn may be a closure over the script's objects, and a replay runs the script
         again (its command line, in its working folder), taking the objects over at the first `step`.
@@ -204,6 +206,7 @@ class Recorder:
                               "build= (a replay runs your script again); pass step_fn= with build=")
         optimizer, scheduler = unwrapped(optimizer, "optimizer"), unwrapped(scheduler, "scheduler")
         parts = user_step.unpack_parts({"model": model, "optimizer": optimizer, "scheduler": scheduler, "scaler": scaler}, "Recorder")
+        model, scheduler = parts["model"], parts["scheduler"]  # (several, by name: one of each, core/several.py)
         if not inline:
             user_step.step_arguments(step_fn)
         self._inline: Optional[InlineRecording] = None  # recording a loop without step_fn
@@ -246,7 +249,8 @@ class Recorder:
                               files=[Path(script["path"])] if inline else [])
         self._session, self._hooks = ranked.run_of_this_rank(
             link, tracking_uri, on_nonfinite,
-            lambda: open_session(tracking_uri, experiment, code_folder, {"replaybisect.loop": "user", **sources, **self.run_tags},
+            lambda: open_session(tracking_uri, experiment, code_folder, {"replaybisect.loop": "user", **sources, **self.run_tags,
+                                                                          **several.tags(parts["optimizer"])},
                                  run_name or f"train {name} (own loop)"),
             lambda session: session.start_recording(self.cfg, self.state, {"seed": int(self.cfg.seed)}, runs_steps=not inline))
         self.store, self.run_id = self._session.store, self._session.run_id

@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import os
 import statistics
@@ -197,7 +198,15 @@ def _arm_change(cfg, spec: dict[str, Any]) -> Change:
     if spec.get("patch"):
         return patch_change(cfg, Patch.from_json(spec["patch"]))
     ctx = ArmContext(failing_step=spec["failing_step"], start_step=spec["start_step"], end_step=spec["end_step"])
-    return interventions.get(spec["intervention"]).apply(cfg, ctx, spec["value"])
+    return _on_optimizer(interventions.get(spec["intervention"]).apply(cfg, ctx, spec["value"]), spec.get("optimizer"))
+
+
+def _on_optimizer(change: Change, optimizer: Optional[str]) -> Change:
+    """The change made on one of several optimizers (`lr[D]`), its summary saying which."""
+    if optimizer is None:
+        return change
+    return dataclasses.replace(change, optimizer=optimizer, summary=f"{change.summary} for optimizer {optimizer} only",
+                               params={**change.params, "optimizer": optimizer})
 
 
 def patch_change(cfg, patch: Patch) -> Change:
@@ -230,7 +239,13 @@ def _apply_optimizer_changes(state, change: Change, hooks) -> None:
             if key in group:
                 group[key] = group[key] * scale
     if change.lr_factor is not None:
-        _scale_lr_at_updates(state.optimizer, change.lr_factor, hooks)
+        optimizer = state.optimizer
+        if change.optimizer is not None:
+            optimizer = getattr(state.optimizer, "named", {}).get(change.optimizer)
+            if optimizer is None:
+                raise ReplayError(f"the replayed loop has no optimizer named {change.optimizer!r} (the run's tag said so): "
+                                  "pass the arm without [name]")
+        _scale_lr_at_updates(optimizer, change.lr_factor, hooks)
 
 
 def _arm_batches(change: Change, restored, start: int):
@@ -785,7 +800,9 @@ def _plan_arms(store, run_id: str, specs: list[ArmSpec], from_step: Optional[int
     grad_norms = _healthy_grad_norms(store, run_id, onset, failing_step)
     ctx = ArmContext(failing_step=failing_step, start_step=start, end_step=end, grad_norms=grad_norms)
     specs = specs + _suggested_arms(specs, grad_norms)
-    changes = {spec.name: interventions.get(spec.intervention).apply(cfg, ctx, spec.value) for spec in specs}
+    _check_optimizers(store.tags(run_id), specs, run_id)
+    changes = {spec.name: _on_optimizer(interventions.get(spec.intervention).apply(cfg, ctx, spec.value), spec.optimizer)
+               for spec in specs}
     _check_rows(snapshot, changes.values())
     patch = None
     if patch_path is not None:
@@ -799,6 +816,18 @@ def _plan_arms(store, run_id: str, specs: list[ArmSpec], from_step: Optional[int
                     logged=logged, reference=reference, threshold=threshold, grad_norms=grad_norms, changes=changes,
                     specs=specs, patch=patch, runnable=runnable, estimated_steps=len(runnable) * (end - snapshot.step),
                     warnings=warnings), snapshot
+
+
+def _check_optimizers(tags: dict[str, str], specs: list[ArmSpec], run_id: str) -> None:
+    """An arm on one optimizer (`lr[D]`) names one the run was recorded with (the Recorder's names: the tag)."""
+    from replaybisect.core.several import OPTIMIZERS_TAG
+
+    recorded = [name for name in tags.get(OPTIMIZERS_TAG, "").split(",") if name]
+    for spec in specs:
+        if spec.optimizer is not None and spec.optimizer not in recorded:
+            has = f"its optimizers are {', '.join(recorded)}" if recorded else "it was recorded with one optimizer"
+            raise ReplayError(f"arm {spec.name}: run {run_id} has no optimizer named {spec.optimizer!r} ({has}); "
+                              f"pass {spec.intervention}[NAME] with one of its names, or {spec.intervention} for all")
 
 
 def _check_rows(snapshot, changes) -> None:
@@ -820,6 +849,7 @@ def _arm_specs(store, run_id: str, plan: _ArmPlan, trust: Trust) -> list[dict[st
         specs.append({"tracking_uri": uri, "run_id": run_id, "arm": name, "snapshot_step": plan.snapshot_step,
                       "start_step": plan.start, "end_step": plan.end, "failing_step": plan.failing_step,
                       "intervention": arm.intervention if arm else None, "value": arm.value if arm else None,
+                      "optimizer": arm.optimizer if arm else None,
                       "patch": plan.patch.to_json() if name == PATCH_ARM and plan.patch else None,
                       "params": plan.changes[name].params if name in plan.changes else {}, "trust": trust.to_json()})
     return specs

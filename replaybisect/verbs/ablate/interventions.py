@@ -50,6 +50,7 @@ class Change:
     reseed: Optional[int] = None  # another data-order and RNG seed from the arm's start on
     note: str = ""  # extra advice shown with the arm (e.g. the suggested clip threshold)
     not_applicable: Optional[str] = None  # why this change means nothing for this run (then it is not run)
+    optimizer: Optional[str] = None  # of several optimizers (core/several.py): the one the lr change is made on
 
 
 @dataclass(frozen=True)
@@ -70,20 +71,25 @@ class ArmSpec:
     intervention: str
     value: Any = None
     suggested: str = ""  # why the report added this arm (a value it suggests, proven by running it)
+    optimizer: Optional[str] = None  # `lr[D]`: of several optimizers, the one changed (None: all)
 
     @property
     def name(self) -> str:
-        """The arm's name in results: the bare name, or `name=value` as the value is shown."""
+        """The arm's name in results: the bare name, or `name=value` as the value is shown (`lr[D]=x0.3`)."""
         if self.value is None:
-            return self.intervention
-        return f"{self.intervention}={get(self.intervention).show(self.value)}"
+            return self._named
+        return f"{self._named}={get(self.intervention).show(self.value)}"
 
     @property
     def label(self) -> str:
         """The arm with the value it runs at, for names people read (`lr=x0.1`, even for a bare `lr`)."""
         intervention = get(self.intervention)
         value = self.value if self.value is not None else intervention.default
-        return self.intervention if value is None else f"{self.intervention}={intervention.show(value)}"
+        return self._named if value is None else f"{self._named}={intervention.show(value)}"
+
+    @property
+    def _named(self) -> str:
+        return self.intervention if self.optimizer is None else f"{self.intervention}[{self.optimizer}]"
 
 
 REGISTRY: dict[str, Intervention] = {}
@@ -111,17 +117,38 @@ def parse_arm(text: str) -> ArmSpec:
     from replaybisect.errors import ReplayError
 
     name, has_value, raw = (part.strip() for part in text.partition("="))
+    name, optimizer = _optimizer_named(name)
     if name not in REGISTRY:
         raise ReplayError(f"unknown arm {name!r}; valid arms: {', '.join(names())}")
+    if optimizer is not None and name not in PER_OPTIMIZER:
+        raise ReplayError(f"arm {text.strip()[:80]!r}: only {' and '.join(PER_OPTIMIZER)} change one optimizer of several "
+                          f"([name]); pass {name} without [{optimizer}]")
     if not has_value:
-        return ArmSpec(name)
+        return ArmSpec(name, optimizer=optimizer)
     intervention = get(name)
     if intervention.parse is None:
         raise ReplayError(f"arm {name!r} takes no value (got {text.strip()[:80]!r}); pass it bare: {name}")
     try:
-        return ArmSpec(name, intervention.parse(raw))
+        return ArmSpec(name, intervention.parse(raw), optimizer=optimizer)
     except ValueError as error:
         raise ReplayError(f"arm {text.strip()[:80]!r}: {error}") from None
+
+
+PER_OPTIMIZER = ("lr", "warmup")  # the arms that may change one optimizer of several: lr[D]=x0.1
+
+
+def _optimizer_named(name: str) -> tuple[str, Optional[str]]:
+    """'lr[D]' -> ('lr', 'D'); 'lr' -> ('lr', None)."""
+    import re
+
+    from replaybisect.errors import ReplayError
+
+    if "[" not in name:
+        return name, None
+    named = re.fullmatch(r"([\w-]+)\[([A-Za-z_]\w*)\]", name)
+    if named is None:
+        raise ReplayError(f"arm {name[:80]!r}: name one optimizer in brackets, as the run was recorded with it (lr[D]=x0.1)")
+    return named.group(1), named.group(2)
 
 
 # ---- values ------------------------------------------------------------------------------------
