@@ -25,13 +25,17 @@ def is_user_code(filename: str, libraries: tuple[str, ...] = ()) -> bool:
                 or "dist-packages" in path or filename.startswith("<"))
 
 
+INTERCEPTS = ("__torch_function__", "__torch_dispatch__")
+
+
 def raised_at(error: BaseException) -> str | None:
     """Where `error` was raised in the user's code: the innermost frame of theirs after replaybisect's own frames
     (torch, the standard library and installed packages skipped), as "file:line in function: code"; None if none."""
     import traceback
 
     frames = traceback.extract_tb(error.__traceback__)
-    ours = [i for i, frame in enumerate(frames) if is_ours(frame.filename)]
+    # (our torch function modes are no caller of the user's code: an op raising inside one is still the user's)
+    ours = [i for i, frame in enumerate(frames) if is_ours(frame.filename) and frame.name not in INTERCEPTS]
     frames = frames[ours[-1] + 1:] if ours else frames
     torch = sys.modules.get("torch")
     libraries = (os.path.dirname(os.path.abspath(torch.__file__)) + os.sep,) if torch is not None and torch.__file__ else ()
