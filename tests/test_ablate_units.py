@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 
 import pytest
+from omegaconf import OmegaConf
 
 from replaybisect.core import config as config_mod
 from replaybisect.errors import ReplayError
@@ -55,8 +56,10 @@ def test_interventions_that_mean_nothing_for_a_run_say_why(sgd_cfg):
 
 def test_parse_arms():
     assert [spec.name for spec in ablate_mod.parse_arms("lr, clip,lr,lr=x0.1")] == ["lr", "clip"]  # lr is lr=x0.1
-    # every intervention that runs bare: skip-rows needs its rows
-    assert [spec.name for spec in ablate_mod.parse_arms(None)] == [name for name in interventions.names() if name != "skip-rows"]
+    # the default arms: not skip-rows (it needs its rows) nor zero-grad (only for a loop that carries its gradients)
+    assert [spec.name for spec in ablate_mod.parse_arms(None)] == [name for name in interventions.names()
+                                                                   if name not in ("skip-rows", "zero-grad")]
+    assert [spec.name for spec in ablate_mod.parse_arms("lr[D]=x0.5,lr[G]")] == ["lr[D]=x0.5", "lr[G]"]
     assert [spec.name for spec in ablate_mod.parse_arms("skip-rows=8+3")] == ["skip-rows=3+8"]
     with pytest.raises(ReplayError, match=r"'8,' must be row numbers|'x' must be row numbers"):
         ablate_mod.parse_arms("skip-rows=x")
@@ -192,3 +195,12 @@ def test_skip_rows_bare_or_on_a_run_that_never_failed_is_not_applicable():
     assert outside.not_applicable == "step 30 is outside the replay (6..19)"
     dropped = apply(cfg, interventions.ArmContext(failing_step=7, start_step=6, end_step=20), (3, 17))
     assert dropped.skip_rows == (7, (3, 17)) and dropped.summary == "rows 3+17 of step 7's batch dropped"
+
+
+def test_zero_grad_applies_only_to_a_loop_that_carried_its_gradients():
+    cfg = OmegaConf.create({"train": {"loop": "user"}})
+    context = dict(failing_step=9, start_step=5, end_step=20)
+    zero_grad = interventions.get("zero-grad")
+    assert "cleared its gradients before every step's backward" in zero_grad.apply(cfg, interventions.ArmContext(**context), None).not_applicable
+    change = zero_grad.apply(cfg, interventions.ArmContext(**context, carried_gradients=True), None)
+    assert change.not_applicable is None and change.clear_grads

@@ -213,6 +213,9 @@ class TrainState:
     # one rank of a distributed job while it records: whether any rank's step failed, asked of every rank before the
     # update (core/ranks.py); the ranks halt together, so none waits in an all-reduce for one that stopped
     ranks_agree: Optional[Callable[[bool], bool]] = None
+    # loop: user: an ablation arm's zero-grad: every replayed step starts with cleared gradients, whatever the
+    # recorded loop did (a loop that never zeroes them, core/user_step.carries_gradients)
+    clear_grads: bool = False
 
     @property
     def params(self) -> list[torch.nn.Parameter]:
@@ -303,9 +306,11 @@ def under_settings(state: TrainState, cfg) -> TrainState:
 @contextlib.contextmanager
 def kept_in_place(state: TrainState) -> Iterator[None]:
     """Whatever the block does to the state's objects is undone when it ends: their values are saved and loaded
-    back, gradients cleared, the train/eval mode and the carry restored."""
+    back, the gradients, the train/eval mode and the carry restored."""
     saved = copy_state(state)
     buffers = {name: buffer.detach().clone() for name, buffer in state.model.named_buffers()}  # non-persistent ones too
+    # the gradients a loop that does not clear them carries into its next step
+    grads = [param.grad.detach().clone() if param.grad is not None else None for param in state.model.parameters()]
     carry = user_step.copied(state.carry, "carry") if state.carry is not None else None
     training = [module.training for module in state.model.modules()]
     try:
@@ -316,8 +321,8 @@ def kept_in_place(state: TrainState) -> Iterator[None]:
             for name, buffer in state.model.named_buffers():
                 if name in buffers:
                     buffer.copy_(buffers[name])
-        state.optimizer.zero_grad(set_to_none=True)
-        state.model.zero_grad(set_to_none=True)
+        for param, grad in zip(state.model.parameters(), grads):
+            param.grad = grad
         for module, mode in zip(state.model.modules(), training):
             module.training = mode
         state.carry = carry

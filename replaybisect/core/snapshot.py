@@ -3,6 +3,7 @@
 snapshots/step-000400/
   tensors.safetensors   model state, optimizer tensors (never downcast)
   batches.safetensors   the batches of steps 400.. (optional; written when the interval closes)
+  grads.safetensors     the gradients step 400 began with, where the loop had not cleared them (optional)
   state.json            step, RNG streams, optimizer/scheduler/scaler state, data position, versions
   MANIFEST.json         written LAST: files, sizes, sha256; no manifest = incomplete
 """
@@ -27,7 +28,7 @@ from typing import Any, Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from replaybisect.core.state import check_state, schema_error
+from replaybisect.core.state import GRAD_PREFIX, check_state, schema_error
 from replaybisect.errors import SnapshotError
 
 FORMAT = "replaybisect-snapshot/1"
@@ -36,7 +37,8 @@ TENSORS = "tensors.safetensors"
 BATCHES = "batches.safetensors"
 STATE = "state.json"
 MANIFEST = "MANIFEST.json"
-ALLOWED_FILES = {TENSORS, BATCHES, STATE}
+GRADS = "grads.safetensors"  # the gradients a step began with, where its loop had not cleared them (optional)
+ALLOWED_FILES = {TENSORS, BATCHES, STATE, GRADS}
 STEP_DIR = re.compile(r"^step-(\d{6,})$")
 
 
@@ -345,7 +347,7 @@ class Manifest(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
     format: Literal[FORMAT]
     step: int = Field(ge=0)
-    files: dict[Literal[TENSORS, BATCHES, STATE], FileEntry]
+    files: dict[Literal[TENSORS, BATCHES, STATE, GRADS], FileEntry]
 
 
 @dataclass
@@ -574,6 +576,9 @@ def load(folder: Path) -> Snapshot:
     check_state(state, manifest.step, lambda why: _bad(folder, STATE, why))
     tensors, _ = _load_safetensors(folder, TENSORS, read_verified(folder, TENSORS, manifest))
     _check_tensor_names(folder, tensors)
+    if GRADS in manifest.files:  # as grad/<parameter name>, beside model/<name>
+        grads, _ = _load_safetensors(folder, GRADS, read_verified(folder, GRADS, manifest))
+        tensors.update({f"{GRAD_PREFIX}{name}": tensor for name, tensor in grads.items()})
     batches: dict[int, Any] = {}
     if BATCHES in manifest.files:
         batch_tensors, metadata = _load_safetensors(folder, BATCHES, read_verified(folder, BATCHES, manifest))

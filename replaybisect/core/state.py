@@ -16,9 +16,17 @@ from replaybisect.core.shards import is_shard, shard_like, whole
 from replaybisect.core.jsonutil import to_jsonable as _jsonable
 
 
-def live_tensors(state) -> dict[str, torch.Tensor]:
-    """References (not copies) to every tensor a step depends on: model state and optimizer moments."""
-    return dict(iter_live_tensors(state))
+GRAD_PREFIX = "grad/"  # a snapshot's gradients (core/snapshot.py GRADS), beside model/<name> and optim/<index>/<key>
+
+
+def live_tensors(state, grads: bool = False) -> dict[str, torch.Tensor]:
+    """References (not copies) to every tensor a step depends on: model state and optimizer moments (and with
+    `grads`, the gradients the parameters hold: a loop that does not clear them carries them into its next step)."""
+    tensors = dict(iter_live_tensors(state))
+    if grads:
+        tensors.update({f"{GRAD_PREFIX}{name}": param.grad for name, param in state.model.named_parameters()
+                        if param.grad is not None})
+    return tensors
 
 
 def iter_live_tensors(state) -> Iterator[tuple[str, torch.Tensor]]:
@@ -218,9 +226,23 @@ def apply(state, tensors: dict[str, torch.Tensor], saved: dict[str, Any]) -> Non
             state.scaler.load_state_dict(_unjson_float(checked.scaler))
     except (ValueError, TypeError, KeyError, IndexError, RuntimeError) as error:
         raise SnapshotError(f"the snapshot's optimizer or scheduler state does not load: {str(error)[:120]}") from None
+    _set_gradients(state.model, tensors)
     if checked.num_threads:
         torch.set_num_threads(checked.num_threads)
     rng.restore_raw(raw_rng)
+
+
+def _set_gradients(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+    """The gradients the snapshot's step began with (its loop had not cleared them); none where it holds none."""
+    grads = {name[len(GRAD_PREFIX):]: value for name, value in tensors.items() if name.startswith(GRAD_PREFIX)}
+    params = dict(model.named_parameters())
+    if set(grads) - set(params):
+        raise SnapshotError(f"the snapshot holds gradients of {sorted(set(grads) - set(params))[0]!r}, which the model has not")
+    for name, param in params.items():
+        grad = grads.get(name)
+        if grad is not None and grad.shape != param.shape:
+            raise SnapshotError(f"the snapshot's gradient of {name} does not have the parameter's shape {tuple(param.shape)}")
+        param.grad = grad.to(device=param.device, dtype=param.dtype).clone() if grad is not None else None
 
 
 def _shard_optimizer_state(optimizer) -> None:

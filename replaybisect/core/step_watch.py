@@ -40,11 +40,14 @@ class StepOutcome:
     updated: bool = False  # the optimizer applied an update
     scaler_skipped: bool = False  # fp16: the GradScaler skipped an overflowing step (normal)
     rank_losses: Optional[list] = None  # a distributed run's replayed step: each rank's loss (core/ranks.py)
+    # a user's loop: the gradients its first backward added to (the loop did not clear them), by parameter name
+    carried_grads: Optional[dict] = None
 
     def __init__(self, step: int, loss: Any = math.nan, grad_norm: Any = None, lr: float = 0.0, nonfinite: Optional[str] = None,
                  updated: bool = False, scaler_skipped: bool = False, rank_losses: Optional[list] = None):
         self.step, self.loss_value, self.grad_norm_value, self.lr = step, loss, grad_norm, lr
         self.nonfinite, self.updated, self.scaler_skipped, self.rank_losses = nonfinite, updated, scaler_skipped, rank_losses
+        self.carried_grads = None
 
     @property
     def loss(self) -> float:
@@ -106,6 +109,7 @@ class StepWatch:
         self.on_loss: Optional[Callable[[], None]] = None  # set: called as each loss is about to be backpropagated
         self.running_loss: Optional[torch.Tensor] = None  # the sum of the losses backpropagated so far
         self.saw_gradients = False  # gradients() ran for this step
+        self._backpropagated = False  # a loss of this step was backpropagated
         self._gradients_of: set[int] = set()  # several optimizers (core/several.py): those whose gradients() ran
         self._forward = None
         scaler = state.scaler
@@ -128,6 +132,10 @@ class StepWatch:
         count, when that differs)."""
         if self.on_loss is not None:
             self.on_loss()
+        if not self._backpropagated:
+            self._backpropagated = True
+            if self.state.user_loop:
+                self.outcome.carried_grads = carried_gradients(self.state.model)
         self.close_forward()
         notify(self.observer, "after_forward", self.state, loss)
         share = (loss if part is None else part).detach().float().sum()
@@ -250,6 +258,13 @@ def _joined(earlier, norm: torch.Tensor) -> torch.Tensor:
     if earlier is None:
         return norm
     return torch.linalg.vector_norm(torch.stack([torch.as_tensor(earlier, dtype=norm.dtype, device=norm.device), norm]))
+
+
+def carried_gradients(model: torch.nn.Module) -> Optional[dict[str, torch.Tensor]]:
+    """The gradients a step's first backward adds to, copied (None: none, the loop cleared them as it should): a loop
+    that never zeroes them, or accumulates over several steps. A replay must start the step with them."""
+    grads = {name: param.grad.detach().clone() for name, param in model.named_parameters() if param.grad is not None}
+    return grads or None
 
 
 def fault_handler(halt_on_nonfinite: bool) -> Optional[Callable[[], Any]]:

@@ -36,7 +36,8 @@ from replaybisect.errors import ConfigError, SnapshotError
 
 STEP_ARGUMENTS = ("model", "optimizer", "scheduler", "scaler", "batch", "config", "cfg", "step", "carry")
 RECORD_BATCH, RECORD_RNG, RECORD_LR, RECORD_CARRY, RECORD_VARIABLES = "batch", "rng", "lr", "carry", "variables"
-RECORD_KEYS = {RECORD_BATCH, RECORD_RNG, RECORD_LR, RECORD_CARRY, RECORD_VARIABLES}
+RECORD_GRADS = "grads_carried"  # the step began with the gradients its loop left (not cleared): its replay keeps them
+RECORD_KEYS = {RECORD_BATCH, RECORD_RNG, RECORD_LR, RECORD_CARRY, RECORD_VARIABLES, RECORD_GRADS}
 SCALARS = (bool, int, float, str, type(None))
 NO_LOSS = type("NoLoss", (), {"__repr__": lambda self: "NO_LOSS"})()  # a step whose every batch was skipped: no loss, no failure
 # A Lightning step's stored batch: its micro-batches, and where each sat in Lightning's loop (replaybisect.lightning)
@@ -215,13 +216,15 @@ def model_device(model: torch.nn.Module) -> torch.device:
 
 # ---- the stored batch: the user's batch and the RNG state its step started with ----------------------------
 def pack(batch: Any, device: torch.device, raw: Optional[dict[str, Any]] = None, optimizer=None,
-         carry: Optional[dict] = None, variables: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+         carry: Optional[dict] = None, variables: Optional[dict[str, Any]] = None, grads_carried: bool = False) -> dict[str, Any]:
     """The batch as the recorder stores it (copied: a loop may reuse its buffers) with the RNG states its step
     starts with (core.rng.to_tensors). `raw`: those states as `core.rng.capture_raw` took them at this moment,
     when the caller has them. With `optimizer`, also each param group's lr as the loop set it for this step;
     with `carry`, what the previous step carried to this one (copied); with `variables`, the script's values
-    the step reads (step_variables)."""
+    the step reads (step_variables); with `grads_carried`, that the step begins with the gradients the loop left."""
     record = {RECORD_BATCH: copied(batch), RECORD_RNG: rng.to_tensors(raw if raw is not None else rng.capture_raw())}
+    if grads_carried:
+        record[RECORD_GRADS] = True
     if variables is not None:
         record[RECORD_VARIABLES] = variables
     if optimizer is not None:
@@ -605,7 +608,8 @@ def _run_record(state, watch: StepWatch, record) -> None:
     if state.carry is None:  # a replay's first step: what the recorded step started with; later steps carry their own
         state.carry = recorded_carry(record)
     state.model.train()
-    state.optimizer.zero_grad(set_to_none=True)
+    if not carries_gradients(record, state):  # else it starts with what the loop left (the snapshot's, or the replay's own)
+        state.optimizer.zero_grad(set_to_none=True)
     if isinstance(state.optimizer, ManualUpdate):
         state.optimizer._before = None  # a step that raised after its backward leaves no mark for this one
     # fp32 (an arm's precision, or a run that entered no autocast region) runs every autocast region disabled;
@@ -632,6 +636,19 @@ def _run_record(state, watch: StepWatch, record) -> None:
     watch.settle()
     if state.scheduler is not None and not steps_scheduler_itself(state.step_fn):
         state.scheduler.step()
+
+
+def holds_gradients(params) -> bool:
+    """Whether any parameter holds a gradient (on the host: no device read)."""
+    return any(param.grad is not None for param in params)
+
+
+def carries_gradients(record: Any, state) -> bool:
+    """Whether the recorded step began with the gradients its loop left (then so does its replay: the snapshot's, or
+    the replay's own from the step before), unless an ablation arm clears them (`state.clear_grads`). A step
+    function's step begins with cleared gradients unless the step before made no update (it accumulates over
+    `rec.step` calls); a loop recorded as written with whatever it left."""
+    return _is_record(record) and bool(record.get(RECORD_GRADS)) and not state.clear_grads
 
 
 def _loss_value(returned: Any, watch: StepWatch) -> float:

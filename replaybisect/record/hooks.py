@@ -26,7 +26,7 @@ from replaybisect.errors import DiskFull, is_disk_full
 from replaybisect.record.device_guard import DeviceGuard, PendingStep
 from replaybisect.core.layer_stats import LayerStats
 from replaybisect.core.loop import TrainState
-from replaybisect.core.step_watch import StepOutcome
+from replaybisect.core.step_watch import StepOutcome, carried_gradients
 from replaybisect.core.user_step import ManualUpdate
 from replaybisect.core import ranks
 from replaybisect.core import snapshot as fmt
@@ -120,7 +120,7 @@ class RecordingHooks:
         if self.first_nonfinite_step is None:
             self.first_nonfinite_step = outcome.step
             self.nonfinite_what = outcome.nonfinite
-            self._keep_failing_step(outcome.step, batch, "nonfinite", state_intact=state_intact)
+            self._keep_failing_step(outcome.step, batch, "nonfinite", state_intact=state_intact, grads=outcome.carried_grads)
             self.store.set_tags(
                 self.run_id,
                 {"first_nonfinite_step": outcome.step, "nonfinite_what": outcome.nonfinite, "status": "nonfinite"},
@@ -139,7 +139,8 @@ class RecordingHooks:
         if self.halted or self.crashed_step is not None:
             return
         self.crashed_step = step
-        self._keep_failing_step(step, batch, "exception", state_intact=not updated)
+        grads = carried_gradients(self.state.model) if self.state.user_loop else None  # (raised before its backward)
+        self._keep_failing_step(step, batch, "exception", state_intact=not updated, grads=grads)
         frame = raised_at(error)
         tags = {"failing_step": step, "failure": "exception", "error_type": type(error).__name__,
                 "error": error_message(error), **({"error_frame": frame[:500]} if frame else {})}
@@ -148,8 +149,9 @@ class RecordingHooks:
             error.replaybisect_failing_step = step
             error.replaybisect_run_id = self.run_id
 
-    def _keep_failing_step(self, step: int, batch, reason: str, state_intact: bool = True) -> None:
-        """The state before the failing `step` (still the live one when `state_intact`) and its batch, kept."""
+    def _keep_failing_step(self, step: int, batch, reason: str, state_intact: bool = True, grads=None) -> None:
+        """The state before the failing `step` (still the live one when `state_intact`; `grads`: the gradients it
+        began with, which the loop had not cleared) and its batch, kept."""
         opened = self._open_snapshot
         self._keep_batch(step, batch, force=True)  # the open interval ends with the failing batch
         # else the periodic snapshot of this step is it; a sharded model's state is gathered by every rank together, at
@@ -158,7 +160,13 @@ class RecordingHooks:
             self._close_open_snapshot()
             self._begin_snapshot(step, self._rng_at_start, reason=reason, keep_open=True)
             self._keep_batch(step, batch, force=True)
+        self._keep_grads(step, grads)
         self._close_open_snapshot()
+
+    def _keep_grads(self, step: int, grads) -> None:
+        """The snapshot opened at `step` holds the gradients the step began with (the loop had not cleared them)."""
+        if grads is not None and self._open_snapshot is not None and self._open_snapshot["step"] == step:
+            self._open_snapshot["grads"] = {name: grad.detach().cpu() for name, grad in grads.items()}
 
     def after_step(self, outcome: StepOutcome, batch, step_time: float, data_time: float) -> bool:
         if self.halted:  # a step after the failure a flush found (skipped on the device): not recorded
@@ -178,6 +186,9 @@ class RecordingHooks:
         if self._stats is not None:
             self.metrics += [(key, value, step) for key, value in self._stats.finish().items()]
             self._stats = None
+        if outcome.carried_grads is not None:  # (diagnose's gradients-not-zeroed counts them)
+            self.metrics.append(("grads_carried", 1.0, step))
+            self._keep_grads(step, outcome.carried_grads)
         if self._open_snapshot is not None and step != self.first_nonfinite_step:
             self._keep_batch(step, batch)
         if has_loss:
@@ -259,6 +270,8 @@ class RecordingHooks:
         with _disk_full_named(f"snapshot {folder.name}", folder.parent):
             if opened["batches"]:
                 files[fmt.BATCHES] = fmt.write_atomic(folder / fmt.BATCHES, fmt.encode_batches(opened["batches"]))
+            if opened.get("grads"):
+                files[fmt.GRADS] = fmt.write_tensors_atomic(folder / fmt.GRADS, opened["grads"])
             fmt.write_manifest(folder, opened["step"], files)
             if self._staging is not None:  # remote artifact store: upload data files first, the manifest last
                 target = f"{fmt.SNAPSHOTS}/{folder.name}"

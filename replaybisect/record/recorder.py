@@ -245,6 +245,7 @@ class Recorder:
         self.first_nonfinite_step: Optional[int] = None
         self._config_written = False
         self._last_step_end: Optional[float] = None
+        self._last_updated = True  # the last rec.step made an update (else the next carries its gradients on)
         sources = own_sources(*([step_fn] if step_fn else []), *([build] if build else []),
                               files=[Path(script["path"])] if inline else [])
         self._session, self._hooks = ranked.run_of_this_rank(
@@ -308,9 +309,12 @@ class Recorder:
         called = time.perf_counter()
         try:
             rng_at_start = loop.open_step(step, self.state, self._hooks, self._buffers)
+            # the step begins with cleared gradients, unless the last one made no update: it accumulates over rec.step calls
+            carried = not self._last_updated and user_step.holds_gradients(self.state.params)
             record = user_step.pack(batch, self.state.device, rng_at_start, self.state.optimizer,
                                     self.state.carry if user_step.takes_carry(self.state.step_fn) else None,
-                                    user_step.step_variables(self.state.step_fn) if self._settings["script"] else None)
+                                    user_step.step_variables(self.state.step_fn) if self._settings["script"] else None,
+                                    grads_carried=carried)
             stored = record
             if self._ranked is not None:
                 self._ranked.opened(step, self.state)
@@ -321,6 +325,7 @@ class Recorder:
                                                      data_started, stored=stored)
             if self._ranked is not None:
                 self._ranked.finished(step, outcome.loss, self._hooks)
+            self._last_updated = outcome.updated or outcome.scaler_skipped
             self._stepped(outcome)
             self._last_step_end = time.perf_counter()  # after the recorder's own flush of the step
         except BaseException as error:

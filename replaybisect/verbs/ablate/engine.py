@@ -197,7 +197,8 @@ def _arm_change(cfg, spec: dict[str, Any]) -> Change:
         return interventions.baseline_change(cfg)
     if spec.get("patch"):
         return patch_change(cfg, Patch.from_json(spec["patch"]))
-    ctx = ArmContext(failing_step=spec["failing_step"], start_step=spec["start_step"], end_step=spec["end_step"])
+    ctx = ArmContext(failing_step=spec["failing_step"], start_step=spec["start_step"], end_step=spec["end_step"],
+                     carried_gradients=spec.get("carried_gradients", False))
     return _on_optimizer(interventions.get(spec["intervention"]).apply(cfg, ctx, spec["value"]), spec.get("optimizer"))
 
 
@@ -238,6 +239,7 @@ def _apply_optimizer_changes(state, change: Change, hooks) -> None:
         for group in state.optimizer.param_groups:
             if key in group:
                 group[key] = group[key] * scale
+    state.clear_grads = change.clear_grads
     if change.lr_factor is not None:
         optimizer = state.optimizer
         if change.optimizer is not None:
@@ -727,6 +729,7 @@ class _ArmPlan:
     runnable: list[str]
     estimated_steps: int
     warnings: list[str]
+    carried_gradients: bool = False  # the run's loop carried gradients into a step (zero-grad applies)
 
 
 def _checked_failing_step(store, run_id: str, from_step: Optional[int]) -> Optional[int]:
@@ -798,7 +801,9 @@ def _plan_arms(store, run_id: str, specs: list[ArmSpec], from_step: Optional[int
     end = anchor + horizon
     reference, threshold = _reference_loss(logged, start, anchor, onset)
     grad_norms = _healthy_grad_norms(store, run_id, onset, failing_step)
-    ctx = ArmContext(failing_step=failing_step, start_step=start, end_step=end, grad_norms=grad_norms)
+    carried = bool(store.metric_history(run_id, "grads_carried"))  # (the recorder logs it where a loop carried them)
+    ctx = ArmContext(failing_step=failing_step, start_step=start, end_step=end, grad_norms=grad_norms,
+                     carried_gradients=carried)
     specs = specs + _suggested_arms(specs, grad_norms)
     _check_optimizers(store.tags(run_id), specs, run_id)
     changes = {spec.name: _on_optimizer(interventions.get(spec.intervention).apply(cfg, ctx, spec.value), spec.optimizer)
@@ -813,6 +818,7 @@ def _plan_arms(store, run_id: str, specs: list[ArmSpec], from_step: Optional[int
         changes[PATCH_ARM] = patch_change(cfg, patch)
     runnable = [BASELINE] + [spec.name for spec in specs if changes[spec.name].not_applicable is None]
     return _ArmPlan(cfg=cfg, failing_step=failing_step, onset=onset, snapshot_step=snapshot.step, start=start, end=end,
+                    carried_gradients=carried,
                     logged=logged, reference=reference, threshold=threshold, grad_norms=grad_norms, changes=changes,
                     specs=specs, patch=patch, runnable=runnable, estimated_steps=len(runnable) * (end - snapshot.step),
                     warnings=warnings), snapshot
@@ -849,7 +855,7 @@ def _arm_specs(store, run_id: str, plan: _ArmPlan, trust: Trust) -> list[dict[st
         specs.append({"tracking_uri": uri, "run_id": run_id, "arm": name, "snapshot_step": plan.snapshot_step,
                       "start_step": plan.start, "end_step": plan.end, "failing_step": plan.failing_step,
                       "intervention": arm.intervention if arm else None, "value": arm.value if arm else None,
-                      "optimizer": arm.optimizer if arm else None,
+                      "optimizer": arm.optimizer if arm else None, "carried_gradients": plan.carried_gradients,
                       "patch": plan.patch.to_json() if name == PATCH_ARM and plan.patch else None,
                       "params": plan.changes[name].params if name in plan.changes else {}, "trust": trust.to_json()})
     return specs

@@ -34,6 +34,7 @@ class ArmContext:
     start_step: int  # the arm's changes apply from this step on
     end_step: int  # exclusive: the last step replayed is end_step - 1
     grad_norms: list[float] = field(default_factory=list)  # the run's recorded finite pre-clip norms before the failure
+    carried_gradients: bool = False  # the run's loop carried gradients into a step (it did not clear them)
 
 
 @dataclass
@@ -48,6 +49,7 @@ class Change:
     skip_steps: frozenset = frozenset()  # steps whose batch is dropped (no forward, no update)
     skip_rows: Optional[tuple[int, tuple[int, ...]]] = None  # (step, rows): rows dropped from that step's batch
     reseed: Optional[int] = None  # another data-order and RNG seed from the arm's start on
+    clear_grads: bool = False  # every step starts with cleared gradients (a loop that never clears them)
     note: str = ""  # extra advice shown with the arm (e.g. the suggested clip threshold)
     not_applicable: Optional[str] = None  # why this change means nothing for this run (then it is not run)
     optimizer: Optional[str] = None  # of several optimizers (core/several.py): the one the lr change is made on
@@ -61,7 +63,7 @@ class Intervention:
     parse: Optional[Callable[[str], Any]] = None  # the text after `name=` -> the value; ValueError says what is expected
     show: Callable[[Any], str] = str  # a value -> its text in an arm's label (`lr=x0.1`)
     default: Any = None  # the bare name's value (None: decided per run, e.g. the warmup's length)
-    needs_value: bool = False  # bare, it means nothing (skip-rows: which rows): left out of the default arms
+    by_default: bool = True  # one of the arms run when none are named (not skip-rows: bare it means nothing)
 
 
 @dataclass(frozen=True)
@@ -96,9 +98,9 @@ REGISTRY: dict[str, Intervention] = {}
 
 
 def intervention(name: str, description: str, parse: Optional[Callable[[str], Any]] = None,
-                 show: Callable[[Any], str] = str, default: Any = None, needs_value: bool = False):
+                 show: Callable[[Any], str] = str, default: Any = None, by_default: bool = True):
     def register(function: Callable[[Any, ArmContext, Any], Change]):
-        REGISTRY[name] = Intervention(name, description, function, parse, show, default, needs_value)
+        REGISTRY[name] = Intervention(name, description, function, parse, show, default, by_default)
         return function
 
     return register
@@ -399,7 +401,7 @@ def skip_failing_batch(cfg, ctx: ArmContext, step: Optional[int]) -> Change:
 
 @intervention("skip-rows", "drop rows of the failing step's batch (skip-rows=3+17, the rows `replay nan` names) and keep "
               "the rest: is the failure in the data of those rows?", parse=parse_rows, show=lambda rows: "+".join(map(str, rows)),
-              needs_value=True)
+              by_default=False)
 def skip_failing_rows(cfg, ctx: ArmContext, rows: Optional[tuple[int, ...]]) -> Change:
     if rows is None:
         return Change(cfg, {}, "no rows", not_applicable="name the rows to drop: skip-rows=3+17 (replay nan names the rows a "
@@ -412,6 +414,15 @@ def skip_failing_rows(cfg, ctx: ArmContext, rows: Optional[tuple[int, ...]]) -> 
     shown = "+".join(map(str, rows))
     return Change(cfg=cfg, params={"skip_rows": shown, "skip_rows_step": ctx.failing_step},
                   summary=f"row{'s' if len(rows) > 1 else ''} {shown} of step {ctx.failing_step}'s batch dropped", skip_rows=(ctx.failing_step, rows))
+
+
+@intervention("zero-grad", "clear the gradients at the start of every step (optimizer.zero_grad()): for a loop that "
+              "never clears them, or accumulates them over steps", by_default=False)
+def clear_gradients(cfg, ctx: ArmContext, value: None) -> Change:
+    if not ctx.carried_gradients:
+        return Change(cfg, {}, "gradients cleared", not_applicable="the run's loop cleared its gradients before every "
+                                                                   "step's backward: there are none to clear")
+    return Change(cfg=cfg, params={"zero_grad": True}, summary="zero_grad() before every step", clear_grads=True)
 
 
 @intervention("seed", "another data-order and dropout seed from the replay's start (default: the run's + 1; seed=7 for "

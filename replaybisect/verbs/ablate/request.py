@@ -102,7 +102,7 @@ def parse_arms(arms: Optional[str | list[str]], default_all: bool = True) -> lis
     """'lr,clip=265' -> [ArmSpec('lr'), ArmSpec('clip', 265.0)]; None/empty -> every registered intervention that
     runs bare (or none when not `default_all`). Unknown arms and bad values are one-line errors, before anything runs."""
     if arms is None or (isinstance(arms, str) and not arms.strip()):
-        return [ArmSpec(name) for name in interventions.names() if not interventions.get(name).needs_value] if default_all else []
+        return [ArmSpec(name) for name in interventions.names() if interventions.get(name).by_default] if default_all else []
     items = arms.split(",") if isinstance(arms, str) else [a for part in arms for a in part.split(",")]
     specs: list[ArmSpec] = []
     for item in (i.strip() for i in items):

@@ -69,7 +69,7 @@ class Series:
 EMPTY = Series(np.zeros(0, dtype=np.int64), np.zeros(0))
 
 # Metrics diagnose reads; weight_norm/<module> is not needed by any detector, so it is never fetched.
-SCALAR_KEYS = ("loss", "val_loss", "grad_norm", "lr", "step_time", "data_time", "update_ratio", "param_norm")
+SCALAR_KEYS = ("loss", "val_loss", "grad_norm", "lr", "step_time", "data_time", "update_ratio", "param_norm", "grads_carried")
 LAYER_PREFIXES = ("grad_norm/", "act_zero_frac/", "act_sat_frac/")
 
 
@@ -285,6 +285,45 @@ def detect_exception(curves: Curves) -> list[Finding]:
     return [Finding("exception", f"step {step} raised {raised}{where}: the run crashed there (the state before the step "
                     "and its batch are kept)", evidence, _cmd("nan", curves), step=step,
                     source="the recorder keeps a step that raised as it keeps a non-finite one; replay nan reproduces it")]
+
+
+NOT_ZEROED_MIN_STEPS = 5  # steps carrying gradients in a row, from step 1, before a loop is said never to clear them
+
+
+@detector("gradients-not-zeroed")
+def detect_gradients_not_zeroed(curves: Curves) -> list[Finding]:
+    """Every step from step 1 on began with the gradients of the steps before it (the recorder's grads_carried): the
+    loop never clears them (no optimizer.zero_grad()), so each update applies the sum of every gradient so far. A
+    loop that accumulates over steps on purpose clears them every few steps, and is not this."""
+    carried = curves.get("grads_carried")
+    loss = curves.get("loss")
+    if len(carried) < NOT_ZEROED_MIN_STEPS or not len(loss):
+        return []
+    steps = set(int(step) for step in carried.steps)
+    last = int(loss.steps[-1]) if curves.failing_step is None else curves.failing_step
+    if steps != set(range(1, last + 1)) and steps != set(range(1, last)):  # (the failing step may have stopped first)
+        return []
+    evidence: dict[str, Any] = {"carried_steps": len(steps), "from_step": 1}
+    said = []
+    norms = curves.get("grad_norm").finite()
+    if len(norms) >= 2 * NOT_ZEROED_MIN_STEPS:
+        edge = _edge_count(len(norms))
+        early, late = float(np.median(norms.values[:edge])), float(np.median(norms.values[-edge:]))
+        evidence.update(grad_norm_early=_round(early), grad_norm_late=_round(late))
+        if early > 0:
+            said.append(f"grad norm x{late / early:.3g} (median {early:.3g} -> {late:.3g})")
+    healthy = curves.healthy_loss
+    if len(healthy) >= 2 * NOT_ZEROED_MIN_STEPS:
+        start, end = _loss_levels(healthy)
+        evidence.update(loss_start=_round(start), loss_end=_round(end))
+        said.append(f"loss {start:.3g} -> {end:.3g}")
+    return [Finding("gradients-not-zeroed",
+                    "the loop never clears its gradients: from step 1 every step's backward added to all earlier steps' "
+                    "(no optimizer.zero_grad()), so each update applies the sum of every gradient so far"
+                    + (f"; {', '.join(said)}" if said else ""),
+                    evidence, _cmd("ablate zero-grad", curves) + ("" if curves.failing_step is not None else " --from-step 1"),
+                    step=1, source="the recorder saw each step's backward add to gradients its loop had not cleared "
+                    "(the Stack Overflow / PyTorch forum 'forgot optimizer.zero_grad()' bug, TrainCheck's silent-error set)")]
 
 
 @detector("nan")
@@ -1148,7 +1187,7 @@ def detect_rank_loss_scale(curves: Curves) -> list[Finding]:
 
 # ---- the analysis ----------------------------------------------------------------------------------------
 ORDER = [
-    "exception", "nan-at-start", "nan-after-k", "divergence", "dead-relu", "flat-from-start", "no-gradient", "exploding-gradients",
+    "exception", "gradients-not-zeroed", "nan-at-start", "nan-after-k", "divergence", "dead-relu", "flat-from-start", "no-gradient", "exploding-gradients",
     "vanishing-gradients", "update-ratio", "spikes", "oscillation", "slow-learning", "plateau", "overfitting",
     "distribution-mismatch", "input-pipeline-bound", "replicas-drifted", "rank-loss-scale",
 ]

@@ -31,7 +31,7 @@ from replaybisect.verbs.nan.divergence import LayerHistory, buffer_scaling, deci
 
 CATEGORIES = ("divergence", "data", "forward", "loss", "backward", "optimizer", "corrupt-state", "transient", "exception")
 FAULTS = ("forward", "loss", "backward", "optimizer")  # verdicts a divergence can stand behind (the op met runaway values)
-ARMS = ("lr", "clip", "precision", "warmup", "eps", "skip-batch", "skip-rows", "seed")  # `replay ablate` arm names
+ARMS = ("lr", "clip", "precision", "warmup", "eps", "skip-batch", "skip-rows", "seed", "zero-grad")  # `replay ablate` arm names
 HISTORY_WINDOW = 50  # fit log(grad_norm) over the last <= 50 finite steps before t
 HISTORY_MIN_POINTS = 8
 from replaybisect.core.thresholds import GRAD_NORM_TREND_EXPLODING_FACTOR as EXPLODING_FACTOR  # noqa: E402
@@ -101,6 +101,8 @@ class NanReport:
     exception: Optional[dict[str, Any]] = None
     # a fault keyed on the data: the batch rows its first non-finite op made them in ({"rows", "of", "dataset_rows"})
     rows: Optional[dict[str, Any]] = None
+    # every step from 1 to the failing one began with the gradients of the steps before it (the loop never clears them)
+    gradients_never_cleared: bool = False
 
     def to_json(self) -> dict[str, Any]:
         from replaybisect.core.jsonutil import to_jsonable
@@ -253,6 +255,7 @@ def find_nan(
         report.loss_history = sorted((s, v) for s, v in losses.items() if s < examined)
         report.grad_norm_history = sorted((s, v) for s, v in grad_norms.items() if s < examined)
         report.history = history_fit(report.loss_history, report.grad_norm_history)
+        report.gradients_never_cleared = _never_cleared(store, run_id, examined)
 
         if crashed:
             _classify_crash(report, result, tags)
@@ -431,9 +434,9 @@ def _compare_with_snapshot(state, rng_raw, snapshot) -> tuple[str, list[str]]:
     import torch
 
     from replaybisect.core import rng
-    from replaybisect.core.state import live_tensors
+    from replaybisect.core.state import GRAD_PREFIX, live_tensors
 
-    live = live_tensors(state)
+    live = live_tensors(state, grads=any(name.startswith(GRAD_PREFIX) for name in snapshot.tensors))
     differ = []
     for name in sorted(set(live) | set(snapshot.tensors)):
         a, b = live.get(name), snapshot.tensors.get(name)
@@ -1208,6 +1211,10 @@ def _suggest(report: NanReport, results: _StepResults, script: Optional[str] = N
         report.arms, report.ablate_command = [], None
         return
     choice = _ArmChoice()
+    if report.gradients_never_cleared:
+        choice.add("zero-grad: the loop never clears its gradients (from step 1 each step's backward added to all earlier "
+                   "steps'), so every update applies their sum; zero-grad clears them before each step, as "
+                   "optimizer.zero_grad() in the loop would", "zero-grad")
     if report.rows is not None:  # keyed on the data: no lr or clip fixes what a few rows of the batch make
         _arms_for_rows(report, choice)
     else:
@@ -1218,6 +1225,12 @@ def _suggest(report: NanReport, results: _StepResults, script: Optional[str] = N
     assert report.category in CATEGORIES and {arm.partition("=")[0] for arm in choice.arms} <= set(ARMS), (report.category, choice.arms)
     _write_suggestion(report, choice)
     _propose_fix(report, script)
+
+
+def _never_cleared(store, run_id: str, step: int) -> bool:
+    """Every step from 1 up to `step` began with gradients its loop had not cleared (the recorder's grads_carried)."""
+    carried = {int(at) for at, _ in store.metric_history(run_id, "grads_carried")}
+    return step > 1 and set(range(1, step)) <= carried
 
 
 def _propose_fix(report: NanReport, script: Optional[str]) -> None:
