@@ -599,6 +599,12 @@ def _proven_suggestion(arm: ArmOutcome) -> str:
     return f"suggested {arm.intervention} {arm.label.partition('=')[2]} ({arm.suggested}), run as arm {arm.label}: {arm.verdict}{where}"
 
 
+# arms that remove a cause, and what it is: an lr or clip arm that also helps only hides it
+CAUSES = {"zero-grad": "the loop never clears its gradients (add optimizer.zero_grad())",
+          "skip-rows": "those rows of the batch make the failure", "skip-batch": "the failing batch makes the failure"}
+CAUSE_ORDER = tuple(CAUSES)
+
+
 def conclusion_text(result_arms: list[ArmOutcome], failing_step: Optional[int], inconclusive: Optional[str],
                     run_id: Optional[str] = None) -> str:
     """One line: which arms (with the values they ran at) fix, delay or worsen the failure; every value suggested
@@ -630,6 +636,11 @@ def conclusion_text(result_arms: list[ArmOutcome], failing_step: Optional[int], 
             parts.append("another seed avoids it: the failure depends on the data order or random draws")
         if "precision" in kinds:
             parts.append("reduced-precision overflow/underflow: keep the failing ops in fp32 or use bf16")
+        masking = [arm.label or arm.name for arm in result_arms
+                   if arm.intervention in ("lr", "clip", "warmup") and arm.verdict in ("fixes", "delays")]
+        if kinds & set(CAUSES) and masking:  # a cause found: smaller updates only hide it
+            cause = next(kind for kind in CAUSE_ORDER if kind in kinds)
+            parts.append(f"{', '.join(masking)} only mask{'s' if len(masking) == 1 else ''} it: {CAUSES[cause]}")
     elif patch is None:
         parts.append("no single change fixes the failure")
         if run_id is not None:
