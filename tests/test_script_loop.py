@@ -75,8 +75,12 @@ def test_a_changed_script_is_refused_and_an_untrusted_one_is_not_run(recorded, m
         assert folder_tree(project) == before  # nothing ran
     finally:
         script.write_text(original)
-    with pytest.raises(ReplayError, match="only `replay nan` and `replay ablate` replay it"):
-        rb.check(run_id=run_id, tracking_uri=workspace.tracking_uri, publish=False)
+    # replay check reads the run through the script run again too, writing nothing in its folder
+    before = folder_tree(project)
+    report = rb.check(run_id=run_id, tracking_uri=workspace.tracking_uri, publish=False, only="grad")
+    assert report.checked_run_id == run_id and report.snapshot_step is not None
+    assert {check.name: check.status for check in report.checks}["grad.missing"] == "pass"
+    assert folder_tree(project) == before
 
 
 def test_writes_into_protected_folders_are_refused_and_reads_are_not(tmp_path):

@@ -181,3 +181,18 @@ def test_several_optimizers_keep_their_state_in_one_state_dict():
     assert torch.equal(fresh.named["D"].state[D.bias]["momentum_buffer"], optimizers.named["D"].state[D.bias]["momentum_buffer"])
     fresh.param_groups[1]["lr"] = 0.5  # a group of the joined optimizer is the member's own
     assert fresh.named["D"].param_groups[0]["lr"] == 0.5 and D.weight in fresh.state
+
+
+def test_check_reads_the_gan_through_its_own_loop(gan):
+    """`replay check --run-id` on a script recorded as written: the probes run through the re-entered script's loop
+    (the modules named by model, G.* and D.*); the checks that need hundreds of steps more than the loop runs say so."""
+    workspace, folder, run_id = gan
+    result = Workspace(folder).replay("check", "--run-id", run_id, "--json", env=workspace.env())
+    assert result.returncode == 0, result.stderr
+    checks = {check["name"]: check for check in result.json()["checks"]}
+    assert {checks[name]["status"] for name in ("grad.nonfinite", "grad.missing", "grad.vanishing", "grad.update_ratio")} == {"pass"}
+    assert "all 12 parameters got non-zero gradients" in checks["grad.missing"]["detail"]
+    assert "D.main.6" in checks["act.saturation"]["detail"] and "G.main" in checks["act.relu_zero"]["detail"]
+    for name in ("overfit.one_batch", "lr.range_test"):
+        assert checks[name]["status"] == "skip" and "the script's own loop ended before this check's steps" in checks[name]["detail"]
+    assert result.json()["status"] == "pass" and result.json()["checked_run_id"] == run_id

@@ -106,8 +106,8 @@ def taken_over() -> bool:
 def live_parts() -> dict[str, Any]:
     """The objects the re-entered script handed over: what `build(config)` is for an importable run."""
     if _live is None:
-        raise ReplayError("this run was recorded from a script (its step a closure, no importable build): only "
-                          "`replay nan` and `replay ablate` replay it, by running the script again")
+        raise ReplayError("this run was recorded from a script (its step a closure, no importable build): `replay nan`, "
+                          "`replay ablate` and `replay check` replay it, by running the script again")
     return dict(_live)
 
 

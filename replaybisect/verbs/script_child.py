@@ -164,7 +164,19 @@ def _arm(job: dict[str, Any], log: Callable[[str], None]) -> Any:
     return run_arm(job["arguments"]["spec"], lambda step: log(f"{ARM_STEP}{step}"))
 
 
-JOBS: dict[str, Callable[[dict[str, Any], Callable[[str], None]], Any]] = {"nan": _nan, "arm": _arm}
+def _check(job: dict[str, Any], log: Callable[[str], None]) -> Any:
+    from replaybisect.core.trust import Trust
+    from replaybisect.store import open_store
+    from replaybisect.verbs.check.engine import CheckOptions, check
+
+    arguments = job["arguments"]
+    store = open_store(job["tracking_uri"], create=False)
+    report = check(store, run_id=job["run_id"], step=arguments.get("step"), options=CheckOptions(**arguments["options"]),
+                   trust=Trust.from_json(job["trust"]), progress=log)
+    return report.to_full_json()
+
+
+JOBS: dict[str, Callable[[dict[str, Any], Callable[[str], None]], Any]] = {"nan": _nan, "arm": _arm, "check": _check}
 
 
 if __name__ == "__main__":

@@ -23,7 +23,8 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
-from replaybisect.core import loop, user_step
+from replaybisect.core import loop, reentry, user_step
+from replaybisect.core.inline_step import LoopEnded, RemoteStep
 from replaybisect.core.guard import scaler_enabled
 from replaybisect.core.layer_stats import SATURATING, ZEROING, norm_of, parameter_owners
 from replaybisect.core.snapshot import like
@@ -72,6 +73,22 @@ class Check:
             value = str(value)
         return {"name": self.name, "status": self.status, "value": value, "detail": self.detail, "layer": self.layer}
 
+    def to_full_json(self) -> dict[str, Any]:
+        """With the curves behind it (`extra`): how a check made in a re-entered script comes back."""
+        from replaybisect.core.jsonutil import to_jsonable
+
+        return {**self.to_json(), "extra": to_jsonable(self.extra)}
+
+    @classmethod
+    def from_full_json(cls, data: dict[str, Any]) -> "Check":
+        value = data["value"]
+        extra = dict(data.get("extra") or {})
+        if extra.get("lr_range") is not None:
+            extra["lr_range"] = lr_finder.LRRangeResult(**{key: _unjson(v) for key, v in extra["lr_range"].items()})
+        if "losses" in extra:
+            extra["losses"] = [_unjson(v) for v in extra["losses"]]
+        return cls(data["name"], data["status"], _unjson(value), data["detail"], data.get("layer"), extra)
+
 
 @dataclass
 class CheckOptions:
@@ -84,6 +101,13 @@ class CheckOptions:
     probe_batches: int = 4  # batches forwarded for activation / dead-unit statistics
     grad_steps: int = 3  # steps whose gradients the gradient-flow checks read
     only: Optional[list[str]] = None  # check names or groups (data, loss, init, act, grad, overfit, lr)
+
+
+def _unjson(value: Any) -> Any:
+    """A float JSON could not hold ("nan", "inf", "-inf") as the float again (lists of them too)."""
+    if isinstance(value, list):
+        return [_unjson(item) for item in value]
+    return float(value) if value in ("nan", "inf", "-inf") else value
 
 
 def worst(statuses) -> str:
@@ -365,6 +389,8 @@ def _user_step_passes(state: loop.TrainState, batches: list, probe: ForwardProbe
         try:
             outcome = loop.run_step(state, 0, loop.to_device(batch, state.device), halt_on_nonfinite=False)
             probe.losses.append(outcome.loss)
+        except LoopEnded:
+            raise
         except Exception as error:
             probe.errors.append(f"{type(error).__name__}: {_first_line(error)}")
         probe.batches += 1
@@ -480,6 +506,8 @@ def grad_probe(state: loop.TrainState, batches: list) -> GradProbe:
                 probe.nonfinite = f"non-finite {outcome.nonfinite.replace('_', ' ')} at probe step {index}"
                 probe.nonfinite_step, probe.nonfinite_loss = index, outcome.loss
                 break
+    except LoopEnded:  # no steps left in a script's loop: the checks reading this probe skip (run_checks)
+        raise
     except Exception as error:
         probe.error = f"{type(error).__name__}: {_first_line(error)}"
     finally:
@@ -525,6 +553,8 @@ class CheckContext:
         self._lr_range: Optional[lr_finder.LRRangeResult] = None
         self._sample: Optional[tuple[list[int], list]] = None
         self.batch_errors: list[str] = []
+        # a re-entered script's own objects (state.live) cannot be copied: each copy is those objects, put back first
+        self._live_saved = loop.copy_state(state) if state.live else None
 
     # the run's batches, in the run's order ------------------------------------------------------------
     def batch(self, offset: int):
@@ -579,7 +609,13 @@ class CheckContext:
         return self._sample
 
     def copy(self) -> loop.TrainState:
-        return loop.clone_state(self.state)
+        """A state to train freely: a clone, or for a script's own objects those objects, with the state the checks
+        began from loaded back (the copies are used one at a time)."""
+        if self._live_saved is None:
+            return loop.clone_state(self.state)
+        loop.load_state(self.state, self._live_saved)
+        self.state.optimizer.zero_grad(set_to_none=True)
+        return loop.under_settings(self.state, self.state.cfg)
 
     def probe(self) -> ForwardProbe:
         if self._probe is None:
@@ -1440,23 +1476,33 @@ def select(only: Optional[list[str]]) -> list[str]:
     return [n for n in names if n in only or group_of(n) in only]
 
 
+MANY_STEPS = ("overfit.one_batch", "lr.range_test")  # hundreds of steps each (a script's loop may end first)
+
+
 def run_checks(ctx: CheckContext, progress: Optional[Callable[[str], None]] = None) -> list[Check]:
     """Run the selected checks. Nothing here changes the user's model, optimizer or RNG streams: every
     check runs under `isolated_rng()`, seeded on its own, against copies."""
     results = []
+    names = select(ctx.options.only)
+    if isinstance(ctx.state.step_fn, RemoteStep):  # a script's own loop runs each step: the checks of few steps first
+        names = sorted(names, key=lambda name: name in MANY_STEPS)
     with isolated_rng():
-        for name in select(ctx.options.only):
+        for name in names:
             if progress:
                 progress(name)
             seed_everything(ctx.seed)
             try:
                 result = REGISTRY[name](ctx)
+            except LoopEnded:  # a loop recorded as written ran its last iteration: the checks needing more steps skip
+                result = Check(name, "skip", None, "the script's own loop ended before this check's steps (a re-entered "
+                               "script runs as many iterations as its command line asks for)")
             except ReplayError:
                 raise
             except Exception as error:  # the user's code raised inside a check: that is a finding
                 result = Check(name, "fail", None, f"could not run: {type(error).__name__}: {_first_line(error)}")
             results.append(result)
-    return results
+    order = select(ctx.options.only)
+    return sorted(results, key=lambda check: order.index(check.name))  # (as selected, whatever order they ran in)
 
 
 # ---- the command: a config or a recorded run, checked into a CheckReport (report.publish records it) ---------
@@ -1490,6 +1536,23 @@ class CheckReport:
     def lr_range(self) -> Optional[lr_finder.LRRangeResult]:
         found = self.find("lr.range_test")
         return found.extra.get("lr_range") if found else None
+
+    def to_full_json(self) -> dict[str, Any]:
+        """Every field, the checks' curves too: how a report made in a re-entered script comes back."""
+        from dataclasses import fields
+
+        from replaybisect.core.jsonutil import to_jsonable
+
+        data = {f.name: to_jsonable(getattr(self, f.name)) for f in fields(self) if f.name not in ("checks", "options")}
+        return {**data, "checks": [check.to_full_json() for check in self.checks], "options": to_jsonable(self.options)}
+
+    @classmethod
+    def from_full_json(cls, data: dict[str, Any]) -> "CheckReport":
+        values = dict(data)
+        values["checks"] = [Check.from_full_json(check) for check in data["checks"]]
+        values["options"] = CheckOptions(**data["options"])
+        values["configured_lr"] = _unjson(values.get("configured_lr"))
+        return cls(**values)
 
     def to_json(self) -> dict[str, Any]:
         lr = self.lr_range
@@ -1545,7 +1608,18 @@ def check(
 
     # 1. build everything first: bad input never creates a run
     if run_id:
-        ctx, snapshot_step, reason, warnings = _recorded_context(store, run_id, step, options, trust)
+        cfg_of_run = _recorded_config(store, run_id, trust)
+        if cfg_of_run.train.get("script") is not None and not reentry.replaying():  # checked inside the script, run again
+            from dataclasses import asdict
+
+            from replaybisect.script_replay import run_in_script
+
+            arguments = {"step": step, "options": asdict(options)}
+            report = CheckReport.from_full_json(run_in_script("check", store, run_id, cfg_of_run, trust, arguments,
+                                                              progress or (lambda line: None)))
+            report.seconds = time.perf_counter() - started  # (the script's start and its hand-over too)
+            return report
+        ctx, snapshot_step, reason, warnings = _recorded_context(store, run_id, step, options, cfg_of_run)
     else:
         if cfg is None:
             raise ReplayError("pass a config (--config-dir/--config-name, overrides) or --run-id")
@@ -1565,10 +1639,9 @@ def check(
     )
 
 
-def _recorded_context(store, run_id: str, step: Optional[int], options: CheckOptions, trust):
-    """A recorded run rebuilt for the checklist: (context, snapshot step or None, why that snapshot, warnings)."""
+def _recorded_config(store, run_id: str, trust):
+    """The config of a run the checks can read (refused in one line otherwise), admitted as `trust` says."""
     from replaybisect import restore as restore_mod
-    from replaybisect.verbs.check import recorded
 
     if store is None:
         raise ReplayError(f"checking run {run_id} needs the store it was recorded in")
@@ -1584,9 +1657,16 @@ def _recorded_context(store, run_id: str, step: Optional[int], options: CheckOpt
             f"run {run_id} has {what}: it was not recorded by `replay train`; "
             "check a config instead: replay check --config-dir DIR --config-name NAME"
         )
-    choice = recorded.choose_snapshot(store, run_id, step)  # a bad --step: one line, before anything is built
-    cfg = restore_mod.run_config(store, run_id, trust)  # trust: --code-dir/--trust (replaybisect.core.trust.Trust)
+    return restore_mod.run_config(store, run_id, trust)  # trust: --code-dir/--trust (replaybisect.core.trust.Trust)
+
+
+def _recorded_context(store, run_id: str, step: Optional[int], options: CheckOptions, cfg):
+    """A recorded run rebuilt for the checklist: (context, snapshot step or None, why that snapshot, warnings)."""
+    from replaybisect import restore as restore_mod
     from replaybisect.core import ranks
+    from replaybisect.verbs.check import recorded
+
+    choice = recorded.choose_snapshot(store, run_id, step)  # a bad --step: one line, before anything is built
 
     if ranks.recorded_sharded(cfg):  # its probes read whole parameters; a sharded replay holds DTensors
         raise ConfigError(f"run {run_id}'s model was sharded with fully_shard: replay check does not check a sharded run's "
