@@ -138,7 +138,8 @@ class StepWatch:
                 self.outcome.carried_grads = carried_gradients(self.state.model)
         self.close_forward()
         notify(self.observer, "after_forward", self.state, loss)
-        share = (loss if part is None else part).detach().float().sum()
+        share = (loss if part is None else part).detach()
+        share = (share.double() if share.dtype == torch.float64 else share.float()).sum()  # (fp64 stays fp64)
         self.running_loss = share if self.running_loss is None else self.running_loss + share
         if self.defer_reads:  # judged with the gradients, before the update: one read for both
             failed = ~torch.isfinite(loss.detach()).all()

@@ -655,7 +655,8 @@ def _loss_value(returned: Any, watch: StepWatch) -> float:
     """What the step returned (a tensor or a number); a step that returns nothing logs the sum of what it
     backpropagated (the mean loss, for micro-batch losses divided by their count)."""
     if isinstance(returned, torch.Tensor):  # with deferred reads it stays on the device, read at the metrics flush
-        value = returned.detach().float().reshape(()).clone()  # (a tensor the step reuses may change later)
+        # (a copy: a tensor the step reuses may change later; fp64 stays fp64, the store keeps doubles)
+        value = returned.detach().reshape(()).to(torch.float64 if returned.dtype == torch.float64 else torch.float32).clone()
         return value if watch.defer_reads else float(value.item())
     if isinstance(returned, (int, float)):
         return float(returned)

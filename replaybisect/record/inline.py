@@ -209,7 +209,11 @@ class InlineRecording:
         micro-batches so far). One raised after the update (the loop's logging, its evaluation) is the run's crash only;
         one raised after some of several optimizers updated keeps only the step's batch (reached from a snapshot)."""
         current = self._open
-        if current is None or current.reached_update or not current.record[user_step.RECORD_BATCH]:
+        if current is not None and self._update_reached(closing=True):  # a step the loop completed is logged
+            with contextlib.suppress(Exception):  # (the run's crash is `error`, whatever its logging meets)
+                self.close_step()
+            return
+        if current is None or not current.record[user_step.RECORD_BATCH]:
             return
         if not isinstance(error, Exception) or isinstance(error, (ReplayError, NonFiniteStep)):
             return

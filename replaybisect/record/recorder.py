@@ -264,7 +264,7 @@ class Recorder:
             except ConfigError as error:
                 self._fail(error)
                 raise
-            _watch_unclosed(self)
+        _watch_unclosed(self)  # a script that never calls rec.close() ends its run at exit, snapshots whole
 
     # what a recorder for replaybisect's own loop (verbs/train/ranks.py) sets differently
     clip_grad_norm: Optional[float] = None  # clipped where the step watch sees the gradients, as the built-in step does
@@ -490,7 +490,7 @@ def _named(stop: BaseException) -> str:
     return f"replaybisect.NonFiniteStep: {BaseException.__str__(stop)}"
 
 
-# Recorders watching a loop (no step_fn) whose run is not ended yet: the three-line form may leave out rec.close()
+# Recorders whose run is not ended yet: a script may leave out rec.close() (the three-line form, or a step function)
 _UNCLOSED: "weakref.WeakSet[Recorder]" = weakref.WeakSet()
 
 

@@ -1092,7 +1092,8 @@ def _judge_divergence(report: NanReport, results: _StepResults, model, layers: L
                        "source": report.source}
     where = " ".join(part for part in (report.module, report.op) if part)
     report.category = "divergence"
-    report.module, report.op, report.source = verdict.precursor or report.module, None, None
+    # the module the climb began in; none named where the layers' norms cannot tell (the overflow's place is a symptom)
+    report.module, report.op, report.source = verdict.precursor, None, None
     report.evidence[1:1] = verdict.evidence
     report.evidence.append(
         f"where the runaway values first overflowed: {report.overflow['phase']}" + (f" ({where})" if where else "")

@@ -1,0 +1,81 @@
+"""How a recorded loop ends and what it logged, as the plain script ran: a crash in the script's test pass after its
+last step keeps that step; a step-function Recorder the script never closes ends FINISHED with its snapshots whole;
+an fp64 loss is logged as the step made it, not rounded to fp32."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from conftest import Workspace
+
+HEAD = """\
+import torch, replaybisect
+torch.manual_seed(0)
+model = torch.nn.Linear(4, 1){double}
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+"""
+
+CRASH_IN_EVAL = HEAD.format(double="") + """\
+rec = replaybisect.Recorder(model, optimizer, snapshot_every=2)
+for step in range(5):
+    loss = model(torch.randn(8, 4)).pow(2).mean()
+    optimizer.zero_grad(); loss.backward(); optimizer.step()
+    print(repr(loss.item()))
+model.eval()
+with torch.no_grad():
+    model(torch.randn(3, 5))  # the test pass crashes: the wrong width
+"""
+
+NEVER_CLOSED = HEAD.format(double="") + """\
+def step(batch):
+    optimizer.zero_grad(); loss = model(batch).pow(2).mean(); loss.backward(); optimizer.step(); return loss
+rec = replaybisect.Recorder(model, optimizer, step_fn=step, snapshot_every=2)
+for i in range(5):
+    print(repr(rec.step(torch.randn(8, 4)).item()))
+"""
+
+FP64 = HEAD.format(double=".double()") + """\
+rec = replaybisect.Recorder(model, optimizer)
+for step in range(3):
+    loss = model(torch.randn(8, 4, dtype=torch.float64)).pow(2).mean() + 1e-9
+    optimizer.zero_grad(); loss.backward(); optimizer.step()
+    print(repr(loss.item()))
+rec.close()
+"""
+
+
+def _run(workspace: Workspace, script: str) -> tuple[subprocess.CompletedProcess, str, list[float]]:
+    (workspace.path / "loop.py").write_text(script)
+    done = subprocess.run([sys.executable, "loop.py"], cwd=workspace.path, env=workspace.env(), capture_output=True,
+                          text=True, timeout=300)
+    store = workspace.store()
+    run_id = store.search_runs()[0].info.run_id
+    return done, run_id, [value for _, value in store.metric_history(run_id, "loss")]
+
+
+def test_a_crash_after_the_last_step_keeps_that_step(tmp_path):
+    workspace = Workspace(tmp_path)
+    done, run_id, losses = _run(workspace, CRASH_IN_EVAL)
+    assert done.returncode == 1 and "mat1 and mat2 shapes cannot be multiplied" in done.stderr
+    printed = [float(line) for line in done.stdout.split()]
+    assert len(printed) == 5 and losses == printed  # (it logged 4: the last step was closed only by a next forward)
+    assert workspace.store().get_run(run_id).info.status == "FAILED"
+
+
+def test_a_step_function_recorder_never_closed_ends_finished_with_whole_snapshots(tmp_path):
+    workspace = Workspace(tmp_path)
+    done, run_id, losses = _run(workspace, NEVER_CLOSED)
+    assert done.returncode == 0, done.stderr
+    store = workspace.store()
+    assert store.get_run(run_id).info.status == "FINISHED" and len(losses) == 5
+    assert store.tags(run_id)["snapshot_steps"] == "0,2,4"  # each with its manifest: written whole before exit
+    result = workspace.replay("check", "--run-id", run_id, "--json", "--only", "grad.missing")
+    assert result.returncode == 0 and result.json()["checks"][0]["status"] == "pass", result.stderr
+
+
+def test_an_fp64_loss_is_logged_as_the_step_made_it(tmp_path):
+    workspace = Workspace(tmp_path)
+    done, _, losses = _run(workspace, FP64)
+    assert done.returncode == 0, done.stderr
+    assert losses == [float(line) for line in done.stdout.split()]  # bit for bit (fp32 rounding lost ~8 digits)
