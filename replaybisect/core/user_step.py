@@ -37,7 +37,8 @@ from replaybisect.errors import ConfigError, SnapshotError
 STEP_ARGUMENTS = ("model", "optimizer", "scheduler", "scaler", "batch", "config", "cfg", "step", "carry")
 RECORD_BATCH, RECORD_RNG, RECORD_LR, RECORD_CARRY, RECORD_VARIABLES = "batch", "rng", "lr", "carry", "variables"
 RECORD_GRADS = "grads_carried"  # the step began with the gradients its loop left (not cleared): its replay keeps them
-RECORD_KEYS = {RECORD_BATCH, RECORD_RNG, RECORD_LR, RECORD_CARRY, RECORD_VARIABLES, RECORD_GRADS}
+RECORD_EVAL = "eval_modules"  # the modules in eval mode as the step began (a frozen batch norm; "" the whole model)
+RECORD_KEYS = {RECORD_BATCH, RECORD_RNG, RECORD_LR, RECORD_CARRY, RECORD_VARIABLES, RECORD_GRADS, RECORD_EVAL}
 SCALARS = (bool, int, float, str, type(None))
 NO_LOSS = type("NoLoss", (), {"__repr__": lambda self: "NO_LOSS"})()  # a step whose every batch was skipped: no loss, no failure
 # A Lightning step's stored batch: its micro-batches, and where each sat in Lightning's loop (replaybisect.lightning)
@@ -216,7 +217,8 @@ def model_device(model: torch.nn.Module) -> torch.device:
 
 # ---- the stored batch: the user's batch and the RNG state its step started with ----------------------------
 def pack(batch: Any, device: torch.device, raw: Optional[dict[str, Any]] = None, optimizer=None,
-         carry: Optional[dict] = None, variables: Optional[dict[str, Any]] = None, grads_carried: bool = False) -> dict[str, Any]:
+         carry: Optional[dict] = None, variables: Optional[dict[str, Any]] = None, grads_carried: bool = False,
+         eval_modules: Optional[list[str]] = None) -> dict[str, Any]:
     """The batch as the recorder stores it (copied: a loop may reuse its buffers) with the RNG states its step
     starts with (core.rng.to_tensors). `raw`: those states as `core.rng.capture_raw` took them at this moment,
     when the caller has them. With `optimizer`, also each param group's lr as the loop set it for this step;
@@ -225,6 +227,8 @@ def pack(batch: Any, device: torch.device, raw: Optional[dict[str, Any]] = None,
     record = {RECORD_BATCH: copied(batch), RECORD_RNG: rng.to_tensors(raw if raw is not None else rng.capture_raw())}
     if grads_carried:
         record[RECORD_GRADS] = True
+    if eval_modules:
+        record[RECORD_EVAL] = list(eval_modules)
     if variables is not None:
         record[RECORD_VARIABLES] = variables
     if optimizer is not None:
@@ -607,7 +611,7 @@ def _run_record(state, watch: StepWatch, record) -> None:
     outcome.lr = float(state.optimizer.param_groups[0]["lr"])  # the lr this step runs with (set again just above)
     if state.carry is None:  # a replay's first step: what the recorded step started with; later steps carry their own
         state.carry = recorded_carry(record)
-    state.model.train()
+    set_modes(state.model, record.get(RECORD_EVAL) if _is_record(record) else None)
     if not carries_gradients(record, state):  # else it starts with what the loop left (the snapshot's, or the replay's own)
         state.optimizer.zero_grad(set_to_none=True)
     if isinstance(state.optimizer, ManualUpdate):
@@ -636,6 +640,19 @@ def _run_record(state, watch: StepWatch, record) -> None:
     watch.settle()
     if state.scheduler is not None and not steps_scheduler_itself(state.step_fn):
         state.scheduler.step()
+
+
+def eval_modules(model: torch.nn.Module) -> list[str]:
+    """The modules in eval mode (their names; "" the model itself): a step's modes, as the loop left them."""
+    return [name for name, module in model.named_modules() if not module.training]
+
+
+def set_modes(model: torch.nn.Module, in_eval: Optional[list[str]]) -> None:
+    """Train mode, but for the modules the recorded step had in eval mode (a frozen batch norm, a model left in eval):
+    each module's flag as it was (not train()/eval(), which set a module's children too)."""
+    in_eval = set(in_eval or ())
+    for name, module in model.named_modules():
+        module.training = name not in in_eval
 
 
 def holds_gradients(params) -> bool:

@@ -161,7 +161,8 @@ class InlineRecording:
         rng_at_start = loop.open_step(step, state, recorder._hooks, recorder._buffers)
         # the lr the loop set for this step, and the floats its code reads (an lr it applies by hand)
         record = user_step.pack([], state.device, rng_at_start, state.optimizer, variables=outside_model.loop_numbers(frame),
-                                grads_carried=user_step.holds_gradients(state.params))
+                                grads_carried=user_step.holds_gradients(state.params),
+                                eval_modules=user_step.eval_modules(state.model))
         outcome = StepOutcome(step=step, loss=math.nan, lr=float(state.optimizer.param_groups[0]["lr"]))
         watch = StepWatch(state, outcome, recorder._hooks.observer(step), on_fault=self._halt)
         watch.on_loss = self._targets.end

@@ -246,6 +246,7 @@ class Recorder:
         self._config_written = False
         self._last_step_end: Optional[float] = None
         self._last_updated = True  # the last rec.step made an update (else the next carries its gradients on)
+        self._eval_tagged = False  # the run's tag says the model trained in eval mode
         sources = own_sources(*([step_fn] if step_fn else []), *([build] if build else []),
                               files=[Path(script["path"])] if inline else [])
         self._session, self._hooks = ranked.run_of_this_rank(
@@ -314,7 +315,7 @@ class Recorder:
             record = user_step.pack(batch, self.state.device, rng_at_start, self.state.optimizer,
                                     self.state.carry if user_step.takes_carry(self.state.step_fn) else None,
                                     user_step.step_variables(self.state.step_fn) if self._settings["script"] else None,
-                                    grads_carried=carried)
+                                    grads_carried=carried, eval_modules=self._modes(step))
             stored = record
             if self._ranked is not None:
                 self._ranked.opened(step, self.state)
@@ -337,6 +338,17 @@ class Recorder:
             self._stop(getattr(self._hooks, "failed_outcome", None) or outcome)  # (a failure found at a flush: the step it happened at)
         value = outcome.loss_value  # (a copy: the value queued for logging stays as the step left it)
         return value.clone() if isinstance(value, torch.Tensor) else value
+
+    def _modes(self, step: int) -> list[str]:
+        """The modules in eval mode as this step begins (its record keeps them: a replay sets them so); the run is tagged
+        at the first step the whole model trains in eval mode (dropout off: replay diagnose's model-in-eval)."""
+        from replaybisect.core import user_step
+
+        in_eval = user_step.eval_modules(self.state.model)
+        if "" in in_eval and not self._eval_tagged and self.store is not None:
+            self._eval_tagged = True
+            self.store.set_tags(self.run_id, {EVAL_TAG: step})
+        return in_eval
 
     def _stepped(self, outcome) -> None:
         """A step is recorded (by `step`, or seen in the loop: record/inline.py)."""
@@ -483,6 +495,7 @@ def nonfinite_step(outcome, run_id: str) -> NonFiniteStep:
     return stop
 
 
+EVAL_TAG = "eval_mode_step"  # the first step the whole model trained in eval mode
 FULL_ERROR = "REPLAYBISECT_FULL_ERROR"  # =1: the whole traceback of a stopped run, framework frames and all
 
 

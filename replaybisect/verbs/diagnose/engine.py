@@ -287,6 +287,20 @@ def detect_exception(curves: Curves) -> list[Finding]:
                     source="the recorder keeps a step that raised as it keeps a non-finite one; replay nan reproduces it")]
 
 
+@detector("model-in-eval")
+def detect_model_in_eval(curves: Curves) -> list[Finding]:
+    """The whole model trained in eval mode from some step on (the Recorder's tag eval_mode_step): a model.eval()
+    for an evaluation pass never undone, so dropout is off and batch norm normalises with its running statistics."""
+    step = step_tag(curves.tags, "eval_mode_step", curves.run_id)
+    if step is None:
+        return []
+    return [Finding("model-in-eval", f"the model trained in eval mode from step {step}: dropout is off and batch norm "
+                    "normalises with its running statistics (a model.eval() for evaluation never undone)",
+                    {"from_step": step}, "call model.train() at the top of each training step (after any evaluation), "
+                    "then record again", step=step,
+                    source="the recorder saw the model in eval mode as a training step began (TrainCheck's silent-error set)")]
+
+
 NOT_ZEROED_MIN_STEPS = 5  # steps carrying gradients in a row, from step 1, before a loop is said never to clear them
 
 
@@ -1187,7 +1201,7 @@ def detect_rank_loss_scale(curves: Curves) -> list[Finding]:
 
 # ---- the analysis ----------------------------------------------------------------------------------------
 ORDER = [
-    "exception", "gradients-not-zeroed", "nan-at-start", "nan-after-k", "divergence", "dead-relu", "flat-from-start", "no-gradient", "exploding-gradients",
+    "exception", "gradients-not-zeroed", "model-in-eval", "nan-at-start", "nan-after-k", "divergence", "dead-relu", "flat-from-start", "no-gradient", "exploding-gradients",
     "vanishing-gradients", "update-ratio", "spikes", "oscillation", "slow-learning", "plateau", "overfitting",
     "distribution-mismatch", "input-pipeline-bound", "replicas-drifted", "rank-loss-scale",
 ]

@@ -168,7 +168,7 @@ COLORS = {
     "exception": "red", "nan-at-start": "red", "nan-after-k": "red", "spikes": "crimson", "plateau": "purple", "overfitting": "darkorange",
     "distribution-mismatch": "brown", "oscillation": "magenta", "flat-from-start": "gray", "exploding-gradients": "red",
     "vanishing-gradients": "teal", "dead-relu": "black", "update-ratio": "olive", "input-pipeline-bound": "navy",
-    "divergence": "red", "no-gradient": "gray", "slow-learning": "purple", "gradients-not-zeroed": "darkred",
+    "divergence": "red", "no-gradient": "gray", "slow-learning": "purple", "gradients-not-zeroed": "darkred", "model-in-eval": "darkorange",
 }
 
 
@@ -194,6 +194,7 @@ def _annotate(ax_loss, ax_grad, finding, curves) -> None:
         "oscillation": f"oscillating from {step}",
         "flat-from-start": "flat from the start",
         "gradients-not-zeroed": "gradients never cleared from here",
+        "model-in-eval": "trained in eval mode from here",
         "distribution-mismatch": "val flat (mismatch)",
     }.get(finding.pattern, f"{finding.pattern}{' ' + finding.layer if finding.layer else ''} @ {step}")
     on_grad = finding.pattern in ("exploding-gradients", "vanishing-gradients") or (finding.pattern.startswith("nan") and what == "grad_norm")
