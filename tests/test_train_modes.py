@@ -93,3 +93,35 @@ def test_a_frozen_batch_norm_replays_exact(tmp_path):
     assert result.returncode == 0, result.stderr
     report = result.json()
     assert (report["snapshot_step"], report["reproduced"], report["category"]) == (8, "exact", "data")
+
+
+NOT_OPTIMIZED = """\
+import torch, replaybisect
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+model.append(torch.nn.Linear(1, 1))  # the bug: a head added after the optimizer was built
+rec = replaybisect.Recorder(model, optimizer)
+for step in range(20):
+    x = torch.randn(16, 8)
+    loss = torch.nn.functional.mse_loss(model(x), x.sum(1, keepdim=True))
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+rec.close()
+"""
+
+
+def test_parameters_in_no_optimizer_are_named(tmp_path):
+    workspace = Workspace(tmp_path)
+    done = _run(workspace, NOT_OPTIMIZED)
+    run_id = re.search(r"recording run ([0-9a-f]{32})", done.stderr).group(1)
+    result = workspace.replay("diagnose", "--run-id", run_id, "--json")
+    finding = next(f for f in result.json()["findings"] if f["pattern"] == "not-optimized")
+    assert finding["evidence"]["parameters"] == ["3.weight", "3.bias"] and finding["layer"] == "3"
+    assert finding["summary"].startswith("3.weight, 3.bias get gradients but are in no optimizer")
+    # a healthy loop of the same shape is not flagged (nor trained in eval mode)
+    done = _run(workspace, NOT_OPTIMIZED.replace("model.append(torch.nn.Linear(1, 1))", "pass"))
+    run_id = re.search(r"recording run ([0-9a-f]{32})", done.stderr).group(1)
+    patterns = {f["pattern"] for f in workspace.replay("diagnose", "--run-id", run_id, "--json").json()["findings"]}
+    assert not patterns & {"not-optimized", "model-in-eval", "gradients-not-zeroed"}

@@ -163,6 +163,15 @@ class RecordingHooks:
         self._keep_grads(step, grads)
         self._close_open_snapshot()
 
+    def _tag_not_optimized(self) -> None:
+        """Parameters the first step gave gradients that no optimizer updates (a layer added after the optimizer was
+        built): tagged once, by name (replay diagnose's not-optimized)."""
+        optimized = {id(param) for param in self.state.params}
+        missed = [name for name, param in self.state.model.named_parameters() if param.grad is not None and id(param) not in optimized]
+        if missed:
+            shown = ",".join(missed[:NOT_OPTIMIZED_SHOWN]) + (f",+{len(missed) - NOT_OPTIMIZED_SHOWN}" if len(missed) > NOT_OPTIMIZED_SHOWN else "")
+            self.store.set_tags(self.run_id, {"not_optimized": shown})
+
     def _keep_grads(self, step: int, grads) -> None:
         """The snapshot opened at `step` holds the gradients the step began with (the loop had not cleared them)."""
         if grads is not None and self._open_snapshot is not None and self._open_snapshot["step"] == step:
@@ -186,6 +195,8 @@ class RecordingHooks:
         if self._stats is not None:
             self.metrics += [(key, value, step) for key, value in self._stats.finish().items()]
             self._stats = None
+        if step == 0 and self.state.user_loop:
+            self._tag_not_optimized()
         if outcome.carried_grads is not None:  # (diagnose's gradients-not-zeroed counts them)
             self.metrics.append(("grads_carried", 1.0, step))
             self._keep_grads(step, outcome.carried_grads)
@@ -422,6 +433,7 @@ class NullHooks:
         pass
 
 
+NOT_OPTIMIZED_SHOWN = 8  # parameter names the not_optimized tag lists
 VERDICT = "verdict/"  # record/device_guard.py's points: read with the metrics, never logged
 AFTER_BACKWARD = ("grad_norm/", "weight_norm/", "param_norm", "update_ratio")  # layer statistics of a step's backward and update
 

@@ -287,6 +287,21 @@ def detect_exception(curves: Curves) -> list[Finding]:
                     source="the recorder keeps a step that raised as it keeps a non-finite one; replay nan reproduces it")]
 
 
+@detector("not-optimized")
+def detect_not_optimized(curves: Curves) -> list[Finding]:
+    """Parameters that get gradients but are in no optimizer (the Recorder's tag not_optimized, from the first
+    step): they never change; typically a layer added or replaced after the optimizer was built."""
+    names = [name for name in (curves.tags.get("not_optimized") or "").split(",") if name]
+    if not names:
+        return []
+    listed = ", ".join(names)
+    return [Finding("not-optimized", f"{listed} get{'s' if len(names) == 1 else ''} gradients but {'is' if len(names) == 1 else 'are'} "
+                    "in no optimizer: never updated (a layer added after the optimizer was built?)", {"parameters": names},
+                    "build the optimizer after the model is complete (or optimizer.add_param_group for them), then record again",
+                    step=0, layer=names[0].rsplit(".", 1)[0],
+                    source="the recorder compared the first step's gradients with the optimizer's parameters (TrainCheck's silent-error set)")]
+
+
 @detector("model-in-eval")
 def detect_model_in_eval(curves: Curves) -> list[Finding]:
     """The whole model trained in eval mode from some step on (the Recorder's tag eval_mode_step): a model.eval()
@@ -1201,7 +1216,7 @@ def detect_rank_loss_scale(curves: Curves) -> list[Finding]:
 
 # ---- the analysis ----------------------------------------------------------------------------------------
 ORDER = [
-    "exception", "gradients-not-zeroed", "model-in-eval", "nan-at-start", "nan-after-k", "divergence", "dead-relu", "flat-from-start", "no-gradient", "exploding-gradients",
+    "exception", "gradients-not-zeroed", "model-in-eval", "not-optimized", "nan-at-start", "nan-after-k", "divergence", "dead-relu", "flat-from-start", "no-gradient", "exploding-gradients",
     "vanishing-gradients", "update-ratio", "spikes", "oscillation", "slow-learning", "plateau", "overfitting",
     "distribution-mismatch", "input-pipeline-bound", "replicas-drifted", "rank-loss-scale",
 ]
