@@ -1,0 +1,44 @@
+"""The docs a newcomer reads: a README of at most 200 lines whose links all land, and the site under docs/ built
+with MkDocs in strict mode (a broken link, a missing page or a docstring the API reference cannot read fails it),
+its CLI reference generated from the commands."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+LINK = re.compile(r"\]\(([^)#\s]+)(#[^)]*)?\)")
+
+
+def test_the_readme_is_short_and_its_links_land():
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert len(text.splitlines()) <= 200
+    targets = [match.group(1) for match in LINK.finditer(text) if "://" not in match.group(1)]
+    assert targets and [target for target in targets if not (ROOT / target).exists()] == []
+    # the test command CI runs is the README's
+    ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
+    command = next(line for line in ci.splitlines() if line.startswith("python -m pytest"))
+    assert command in text
+
+
+def test_the_paths_the_docs_name_exist():
+    """Every examples/... and tests/... path a page names (a recipe's script, an example folder) is in the repository."""
+    named = set()
+    for page in (ROOT / "docs").rglob("*.md"):
+        named |= set(re.findall(r"`((?:examples|tests)/[\w./-]+?)`", page.read_text(encoding="utf-8")))
+    assert named and sorted(path for path in named if not (ROOT / path.rstrip(".")).exists()) == []
+
+
+def test_the_site_builds_strict(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-d", str(tmp_path / "site")], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300, env={**__import__("os").environ, "NO_MKDOCS_2_WARNING": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    cli = (tmp_path / "site" / "reference" / "cli" / "index.html").read_text(encoding="utf-8")
+    for command in ("train", "runs", "nan", "ablate", "bisect", "check", "diagnose", "watch"):
+        assert f'id="replay-{command}"' in cli
+    assert "--horizon" in cli and "Replay this many steps past the failing step" in cli  # ablate's own --help
+    api = (tmp_path / "site" / "reference" / "api" / "index.html").read_text(encoding="utf-8")
+    assert "find_nan" in api and "Recorder" in api
