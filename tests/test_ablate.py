@@ -16,7 +16,7 @@ import conftest
 from conftest import Workspace, as_printed, assert_one_line_error
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
-ALL_ARMS = ["lr", "clip", "precision", "warmup", "eps", "skip-batch", "skip-rows", "seed"]
+ALL_ARMS = ["lr", "clip", "precision", "warmup", "eps", "skip-batch", "skip-rows", "zero-grad", "seed"]
 
 
 def train_example(ws: Workspace, name: str, *overrides: str, env: dict[str, str] | None = None):

@@ -42,3 +42,11 @@ def test_the_site_builds_strict(tmp_path):
     assert "--horizon" in cli and "Replay this many steps past the failing step" in cli  # ablate's own --help
     api = (tmp_path / "site" / "reference" / "api" / "index.html").read_text(encoding="utf-8")
     assert "find_nan" in api and "Recorder" in api
+
+
+def test_the_command_pages_show_what_the_commands_print():
+    """The output on the nan, ablate and diagnose pages is what `replay` prints now on the examples they show (run
+    again here, normalised: run ids, folders and timings); a change in what a command says fails here first."""
+    done = subprocess.run([sys.executable, str(ROOT / "docs" / "_hooks" / "command_outputs.py"), "--check"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]

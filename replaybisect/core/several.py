@@ -170,13 +170,6 @@ def models(model) -> list[torch.nn.Module]:
     return model.members() if isinstance(model, Models) else [model]
 
 
-def tags(optimizer) -> dict[str, str]:
-    """The run's tag naming its optimizers, where several."""
-    from replaybisect.store import TAG
-
-    return {TAG + OPTIMIZERS_TAG: ",".join(optimizer.named)} if isinstance(optimizer, Optimizers) else {}
-
-
 def named_models(model) -> list[tuple[Optional[str], torch.nn.Module]]:
     """The models the loop calls, each with its name (the one model: None)."""
     return list(model.items()) if isinstance(model, Models) else [(None, model)]

@@ -252,7 +252,7 @@ class Recorder:
         self._session, self._hooks = ranked.run_of_this_rank(
             link, tracking_uri, on_nonfinite,
             lambda: open_session(tracking_uri, experiment, code_folder, {"replaybisect.loop": "user", **sources, **self.run_tags,
-                                                                          **several.tags(parts["optimizer"])},
+                                                                          **_optimizer_names(parts["optimizer"])},
                                  run_name or f"train {name} (own loop)"),
             lambda session: session.start_recording(self.cfg, self.state, {"seed": int(self.cfg.seed)}, runs_steps=not inline))
         self.store, self.run_id = self._session.store, self._session.run_id
@@ -425,6 +425,15 @@ class Recorder:
             self.close()
         else:
             self._fail(error)
+
+
+def _optimizer_names(optimizer) -> dict[str, str]:
+    """The run's tag naming its optimizers, where several (an ablation arm on one: lr[D]=x0.1)."""
+    from replaybisect.store import TAG
+
+    if not isinstance(optimizer, several.Optimizers):
+        return {}
+    return {TAG + several.OPTIMIZERS_TAG: ",".join(optimizer.named)}
 
 
 def _checked_arguments(tracking_uri, experiment, run_name, seed, snapshot_every, layer_stats_every, steps,
