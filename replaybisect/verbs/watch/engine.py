@@ -808,8 +808,8 @@ class Watcher:
             active.process = process
             if active.released or active.lost:  # given up while it started, when _release or _renew saw no process yet
                 _kill(process)
-            try:
-                process.wait(timeout=self.options.time_limit)
+            try:  # the limit counts from the step's start: the child's own start (a fork, its imports) is the step's too
+                process.wait(timeout=max(0.0, self.options.time_limit - (time.monotonic() - started)))
             except subprocess.TimeoutExpired:
                 _kill(process)
                 process.wait()
