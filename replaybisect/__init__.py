@@ -164,13 +164,12 @@ def ablate(
     """Replay the failure once unchanged and once per one-variable change (as `replay ablate`); each arm gets a
     verdict (fixes | delays | no-effect | worse). Arms take values (`"lr=x0.3"`, `"clip=265"`); `patch` replays your
     changed module(s) as one more arm; `sweep="lr"` (or "clip") searches the stable range instead of arms.
-    Default arms: lr, clip, precision (none with `patch` or `sweep`). `executor="submitit"` runs the arms as SLURM
+    Default arms: those `replay ablate` runs with none named (`replay ablate --list`; none with `patch` or `sweep`).
+    `executor="submitit"` runs the arms as SLURM
     jobs; `submitit` holds the command's job options by name: cluster, partition, time_min, gpus, cpus, mem_gb,
     executor_folder."""
     from replaybisect.verbs.ablate.request import AblateRequest
 
-    if arms is None and patch is None and sweep is None:
-        arms = ("lr", "clip", "precision")
     request = AblateRequest(run_id=run_id, arms=arms, from_step=from_step, horizon=horizon, workers=workers,
                             executor=executor, **_submitit_options(submitit), tracking_uri=tracking_uri,
                             code_dirs=code_dirs, trust=trust, allow_unsigned=allow_unsigned, publish=publish, patch=patch, sweep=sweep)

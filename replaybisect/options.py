@@ -196,12 +196,6 @@ def say(text: str) -> None:
     print(text, file=OUR_STDERR, flush=True)
 
 
-def stdout_console():
-    from rich.console import Console
-
-    return Console(file=OUR_STDOUT)
-
-
 class StepProgress:
     """Progress of a long step on stderr: a rich bar on a terminal, else a line at the start and about every
     LINE_SECONDS (`training: step 120/500`), so piped or logged output is never silent for minutes."""

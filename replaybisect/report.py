@@ -69,15 +69,6 @@ def markdown_table(headers: Sequence[str], rows: Iterable[Sequence[Any]]) -> str
     return "\n".join(lines)
 
 
-def rich_table(title: str, headers: Sequence[str], rows: Iterable[Sequence[Any]]) -> Table:
-    table = Table(title=title, title_justify="left")
-    for header in headers:
-        table.add_column(header)
-    for row in rows:
-        table.add_row(*(plain(fmt_number(cell)) for cell in row))  # a cell is data, never markup
-    return table
-
-
 def new_figure(rows: int = 1, cols: int = 1, size: tuple[float, float] = (8, 4)):
     """A matplotlib figure on the Agg backend (no display needed)."""
     import matplotlib

@@ -240,3 +240,47 @@ def test_the_requests_import_neither_torch_nor_mlflow():
     code = f"import sys, replaybisect.cli, {modules}; print(sorted(m for m in ('torch', 'mlflow') if m in sys.modules))"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "[]", done.stdout + done.stderr
+
+
+def test_both_front_doors_default_every_shared_option_the_same():
+    """What a user leaves out means the same through `replay VERB` and `replaybisect.VERB(...)`: every option the
+    command and the function share has one default (the arms `replay ablate` runs when none are named included: the
+    function used to default to lr,clip,precision, the command to every arm)."""
+    import inspect
+    from pathlib import Path
+
+    import typer
+
+    command = typer.main.get_command(APP)
+    verbs = {"nan": rb.find_nan, "ablate": rb.ablate, "check": rb.check, "diagnose": rb.diagnose, "bisect": rb.bisect,
+             "train": rb.train}
+
+    def same(value):  # () and None and "" are all "not given"; a path and its text are one path
+        if value in (None, (), [], ""):
+            return None
+        return tuple(value) if isinstance(value, (list, tuple)) else str(value) if isinstance(value, Path) else value
+
+    differ = {}
+    for name, function in verbs.items():
+        cli = {param.name: param.default for param in command.commands[name].params}
+        api = {key: param.default for key, param in inspect.signature(function).parameters.items()
+               if param.default is not inspect.Parameter.empty}
+        differ.update({f"{name} {key}": (cli[key], api[key]) for key in set(cli) & set(api) if same(cli[key]) != same(api[key])})
+    assert differ == {}
+
+
+def test_the_function_runs_the_arms_the_command_runs_when_none_are_named(monkeypatch):
+    from replaybisect.verbs.ablate import engine
+    from replaybisect.verbs.ablate.request import parse_arms
+
+    asked = []
+
+    def captured(store, request, **_):
+        asked.append([spec.name for spec in request.specs])
+        raise KeyboardInterrupt  # (nothing past the request is wanted)
+
+    monkeypatch.setattr(rb, "_run_store", lambda uri, run_id: None)
+    monkeypatch.setattr(engine, "ablate_request", captured)
+    with pytest.raises(KeyboardInterrupt):
+        rb.ablate(RUN)
+    assert asked == [[spec.name for spec in parse_arms(None)]]  # every arm that runs bare, as `replay ablate`

@@ -185,9 +185,6 @@ class Trust:
         return any(part in ARTIFACT_FOLDER_NAMES or (part == "artifacts" and index and _RUN_ID.match(parts[index - 1]))
                    for index, part in enumerate(parts))
 
-    def allowed_prefix(self, target: str) -> bool:
-        return any(_under(target, prefix) for prefix in self.prefixes)
-
 
 def _under(path: str, prefix: str) -> bool:
     return path == prefix or path.startswith(prefix + ".")

@@ -463,5 +463,3 @@ def read_points(points: list[tuple[str, Any, int]]) -> list[tuple[str, float, in
     return [point for point in read if point[1] is not None]
 
 
-def is_finite(value: float | None) -> bool:
-    return value is not None and math.isfinite(value)

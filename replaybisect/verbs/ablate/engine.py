@@ -978,13 +978,16 @@ def ablate(
     Reads the store and writes nothing: `ablate.report.publish(store, result)` records the arms' child runs
     and the report.
 
-    `arms`: names, with a value or not (`lr=x0.3,clip=265,precision`). `patch`: a .py file or a folder of the user's
+    `arms`: names, with a value or not (`lr=x0.3,clip=265,precision`), or the ArmSpecs a checked request holds
+    (its options checked with them: not again). `patch`: a .py file or a folder of the user's
     changed modules, replayed as one more arm. `sweep`: "lr" or "clip", searched for the stable range instead of arms.
     `progress(arm, "step"|"done", step)` reports work as it happens; `on_plan(arm_names, start, end)` is
     called once the arms and steps are known (per round for a sweep).
     """
     patch = str(patch) if patch is not None else None
-    specs = check_options(arms, horizon=horizon, workers=workers, executor=executor, from_step=from_step, patch=patch, sweep=sweep)
+    checked = isinstance(arms, list) and all(isinstance(arm, ArmSpec) for arm in arms)
+    specs = arms if checked else check_options(arms, horizon=horizon, workers=workers, executor=executor,
+                                               from_step=from_step, patch=patch, sweep=sweep)
     started = time.perf_counter()
     trust = trust or Trust.from_user()  # the workers inherit it
     from replaybisect.verbs.ablate.patch import check_path
@@ -1035,7 +1038,7 @@ def ablate(
 def ablate_request(store, request: AblateRequest, *, progress: Optional[Callable[[str, str, int], None]] = None,
                    on_plan: Optional[Callable[[list[str], int, int], None]] = None) -> AblationResult:
     """`ablate` as a checked request asks it (`replay ablate` and `replaybisect.ablate`)."""
-    return ablate(store, request.run_id, request.arm_list, from_step=request.from_step, horizon=request.horizon,
+    return ablate(store, request.run_id, request.specs, from_step=request.from_step, horizon=request.horizon,
                   workers=request.workers, executor=request.executor, submitit_options=request.submitit_options(),
                   progress=progress, on_plan=on_plan, trust=request.trusted, patch=request.patch, sweep=request.sweep)
 

@@ -58,6 +58,7 @@ class AblateRequest:
     allow_unsigned: Optional[str] = None  # this run's id: replayed without a signature that verifies
     publish: bool = True
     trusted: Any = field(init=False, repr=False, compare=False)  # the trust decision, built when the request is
+    specs: Any = field(init=False, repr=False, compare=False)  # the arms as checked (ArmSpecs): what the engine runs
 
     def __post_init__(self) -> None:
         checks.setattrs(self, tracking_uri=checks.tracking_uri(self.tracking_uri))
@@ -81,8 +82,9 @@ class AblateRequest:
             code_dirs=checks.paths(self.code_dirs, "code_dirs"), trust=checks.strings(self.trust, "trust", what="module prefixes"),
             publish=checks.flag(self.publish, "publish"),
         )
-        check_options(self.arm_list, horizon=self.horizon, workers=self.workers, executor=self.executor,
-                      from_step=self.from_step, patch=self.patch, sweep=self.sweep)
+        specs = check_options(self.arm_list, horizon=self.horizon, workers=self.workers, executor=self.executor,
+                              from_step=self.from_step, patch=self.patch, sweep=self.sweep)
+        checks.setattrs(self, specs=specs)  # the arms as checked once: what the engine runs
         if self.executor == "submitit" or self.cluster is not None:
             self.submitit_options()  # checked: one line for a setting that cannot work, before any run is read
         checks.setattrs(self, trusted=checks.trust_of(self.code_dirs, self.trust, self.run_id, self.allow_unsigned))

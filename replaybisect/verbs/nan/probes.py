@@ -158,10 +158,6 @@ def op_name(func: Any) -> str:
     return name
 
 
-def module_names(model: torch.nn.Module) -> dict[int, str]:
-    return {id(module): name for name, module in model.named_modules()}
-
-
 def param_names(state: "loop.TrainState") -> dict[int, str]:
     return {id(param): name for name, param in state.model.named_parameters()}
 
