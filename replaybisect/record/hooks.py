@@ -243,6 +243,8 @@ class RecordingHooks:
     def _keep_batch(self, step: int, batch, force: bool = False) -> None:
         """Keep the batch of `step` for the open snapshot (always the failing batch, whatever keep_batches says)."""
         if (self.keep_batches or force) and self._open_snapshot is not None:
+            if step not in self._open_snapshot["batches"]:
+                self._open_snapshot["held_bytes"] = self._open_snapshot.get("held_bytes", 0) + _nbytes(batch)
             self._open_snapshot["batches"][step] = batch
 
     def _close_open_snapshot(self) -> None:
@@ -297,6 +299,10 @@ class RecordingHooks:
     def _flush_metrics(self) -> None:
         judging = self.device_guard is not None and not self.halted  # (once halted, later steps are not recorded)
         verdicts = self.device_guard.verdict_points() if judging else []
+        if self.steps_completed:  # the memory the run holds now, at the last step recorded (host counters: no sync),
+            at = self.steps_completed - 1  # and the recorder's own share: the batches the open snapshot keeps
+            held = float(self._open_snapshot.get("held_bytes", 0)) if self._open_snapshot is not None else 0.0
+            self.metrics += [(name, value, at) for name, value in memory_points(self.state.device)] + [("memory/recorder", held, at)]
         points, self.metrics = read_points(self.metrics + verdicts), []  # one transfer for both
         self._next_flush = time.monotonic() + self.flush_seconds
         if judging:
@@ -442,6 +448,27 @@ def _logged_when_halted(name: str, what: str) -> bool:
     """Whether a step halted before its update (at its loss, or at its gradients) logs this point: not its
     validation, nor the layer statistics of its backward and update, nor a gradient norm after a failed loss."""
     return name != "val_loss" and not name.startswith(AFTER_BACKWARD) and not (what == "loss" and name == "grad_norm")
+
+
+def _nbytes(value: Any) -> int:
+    """The bytes of the tensors in a stored batch (a record: its micro-batches, RNG states, carry)."""
+    from torch.utils._pytree import tree_leaves
+
+    return sum(leaf.nbytes for leaf in tree_leaves(value) if isinstance(leaf, torch.Tensor))
+
+
+def memory_points(device: torch.device) -> list[tuple[str, float]]:
+    """The memory the process holds: on a CUDA device the allocator's current and peak bytes (host-side counters),
+    else the process's resident set size (/proc/self/statm; none where there is no such file)."""
+    if device.type == "cuda":
+        return [("memory/allocated", float(torch.cuda.memory_allocated(device))),
+                ("memory/peak", float(torch.cuda.max_memory_allocated(device)))]
+    try:
+        with open("/proc/self/statm", "rb") as statm:
+            resident_pages = int(statm.read().split()[1])
+    except (OSError, IndexError, ValueError):
+        return []
+    return [("memory/rss", float(resident_pages * os.sysconf("SC_PAGE_SIZE")))]
 
 
 def read_points(points: list[tuple[str, Any, int]]) -> list[tuple[str, float, int]]:

@@ -69,7 +69,8 @@ class Series:
 EMPTY = Series(np.zeros(0, dtype=np.int64), np.zeros(0))
 
 # Metrics diagnose reads; weight_norm/<module> is not needed by any detector, so it is never fetched.
-SCALAR_KEYS = ("loss", "val_loss", "grad_norm", "lr", "step_time", "data_time", "update_ratio", "param_norm", "grads_carried")
+SCALAR_KEYS = ("loss", "val_loss", "grad_norm", "lr", "step_time", "data_time", "update_ratio", "param_norm", "grads_carried",
+               "memory/rss", "memory/allocated", "memory/recorder")
 LAYER_PREFIXES = ("grad_norm/", "act_zero_frac/", "act_sat_frac/")
 
 
@@ -285,6 +286,61 @@ def detect_exception(curves: Curves) -> list[Finding]:
     return [Finding("exception", f"step {step} raised {raised}{where}: the run crashed there (the state before the step "
                     "and its batch are kept)", evidence, _cmd("nan", curves), step=step,
                     source="the recorder keeps a step that raised as it keeps a non-finite one; replay nan reproduces it")]
+
+
+LEAK_MIN_POINTS = 5  # memory samples (one per metrics flush) a trend needs
+LEAK_MIN_BYTES = 64 << 20  # the memory held grew by at least 64 MB (a process's libraries alone hold ~0.5 GB) ...
+LEAK_MIN_R2 = 0.9  # ... along a straight line over the steps (a one-off jump, a cache filling once, is not a leak)
+
+
+@detector("memory-leak")
+def detect_memory_leak(curves: Curves) -> list[Finding]:
+    """The memory the run holds (the allocator's on a GPU, the process's resident set on CPU, sampled at each metrics
+    flush) grows along a straight line with the steps: something keeps each step's tensors alive (the classic
+    `losses.append(loss)`, which holds every step's graph), and the run ends out of memory at that rate."""
+    series = next((curves.get(key) for key in ("memory/allocated", "memory/rss") if len(curves.get(key))), None)
+    if series is None:  # (a run recorded before memory was, or by another tool)
+        return []
+    memory = _less_the_recorders(series.finite(), curves.get("memory/recorder"))
+    if len(memory) < LEAK_MIN_POINTS:  # a run of a few flushes: too short to grow by a leak's 64 MB on a line
+        return []
+    steps, values = memory.steps[1:].astype(float), memory.values[1:]  # the first flush holds the warm-up's allocations
+    if len(values) < LEAK_MIN_POINTS - 1 or values[0] <= 0:
+        return []
+    slope, intercept = np.polyfit(steps, values, 1)
+    fitted = slope * steps + intercept
+    r2 = 1 - float(np.sum((values - fitted) ** 2)) / max(float(np.sum((values - values.mean()) ** 2)), 1e-12)
+    growth = float(values[-1] - values[0])
+    if slope <= 0 or growth < LEAK_MIN_BYTES or r2 < LEAK_MIN_R2:
+        return []
+    per_step = float(slope)
+    key = "allocated" if len(curves.get("memory/allocated")) else "resident"
+    return [Finding("memory-leak", f"memory grows {_bytes(per_step)} per step along a straight line (R² {r2:.2f}): "
+                    f"{_bytes(float(values[0]))} at step {int(steps[0])} -> {_bytes(float(values[-1]))} at step "
+                    f"{int(steps[-1])}; something the loop fills across steps keeps each step's tensors alive (a list "
+                    "of outputs or features, a logging dict of tensors)",
+                    {"bytes_per_step": round(per_step), "from_step": int(steps[0]), "r2": _round(r2), "memory": key,
+                     "first_bytes": float(values[0]), "last_bytes": float(values[-1]), "samples": int(len(values))},
+                    "keep numbers (.item()) or CPU copies of what the loop collects across steps, then record again",
+                    step=int(steps[0]), source="the memory the recorder samples at each metrics flush, less the batches "
+                    "it keeps itself; PyTorch's FAQ: don't accumulate history across your training loop")]
+
+
+def _less_the_recorders(memory: Series, recorder: Series) -> Series:
+    """The memory the run held less what the recorder kept then (the batches of its open snapshot interval, written
+    and freed when the interval closes): the loop's own."""
+    if not len(recorder):
+        return memory
+    held = dict(zip(recorder.steps.tolist(), recorder.values.tolist()))
+    return Series(memory.steps, np.array([value - held.get(step, 0.0) for step, value in zip(memory.steps.tolist(),
+                                                                                         memory.values.tolist())]))
+
+
+def _bytes(value: float) -> str:
+    for unit, size in (("GB", 1 << 30), ("MB", 1 << 20), ("KB", 1 << 10)):
+        if abs(value) >= size:
+            return f"{value / size:.3g} {unit}"
+    return f"{value:.0f} B"
 
 
 @detector("not-optimized")
@@ -1216,7 +1272,7 @@ def detect_rank_loss_scale(curves: Curves) -> list[Finding]:
 
 # ---- the analysis ----------------------------------------------------------------------------------------
 ORDER = [
-    "exception", "gradients-not-zeroed", "model-in-eval", "not-optimized", "nan-at-start", "nan-after-k", "divergence", "dead-relu", "flat-from-start", "no-gradient", "exploding-gradients",
+    "exception", "gradients-not-zeroed", "model-in-eval", "not-optimized", "memory-leak", "nan-at-start", "nan-after-k", "divergence", "dead-relu", "flat-from-start", "no-gradient", "exploding-gradients",
     "vanishing-gradients", "update-ratio", "spikes", "oscillation", "slow-learning", "plateau", "overfitting",
     "distribution-mismatch", "input-pipeline-bound", "replicas-drifted", "rank-loss-scale",
 ]
