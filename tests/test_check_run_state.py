@@ -90,7 +90,7 @@ def test_a_diverged_run_is_checked_at_its_last_snapshot_before_the_growth(ws, di
     # at that lr even the overfit probe climbs to inf: a divergence, and the advice is the lr, not the wiring
     assert checks["overfit.one_batch"]["status"] == "fail" and "a divergence" in checks["overfit.one_batch"]["detail"]
     assert checks["lr.range_test"]["status"] == "warn" and "from the run's initialization" in checks["lr.range_test"]["detail"]
-    assert "try optim.lr=" in shown and "wiring" not in shown
+    assert "try a learning rate of about" in shown and "optim.lr=" in shown and "wiring" not in shown
 
 
 def test_step_picks_a_snapshot_and_a_nonfinite_gradient_is_no_missing_one(ws, diverged):
@@ -148,7 +148,7 @@ def assert_nothing_flagged(report: dict, shown: str) -> None:
     flagged = {c["name"]: c["detail"] for c in report["checks"] if c["status"] in ("warn", "fail")}
     assert not flagged, flagged
     assert report["snapshot_step"] == 50 and report["snapshot_reason"] == "the newest snapshot (the run did not fail)"
-    assert "try optim.lr" not in shown and "could not run" not in shown
+    assert "try a learning rate" not in shown and "could not run" not in shown
 
 
 def test_a_sequence_first_language_model_is_checked_through_its_own_step(ws, healthy):

@@ -342,8 +342,10 @@ def _replay_arm(spec: dict[str, Any], on_step: Optional[Callable[[int], None]] =
                     try:
                         stopped = _replay_suffix(state, batches, hooks, change, start, spec["end_step"])
                     except LoopEnded:  # a loop recorded as written ran out of iterations: the arm is judged on what it ran
-                        restored.warnings.append(f"the script's own loop ended after step {max(hooks.losses, default=start)}, "
-                                                 f"before step {spec['end_step'] - 1}: this arm is judged on the steps it ran")
+                        restored.warnings.append(f"the script's own loop ended after step {max(hooks.losses, default=start)} "
+                                                 "(its iterations count from the snapshot in a replay, each fed a recorded "
+                                                 f"batch), before step {spec['end_step'] - 1}: this arm is judged on the "
+                                                 "steps it ran")
             except Exception as error:  # noqa: BLE001 - re-raised unless it is the arm's failure
                 raised = _raised_as_failure(error, hooks, spec)
     first = hooks.first_nonfinite or raised

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from replaybisect.core import loop, reentry, user_step
-from replaybisect.core.inline_step import LoopEnded, RemoteStep
+from replaybisect.core.inline_step import ARGS, KWARGS, OUTSIDE, LoopEnded, RemoteStep
 from replaybisect.core.guard import scaler_enabled
 from replaybisect.core.layer_stats import SATURATING, ZEROING, norm_of, parameter_owners
 from replaybisect.core.snapshot import like
@@ -123,6 +123,9 @@ def merged_micro_batches(batch):
     """A user loop's list of micro-batches (tuples or dicts of tensors, one structure) as one batch: every field
     concatenated along dim 0. Anything else is returned as it is."""
     batch = user_step.data_of(batch)
+    if isinstance(batch, list) and batch and all(isinstance(b, dict) and ARGS in b for b in batch):
+        # a loop recorded as written: each training call's inputs, then the targets its loss met outside the model
+        batch = [(*b[ARGS], *b[KWARGS].values(), *(b.get(OUTSIDE) or [])) for b in batch]
     if not isinstance(batch, (list, tuple)) or not batch or not all(isinstance(b, (list, tuple, dict)) for b in batch):
         return batch
     first = batch[0]
@@ -1065,7 +1068,7 @@ def loss_output_mismatch(ctx: CheckContext) -> Check:
     loss_fn = ctx.state.loss_fn
     name = type(loss_fn).__name__
     if call is None:
-        return Check("loss.output_mismatch", "skip", None, "the step function never called the configured loss (a model computing its own loss)")
+        return Check("loss.output_mismatch", "skip", None, "no configured loss function was called: the loss is computed in your own code (or by the model)")
     x, target = call[0], call[1] if len(call) > 1 else None
     if not isinstance(x, torch.Tensor) or not x.is_floating_point():
         return Check("loss.output_mismatch", "skip", None, f"the {name} input is not a float tensor")

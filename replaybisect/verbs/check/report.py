@@ -54,7 +54,9 @@ def _next_steps(report) -> list[str]:
     # a low lr is worth changing only when the model does not learn at it (a short sweep's steepest point is no target)
     slow = judged == "low" and overfit is not None and overfit.status != "pass"
     if lr and lr.suggested_lr and report.configured_lr and (judged == "high" or slow):
-        hints.append(f"try optim.lr={lr.suggested_lr:.2g} (LR range test suggestion; yours is {report.configured_lr:.2g})")
+        hints.append(f"try a learning rate of about {lr.suggested_lr:.2g} (the LR range test's suggestion; yours is "
+                     f"{report.configured_lr:.2g}): optim.lr={lr.suggested_lr:.2g} in a replay train config, your own "
+                     "setting in your code")
     if not failing:
         hints.append("train: replay train ... ; after a run, `replay diagnose --run-id ID` reads its curves")
     return hints

@@ -832,7 +832,7 @@ def _is_loss(report: NanReport, results: _StepResults, state) -> bool:
     if call is not None:
         report.module = f"{call.module} ({call.type})"
     elif state.loss_fn is None:  # a run from the user's own loop: the loss is computed in their step
-        report.module = "loss (computed in your step function)"
+        report.module = "loss (computed in your code, outside the model)"
     else:
         report.module = f"loss ({getattr(state.loss_fn, '__name__', type(state.loss_fn).__name__)})"
     report.evidence.append(f"forward: every module's output is finite; the loss is {probe.loss}")
@@ -891,7 +891,7 @@ def _name_forward_op(report: NanReport, op, intended: list[str] = ()) -> None:
     report.op = op.op
     report.source = op.source
     inputs = ", ".join(s.brief() for s in op.inputs[:2])
-    where = "outside the model (loss / step function)" if op.module is None else (op.module or "(root)")
+    where = "your code outside the model (the loss)" if op.module is None else (op.module or "(root)")
     report.evidence.append(
         f"the first op on the path to the non-finite loss to make a non-finite value from finite inputs: {op.op} in {where}"
         + (f" at {op.source}" if op.source else "") + f" (inputs {inputs} -> {op.output.brief()})"
