@@ -135,7 +135,7 @@ class StepWatch:
         if not self._backpropagated:
             self._backpropagated = True
             if self.state.user_loop:
-                self.outcome.carried_grads = carried_gradients(self.state.model)
+                self.outcome.carried_grads = carried_gradients(self.state.model, self.state.params)
         self.close_forward()
         notify(self.observer, "after_forward", self.state, loss)
         share = (loss if part is None else part).detach()
@@ -261,9 +261,12 @@ def _joined(earlier, norm: torch.Tensor) -> torch.Tensor:
     return torch.linalg.vector_norm(torch.stack([torch.as_tensor(earlier, dtype=norm.dtype, device=norm.device), norm]))
 
 
-def carried_gradients(model: torch.nn.Module) -> Optional[dict[str, torch.Tensor]]:
+def carried_gradients(model: torch.nn.Module, params: list) -> Optional[dict[str, torch.Tensor]]:
     """The gradients a step's first backward adds to, copied (None: none, the loop cleared them as it should): a loop
-    that never zeroes them, or accumulates over several steps. A replay must start the step with them."""
+    that never zeroes them, or accumulates over several steps. A replay must start the step with them. (`params`,
+    the optimizer's flat list, is checked first: naming the model's parameters walks its whole tree.)"""
+    if not any(param.grad is not None for param in params):
+        return None
     grads = {name: param.grad.detach().clone() for name, param in model.named_parameters() if param.grad is not None}
     return grads or None
 

@@ -643,8 +643,20 @@ def _run_record(state, watch: StepWatch, record) -> None:
 
 
 def eval_modules(model: torch.nn.Module) -> list[str]:
-    """The modules in eval mode (their names; "" the model itself): a step's modes, as the loop left them."""
+    """The modules in eval mode (their names; "" the model itself): a step's modes, as the loop left them. (Names
+    are made only when one is: named_modules() walks a GPT-2-sized tree in ~50 us, this check in ~13.)"""
+    if _all_training(model):
+        return []
     return [name for name, module in model.named_modules() if not module.training]
+
+
+def _all_training(module: torch.nn.Module) -> bool:
+    if not module.training:
+        return False
+    for child in module._modules.values():  # (a loop: a generator per module doubles the cost)
+        if child is not None and not _all_training(child):
+            return False
+    return True
 
 
 def set_modes(model: torch.nn.Module, in_eval: Optional[list[str]]) -> None:

@@ -139,7 +139,7 @@ class RecordingHooks:
         if self.halted or self.crashed_step is not None:
             return
         self.crashed_step = step
-        grads = carried_gradients(self.state.model) if self.state.user_loop else None  # (raised before its backward)
+        grads = carried_gradients(self.state.model, self.state.params) if self.state.user_loop else None  # (raised before its backward)
         self._keep_failing_step(step, batch, "exception", state_intact=not updated, grads=grads)
         frame = raised_at(error)
         tags = {"failing_step": step, "failure": "exception", "error_type": type(error).__name__,
