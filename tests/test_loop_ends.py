@@ -79,3 +79,48 @@ def test_an_fp64_loss_is_logged_as_the_step_made_it(tmp_path):
     done, _, losses = _run(workspace, FP64)
     assert done.returncode == 0, done.stderr
     assert losses == [float(line) for line in done.stdout.split()]  # bit for bit (fp32 rounding lost ~8 digits)
+
+
+OUT_OF_MEMORY = """\
+import torch, replaybisect
+torch.manual_seed(0)
+
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 1)
+
+    def forward(self, x, lengths):
+        return self.fc(x).repeat(1, int(lengths.max()))  # padded to the batch's longest
+
+
+model = Net()
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+rec = replaybisect.Recorder(model, optimizer, snapshot_every=4)
+for step in range(10):
+    x, lengths = torch.randn(16, 8), torch.randint(1, 5, (16,))
+    if step == 6:
+        lengths[3] = 10**11  # one absurdly long sequence: the step runs out of memory in the model
+    loss = model(x, lengths).pow(2).mean()
+    optimizer.zero_grad(); loss.backward(); optimizer.step()
+rec.close()
+"""
+
+
+def test_a_step_out_of_memory_in_the_model_is_replayed_to_its_op_and_batch(tmp_path):
+    """An out-of-memory error raised inside the model's forward of a loop recorded as written: the step is the run's
+    failing step, and `replay nan` reproduces it from snapshot 4 (the script's loop cannot go on past it, so the
+    probes run it once) and names the op, its line and the batch's 1e11 length (the replay used to end with the
+    script stopping 'while its loop ran the replay's steps')."""
+    workspace = Workspace(tmp_path)
+    done, run_id, _ = _run(workspace, OUT_OF_MEMORY)
+    assert "step 6 raised RuntimeError" in done.stderr and "can't allocate memory" in done.stderr
+    result = workspace.replay("nan", "--run-id", run_id, "--json", "--no-child-run")
+    assert result.returncode == 0, result.stderr
+    report = result.json()
+    assert (report["snapshot_step"], report["reproduced"], report["category"], report["phase"], report["op"]) == (
+        4, "exact", "exception", "forward", "Tensor.repeat")
+    assert report["exception"]["as_recorded"] and "return self.fc(x).repeat(1, int(lengths.max()))" in report["source"]
+    assert "range [1, 100000000000]" in " ".join(report["exception"]["batch"])
+    assert not report["warnings"]  # (one run of the step: no isolation check to fail)

@@ -38,7 +38,8 @@ class LoopEnded(ReplayError):
 
 
 def intercept_training_calls(model: torch.nn.Module, on_call: Callable[[tuple, dict], tuple[tuple, dict]],
-                             on_return: Callable[[Any], None]) -> Callable[[], None]:
+                             on_return: Callable[[Any], None],
+                             on_error: Optional[Callable[[Exception], None]] = None) -> Callable[[], None]:
     """Every training call of `model` (train mode, gradients on) goes through `on_call(args, kwargs)`, which returns
     the inputs the model then runs on, and `on_return(outputs)` after it; returns what undoes it. It runs before the model's own pre-hooks: hooks a
     probe adds or removes there (the root module's too) are seen whole, never mid-dispatch. Through the attribute
@@ -51,7 +52,12 @@ def intercept_training_calls(model: torch.nn.Module, on_call: Callable[[tuple, d
         if not (model.training and torch.is_grad_enabled()):  # evaluation is the script's own business
             return call_impl(*args, **kwargs)
         args, kwargs = on_call(args, kwargs)
-        outputs = call_impl(*args, **kwargs)
+        try:
+            outputs = call_impl(*args, **kwargs)
+        except Exception as error:  # the model raised (an out-of-memory activation, a shape it cannot take)
+            if on_error is not None:
+                on_error(error)
+            raise
         on_return(outputs)
         return outputs
 
@@ -100,13 +106,18 @@ class RemoteStep:
         self._stored_targets: list = []
         self._targets = outside_model.StepTargets(model, scaler, replaying=True, on_error=self._raised_in_loss)
         for name, member in several.named_models(model):
-            intercept_training_calls(member, functools.partial(self._inputs, name), self._returned)
+            intercept_training_calls(member, functools.partial(self._inputs, name), self._returned, self._raised_in_model)
         self._optimizers = {id(member) for member in several.members(optimizer)}
         for member in several.members(optimizer):
             self._skip_halted_updates(member)
         self._note_scaler_steps(scaler)
 
     # ---- the engine's side --------------------------------------------------------------------------------
+    @property
+    def ended(self) -> bool:
+        """The script's loop is over (rec.close(), or its model raised in a replayed step): no more steps run."""
+        return self._ended
+
     def attach(self, watch: StepWatch, numbers: Any) -> None:
         """The watch of the step about to be asked for, and the floats the loop read as it was recorded (user_step.run).
         A halt marks the step instead of raising into the script's code: the script's loop must go on to the next
@@ -256,6 +267,19 @@ class RemoteStep:
         if self._current is not None:
             self._current.error = error
             self._stop_here(self._current)
+
+    def _raised_in_model(self, error: Exception) -> None:
+        """The model raised inside a replayed step (a recorded crash replayed: an activation past memory): the engine
+        gets the error as the step's. The script's own code after the call cannot go on without the model's outputs,
+        so its thread waits here for the replay to end the process; a replay asking for another step is told so.
+        Outside a step it is the script's."""
+        current = self._current
+        if current is None:
+            return
+        self._failed(error)
+        self._ended, self._ended_after_halt = True, True
+        self._complete(current)
+        threading.Event().wait()
 
     def _raised_in_loss(self, error: Exception) -> torch.Tensor:
         """An op of the step's loss raised in the script's thread (a recorded crash replayed: a BCELoss refusing a

@@ -583,27 +583,41 @@ def _probe_crash(state, step, batch, rng_at_step, dataset_rows, log) -> _CrashRe
     from replaybisect.core import rng, user_step
     from replaybisect.verbs.nan import probes
 
+    from replaybisect.core.inline_step import RemoteStep
+    from replaybisect.frames import error_message, raised_at
+
     live_before = fingerprint(state)
     rng_before = rng.to_json(rng.capture_raw())
-    log(f"step {step}: plain replay of the step that raised")
-    error, frame, _ = on_copy(state, rng_at_step, _run_catching(step, batch))
     data = user_step.data_of(user_step.unpack(batch)[0]) if state.user_loop else batch
     shapes = [f"{name}: {probes.value_brief(tensor)}" for name, tensor in probes.tensors_in(data, "batch")][:8]
-    log(f"step {step}: probes (forward hooks, the op that raised)")
 
     def probed(copy):
         probe = probes.StepProbe(copy)
+        probe.raised_error = (None, None)
         try:
             probe.run(step, batch)
-        except Exception:  # noqa: BLE001 - as the plain step: what the probe saw up to the error is the finding
-            pass
+        except Exception as error:  # noqa: BLE001 - as the plain step: what the probe saw up to the error is the finding
+            probe.raised_error = (f"{type(error).__name__}: {error_message(error)}", raised_at(error))
         return probe
 
-    probe = on_copy(state, rng_at_step, probed)
-    again = on_copy(state, rng_at_step, _run_catching(step, batch))[:2]
+    # a loop recorded as written whose model raised cannot run that step again (the script's code after the call
+    # has no outputs to go on with): the probed run is the one run, its error the step's
+    once = isinstance(state.step_fn, RemoteStep)
+    if once:
+        log(f"step {step}: the step that raised, under the probes (forward hooks, the op that raised)")
+        probe = on_copy(state, rng_at_step, probed)
+        error, frame = probe.raised_error
+        again = None if state.step_fn.ended else on_copy(state, rng_at_step, _run_catching(step, batch))[:2]
+    else:
+        log(f"step {step}: plain replay of the step that raised")
+        error, frame, _ = on_copy(state, rng_at_step, _run_catching(step, batch))
+        log(f"step {step}: probes (forward hooks, the op that raised)")
+        probe = on_copy(state, rng_at_step, probed)
+        again = on_copy(state, rng_at_step, _run_catching(step, batch))[:2]
     isolation = {"state_unchanged": fingerprint(state) == live_before,
-                 "rng_unchanged": rng.to_json(rng.capture_raw()) == rng_before,
-                 "step_repeatable": again == (error, frame)}
+                 "rng_unchanged": rng.to_json(rng.capture_raw()) == rng_before}
+    if again is not None:  # (None: the script's loop ended with the step, which therefore ran once)
+        isolation["step_repeatable"] = again == (error, frame)
     return _CrashResults(error, frame, probe, probe.finder.raised, probe.finder.found,
                          shapes, probes.probe_batch(data, dataset_rows), isolation)
 
