@@ -71,7 +71,8 @@ MIN_EFFECT_OF_SPREAD = 0.1  # a BAD less than a tenth of GOOD's seed spread wors
 TAIL_FRACTION = 0.1  # the metric: mean over the last 10% of logged steps (DESIGN §5)
 # What `replay train` logs (replaybisect/record/hooks.py): a trial's --metric is one of these, or a per-layer one
 TRAIN_METRICS = ("loss", "val_loss", "grad_norm", "lr", "param_norm", "update_ratio", "step_time", "data_time",
-                 "snapshot_blocking_time")
+                 "snapshot_blocking_time", "grads_carried",
+                 "memory/rss", "memory/allocated", "memory/peak", "memory/recorder")  # (a memory regression bisects too)
 LAYER_METRICS = ("grad_norm/", "weight_norm/", "act_zero_frac/", "act_sat_frac/")  # + the layer's module name
 
 
