@@ -50,3 +50,14 @@ def test_the_command_pages_show_what_the_commands_print():
     done = subprocess.run([sys.executable, str(ROOT / "docs" / "_hooks" / "command_outputs.py"), "--check"], cwd=ROOT,
                           capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_the_whole_scripts_the_pages_show_are_the_ones_the_tests_run():
+    """A recording page shows its whole script by including the file a test runs (pymdownx.snippets), so the code a
+    reader copies is code the suite trains and replays."""
+    included = set()
+    for page in (ROOT / "docs").rglob("*.md"):
+        included |= set(re.findall(r'--8<-- "([^"]+)"', page.read_text(encoding="utf-8")))
+    assert {"tests/user_loop/gan_script.py", "tests/user_loop/lightning_script.py", "tests/user_loop/vae_script.py"} <= included
+    tests = " ".join(path.read_text(encoding="utf-8") for path in (ROOT / "tests").glob("test_*.py"))
+    assert [path for path in included if Path(path).name not in tests] == []
