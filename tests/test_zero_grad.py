@@ -68,6 +68,9 @@ def test_diagnose_names_the_missing_zero_grad(never_zeroed):
     assert first["pattern"] == "gradients-not-zeroed" and first["evidence"]["carried_steps"] == 44
     assert "no optimizer.zero_grad()" in first["summary"] and first["evidence"]["grad_norm_late"] > 100 * first["evidence"]["grad_norm_early"]
     assert first["next"] == f"replay ablate zero-grad --run-id {run_id}"
+    # the line: the loop's first training call (`loss = ...mse_loss(model(x), y)`, line 10 of main.py)
+    assert first["evidence"]["loop"] == "main.py:10 in <module>"
+    assert first["summary"].endswith("add optimizer.zero_grad() before the backward in the loop at main.py:10 in <module>")
 
 
 def test_ablate_zero_grad_fixes_it_and_a_lower_lr_does_not(never_zeroed):

@@ -158,6 +158,8 @@ class InlineRecording:
         the recorder's opening (snapshot, RNG, the loop's numbers)."""
         recorder, state = self.recorder, self.state
         step = recorder.steps_taken
+        if step == 0 and frame is not None:  # where the loop is: diagnose's findings name it
+            recorder._tag_loop(frame.f_code.co_filename, frame.f_lineno, frame.f_code.co_name)
         rng_at_start = loop.open_step(step, state, recorder._hooks, recorder._buffers)
         # the lr the loop set for this step, and the floats its code reads (an lr it applies by hand)
         record = user_step.pack([], state.device, rng_at_start, state.optimizer, variables=outside_model.loop_numbers(frame),

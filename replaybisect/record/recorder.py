@@ -307,6 +307,10 @@ class Recorder:
         if self._session.ended:
             raise RuntimeError("this Recorder is closed; make a new one for another run")
         step = self.steps_taken
+        if step == 0:
+            code = getattr(self.state.step_fn, "__code__", None)
+            if code is not None:
+                self._tag_loop(code.co_filename, code.co_firstlineno, code.co_name)
         called = time.perf_counter()
         try:
             rng_at_start = loop.open_step(step, self.state, self._hooks, self._buffers)
@@ -338,6 +342,11 @@ class Recorder:
             self._stop(getattr(self._hooks, "failed_outcome", None) or outcome)  # (a failure found at a flush: the step it happened at)
         value = outcome.loss_value  # (a copy: the value queued for logging stays as the step left it)
         return value.clone() if isinstance(value, torch.Tensor) else value
+
+    def _tag_loop(self, filename: str, line: int, function: str) -> None:
+        """Where the user's loop (or step function) is, as the run's tag loop_line: a finding about the loop names it."""
+        if self.store is not None:
+            self.store.set_tags(self.run_id, {LOOP_TAG: f"{Path(filename).name}:{line} in {function}"[:250]})
 
     def _modes(self, step: int) -> list[str]:
         """The modules in eval mode as this step begins (its record keeps them: a replay sets them so); the run is tagged
@@ -504,6 +513,7 @@ def nonfinite_step(outcome, run_id: str) -> NonFiniteStep:
     return stop
 
 
+LOOP_TAG = "loop_line"  # file:line of the loop's first training call (or of the step function)
 EVAL_TAG = "eval_mode_step"  # the first step the whole model trained in eval mode
 FULL_ERROR = "REPLAYBISECT_FULL_ERROR"  # =1: the whole traceback of a stopped run, framework frames and all
 

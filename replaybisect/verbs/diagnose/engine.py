@@ -388,7 +388,8 @@ def detect_gradients_not_zeroed(curves: Curves) -> list[Finding]:
     last = int(loss.steps[-1]) if curves.failing_step is None else curves.failing_step
     if steps != set(range(1, last + 1)) and steps != set(range(1, last)):  # (the failing step may have stopped first)
         return []
-    evidence: dict[str, Any] = {"carried_steps": len(steps), "from_step": 1}
+    loop = curves.tags.get("loop_line")  # the loop's first training call (or its step function): where the fix goes
+    evidence: dict[str, Any] = {"carried_steps": len(steps), "from_step": 1, **({"loop": loop} if loop else {})}
     said = []
     norms = curves.get("grad_norm").finite()
     if len(norms) >= 2 * NOT_ZEROED_MIN_STEPS:
@@ -405,7 +406,8 @@ def detect_gradients_not_zeroed(curves: Curves) -> list[Finding]:
     return [Finding("gradients-not-zeroed",
                     "the loop never clears its gradients: from step 1 every step's backward added to all earlier steps' "
                     "(no optimizer.zero_grad()), so each update applies the sum of every gradient so far"
-                    + (f"; {', '.join(said)}" if said else ""),
+                    + (f"; {', '.join(said)}" if said else "")
+                    + (f"; add optimizer.zero_grad() before the backward in the loop at {loop}" if loop else ""),
                     evidence, _cmd("ablate zero-grad", curves) + ("" if curves.failing_step is not None else " --from-step 1"),
                     step=1, source="the recorder saw each step's backward add to gradients its loop had not cleared "
                     "(the Stack Overflow / PyTorch forum 'forgot optimizer.zero_grad()' bug, TrainCheck's silent-error set)")]
