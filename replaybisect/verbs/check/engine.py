@@ -647,6 +647,8 @@ class CheckContext:
                 seed_everything(self.seed)  # the sweep's random draws again (dropout), so only the lr differs
                 if lr_finder.nonfinite_at_lowest_lr(control, batch_of, result):
                     result.stop_reason, result.suggested_lr, result.suggested_index = "fault", None, None
+            if lr_finder.still_falling(result):  # no turn in the curve: its steepest descent is no suggestion
+                result.suggested_lr = result.suggested_index = None
             self._lr_range = result
         return self._lr_range
 
@@ -657,6 +659,8 @@ class CheckContext:
         lr = self.lr.lr
         if result.stop_reason == "fault":  # non-finite whatever the lr: the sweep says nothing about it
             return None
+        if lr_finder.still_falling(result):  # the loss fell to the sweep's end: fine inside it, unknown past it
+            return "ok" if lr <= result.lrs[-1] else None
         stopped = result.diverged_lr is not None and result.stop_reason != "completed"
         if stopped and lr * LR_DIVERGENCE_MARGIN > result.diverged_lr:
             return "high"
@@ -1443,6 +1447,12 @@ def lr_range_test(ctx: CheckContext) -> Check:
             f"use about {result.suggested_lr:.2g}",
             extra=extra,
         )
+    if lr_finder.still_falling(result):  # a curve that never turned: its steepest descent suggests no lr
+        where = ("inside it, where the loss fell" if lr <= result.lrs[-1] else
+                 f"past its end, where the sweep cannot tell (sweep further: --lr-max {lr * 10:.0g})")
+        return Check("lr.range_test", "pass", None,
+                     f"the loss still fell at the sweep's largest lr ({sweep}): the range is too short to suggest an lr; "
+                     f"your {ctx.lr.text()} is {where}", extra=extra)
     if result.suggested_lr is None:
         return Check(
             "lr.range_test", "warn", None,

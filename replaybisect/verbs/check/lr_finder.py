@@ -46,6 +46,15 @@ class LRRangeResult:
         }
 
 
+def still_falling(result: LRRangeResult) -> bool:
+    """The sweep ran to its end with the smoothed loss lowest in its last points: the curve never turned, so its
+    steepest descent places no learning rate (a suggestion below the best lr would be read as one)."""
+    if result.stop_reason != "completed" or len(result.smoothed) <= SKIP_BEGIN + SKIP_END:
+        return False
+    lowest = min(range(len(result.smoothed)), key=result.smoothed.__getitem__)
+    return lowest >= len(result.smoothed) - 1 - SKIP_END
+
+
 def lr_schedule(lr_min: float, lr_max: float, steps: int) -> list[float]:
     """Exponentially spaced learning rates from lr_min to lr_max inclusive."""
     if steps == 1:
