@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Union
 
-from replaybisect.core import arguments
+from replaybisect.core.arguments import run_id, shown, tracking_uri  # (one home: the Recorder checks with them too)
 from replaybisect.errors import ReplayError
 
 Number = Union[int, float]
@@ -54,11 +54,6 @@ class Bound:
         refused = self.refusal(value)
         if refused is not None:
             raise ReplayError(refused)
-
-
-def shown(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _kind(name: str, value: Any, what: str, optional: bool) -> ReplayError:
@@ -147,14 +142,6 @@ def _iterable(value: Any) -> bool:
     except TypeError:
         return False
     return True
-
-
-def tracking_uri(value: Any) -> Optional[str]:
-    return arguments.tracking_uri(value)
-
-
-def run_id(value: Any) -> str:
-    return arguments.run_id(value)
 
 
 def trust_of(code_dirs: tuple[str, ...], prefixes: tuple[str, ...], run_id: Optional[str] = None,

@@ -10,7 +10,8 @@ from replaybisect.errors import ReplayError
 MAX_RUN_ID = 256
 
 
-def _shown(value: Any) -> str:
+def shown(value: Any) -> str:
+    """A value as an error line quotes it: its repr, at most 60 characters."""
     text = repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
 
@@ -18,14 +19,14 @@ def _shown(value: Any) -> str:
 def tracking_uri(value: Any, name: str = "tracking_uri") -> Optional[str]:
     if value is None or (isinstance(value, str) and value.strip() and "\0" not in value):
         return value
-    raise ReplayError(f"{name}={_shown(value)} is not a tracking URI; pass a string such as 'sqlite:///mlflow.db' or "
+    raise ReplayError(f"{name}={shown(value)} is not a tracking URI; pass a string such as 'sqlite:///mlflow.db' or "
                       "'http://mlflow:5000', or None for $MLFLOW_TRACKING_URI, else the nearest mlflow.db")
 
 
 def run_id(value: Any) -> str:
     if isinstance(value, str) and value.strip() and len(value) <= MAX_RUN_ID and "\0" not in value:
         return value
-    raise ReplayError(f"run_id={_shown(value)} is not a run id; pass the id of a recorded run as a string "
+    raise ReplayError(f"run_id={shown(value)} is not a run id; pass the id of a recorded run as a string "
                       "(`replay runs` lists them)")
 
 
@@ -36,7 +37,7 @@ def count(value: Any, name: str, minimum: int = 0, optional: bool = False) -> Op
     if isinstance(value, int) and not isinstance(value, bool) and value >= minimum:
         return value
     allowed = f"an integer >= {minimum}" + (" or None" if optional else "")
-    raise ReplayError(f"{name}={_shown(value)} is not {allowed}")
+    raise ReplayError(f"{name}={shown(value)} is not {allowed}")
 
 
 def integer(value: Any, name: str) -> int:
@@ -48,10 +49,10 @@ def integer(value: Any, name: str) -> int:
             return operator.index(value)
         except TypeError:
             pass
-    raise ReplayError(f"{name}={_shown(value)} is not an integer")
+    raise ReplayError(f"{name}={shown(value)} is not an integer")
 
 
 def text(value: Any, name: str) -> Optional[str]:
     if value is None or isinstance(value, str):
         return value
-    raise ReplayError(f"{name}={_shown(value)} is not a string (or None)")
+    raise ReplayError(f"{name}={shown(value)} is not a string (or None)")
