@@ -196,3 +196,34 @@ def test_check_reads_the_gan_through_its_own_loop(gan):
     for name in ("overfit.one_batch", "lr.range_test"):
         assert checks[name]["status"] == "skip" and "the script's own loop ended before this check's steps" in checks[name]["detail"]
     assert result.json()["status"] == "pass" and result.json()["checked_run_id"] == run_id
+
+
+def test_several_schedulers_step_and_keep_their_state_as_one():
+    from replaybisect.core import several
+
+    G, D = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+    optG, optD = torch.optim.SGD(G.parameters(), lr=1.0), torch.optim.SGD(D.parameters(), lr=1.0)
+    schedulers = several.Schedulers({"G": torch.optim.lr_scheduler.StepLR(optG, 1, gamma=0.5),
+                                     "D": torch.optim.lr_scheduler.StepLR(optD, 1, gamma=0.1)})
+    optG.step(), optD.step(), schedulers.step()
+    assert schedulers.get_last_lr() == [0.5, 0.1]
+    fresh = several.Schedulers({"G": torch.optim.lr_scheduler.StepLR(torch.optim.SGD(G.parameters(), lr=1.0), 1, gamma=0.5),
+                                "D": torch.optim.lr_scheduler.StepLR(torch.optim.SGD(D.parameters(), lr=1.0), 1, gamma=0.1)})
+    fresh.load_state_dict(schedulers.state_dict())
+    assert fresh.state_dict() == schedulers.state_dict()
+
+
+@pytest.mark.parametrize("models, optimizers, message", [
+    ({"my model": torch.nn.Linear(2, 2)}, None, "model name 'my model' is not a Python identifier"),
+    ({}, None, "the models dict is empty"),
+    ({"G": "not a module"}, None, "model 'G' is a str; pass a torch.nn.Module for each name"),
+])
+def test_several_models_by_bad_names_are_refused_in_one_line(tmp_path, monkeypatch, models, optimizers, message):
+    """Refused before any run is recorded (nothing is created in the store's folder)."""
+    import replaybisect
+    from replaybisect.errors import ConfigError
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        replaybisect.Recorder(models, optimizers or torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1))
+    assert list(tmp_path.iterdir()) == []

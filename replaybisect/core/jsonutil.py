@@ -32,6 +32,17 @@ def to_jsonable(value: Any) -> Any:
     return _from_array_library(value)
 
 
+def from_jsonable(value: Any) -> Any:
+    """The floats to_jsonable spelled as text ("nan", "inf", "-inf") as floats again, in lists and dicts too."""
+    if value in ("nan", "inf", "-inf"):
+        return float(value)
+    if isinstance(value, list):
+        return [from_jsonable(item) for item in value]
+    if isinstance(value, dict):
+        return {key: from_jsonable(item) for key, item in value.items()}
+    return value
+
+
 def _from_array_library(value: Any) -> Any:
     torch = sys.modules.get("torch")
     if torch is not None and torch.is_tensor(value):

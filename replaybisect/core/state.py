@@ -13,7 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from replaybisect.errors import SnapshotError
 from replaybisect.core import rng
 from replaybisect.core.shards import is_shard, shard_like, whole
-from replaybisect.core.jsonutil import to_jsonable as _jsonable
+from replaybisect.core.jsonutil import from_jsonable, to_jsonable as _jsonable
 
 
 GRAD_PREFIX = "grad/"  # a snapshot's gradients (core/snapshot.py GRADS), beside model/<name> and optim/<index>/<key>
@@ -38,16 +38,6 @@ def iter_live_tensors(state) -> Iterator[tuple[str, torch.Tensor]]:
         for key, value in param_state.items():
             if torch.is_tensor(value):
                 yield f"optim/{index}/{key}", whole(value)
-
-
-def _unjson_float(value: Any) -> Any:
-    if value in ("nan", "inf", "-inf"):
-        return float(value)
-    if isinstance(value, list):
-        return [_unjson_float(v) for v in value]
-    if isinstance(value, dict):
-        return {k: _unjson_float(v) for k, v in value.items()}
-    return value
 
 
 def state_json(state, step: int, rng_raw: dict, data_position: dict, reason: str) -> dict[str, Any]:
@@ -165,7 +155,7 @@ def _optimizer_state(optimizer, tensors: dict[str, torch.Tensor], saved: Optimiz
     """The optimizer's state_dict from the snapshot, checked against the freshly built optimizer: the same
     groups and hyperparameters, and moments shaped like the parameters they belong to."""
     fresh_groups = optimizer.state_dict()["param_groups"]
-    groups = _unjson_float(saved.param_groups)
+    groups = from_jsonable(saved.param_groups)
     if len(groups) != len(fresh_groups):
         raise SnapshotError(f"the snapshot's optimizer has {len(groups)} parameter group(s), the config's {len(fresh_groups)}")
     params_by_index: dict[int, torch.Tensor] = {}
@@ -182,7 +172,7 @@ def _optimizer_state(optimizer, tensors: dict[str, torch.Tensor], saved: Optimiz
     if len(params_by_index) != sum(len(g["params"]) for g in groups):
         raise SnapshotError("the snapshot's optimizer lists a parameter twice")
 
-    per_param: dict[int, dict[str, Any]] = {int(index): dict(_unjson_float(s)) for index, s in saved.scalars.items()}
+    per_param: dict[int, dict[str, Any]] = {int(index): dict(from_jsonable(s)) for index, s in saved.scalars.items()}
     for name, value in tensors.items():
         if name.startswith("optim/"):
             _, index, key = name.split("/", 2)
@@ -221,9 +211,9 @@ def apply(state, tensors: dict[str, torch.Tensor], saved: dict[str, Any]) -> Non
         state.optimizer.load_state_dict(optimizer_state)
         _shard_optimizer_state(state.optimizer)
         if checked.scheduler is not None and state.scheduler is not None:
-            state.scheduler.load_state_dict(_unjson_float(checked.scheduler))
+            state.scheduler.load_state_dict(from_jsonable(checked.scheduler))
         if checked.scaler is not None and state.scaler is not None:
-            state.scaler.load_state_dict(_unjson_float(checked.scaler))
+            state.scaler.load_state_dict(from_jsonable(checked.scaler))
     except (ValueError, TypeError, KeyError, IndexError, RuntimeError) as error:
         raise SnapshotError(f"the snapshot's optimizer or scheduler state does not load: {str(error)[:120]}") from None
     _set_gradients(state.model, tensors)

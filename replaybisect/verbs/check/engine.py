@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from replaybisect.core import loop, reentry, user_step
+from replaybisect.core.jsonutil import from_jsonable
 from replaybisect.core.inline_step import ARGS, KWARGS, OUTSIDE, LoopEnded, RemoteStep
 from replaybisect.core.guard import scaler_enabled
 from replaybisect.core.layer_stats import SATURATING, ZEROING, norm_of, parameter_owners
@@ -81,13 +82,10 @@ class Check:
 
     @classmethod
     def from_full_json(cls, data: dict[str, Any]) -> "Check":
-        value = data["value"]
-        extra = dict(data.get("extra") or {})
+        extra = from_jsonable(dict(data.get("extra") or {}))
         if extra.get("lr_range") is not None:
-            extra["lr_range"] = lr_finder.LRRangeResult(**{key: _unjson(v) for key, v in extra["lr_range"].items()})
-        if "losses" in extra:
-            extra["losses"] = [_unjson(v) for v in extra["losses"]]
-        return cls(data["name"], data["status"], _unjson(value), data["detail"], data.get("layer"), extra)
+            extra["lr_range"] = lr_finder.LRRangeResult(**extra["lr_range"])
+        return cls(data["name"], data["status"], from_jsonable(data["value"]), data["detail"], data.get("layer"), extra)
 
 
 @dataclass
@@ -101,13 +99,6 @@ class CheckOptions:
     probe_batches: int = 4  # batches forwarded for activation / dead-unit statistics
     grad_steps: int = 3  # steps whose gradients the gradient-flow checks read
     only: Optional[list[str]] = None  # check names or groups (data, loss, init, act, grad, overfit, lr)
-
-
-def _unjson(value: Any) -> Any:
-    """A float JSON could not hold ("nan", "inf", "-inf") as the float again (lists of them too)."""
-    if isinstance(value, list):
-        return [_unjson(item) for item in value]
-    return float(value) if value in ("nan", "inf", "-inf") else value
 
 
 def worst(statuses) -> str:
@@ -1564,7 +1555,7 @@ class CheckReport:
         values = dict(data)
         values["checks"] = [Check.from_full_json(check) for check in data["checks"]]
         values["options"] = CheckOptions(**data["options"])
-        values["configured_lr"] = _unjson(values.get("configured_lr"))
+        values["configured_lr"] = from_jsonable(values.get("configured_lr"))
         return cls(**values)
 
     def to_json(self) -> dict[str, Any]:
