@@ -75,3 +75,15 @@ def test_same_curve_with_a_planted_spike_is_flagged_at_its_step():
     result = analyse(curves)
     assert [f.pattern for f in result.findings] == ["spikes"]
     assert result.findings[0].step == 250
+
+
+def test_large_gradients_in_the_first_steps_only_are_not_spikes():
+    """word_language_model at lr 20: the pre-clip gradient norm is 200x the rest at steps 5 and 9, then settles. The
+    early transient is not a bad batch; the same values recurring after the early window are."""
+    curves = healthy_curves(4, "digits", steps=400, noise=0.1)
+    grad = curves.metrics["grad_norm"].values
+    grad[[5, 9]] = 200 * grad.max()
+    assert analyse(curves).healthy, [(f.pattern, f.summary) for f in analyse(curves).findings]
+    grad[305] = grad[5]  # the same batch a later epoch
+    found = analyse(curves).findings
+    assert [f.pattern for f in found] == ["spikes"] and found[0].steps == [5, 9, 305], [f.summary for f in found]
