@@ -187,6 +187,21 @@ def test_diagnose_names_each_planted_rank_asymmetry(shared, job):
             assert findings[0]["evidence"]["rank"] == 1 and 0.4 < findings[0]["evidence"]["median_ratio"] < 0.6
 
 
+def test_check_reads_a_distributed_steps_batch_as_its_step_does_and_flags_nothing_on_a_healthy_job(shared, job):
+    """The overfit probe slices each rank's batch (not the RNG states stored beside it, which made it say 'its tensors
+    differ in their first dimension' and train on the whole step); a healthy DDP job gets no warning or failure."""
+    import replaybisect as rb
+
+    run_ids, _ = job
+    with in_folder(shared.path):
+        report = rb.check(run_id=run_ids[HEALTHY["none"]], tracking_uri=shared.tracking_uri, publish=False)
+    statuses = {check.name: check.status for check in report.checks}
+    assert set(statuses.values()) <= {"pass", "skip"}, [(c.name, c.status, c.detail) for c in report.checks if c.status not in ("pass", "skip")]
+    overfit = next(check for check in report.checks if check.name == "overfit.one_batch")
+    assert statuses["overfit.one_batch"] == "pass" and "differ in their first dimension" not in overfit.detail, overfit.detail
+    assert re.search(r"\((\d+) samples", overfit.detail), overfit.detail
+
+
 def test_fp16_with_a_grad_scaler_every_rank_stops_at_the_nan_row_and_it_replays(shared, job):
     """Rank 1's fp16 loss is NaN: its GradScaler would skip the update without calling the optimizer, so the ranks
     agree right after the backward (not at the optimizer step, which the scaler never reaches) and all stop there."""

@@ -395,6 +395,20 @@ def unpack(record: Any) -> tuple[Any, Optional[dict]]:
     return record, None
 
 
+def map_batch(record: Any, change: Callable[[Any], Any]) -> Any:
+    """The stored step with `change` applied to its batch (each rank's, for a distributed step), the RNG states and
+    the rest kept; None where `change` returns None for any of them."""
+    from replaybisect.core import ranks
+
+    if ranks.is_ranks_record(record):
+        changed = [map_batch(rank, change) for rank in ranks.rank_records(record)]
+        return None if any(rank is None for rank in changed) else {ranks.RECORD_RANKS: changed}
+    if not _is_record(record):
+        return change(record)
+    batch = change(record[RECORD_BATCH])
+    return None if batch is None else {**record, RECORD_BATCH: batch}
+
+
 def apply_recorded_lrs(record: Any, optimizer) -> None:
     """Each param group's lr as the user's loop set it before the step (a schedule the loop computes itself, like
     nanoGPT's `lr = get_lr(iter_num)`): a replay sets it again. Runs recorded before lrs were stored, and plain

@@ -173,8 +173,9 @@ def leading_sizes(batch) -> set[int]:
 def samples_of(batch, count: int) -> Optional[Any]:
     """The first `count` samples of a batch when every tensor in it has the same first dimension, else None: then no
     slice is a set of samples (a sequence-first language model gets (T, B) tokens and T*B flattened targets; slicing
-    both by 16 feeds its loss 16 targets for T*B outputs)."""
-    return slice_batch(batch, count) if len(leading_sizes(batch)) == 1 else None
+    both by 16 feeds its loss 16 targets for T*B outputs). A stored step is sliced as its step reads it: its batch
+    (each rank's, for a distributed step), not the RNG states stored beside it."""
+    return user_step.map_batch(batch, lambda data: slice_batch(data, count) if len(leading_sizes(data)) == 1 else None)
 
 
 def slice_batch(batch, count: int):
@@ -770,6 +771,8 @@ def overfit_one_batch(ctx: CheckContext) -> Check:
     full = ctx.batch(0)
     count = max(2, min(32, opts.overfit_samples, batch_size_of(full) or 2))
     batch = samples_of(full, count)
+    if batch is not None:
+        count = batch_size_of(batch)  # each rank's `count` rows, for a distributed step
     samples = f"{count} samples"
     if batch is None:
         batch, count = full, batch_size_of(full)
