@@ -1,4 +1,5 @@
-"""Calibration on the test zoo (tests/zoo): every healthy model over 5 seeds must get no finding from `replay diagnose`,
+"""Calibration on the test zoo (tests/zoo): every healthy model over 5 seeds must get no finding from `replay diagnose`
+and no warning or failure from `replay check --run-id`,
 and every plant must get the right answer from `replay nan` / `replay diagnose` on every seed (`replay ablate` on
 seed 0). Prints one table (markdown). The test suite runs one seed (tests/test_zoo.py); this runs them all.
 
@@ -56,9 +57,9 @@ def main() -> None:
     store = open_store(f"sqlite:///{folder / 'mlflow.db'}")
     trust = Trust.from_user([project])
     started = time.perf_counter()
-    print("| run | seed | status | nan: category / module / op / line | ablate | diagnose |")
-    print("|---|---|---|---|---|---|")
-    healthy_alarms = healthy_runs = 0
+    print("| run | seed | status | nan: category / module / op / line | ablate | diagnose | check |")
+    print("|---|---|---|---|---|---|---|")
+    healthy_alarms = healthy_runs = check_alarms = 0
     for name, (config, overrides, arms) in RUNS.items():
         for seed in range(args.seeds):
             cfg = config_mod.compose(project, config, [*overrides, f"seed={seed}"])
@@ -73,12 +74,30 @@ def main() -> None:
                     ablate_cell = ", ".join(f"{arm.name}: {arm.verdict}" for arm in ablation.arms)
             diagnosis = diagnose(store, result.run_id)
             findings = ", ".join(f.pattern + (f" ({f.layer})" if f.layer else "") for f in diagnosis.findings) or "no finding"
+            check_cell = "-"
             if "healthy" in name:
                 healthy_runs += 1
                 healthy_alarms += bool(diagnosis.findings)
-            print(f"| {name} | {seed} | {result.status} | {nan_cell} | {ablate_cell} | {findings} |", flush=True)
-    print(f"\nhealthy runs with a finding (false alarms): {healthy_alarms} of {healthy_runs}; {time.perf_counter() - started:.0f} s")
+                flagged = _checks_flagged(result.run_id, project, folder)
+                check_alarms += bool(flagged)
+                check_cell = ", ".join(flagged) or "pass"
+            print(f"| {name} | {seed} | {result.status} | {nan_cell} | {ablate_cell} | {findings} | {check_cell} |", flush=True)
+    print(f"\nhealthy runs with a finding (false alarms): diagnose {healthy_alarms} of {healthy_runs}, "
+          f"check {check_alarms} of {healthy_runs}; {time.perf_counter() - started:.0f} s")
     shutil.rmtree(folder, ignore_errors=True)
+
+
+def _checks_flagged(run_id: str, project: Path, folder: Path) -> list[str]:
+    """`replay check --run-id`'s warnings and failures on a run, each as name:status."""
+    import replaybisect as rb
+
+    here = Path.cwd()
+    os.chdir(project)  # the run's code folder: the trusted place its replays read the model from
+    try:
+        report = rb.check(run_id=run_id, tracking_uri=f"sqlite:///{folder / 'mlflow.db'}", publish=False)
+    finally:
+        os.chdir(here)
+    return [f"{check.name}:{check.status}" for check in report.checks if check.status not in ("pass", "skip")]
 
 
 if __name__ == "__main__":
