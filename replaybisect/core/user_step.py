@@ -27,6 +27,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from replaybisect.core.config import needs_closure
 from replaybisect.core import rng, several
 from replaybisect.core.ranks import agreed
 from replaybisect.core.outside_model import names_read
@@ -504,6 +505,9 @@ def watching(watch: StepWatch):
     # several optimizers (core/several.py): each one's gradients are seen at its own update or clip
     joined = isinstance(optimizer, several.Optimizers)
     members = {id(member): member for member in several.members(optimizer)}
+    # LBFGS's step(closure): its pre-hook runs before the closure has made any gradient; the step's first evaluation
+    # (the loss it returns) is the one observed, at the end of its backward, as the built-in step does
+    first_evaluation = not manual and not joined and needs_closure(optimizer)
 
     def backward(tensor, *args, **kwargs):
         if watch.stopped:  # an inline run's replay halted this step: the rest of the script's iteration runs idle
@@ -514,6 +518,8 @@ def watching(watch: StepWatch):
                 watch.loss(tensor)
                 returned = original_backward(tensor, *args, **kwargs)
                 watch.backward_done()
+                if first_evaluation:
+                    watch.gradients()
             finally:
                 if not watch.stopped:
                     watch.open_forward()
@@ -529,7 +535,8 @@ def watching(watch: StepWatch):
 
     def before_update(stepping, args, kwargs) -> None:
         if id(stepping) in members and not manual:
-            watch.gradients(stepping if joined else None)
+            if not first_evaluation:
+                watch.gradients(stepping if joined else None)
             if watch.device_guard is not None:  # a fused optimizer skips a failed update on the device: no read
                 watch.device_guard.arm(optimizer, watch.verdict)
         elif not watch.stopped:  # another optimizer (a GAN's other half) updates: losses judged before it does

@@ -482,7 +482,10 @@ def read_points(points: list[tuple[str, Any, int]]) -> list[tuple[str, float, in
         by_device.setdefault(points[index][1].device, []).append(index)
     for indices in by_device.values():
         try:
-            values = torch.stack([points[index][1].detach().float().reshape(()) for index in indices]).tolist()
+            tensors = [points[index][1].detach().reshape(()) for index in indices]
+            # fp64 stays fp64 (a float64 model's loss); fp32 values widen exactly
+            dtype = torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
+            values = torch.stack([t.to(dtype) for t in tensors]).tolist()
         except RuntimeError:  # a device that failed (a sticky CUDA error): its values are lost, the others kept
             values = [None] * len(indices)
         for index, value in zip(indices, values):

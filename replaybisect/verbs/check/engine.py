@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from replaybisect.core import loop, reentry, user_step
+from replaybisect.core.config import needs_closure
 from replaybisect.core.jsonutil import from_jsonable
 from replaybisect.core.inline_step import ARGS, KWARGS, OUTSIDE, LoopEnded, RemoteStep
 from replaybisect.core.guard import scaler_enabled
@@ -1365,9 +1366,21 @@ def grad_vanishing(ctx: CheckContext) -> Check:
     return Check("grad.vanishing", "pass", ratio, detail)
 
 
+def _quasi_newton(ctx: CheckContext) -> Optional[str]:
+    """Why the first-order rules (an update ~1e-3 of the weight, the LR range test's sweep) do not judge this
+    optimizer, or None: LBFGS and the like step along a curvature-scaled direction their closure re-evaluates."""
+    optimizer = ctx.state.optimizer
+    if not needs_closure(optimizer):
+        return None
+    return (f"{type(optimizer).__name__} takes quasi-Newton steps (its lr scales a curvature-based direction): the "
+            "first-order rules of thumb for step size do not apply; overfit.one_batch shows whether it learns")
+
+
 @register_check("grad.update_ratio")
 def grad_update_ratio(ctx: CheckContext) -> Check:
     """‖Δθ‖/‖θ‖ per step: about 1e-3 is healthy (Karpathy, CS231n notes), outside [1e-8, 10] pathological (SageMaker)."""
+    if (second_order := _quasi_newton(ctx)) is not None:
+        return Check("grad.update_ratio", "skip", None, second_order)
     probe = ctx.grads()
     error = _grad_error("grad.update_ratio", probe)
     if error:
@@ -1411,6 +1424,8 @@ def _fmt_lr(value: Optional[float]) -> str:
 # ---- LR range test ---------------------------------------------------------------------------------------------------
 @register_check("lr.range_test")
 def lr_range_test(ctx: CheckContext) -> Check:
+    if (second_order := _quasi_newton(ctx)) is not None:
+        return Check("lr.range_test", "skip", None, second_order)
     opts = ctx.options
     lr = ctx.lr.lr
     result = ctx.lr_range()
