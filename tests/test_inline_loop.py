@@ -430,15 +430,16 @@ rec.close()
 """
 
 
-@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("workers", ["0", "2", "2, persistent_workers=True, pin_memory=True"])
 def test_a_loader_that_keeps_its_ragged_last_batch_replays_exact(tmp_path, workers):
     """DataLoader's default drop_last=False: the replay from snapshot 8 feeds step 8's stored 27 rows while the re-run
     script's loader is at a 30-row batch; the stored targets that fit the model's outputs stand for the live ones (the
     replay ended with 'Expected input batch_size (27) to match target batch_size (30)' before). With loader workers,
     the re-run script forks them as `python train.py` does (they ran the script again as __mp_main__, and the
-    replay ended before its first step: 'DataLoader worker exited unexpectedly')."""
+    replay ended before its first step: 'DataLoader worker exited unexpectedly'); persistent workers and pinned
+    memory too."""
     workspace = Workspace(tmp_path)
-    (tmp_path / "train.py").write_text(RAGGED.replace("WORKERS", str(workers)))
+    (tmp_path / "train.py").write_text(RAGGED.replace("WORKERS", workers))
     done = _train(workspace, tmp_path)
     assert "loss is nan at step 10" in done.stderr, done.stderr[-2000:]
     result = Workspace(tmp_path).replay("nan", "--run-id", _run_id(done), "--json", "--no-child-run", env=workspace.env())
