@@ -20,10 +20,17 @@ this package is cheap: torch and MLflow load on the first call.
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import TYPE_CHECKING, Literal, Optional, Sequence
+from typing import TYPE_CHECKING, Optional
 
+from replaybisect.core.jobs import settings_from
 from replaybisect.errors import ReplayError
+from replaybisect.request import front_door
+from replaybisect.verbs.ablate.request import AblateRequest
+from replaybisect.verbs.bisect.request import BisectRequest
+from replaybisect.verbs.check.request import CheckRequest
+from replaybisect.verbs.diagnose.request import DiagnoseRequest
+from replaybisect.verbs.nan.request import NanRequest
+from replaybisect.verbs.train.request import TrainRequest
 
 if TYPE_CHECKING:
     from replaybisect.verbs.ablate.engine import AblationResult
@@ -86,21 +93,11 @@ def _run_store(tracking_uri: Optional[str], run_id: str):
     return open_store(location.uri, create=False)
 
 
-def train(
-    overrides: Sequence[str] = (),
-    *,
-    config_dir: str | Path | None = None,
-    config_name: str = "config",
-    tracking_uri: Optional[str] = None,
-    run_name: Optional[str] = None,
-) -> "TrainResult":
+@front_door(TrainRequest, positional=("overrides",), internal=("parent_run_id", "kind", "tags"))
+def train(request: TrainRequest) -> "TrainResult":
     """Train a Hydra config with the recorder on (as `replay train`). `config_dir` is your config folder
     (default: the built-in example); `overrides` are Hydra overrides. A run that stops on a non-finite loss
     returns with `status == "nonfinite"` (the command exits 3)."""
-    from replaybisect.verbs.train.request import TrainRequest
-
-    request = TrainRequest(overrides=overrides, config_dir=config_dir, config_name=config_name, tracking_uri=tracking_uri,
-                           run_name=run_name)
     from replaybisect.core import config as config_mod
     from replaybisect.report import run_label
     from replaybisect.verbs.train.engine import train as train_run
@@ -111,28 +108,14 @@ def train(
                      extra_tags=request.run_tags(), code_folder=request.code_folder)
 
 
-def find_nan(
-    run_id: str,
-    step: Optional[int] = None,
-    *,
-    device: Optional[str] = None,
-    tracking_uri: Optional[str] = None,
-    code_dirs: Sequence[str | Path] = (),
-    trust: Sequence[str] = (),
-    allow_unsigned: Optional[str] = None,
-    publish: bool = True,
-    nproc: Optional[int] = None,
-) -> "NanReport":
+@front_door(NanRequest, positional=("run_id", "step"))
+def find_nan(request: NanRequest) -> "NanReport":
     """Where the first NaN/Inf of a recorded run came from, and why (as `replay nan`): the state before the
     failing step is restored, the replay checked against the logged losses, and the step re-run under probes.
     `device` replays elsewhere than the run's train.device; `code_dirs`/`trust` say which of the stored config's
     `_target_`s may be built and `allow_unsigned` (the run's id) replays a run whose signature does not verify (see
-    the README's trust model); `nproc` replays a distributed run over the real
-    collective, one process per recorded rank (as `--nproc`)."""
-    from replaybisect.verbs.nan.request import NanRequest
-
-    request = NanRequest(run_id=run_id, step=step, device=device, tracking_uri=tracking_uri, code_dirs=code_dirs,
-                         trust=trust, allow_unsigned=allow_unsigned, publish=publish, nproc=nproc)
+    the trust model); `nproc` replays a distributed run over the real collective, one process per recorded rank
+    (as `--nproc`)."""
     from replaybisect.verbs.nan.ranked import answer
 
     store = _run_store(request.tracking_uri, request.run_id)
@@ -144,35 +127,18 @@ def find_nan(
     return report
 
 
-def ablate(
-    run_id: str,
-    arms: Optional[Sequence[str] | str] = None,
-    *,
-    from_step: Optional[int] = None,
-    horizon: int = 200,
-    workers: Optional[int] = None,
-    executor: Literal["local", "submitit"] = "local",
-    submitit: Optional[dict] = None,
-    tracking_uri: Optional[str] = None,
-    code_dirs: Sequence[str | Path] = (),
-    trust: Sequence[str] = (),
-    allow_unsigned: Optional[str] = None,
-    publish: bool = True,
-    patch: Optional[str | Path] = None,
-    sweep: Optional[Literal["lr", "clip"]] = None,
-) -> "AblationResult":
+# the job settings by name (core/jobs.py's SETTINGS), as `submitit={"partition": "gpu", ...}`
+SUBMITIT = {"submitit": ("jobs", settings_from, Optional[dict])}
+
+
+@front_door(AblateRequest, positional=("run_id", "arms"), aliases=SUBMITIT)
+def ablate(request: AblateRequest) -> "AblationResult":
     """Replay the failure once unchanged and once per one-variable change (as `replay ablate`); each arm gets a
     verdict (fixes | delays | no-effect | worse). Arms take values (`"lr=x0.3"`, `"clip=265"`); `patch` replays your
     changed module(s) as one more arm; `sweep="lr"` (or "clip") searches the stable range instead of arms.
     Default arms: those `replay ablate` runs with none named (`replay ablate --list`; none with `patch` or `sweep`).
-    `executor="submitit"` runs the arms as SLURM
-    jobs; `submitit` holds the command's job options by name: cluster, partition, time_min, gpus, cpus, mem_gb,
-    executor_folder."""
-    from replaybisect.verbs.ablate.request import AblateRequest
-
-    request = AblateRequest(run_id=run_id, arms=arms, from_step=from_step, horizon=horizon, workers=workers,
-                            executor=executor, **_submitit_options(submitit), tracking_uri=tracking_uri,
-                            code_dirs=code_dirs, trust=trust, allow_unsigned=allow_unsigned, publish=publish, patch=patch, sweep=sweep)
+    `executor="submitit"` runs the arms as SLURM jobs; `submitit` holds the command's job options by name: cluster,
+    partition, time_min, gpus, cpus, mem_gb, account, slurm, executor_folder."""
     from replaybisect.verbs.ablate.engine import ablate_request
 
     store = _run_store(request.tracking_uri, request.run_id)
@@ -184,53 +150,12 @@ def ablate(
     return result
 
 
-def _submitit_options(options: Optional[dict]) -> dict:
-    """The Python API's `submitit={...}` as a request's fields, checked (core/jobs.py names them once)."""
-    from replaybisect.core.jobs import SETTINGS
-
-    if options is None:
-        return {}
-    if not isinstance(options, dict) or not all(isinstance(key, str) for key in options):
-        raise ReplayError(f"submitit={options!r:.60} is not a dict of submitit options; pass e.g. {{'partition': 'gpu'}}")
-    unknown = sorted(set(options) - set(SETTINGS))
-    if unknown:
-        raise ReplayError(f"submitit option {unknown[0][:80]!r} is unknown; use {', '.join(SETTINGS)}")
-    return dict(options)  # its values checked by the request, as the command's are
-
-
-def bisect(
-    good: str,
-    bad: str,
-    *,
-    repo: str | Path = ".",
-    overrides: Sequence[str] = (),
-    config_dir: str = "conf",
-    config_name: str = "config",
-    steps: Optional[int] = None,
-    metric: str = "loss",
-    threshold: Optional[float] = None,
-    seeds: int = 3,
-    max_seeds: Optional[int] = None,
-    workers: int = 1,
-    cmd: Optional[str] = None,
-    use_cache: bool = True,
-    tracking_uri: Optional[str] = None,
-    publish: bool = True,
-    executor: Literal["local", "submitit"] = "local",
-    submitit: Optional[dict] = None,
-) -> "BisectResult":
+@front_door(BisectRequest, positional=("good", "bad"), aliases=SUBMITIT)
+def bisect(request: BisectRequest) -> "BisectResult":
     """The first commit on BAD's first-parent history that breaks convergence (as `replay bisect`). Trials run in
     a private clone: the repository's working tree, index and branches are never touched. `executor="submitit"`
     trains each trial as a job (SLURM, else submitit's local executor); `submitit` holds the job options by name,
     as for `ablate`."""
-    from replaybisect.core.jobs import settings_from
-    from replaybisect.verbs.bisect.request import BisectRequest
-
-    request = BisectRequest(good=good, bad=bad, repo=repo, overrides=overrides, config_dir=config_dir,
-                            config_name=config_name, steps=steps, metric=metric, threshold=threshold, seeds=seeds,
-                            max_seeds=max_seeds, workers=workers, cmd=cmd, tracking_uri=tracking_uri,
-                            use_cache=use_cache, publish=publish, executor=executor,
-                            jobs=settings_from(_submitit_options(submitit)) if submitit else None)
     from replaybisect.verbs.bisect.engine import bisect as run_bisect
 
     result = run_bisect(**request.arguments())
@@ -241,34 +166,11 @@ def bisect(
     return result
 
 
-def check(
-    overrides: Sequence[str] = (),
-    *,
-    run_id: Optional[str] = None,
-    step: Optional[int] = None,
-    config_dir: str | Path | None = None,
-    config_name: str = "config",
-    only: Optional[Sequence[str] | str] = None,
-    overfit_steps: int = 300,
-    overfit_samples: int = 16,
-    lr_steps: int = 100,
-    lr_min: float = 1e-7,
-    lr_max: float = 10.0,
-    tracking_uri: Optional[str] = None,
-    code_dirs: Sequence[str | Path] = (),
-    trust: Sequence[str] = (),
-    allow_unsigned: Optional[str] = None,
-    publish: bool = True,
-) -> "CheckReport":
+@front_door(CheckRequest, positional=("overrides",))
+def check(request: CheckRequest) -> "CheckReport":
     """The 5-minute checklist (as `replay check`) on a config (`overrides`, `config_dir`) or on a recorded run
     (`run_id`, at a healthy snapshot, or the one at or before `step`): overfit one batch, data sanity, loss/head,
     initialization, activations, gradient flow, LR range (from `lr_min` to `lr_max` in `lr_steps`)."""
-    from replaybisect.verbs.check.request import CheckRequest
-
-    request = CheckRequest(overrides=overrides, run_id=run_id, step=step, config_dir=config_dir, config_name=config_name,
-                           only=only, tracking_uri=tracking_uri, code_dirs=code_dirs, trust=trust, allow_unsigned=allow_unsigned,
-                           overfit_steps=overfit_steps, overfit_samples=overfit_samples, lr_steps=lr_steps,
-                           lr_min=lr_min, lr_max=lr_max, publish=publish)
     from replaybisect.core import config as config_mod
     from replaybisect.verbs.check.engine import check as run_check
 
@@ -283,11 +185,9 @@ def check(
     return report
 
 
-def diagnose(run_id: str, *, tracking_uri: Optional[str] = None, publish: bool = True) -> "Diagnosis":
+@front_door(DiagnoseRequest, positional=("run_id",))
+def diagnose(request: DiagnoseRequest) -> "Diagnosis":
     """Read a run's recorded curves (no replay) and name the pathology and the next command (as `replay diagnose`)."""
-    from replaybisect.verbs.diagnose.request import DiagnoseRequest
-
-    request = DiagnoseRequest(run_id=run_id, tracking_uri=tracking_uri, publish=publish)
     from replaybisect.verbs.diagnose.engine import analyse, load_curves
 
     store = _run_store(request.tracking_uri, request.run_id)

@@ -2,46 +2,126 @@
 
 from __future__ import annotations
 
+import collections.abc
 import contextlib
+import dataclasses
 import functools
+import inspect
 import io
 import os
 import sys
-from typing import Any, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import typer
 
 from replaybisect.core.jsonutil import strict_json
 
-TrackingUri = typer.Option(None, "--tracking-uri", help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI, else the nearest mlflow.db in this folder or above, else ./mlflow.db).")
-JsonFlag = typer.Option(False, "--json", help="Print one JSON object on stdout (progress and logs go to stderr).")
+# --json, as request_command's extras take it
+JSON_OUTPUT = inspect.Parameter("as_json", inspect.Parameter.KEYWORD_ONLY, annotation=bool, default=typer.Option(
+    False, "--json", help="Print one JSON object on stdout (progress and logs go to stderr)."))
 
-# where a verb's work runs (ablate's arms, bisect's trials, watch's triage steps): replaybisect/core/jobs.py
-Executor = typer.Option("local", "--executor", help="local (processes here) | submitit (jobs: SLURM when sbatch exists, else submitit's local executor).")
-Cluster = typer.Option(None, "--cluster", help="submitit cluster: slurm | local | debug (default: slurm when sbatch exists, else local).")
-Partition = typer.Option(None, "--partition", help="SLURM partition (submitit).")
-TimeMin = typer.Option(60, "--time", min=1, help="Job time limit in minutes (submitit).")
-Gpus = typer.Option(0, "--gpus", min=0, help="GPUs per job (submitit).")
-Cpus = typer.Option(None, "--cpus", min=1, help="CPUs per job (submitit).")
-MemGb = typer.Option(None, "--mem-gb", min=0.001, help="Memory per job in GB (submitit).")
-Account = typer.Option(None, "--account", help="SLURM account to charge (submitit).")
-Slurm = typer.Option(None, "--slurm", help="Another SLURM parameter as KEY=VALUE, by submitit's name (qos=high, constraint=a100); repeat it.")
-ExecutorFolder = typer.Option(".replaybisect/submitit", "--executor-folder", help="submitit's job folder (a shared file system on SLURM).")
-
-
-def job_settings(*, cluster, partition, time_min, gpus, cpus, mem_gb, account, slurm, folder):
-    """The job options of a command as core/jobs.py's JobSettings (checked by the request that takes them)."""
-    from replaybisect.core.jobs import JobSettings, parse_slurm
-
-    return JobSettings(cluster=cluster, folder=folder, partition=partition, time_min=time_min, gpus=gpus, cpus=cpus,
-                       mem_gb=mem_gb, account=account, slurm=parse_slurm(slurm or ()))
-# The trust boundary (replaybisect/trust.py): where a stored run's `_target_`s may come from.
-CodeDirs = typer.Option(None, "--code-dir", help="A folder of your own code the run's `_target_`s may import from (repeatable; the working folder always counts).")
-AllowUnsigned = typer.Option(None, "--allow-unsigned", metavar="RUN_ID", help="Replay this run (its id again) although "
-                             "its signature does not verify, e.g. one recorded before runs were signed: you vouch that its "
-                             "config.yaml and tags are as recorded.")
-TrustPrefixes = typer.Option(None, "--trust", help="Trust `_target_`s under this module prefix, e.g. mypkg (repeatable; also $REPLAYBISECT_TRUST=a,b).")
 HYDRA_CONTEXT = {"allow_extra_args": True, "ignore_unknown_options": True}
+
+
+# ---- a verb's command made from its request's fields (replaybisect/request.py: option, argument) -------------
+def request_command(request_type: type, run: Callable[..., None], *, extras: Sequence[inspect.Parameter] = (),
+                    answered: Optional[Callable[..., bool]] = None) -> Callable[..., None]:
+    """A typer command whose options are `request_type`'s fields declared with `option`/`argument`, then `extras`
+    (the command's own flags: --json, --list). Called, it builds the request from what was given (a --no-X flag
+    negated, a repeatable option given none as ()) and calls `run(request, **extras)`; `answered(**extras)` first,
+    where a flag answers without a request (--list), when it returns True."""
+    fields = _cli_fields(request_type)
+    parameters = []
+    if any(cli.extra_args for _, cli, _ in fields):
+        parameters.append(inspect.Parameter("ctx", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=typer.Context))
+    for f, cli, hint in fields:
+        if cli.group is not None:  # its own options, in its order
+            parameters += [_parameter(member, member_cli, member_hint) for member, member_cli, member_hint in _cli_fields(cli.group)]
+        elif not cli.extra_args:
+            parameters.append(_parameter(f, cli, hint))
+    extras = list(extras)
+    parameters += [extra.replace(kind=inspect.Parameter.POSITIONAL_OR_KEYWORD) for extra in extras]
+
+    def command(**given: Any) -> None:
+        context = given.pop("ctx", None)
+        own = {extra.name: given.pop(extra.name) for extra in extras}
+        if answered is not None and answered(**own):
+            return
+        values = {}
+        for f, cli, _ in fields:
+            if cli.extra_args:
+                values[f.name] = list(context.args)
+            elif cli.group is not None:
+                values[f.name] = cli.group(**{member.name: _given(member, member_cli, given) for member, member_cli, _ in _cli_fields(cli.group)})
+            else:
+                values[f.name] = _given(f, cli, given)
+        run(request_type(**values), **own)
+
+    command.__signature__ = inspect.Signature(parameters)
+    command.__annotations__ = {parameter.name: parameter.annotation for parameter in parameters}
+    command.__doc__ = run.__doc__
+    command.__name__ = command.__qualname__ = run.__name__
+    return command
+
+
+def _cli_fields(kind: type) -> list:
+    """(field, Cli, type) of each field of the dataclass `kind` that the command line gives."""
+    import typing
+
+    from replaybisect.request import cli_of
+
+    hints = typing.get_type_hints(kind)
+    return [(f, cli_of(f), hints[f.name]) for f in dataclasses.fields(kind) if f.init and cli_of(f) is not None]
+
+
+def _parameter(request_field, cli, hint) -> inspect.Parameter:
+    """The typer parameter of one field: its flags, help and bounds, its default, the type the command line parses."""
+    default = ... if request_field.default is dataclasses.MISSING else request_field.default
+    if cli.negated:
+        default = False
+    elif default == ():
+        default = None  # a repeatable option given none
+    if not cli.flags:
+        info = typer.Argument(default, help=cli.help)
+    else:
+        limits = cli.bound.limits if cli.bound is not None else {}
+        info = typer.Option(default, *cli.flags, help=cli.help, hidden=cli.hidden, metavar=cli.metavar, envvar=cli.envvar, **limits)
+    kind = bool if cli.negated else cli.kind or _cli_type(hint, request_field.default)
+    return inspect.Parameter(cli.parameter_name(request_field.name), inspect.Parameter.POSITIONAL_OR_KEYWORD, default=info,
+                             annotation=kind)
+
+
+def _given(request_field, cli, given: dict) -> Any:
+    """The field's value from what the command line gave its parameter."""
+    value = given[cli.parameter_name(request_field.name)]
+    if cli.negated:
+        return not value
+    if cli.parse is not None:
+        return cli.parse(value)
+    return () if value is None and request_field.default == () else value
+
+
+def _cli_type(hint: Any, default: Any) -> Any:
+    """The type typer parses for a request field's type: a sequence is a repeatable option (a list of str), a path or a
+    closed choice (Literal) a str, `Optional` kept where the field may be None."""
+    import typing
+    from pathlib import Path as PathType
+
+    arguments = typing.get_args(hint) if typing.get_origin(hint) is typing.Union else (hint,)
+    optional = type(None) in arguments or default is None
+    kinds = [kind for kind in arguments if kind is not type(None)]
+    origins = {typing.get_origin(kind) or kind for kind in kinds}
+    if origins & {collections.abc.Sequence, list, tuple}:
+        return Optional[list[str]]
+    if origins & {str, PathType, typing.Literal}:
+        base = str
+    elif kinds == [bool]:
+        return bool
+    elif kinds and all(kind in (int, float) for kind in kinds):
+        base = kinds[0]
+    else:
+        raise TypeError(f"no command-line type for {hint!r}: declare option(..., kind=...)")
+    return Optional[base] if optional else base
 
 
 # ---- the store line: "store: /abs/mlflow.db (why)" on stderr before whatever the command prints first ------

@@ -5,15 +5,20 @@ __init__.py), so both refuse the same input with the same one-line ReplayError. 
 A number's allowed range is declared once, as a `Bound`: command.py hands it to typer (the option's help shows it and
 click refuses a value outside it while parsing), and the request checks it in the same words for the Python API.
 A value of the wrong kind (a string where a count goes) cannot come from the command line, whose parser converts
-types; from Python it is refused in the API's words (`step='3' is not an integer >= 0`), naming the argument."""
+types; from Python it is refused in the API's words (`step='3' is not an integer >= 0`), naming the argument.
+
+A verb's option is declared once, as its request's field: `option(default, "--flag", help=...)` (or with a `Bound`)
+carries the flag and the help text, and the typer command is made from the fields (options.request_command), so
+adding an option to a verb is adding one field."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import MISSING, Field, dataclass, field
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 from replaybisect.core.arguments import run_id, shown, tracking_uri  # (one home: the Recorder checks with them too)
 from replaybisect.errors import ReplayError
@@ -54,6 +59,127 @@ class Bound:
         refused = self.refusal(value)
         if refused is not None:
             raise ReplayError(refused)
+
+
+REQUIRED: Any = MISSING  # option(REQUIRED, "--run-id", ...): a field with no default
+
+
+@dataclass(frozen=True)
+class Cli:
+    """How a request's field is given on the command line (options.request_command reads it)."""
+
+    flags: tuple[str, ...]  # the option's names; () for a positional argument
+    help: str
+    kind: Any = None  # the command line's type, where the field's is not one typer reads (a path, a list)
+    negated: bool = False  # a --no-X flag: the field is True unless it is given
+    hidden: bool = False
+    metavar: Optional[str] = None
+    bound: Optional[Bound] = None
+    extra_args: bool = False  # the command's extra arguments (Hydra overrides), not an option
+    parse: Optional[Callable[[Any], Any]] = None  # the field's value from the command line's
+    group: Optional[type] = None  # a dataclass whose own option fields are this field's options (JobSettings)
+    envvar: Optional[str] = None  # the environment variable that gives the option when the command line does not
+
+    def parameter_name(self, field_name: str) -> str:
+        return self.flags[0].lstrip("-").replace("-", "_") if self.negated else field_name
+
+
+def option(default: Any = MISSING, *flags: str, help: str, bound: Optional[Bound] = None, kind: Any = None,
+           negated: bool = False, hidden: bool = False, metavar: Optional[str] = None,
+           parse: Optional[Callable[[Any], Any]] = None, envvar: Optional[str] = None) -> Any:
+    """A request field that is also a command-line option (`flags`, or the bound's): one declaration for both doors."""
+    cli = Cli(flags or (bound.flags if bound else ()), help, kind, negated, hidden, metavar, bound, parse=parse, envvar=envvar)
+    return field(default=default, metadata={"cli": cli})
+
+
+def option_group(group: type, default: Any = None) -> Any:
+    """A request field whose value is a `group` dataclass (JobSettings) made from that dataclass's own options."""
+    return field(default=default, metadata={"cli": Cli((), group.__doc__ or "", group=group)})
+
+
+def argument(default: Any = MISSING, *, help: str, kind: Any = None) -> Any:
+    """A request field that is a positional argument of the command."""
+    return field(default=default, metadata={"cli": Cli((), help, kind)})
+
+
+def hydra_overrides() -> Any:
+    """The Hydra overrides: the command's arguments after its options."""
+    return field(default=(), metadata={"cli": Cli((), "Hydra overrides", extra_args=True)})
+
+
+def cli_of(request_field: Field) -> Optional[Cli]:
+    return request_field.metadata.get("cli")
+
+
+def front_door(request_type: type, *, positional: tuple[str, ...] = (), internal: tuple[str, ...] = (),
+               aliases: Optional[dict[str, tuple[str, Callable[[Any], Any], Any]]] = None) -> Callable:
+    """The Python API function of a verb, its signature made from `request_type`'s fields (`positional` first, in that
+    order; the rest keyword-only; `internal` fields left out): the decorated body takes the built request. `aliases`:
+    an argument the function takes in place of a field, {name: (field, conversion, annotation)} (`submitit={...}`
+    for `jobs`). An option added to the request is an argument of the function, with its default."""
+    import functools
+    import inspect
+    import typing
+
+    hints = typing.get_type_hints(request_type)
+    aliases = aliases or {}
+    replaced = {target for target, _, _ in aliases.values()}
+
+    def parameter(request_field, kind) -> inspect.Parameter:
+        default = inspect.Parameter.empty if request_field.default is MISSING else request_field.default
+        return inspect.Parameter(request_field.name, kind, default=default, annotation=hints[request_field.name])
+
+    def decorate(body: Callable) -> Callable:
+        fields = {f.name: f for f in dataclasses.fields(request_type) if f.init and f.name not in internal and f.name not in replaced}
+        parameters = [parameter(fields[name], inspect.Parameter.POSITIONAL_OR_KEYWORD) for name in positional]
+        parameters += [parameter(f, inspect.Parameter.KEYWORD_ONLY) for name, f in fields.items() if name not in positional]
+        parameters += [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=None, annotation=annotation)
+                       for name, (_, _, annotation) in aliases.items()]
+        returned = body.__annotations__.get("return", inspect.Signature.empty)  # a name as text: the result types load late
+        signature = inspect.Signature(parameters, return_annotation=returned.strip("'\"") if isinstance(returned, str) else returned)
+
+        @functools.wraps(body)
+        def function(*args: Any, **kwargs: Any) -> Any:
+            given = dict(signature.bind(*args, **kwargs).arguments)
+            for name, (target, conversion, _) in aliases.items():
+                if given.get(name) is not None:
+                    given[target] = conversion(given.pop(name))
+                given.pop(name, None)
+            return body(request_type(**given))
+
+        function.__signature__ = signature
+        del function.__wrapped__  # (documentation tools read the signature, not the body's)
+        return function
+
+    return decorate
+
+
+# the options several verbs share, worded once
+def tracking_uri_option() -> Any:
+    return option(None, "--tracking-uri", help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI, else the nearest "
+                  "mlflow.db in this folder or above, else ./mlflow.db).")
+
+
+def code_dirs_option() -> Any:
+    return option((), "--code-dir", help="A folder of your own code the run's `_target_`s may import from "
+                  "(repeatable; the working folder always counts).")
+
+
+def trust_option() -> Any:
+    return option((), "--trust", help="Trust `_target_`s under this module prefix, e.g. mypkg (repeatable; also "
+                  "$REPLAYBISECT_TRUST=a,b).")
+
+
+def executor_option() -> Any:
+    """Where a verb's work runs (ablate's arms, bisect's trials, watch's triage steps): core/jobs.py."""
+    return option("local", "--executor", help="local (processes here) | submitit (jobs: SLURM when sbatch exists, else "
+                  "submitit's local executor).")
+
+
+def allow_unsigned_option() -> Any:
+    return option(None, "--allow-unsigned", metavar="RUN_ID", help="Replay this run (its id again) although its "
+                  "signature does not verify, e.g. one recorded before runs were signed: you vouch that its config.yaml "
+                  "and tags are as recorded.")
 
 
 def _kind(name: str, value: Any, what: str, optional: bool) -> ReplayError:

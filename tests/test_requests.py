@@ -284,3 +284,41 @@ def test_the_function_runs_the_arms_the_command_runs_when_none_are_named(monkeyp
     with pytest.raises(KeyboardInterrupt):
         rb.ablate(RUN)
     assert asked == [[spec.name for spec in parse_arms(None)]]  # every arm that runs bare, as `replay ablate`
+
+
+def test_an_option_is_one_field_and_both_doors_take_it_with_its_default_bound_and_help():
+    """A verb's option is declared once, in its request: the command's option (flag, help, bound) and the function's
+    argument (default) are made from that field, and a value out of range is refused in the same words by both."""
+    import inspect
+
+    import typer
+    from typer.testing import CliRunner
+
+    from replaybisect import request as checks
+    from replaybisect.options import JSON_OUTPUT, request_command
+
+    LAPS = checks.Bound("demo", ("--laps",), low=1, high=9)
+
+    @dataclasses.dataclass(frozen=True)
+    class DemoRequest:
+        run_id: str = checks.option(checks.REQUIRED, "--run-id", help="The run.")
+        laps: int = checks.option(3, bound=LAPS, help="How many laps.")  # the one line that adds an option
+
+        def __post_init__(self):
+            checks.integer(self.laps, "laps", LAPS)
+
+    seen = []
+    demo = typer.Typer()
+    demo.command("demo")(request_command(DemoRequest, lambda request, as_json: seen.append((request, as_json)), extras=[JSON_OUTPUT]))
+    function = checks.front_door(DemoRequest, positional=("run_id",))(lambda request: request)
+
+    assert inspect.signature(function).parameters["laps"].default == 3
+    assert function("r").laps == 3 and function("r", laps=5).laps == 5
+    runner = CliRunner()
+    assert runner.invoke(demo, ["--run-id", "r", "--laps", "5", "--json"]).exit_code == 0 and seen == [(DemoRequest("r", 5), True)]
+    shown = runner.invoke(demo, ["--help"]).output
+    assert "--laps" in shown and "How many laps." in shown and "1<=x<=9" in shown
+    refused = runner.invoke(demo, ["--run-id", "r", "--laps", "10"])
+    assert refused.exit_code == 2 and "Invalid value for '--laps'" in refused.output
+    with pytest.raises(rb.ReplayError, match=r"Invalid value for '--laps': Input should be less than or equal to 9"):
+        function("r", laps=10)

@@ -22,6 +22,7 @@ from typing import Any, Callable, Optional, Sequence
 
 from replaybisect.core.processes import alive
 from replaybisect.errors import ReplayError
+from replaybisect.request import Bound, option
 
 EXECUTORS = ("local", "submitit")
 CLUSTERS = ("slurm", "local", "debug")  # what submitit.AutoExecutor runs on without plugins
@@ -36,18 +37,38 @@ class JobSettings:
     """Where and how submitit runs a verb's jobs. `slurm`: extra SLURM parameters (`("qos", "high")`, ...) by
     submitit's names, with or without the `slurm_` prefix."""
 
-    cluster: Optional[str] = None  # slurm | local | debug; None: slurm when sbatch exists, else local
-    folder: str = DEFAULT_FOLDER  # the jobs' files (a shared file system on SLURM)
-    partition: Optional[str] = None
-    time_min: int = 60
-    gpus: int = 0
-    cpus: Optional[int] = None
-    mem_gb: Optional[float] = None
-    account: Optional[str] = None
-    slurm: tuple[tuple[str, str], ...] = ()
+    cluster: Optional[str] = option(None, "--cluster", help="submitit cluster: slurm | local | debug (default: slurm "
+                                    "when sbatch exists, else local).")
+    partition: Optional[str] = option(None, "--partition", help="SLURM partition (submitit).")
+    time_min: int = option(60, "--time", help="Job time limit in minutes (submitit).", bound=Bound("", ("--time",), low=1))
+    gpus: int = option(0, "--gpus", help="GPUs per job (submitit).", bound=Bound("", ("--gpus",), low=0))
+    cpus: Optional[int] = option(None, "--cpus", help="CPUs per job (submitit).", bound=Bound("", ("--cpus",), low=1))
+    mem_gb: Optional[float] = option(None, "--mem-gb", help="Memory per job in GB (submitit).",
+                                     bound=Bound("", ("--mem-gb",), low=0.001))
+    account: Optional[str] = option(None, "--account", help="SLURM account to charge (submitit).")
+    slurm: tuple[tuple[str, str], ...] = option((), "--slurm", kind=Optional[list[str]], parse=lambda items: parse_slurm(items or ()),
+                                                help="Another SLURM parameter as KEY=VALUE, by submitit's name (qos=high, "
+                                                "constraint=a100); repeat it.")
+    folder: str = option(DEFAULT_FOLDER, "--executor-folder", help="submitit's job folder (a shared file system on SLURM).")
 
-    def checked(self) -> "JobSettings":
+    def in_range(self, verb: str = "") -> "JobSettings":
+        """These settings, or a one-line ReplayError for a number of the wrong kind or out of its option's range, in
+        the words the command line's parser uses (`verb`'s help named): whatever the executor."""
+        import dataclasses
+
+        from replaybisect import request as checks
+
+        for setting in dataclasses.fields(self):
+            cli = checks.cli_of(setting)
+            if cli is not None and cli.bound is not None:
+                check = checks.number if setting.name == "mem_gb" else checks.integer
+                check(getattr(self, setting.name), setting.name, dataclasses.replace(cli.bound, verb=verb),
+                      optional=setting.default is None)
+        return self
+
+    def checked(self, verb: str = "") -> "JobSettings":
         """These settings, or a one-line ReplayError naming the first that cannot work; nothing is submitted."""
+        self.in_range(verb)
         if self.cluster is not None and self.cluster not in known_clusters():
             raise ReplayError(f"--cluster {self.cluster[:80]!r} is not a submitit cluster; use {', '.join(known_clusters())} "
                               "(or leave it out: slurm when sbatch exists, else local)")
@@ -95,7 +116,7 @@ class JobSettings:
 
 
 def settings_from(values: dict) -> JobSettings:
-    """JobSettings from the Python API's `submitit={...}` (names as SETTINGS), checked."""
+    """JobSettings from the Python API's `submitit={...}` (names as SETTINGS), checked by the request that takes them."""
     if not isinstance(values, dict) or not all(isinstance(key, str) for key in values):
         raise ReplayError(f"submitit={values!r:.60} is not a dict of submitit options; pass e.g. {{'partition': 'gpu'}}")
     unknown = sorted(set(values) - set(SETTINGS))
@@ -105,7 +126,7 @@ def settings_from(values: dict) -> JobSettings:
     if "slurm" in fields:
         fields["slurm"] = parse_slurm(fields["slurm"] if not isinstance(fields["slurm"], dict)
                                       else [f"{k}={v}" for k, v in fields["slurm"].items()])
-    return JobSettings(**fields).checked()
+    return JobSettings(**fields)
 
 
 def parse_slurm(items: Sequence[str]) -> tuple[tuple[str, str], ...]:

@@ -1041,7 +1041,7 @@ def ablate_request(store, request: AblateRequest, *, progress: Optional[Callable
                    on_plan: Optional[Callable[[list[str], int, int], None]] = None) -> AblationResult:
     """`ablate` as a checked request asks it (`replay ablate` and `replaybisect.ablate`)."""
     return ablate(store, request.run_id, request.specs, from_step=request.from_step, horizon=request.horizon,
-                  workers=request.workers, executor=request.executor, submitit_options=request.submitit_options(),
+                  workers=request.workers, executor=request.executor, submitit_options=request.jobs,
                   progress=progress, on_plan=on_plan, trust=request.trusted, patch=request.patch, sweep=request.sweep)
 
 

@@ -10,8 +10,8 @@ from typing import Any, Literal, Optional, Sequence, Union, get_args
 
 from replaybisect import request as checks
 from replaybisect.errors import ReplayError
-from replaybisect.request import MAX_STEPS, MAX_WORKERS, Bound
-from replaybisect.core.jobs import JobSettings, settings_from
+from replaybisect.request import MAX_STEPS, MAX_WORKERS, Bound, argument, option, option_group
+from replaybisect.core.jobs import JobSettings
 from replaybisect.verbs.ablate import interventions
 from replaybisect.verbs.ablate.interventions import ArmSpec
 
@@ -23,10 +23,6 @@ DEFAULT_HORIZON = 200
 
 HORIZON = Bound("ablate", ("--horizon",), high=MAX_STEPS)  # below 1: check_options says what the horizon is
 WORKERS = Bound("ablate", ("--workers",), high=MAX_WORKERS)  # below 1: check_options says "or leave it out: auto"
-TIME_MIN = Bound("ablate", ("--time",), low=1)
-GPUS = Bound("ablate", ("--gpus",), low=0)
-CPUS = Bound("ablate", ("--cpus",), low=1)
-MEM_GB = Bound("ablate", ("--mem-gb",), low=0.001)
 
 
 @dataclass(frozen=True)
@@ -35,27 +31,26 @@ class AblateRequest:
     start (`from_step`) and how far past the failure they replay (`horizon`); how they run (`workers`, `executor`,
     and submitit's job options); a changed module to replay (`patch`) or a value to search (`sweep`)."""
 
-    run_id: Optional[str]
-    arms: Union[str, Sequence[str], None] = None
-    from_step: Optional[int] = None
-    horizon: int = DEFAULT_HORIZON
-    workers: Optional[int] = None
-    executor: Executor = "local"
-    cluster: Optional[str] = None  # submitit: slurm | local | debug (None: slurm when sbatch exists, else local)
-    partition: Optional[str] = None
-    time_min: int = 60
-    gpus: int = 0
-    cpus: Optional[int] = None
-    mem_gb: Optional[float] = None
-    account: Optional[str] = None
-    slurm: Union[Sequence[str], dict] = ()  # extra SLURM parameters: "qos=high", ... (or {"qos": "high"})
-    executor_folder: Union[str, Path] = ".replaybisect/submitit"
-    sweep: Optional[Sweep] = None
-    patch: Union[str, Path, None] = None
-    tracking_uri: Optional[str] = None
-    code_dirs: Sequence[str] = ()
-    trust: Sequence[str] = ()
-    allow_unsigned: Optional[str] = None  # this run's id: replayed without a signature that verifies
+    arms: Union[str, Sequence[str], None] = argument(None, kind=Optional[str], help="Comma-separated arms, bare or with "
+                                                     "a value: lr,clip,precision or lr=x0.3,clip=265 (default: all, none "
+                                                     "with --patch; see --list).")
+    run_id: Optional[str] = option(None, "--run-id", help="The failed run to ablate.")
+    from_step: Optional[int] = option(None, "--from-step", help="Apply the changes from this step (default: the snapshot "
+                                      "before the failure).")
+    horizon: int = option(DEFAULT_HORIZON, bound=HORIZON, help="Replay this many steps past the failing step.")
+    workers: Optional[int] = option(None, bound=WORKERS, help="Arms run in parallel: local processes, or SLURM array "
+                                    "parallelism with submitit (default: auto: one per arm up to the cores, in-process "
+                                    "when the replays are short).")
+    executor: Executor = checks.executor_option()
+    jobs: Optional[JobSettings] = option_group(JobSettings)  # submitit's settings (the API's `submitit={...}`)
+    sweep: Optional[Sweep] = option(None, "--sweep", help="lr | clip: find the largest lr factor (clip threshold) that "
+                                    "fixes the failure, by bisection; instead of arms.")
+    patch: Union[str, Path, None] = option(None, "--patch", help="Your changed module (fix.py) or a folder of them: replay "
+                                           "the failure with it in place of the recorded code.")
+    tracking_uri: Optional[str] = checks.tracking_uri_option()
+    code_dirs: Sequence[str] = checks.code_dirs_option()
+    trust: Sequence[str] = checks.trust_option()
+    allow_unsigned: Optional[str] = checks.allow_unsigned_option()  # this run's id: replayed without a signature that verifies
     publish: bool = True
     trusted: Any = field(init=False, repr=False, compare=False)  # the trust decision, built when the request is
     specs: Any = field(init=False, repr=False, compare=False)  # the arms as checked (ArmSpecs): what the engine runs
@@ -70,14 +65,7 @@ class AblateRequest:
             from_step=checks.integer(self.from_step, "from_step", optional=True),
             horizon=checks.integer(self.horizon, "horizon", HORIZON),
             workers=checks.integer(self.workers, "workers", WORKERS, optional=True),
-            executor=checks.text(self.executor, "executor"), cluster=checks.text(self.cluster, "cluster", optional=True),
-            partition=checks.text(self.partition, "partition", optional=True),
-            time_min=checks.integer(self.time_min, "time_min", TIME_MIN), gpus=checks.integer(self.gpus, "gpus", GPUS),
-            cpus=checks.integer(self.cpus, "cpus", CPUS, optional=True),
-            mem_gb=checks.number(self.mem_gb, "mem_gb", MEM_GB, optional=True),
-            account=checks.text(self.account, "account", optional=True),
-            slurm=dict(self.slurm) if isinstance(self.slurm, dict) else checks.strings(self.slurm, "slurm", what="KEY=VALUE SLURM parameters"),
-            executor_folder=checks.path(self.executor_folder, "executor_folder"),
+            executor=checks.text(self.executor, "executor"),
             sweep=checks.text(self.sweep, "sweep", optional=True), patch=checks.path(self.patch, "patch", optional=True),
             code_dirs=checks.paths(self.code_dirs, "code_dirs"), trust=checks.strings(self.trust, "trust", what="module prefixes"),
             publish=checks.flag(self.publish, "publish"),
@@ -85,20 +73,19 @@ class AblateRequest:
         specs = check_options(self.arm_list, horizon=self.horizon, workers=self.workers, executor=self.executor,
                               from_step=self.from_step, patch=self.patch, sweep=self.sweep)
         checks.setattrs(self, specs=specs)  # the arms as checked once: what the engine runs
-        if self.executor == "submitit" or self.cluster is not None:
-            self.submitit_options()  # checked: one line for a setting that cannot work, before any run is read
+        if self.jobs is not None and not isinstance(self.jobs, JobSettings):
+            raise ReplayError(f"jobs={self.jobs!r:.60} is not a JobSettings; pass the options as submitit={{...}}")
+        if self.jobs is not None:
+            self.jobs.in_range("ablate")
+        if self.executor == "submitit" or self.jobs is not None and self.jobs.cluster is not None:
+            # checked: one line for a setting that cannot work, before any run is read
+            checks.setattrs(self, jobs=(self.jobs or JobSettings()).checked("ablate"))
         checks.setattrs(self, trusted=checks.trust_of(self.code_dirs, self.trust, self.run_id, self.allow_unsigned))
 
     @property
     def arm_list(self) -> Union[str, list[str], None]:
         """The arms as engine.ablate takes them."""
         return list(self.arms) if isinstance(self.arms, tuple) else self.arms
-
-    def submitit_options(self) -> JobSettings:
-        return settings_from({"cluster": self.cluster, "executor_folder": str(self.executor_folder), "partition": self.partition,
-                              "time_min": self.time_min, "gpus": self.gpus, "cpus": self.cpus, "mem_gb": self.mem_gb,
-                              "account": self.account, "slurm": dict(self.slurm) if isinstance(self.slurm, dict) else list(self.slurm)})
-
 
 def parse_arms(arms: Optional[str | list[str]], default_all: bool = True) -> list[ArmSpec]:
     """'lr,clip=265' -> [ArmSpec('lr'), ArmSpec('clip', 265.0)]; None/empty -> every registered intervention that

@@ -2,44 +2,13 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Optional
-
 import typer
 
-from replaybisect.options import (HYDRA_CONTEXT, Account, Cluster, Cpus, Executor, ExecutorFolder, Gpus, JsonFlag, MemGb, Partition,
-                                  Slurm, TimeMin, TrackingUri, job_settings, print_json)
-from replaybisect.verbs.bisect.request import MOST_SEEDS, SEEDS, STEPS, WORKERS, BisectRequest
+from replaybisect.options import HYDRA_CONTEXT, JSON_OUTPUT, print_json, request_command
+from replaybisect.verbs.bisect.request import BisectRequest
 
 
-def bisect_command(
-    ctx: typer.Context,
-    good: str = typer.Argument(..., help="A commit that trains well (SHA, branch, tag)."),
-    bad: str = typer.Argument(..., help="A later commit that does not."),
-    repo: Path = typer.Option(Path("."), "--repo", help="The git repository (never modified: trials run in a private clone)."),
-    config_dir: str = typer.Option("conf", "--config-dir", help="Hydra config folder, relative to the repository root at each commit."),
-    config_name: str = typer.Option("config", "--config-name", help="Primary config in --config-dir."),
-    steps: Optional[int] = typer.Option(None, "--steps", **STEPS.limits, help="Training steps per trial (default: the config's train.steps)."),
-    metric: str = typer.Option("loss", "--metric", help="Metric judged (lower is better): its mean over the last 10% of logged steps."),
-    threshold: Optional[float] = typer.Option(None, "--threshold", help="Metric above this is bad (default: judged against the endpoints' measured spread)."),
-    seeds: int = typer.Option(3, "--seeds", **SEEDS.limits, help="Seeds the endpoints are measured with (a commit gets more when unclear); training only."),
-    max_seeds: Optional[int] = typer.Option(None, "--max-seeds", **MOST_SEEDS.limits, help="Most seeds for one commit (default 3x --seeds)."),
-    workers: int = typer.Option(1, "--workers", "-w", **WORKERS.limits, help="Commits tested in parallel per round."),
-    cmd: Optional[str] = typer.Option(None, "--cmd", help="Run this shell command instead of training; exit 0 good, 125 skip, 1-127 bad, >=128 abort."),
-    no_cache: bool = typer.Option(False, "--no-cache", help="Do not reuse trial results of earlier bisects."),
-    executor: str = Executor,
-    cluster: Optional[str] = Cluster,
-    partition: Optional[str] = Partition,
-    time_min: int = TimeMin,
-    gpus: int = Gpus,
-    cpus: Optional[int] = Cpus,
-    mem_gb: Optional[float] = MemGb,
-    account: Optional[str] = Account,
-    slurm: Optional[list[str]] = Slurm,
-    executor_folder: str = ExecutorFolder,
-    tracking_uri: Optional[str] = TrackingUri,
-    as_json: bool = JsonFlag,
-):
+def bisect(request: BisectRequest, as_json: bool) -> None:
     """Find the first commit on BAD's first-parent history that fails, training each tried commit briefly.
 
     Everything after the options is a Hydra override for the trials. Examples:
@@ -64,14 +33,7 @@ def bisect_command(
     """
     import sys
 
-    request = BisectRequest(
-        good=good, bad=bad, repo=repo, overrides=list(ctx.args), config_dir=config_dir, config_name=config_name, steps=steps,
-        metric=metric, threshold=threshold, seeds=seeds, max_seeds=max_seeds, workers=workers, cmd=cmd,
-        tracking_uri=tracking_uri, use_cache=not no_cache, executor=executor,
-        jobs=job_settings(cluster=cluster, partition=partition, time_min=time_min, gpus=gpus, cpus=cpus, mem_gb=mem_gb,
-                          account=account, slurm=slurm, folder=executor_folder),
-    )
-    from replaybisect.verbs.bisect.engine import bisect
+    from replaybisect.verbs.bisect.engine import bisect as run_bisect
     from replaybisect.verbs.bisect.report import publish, render
 
     from replaybisect.options import announce_store, stderr_console
@@ -81,7 +43,7 @@ def bisect_command(
     # `kill` (SIGTERM) stops the bisect as cleanly as Ctrl-C (main() raises Terminated, a KeyboardInterrupt)
     try:
         with _Progress(stderr_console()) as progress:
-            result = bisect(**request.arguments(), on_event=progress.event)
+            result = run_bisect(**request.arguments(), on_event=progress.event)
     except KeyboardInterrupt as stop:
         from replaybisect.errors import interruption
 
@@ -162,4 +124,5 @@ class _Progress:
 
 
 def register(app: typer.Typer) -> None:
-    app.command("bisect", context_settings=HYDRA_CONTEXT, short_help="Which commit broke convergence.")(bisect_command)
+    command = request_command(BisectRequest, bisect, extras=[JSON_OUTPUT])
+    app.command("bisect", context_settings=HYDRA_CONTEXT, short_help="Which commit broke convergence.")(command)

@@ -11,7 +11,8 @@ from typing import Any, Optional, Sequence, Union
 
 from replaybisect import request as checks
 from replaybisect.errors import ReplayError
-from replaybisect.request import MAX_STEPS, MAX_WORKERS, Bound
+from replaybisect.request import MAX_STEPS, MAX_WORKERS, Bound, argument, option, option_group
+from replaybisect.core.jobs import JobSettings
 
 MAX_SEEDS = 100  # seeds per endpoint; each is a training run per tried commit
 STEPS = Bound("bisect", ("--steps",), low=1, high=MAX_STEPS)
@@ -26,24 +27,27 @@ class BisectRequest:
     `config_name` relative to the repository root, `overrides`, `steps`, `metric` against `threshold`, `seeds`) or a
     shell command (`cmd`); `workers` commits at once; `use_cache`: reuse trial results of earlier bisects."""
 
-    good: str
-    bad: str
-    repo: Union[str, Path] = "."
-    overrides: Sequence[str] = ()
-    config_dir: str = "conf"
-    config_name: str = "config"
-    steps: Optional[int] = None
-    metric: str = "loss"
-    threshold: Optional[float] = None
-    seeds: int = 3
-    max_seeds: Optional[int] = None
-    workers: int = 1
-    cmd: Optional[str] = None
-    tracking_uri: Optional[str] = None
-    use_cache: bool = True
+    good: str = argument(help="A commit that trains well (SHA, branch, tag).")
+    bad: str = argument(help="A later commit that does not.")
+    repo: Union[str, Path] = option(".", "--repo", help="The git repository (never modified: trials run in a private clone).")
+    overrides: Sequence[str] = checks.hydra_overrides()
+    config_dir: str = option("conf", "--config-dir", help="Hydra config folder, relative to the repository root at each commit.")
+    config_name: str = option("config", "--config-name", help="Primary config in --config-dir.")
+    steps: Optional[int] = option(None, bound=STEPS, help="Training steps per trial (default: the config's train.steps).")
+    metric: str = option("loss", "--metric", help="Metric judged (lower is better): its mean over the last 10% of logged steps.")
+    threshold: Optional[float] = option(None, "--threshold", help="Metric above this is bad (default: judged against the "
+                                        "endpoints' measured spread).")
+    seeds: int = option(3, bound=SEEDS, help="Seeds the endpoints are measured with (a commit gets more when unclear); "
+                        "training only.")
+    max_seeds: Optional[int] = option(None, bound=MOST_SEEDS, help="Most seeds for one commit (default 3x --seeds).")
+    workers: int = option(1, bound=WORKERS, help="Commits tested in parallel per round.")
+    cmd: Optional[str] = option(None, "--cmd", help="Run this shell command instead of training; exit 0 good, 125 skip, "
+                                "1-127 bad, >=128 abort.")
+    use_cache: bool = option(True, "--no-cache", negated=True, help="Do not reuse trial results of earlier bisects.")
+    executor: str = checks.executor_option()  # local | submitit: where the trials run (core/jobs.py)
+    jobs: Any = option_group(JobSettings)  # submitit's JobSettings (the Python API's `submitit={...}`, the command's job options)
+    tracking_uri: Optional[str] = checks.tracking_uri_option()
     publish: bool = True
-    executor: str = "local"  # local | submitit: where the trials run (core/jobs.py)
-    jobs: Any = None  # submitit's JobSettings (the Python API's `submitit={...}`, the command's job options)
 
     def __post_init__(self) -> None:
         checks.setattrs(
@@ -58,14 +62,16 @@ class BisectRequest:
             workers=checks.integer(self.workers, "workers", WORKERS), cmd=checks.text(self.cmd, "cmd", optional=True),
             use_cache=checks.flag(self.use_cache, "use_cache"), publish=checks.flag(self.publish, "publish"),
         )
-        from replaybisect.core.jobs import EXECUTORS, JobSettings
+        from replaybisect.core.jobs import EXECUTORS
 
         if self.executor not in EXECUTORS:
             raise ReplayError(f"--executor {str(self.executor)[:80]!r} is not one of {', '.join(EXECUTORS)}")
         if self.jobs is not None and not isinstance(self.jobs, JobSettings):
             raise ReplayError(f"jobs={self.jobs!r:.60} is not a JobSettings; pass the options as submitit={{...}}")
+        if self.jobs is not None:
+            self.jobs.in_range("bisect")
         if self.executor == "submitit":
-            checks.setattrs(self, jobs=(self.jobs or JobSettings()).checked())
+            checks.setattrs(self, jobs=(self.jobs or JobSettings()).checked("bisect"))
         if self.threshold is not None and not math.isfinite(self.threshold):
             raise ReplayError(f"--threshold {self.threshold} must be a finite number (or leave it out: judged from the endpoints)")
 

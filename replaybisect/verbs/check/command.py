@@ -2,33 +2,13 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Optional
-
 import typer
 
-from replaybisect.options import HYDRA_CONTEXT, CodeDirs, JsonFlag, TrackingUri, AllowUnsigned, TrustPrefixes, print_json
-from replaybisect.verbs.check.request import LR_STEPS, OVERFIT_SAMPLES, OVERFIT_STEPS, STEP, CheckRequest
+from replaybisect.options import HYDRA_CONTEXT, JSON_OUTPUT, print_json, request_command
+from replaybisect.verbs.check.request import CheckRequest
 
 
-def check_command(
-    ctx: typer.Context,
-    config_dir: Optional[Path] = typer.Option(None, "--config-dir", help="Your Hydra config folder (default: the built-in example)."),
-    config_name: str = typer.Option("config", "--config-name", help="Primary config in --config-dir."),
-    run_id: Optional[str] = typer.Option(None, "--run-id", help="Check a recorded run: its config, at a healthy snapshot (the last before its growth began)."),
-    step: Optional[int] = typer.Option(None, "--step", **STEP.limits, help="With --run-id: check the snapshot at or before this step."),
-    tracking_uri: Optional[str] = TrackingUri,
-    as_json: bool = JsonFlag,
-    code_dirs: Optional[list[str]] = CodeDirs,
-    trust_prefixes: Optional[list[str]] = TrustPrefixes,
-    allow_unsigned: Optional[str] = AllowUnsigned,
-    overfit_steps: int = typer.Option(300, "--overfit-steps", **OVERFIT_STEPS.limits, help="Steps of the overfit-one-batch check."),
-    overfit_samples: int = typer.Option(16, "--overfit-samples", **OVERFIT_SAMPLES.limits, help="Samples in the overfit batch (2-32)."),
-    lr_steps: int = typer.Option(100, "--lr-steps", **LR_STEPS.limits, help="Steps of the LR range test."),
-    lr_min: float = typer.Option(1e-7, "--lr-min", help="First learning rate of the LR range test."),
-    lr_max: float = typer.Option(10.0, "--lr-max", help="Last learning rate of the LR range test."),
-    only: Optional[str] = typer.Option(None, "--only", help="Comma list of checks or groups: overfit,data,loss,init,act,grad,lr."),
-):
+def check(request: CheckRequest, as_json: bool) -> None:
     """Run the checklist: overfit one batch, data sanity, loss/output mismatch, initialization, activations,
     gradient flow and an LR range test. Each check is pass | warn | fail with the number behind it.
 
@@ -45,18 +25,12 @@ def check_command(
 
     Exit status: 0 the checks ran (failing checks are a result), 2 bad input.
     """
-    # bad input (a step without a run, a run and a config, an unknown check) is refused before any store is opened
-    request = CheckRequest(
-        overrides=list(ctx.args), run_id=run_id, step=step, config_dir=config_dir, config_name=config_name, only=only,
-        tracking_uri=tracking_uri, code_dirs=code_dirs or (), trust=trust_prefixes or (), allow_unsigned=allow_unsigned, overfit_steps=overfit_steps,
-        overfit_samples=overfit_samples, lr_steps=lr_steps, lr_min=lr_min, lr_max=lr_max,
-    )
     from replaybisect.options import recording_store, run_store
 
     # an unknown run is answered before torch is imported
     store = run_store(request.tracking_uri, request.run_id) if request.run_id else None
     from replaybisect.core import config as config_mod
-    from replaybisect.verbs.check.engine import check
+    from replaybisect.verbs.check.engine import check as run_check
 
     cfg = None if request.run_id else config_mod.compose(request.config_dir, request.config_name, list(request.overrides))
 
@@ -67,7 +41,7 @@ def check_command(
     open_later = None if store else recording_store(request.tracking_uri, later=True)
     from replaybisect.options import say
 
-    report = check(store, cfg=cfg, run_id=request.run_id, step=request.step, options=request.options(),
+    report = run_check(store, cfg=cfg, run_id=request.run_id, step=request.step, options=request.options(),
                    trust=request.trusted, progress=lambda name: say(f"check: {name}"))
     store = store or open_later()
     publish(store, report, cfg, code_folder=request.code_folder)
@@ -78,4 +52,7 @@ def check_command(
 
 
 def register(app: typer.Typer) -> None:
-    app.command("check", context_settings=HYDRA_CONTEXT, short_help="The 5-minute checklist on a config or a run.")(check_command)
+    # bad input (a step without a run, a run and a config, an unknown check) is refused as the request is built,
+    # before any store is opened
+    command = request_command(CheckRequest, check, extras=[JSON_OUTPUT])
+    app.command("check", context_settings=HYDRA_CONTEXT, short_help="The 5-minute checklist on a config or a run.")(command)

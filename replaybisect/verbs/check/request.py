@@ -10,7 +10,7 @@ from typing import Any, Optional, Sequence, Union
 
 from replaybisect import request as checks
 from replaybisect.errors import ReplayError
-from replaybisect.request import MAX_STEPS, Bound
+from replaybisect.request import MAX_STEPS, Bound, option
 
 STEP = Bound("check", ("--step",), low=0)
 OVERFIT_STEPS = Bound("check", ("--overfit-steps",), low=1, high=MAX_STEPS)
@@ -24,21 +24,23 @@ class CheckRequest:
     snapshot or the one at or before `step`), the checks to run (`only`: names or groups, a list or "data,lr";
     None: all) and their sizes, and which of a stored config's `_target_`s may be built (`code_dirs`, `trust`)."""
 
-    overrides: Sequence[str] = ()
-    run_id: Optional[str] = None
-    step: Optional[int] = None
-    config_dir: Union[str, Path, None] = None
-    config_name: str = "config"
-    only: Union[str, Sequence[str], None] = None
-    tracking_uri: Optional[str] = None
-    code_dirs: Sequence[str] = ()
-    trust: Sequence[str] = ()
-    allow_unsigned: Optional[str] = None  # the run's id: replayed without a signature that verifies
-    overfit_steps: int = 300
-    overfit_samples: int = 16
-    lr_steps: int = 100
-    lr_min: float = 1e-7
-    lr_max: float = 10.0
+    overrides: Sequence[str] = checks.hydra_overrides()
+    config_dir: Union[str, Path, None] = option(None, "--config-dir", help="Your Hydra config folder (default: the built-in example).")
+    config_name: str = option("config", "--config-name", help="Primary config in --config-dir.")
+    run_id: Optional[str] = option(None, "--run-id", help="Check a recorded run: its config, at a healthy snapshot (the "
+                                   "last before its growth began).")
+    step: Optional[int] = option(None, bound=STEP, help="With --run-id: check the snapshot at or before this step.")
+    tracking_uri: Optional[str] = checks.tracking_uri_option()
+    code_dirs: Sequence[str] = checks.code_dirs_option()
+    trust: Sequence[str] = checks.trust_option()
+    allow_unsigned: Optional[str] = checks.allow_unsigned_option()  # the run's id: replayed without a signature that verifies
+    overfit_steps: int = option(300, bound=OVERFIT_STEPS, help="Steps of the overfit-one-batch check.")
+    overfit_samples: int = option(16, bound=OVERFIT_SAMPLES, help="Samples in the overfit batch (2-32).")
+    lr_steps: int = option(100, bound=LR_STEPS, help="Steps of the LR range test.")
+    lr_min: float = option(1e-7, "--lr-min", help="First learning rate of the LR range test.")
+    lr_max: float = option(10.0, "--lr-max", help="Last learning rate of the LR range test.")
+    only: Union[str, Sequence[str], None] = option(None, "--only", kind=Optional[str], help="Comma list of checks or "
+                                                   "groups: overfit,data,loss,init,act,grad,lr.")
     publish: bool = True
     trusted: Any = field(init=False, repr=False, compare=False)  # the trust decision (a run's), None for a config
 

@@ -2,19 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Optional
-
 import typer
 
-from replaybisect.options import JsonFlag, TrackingUri, print_json
+from replaybisect.options import JSON_OUTPUT, print_json, request_command
+from replaybisect.verbs.diagnose.request import DiagnoseRequest
 
 
-def diagnose_command(
-    run_id: str = typer.Option(..., "--run-id", help="The run to read (see `replay runs`)."),
-    tracking_uri: Optional[str] = TrackingUri,
-    as_json: bool = JsonFlag,
-    no_artifacts: bool = typer.Option(False, "--no-artifacts", help="Do not record the report (no child run with diagnosis.md and the plot)."),
-):
+def diagnose(request: DiagnoseRequest, as_json: bool) -> None:
     """Read a run's recorded metrics (no replay) and name what the curves show: NaN at the first step or
     after K steps, flat from the start, spikes, plateau, oscillation, overfitting, train/validation
     mismatch, exploding or vanishing gradients per layer, dead ReLUs, update/weight ratio out of range,
@@ -29,9 +23,7 @@ def diagnose_command(
     next: replay check --run-id 3f2a9c0d...
     """
     from replaybisect.options import run_store
-    from replaybisect.verbs.diagnose.request import DiagnoseRequest
 
-    request = DiagnoseRequest(run_id=run_id, tracking_uri=tracking_uri, publish=not no_artifacts)
     store = run_store(request.tracking_uri, request.run_id)  # an unknown run is answered before anything heavy is imported
     from replaybisect.verbs.diagnose.engine import analyse, load_curves
     from replaybisect.verbs.diagnose.report import print_diagnosis, publish
@@ -46,4 +38,5 @@ def diagnose_command(
 
 
 def register(app: typer.Typer) -> None:
-    app.command("diagnose", short_help="Read the loss curves: which pathology, what next.")(diagnose_command)
+    command = request_command(DiagnoseRequest, diagnose, extras=[JSON_OUTPUT])
+    app.command("diagnose", short_help="Read the loss curves: which pathology, what next.")(command)

@@ -2,28 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Optional
-
 import typer
 
-from replaybisect.options import CodeDirs, JsonFlag, TrackingUri, AllowUnsigned, TrustPrefixes, print_json, stderr_console
-from replaybisect.verbs.nan.request import NPROC, STEP, NanRequest
+from replaybisect.options import JSON_OUTPUT, print_json, request_command, stderr_console
+from replaybisect.verbs.nan.request import NanRequest
 
 
-def nan_command(
-    run_id: str = typer.Option(..., "--run-id", help="The run that went non-finite."),
-    step: Optional[int] = typer.Option(None, "--step", **STEP.limits, help="Examine this step instead of the run's first non-finite step."),
-    device: Optional[str] = typer.Option(None, "--device", help="Replay on this device (default: the run's train.device)."),
-    nproc: Optional[int] = typer.Option(None, "--nproc", **NPROC.limits, help="A distributed run: replay it over the real "
-                                        "collective, one process per recorded rank on this machine (gloo), for what "
-                                        "one process cannot reproduce."),
-    no_child_run: bool = typer.Option(False, "--no-child-run", help="Do not record the report as a child run."),
-    tracking_uri: Optional[str] = TrackingUri,
-    as_json: bool = JsonFlag,
-    code_dirs: Optional[list[str]] = CodeDirs,
-    trust_prefixes: Optional[list[str]] = TrustPrefixes,
-    allow_unsigned: Optional[str] = AllowUnsigned,
-):
+def nan(request: NanRequest, as_json: bool) -> None:
     """Replay the failing step from the newest snapshot before it and probe it: the batch, the state, every
     module's forward and backward, the loss, the optimizer update, then detect_anomaly for the op.
 
@@ -47,13 +32,10 @@ def nan_command(
     """
     from replaybisect.options import run_store
 
-    # bad input (a device this machine lacks, a --code-dir that is no folder) is refused before the store is opened
-    request = NanRequest(run_id=run_id, step=step, device=device, tracking_uri=tracking_uri, code_dirs=code_dirs or (),
-                         trust=trust_prefixes or (), allow_unsigned=allow_unsigned, publish=not no_child_run, nproc=nproc)
     store = run_store(request.tracking_uri, request.run_id)  # an unknown run is answered before torch is imported
     from replaybisect.core.tags import step_tag
 
-    step_tag(store.tags(run_id), "first_nonfinite_step", run_id)  # a damaged tag too (torch is not imported yet)
+    step_tag(store.tags(request.run_id), "first_nonfinite_step", request.run_id)  # a damaged tag too (torch is not imported yet)
     from replaybisect.verbs.nan.ranked import answer
     from replaybisect.verbs.nan.report import print_rich, publish
 
@@ -75,4 +57,7 @@ def progress_log(console):
 
 
 def register(app: typer.Typer) -> None:
-    app.command("nan", short_help="Where the first NaN/Inf came from, and why.")(nan_command)
+    # bad input (a device this machine lacks, a --code-dir that is no folder) is refused as the request is built,
+    # before the store is opened
+    command = request_command(NanRequest, nan, extras=[JSON_OUTPUT])
+    app.command("nan", short_help="Where the first NaN/Inf came from, and why.")(command)

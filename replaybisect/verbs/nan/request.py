@@ -7,7 +7,7 @@ from typing import Any, Optional, Sequence
 
 from replaybisect import request as checks
 from replaybisect.core.config import MAX_PROCESSES
-from replaybisect.request import Bound
+from replaybisect.request import REQUIRED, Bound, option
 
 STEP = Bound("nan", ("--step",), low=0)
 NPROC = Bound("nan", ("--nproc",), low=1, high=MAX_PROCESSES)
@@ -18,15 +18,16 @@ class NanRequest:
     """The failed run, the step to examine (default: its first non-finite step), the device to replay on (default:
     the run's train.device), where the store is, and which of the stored config's `_target_`s may be built."""
 
-    run_id: str
-    step: Optional[int] = None
-    device: Optional[str] = None
-    tracking_uri: Optional[str] = None
-    code_dirs: Sequence[str] = ()
-    trust: Sequence[str] = ()
-    allow_unsigned: Optional[str] = None  # this run's id: replayed without a signature that verifies
-    publish: bool = True  # record the report as a child run (--no-child-run: False)
-    nproc: Optional[int] = None  # a distributed run replayed over the real collective, one process per recorded rank
+    run_id: str = option(REQUIRED, "--run-id", help="The run that went non-finite.")
+    step: Optional[int] = option(None, bound=STEP, help="Examine this step instead of the run's first non-finite step.")
+    device: Optional[str] = option(None, "--device", help="Replay on this device (default: the run's train.device).")
+    nproc: Optional[int] = option(None, bound=NPROC, help="A distributed run: replay it over the real collective, one "
+                                  "process per recorded rank on this machine (gloo), for what one process cannot reproduce.")
+    publish: bool = option(True, "--no-child-run", negated=True, help="Do not record the report as a child run.")
+    tracking_uri: Optional[str] = checks.tracking_uri_option()
+    code_dirs: Sequence[str] = checks.code_dirs_option()
+    trust: Sequence[str] = checks.trust_option()
+    allow_unsigned: Optional[str] = checks.allow_unsigned_option()  # this run's id: replayed without a signature that verifies
     # built from the fields above when the request is: the trust decision, the device (a torch.device, or None)
     trusted: Any = field(init=False, repr=False, compare=False)
     torch_device: Any = field(init=False, repr=False, compare=False)

@@ -2,27 +2,18 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import List, Optional
+import inspect
 
 import typer
 
-from replaybisect.options import OUR_STDOUT, HYDRA_CONTEXT, JsonFlag, StepProgress, TrackingUri, print_json
+from replaybisect.options import OUR_STDOUT, HYDRA_CONTEXT, JSON_OUTPUT, StepProgress, print_json, request_command
 from replaybisect.verbs.train.request import TrainRequest
 
+SHOW_CONFIG = inspect.Parameter("show_config", inspect.Parameter.KEYWORD_ONLY, annotation=bool,
+                                default=typer.Option(False, "--cfg", help="Print the resolved config and exit."))
 
-def train_command(
-    ctx: typer.Context,
-    config_dir: Optional[Path] = typer.Option(None, "--config-dir", help="Your Hydra config folder (default: the built-in example)."),
-    config_name: str = typer.Option("config", "--config-name", help="Primary config in --config-dir."),
-    tracking_uri: Optional[str] = TrackingUri,
-    run_name: Optional[str] = typer.Option(None, "--run-name", help="MLflow run name."),
-    as_json: bool = JsonFlag,
-    show_config: bool = typer.Option(False, "--cfg", help="Print the resolved config and exit."),
-    parent_run_id: Optional[str] = typer.Option(None, "--parent-run-id", hidden=True),
-    kind: str = typer.Option("train", "--kind", hidden=True),
-    tag: List[str] = typer.Option([], "--tag", hidden=True, help="key=value, repeated"),
-):
+
+def train_command(request: TrainRequest, as_json: bool, show_config: bool) -> None:
     """Train a model from a Hydra config, recording metrics and snapshots to MLflow.
 
     Everything after the options is a Hydra override. Examples:
@@ -43,8 +34,6 @@ def train_command(
     from replaybisect.errors import NonFiniteStep
     from replaybisect.report import print_train_result, run_label
 
-    request = TrainRequest(overrides=list(ctx.args), config_dir=config_dir, config_name=config_name, tracking_uri=tracking_uri,
-                           run_name=run_name, parent_run_id=parent_run_id, kind=kind, tags=tag)
     cfg = config_mod.compose(request.config_dir, request.config_name, list(request.overrides))
     if show_config:
         print(config_mod.to_yaml(cfg), end="", file=OUR_STDOUT)
@@ -99,4 +88,5 @@ def _train_ranks(cfg, store, request: TrainRequest, run_name: str):
 
 
 def register(app: typer.Typer) -> None:
-    app.command("train", context_settings=HYDRA_CONTEXT, short_help="Train from a Hydra config, recording to MLflow.")(train_command)
+    command = request_command(TrainRequest, train_command, extras=[JSON_OUTPUT, SHOW_CONFIG])
+    app.command("train", context_settings=HYDRA_CONTEXT, short_help="Train from a Hydra config, recording to MLflow.")(command)

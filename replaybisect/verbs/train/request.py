@@ -9,6 +9,7 @@ from typing import Literal, Optional, Sequence, Union, get_args
 
 from replaybisect import request as checks
 from replaybisect.errors import ReplayError
+from replaybisect.request import option
 from replaybisect.store import OLD_SERVER_TAG_VALUE
 
 RunKind = Literal["train", "bisect-trial"]  # a run `replay train` records: yours, or one of a bisect's trials
@@ -21,14 +22,14 @@ class TrainRequest:
     where the run is recorded (`tracking_uri`, `run_name`), and, for a run another command trains (a bisect's trial):
     its parent run, kind and extra tags (`key=value`)."""
 
-    overrides: Sequence[str] = ()
-    config_dir: Union[str, Path, None] = None
-    config_name: str = "config"
-    tracking_uri: Optional[str] = None
-    run_name: Optional[str] = None
-    parent_run_id: Optional[str] = None
-    kind: RunKind = "train"
-    tags: Sequence[str] = ()  # key=value
+    overrides: Sequence[str] = checks.hydra_overrides()
+    config_dir: Union[str, Path, None] = option(None, "--config-dir", help="Your Hydra config folder (default: the built-in example).")
+    config_name: str = option("config", "--config-name", help="Primary config in --config-dir.")
+    tracking_uri: Optional[str] = checks.tracking_uri_option()
+    run_name: Optional[str] = option(None, "--run-name", help="MLflow run name.")
+    parent_run_id: Optional[str] = option(None, "--parent-run-id", hidden=True, help="The run this one is a trial of.")
+    kind: RunKind = option("train", "--kind", hidden=True, help="train | bisect-trial.")
+    tags: Sequence[str] = option((), "--tag", hidden=True, help="key=value, repeated")
     extra_tags: dict[str, str] = field(init=False, repr=False, compare=False)  # the tags, as a dict
 
     def __post_init__(self) -> None:

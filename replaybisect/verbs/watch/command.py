@@ -2,50 +2,17 @@
 
 from __future__ import annotations
 
-from typing import Optional
+import inspect
 
 import typer
 
-from replaybisect.options import (Account, Cluster, CodeDirs, Cpus, Executor, ExecutorFolder, Gpus, MemGb, Partition, Slurm, TimeMin,
-                                  TrackingUri, TrustPrefixes, job_settings)
+from replaybisect.options import request_command
+from replaybisect.verbs.watch.request import WatchOptions
 
 SIGNAL_EXIT = 143  # as every verb stopped by SIGTERM
 
 
-def watch_command(
-    experiments: Optional[list[str]] = typer.Option(None, "--experiment", help="Watch this experiment (repeatable; default: all)."),
-    interval: float = typer.Option(30.0, "--interval", help="Seconds between polls."),
-    once: bool = typer.Option(False, "--once", help="Triage what is waiting now, then exit."),
-    workers: int = typer.Option(1, "--workers", help="Triages at once (each a child process)."),
-    notify_url: Optional[str] = typer.Option(None, "--notify-url", envvar="REPLAYBISECT_NOTIFY_URL",
-                                             help="POST each result here (Slack/Mattermost incoming-webhook JSON)."),
-    notify_timeout: float = typer.Option(10.0, "--notify-timeout", help="Seconds one notification may take in all; posted "
-                                         "off the triage, so a slow webhook never holds a run (on shutdown: at most this long more)."),
-    ui_url: Optional[str] = typer.Option(None, "--ui-url", help="The MLflow UI address for links (default: the tracking URI when it is http)."),
-    lease: float = typer.Option(120.0, "--lease", help="Seconds a claim lasts unless renewed; a dead watcher's runs are taken over after it."),
-    settle: float = typer.Option(2.0, "--settle", help="Seconds between claiming a run and confirming the claim (two watchers racing)."),
-    time_limit: float = typer.Option(1800.0, "--time-limit", help="Seconds each triage step (nan, ablate, diagnose) may run."),
-    memory_mb: int = typer.Option(8192, "--memory-mb", help="Address-space limit of each triage process in MiB (0: none; use 0 where triage runs on a GPU: CUDA reserves far more than it uses)."),
-    horizon: int = typer.Option(200, "--horizon", min=1, max=1_000_000, help="ablate: steps replayed past the failing step."),
-    grace: float = typer.Option(20.0, "--grace", help="On SIGTERM: seconds running triages may take to finish before their claims are released."),
-    status: bool = typer.Option(False, "--status", help="Print the server's triage state in one line and exit."),
-    tracking_uri: Optional[str] = TrackingUri,
-    as_json: bool = typer.Option(False, "--json", help="Log JSON lines on stdout (one event each), for log shippers."),
-    code_dirs: Optional[list[str]] = CodeDirs,
-    trust_prefixes: Optional[list[str]] = TrustPrefixes,
-    allow_root: bool = typer.Option(False, "--allow-root", help="Triage as root (refused by default: a stored run's config "
-                                    "is untrusted input; run the watcher as an unprivileged user instead)."),
-    executor: str = Executor,
-    cluster: Optional[str] = Cluster,
-    partition: Optional[str] = Partition,
-    time_min: int = TimeMin,
-    gpus: int = Gpus,
-    cpus: Optional[int] = Cpus,
-    mem_gb: Optional[float] = MemGb,
-    account: Optional[str] = Account,
-    slurm: Optional[list[str]] = Slurm,
-    executor_folder: str = ExecutorFolder,
-):
+def watch(options: WatchOptions, once: bool, status: bool, as_json: bool) -> None:
     """Watch a tracking server and triage every training run that failed or went non-finite, once: `replay nan`
     then `replay ablate` (the arms nan suggests, and lr, clip, precision) for a non-finite run, `replay diagnose`
     for the rest, each in a child process with --time-limit and --memory-mb. Results are the verbs' child runs, a
@@ -70,17 +37,12 @@ def watch_command(
     from replaybisect.errors import ReplayError
     from replaybisect.options import announce_store
     from replaybisect.store import locate_store, open_store
-    from replaybisect.verbs.watch.engine import Event, Watcher, WatchOptions, triage_status
+    from replaybisect.verbs.watch.engine import Event, Watcher, triage_status
     from replaybisect.verbs.watch.report import EventLog, health_line, print_status, publish
 
-    location = locate_store(tracking_uri)
-    notify_url = notify_url or None  # REPLAYBISECT_NOTIFY_URL= (empty, as compose passes it unset): no notifications
-    options = WatchOptions(tracking_uri=location.uri, experiments=list(experiments or []), interval=interval, workers=workers,
-                           lease=lease, settle=settle, time_limit=time_limit, memory_mb=memory_mb, horizon=horizon, grace=grace,
-                           code_dirs=list(code_dirs or []), trust_prefixes=list(trust_prefixes or []), ui_url=ui_url,
-                           notify_url=notify_url, notify_timeout=notify_timeout, allow_root=allow_root, executor=executor,
-                           jobs=job_settings(cluster=cluster, partition=partition, time_min=time_min, gpus=gpus, cpus=cpus,
-                                             mem_gb=mem_gb, account=account, slurm=slurm, folder=executor_folder))
+    location = locate_store(options.tracking_uri)
+    options.tracking_uri = location.uri
+    options.notify_url = options.notify_url or None  # REPLAYBISECT_NOTIFY_URL= (empty, as compose passes it unset): no notifications
     options.check()  # every option, before the server is contacted: a watcher's own mistake never fails a run
     if not status:
         options.check_user()
@@ -92,7 +54,7 @@ def watch_command(
         print_status(triage_status(store, options.experiments), as_json)
         return
 
-    log = EventLog(as_json=as_json, notify_url=notify_url, notify_timeout=notify_timeout)
+    log = EventLog(as_json=as_json, notify_url=options.notify_url, notify_timeout=options.notify_timeout)
     watcher = Watcher(store, options, on_event=log, publish=lambda result: publish(store, result))
     received: list[str] = []
 
@@ -126,4 +88,11 @@ def watch_command(
 
 
 def register(app: typer.Typer) -> None:
-    app.command("watch", short_help="The service: triage every new failed run once.")(watch_command)
+    once = inspect.Parameter("once", inspect.Parameter.KEYWORD_ONLY, annotation=bool, default=typer.Option(
+        False, "--once", help="Triage what is waiting now, then exit."))
+    status = inspect.Parameter("status", inspect.Parameter.KEYWORD_ONLY, annotation=bool, default=typer.Option(
+        False, "--status", help="Print the server's triage state in one line and exit."))
+    as_json = inspect.Parameter("as_json", inspect.Parameter.KEYWORD_ONLY, annotation=bool, default=typer.Option(
+        False, "--json", help="Log JSON lines on stdout (one event each), for log shippers."))
+    command = request_command(WatchOptions, watch, extras=[once, status, as_json])
+    app.command("watch", short_help="The service: triage every new failed run once.")(command)

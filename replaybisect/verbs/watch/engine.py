@@ -37,6 +37,7 @@ from typing import Any, Callable, Optional
 from replaybisect.core.processes import Forked
 from replaybisect.core.jobs import JOB_FAILED
 from replaybisect.errors import ReplayError, StoreUnreachable
+from replaybisect.verbs.watch.request import CODE_DIR_ENV, WatchOptions  # noqa: F401  (WatchOptions: engine's callers import it from here)
 from replaybisect.store import (
     TAG, Store, all_experiment_ids, experiment_ids_named, search_all_runs, search_runs_without_tag,
 )
@@ -66,114 +67,6 @@ REQUEST_ERRORS = ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE", "BAD_REQ
 # what a triage child prints when it could not reach the tracking store (replay's own lines, MLflow's client)
 STORE_TROUBLE = re.compile(r"cannot open tracking store|tracking server \S+ is unreachable|API request to \S+ failed|"
                            r"Max retries exceeded|TEMPORARILY_UNAVAILABLE")
-# bounds of the options: finite, and within what the timers (threading's TIMEOUT_MAX) and setrlimit can take
-BOUNDS = {"--interval": (0.1, 86400.0), "--lease": (1.0, 86400.0), "--settle": (0.1, 3600.0),
-          "--time-limit": (1.0, 7 * 86400.0), "--grace": (0.0, 3600.0), "--notify-timeout": (1.0, 300.0)}
-CODE_DIR_ENV = "REPLAYBISECT_CODE_DIR"  # core/trust.py's: folders of the user's code, os.pathsep-separated
-MAX_MEMORY_MB = 1 << 30  # 1 PiB: far above any machine, far below what RLIMIT_AS (a C long of bytes) can hold
-
-
-@dataclass
-class WatchOptions:
-    tracking_uri: str
-    experiments: list[str] = field(default_factory=list)  # empty: every experiment
-    interval: float = 30.0  # seconds between polls
-    workers: int = 1  # triages at once
-    lease: float = 120.0  # seconds a claim lasts unless renewed (renewed every lease/3)
-    settle: float = 2.0  # seconds between a claim and the re-read that confirms it
-    time_limit: float = 1800.0  # seconds per triage step (child process)
-    memory_mb: int = 8192  # address-space limit per triage child, MiB (0: none)
-    horizon: int = 200  # ablate: steps replayed past the failing step
-    grace: float = 20.0  # on SIGTERM: seconds in-flight triages may take to finish before their claims are released
-    code_dirs: list[str] = field(default_factory=list)
-    trust_prefixes: list[str] = field(default_factory=list)
-    ui_url: Optional[str] = None  # the MLflow UI users open (default: the tracking URI when it is http)
-    notify_url: Optional[str] = None  # checked here; the log (report.EventLog) posts to it
-    notify_timeout: float = 10.0  # seconds one notification may take in all (connect, send, answer)
-    allow_root: bool = False  # run triage as root (refused by default: a stored config is untrusted input)
-    executor: str = "local"  # local: child processes here | submitit: each step a job (core/jobs.py)
-    jobs: Any = None  # submitit's JobSettings, with executor submitit
-
-    def check(self) -> None:
-        """Bad values are bad input, before the server is contacted: a watcher's own mistake must never be written
-        on the runs it would touch as their triage's failure."""
-        for name, value in (("--interval", self.interval), ("--lease", self.lease), ("--settle", self.settle),
-                            ("--time-limit", self.time_limit), ("--grace", self.grace), ("--notify-timeout", self.notify_timeout)):
-            low, high = BOUNDS[name]
-            if not (isinstance(value, (int, float)) and math.isfinite(value) and low <= value <= high):
-                raise ReplayError(f"{name} {value} must be a number of seconds from {low:g} to {high:g}")
-        if self.settle * 2 >= self.lease:
-            raise ReplayError(f"--settle {self.settle} must be under half of --lease {self.lease}")
-        if not 1 <= self.workers <= 64:
-            raise ReplayError(f"--workers {self.workers} must be between 1 and 64")
-        if self.memory_mb < 0 or 0 < self.memory_mb < 512:
-            raise ReplayError(f"--memory-mb {self.memory_mb} is too small for torch: use at least 512 (0: no limit)")
-        if self.memory_mb > MAX_MEMORY_MB:
-            raise ReplayError(f"--memory-mb {self.memory_mb} is more than {MAX_MEMORY_MB} (1 PiB); pass 0 for no limit")
-        for option, url, example in (("--notify-url (or $REPLAYBISECT_NOTIFY_URL)", self.notify_url, "https://hooks.slack.com/services/..."),
-                                     ("--ui-url", self.ui_url, "http://mlflow.example.com:5000")):
-            if url is not None:
-                check_http_url(option, url, example)
-        self.check_trust()
-        self.check_jobs()
-        from replaybisect.core import provenance
-
-        provenance.signing_key()  # the key runs are verified with (a team's: $REPLAYBISECT_KEY_FILE): one line if none
-
-    def check_jobs(self) -> None:
-        """With --executor submitit: the job settings, and a job folder only this user can write (submitit hands each
-        job's result back through a pickle there, which this watcher loads)."""
-        from replaybisect.core.jobs import EXECUTORS, JobSettings
-
-        if self.executor not in EXECUTORS:
-            raise ReplayError(f"--executor {str(self.executor)[:80]!r} is not one of {', '.join(EXECUTORS)}")
-        if self.executor != "submitit":
-            return
-        self.jobs = (self.jobs or JobSettings()).checked()
-        folder = os.path.expanduser(self.jobs.folder)
-        if not os.path.isdir(folder):
-            os.makedirs(folder, mode=0o700)
-        if os.stat(folder).st_mode & 0o077:
-            raise ReplayError(f"--executor-folder {folder} is open to other users; the watcher loads its jobs' results from "
-                              f"there and the jobs carry its environment: make it private (chmod 700 {folder}) or pass another folder")
-
-    def check_trust(self) -> None:
-        """The folders and prefixes the triage children will be given (options and environment), checked as they
-        will check them, and readable here (the children run as this user)."""
-        from replaybisect.core.trust import Trust
-
-        Trust.from_user(list(self.code_dirs), list(self.trust_prefixes))  # one line for a missing folder or a bad prefix
-        env_dirs = [part for part in os.environ.get(CODE_DIR_ENV, "").split(os.pathsep) if part.strip()]
-        for option, folders in (("--code-dir", self.code_dirs), (f"${CODE_DIR_ENV}", env_dirs)):
-            for folder in folders:
-                if not os.access(os.path.expanduser(folder), os.R_OK | os.X_OK):
-                    raise ReplayError(f"{option} {folder!r} is not readable by this user (uid {os.geteuid()}), "
-                                      "who runs the triage; make it readable or pass another folder")
-
-    def check_user(self) -> None:
-        """Triage builds what a stored run's config names, and anyone who can write runs can write that config:
-        it never runs as root unless the operator says so."""
-        if os.geteuid() == 0 and not self.allow_root:
-            raise ReplayError("replay watch will not triage as root (a stored run's config is untrusted input): run it "
-                              "as an unprivileged user (deploy/compose.yaml does), or pass --allow-root")
-
-
-def check_http_url(option: str, url: str, example: str) -> None:
-    """An http(s) URL with a host, no spaces or control characters, a valid port: or one line of bad input."""
-    from urllib.parse import urlsplit
-
-    problem = f"{option} {url[:200]!r} is not an http(s) URL with a host; pass an address such as {example}"
-    if any(ch.isspace() or not ch.isprintable() for ch in url):
-        raise ReplayError(problem)
-    try:
-        parts = urlsplit(url)
-        parts.port  # noqa: B018 (raises ValueError for a port out of range or not a number)
-    except ValueError:
-        raise ReplayError(problem) from None
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ReplayError(problem)
-
-
 @dataclass
 class Claim:
     watcher_id: str
