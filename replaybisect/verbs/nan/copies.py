@@ -1,0 +1,60 @@
+"""Running the failing step on copies: the live state and every RNG stream are left as they were, so each
+probe (and the plain step) starts from the same state; a state's fingerprint proves it."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Any, Optional
+
+
+def fingerprint(state) -> str:
+    """sha256 over every tensor a step depends on (bytes, so NaN payloads count too)."""
+    import torch
+
+    from replaybisect.core.state import live_tensors
+
+    digest = hashlib.sha256()
+    for name, tensor in sorted(live_tensors(state).items()):
+        digest.update(name.encode())
+        digest.update(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+# ---- probing the failing step ------------------------------------------------------------------------------
+@dataclass
+class StepResults:
+    plain: Any  # StepOutcome of the plain step
+    batch: list
+    state: list
+    probe: Any  # StepProbeResult
+    anomaly: Any  # AnomalyFinding
+    isolation: dict
+
+
+def on_copy(state, rng_at_step, function):
+    """Run `function(copy)` on a deep copy of the state with the step's RNG streams, leaving both untouched."""
+    from replaybisect.core import loop
+    from replaybisect.core.rng import isolated_rng, restore_raw
+
+    with isolated_rng(), loop.state_copy(state) as copy:
+        restore_raw(rng_at_step)
+        return function(copy)
+
+
+def plain_run(step, batch):
+    """A function of a state copy: the plain step on it -> (outcome, bit signature of loss, grad norm, state, RNG)."""
+    from replaybisect.core import loop
+    from replaybisect.core.rng import capture_raw, to_json
+
+    def run(copy):
+        outcome = loop.run_step(copy, step, batch, halt_on_nonfinite=True)
+        return outcome, (bits(outcome.loss), bits(outcome.grad_norm), fingerprint(copy), str(to_json(capture_raw())))
+
+    return run
+
+
+def bits(value) -> Optional[str]:
+    import struct
+
+    return None if value is None else struct.pack("<d", value).hex()
