@@ -39,7 +39,7 @@ def main() -> None:
     from replaybisect.core import config as config_mod
     from replaybisect.core import loop
     from replaybisect.verbs.nan import engine as nan
-    from replaybisect.verbs.nan import probes
+    from replaybisect.verbs.nan import anomaly, step_probe
     from replaybisect.verbs.nan.report import publish
     from replaybisect import restore as restore_mod
     from replaybisect.core.rng import capture_raw
@@ -103,8 +103,8 @@ def main() -> None:
 
     plain_s = timed(lambda: nan.on_copy(live, rng_at_step, lambda c: loop.run_step(c, t, batch, halt_on_nonfinite=False)))
     copy_s = timed(lambda: nan.on_copy(live, rng_at_step, lambda c: None))
-    probe_s = timed(lambda: nan.on_copy(live, rng_at_step, lambda c: probes.StepProbe(c).run(t, batch)))
-    anomaly_s = timed(lambda: nan.on_copy(live, rng_at_step, lambda c: probes.anomaly_pass(c, t, batch)))
+    probe_s = timed(lambda: nan.on_copy(live, rng_at_step, lambda c: step_probe.StepProbe(c).run(t, batch)))
+    anomaly_s = timed(lambda: nan.on_copy(live, rng_at_step, lambda c: anomaly.anomaly_pass(c, t, batch)))
 
     # the same at a healthy step (the snapshot's own step): no NaN/Inf or denormal arithmetic in the timings
     healthy = restore_mod.restore(store, result.run_id, step=report.snapshot_step)
@@ -112,8 +112,8 @@ def main() -> None:
     h_batch = loop.to_device(healthy.batch(h_step), h_state.device)
     h_rng = capture_raw()
     h_plain_s = timed(lambda: nan.on_copy(h_state, h_rng, lambda c: loop.run_step(c, h_step, h_batch)))
-    h_probe_s = timed(lambda: nan.on_copy(h_state, h_rng, lambda c: probes.StepProbe(c).run(h_step, h_batch)))
-    h_anomaly_s = timed(lambda: nan.on_copy(h_state, h_rng, lambda c: probes.anomaly_pass(c, h_step, h_batch)))
+    h_probe_s = timed(lambda: nan.on_copy(h_state, h_rng, lambda c: step_probe.StepProbe(c).run(h_step, h_batch)))
+    h_anomaly_s = timed(lambda: nan.on_copy(h_state, h_rng, lambda c: anomaly.anomaly_pass(c, h_step, h_batch)))
 
     params = sum(p.numel() for p in live.model.parameters())
     results = {

@@ -23,7 +23,7 @@ from torch import nn
 from replaybisect.core import config as config_mod
 from replaybisect.core import loop
 from replaybisect.core.rng import capture_raw, restore_raw
-from replaybisect.verbs.nan import probes
+from replaybisect.verbs.nan import anomaly as anomaly_probe, step_probe
 from replaybisect.restore import ReplayHooks
 
 TINY = ["model.hidden=16", "train.batch_size=16", "train.steps=20", "train.device=cpu", "train.num_threads=1"]
@@ -98,10 +98,10 @@ def test_probed_steps_are_bit_identical_to_plain_steps(precision):
         clipped += expected.grad_norm > cfg.train.clip_grad_norm
 
         restore_raw(rng_at_start)
-        result = probes.StepProbe(probed).run(step, batch)
+        result = step_probe.StepProbe(probed).run(step, batch)
         assert not rng_differences(capture_raw(), rng_after_plain), step
         restore_raw(rng_at_start)
-        finding = probes.anomaly_pass(anomaly, step, batch)
+        finding = anomaly_probe.anomaly_pass(anomaly, step, batch)
         assert not rng_differences(capture_raw(), rng_after_plain), step
 
         assert result.loss == expected.loss and result.grad_norm == expected.grad_norm, step

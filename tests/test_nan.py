@@ -270,7 +270,7 @@ def test_probes_never_change_state_or_rng(runs):
     from replaybisect.core import loop
     from replaybisect.core.rng import capture_raw, to_json
     from replaybisect.verbs.nan import engine as nan
-    from replaybisect.verbs.nan import probes
+    from replaybisect.verbs.nan import anomaly, step_probe
     from replaybisect import restore as restore_mod
 
     workspace, trained, _ = runs
@@ -281,8 +281,8 @@ def test_probes_never_change_state_or_rng(runs):
     rng_at_step = capture_raw()
     before = nan.fingerprint(state)
     first = nan.on_copy(state, rng_at_step, nan.plain_run(12, batch))[1]
-    nan.on_copy(state, rng_at_step, lambda copy: probes.StepProbe(copy).run(12, batch))
-    nan.on_copy(state, rng_at_step, lambda copy: probes.anomaly_pass(copy, 12, batch))
+    nan.on_copy(state, rng_at_step, lambda copy: step_probe.StepProbe(copy).run(12, batch))
+    nan.on_copy(state, rng_at_step, lambda copy: anomaly.anomaly_pass(copy, 12, batch))
     assert nan.fingerprint(state) == before
     assert to_json(capture_raw()) == to_json(rng_at_step)
     assert nan.on_copy(state, rng_at_step, nan.plain_run(12, batch))[1] == first

@@ -10,7 +10,7 @@ from replaybisect.core.thresholds import (CLASS_BALANCE_MAX_CLASSES as BALANCE_M
     CLASS_BALANCE_MIN_EXPECTED as BALANCE_MIN_EXPECTED, CLASS_BALANCE_P as BALANCE_P, DIVERSITY_FAIL, DIVERSITY_WARN,
     IMBALANCE_WARN, INPUT_ABS_WARN, INPUT_STD_WARN)
 from replaybisect.verbs.check.batches import batch_fields, batch_inputs, batch_size_of, batch_targets, is_class_labels
-from replaybisect.verbs.check.context import Check, CheckContext, _names, register_check
+from replaybisect.verbs.check.context import Check, CheckContext, names_shown, register_check
 
 
 # ---- data sanity ------------------------------------------------------------------------------------------
@@ -47,7 +47,7 @@ def data_finite(ctx: CheckContext) -> Check:
     if not total and not dataset_bad:
         scanned = len(ctx.scanned())
         return Check("data.finite", "pass", 0.0, f"no NaN/Inf in {scanned} batches of the run and {len(indices)} dataset items")
-    field_names = _names(sorted(fields_hit))
+    field_names = names_shown(sorted(fields_hit))
     where = []
     if first:
         where.append(f"first in the run's batches at {first}")

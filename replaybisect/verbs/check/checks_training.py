@@ -12,7 +12,7 @@ from replaybisect.core.thresholds import (UPDATE_RATIO_FAIL, UPDATE_RATIO_WARN,
     FIRST_LAST_GRAD_RATIO_EXPLODING as EXPLODING_RATIO, FIRST_LAST_GRAD_RATIO_VANISHING as VANISHING_RATIO,
     FIRST_LAYER_GRAD_NORM_VANISHING as VANISHING_FIRST_NORM, GRAD_MEAN_ABS_VANISHING as VANISHING_MEAN_ABS,
     GRAD_NORM_SPAN_WARN_DECADES as SPAN_WARN_DECADES)
-from replaybisect.verbs.check.context import Check, CheckContext, _names, register_check
+from replaybisect.verbs.check.context import Check, CheckContext, names_shown, register_check
 from replaybisect.verbs.check.probes import GradProbe
 
 
@@ -40,7 +40,7 @@ def grad_nonfinite(ctx: CheckContext) -> Check:
         kinds = "/".join(sorted(set(probe.nonfinite_grads.values())))
         return Check(
             "grad.nonfinite", "fail", float(len(names)),
-            f"non-finite gradient ({kinds}) in {len(names)} of {len(probe.got_grad)} parameters: {_names(names)}, "
+            f"non-finite gradient ({kinds}) in {len(names)} of {len(probe.got_grad)} parameters: {names_shown(names)}, "
             f"{f'at probe step {probe.nonfinite_step} of ' if probe.nonfinite_step is not None else 'within '}{steps}; {advice}",
             layer=names[0],
         )
@@ -64,20 +64,20 @@ def grad_missing(ctx: CheckContext) -> Check:
     total = len(probe.got_grad) + len(probe.frozen) + len(probe.not_in_optimizer)
     problems = []
     if no_grad:
-        problems.append(f"no gradient (detached or unused in the forward pass): {_names(no_grad)}")
+        problems.append(f"no gradient (detached or unused in the forward pass): {names_shown(no_grad)}")
     if zero_grad:
-        problems.append(f"all-zero gradient (behind a dead or constant path): {_names(zero_grad)}")
+        problems.append(f"all-zero gradient (behind a dead or constant path): {names_shown(zero_grad)}")
     if probe.not_in_optimizer:
-        problems.append(f"not in the optimizer, never updated: {_names(probe.not_in_optimizer)}")
+        problems.append(f"not in the optimizer, never updated: {names_shown(probe.not_in_optimizer)}")
     steps = f"{probe.steps_run} steps"
     if problems:
         bad = no_grad + zero_grad + probe.not_in_optimizer
-        frozen = f"; frozen (requires_grad=False): {_names(probe.frozen)}" if probe.frozen else ""
+        frozen = f"; frozen (requires_grad=False): {names_shown(probe.frozen)}" if probe.frozen else ""
         return Check("grad.missing", "fail", float(len(bad)), f"{len(bad)} of {total} parameters over {steps}: " + "; ".join(problems) + frozen, layer=bad[0])
     if probe.frozen:
         return Check(
             "grad.missing", "warn", float(len(probe.frozen)),
-            f"{len(probe.frozen)} of {total} parameters are frozen (requires_grad=False): {_names(probe.frozen)}; fine if you meant to train only part of the model",
+            f"{len(probe.frozen)} of {total} parameters are frozen (requires_grad=False): {names_shown(probe.frozen)}; fine if you meant to train only part of the model",
             layer=probe.frozen[0],
         )
     return Check("grad.missing", "pass", 0.0, f"all {total} parameters got non-zero gradients within {steps}")

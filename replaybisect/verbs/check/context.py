@@ -300,7 +300,7 @@ def group_of(name: str) -> str:
     return name.split(".", 1)[0]
 
 
-def _fmt(value: float) -> str:
+def fmt(value: float) -> str:
     if value is None:
         return "-"
     if isinstance(value, float) and (value == 0 or 1e-3 <= abs(value) < 1e4):
@@ -308,6 +308,6 @@ def _fmt(value: float) -> str:
     return f"{value:.3g}"
 
 
-def _names(items: list[str], limit: int = 3) -> str:
+def names_shown(items: list[str], limit: int = 3) -> str:
     shown = ", ".join(f"`{i}`" for i in items[:limit])
     return shown + (f" and {len(items) - limit} more" if len(items) > limit else "")

@@ -28,7 +28,7 @@ from replaybisect.verbs.check import lr_finder
 from replaybisect.verbs.check.checks_model import loss_floor
 from replaybisect.verbs.check.context import (Check, CheckContext, CheckOptions, REGISTRY, TrainingLr, group_of,
     register_check, training_lr, worst)
-from replaybisect.verbs.check.probes import _first_line
+from replaybisect.verbs.check.probes import first_line
 from replaybisect.verbs.check import checks_data, checks_model, checks_training  # noqa: F401  (each registers its checks)
 
 __all__ = ["Check", "CheckContext", "CheckOptions", "CheckReport", "REGISTRY", "check", "register_check", "run_checks"]
@@ -80,7 +80,7 @@ def run_checks(ctx: CheckContext, progress: Optional[Callable[[str], None]] = No
             except ReplayError:
                 raise
             except Exception as error:  # the user's code raised inside a check: that is a finding
-                result = Check(name, "fail", None, f"could not run: {type(error).__name__}: {_first_line(error)}")
+                result = Check(name, "fail", None, f"could not run: {type(error).__name__}: {first_line(error)}")
             results.append(result)
     order = select(ctx.options.only)
     return sorted(results, key=lambda check: order.index(check.name))  # (as selected, whatever order they ran in)

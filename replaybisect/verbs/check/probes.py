@@ -150,7 +150,7 @@ def forward_probe(state: loop.TrainState, batches: list) -> ForwardProbe:
                         loss = state.step_fn(model, loop.to_device(batch, state.device), recording)
                     probe.losses.append(float(loss.detach().float().item()))
                 except Exception as error:  # the loss may refuse the batch (labels out of range, ...)
-                    probe.errors.append(f"{type(error).__name__}: {_first_line(error)}")
+                    probe.errors.append(f"{type(error).__name__}: {first_line(error)}")
                 if len(recording.calls) > calls_before:
                     probe.loss_calls.append(recording.calls[calls_before])
                 probe.batches += 1
@@ -176,7 +176,7 @@ def _user_step_passes(state: loop.TrainState, batches: list, probe: ForwardProbe
         except LoopEnded:
             raise
         except Exception as error:
-            probe.errors.append(f"{type(error).__name__}: {_first_line(error)}")
+            probe.errors.append(f"{type(error).__name__}: {first_line(error)}")
         probe.batches += 1
         probe.samples += batch_size_of(batch)
         first_pass[0] = False
@@ -293,7 +293,7 @@ def grad_probe(state: loop.TrainState, batches: list) -> GradProbe:
     except LoopEnded:  # no steps left in a script's loop: the checks reading this probe skip (run_checks)
         raise
     except Exception as error:
-        probe.error = f"{type(error).__name__}: {_first_line(error)}"
+        probe.error = f"{type(error).__name__}: {first_line(error)}"
     finally:
         for handle in handles:
             handle.remove()
@@ -301,6 +301,6 @@ def grad_probe(state: loop.TrainState, batches: list) -> GradProbe:
     return probe
 
 
-def _first_line(error: BaseException) -> str:
+def first_line(error: BaseException) -> str:
     text = str(error).strip().splitlines()
     return text[0][:300] if text else type(error).__name__

@@ -51,7 +51,7 @@ class CheckRequest:
             step=checks.integer(self.step, "step", STEP, optional=True),
             overrides=checks.strings(self.overrides, "overrides", what="Hydra overrides"),
             config_dir=checks.config_folder(self.config_dir), config_name=checks.text(self.config_name, "config_name"),
-            only=_names(self.only), code_dirs=checks.paths(self.code_dirs, "code_dirs"),
+            only=names_shown(self.only), code_dirs=checks.paths(self.code_dirs, "code_dirs"),
             trust=checks.strings(self.trust, "trust", what="module prefixes"),
             overfit_steps=checks.integer(self.overfit_steps, "overfit_steps", OVERFIT_STEPS),
             overfit_samples=checks.integer(self.overfit_samples, "overfit_samples", OVERFIT_SAMPLES),
@@ -90,7 +90,7 @@ class CheckRequest:
         return self.config_dir.resolve() if self.config_dir is not None else Path.cwd()
 
 
-def _names(only: Any) -> Optional[tuple[str, ...]]:
+def names_shown(only: Any) -> Optional[tuple[str, ...]]:
     """--only's checks and groups: "data,lr" or a list (None or empty: all)."""
     if only is None:
         return None

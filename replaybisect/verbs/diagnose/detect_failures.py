@@ -15,9 +15,9 @@ from replaybisect.verbs.diagnose.ranks import RANK_METRIC
 from replaybisect.core.thresholds import (SPIKE_BASELINE_SAMPLES, SPIKE_FACTOR,
     LAYER_GRAD_GROWTH_EXPLODING as EXPLODING_RATIO, DIVERGENCE_RISE)
 from replaybisect.verbs.diagnose.curves import Curves
-from replaybisect.verbs.diagnose.detect_learning import _growth
-from replaybisect.verbs.diagnose.findings import (Finding, Skip, _cmd, _edge_count, _initial_loss, _loss_levels,
-    _round, detector, noise_sigma, rolling_median)
+from replaybisect.verbs.diagnose.detect_learning import loss_growth
+from replaybisect.verbs.diagnose.findings import (Finding, Skip, command_for, edge_count, initial_loss, loss_levels,
+    rounded, detector, noise_sigma, rolling_median)
 
 
 # ---- the detectors (symptoms -> causes; each cites its public source) ------------------------------------------------
@@ -35,7 +35,7 @@ def detect_exception(curves: Curves) -> list[Finding]:
     evidence = {"failing_step": step, "error_type": tags.get("error_type"), "error": tags.get("error"), "frame": frame,
                 "finite_steps_before": int(np.sum(curves.get("loss").steps < step)) if step is not None else None}
     return [Finding("exception", f"step {step} raised {raised}{where}: the run crashed there (the state before the step "
-                    "and its batch are kept)", evidence, _cmd("nan", curves), step=step,
+                    "and its batch are kept)", evidence, command_for("nan", curves), step=step,
                     source="the recorder keeps a step that raised as it keeps a non-finite one; replay nan reproduces it")]
 
 
@@ -62,7 +62,7 @@ def detect_nan(curves: Curves) -> list[Finding]:
                 "nan-at-start",
                 f"non-finite {what} at the first step (step {failing}): NaN/Inf in the data or the weights, or a bad initialisation",
                 evidence,
-                _cmd("nan", curves),
+                command_for("nan", curves),
                 step=failing,
                 source="Karpathy, \"A Recipe for Training Neural Networks\" (2019): verify the data and the loss at init; Megatron-Core rerun state machine: NaN/Inf checks",
             )
@@ -70,19 +70,19 @@ def detect_nan(curves: Curves) -> list[Finding]:
     grads = curves.get("grad_norm").before(failing).finite()
     lr = curves.get("lr").before(failing)
     if len(lr):
-        evidence["lr_before"] = _round(float(lr.values[-1]))
+        evidence["lr_before"] = rounded(float(lr.values[-1]))
     before = loss.before(failing)
     if len(before):
-        evidence["loss_before"] = _round(float(before.values[-1]))
-        evidence["loss_min"] = _round(float(before.values.min()))
-    growth = _growth(grads)
+        evidence["loss_before"] = rounded(float(before.values[-1]))
+        evidence["loss_min"] = rounded(float(before.values.min()))
+    growth = loss_growth(grads)
     evidence.update(growth)
     climb = divergence_growth(list(zip(before.steps.tolist(), before.values.tolist())),
                               list(zip(grads.steps.tolist(), grads.values.tolist())))
     arms = "lr,clip,precision"
     if climb is not None:  # the words `replay nan` uses for the same failure
         cause = f"a divergence ({climb.sentence()}): learning rate, clipping or init"
-        evidence["divergence"] = {"metric": climb.metric, "onset_step": climb.onset_step, "factor": _round(climb.factor)}
+        evidence["divergence"] = {"metric": climb.metric, "onset_step": climb.onset_step, "factor": rounded(climb.factor)}
         arms = "lr,clip"
     elif growth.get("grad_norm_growth", 1.0) >= EXPLODING_RATIO:
         cause = "exploding gradients"
@@ -97,7 +97,7 @@ def detect_nan(curves: Curves) -> list[Finding]:
             + (f" (grad norm x{growth['grad_norm_growth']:.3g} over the run" if "grad_norm_growth" in growth else "")
             + (f", growing exponentially x{growth['grad_norm_growth_per_step']:.3g} a step)" if "grad_norm_growth_per_step" in growth else ")" if "grad_norm_growth" in growth else ""),
             evidence,
-            _cmd("nan", curves) + f"   # then: {_cmd('ablate ' + arms, curves)}",
+            command_for("nan", curves) + f"   # then: {command_for('ablate ' + arms, curves)}",
             step=failing,
             source="Pascanu et al. 2013 (exploding gradients); Micikevicius et al. 2018, Mixed Precision Training (fp16 overflow); Megatron-Core rerun state machine",
         )
@@ -136,10 +136,10 @@ def detect_divergence(curves: Curves) -> list[Finding]:
     if len(loss) < 20:
         return []
     # the untrained level: the first logged loss (an LR typo can make step 1 jump already), or the first 5's median
-    initial = min(_initial_loss(loss), float(loss.values[0]))
-    _, end = _loss_levels(loss)
+    initial = min(initial_loss(loss), float(loss.values[0]))
+    _, end = loss_levels(loss)
     sigma = noise_sigma(loss.values)
-    noise = 4 * 1.25 * sigma / math.sqrt(_edge_count(len(loss)))  # 4 standard errors of the end level's median
+    noise = 4 * 1.25 * sigma / math.sqrt(edge_count(len(loss)))  # 4 standard errors of the end level's median
     if not (initial > 0 and end > DIVERGENCE_RISE * initial and end - initial > noise):
         return []
     smooth = rolling_median(loss.values, max(5, len(loss) // 20) | 1)
@@ -150,9 +150,9 @@ def detect_divergence(curves: Curves) -> list[Finding]:
             "divergence",
             f"the loss diverged: from {initial:.4g} at the start it rose to {end:.4g} at the end (x{end / initial:.3g}), rising from "
             f"step {start_step}: learning rate too high (a typo in lr?)",
-            {"loss_start": _round(initial), "loss_end": _round(end), "rise": _round(end / initial), "rising_from_step": start_step,
-             "lr": _round(float(curves.get("lr").values[0])) if len(curves.get("lr")) else None},
-            _cmd("ablate lr,warmup", curves) + "   # or an LR range test: " + _cmd("check", curves),
+            {"loss_start": rounded(initial), "loss_end": rounded(end), "rise": rounded(end / initial), "rising_from_step": start_step,
+             "lr": rounded(float(curves.get("lr").values[0])) if len(curves.get("lr")) else None},
+            command_for("ablate lr,warmup", curves) + "   # or an LR range test: " + command_for("check", curves),
             step=start_step,
             source="Smith 2017, \"Cyclical Learning Rates\" (LR range test: the loss diverges above the largest usable LR)",
         )
@@ -187,9 +187,9 @@ def _climb_of(curves: Curves, key: str, failing: int) -> Optional[Finding]:
         f"{key} climbed exponentially from step {int(series.steps[start])} ({first:.3g}) to {last:.3g} at step "
         f"{int(series.steps[-1])} (x{per_step:.3g} a step), then went non-finite at step {failing}: a divergence (learning rate, "
         "clipping or init), not a run of spikes",
-        {"metric": key, "from_step": int(series.steps[start]), "to_step": int(series.steps[-1]), "from_value": _round(first),
-         "to_value": _round(last), "growth_per_step": _round(per_step), "failing_step": failing},
-        _cmd("ablate lr,clip", curves),
+        {"metric": key, "from_step": int(series.steps[start]), "to_step": int(series.steps[-1]), "from_value": rounded(first),
+         "to_value": rounded(last), "growth_per_step": rounded(per_step), "failing_step": failing},
+        command_for("ablate lr,clip", curves),
         step=int(series.steps[start]),
         source="Megatron-Core rerun machine: >= 10x the early level; Smith 2017 (the loss diverges above the usable LR)",
     )
@@ -243,12 +243,12 @@ def detect_spikes(curves: Curves) -> list[Finding]:
             hits = hits[:0]
         if len(hits):
             found[key] = {
-                "baseline_max": _round(baseline),
+                "baseline_max": rounded(baseline),
                 "baseline_samples": baseline_count,
                 "spike_steps": [int(series.steps[i]) for i in hits[:20]],
-                "spike_values": [_round(float(series.values[i])) for i in hits[:20]],
+                "spike_values": [rounded(float(series.values[i])) for i in hits[:20]],
                 "count": int(len(hits)),
-                "largest_factor": _round(float(np.abs(series.values[hits]).max() / baseline)),
+                "largest_factor": rounded(float(np.abs(series.values[hits]).max() / baseline)),
             }
     if not found:
         return []
@@ -259,7 +259,7 @@ def detect_spikes(curves: Curves) -> list[Finding]:
             "spikes",
             f"spikes in {what} at step{'s' if len(steps) > 1 else ''} {_list_steps(steps)}: bad batches or an LR near instability",
             found,
-            _cmd("ablate clip,skip-batch", curves, f"--from-step {steps[0]}"),
+            command_for("ablate clip,skip-batch", curves, f"--from-step {steps[0]}"),
             step=steps[0],
             steps=steps,
             source=f"Megatron-Core rerun machine: >= {SPIKE_FACTOR:g}x the max |value| of the first {SPIKE_BASELINE_SAMPLES} samples"

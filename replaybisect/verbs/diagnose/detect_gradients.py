@@ -10,7 +10,7 @@ from replaybisect.core.thresholds import (DEAD_LAYER_ZERO_FRACTION as DEAD_ZERO_
     LAYER_GRAD_NORM_VANISHING as VANISHING_ABSOLUTE, LAYER_GRAD_NORM_VANISHING_WITH_RATIO as VANISHING_NORM,
     LAYER_TO_LARGEST_GRAD_RATIO_VANISHING as VANISHING_RATIO, UPDATE_RATIO_FAIL as UPDATE_RATIO_RANGE)
 from replaybisect.verbs.diagnose.curves import Curves
-from replaybisect.verbs.diagnose.findings import Finding, Skip, _cmd, _round, detector
+from replaybisect.verbs.diagnose.findings import Finding, Skip, command_for, rounded, detector
 
 
 @detector("exploding-gradients")
@@ -48,7 +48,7 @@ def detect_exploding(curves: Curves) -> list[Finding]:
                 "exploding-gradients",
                 f"non-finite gradient in {', '.join(modules)} at step {first}",
                 {"first_nonfinite_step": first, "modules": {m: nonfinite[m] for m in sorted(nonfinite)}},
-                _cmd("nan", curves),
+                command_for("nan", curves),
                 step=first,
                 layer=modules[0],
                 source="AUTOTRAINER: exploding = any NaN/Inf gradient",
@@ -62,8 +62,8 @@ def detect_exploding(curves: Curves) -> list[Finding]:
                 "exploding-gradients",
                 f"exploding gradients in {module}: grad norm x{ratio:.3g} ({early:.3g} -> {late:.3g} by step {at})"
                 + (f"; also {', '.join(m for m, _ in ranked[1:4])}" if len(ranked) > 1 else ""),
-                {"layers": {m: {"growth": _round(r), "early": _round(e), "late": _round(l), "step": s} for m, (r, e, l, s) in ranked}},
-                _cmd("nan", curves) if curves.failing_step is not None else _cmd("ablate clip,lr", curves),
+                {"layers": {m: {"growth": rounded(r), "early": rounded(e), "late": rounded(l), "step": s} for m, (r, e, l, s) in ranked}},
+                command_for("nan", curves) if curves.failing_step is not None else command_for("ablate clip,lr", curves),
                 step=at,
                 layer=module,
                 source=f"AUTOTRAINER: exploding gradient ratio > {EXPLODING_RATIO:g}; and at least {EXPLODING_MIN_NORM:g}, the usual clip_grad_norm (nanoGPT, Megatron-LM)",
@@ -100,11 +100,11 @@ def detect_vanishing(curves: Curves) -> list[Finding]:
     top = int(np.argmax(np.median(table, axis=1)))
     evidence = {
         "largest_layer": names[top],
-        "largest_median_norm": _round(float(median_norm[top])),
+        "largest_median_norm": rounded(float(median_norm[top])),
         "stats_steps": len(steps),
-        "layers": {names[i]: {"median_norm": _round(float(median_norm[i])), "ratio_to_largest": _round(float(median_ratio[i]))} for i in flagged},
+        "layers": {names[i]: {"median_norm": rounded(float(median_norm[i])), "ratio_to_largest": rounded(float(median_ratio[i]))} for i in flagged},
     }
-    saturated = {m[len("act_sat_frac/"):]: _round(float(np.median(s.values))) for m, s in curves.metrics.items() if m.startswith("act_sat_frac/") and len(s)}
+    saturated = {m[len("act_sat_frac/"):]: rounded(float(np.median(s.values))) for m, s in curves.metrics.items() if m.startswith("act_sat_frac/") and len(s)}
     if saturated:
         evidence["saturated_fraction"] = saturated
     first = names[flagged[0]]
@@ -114,7 +114,7 @@ def detect_vanishing(curves: Curves) -> list[Finding]:
             f"vanishing gradients in {first}: grad norm {median_norm[flagged[0]]:.2g}, {median_ratio[flagged[0]]:.2g} of {names[top]}'s"
             + (f"; {len(flagged) - 1} more layer{'s' if len(flagged) > 2 else ''}" if len(flagged) > 1 else ""),
             evidence,
-            _cmd("check", curves) + "   # gradient flow and saturation per layer",
+            command_for("check", curves) + "   # gradient flow and saturation per layer",
             step=steps[0],
             layer=first,
             source="AUTOTRAINER: ratio < 1e-3 with norm < 1e-4; SageMaker Debugger: < 1e-7",
@@ -145,8 +145,8 @@ def detect_dead_relu(curves: Curves) -> list[Finding]:
                 "dead-relu",
                 f"dead ReLU {module}: {100 * float(np.median(half)):.1f}% of its outputs are zero"
                 + (" from the first step" if since_index == 0 else f" since step {since}"),
-                {"zero_fraction_median": _round(float(np.median(half))), "dead_since_step": since, "samples": int(len(series))},
-                _cmd("check", curves) + "   # activations and initialisation per layer",
+                {"zero_fraction_median": rounded(float(np.median(half))), "dead_since_step": since, "samples": int(len(series))},
+                command_for("check", curves) + "   # activations and initialisation per layer",
                 step=since,
                 layer=module,
                 source="SageMaker Debugger: a unit active < 1% of the time is dead",
@@ -170,18 +170,18 @@ def detect_update_ratio(curves: Curves) -> list[Finding]:
         return []
     lr = curves.get("lr").finite()
     evidence = {
-        "update_ratio_median": _round(median),
-        "update_ratio_min": _round(float(series.values.min())),
-        "update_ratio_max": _round(float(series.values.max())),
+        "update_ratio_median": rounded(median),
+        "update_ratio_min": rounded(float(series.values.min())),
+        "update_ratio_max": rounded(float(series.values.max())),
         "healthy_range": [low, high],
         "samples": int(len(series)),
     }
     if len(lr):
-        evidence["lr_median"] = _round(float(np.median(lr.values)))
+        evidence["lr_median"] = rounded(float(np.median(lr.values)))
     if median < low:
         summary = f"updates too small: update/weight ratio {median:.2g} (median of {len(series)}), below {low:g}: the LR is too small or the updates are masked"
-        next_command = _cmd("check", curves) + "   # LR range test"
+        next_command = command_for("check", curves) + "   # LR range test"
     else:
         summary = f"updates too large: update/weight ratio {median:.2g} (median of {len(series)}), above {high:g}: the LR is far too high"
-        next_command = _cmd("ablate lr,warmup", curves)
+        next_command = command_for("ablate lr,warmup", curves)
     return [Finding("update-ratio", summary, evidence, next_command, step=int(series.steps[0]), source="SageMaker Debugger: update/weight ratio outside [1e-8, 10]; ~1e-3 healthy")]

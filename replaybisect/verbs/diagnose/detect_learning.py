@@ -11,25 +11,25 @@ import numpy as np
 from replaybisect.core.thresholds import (OVERFIT_GAP, OVERFIT_PATIENCE, OVERFIT_RISE, OVERFIT_TREND_P,
     PLATEAU_MIN_LEVEL, PLATEAU_MIN_SHARE, PLATEAU_TREND_P, PLATEAU_TREND_SE, SLOW_FALL_MAX, SLOW_GRAD_NORM_MAX)
 from replaybisect.verbs.diagnose.curves import Curves, Series
-from replaybisect.verbs.diagnose.findings import (Finding, Skip, _cmd, _edge_count, _initial_loss, _loss_levels,
-    _round, block_medians, detector, noise_sigma, rolling_median)
+from replaybisect.verbs.diagnose.findings import (Finding, Skip, command_for, edge_count, initial_loss, loss_levels,
+    rounded, block_medians, detector, noise_sigma, rolling_median)
 
 
-def _growth(grads: Series) -> dict[str, Any]:
+def loss_growth(grads: Series) -> dict[str, Any]:
     """How the total grad norm moved before a failure: early level, last level, and the growth rate."""
     if len(grads) < 5:
         return {}
-    edge = min(_edge_count(len(grads)), 20)
+    edge = min(edge_count(len(grads)), 20)
     early = float(np.median(grads.values[:edge]))
     last = float(np.median(grads.values[-3:]))
-    out: dict[str, Any] = {"grad_norm_early": _round(early), "grad_norm_last": _round(last)}
+    out: dict[str, Any] = {"grad_norm_early": rounded(early), "grad_norm_last": rounded(last)}
     if early > 0:
-        out["grad_norm_growth"] = _round(last / early)
+        out["grad_norm_growth"] = rounded(last / early)
     tail = grads.values[-min(len(grads), 30):]
     if len(tail) >= 5 and np.all(tail > 0):
         slope, _ = np.polyfit(np.arange(len(tail)), np.log(tail), 1)
         if slope > 0 and tail[-1] > 2 * tail[0]:
-            out["grad_norm_growth_per_step"] = _round(float(math.exp(slope)))
+            out["grad_norm_growth_per_step"] = rounded(float(math.exp(slope)))
     return out
 
 
@@ -40,8 +40,8 @@ def detect_flat(curves: Curves) -> list[Finding]:
     if len(loss) < 20:
         raise Skip(f"{len(loss)} finite loss values (needs 20)")
     values = loss.values
-    start, end = _loss_levels(loss)
-    initial = _initial_loss(loss)
+    start, end = loss_levels(loss)
+    initial = initial_loss(loss)
     blocks = block_medians(values, 10)
     block_size = len(values) / 10
     sigma = noise_sigma(values)
@@ -61,19 +61,19 @@ def detect_flat(curves: Curves) -> list[Finding]:
     grads = curves.get("grad_norm").before(curves.failing_step).finite()
     evidence: dict[str, Any] = {
         "steps": [int(loss.steps[0]), int(loss.steps[-1])],
-        "loss_start": _round(start),
-        "loss_end": _round(end),
-        "largest_decrease": _round(start - lowest),
-        "tolerance": _round(tolerance),
+        "loss_start": rounded(start),
+        "loss_end": rounded(end),
+        "largest_decrease": rounded(start - lowest),
+        "tolerance": rounded(tolerance),
     }
     zero_grad = False
     if len(grads):
         median_grad = float(np.median(grads.values))
-        evidence["grad_norm_median"] = _round(median_grad)
+        evidence["grad_norm_median"] = rounded(median_grad)
         zero_grad = median_grad <= 1e-12
     updates = curves.get("update_ratio").finite()
     if len(updates):
-        evidence["update_ratio_median"] = _round(float(np.median(updates.values)))
+        evidence["update_ratio_median"] = rounded(float(np.median(updates.values)))
     if zero_grad:
         summary = f"flat from step {int(loss.steps[0])}: the loss stays at {start:.4g}; no parameter gets a gradient (grad norm 0): no backward, a detached graph, or frozen / unconnected parameters"
     else:
@@ -83,7 +83,7 @@ def detect_flat(curves: Curves) -> list[Finding]:
             "flat-from-start",
             summary,
             evidence,
-            _cmd("check", curves) + "   # gradient flow: parameters with no or zero gradient",
+            command_for("check", curves) + "   # gradient flow: parameters with no or zero gradient",
             step=int(loss.steps[0]),
             source="AUTOTRAINER (Zhang et al., ICSE 2021): not converging; Karpathy's recipe: use backprop to chart dependencies",
         )
@@ -114,7 +114,7 @@ def detect_no_gradient(curves: Curves) -> list[Finding]:
             "a detached branch (.detach(), .data, torch.no_grad in forward) or frozen parameters (requires_grad=False); "
             "if the freeze is intended, ignore this",
             {"modules": silent, "modules_with_gradient": sorted(learning), "stats_steps": recorded},
-            _cmd("check", curves) + "   # gradient flow: parameters with no gradient",
+            command_for("check", curves) + "   # gradient flow: parameters with no gradient",
             step=int(min(s.steps[0] for s in grads.values() if len(s))),
             layer=silent[0],
             source="Karpathy, \"A Recipe for Training Neural Networks\" (2019): use backprop to chart dependencies; "
@@ -133,8 +133,8 @@ def detect_slow_learning(curves: Curves) -> list[Finding]:
     grads = curves.get("grad_norm").before(curves.failing_step).finite()
     if len(grads) < 20:
         raise Skip(f"{len(grads)} finite grad_norm values (needs 20)")
-    initial = _initial_loss(loss)
-    _, end = _loss_levels(loss)
+    initial = initial_loss(loss)
+    _, end = loss_levels(loss)
     if initial <= 0:
         return []
     fall = (initial - end) / initial
@@ -142,7 +142,7 @@ def detect_slow_learning(curves: Curves) -> list[Finding]:
 
     thinned = loss.values[:: len(loss) // 2000 + 1]
     tau, p_value = kendalltau(np.arange(len(thinned)), thinned)
-    edge = _edge_count(len(grads))
+    edge = edge_count(len(grads))
     grad_median = float(np.median(grads.values))
     grad_early, grad_late = float(np.median(grads.values[:edge])), float(np.median(grads.values[-edge:]))
     if not (0 < fall < SLOW_FALL_MAX and tau < 0 and p_value < 0.01 and grad_median < SLOW_GRAD_NORM_MAX and grad_late <= grad_early):
@@ -157,11 +157,11 @@ def detect_slow_learning(curves: Curves) -> list[Finding]:
             f"likely softmax fed into cross-entropy (probabilities as logits: the loss cannot go below {floor:.3g} for "
             f"~{classes:.0f} classes); feed the loss raw logits",
             {
-                "loss_start": _round(initial), "loss_end": _round(end), "fall": _round(fall),
-                "grad_norm_median": _round(grad_median), "grad_norm_early": _round(grad_early), "grad_norm_late": _round(grad_late),
-                "trend_tau": _round(float(tau)), "probability_ce_floor": _round(floor),
+                "loss_start": rounded(initial), "loss_end": rounded(end), "fall": rounded(fall),
+                "grad_norm_median": rounded(grad_median), "grad_norm_early": rounded(grad_early), "grad_norm_late": rounded(grad_late),
+                "trend_tau": rounded(float(tau)), "probability_ce_floor": rounded(floor),
             },
-            _cmd("check", curves) + "   # loss/head mismatch: do the loss input rows sum to 1?",
+            command_for("check", curves) + "   # loss/head mismatch: do the loss input rows sum to 1?",
             step=int(loss.steps[0]),
             source="Karpathy, \"A Recipe for Training Neural Networks\" (2019); PyTorch CrossEntropyLoss docs "
             "(the input is expected to contain unnormalized logits)",
@@ -176,8 +176,8 @@ def detect_plateau(curves: Curves) -> list[Finding]:
     n = len(loss)
     if n < 50:
         raise Skip(f"{n} finite loss values (needs 50)")
-    _, end = _loss_levels(loss)
-    start = _initial_loss(loss)
+    _, end = loss_levels(loss)
+    start = initial_loss(loss)
     if start <= 0 or (start - end) < 0.05 * start:
         return []  # never decreased by 5%: flat-from-start's business, not a plateau
     if end < PLATEAU_MIN_LEVEL * start:
@@ -211,26 +211,26 @@ def detect_plateau(curves: Curves) -> list[Finding]:
     plateau_step = int(loss.steps[start_index])
     evidence: dict[str, Any] = {
         "plateau_start_step": plateau_step,
-        "plateau_level": _round(end),
-        "loss_start": _round(start),
-        "decrease_before": _round(start - end),
+        "plateau_level": rounded(end),
+        "loss_start": rounded(start),
+        "decrease_before": rounded(start - end),
         "plateau_steps": int(loss.steps[-1] - plateau_step),
-        "band": _round(band),
-        "decline_across_plateau": _round(decline),
+        "band": rounded(band),
+        "decline_across_plateau": rounded(decline),
     }
     lr = curves.get("lr")
     if len(lr):
-        evidence["lr_at_plateau"] = _round(float(np.median(lr.values[lr.steps >= plateau_step]))) if np.any(lr.steps >= plateau_step) else None
-        evidence["lr_start"] = _round(float(lr.values[0]))
+        evidence["lr_at_plateau"] = rounded(float(np.median(lr.values[lr.steps >= plateau_step]))) if np.any(lr.steps >= plateau_step) else None
+        evidence["lr_start"] = rounded(float(lr.values[0]))
     updates = curves.get("update_ratio").finite()
     if len(updates) and np.any(updates.steps >= plateau_step):
-        evidence["update_ratio_at_plateau"] = _round(float(np.median(updates.values[updates.steps >= plateau_step])))
+        evidence["update_ratio_at_plateau"] = rounded(float(np.median(updates.values[updates.steps >= plateau_step])))
     return [
         Finding(
             "plateau",
             f"plateau from step {plateau_step}: the loss fell from {start:.4g} to {end:.4g} ({100 * end / start:.0f}% of its start) and has not improved for {evidence['plateau_steps']} steps: LR too small or too little capacity",
             evidence,
-            _cmd("check", curves) + "   # LR range test",
+            command_for("check", curves) + "   # LR range test",
             step=plateau_step,
             source="Smith 2017, \"Cyclical Learning Rates\" (LR range test); Karpathy's recipe: overfit, then regularize",
         )
@@ -244,7 +244,7 @@ def detect_oscillation(curves: Curves) -> list[Finding]:
     n = len(loss)
     if n < 60:
         raise Skip(f"{n} finite loss values (needs 60)")
-    start, end = _loss_levels(loss)
+    start, end = loss_levels(loss)
     half = loss.values[n // 2:]
     window = max(5, len(half) // 10) | 1
     smooth = rolling_median(half, window)
@@ -259,7 +259,7 @@ def detect_oscillation(curves: Curves) -> list[Finding]:
     # least half its level and a tenth of the untrained loss (near-zero losses are noisy in relative terms
     # only), and ends no lower than where it was half-way (no progress). Healthy built-in runs: net
     # decrease >= 1.06x the swing.
-    initial = _initial_loss(loss)
+    initial = initial_loss(loss)
     if not (total_rise > level and swing > 0.5 * level and net_change < 0.25 * swing and swing > 0.1 * initial):
         return []
     turning = int(np.sum(np.diff(np.sign(rises[np.abs(rises) > 1e-12 * level])) != 0))
@@ -270,14 +270,14 @@ def detect_oscillation(curves: Curves) -> list[Finding]:
             f"oscillating loss from step {first_step}: the smoothed loss swings by {swing:.3g} around {level:.3g} ({100 * swing / level:.0f}%) with no net progress: LR too high without diverging",
             {
                 "from_step": first_step,
-                "level": _round(level),
-                "swing_p10_p90": _round(swing),
-                "total_rise": _round(total_rise),
-                "net_decrease": _round(net_change),
+                "level": rounded(level),
+                "swing_p10_p90": rounded(swing),
+                "total_rise": rounded(total_rise),
+                "net_decrease": rounded(net_change),
                 "turning_points": turning,
-                "loss_start": _round(start),
+                "loss_start": rounded(start),
             },
-            _cmd("ablate lr,warmup", curves),
+            command_for("ablate lr,warmup", curves),
             step=first_step,
             source="Smith 2017 (above the usable LR the loss oscillates or diverges); AUTOTRAINER: oscillating loss",
         )
@@ -336,15 +336,15 @@ def detect_overfitting(curves: Curves) -> list[Finding]:
             f"overfitting from step {k}: val_loss rose from {values[best]:.4g} (step {k}) to {values[-1]:.4g} (step {int(val.steps[-1])}) while the train loss fell from {train[best]:.4g} to {train[-1]:.4g}; gap (val-train)/train {gap[-1]:.3g}",
             {
                 "best_val_step": k,
-                "best_val_loss": _round(float(values[best])),
-                "last_val_loss": _round(float(values[-1])),
-                "val_rise": _round(float(values[-1] / values[best] - 1)),
-                "train_at_best": _round(float(train[best])),
-                "train_last": _round(float(train[-1])),
-                "gap_last": [_round(float(g)) for g in gap],
+                "best_val_loss": rounded(float(values[best])),
+                "last_val_loss": rounded(float(values[-1])),
+                "val_rise": rounded(float(values[-1] / values[best] - 1)),
+                "train_at_best": rounded(float(train[best])),
+                "train_last": rounded(float(train[-1])),
+                "gap_last": [rounded(float(g)) for g in gap],
                 "patience": OVERFIT_PATIENCE,
-                "trend_tau": _round(float(tau)),
-                "trend_p": _round(float(p_value)),
+                "trend_tau": rounded(float(tau)),
+                "trend_p": rounded(float(p_value)),
                 "evaluations": int(len(values)),
             },
             f"replay train <your config> train.steps={k + 1}   # stop at the best validation step, or add data / regularisation (weight decay, dropout)",
@@ -358,8 +358,8 @@ def detect_overfitting(curves: Curves) -> list[Finding]:
 def detect_mismatch(curves: Curves) -> list[Finding]:
     """Train falls, validation stays flat from the start: the validation data is not what the model trains on."""
     val, train, loss = _val_and_train(curves)
-    _, end = _loss_levels(loss)
-    start = _initial_loss(loss)
+    _, end = loss_levels(loss)
+    start = initial_loss(loss)
     if start <= 0:
         return []
     train_gain = 1 - end / start
@@ -374,17 +374,17 @@ def detect_mismatch(curves: Curves) -> list[Finding]:
             f"train/validation mismatch: the train loss fell from {start:.4g} to {end:.4g} while val_loss never went below {val.values.min():.4g} "
             f"(first {val.values[0]:.4g} at step {int(val.steps[0])}, last {val.values[-1]:.4g}): the validation data differs from the training data",
             {
-                "loss_start": _round(start),
-                "train_end": _round(end),
-                "val_first": _round(float(val.values[0])),
-                "val_min": _round(float(val.values.min())),
-                "val_last": _round(float(val.values[-1])),
-                "train_gain": _round(train_gain),
-                "val_gain": _round(val_gain),
-                "gap_last": _round(float(gap)),
+                "loss_start": rounded(start),
+                "train_end": rounded(end),
+                "val_first": rounded(float(val.values[0])),
+                "val_min": rounded(float(val.values.min())),
+                "val_last": rounded(float(val.values[-1])),
+                "train_gain": rounded(train_gain),
+                "val_gain": rounded(val_gain),
+                "gap_last": rounded(float(gap)),
                 "evaluations": int(len(val)),
             },
-            _cmd("check", curves) + "   # data sanity: compare train and validation preprocessing",
+            command_for("check", curves) + "   # data sanity: compare train and validation preprocessing",
             step=int(val.steps[0]),
             source="Zinkevich, \"Rules of Machine Learning\" #37 (training-serving skew); Karpathy's recipe: become one with the data",
         )

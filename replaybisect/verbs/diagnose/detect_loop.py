@@ -12,7 +12,7 @@ from replaybisect.core.tags import step_tag
 from replaybisect.verbs.diagnose import ranks
 from replaybisect.core.thresholds import INPUT_BOUND_MIN_SECONDS, INPUT_BOUND_SHARE
 from replaybisect.verbs.diagnose.curves import Curves, Series
-from replaybisect.verbs.diagnose.findings import Finding, Skip, _cmd, _edge_count, _loss_levels, _round, detector
+from replaybisect.verbs.diagnose.findings import Finding, Skip, command_for, edge_count, loss_levels, rounded, detector
 
 
 LEAK_MIN_POINTS = 5  # memory samples (one per metrics flush) a trend needs
@@ -46,7 +46,7 @@ def detect_memory_leak(curves: Curves) -> list[Finding]:
                     f"{_bytes(float(values[0]))} at step {int(steps[0])} -> {_bytes(float(values[-1]))} at step "
                     f"{int(steps[-1])}; something the loop fills across steps keeps each step's tensors alive (a list "
                     "of outputs or features, a logging dict of tensors)",
-                    {"bytes_per_step": round(per_step), "from_step": int(steps[0]), "r2": _round(r2), "memory": key,
+                    {"bytes_per_step": round(per_step), "from_step": int(steps[0]), "r2": rounded(r2), "memory": key,
                      "first_bytes": float(values[0]), "last_bytes": float(values[-1]), "samples": int(len(values))},
                     "keep numbers (.item()) or CPU copies of what the loop collects across steps, then record again",
                     step=int(steps[0]), source="the memory the recorder samples at each metrics flush, less the batches "
@@ -120,22 +120,22 @@ def detect_gradients_not_zeroed(curves: Curves) -> list[Finding]:
     said = []
     norms = curves.get("grad_norm").finite()
     if len(norms) >= 2 * NOT_ZEROED_MIN_STEPS:
-        edge = _edge_count(len(norms))
+        edge = edge_count(len(norms))
         early, late = float(np.median(norms.values[:edge])), float(np.median(norms.values[-edge:]))
-        evidence.update(grad_norm_early=_round(early), grad_norm_late=_round(late))
+        evidence.update(grad_norm_early=rounded(early), grad_norm_late=rounded(late))
         if early > 0:
             said.append(f"grad norm x{late / early:.3g} (median {early:.3g} -> {late:.3g})")
     healthy = curves.healthy_loss
     if len(healthy) >= 2 * NOT_ZEROED_MIN_STEPS:
-        start, end = _loss_levels(healthy)
-        evidence.update(loss_start=_round(start), loss_end=_round(end))
+        start, end = loss_levels(healthy)
+        evidence.update(loss_start=rounded(start), loss_end=rounded(end))
         said.append(f"loss {start:.3g} -> {end:.3g}")
     return [Finding("gradients-not-zeroed",
                     "the loop never clears its gradients: from step 1 every step's backward added to all earlier steps' "
                     "(no optimizer.zero_grad()), so each update applies the sum of every gradient so far"
                     + (f"; {', '.join(said)}" if said else "")
                     + (f"; add optimizer.zero_grad() before the backward in the loop at {loop}" if loop else ""),
-                    evidence, _cmd("ablate zero-grad", curves) + ("" if curves.failing_step is not None else " --from-step 1"),
+                    evidence, command_for("ablate zero-grad", curves) + ("" if curves.failing_step is not None else " --from-step 1"),
                     step=1, source="the recorder saw each step's backward add to gradients its loop had not cleared "
                     "(the Stack Overflow / PyTorch forum 'forgot optimizer.zero_grad()' bug, TrainCheck's silent-error set)")]
 
@@ -159,9 +159,9 @@ def detect_input_bound(curves: Curves) -> list[Finding]:
             "input-pipeline-bound",
             f"input-pipeline bound: {1000 * data_median:.3g} ms a batch waiting for data against {1000 * compute_median:.3g} ms of compute ({100 * share:.0f}% of each step)",
             {
-                "data_time_median_s": _round(data_median),
-                "step_time_median_s": _round(compute_median),
-                "data_share": _round(share),
+                "data_time_median_s": rounded(data_median),
+                "step_time_median_s": rounded(compute_median),
+                "data_share": rounded(share),
                 "dataset": target,
                 "steps": int(len(data)),
             },
@@ -213,7 +213,7 @@ def detect_rank_loss_scale(curves: Curves) -> list[Finding]:
             f"rank {rank}'s loss is x{scale['median_ratio']:.3g} of rank 0's on {100 * scale['one_sided_share']:.0f}% of "
             f"{scale['steps']} steps: more than different data explains; each rank normalises its loss differently (a "
             "per-rank count or weight), so the averaged gradient weights the ranks unequally",
-            {"rank": rank, "median_ratio": _round(scale["median_ratio"]), "one_sided_share": _round(scale["one_sided_share"]),
+            {"rank": rank, "median_ratio": rounded(scale["median_ratio"]), "one_sided_share": rounded(scale["one_sided_share"]),
              "steps": scale["steps"]},
             "grep -nE 'get_rank|world_size|/ *len\\(|\\.sum\\(\\) */' <your script>   # how each rank divides its loss",
             step=scale["first_step"], source=ranks.SOURCE))

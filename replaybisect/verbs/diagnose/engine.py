@@ -18,8 +18,8 @@ import numpy as np
 from replaybisect.errors import ReplayError
 from replaybisect.store import Store
 from replaybisect.verbs.diagnose.curves import Curves, Series, load_curves
-from replaybisect.verbs.diagnose.findings import (DETECTORS, Diagnosis, Finding, Skip, _initial_loss, _loss_levels,
-    _round, detector, rolling_median)
+from replaybisect.verbs.diagnose.findings import (DETECTORS, Diagnosis, Finding, Skip, initial_loss, loss_levels,
+    rounded, detector, rolling_median)
 from replaybisect.verbs.diagnose import detect_failures, detect_gradients, detect_learning, detect_loop  # noqa: F401  (each registers its detectors)
 
 __all__ = ["Finding", "Diagnosis", "Curves", "DETECTORS", "detector", "diagnose", "load_curves", "analyse"]
@@ -78,27 +78,27 @@ def summarise(curves: Curves) -> dict[str, Any]:
     finite = loss.finite()
     summary: dict[str, Any] = {"steps_logged": int(len(loss))}
     if len(finite):
-        start = _initial_loss(finite)
+        start = initial_loss(finite)
         # loss_end is the last finite loss logged (for a healthy run, the final loss `replay train` prints);
         # the detectors read robust levels (medians), given as loss_end_median
-        end_median = _loss_levels(finite)[1] if len(finite) >= 10 else float(finite.values[-1])
-        summary.update(first_step=int(finite.steps[0]), last_step=int(finite.steps[-1]), loss_start=_round(start),
-                       loss_end=float(finite.values[-1]), loss_end_median=_round(end_median))
+        end_median = loss_levels(finite)[1] if len(finite) >= 10 else float(finite.values[-1])
+        summary.update(first_step=int(finite.steps[0]), last_step=int(finite.steps[-1]), loss_start=rounded(start),
+                       loss_end=float(finite.values[-1]), loss_end_median=rounded(end_median))
     val = curves.get("val_loss").finite()
     if len(val):
         best = int(np.argmin(val.values))
-        summary.update(val_best=_round(float(val.values[best])), val_best_step=int(val.steps[best]), val_last=_round(float(val.values[-1])))
+        summary.update(val_best=rounded(float(val.values[best])), val_best_step=int(val.steps[best]), val_last=rounded(float(val.values[-1])))
     grads = curves.get("grad_norm").finite()
     if len(grads):
-        summary["grad_norm_median"] = _round(float(np.median(grads.values)))
+        summary["grad_norm_median"] = rounded(float(np.median(grads.values)))
     updates = curves.get("update_ratio").finite()
     if len(updates):
-        summary["update_ratio_median"] = _round(float(np.median(updates.values)))
+        summary["update_ratio_median"] = rounded(float(np.median(updates.values)))
     data, compute = curves.get("data_time").finite(), curves.get("step_time").finite()
     if len(data) and len(compute):
         d, c = float(np.median(data.values)), float(np.median(compute.values))
-        summary["data_share"] = _round(d / max(d + c, 1e-12))
-        summary["step_time_median_s"] = _round(c)
+        summary["data_share"] = rounded(d / max(d + c, 1e-12))
+        summary["step_time_median_s"] = rounded(c)
     layers = curves.layers("grad_norm/")
     if layers:
         summary["layers"] = len(layers)

@@ -99,13 +99,13 @@ def detector(pattern: str):
 
 
 # ---- robust statistics ------------------------------------------------------------------------------------
-def _round(value: float, digits: int = 4) -> float:
+def rounded(value: float, digits: int = 4) -> float:
     if value is None or not math.isfinite(value) or value == 0:
         return value
     return float(f"{value:.{digits}g}")
 
 
-def _edge_count(n: int) -> int:
+def edge_count(n: int) -> int:
     """How many samples make a robust 'start' or 'end' level: a tenth of the run, at least 5."""
     return max(5, n // 10)
 
@@ -134,16 +134,16 @@ def noise_sigma(values: np.ndarray) -> float:
     return float(1.4826 * np.median(np.abs(residual - np.median(residual))))
 
 
-def _loss_levels(loss: Series) -> tuple[float, float]:
+def loss_levels(loss: Series) -> tuple[float, float]:
     """(start, end): medians of the first and last tenth of the curve."""
-    edge = _edge_count(len(loss))
+    edge = edge_count(len(loss))
     return float(np.median(loss.values[:edge])), float(np.median(loss.values[-edge:]))
 
 
-def _initial_loss(loss: Series) -> float:
+def initial_loss(loss: Series) -> float:
     """The untrained level: median of the first 5 values (a fast learner is far lower after a tenth of the run)."""
     return float(np.median(loss.values[:5]))
 
 
-def _cmd(verb: str, curves: Curves, extra: str = "") -> str:
+def command_for(verb: str, curves: Curves, extra: str = "") -> str:
     return f"replay {verb} --run-id {curves.run_id}" + (f" {extra}" if extra else "")

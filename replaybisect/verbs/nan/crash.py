@@ -17,8 +17,8 @@ class _CrashResults:
     error: Optional[str]  # "Type: message" the plain step raised on replay (None: it did not raise)
     frame: Optional[str]  # the user's innermost frame it raised in
     probe: Any  # the StepProbe, as far as the step got
-    raised: Any  # probes.RaisedOp: the torch call that raised, when one did
-    nonfinite: Any  # probes.OpFinding: the first op that made a non-finite value before the error, if any
+    raised: Any  # step_probe.RaisedOp: the torch call that raised, when one did
+    nonfinite: Any  # step_probe.OpFinding: the first op that made a non-finite value before the error, if any
     batch: list  # "name: dtype[shape] range" of each tensor of the batch
     batch_findings: list  # non-finite values in the batch
     isolation: dict
@@ -44,7 +44,7 @@ def probe_crash(state, step, batch, rng_at_step, dataset_rows, log) -> _CrashRes
     """The recorded step that raised, replayed: plain (does it raise again, the same?), then under the probes (which
     op raised, in which module; did a non-finite value come first, and from where), then plain again (repeatable)."""
     from replaybisect.core import rng, user_step
-    from replaybisect.verbs.nan import probes
+    from replaybisect.verbs.nan import probes, step_probe
 
     from replaybisect.core.inline_step import RemoteStep
     from replaybisect.frames import error_message, raised_at
@@ -52,10 +52,10 @@ def probe_crash(state, step, batch, rng_at_step, dataset_rows, log) -> _CrashRes
     live_before = fingerprint(state)
     rng_before = rng.to_json(rng.capture_raw())
     data = user_step.data_of(user_step.unpack(batch)[0]) if state.user_loop else batch
-    shapes = [f"{name}: {probes.value_brief(tensor)}" for name, tensor in probes.tensors_in(data, "batch")][:8]
+    shapes = [f"{name}: {step_probe.value_brief(tensor)}" for name, tensor in probes.tensors_in(data, "batch")][:8]
 
     def probed(copy):
-        probe = probes.StepProbe(copy)
+        probe = step_probe.StepProbe(copy)
         probe.raised_error = (None, None)
         try:
             probe.run(step, batch)
@@ -149,7 +149,7 @@ def name_rows(report: NanReport, fault, batch, dataset_rows: Optional[list[int]]
     overflow (an exp or a product: the largest rows overflow first), nor a run whose gradients grew exponentially."""
     from replaybisect.core import user_step
     from replaybisect.verbs.nan import fixes
-    from replaybisect.verbs.nan.probes import MAX_ROWS
+    from replaybisect.verbs.nan.step_probe import MAX_ROWS
 
     if fault is None or not fault.rows or not fault.output.shape or fixes.overflows(fault.op):
         return

@@ -40,7 +40,7 @@ class LayerHistory:
         return self
 
     def after_backward(self, state) -> None:  # an observer moment (core/observer.py): reads only
-        from replaybisect.verbs.nan.probes import per_module_grad_norms
+        from replaybisect.verbs.nan.step_probe import per_module_grad_norms
 
         for name, value in per_module_grad_norms(state).items():
             self.grad_norms.setdefault(name, {})[self._step] = value

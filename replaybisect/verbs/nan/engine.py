@@ -367,7 +367,8 @@ def _dataset_indices(snapshot, step: int) -> Optional[list[int]]:
 
 def _probe_step(state, step, batch, rng_at_step, dataset_rows, log) -> StepResults:
     from replaybisect.core import ranks, rng
-    from replaybisect.verbs.nan import probes
+    from replaybisect.verbs.nan import probes, step_probe
+    from replaybisect.verbs.nan.anomaly import anomaly_pass
 
     live_before = fingerprint(state)
     rng_before = rng.to_json(rng.capture_raw())
@@ -376,10 +377,10 @@ def _probe_step(state, step, batch, rng_at_step, dataset_rows, log) -> StepResul
     batch_findings = probes.probe_batch(batch, dataset_rows)
     state_findings = probes.probe_state(state)
     log(f"step {step}: probes (forward hooks, gradient hooks, update)")
-    probe = on_copy(state, rng_at_step, lambda copy: probes.StepProbe(copy).run(step, batch))
+    probe = on_copy(state, rng_at_step, lambda copy: step_probe.StepProbe(copy).run(step, batch))
     log(f"step {step}: detect_anomaly")
     alone = ranks.replaying_rank() is None  # (replay nan --nproc: every rank runs each pass to its end)
-    anomaly = on_copy(state, rng_at_step, lambda copy: probes.anomaly_pass(copy, step, batch, raise_on_nan=alone))
+    anomaly = on_copy(state, rng_at_step, lambda copy: anomaly_pass(copy, step, batch, raise_on_nan=alone))
     _, again = on_copy(state, rng_at_step, plain_run(step, batch))
     isolation = {
         "state_unchanged": fingerprint(state) == live_before,

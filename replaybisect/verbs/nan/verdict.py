@@ -320,7 +320,7 @@ def find_corrupting_step(store, run_id, cfg, restored, t: int, warnings: list[st
     """Replay from the newest snapshot whose state is finite, checking the state after every step; then probe
     the first step that left it non-finite (from a fresh restore, on a copy)."""
     from replaybisect.core.rng import capture_raw
-    from replaybisect.verbs.nan import probes
+    from replaybisect.verbs.nan import probes, step_probe
 
     start = earliest = None
     for snap_step in reversed([s for s in restore_mod.snapshot_steps(store, run_id) if s <= restored.step]):
@@ -355,7 +355,7 @@ def find_corrupting_step(store, run_id, cfg, restored, t: int, warnings: list[st
         restore_mod.replay(again, k, stop_on_nonfinite=cfg.snapshot.on_nonfinite == "stop")
     rng_at_k = capture_raw()
     batch_k = loop.to_device(again.batch(k), again.state.device)
-    result = on_copy(again.state, rng_at_k, lambda copy: probes.StepProbe(copy).run(k, batch_k))
+    result = on_copy(again.state, rng_at_k, lambda copy: step_probe.StepProbe(copy).run(k, batch_k))
     if result.corrupted_in_forward:
         return {"kind": "forward-write", "step": k, "writer": result.corrupted_in_forward[0]}
     if result.update is not None and not (result.update.params_finite_after and result.update.state_finite_after):
