@@ -149,7 +149,7 @@ def test_the_grad_norm_trend_is_scipys_linregress():
 
     from scipy import stats
 
-    from replaybisect.verbs.nan.engine import linear_fit
+    from replaybisect.core.trend import linear_fit
 
     rng = random.Random(0)
     for _ in range(300):

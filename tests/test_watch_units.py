@@ -23,8 +23,9 @@ from watch_servers import ALLOW_ROOT
 from replaybisect.core.jobs import JobSettings
 from replaybisect.errors import ReplayError
 from replaybisect.verbs.watch.engine import (
-    Claim, Event, TriageResult, Watcher, WatchOptions, _failure_reason, _outage,
+    Claim, Event, TriageResult, Watcher, WatchOptions, outage,
 )
+from replaybisect.verbs.watch.steps import failure_reason
 from replaybisect.verbs.watch.answer import ablate_args, conclude, step_lines
 from replaybisect.verbs.watch.report import EventLog, markdown, notification, post_json
 
@@ -92,10 +93,10 @@ def test_an_outage_is_told_from_a_missing_run_by_the_servers_answer(workspace, m
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
     with pytest.raises(Exception) as down:
         MlflowClient("http://127.0.0.1:9").get_run("0" * 32)
-    assert _outage(down.value)
+    assert outage(down.value)
     with pytest.raises(ReplayError) as missing:
         workspace.store().get_run("0" * 32)
-    assert not _outage(missing.value)
+    assert not outage(missing.value)
 
 
 def test_a_lease_that_lapsed_in_an_outage_is_left_to_its_watcher():
@@ -105,10 +106,10 @@ def test_a_lease_that_lapsed_in_an_outage_is_left_to_its_watcher():
     now = time.time()
     lapsed = {"replaybisect.triage": "running", "replaybisect.triage.claim": Claim("other-1", now - 5).render()}
     released = {"replaybisect.triage": "running", "replaybisect.triage.claim": Claim("other-1", 0.0).render()}
-    assert watcher._claimable(lapsed, now) and watcher._claimable(released, now)
-    watcher._outage_seen = now - 10
-    assert not watcher._claimable(lapsed, now) and watcher._claimable(released, now)
-    assert watcher._claimable(lapsed, now + 60)
+    assert watcher.claims.claimable(lapsed, now) and watcher.claims.claimable(released, now)
+    watcher.claims.outage_seen = now - 10
+    assert not watcher.claims.claimable(lapsed, now) and watcher.claims.claimable(released, now)
+    assert watcher.claims.claimable(lapsed, now + 60)
 
 
 def test_claim_round_trip_and_expiry():
@@ -120,11 +121,11 @@ def test_claim_round_trip_and_expiry():
 
 
 def test_failure_reasons_are_one_line():
-    assert _failure_reason(-9, "", 8192) == "killed by SIGKILL"
-    assert _failure_reason(1, "Traceback...\nMemoryError\n", 2048) == "ran out of memory (limit 2048 MiB, --memory-mb)"
-    assert _failure_reason(2, "store: x\nreplay: error: no snapshot before step 3; record with snapshot.every\n", 0) == \
+    assert failure_reason(-9, "", 8192) == "killed by SIGKILL"
+    assert failure_reason(1, "Traceback...\nMemoryError\n", 2048) == "ran out of memory (limit 2048 MiB, --memory-mb)"
+    assert failure_reason(2, "store: x\nreplay: error: no snapshot before step 3; record with snapshot.every\n", 0) == \
         "exit 2: no snapshot before step 3; record with snapshot.every"
-    assert _failure_reason(1, "", 0) == "exit 1: no output"
+    assert failure_reason(1, "", 0) == "exit 1: no output"
 
 
 NAN_FORWARD = {  # replay nan --json on examples/nan_forward (the fields a triage reads, and a long history it must not print)

@@ -72,14 +72,14 @@ class JobSettings:
         if self.cluster is not None and self.cluster not in known_clusters():
             raise ReplayError(f"--cluster {self.cluster[:80]!r} is not a submitit cluster; use {', '.join(known_clusters())} "
                               "(or leave it out: slurm when sbatch exists, else local)")
-        for option, value, low in (("--time", self.time_min, 1), ("--gpus", self.gpus, 0), ("--cpus", self.cpus, 1)):
+        for flag, value, low in (("--time", self.time_min, 1), ("--gpus", self.gpus, 0), ("--cpus", self.cpus, 1)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < low):
-                raise ReplayError(f"{option} {value!r} must be a whole number >= {low}")
+                raise ReplayError(f"{flag} {value!r} must be a whole number >= {low}")
         if self.mem_gb is not None and not (isinstance(self.mem_gb, (int, float)) and 0 < self.mem_gb < 1e6):
             raise ReplayError(f"--mem-gb {self.mem_gb!r} must be a positive number of GB")
-        for option, text in (("--partition", self.partition), ("--account", self.account)):
+        for flag, text in (("--partition", self.partition), ("--account", self.account)):
             if text is not None and (not text.strip() or any(c.isspace() or not c.isprintable() for c in text)):
-                raise ReplayError(f"{option} {text[:80]!r} is not a SLURM name; pass one word")
+                raise ReplayError(f"{flag} {text[:80]!r} is not a SLURM name; pass one word")
         valid = slurm_parameters()
         for key, _ in self.slurm:
             if key not in valid:

@@ -22,7 +22,7 @@ import functools
 import os
 import sys
 import types
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch.overrides import TorchFunctionMode

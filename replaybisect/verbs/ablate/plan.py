@@ -46,7 +46,6 @@ def _absolute_uri(uri: str) -> str:
 
 def _choose_snapshot(store, run_id: str, failing_step: Optional[int], from_step: Optional[int], onset: Optional[int],
                      warnings: list[str]):
-    from replaybisect.errors import SnapshotError
     from replaybisect import restore as restore_mod
 
     if from_step is not None:

@@ -59,7 +59,6 @@ from replaybisect.verbs.bisect.runners import (CommandRunner, LAYER_METRICS, TRA
 from replaybisect.verbs.bisect.search import Search, endpoint_baseline, judge
 
 __all__ = ["BisectResult", "Trial", "SeedRun", "bisect", "Search", "Baseline", "judge", "endpoint_baseline", "BisectAborted"]
-from replaybisect.core.thresholds import REPLAY_RELATIVE_TOLERANCE as REPRODUCE_RTOL  # noqa: E402  (Megatron-Core)
 CRASH_RETRIES = 1  # a trial that crashed (exit 1) or was killed runs once more before its commit is skipped
 
 

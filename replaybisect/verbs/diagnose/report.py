@@ -127,7 +127,7 @@ def loss_figure(result, curves):
     """Loss (raw and smoothed) with validation, and the grad norm below; findings marked where they happen."""
     import numpy as np
 
-    from replaybisect.verbs.diagnose.engine import rolling_median
+    from replaybisect.verbs.diagnose.findings import rolling_median
 
     figure, axes = new_figure(2, 1, size=(10, 7))
     ax_loss, ax_grad = axes[0][0], axes[1][0]

@@ -27,10 +27,10 @@ from replaybisect.store import Store
 from replaybisect.verbs.nan.divergence import LayerHistory, buffer_scaling, recorded_layer_series
 from replaybisect.verbs.nan.copies import StepResults, bits, fingerprint, on_copy, plain_run
 from replaybisect.verbs.nan.crash import classify_crash, name_rows, probe_crash
-from replaybisect.core.trend import HistoryFit, history_fit, linear_fit
+from replaybisect.core.trend import history_fit
 from replaybisect.verbs.nan.result import NanReport, headline
 from replaybisect.verbs.nan.suggest import never_cleared, suggest_arms, suggest_for_crash
-from replaybisect.verbs.nan.verdict import classify_step, judge_divergence, find_corrupting_step
+from replaybisect.verbs.nan.verdict import classify_step, judge_divergence
 
 
 # ---- the command ----------------------------------------------------------------------------------------

@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 import os
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch

@@ -14,7 +14,7 @@ from typing import Any, Optional
 from replaybisect.core.jsonutil import strict_json
 from replaybisect.options import OUR_STDOUT
 from replaybisect.store import Store
-from replaybisect.verbs.watch.engine import Event, TriageResult
+from replaybisect.verbs.watch.events import Event, TriageResult
 
 REPORT_MD = "triage/triage.md"
 REPORT_JSON = "triage/triage.json"

@@ -64,10 +64,10 @@ class WatchOptions:
             raise ReplayError(f"--memory-mb {self.memory_mb} is too small for torch: use at least 512 (0: no limit)")
         if self.memory_mb > MAX_MEMORY_MB:
             raise ReplayError(f"--memory-mb {self.memory_mb} is more than {MAX_MEMORY_MB} (1 PiB); pass 0 for no limit")
-        for option, url, example in (("--notify-url (or $REPLAYBISECT_NOTIFY_URL)", self.notify_url, "https://hooks.slack.com/services/..."),
+        for flag, url, example in (("--notify-url (or $REPLAYBISECT_NOTIFY_URL)", self.notify_url, "https://hooks.slack.com/services/..."),
                                      ("--ui-url", self.ui_url, "http://mlflow.example.com:5000")):
             if url is not None:
-                check_http_url(option, url, example)
+                check_http_url(flag, url, example)
         self.check_trust()
         self.check_jobs()
         from replaybisect.core import provenance
@@ -98,10 +98,10 @@ class WatchOptions:
 
         Trust.from_user(list(self.code_dirs), list(self.trust_prefixes))  # one line for a missing folder or a bad prefix
         env_dirs = [part for part in os.environ.get(CODE_DIR_ENV, "").split(os.pathsep) if part.strip()]
-        for option, folders in (("--code-dir", self.code_dirs), (f"${CODE_DIR_ENV}", env_dirs)):
+        for flag, folders in (("--code-dir", self.code_dirs), (f"${CODE_DIR_ENV}", env_dirs)):
             for folder in folders:
                 if not os.access(os.path.expanduser(folder), os.R_OK | os.X_OK):
-                    raise ReplayError(f"{option} {folder!r} is not readable by this user (uid {os.geteuid()}), "
+                    raise ReplayError(f"{flag} {folder!r} is not readable by this user (uid {os.geteuid()}), "
                                       "who runs the triage; make it readable or pass another folder")
 
     def check_user(self) -> None:
