@@ -130,10 +130,10 @@ def test_a_new_store_made_from_the_kept_template_is_the_store_mlflow_migrates(tm
     faster), with the same schema and version and its Default experiment's artifact folder beside it."""
     import sqlite3
 
-    from replaybisect import store as store_mod
+    from replaybisect.store import sqlite as sqlite_store
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    template = store_mod._template_path()
+    template = sqlite_store._template_path()
     assert template is not None and not template.exists()
 
     def schema(database):
@@ -156,6 +156,6 @@ def test_a_new_store_made_from_the_kept_template_is_the_store_mlflow_migrates(tm
     assert tables_a == tables_b and version_a == version_b
     assert default_a == [("Default", str(migrated.parent / "mlruns" / "0"))]
     assert default_b == [("Default", str(copied.parent / "mlruns" / "0"))]
-    assert store_mod.inspect_sqlite(copied).kind == "current"
+    assert sqlite_store.inspect_sqlite(copied).kind == "current"
     run_id = open_store(f"sqlite:///{copied}").create_run("train")
     assert open_store(f"sqlite:///{copied}").tags(run_id)["kind"] == "train"
