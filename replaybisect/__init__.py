@@ -90,7 +90,7 @@ def _run_store(tracking_uri: Optional[str], run_id: str):
 
     location = locate_store(tracking_uri)
     require_run(location, run_id)
-    return open_store(location.uri, create=False)
+    return open_store(location.uri, create=False, read_once=True)
 
 
 @front_door(TrainRequest, positional=("overrides",), internal=("parent_run_id", "kind", "tags"))

@@ -149,7 +149,7 @@ def run_store(tracking_uri: Optional[str], run_id: str):
     location = locate_store(tracking_uri)
     require_run(location, run_id)
     announce_store(location)
-    return open_store(location.uri, create=False)
+    return open_store(location.uri, create=False, read_once=True)
 
 
 def recording_store(tracking_uri: Optional[str], later: bool = False):

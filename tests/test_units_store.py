@@ -159,3 +159,18 @@ def test_a_new_store_made_from_the_kept_template_is_the_store_mlflow_migrates(tm
     assert sqlite_store.inspect_sqlite(copied).kind == "current"
     run_id = open_store(f"sqlite:///{copied}").create_run("train")
     assert open_store(f"sqlite:///{copied}").tags(run_id)["kind"] == "train"
+
+
+def test_a_store_that_reads_once_asks_the_server_for_a_run_once_until_it_writes_to_it(store, monkeypatch):
+    """`replay nan` read the examined run's tags five times, each a round trip to a server (issue 48); a command's
+    store now reads each run once, and again only after this process wrote to it."""
+    run_id = store.create_run("train")
+    reading = open_store(store.uri, create=False, read_once=True)
+    asked = []
+    original = reading.client.get_run
+    monkeypatch.setattr(reading.client, "get_run", lambda rid: asked.append(rid) or original(rid))
+    assert reading.tags(run_id)["kind"] == "train" and reading.tags(run_id)["status"] == "running"
+    assert asked == [run_id]
+    reading.set_tags(run_id, {"status": "ok"})  # our own write: read again
+    assert reading.tags(run_id)["status"] == "ok" and asked == [run_id, run_id]
+    store.get_run(run_id), store.get_run(run_id)  # a store that does not read once (the watcher's) always asks

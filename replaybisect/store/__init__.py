@@ -181,7 +181,11 @@ class Store:
 
     uri: str
     client: Any  # mlflow.MlflowClient
+    # a command that examines a run reads it once: each run it reads is kept until this process writes to it (another
+    # process writing to a run a command examines is not a case: the examined run has ended)
+    read_once: bool = False
     _artifact_uris: dict[str, str] = field(default_factory=dict, repr=False)
+    _runs: dict[str, Any] = field(default_factory=dict, repr=False)
 
     # ---- runs ---------------------------------------------------------------------------
     def experiment_id(self, name: str | None = None) -> str:
@@ -227,11 +231,16 @@ class Store:
     def get_run(self, run_id: str):
         from mlflow.exceptions import MlflowException
 
+        if run_id in self._runs:
+            return self._runs[run_id]
         try:
-            return self.client.get_run(run_id)
+            run = self.client.get_run(run_id)
         except MlflowException:
             raise RunNotFound(f"no run {run_id!r} in {StoreLocation(self.uri, 'found').shown}; "
                               "list runs with `replay runs`") from None
+        if self.read_once:
+            self._runs[run_id] = run
+        return run
 
     def finish_run(self, run_id: str, status: str, mlflow_status: str = "FINISHED") -> None:
         self.set_tags(run_id, {"status": status})
@@ -240,6 +249,7 @@ class Store:
     def set_tags(self, run_id: str, tags: dict[str, Any], prefix: str = TAG) -> None:
         from mlflow.entities import RunTag
 
+        self._runs.pop(run_id, None)
         self.client.log_batch(run_id, tags=[RunTag(prefix + key, str(value)) for key, value in tags.items()])
 
     def describe(self, run_id: str, text: str) -> None:
@@ -294,6 +304,7 @@ class Store:
     # ---- params and metrics ------------------------------------------------------------
     def log_params(self, run_id: str, params: dict[str, Any], tags: Optional[dict[str, Any]] = None) -> None:
         """The params, in batches; `tags` (replaybisect's, without the prefix) ride in the first batch."""
+        self._runs.pop(run_id, None)
         from mlflow.entities import Param, RunTag
 
         items = [Param(key, str(value)[:6000]) for key, value in params.items()]
@@ -303,6 +314,7 @@ class Store:
 
     def log_metrics(self, run_id: str, points: Iterable[tuple[str, float, int]]) -> None:
         """Log (key, value, step) points in batches of at most 1000: never one call per value."""
+        self._runs.pop(run_id, None)
         from mlflow.entities import Metric
 
         timestamp = int(time.time() * 1000)
@@ -402,10 +414,11 @@ def check_store(tracking_uri: str | None = None, create: bool = True) -> str:
     return uri
 
 
-def open_store(tracking_uri: str | None = None, create: bool = True) -> Store:
+def open_store(tracking_uri: str | None = None, create: bool = True, read_once: bool = False) -> Store:
     """Open the tracking store named by `--tracking-uri` / MLFLOW_TRACKING_URI / the nearest mlflow.db upward /
     ./mlflow.db. `create=True` (the commands that record): a new SQLite store is created atomically. `create=False`
-    (reading): nothing is ever created, migrated or locked; a file that is not a whole store is one line."""
+    (reading): nothing is ever created, migrated or locked; a file that is not a whole store is one line.
+    `read_once`: a command examining a run reads each run once (Store.read_once)."""
     from replaybisect.errors import ReplayError
 
     uri = resolve_tracking_uri(tracking_uri)
@@ -429,7 +442,7 @@ def open_store(tracking_uri: str | None = None, create: bool = True) -> Store:
                            "elsewhere (--tracking-uri)") from None
         first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise StoreUnreachable(f"cannot open tracking store {uri}: {first_line}; pass a working --tracking-uri") from None
-    return Store(uri=uri, client=client)
+    return Store(uri=uri, client=client, read_once=read_once)
 
 
 # ---- replay watch: the failed runs to triage, and claims written as tags --------------------------------
