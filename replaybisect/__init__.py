@@ -30,6 +30,7 @@ from replaybisect.verbs.bisect.request import BisectRequest
 from replaybisect.verbs.check.request import CheckRequest
 from replaybisect.verbs.diagnose.request import DiagnoseRequest
 from replaybisect.verbs.nan.request import NanRequest
+from replaybisect.verbs.profile.request import ProfileRequest
 from replaybisect.verbs.train.request import TrainRequest
 
 if TYPE_CHECKING:
@@ -37,14 +38,15 @@ if TYPE_CHECKING:
     from replaybisect.verbs.bisect.engine import BisectResult
     from replaybisect.verbs.check.engine import CheckReport
     from replaybisect.verbs.diagnose.engine import Diagnosis
+    from replaybisect.verbs.profile.engine import ProfileReport
     from replaybisect.verbs.nan.engine import NanReport
     from replaybisect.verbs.train.engine import TrainResult
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "train", "find_nan", "ablate", "bisect", "check", "diagnose", "Recorder", "NonFiniteStep", "replaying",
-    "TrainResult", "NanReport", "AblationResult", "BisectResult", "CheckReport", "Diagnosis",
+    "train", "find_nan", "ablate", "bisect", "check", "diagnose", "profile", "Recorder", "NonFiniteStep", "replaying",
+    "TrainResult", "NanReport", "AblationResult", "BisectResult", "CheckReport", "Diagnosis", "ProfileReport",
     "ReplayError",
 ]
 
@@ -56,6 +58,7 @@ _RESULT_TYPES = {
     "BisectResult": "replaybisect.verbs.bisect.engine",
     "CheckReport": "replaybisect.verbs.check.engine",
     "Diagnosis": "replaybisect.verbs.diagnose.engine",
+    "ProfileReport": "replaybisect.verbs.profile.engine",
     "Recorder": "replaybisect.record.recorder",  # record your own training loop
     "NonFiniteStep": "replaybisect.errors",
 }
@@ -198,3 +201,25 @@ def diagnose(request: DiagnoseRequest) -> "Diagnosis":
 
         publish_report(store, result, curves)
     return result
+
+
+@front_door(ProfileRequest, positional=("run_id", "step"))
+def profile(request: ProfileRequest) -> "ProfileReport":
+    """A recorded step (by default the run's slowest) replayed under torch.profiler (as `replay profile`): the top ops
+    by time and memory, the modules by forward time, the step times against the recorded ones. With `publish`, the
+    trace, profile.md and profile.json are recorded in a child run (`report_run_id`); `trace` is the local trace file
+    only while the function runs (it is removed after: read it from the child run)."""
+    import tempfile
+    from pathlib import Path
+
+    from replaybisect.verbs.profile.engine import profile as run_profile
+
+    store = _run_store(request.tracking_uri, request.run_id)
+    with tempfile.TemporaryDirectory(prefix="replaybisect-profile-") as folder:
+        report = run_profile(store, request.run_id, request.step, steps=request.steps, device=request.torch_device,
+                             trust=request.trusted, trace_folder=Path(folder))
+        if request.publish:
+            from replaybisect.verbs.profile.report import publish as publish_report
+
+            publish_report(store, report)
+    return report

@@ -86,6 +86,15 @@ class _Request:
     done: threading.Event = field(default_factory=threading.Event)
 
 
+@dataclass
+class _Call:
+    """A function the engine has the script's thread run between steps (RemoteStep.in_script_thread)."""
+
+    fn: Callable[[], Any]
+    error: Optional[Exception] = None
+    done: threading.Event = field(default_factory=threading.Event)
+
+
 class RemoteStep:
     """Stands for the step function of an inline run: called (in the engine's thread) with a stored step's
     micro-batches, it has the script's loop run them and returns when the iteration is over. It takes `scheduler`
@@ -151,7 +160,28 @@ class RemoteStep:
             raise StepHalted
         return None
 
+    def in_script_thread(self, fn: Callable[[], Any]) -> None:
+        """Run `fn` in the script's thread, between steps (where that thread waits for the next step), and return when
+        it has run: what must happen in the thread that runs the loop (a profiler started and stopped there)."""
+        call = _Call(fn)
+        self._requests.put(call)
+        call.done.wait()
+        if call.error is not None:
+            raise call.error
+
     # ---- the script's side --------------------------------------------------------------------------------
+    def _next_request(self) -> _Request:
+        """The next step asked for, running what the engine asked to run in this thread first."""
+        while True:
+            item = self._requests.get()
+            if not isinstance(item, _Call):
+                return item
+            try:
+                item.fn()
+            except Exception as error:  # handed back to the engine's thread
+                item.error = error
+            item.done.set()
+
     def _inputs(self, model: Optional[str], live_args: tuple, live_kwargs: dict) -> tuple[tuple, dict]:
         """The stored inputs for this training forward (of several models: the next stored call of the one named
         `model`), taking the next request when a step is over."""
@@ -164,7 +194,7 @@ class RemoteStep:
             self._complete(current)
             current = None
         if current is None:
-            current = self._current = self._requests.get()
+            current = self._current = self._next_request()
             outside_model.set_loop_numbers(outside_model.loop_frame(), current.numbers)
             current.watch.open_forward()
         # a step the recording stopped part-way (its first non-finite loss) stored the micro-batches it reached; reused

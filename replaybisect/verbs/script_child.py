@@ -176,7 +176,22 @@ def _check(job: dict[str, Any], log: Callable[[str], None]) -> Any:
     return report.to_full_json()
 
 
-JOBS: dict[str, Callable[[dict[str, Any], Callable[[str], None]], Any]] = {"nan": _nan, "arm": _arm, "check": _check}
+def _profile(job: dict[str, Any], log: Callable[[str], None]) -> Any:
+    from replaybisect.core.device import resolve_device
+    from replaybisect.core.trust import Trust
+    from replaybisect.store import open_store
+    from replaybisect.verbs.profile.engine import profile
+
+    arguments = job["arguments"]
+    device = resolve_device(arguments["device"], "--device") if arguments.get("device") else None
+    store = open_store(job["tracking_uri"], create=False)
+    report = profile(store, job["run_id"], arguments.get("step"), steps=arguments["steps"], device=device,
+                     trust=Trust.from_json(job["trust"]), trace_folder=Path(arguments["trace_folder"]), log=log)
+    return report.to_json()
+
+
+JOBS: dict[str, Callable[[dict[str, Any], Callable[[str], None]], Any]] = {"nan": _nan, "arm": _arm, "check": _check,
+                                                                         "profile": _profile}
 
 
 if __name__ == "__main__":
