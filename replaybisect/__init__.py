@@ -30,6 +30,7 @@ from replaybisect.verbs.bisect.request import BisectRequest
 from replaybisect.verbs.check.request import CheckRequest
 from replaybisect.verbs.diagnose.request import DiagnoseRequest
 from replaybisect.verbs.nan.request import NanRequest
+from replaybisect.verbs.memory.request import MemoryRequest
 from replaybisect.verbs.profile.request import ProfileRequest
 from replaybisect.verbs.train.request import TrainRequest
 
@@ -38,6 +39,7 @@ if TYPE_CHECKING:
     from replaybisect.verbs.bisect.engine import BisectResult
     from replaybisect.verbs.check.engine import CheckReport
     from replaybisect.verbs.diagnose.engine import Diagnosis
+    from replaybisect.verbs.memory.engine import MemoryReport
     from replaybisect.verbs.profile.engine import ProfileReport
     from replaybisect.verbs.nan.engine import NanReport
     from replaybisect.verbs.train.engine import TrainResult
@@ -45,8 +47,8 @@ if TYPE_CHECKING:
 __version__ = "0.1.0"
 
 __all__ = [
-    "train", "find_nan", "ablate", "bisect", "check", "diagnose", "profile", "Recorder", "NonFiniteStep", "replaying",
-    "TrainResult", "NanReport", "AblationResult", "BisectResult", "CheckReport", "Diagnosis", "ProfileReport",
+    "train", "find_nan", "ablate", "bisect", "check", "diagnose", "profile", "memory", "Recorder", "NonFiniteStep", "replaying",
+    "TrainResult", "NanReport", "AblationResult", "BisectResult", "CheckReport", "Diagnosis", "ProfileReport", "MemoryReport",
     "ReplayError",
 ]
 
@@ -59,6 +61,7 @@ _RESULT_TYPES = {
     "CheckReport": "replaybisect.verbs.check.engine",
     "Diagnosis": "replaybisect.verbs.diagnose.engine",
     "ProfileReport": "replaybisect.verbs.profile.engine",
+    "MemoryReport": "replaybisect.verbs.memory.engine",
     "Recorder": "replaybisect.record.recorder",  # record your own training loop
     "NonFiniteStep": "replaybisect.errors",
 }
@@ -222,4 +225,20 @@ def profile(request: ProfileRequest) -> "ProfileReport":
             from replaybisect.verbs.profile.report import publish as publish_report
 
             publish_report(store, report)
+    return report
+
+
+@front_door(MemoryRequest, positional=("run_id", "step"))
+def memory(request: MemoryRequest) -> "MemoryReport":
+    """What keeps a run's memory growing (as `replay memory`): a few recorded steps replayed, and the list, dict or
+    tensor of the loop's code that gains tensors or autograd nodes each step named, with the line that adds to it."""
+    from replaybisect.verbs.memory.engine import memory as run_memory
+
+    store = _run_store(request.tracking_uri, request.run_id)
+    report = run_memory(store, request.run_id, request.step, steps=request.steps, device=request.torch_device,
+                        trust=request.trusted)
+    if request.publish:
+        from replaybisect.verbs.memory.report import publish as publish_report
+
+        publish_report(store, report)
     return report

@@ -386,6 +386,17 @@ def relative_error(logged: float, replayed: float) -> float:
     return abs(logged - replayed) / max(abs(logged), 1e-12)
 
 
+def losses_verdict(replayed: dict[int, float], logged: dict[int, float]) -> str:
+    """Steps replayed outside `replay` (profiled, watched) against the logged losses: exact (bit for bit) | close
+    (within CLOSE_RELATIVE) | diverged | unchecked (no logged step among them)."""
+    compared = [(logged[step], value) for step, value in replayed.items() if step in logged]
+    if not compared:
+        return "unchecked"
+    if all(same_loss(a, b) for a, b in compared):
+        return "exact"
+    return "close" if all(relative_error(a, b) <= CLOSE_RELATIVE for a, b in compared) else "diverged"
+
+
 class ReplayHooks:
     """LoopHooks for a replay or an ablation arm: record each step's loss, grad norm and lr, optionally observe
     each step, remember the first non-finite step and stop there (or take the step again and go on).

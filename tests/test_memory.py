@@ -1,13 +1,16 @@
 """Memory recorded with the metrics, read by diagnose: the process's resident memory (on a GPU the allocator's
 counters) is sampled at each metrics flush with the recorder's own share (the batches its open snapshot keeps), and a
 loop that keeps every step's features in a list is named a leak, with its bytes per step; the same loop keeping
-numbers is not."""
+numbers is not. `replay memory` then names what holds it, from a replay: the list and the line that appends to it,
+or a running sum whose autograd graph grows; nothing for a healthy loop."""
 
 from __future__ import annotations
 
 import re
 import subprocess
 import sys
+
+import pytest
 
 from conftest import Workspace
 
@@ -48,7 +51,55 @@ def test_a_loop_keeping_every_steps_features_is_named_a_leak(tmp_path):
     # 128 KB of features a step, and the allocator's own rounding: between 100 and 400 KB a step
     assert 100_000 < leak["evidence"]["bytes_per_step"] < 400_000 and leak["evidence"]["r2"] >= 0.9
     assert leak["summary"].startswith("memory grows ") and "per step along a straight line" in leak["summary"]
+    assert leak["next"].startswith("replay memory --run-id ")  # what holds it
 
 
 def test_the_same_loop_keeping_numbers_is_not(tmp_path):
     assert "memory-leak" not in {f["pattern"] for f in _diagnosis(Workspace(tmp_path))["findings"]}
+
+
+HOLDING = """\
+import sys, torch, replaybisect
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 4))
+optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+rec = replaybisect.Recorder(model, optimizer, snapshot_every=10)
+losses = []
+total_loss = 0
+for step in range(30):
+    x, y = torch.randn(32, 64), torch.randint(0, 4, (32,))
+    loss = torch.nn.functional.cross_entropy(model(x), y)
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+    if "list" in sys.argv:
+        losses.append(loss)
+    if "sum" in sys.argv:
+        total_loss += loss
+rec.close()
+"""
+
+
+@pytest.mark.parametrize("mode, holder, kind, line", [
+    ("list", "losses", "list", "loop.py:15  losses.append(loss)"),
+    ("sum", "total_loss", "tensor", "loop.py:17  total_loss += loss"),
+    ("healthy", None, None, None),
+])
+def test_replay_memory_names_what_the_loop_keeps_and_the_line_that_adds_to_it(tmp_path, mode, holder, kind, line):
+    workspace = Workspace(tmp_path)
+    (tmp_path / "loop.py").write_text(HOLDING)
+    done = subprocess.run([sys.executable, "loop.py", mode], cwd=tmp_path, env=workspace.env(), capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    run_id = re.search(r"recording run ([0-9a-f]{32})", done.stderr).group(1)
+    result = workspace.replay("memory", "--run-id", run_id, "--json")
+    assert result.returncode == 0, result.stderr
+    report = result.json()
+    assert (report["losses"], report["snapshot_step"], report["steps"]) == ("exact", 20, 4)
+    if holder is None:
+        assert report["holders"] == []
+        return
+    [found] = report["holders"]
+    assert (found["name"], found["kind"], found["line"], found["keeps_graph"]) == (holder, kind, line, True), found
+    assert found["per_step"] >= 1 and "loss.item()" in found["fix"]
+    assert workspace.store().tags(run_id)["answer.memory"].startswith(f"`{holder}` grows")

@@ -190,8 +190,22 @@ def _profile(job: dict[str, Any], log: Callable[[str], None]) -> Any:
     return report.to_json()
 
 
+def _memory(job: dict[str, Any], log: Callable[[str], None]) -> Any:
+    from replaybisect.core.device import resolve_device
+    from replaybisect.core.trust import Trust
+    from replaybisect.store import open_store
+    from replaybisect.verbs.memory.engine import memory
+
+    arguments = job["arguments"]
+    device = resolve_device(arguments["device"], "--device") if arguments.get("device") else None
+    store = open_store(job["tracking_uri"], create=False)
+    report = memory(store, job["run_id"], arguments.get("step"), steps=arguments["steps"], device=device,
+                    trust=Trust.from_json(job["trust"]), log=log)
+    return report.to_json()
+
+
 JOBS: dict[str, Callable[[dict[str, Any], Callable[[str], None]], Any]] = {"nan": _nan, "arm": _arm, "check": _check,
-                                                                         "profile": _profile}
+                                                                         "profile": _profile, "memory": _memory}
 
 
 if __name__ == "__main__":

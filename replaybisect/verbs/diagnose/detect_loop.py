@@ -48,7 +48,7 @@ def detect_memory_leak(curves: Curves) -> list[Finding]:
                     "of outputs or features, a logging dict of tensors)",
                     {"bytes_per_step": round(per_step), "from_step": int(steps[0]), "r2": rounded(r2), "memory": key,
                      "first_bytes": float(values[0]), "last_bytes": float(values[-1]), "samples": int(len(values))},
-                    "keep numbers (.item()) or CPU copies of what the loop collects across steps, then record again",
+                    command_for("memory", curves) + "   # what holds it, and the line that adds to it",
                     step=int(steps[0]), source="the memory the recorder samples at each metrics flush, less the batches "
                     "it keeps itself; PyTorch's FAQ: don't accumulate history across your training loop")]
 

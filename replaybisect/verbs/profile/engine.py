@@ -139,7 +139,7 @@ def _profile_steps(restored, report: ProfileReport, losses: dict[int, float], st
             in_loop_thread(prof.stop)
     if cuda:
         report.peak_memory_mb = torch.cuda.max_memory_allocated(state.device) / 2**20
-    report.losses = _losses_verdict(replayed_losses, losses)
+    report.losses = restore_mod.losses_verdict(replayed_losses, losses)
     trace_folder.mkdir(parents=True, exist_ok=True)
     trace = trace_folder / TRACE
     prof.export_chrome_trace(str(trace))
@@ -181,16 +181,6 @@ class _module_marks:
         for handle in self.handles:
             handle.remove()
         return False
-
-
-def _losses_verdict(replayed: dict[int, float], logged: dict[int, float]) -> str:
-    compared = [(logged[s], v) for s, v in replayed.items() if s in logged]
-    if not compared:
-        return "unchecked"
-    if all(restore_mod.same_loss(a, b) for a, b in compared):
-        return "exact"
-    close = all(restore_mod.relative_error(a, b) <= 1e-5 for a, b in compared)
-    return "close" if close else "diverged"
 
 
 def _tables(report: ProfileReport, averages, cuda: bool) -> None:

@@ -1,0 +1,40 @@
+"""`replay memory --run-id X`: what keeps the run's memory growing, named from a replay."""
+
+from __future__ import annotations
+
+import typer
+
+from replaybisect.options import JSON_OUTPUT, print_json, request_command, stderr_console
+from replaybisect.verbs.memory.request import MemoryRequest
+
+
+def memory(request: MemoryRequest, as_json: bool) -> None:
+    """Replay a few recorded steps and name what the loop keeps across them: a list or dict of its code that gains
+    tensors each step (each holding its step's autograd graph, when it does), or a tensor whose autograd graph gains
+    nodes each step (a running sum of losses); with the line that adds to it and the fix. The process's growth per
+    step is measured too. `replay diagnose` says when memory grows; this says what holds it.
+
+    \b
+        replay memory --run-id 3f2a...
+        replay memory --run-id 3f2a... --step 400 --steps 6
+    """
+    from replaybisect.options import run_store
+    from replaybisect.verbs.nan.command import progress_log
+
+    store = run_store(request.tracking_uri, request.run_id)  # an unknown run is answered before torch is imported
+    from replaybisect.verbs.memory.engine import memory as run_memory
+    from replaybisect.verbs.memory.report import print_report, publish
+
+    report = run_memory(store, request.run_id, request.step, steps=request.steps, device=request.torch_device,
+                        trust=request.trusted, log=progress_log(stderr_console()))
+    if request.publish:
+        publish(store, report)
+    if as_json:
+        print_json(report.to_json())
+    else:
+        print_report(report)
+
+
+def register(app: typer.Typer) -> None:
+    command = request_command(MemoryRequest, memory, extras=[JSON_OUTPUT])
+    app.command("memory", short_help="What keeps the run's memory growing, named from a replay.")(command)

@@ -1,0 +1,74 @@
+"""`replay memory`'s answer: printed (what grows, by how much a step, the line that adds to it, the fix), and
+published as a child run of the examined run with memory.md and memory.json."""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+from replaybisect.core.jsonutil import strict_json
+from replaybisect.report import console, plain
+from replaybisect.verbs.memory.engine import MemoryReport
+
+MARKDOWN, JSON_FILE = "memory.md", "memory.json"
+
+
+def _bytes(value: float) -> str:
+    for unit, size in (("GB", 2**30), ("MB", 2**20), ("KB", 2**10)):
+        if abs(value) >= size:
+            return f"{value / size:.3g} {unit}"
+    return f"{value:.0f} B"
+
+
+def headline(report: MemoryReport) -> str:
+    if not report.holders:
+        return "nothing the loop names grows across steps"
+    holder = report.holders[0]
+    line = f" ({holder.line.split('  ', 1)[0]})" if holder.line else ""
+    return f"`{holder.name}` grows {holder.grows}{line}"
+
+
+def lines_of(report: MemoryReport) -> list[str]:
+    grew = f"; the process grew {_bytes(report.rss_per_step)} a step" if report.rss_per_step else ""
+    out = [f"steps {report.step}..{report.step + report.steps - 1} replayed from snapshot {report.snapshot_step} "
+           f"(losses {report.losses}){grew}"]
+    if not report.holders:
+        out.append("nothing the loop's code names (its globals, its frames' locals, its model's attributes) gains tensors "
+                   "or autograd nodes from step to step")
+    for index, holder in enumerate(report.holders, start=1):
+        graph = ", each keeping its step's autograd graph (activations)" if holder.keeps_graph and holder.kind != "tensor" else ""
+        out.append(f"{index}. `{holder.name}` ({holder.kind}, {holder.where}) gains {holder.grows}{graph}")
+        if holder.line:
+            out.append(f"   {holder.line}")
+        out.append(f"   fix: {holder.fix}")
+    return out + [f"warning: {warning}" for warning in report.warnings]
+
+
+def to_markdown(report: MemoryReport) -> str:
+    return f"# replay memory: run {report.run_id}\n\n" + "\n".join(lines_of(report)) + "\n"
+
+
+def print_report(report: MemoryReport) -> None:
+    console.print(f"[bold]replay memory[/] run {report.run_id}: {plain(headline(report))}")
+    for line in lines_of(report):
+        console.print(f"  {plain(line)}")
+    if report.report_run_id:
+        console.print(f"  report: child run {report.report_run_id} ({MARKDOWN}, {JSON_FILE})")
+
+
+def publish(store, report: MemoryReport) -> str:
+    """A child run of the examined run (kind=memory) with memory.md and memory.json; returns its id."""
+    child = store.create_run("memory", run_name=f"{headline(report)} · memory", parent_run_id=report.run_id)
+    try:
+        with tempfile.TemporaryDirectory(prefix="replaybisect-memory-") as folder:
+            folder = Path(folder)
+            report.report_run_id = child
+            (folder / MARKDOWN).write_text(to_markdown(report), encoding="utf-8")
+            (folder / JSON_FILE).write_text(strict_json(report.to_json(), indent=2), encoding="utf-8")
+            store.log_artifacts(child, folder)
+    except BaseException:
+        store.finish_run(child, "crashed", "FAILED")
+        raise
+    store.finish_run(child, "ok")
+    store.record_answer(report.run_id, "memory", headline(report), child, report=to_markdown(report))
+    return child
