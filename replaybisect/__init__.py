@@ -32,6 +32,7 @@ from replaybisect.verbs.diagnose.request import DiagnoseRequest
 from replaybisect.verbs.nan.request import NanRequest
 from replaybisect.verbs.memory.request import MemoryRequest
 from replaybisect.verbs.profile.request import ProfileRequest
+from replaybisect.verbs.verify.request import VerifyRequest
 from replaybisect.verbs.train.request import TrainRequest
 
 if TYPE_CHECKING:
@@ -41,14 +42,15 @@ if TYPE_CHECKING:
     from replaybisect.verbs.diagnose.engine import Diagnosis
     from replaybisect.verbs.memory.engine import MemoryReport
     from replaybisect.verbs.profile.engine import ProfileReport
+    from replaybisect.verbs.verify.engine import VerifyReport
     from replaybisect.verbs.nan.engine import NanReport
     from replaybisect.verbs.train.engine import TrainResult
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "train", "find_nan", "ablate", "bisect", "check", "diagnose", "profile", "memory", "Recorder", "NonFiniteStep", "replaying",
-    "TrainResult", "NanReport", "AblationResult", "BisectResult", "CheckReport", "Diagnosis", "ProfileReport", "MemoryReport",
+    "train", "find_nan", "ablate", "bisect", "check", "diagnose", "profile", "memory", "verify", "Recorder", "NonFiniteStep", "replaying",
+    "TrainResult", "NanReport", "AblationResult", "BisectResult", "CheckReport", "Diagnosis", "ProfileReport", "MemoryReport", "VerifyReport",
     "ReplayError",
 ]
 
@@ -62,6 +64,7 @@ _RESULT_TYPES = {
     "Diagnosis": "replaybisect.verbs.diagnose.engine",
     "ProfileReport": "replaybisect.verbs.profile.engine",
     "MemoryReport": "replaybisect.verbs.memory.engine",
+    "VerifyReport": "replaybisect.verbs.verify.engine",
     "Recorder": "replaybisect.record.recorder",  # record your own training loop
     "NonFiniteStep": "replaybisect.errors",
 }
@@ -239,6 +242,21 @@ def memory(request: MemoryRequest) -> "MemoryReport":
                         trust=request.trusted)
     if request.publish:
         from replaybisect.verbs.memory.report import publish as publish_report
+
+        publish_report(store, report)
+    return report
+
+
+@front_door(VerifyRequest, positional=("run_id",))
+def verify(request: VerifyRequest) -> "VerifyReport":
+    """Is the recording what this code computes here (as `replay verify`)? Recorded steps (`steps`: "A:B") replayed
+    from their snapshots and compared bit for bit: exact | transient | device | code | nondeterministic."""
+    from replaybisect.verbs.verify.engine import verify as run_verify
+
+    store = _run_store(request.tracking_uri, request.run_id)
+    report = run_verify(store, request.run_id, request.start, request.end, device=request.torch_device, trust=request.trusted)
+    if request.publish:
+        from replaybisect.verbs.verify.report import publish as publish_report
 
         publish_report(store, report)
     return report

@@ -61,7 +61,7 @@ def _root(
 
 
 # verb -> replaybisect/verbs/<verb>/command.py; each defines `register(app)`.
-VERBS = ["train", "runs", "nan", "ablate", "bisect", "check", "diagnose", "profile", "memory", "watch"]
+VERBS = ["train", "runs", "nan", "ablate", "bisect", "check", "diagnose", "profile", "memory", "verify", "watch"]
 
 
 def _register_verbs() -> None:

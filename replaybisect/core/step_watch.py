@@ -22,7 +22,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from replaybisect.core import guard, several
+from replaybisect.core import faults, guard, several
 from replaybisect.core.observer import forward_context, notify
 
 
@@ -136,6 +136,7 @@ class StepWatch:
             self._backpropagated = True
             if self.state.user_loop:
                 self.outcome.carried_grads = carried_gradients(self.state.model, self.state.params)
+        faults.at_loss(self.outcome.step, loss)  # (a test's fault injector: nothing unless it is set)
         self.close_forward()
         notify(self.observer, "after_forward", self.state, loss)
         share = (loss if part is None else part).detach()
@@ -159,6 +160,7 @@ class StepWatch:
         self.saw_gradients = True
         self.close_forward()
         params = self.state.params if optimizer is None else [p for group in optimizer.param_groups for p in group["params"]]
+        faults.at_gradients(self.outcome.step, params)
         grads = guard.gradients(params)
         norm = guard.total_norm(grads)
         still_scaled = getattr(optimizer or self.state.optimizer, "grad_scale", None)  # a fused optimizer a GradScaler

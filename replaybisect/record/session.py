@@ -11,6 +11,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
+from replaybisect.core.faults import device_label
 from replaybisect.core import config as config_mod
 from replaybisect.core import provenance
 from replaybisect.core.repo import code_version
@@ -19,6 +20,9 @@ from replaybisect.record.hooks import NullHooks, RecordingHooks
 from replaybisect.store import Store
 
 TAG = "replaybisect."
+
+
+DEVICE_LABEL = "device_label"
 
 
 class RunSession:
@@ -43,6 +47,7 @@ class RunSession:
         key = provenance.signing_key(create=True)  # a key that cannot be used is said before any run is created
         all_tags = {TAG + key: value for key, value in code_version(code_folder).items()}
         all_tags[TAG + "code_dir"] = str(code_folder)
+        all_tags[TAG + DEVICE_LABEL] = device_label()  # which machine made the numbers (replay verify's verdict)
         all_tags.update(tags or {})
         # MLflow names runs with `random`: keep it off the (seeded) training streams. A SIGTERM while the run is
         # created is raised once the session can end it KILLED
@@ -61,7 +66,8 @@ class RunSession:
         Its own params stay as they are (write_config adds only new keys)."""
         key = provenance.signing_key(create=True)
         all_tags = {TAG + key: value for key, value in code_version(code_folder).items()}
-        all_tags.update({TAG + "code_dir": str(code_folder), TAG + "kind": "train", TAG + "status": "running", **(tags or {})})
+        all_tags.update({TAG + "code_dir": str(code_folder), TAG + DEVICE_LABEL: device_label(), TAG + "kind": "train",
+                         TAG + "status": "running", **(tags or {})})
         store.set_tags(run_id, all_tags, prefix="")
         session = cls(store, run_id, all_tags, key)
         session.attached = True

@@ -26,7 +26,7 @@ MAX_DESCRIPTION = 8000  # MLflow's MAX_TAG_VAL_LENGTH
 OLD_SERVER_TAG_VALUE = 4000  # the longest tag value we write where older MLflow servers must keep it (under 5000)
 # MLflow 3 opens an experiment of this kind on its runs table (untagged ones may open on the GenAI overview)
 EXPERIMENT_KIND = {"mlflow.experimentKind": "custom_model_development"}
-ANSWERING_VERBS = ("nan", "ablate", "diagnose", "check", "memory")  # whose latest answer the examined run's description lists
+ANSWERING_VERBS = ("nan", "ablate", "diagnose", "check", "memory", "verify")  # whose latest answer the examined run's description lists
 MAX_BATCH = 1000  # MLflow's limit of metrics per log_batch call
 
 

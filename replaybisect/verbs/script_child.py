@@ -204,8 +204,24 @@ def _memory(job: dict[str, Any], log: Callable[[str], None]) -> Any:
     return report.to_json()
 
 
-JOBS: dict[str, Callable[[dict[str, Any], Callable[[str], None]], Any]] = {"nan": _nan, "arm": _arm, "check": _check,
-                                                                         "profile": _profile, "memory": _memory}
+def _verify(job: dict[str, Any], log: Callable[[str], None]) -> Any:
+    from replaybisect import restore as restore_mod
+    from replaybisect.core.device import resolve_device
+    from replaybisect.core.trust import Trust
+    from replaybisect.store import open_store
+    from replaybisect.verbs.verify.engine import replay_segment
+
+    arguments = job["arguments"]
+    device = resolve_device(arguments["device"], "--device") if arguments.get("device") else None
+    store = open_store(job["tracking_uri"], create=False)
+    cfg = restore_mod.run_config(store, job["run_id"], Trust.from_json(job["trust"]))
+    replayed = replay_segment(store, job["run_id"], cfg, device, arguments["snapshot"], arguments["end"])
+    return {key: {str(step): value for step, value in values.items()} for key, values in replayed.items()}
+
+
+JOBS: dict[str, Callable[[dict[str, Any], Callable[[str], None]], Any]] = {
+    "nan": _nan, "arm": _arm, "check": _check, "profile": _profile, "memory": _memory, "verify": _verify,
+}
 
 
 if __name__ == "__main__":

@@ -1,0 +1,63 @@
+"""`replay verify`'s answer: printed (the verdict, the sentence, the first differences), and published as a child run of
+the verified run with verify.md and verify.json, its verdict tagged on the run (replaybisect.verify)."""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+from replaybisect.core.jsonutil import strict_json
+from replaybisect.report import console, plain
+from replaybisect.verbs.verify.engine import VerifyReport
+
+MARKDOWN, JSON_FILE = "verify.md", "verify.json"
+
+
+def headline(report: VerifyReport) -> str:
+    first = report.first
+    return report.verdict if first is None else f"{report.verdict} at step {first.step}"
+
+
+def lines_of(report: VerifyReport) -> list[str]:
+    out = [f"steps {report.start}..{report.end - 1} replayed from {len(report.segments)} snapshot"
+           f"{'s' if len(report.segments) != 1 else ''} on {report.replayed_on} (recorded on {report.recorded_on or 'an unknown machine'}): "
+           f"{report.steps_compared} steps compared", report.sentence]
+    if report.differences:
+        out.append("differences (step, metric, logged, replayed, relative):")
+        out += [f"  {d.step}  {d.metric}  {d.logged!r}  {d.replayed!r}  {d.relative:.3g}" for d in report.differences[:10]]
+    if report.second_replay is not None:
+        out.append(f"a second replay here of the first differing interval: {report.second_replay}")
+    return out + [f"warning: {warning}" for warning in report.warnings]
+
+
+def to_markdown(report: VerifyReport) -> str:
+    return f"# replay verify: run {report.run_id}\n\n**{headline(report)}**\n\n" + "\n".join(lines_of(report)) + "\n"
+
+
+def print_report(report: VerifyReport) -> None:
+    style = "green" if report.verdict == "exact" else "red"
+    console.print(f"[bold]replay verify[/] run {report.run_id}: [{style}]{plain(headline(report))}[/]")
+    for line in lines_of(report):
+        console.print(f"  {plain(line)}")
+    if report.report_run_id:
+        console.print(f"  report: child run {report.report_run_id} ({MARKDOWN}, {JSON_FILE})")
+
+
+def publish(store, report: VerifyReport) -> str:
+    """A child run of the verified run (kind=verify) with verify.md and verify.json; its verdict tagged on the run."""
+    child = store.create_run("verify", run_name=f"{headline(report)} · verify", parent_run_id=report.run_id,
+                             tags={"replaybisect.verify": report.verdict})
+    try:
+        with tempfile.TemporaryDirectory(prefix="replaybisect-verify-") as folder:
+            folder = Path(folder)
+            report.report_run_id = child
+            (folder / MARKDOWN).write_text(to_markdown(report), encoding="utf-8")
+            (folder / JSON_FILE).write_text(strict_json(report.to_json(), indent=2), encoding="utf-8")
+            store.log_artifacts(child, folder)
+    except BaseException:
+        store.finish_run(child, "crashed", "FAILED")
+        raise
+    store.finish_run(child, "ok")
+    store.set_tags(report.run_id, {"verify": report.verdict})
+    store.record_answer(report.run_id, "verify", f"{headline(report)}: {report.sentence}", child, report=to_markdown(report))
+    return child

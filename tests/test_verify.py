@@ -1,0 +1,78 @@
+"""`replay verify`: recorded steps replayed from their snapshots and compared bit for bit with the logged losses and
+gradient norms, proven on each verdict with the fault injector (core/faults.py: one bit flipped at a chosen step,
+while recording, or whenever a given device label is active):
+- no fault: exact;
+- a loss bit flipped while recording: transient at that step, only that step differs, two replays here agree;
+- a gradient bit flipped while recording: transient at that step, the steps after it differ until the next snapshot;
+- a fault of one device (label gpuA, flipped whenever it runs): exact on gpuA, `device` on gpuB."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import Workspace
+
+STEPS = ("train.steps=20", "snapshot.every=5")
+
+
+def _recorded(workspace: Workspace, **env: str) -> str:
+    result = workspace.replay("train", *STEPS, "--json", env=workspace.env(**env))
+    assert result.returncode == 0, result.stderr
+    return result.json()["run_id"]
+
+
+def _verified(workspace: Workspace, run_id: str, *args: str, **env: str) -> dict:
+    result = workspace.replay("verify", "--run-id", run_id, "--json", *args, env=workspace.env(**env))
+    assert result.returncode == 0, result.stderr
+    return result.json()
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory) -> Workspace:
+    return Workspace(tmp_path_factory.mktemp("verify"))
+
+
+@pytest.fixture(scope="module")
+def clean(workspace) -> str:
+    return _recorded(workspace)
+
+
+def test_a_run_without_a_fault_is_exact_and_the_verdict_is_on_the_run(workspace, clean):
+    run_id = clean
+    report = _verified(workspace, run_id)
+    assert (report["verdict"], report["steps_compared"], report["differences"]) == ("exact", 20, [])
+    assert [segment["snapshot"] for segment in report["segments"]] == [0, 5, 10, 15]
+    assert workspace.store().tags(run_id)["verify"] == "exact"
+
+
+def test_a_loss_bit_flipped_while_recording_is_transient_at_that_step_only(workspace):
+    run_id = _recorded(workspace, REPLAYBISECT_INJECT_FAULT="step=7,what=loss,bit=20")
+    report = _verified(workspace, run_id, "--steps", "5:12")
+    assert (report["verdict"], report["second_replay"]) == ("transient", "same")
+    assert [(d["step"], d["metric"]) for d in report["differences"]] == [(7, "loss")]
+    assert "only that step differs" in report["sentence"] and [s["snapshot"] for s in report["segments"]] == [5, 10]
+
+
+def test_a_gradient_bit_flipped_while_recording_is_transient_and_the_state_goes_on_from_it(workspace):
+    run_id = _recorded(workspace, REPLAYBISECT_INJECT_FAULT="step=7,what=grad,bit=28")
+    report = _verified(workspace, run_id)
+    first = report["differences"][0]
+    assert (report["verdict"], first["step"], first["metric"]) == ("transient", 7, "grad_norm")
+    # the run went on from the corrupted update: later steps differ, until snapshot 10 (which holds that state)
+    assert {d["step"] for d in report["differences"]} == {7, 8, 9}
+
+
+def test_a_fault_of_one_device_is_exact_there_and_a_device_difference_elsewhere(workspace):
+    fault = "step=7,what=loss,bit=20,device=gpuA"
+    run_id = _recorded(workspace, REPLAYBISECT_INJECT_FAULT=fault, REPLAYBISECT_DEVICE_LABEL="gpuA")
+    there = _verified(workspace, run_id, "--steps", "5:10", REPLAYBISECT_INJECT_FAULT=fault, REPLAYBISECT_DEVICE_LABEL="gpuA")
+    elsewhere = _verified(workspace, run_id, "--steps", "5:10", REPLAYBISECT_INJECT_FAULT=fault, REPLAYBISECT_DEVICE_LABEL="gpuB")
+    assert there["verdict"] == "exact" and (there["recorded_on"], there["replayed_on"]) == ("gpuA", "gpuA")
+    assert elsewhere["verdict"] == "device" and "gpuA" in elsewhere["sentence"] and "gpuB" in elsewhere["sentence"]
+
+
+@pytest.mark.parametrize("steps, said", [("7", "is not a range of steps"), ("9:3", "is not a range of steps"),
+                                         ("500:600", "holds no step run")])
+def test_bad_steps_are_one_line_exit_2(workspace, clean, steps, said):
+    result = workspace.replay("verify", "--run-id", clean, "--steps", steps)
+    assert result.returncode == 2 and said in result.stderr and "Traceback" not in result.stderr, result.stderr
