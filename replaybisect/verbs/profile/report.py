@@ -54,8 +54,9 @@ def print_report(report: ProfileReport) -> None:
 
     console.print(f"[bold]replay profile[/] run {report.run_id}  steps {report.step}..{report.step + report.steps - 1} "
                   f"({plain(report.why)})")
-    console.print(f"  replayed from snapshot {report.snapshot_step}: {report.reproduced}; the profiled steps' losses: "
-                  f"{report.losses}; device {report.device}")
+    start = (f"from the step's own snapshot ({report.snapshot_step})" if report.snapshot_step == report.step
+             else f"replayed from snapshot {report.snapshot_step}: {report.reproduced}")
+    console.print(f"  {start}; the profiled steps' losses: {report.losses}; device {report.device}")
     times = ", ".join(f"{s:.3g} s" for s in report.step_seconds)
     recorded = ", ".join("-" if s is None else f"{s:.3g} s" for s in report.recorded_step_seconds)
     console.print(f"  step time under the profiler: {times} (recorded: {recorded})")
