@@ -44,9 +44,11 @@ def test_the_site_builds_strict(tmp_path):
     assert "find_nan" in api and "Recorder" in api
 
 
-def test_the_command_pages_show_what_the_commands_print():
-    """The output on the nan, ablate and diagnose pages is what `replay` prints now on the examples they show (run
-    again here, normalised: run ids, folders and timings); a change in what a command says fails here first."""
+def test_the_readme_quickstart_runs_as_written_and_the_command_pages_show_what_the_commands_print():
+    """The README's quickstart block runs as a user copies it (its `replay` commands in order, `<run id>` the run the
+    train before made), its comments' claims held by the outputs (nan: a divergence that began in net.2; ablate: fixed
+    by lr=x0.1 and clip=1); the output on the nan, ablate and diagnose pages is what `replay` prints now (normalised:
+    run ids, folders and timings); a change in what a command says fails here first."""
     done = subprocess.run([sys.executable, str(ROOT / "docs" / "_hooks" / "command_outputs.py"), "--check"], cwd=ROOT,
                           capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]

@@ -1,5 +1,7 @@
-"""The commands' real output on the command pages: `python docs/_hooks/command_outputs.py` runs the examples the
-pages show (in a temp folder, with the installed `replay`) and writes each output between its page's markers
+"""The commands' real output on the command pages, and the README's quickstart run as written:
+`python docs/_hooks/command_outputs.py` runs the quickstart's `replay` commands in order (checking what its comments
+say they find) and the examples the pages show (in a temp folder, with the installed `replay`), and writes each output
+between its page's markers
 `<!-- output: NAME -->` and `<!-- /output -->`; with `--check` it writes nothing and exits 1 naming each page whose
 output differs from what a run prints now (tests/test_docs.py runs it so). Run ids, folders and timings are
 normalised, so a page changes only when what the command says changes."""
@@ -39,14 +41,43 @@ def normalised(text: str, folder: Path, keep: int) -> str:
     return "\n".join(lines[:keep])
 
 
+# what the README's quickstart says each of its commands finds (after `# ->`), as words its output must hold
+QUICKSTART_CLAIMS = {"nan": ["divergence", "net.2"], "ablate": ["fixed by", "lr=x0.1", "clip=1"]}
+
+
+def quickstart_commands() -> list[list[str]]:
+    """The `replay` commands of the README's quickstart block, in order, as written (`<run id>`: the run the last
+    `replay train` recorded; `mlflow ui`, a server, is not run)."""
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    block = re.search(r"## Quickstart\n.*?```\n(.*?)```", readme, re.S).group(1)
+    return [line.split("#", 1)[0].split() for line in block.splitlines() if line.startswith("replay ")]
+
+
+def run_quickstart(folder: Path) -> dict[str, str]:
+    """The README's quickstart run as a user copies it: each command's output by verb; a claim it makes that the
+    output does not hold, or a command that fails where it should not, raises."""
+    found, last_run = {}, None
+    for words in quickstart_commands():
+        args = [last_run if word == "<run" else word for word in words if word != "id>"]
+        output = run(folder, *args[1:])
+        verb = args[1]
+        if verb == "train":
+            last_run = run_id(output)
+            continue
+        for claim in QUICKSTART_CLAIMS.get(verb, []):
+            if claim not in output:
+                raise SystemExit(f"README quickstart: `{' '.join(words)}` printed no {claim!r}:\n{output[-2000:]}")
+        found[verb] = output
+    return found
+
+
 def outputs(folder: Path) -> dict[str, str]:
     shutil.copytree(ROOT / "examples", folder / "examples")
     found = {}
     nan_run = run_id(run(folder, "train", "--config-dir", "examples/nan_forward"))
     found["nan"] = run(folder, "nan", "--run-id", nan_run, "--no-child-run")
-    lr_run = run_id(run(folder, "train", "--config-dir", "examples/ablate_lr_explosion"))
-    found["ablate"] = run(folder, "ablate", "lr,clip,precision", "--run-id", lr_run, "--horizon", "40")
-    found["diagnose"] = run(folder, "diagnose", "--run-id", lr_run)
+    quickstart = run_quickstart(folder)  # the lr explosion: its ablate and diagnose are the pages' too
+    found["ablate"], found["diagnose"] = quickstart["ablate"], quickstart["diagnose"]
     return {name: "```console\n" + normalised(text, folder, LINES[name]) + "\n```\n" for name, text in found.items()}
 
 
