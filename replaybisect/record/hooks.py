@@ -163,15 +163,6 @@ class RecordingHooks:
         self._keep_grads(step, grads)
         self._close_open_snapshot()
 
-    def _tag_not_optimized(self) -> None:
-        """Parameters the first step gave gradients that no optimizer updates (a layer added after the optimizer was
-        built): tagged once, by name (replay diagnose's not-optimized)."""
-        optimized = {id(param) for param in self.state.params}
-        missed = [name for name, param in self.state.model.named_parameters() if param.grad is not None and id(param) not in optimized]
-        if missed:
-            shown = ",".join(missed[:NOT_OPTIMIZED_SHOWN]) + (f",+{len(missed) - NOT_OPTIMIZED_SHOWN}" if len(missed) > NOT_OPTIMIZED_SHOWN else "")
-            self.store.set_tags(self.run_id, {"not_optimized": shown})
-
     def _keep_grads(self, step: int, grads) -> None:
         """The snapshot opened at `step` holds the gradients the step began with (the loop had not cleared them)."""
         if grads is not None and self._open_snapshot is not None and self._open_snapshot["step"] == step:
@@ -196,7 +187,7 @@ class RecordingHooks:
             self.metrics += [(key, value, step) for key, value in self._stats.finish().items()]
             self._stats = None
         if step == 0 and self.state.user_loop:
-            self._tag_not_optimized()
+            _tag_not_optimized(self.store, self.run_id, self.state)
         if outcome.carried_grads is not None:  # (diagnose's gradients-not-zeroed counts them)
             self.metrics.append(("grads_carried", 1.0, step))
             self._keep_grads(step, outcome.carried_grads)
@@ -221,21 +212,14 @@ class RecordingHooks:
         if self._buffers_job is not None:
             self._buffers_job.result()  # one in flight: the host buffers are about to be reused
         waited = time.perf_counter() - started
-        host = {}
-        for name, tensor in iter_live_tensors(self.state):  # a shard gathered whole one tensor at a time
-            buffer = self._host_buffers.get(name)
-            if buffer is None or buffer.shape != tensor.shape or buffer.dtype != tensor.dtype:
-                buffer = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=tensor.is_cuda)
-                self._host_buffers[name] = buffer
-            buffer.copy_(tensor.detach(), non_blocking=tensor.is_cuda)
-            host[name] = buffer
+        host = _copy_to_host(self.state, self._host_buffers)
         copied = _copies_done(self.state.device)  # on a GPU the step does not wait: the writer does, before it reads
         saved_state = state_json(self.state, step, rng_raw, {**self.data_position, "step": step}, reason)
         blocking = time.perf_counter() - started
         self.snapshot_blocking.append((step, blocking, sum(b.numel() * b.element_size() for b in host.values()), waited))
         self.metrics.append(("snapshot_blocking_time", blocking, step))
         folder = self._folder(step)
-        self._buffers_job = self._submit(self._write_state_files, folder, host, saved_state, copied)
+        self._buffers_job = self._submit(_write_state_files, folder, host, saved_state, copied)
         self._open_snapshot = {"step": step, "folder": folder, "batches": {}, "files_job": self._buffers_job}
         if not (self.keep_batches or keep_open):
             self._close_open_snapshot()
@@ -266,16 +250,6 @@ class RecordingHooks:
             folder.mkdir(parents=True)
         self._created_folders.append(folder)
         return folder
-
-    @staticmethod
-    def _write_state_files(folder: Path, host: dict[str, torch.Tensor], saved_state: dict, copied=None) -> dict[str, dict]:
-        if copied is not None:
-            copied.synchronize()  # the device's copies into the host buffers have landed
-        with _disk_full_named(f"snapshot {folder.name}", folder.parent):
-            return {
-                fmt.TENSORS: fmt.write_tensors_atomic(folder / fmt.TENSORS, host),
-                fmt.STATE: fmt.write_atomic(folder / fmt.STATE, fmt.encode_json(saved_state)),
-            }
 
     def _finish_snapshot(self, opened: dict[str, Any]) -> None:
         files = dict(opened["files_job"].result())
@@ -364,16 +338,9 @@ class RecordingHooks:
                 job.result()
         finally:
             self._worker.shutdown(wait=True)
-            self._remove_incomplete_snapshots()
+            _remove_incomplete_snapshots(self._created_folders)
             if self._staging is not None:
                 shutil.rmtree(self._staging, ignore_errors=True)
-
-    def _remove_incomplete_snapshots(self) -> None:
-        """A snapshot whose write failed or was cut short is discarded: it could never be loaded."""
-        for folder in self._created_folders:
-            if folder.is_dir() and not (folder / fmt.MANIFEST).is_file():
-                shutil.rmtree(folder, ignore_errors=True)
-
 
 def _copies_done(device: torch.device):
     """A CUDA event after the step's copies into pinned host buffers (queued on the device's stream, so they read
@@ -383,6 +350,46 @@ def _copies_done(device: torch.device):
     event = torch.cuda.Event()
     event.record(torch.cuda.current_stream(device))
     return event
+
+
+def _tag_not_optimized(store, run_id: str, state) -> None:
+    """Parameters the first step gave gradients that no optimizer updates (a layer added after the optimizer was
+    built): tagged once, by name (replay diagnose's not-optimized)."""
+    optimized = {id(param) for param in state.params}
+    missed = [name for name, param in state.model.named_parameters() if param.grad is not None and id(param) not in optimized]
+    if missed:
+        shown = ",".join(missed[:NOT_OPTIMIZED_SHOWN]) + (f",+{len(missed) - NOT_OPTIMIZED_SHOWN}" if len(missed) > NOT_OPTIMIZED_SHOWN else "")
+        store.set_tags(run_id, {"not_optimized": shown})
+
+
+def _copy_to_host(state, buffers: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Every tensor of the state copied into its host buffer (kept from snapshot to snapshot: pinned on a GPU)."""
+    host = {}
+    for name, tensor in iter_live_tensors(state):  # a shard gathered whole one tensor at a time
+        buffer = buffers.get(name)
+        if buffer is None or buffer.shape != tensor.shape or buffer.dtype != tensor.dtype:
+            buffer = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=tensor.is_cuda)
+            buffers[name] = buffer
+        buffer.copy_(tensor.detach(), non_blocking=tensor.is_cuda)
+        host[name] = buffer
+    return host
+
+
+def _write_state_files(folder: Path, host: dict[str, torch.Tensor], saved_state: dict, copied=None) -> dict[str, dict]:
+    if copied is not None:
+        copied.synchronize()  # the device's copies into the host buffers have landed
+    with _disk_full_named(f"snapshot {folder.name}", folder.parent):
+        return {
+            fmt.TENSORS: fmt.write_tensors_atomic(folder / fmt.TENSORS, host),
+            fmt.STATE: fmt.write_atomic(folder / fmt.STATE, fmt.encode_json(saved_state)),
+        }
+
+
+def _remove_incomplete_snapshots(folders: list[Path]) -> None:
+    """A snapshot whose write failed or was cut short is discarded: it could never be loaded."""
+    for folder in folders:
+        if folder.is_dir() and not (folder / fmt.MANIFEST).is_file():
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 @contextmanager
