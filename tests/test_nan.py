@@ -208,6 +208,8 @@ def test_transient_when_the_failing_step_is_finite_on_replay(cli):
     assert report["state_match"].startswith("bit-identical")
     assert "hardware" in " ".join(report["evidence"])
     assert report["arms"] == [] and "resume" in report["suggestion"]
+    # recorded and replayed here: the machine does not reproduce its own recording, and verify is the next check
+    assert any("recorded and replayed on the same machine" in line and "replay verify" in line for line in report["evidence"])
 
 
 def test_no_periodic_snapshots_uses_the_emergency_snapshot(cli):

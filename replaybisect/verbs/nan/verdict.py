@@ -67,8 +67,9 @@ def _is_transient(report: NanReport, results: StepResults, restored, run_id: str
         return False
     report.category, report.phase = "transient", "none"
     recorded_what = "value"
+    tags = restored.store.tags(run_id)
     if report.recorded_failing_step == t:
-        recorded_what = (restored.store.tags(run_id).get("nonfinite_what") or "value").replace("_", " ")
+        recorded_what = (tags.get("nonfinite_what") or "value").replace("_", " ")
     report.evidence.append(
         f"step {t} was non-finite in the recorded run but is finite on replay from the same state and batch "
         f"(loss {plain.loss:.6g}, grad norm {fmt(plain.grad_norm)})"
@@ -79,7 +80,22 @@ def _is_transient(report: NanReport, results: StepResults, restored, run_id: str
         f"recorded state (an environment variable, a file, a module attribute outside state_dict); the recorded non-finite "
         f"{recorded_what} happened only in the original process"
     )
+    report.evidence.append(_machines(tags.get("device_label"), run_id))
     return True
+
+
+def _machines(recorded_on, run_id: str) -> str:
+    """Which machine recorded the run and which replayed it: replay verify's device labels, told apart."""
+    from replaybisect.core.faults import device_label
+
+    here = device_label()
+    if recorded_on is None:
+        return f"replayed on {here}; the run did not record its machine (recorded before device labels)"
+    if recorded_on == here:
+        return (f"recorded and replayed on the same machine ({here}): it does not reproduce its own recording, a fault while "
+                f"recording; `replay verify --run-id {run_id}` compares its other steps bit for bit")
+    return (f"recorded on {recorded_on}, replayed on {here}: run `replay nan` (or `replay verify --run-id {run_id}`) on "
+            f"{recorded_on}; non-finite there again is that machine's own (its hardware), finite there too is transient")
 
 
 def _is_data(report: NanReport, results: StepResults, model) -> bool:
