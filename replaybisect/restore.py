@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
+from replaybisect.core.tags import failing_step  # noqa: F401  (restore.failing_step, as before)
 from replaybisect.core import config as config_mod
 from replaybisect.core import provenance
 from replaybisect.errors import ConfigError, ReplayError, SnapshotError
@@ -52,26 +53,6 @@ def run_config(store: Store, run_id: str, trust: Optional[Trust] = None):
         admitted_script(cfg, trust, run_id, artifact_root, tags)
     admit(cfg, trust, code_dir, source=f"run {run_id}", artifact_root=artifact_root)
     return cfg
-
-
-def failing_step(store: Store, run_id: str) -> Optional[int]:
-    """The first non-finite step: the run's tag, else the step that raised (tag failing_step, failure=exception),
-    else the first non-finite loss or grad_norm logged."""
-    from replaybisect.core.tags import step_tag
-
-    tags = store.tags(run_id)
-    tag = step_tag(tags, "first_nonfinite_step", run_id)  # a tag that is not a step: one line
-    if tag is None:
-        tag = step_tag(tags, "failing_step", run_id)
-    if tag is not None:
-        return tag
-    steps = [
-        step
-        for key in ("loss", "grad_norm")
-        for step, value in store.metric_history(run_id, key)
-        if not math.isfinite(value)
-    ]
-    return min(steps) if steps else None
 
 
 def logged_losses(store: Store, run_id: str, rank: int = 0) -> dict[int, float]:

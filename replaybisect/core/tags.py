@@ -3,6 +3,7 @@ Light: no torch, no MLflow."""
 
 from __future__ import annotations
 
+import math
 from typing import Mapping, Optional
 
 from replaybisect.errors import ReplayError
@@ -32,3 +33,22 @@ def step_tag_or_none(tags: Mapping[str, str], key: str) -> Optional[int]:
         return step_tag(tags, key, "")
     except ReplayError:
         return None
+
+
+def failing_step(store, run_id: str) -> Optional[int]:
+    """The first non-finite step of the run in `store` (a replaybisect.store.Store): the run's tag, else the step that
+    raised (tag failing_step, failure=exception), else the first non-finite loss or grad_norm logged. Light: a
+    command refuses a run that never failed with it before torch is imported."""
+    tags = store.tags(run_id)
+    tag = step_tag(tags, "first_nonfinite_step", run_id)  # a tag that is not a step: one line
+    if tag is None:
+        tag = step_tag(tags, "failing_step", run_id)
+    if tag is not None:
+        return tag
+    steps = [
+        step
+        for key in ("loss", "grad_norm")
+        for step, value in store.metric_history(run_id, key)
+        if not math.isfinite(value)
+    ]
+    return min(steps) if steps else None

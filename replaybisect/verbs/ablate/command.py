@@ -34,9 +34,9 @@ def ablate(request: AblateRequest, as_json: bool, list_arms: bool = False) -> No
     from replaybisect.options import run_store
 
     store = run_store(request.tracking_uri, request.run_id)  # an unknown run is answered before torch is imported
-    from replaybisect.core.tags import step_tag
+    from replaybisect.verbs.ablate.request import checked_failing_step
 
-    step_tag(store.tags(request.run_id), "first_nonfinite_step", request.run_id)  # a damaged tag too (torch is not imported yet)
+    checked_failing_step(store, request.run_id, request.from_step)  # a run that never failed, a damaged tag: before torch
     from replaybisect.verbs.ablate.engine import ablate_request
     from replaybisect.verbs.ablate.report import ArmProgress, print_result, publish
 

@@ -14,6 +14,7 @@ from replaybisect.errors import ReplayError, SnapshotError
 from replaybisect.verbs.ablate import interventions
 from replaybisect.verbs.ablate.interventions import BASELINE, ArmContext, ArmSpec, Change
 from replaybisect.core.trust import Trust
+from replaybisect.verbs.ablate.request import checked_failing_step
 from replaybisect.verbs.ablate.patch import PATCH_ARM, Patch
 from replaybisect.verbs.ablate.arm import on_optimizer, rows_fit, patch_change
 from replaybisect.verbs.ablate.outcome import BLOWUP_FACTOR, REFERENCE_WINDOW, divergence_onset
@@ -87,21 +88,6 @@ class ArmPlan:
     carried_gradients: bool = False  # the run's loop carried gradients into a step (zero-grad applies)
 
 
-def _checked_failing_step(store, run_id: str, from_step: Optional[int]) -> Optional[int]:
-    """The run's first non-finite step; a run that never failed needs --from-step, which must not be after it."""
-    from replaybisect import restore as restore_mod
-
-    failing_step = restore_mod.failing_step(store, run_id)
-    if failing_step is None and from_step is None:
-        raise ReplayError(
-            f"run {run_id} never failed (no non-finite loss or gradient norm recorded); "
-            "pass --from-step S to ablate it from step S anyway"
-        )
-    if failing_step is not None and from_step is not None and from_step > failing_step:
-        raise ReplayError(f"--from-step {from_step} is after the failing step {failing_step}; pass a step <= {failing_step}")
-    return failing_step
-
-
 def _reference_loss(logged: dict[int, float], start: int, anchor: int, onset: Optional[int]) -> tuple[Optional[float], Optional[float]]:
     """(the pre-failure reference loss, the blow-up threshold): the median of the recorded losses before the climb
     (when the loss climbed), else of the REFERENCE_WINDOW steps before the arms' start plus those from the start
@@ -141,7 +127,7 @@ def plan_arms(store, run_id: str, specs: list[ArmSpec], from_step: Optional[int]
     if patch_path is not None and cfg.train.get("script") is not None:  # before the patch is read, let alone imported
         raise ReplayError(f"run {run_id} was recorded from a script, which each arm runs again on this machine with the "
                           "script's own code: leave out --patch (edit the script and record again)")
-    failing_step = _checked_failing_step(store, run_id, from_step)
+    failing_step = checked_failing_step(store, run_id, from_step)
     warnings: list[str] = []
     logged = restore_mod.logged_losses(store, run_id)
     onset = divergence_onset(logged, failing_step) if failing_step is not None else None

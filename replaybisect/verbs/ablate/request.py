@@ -130,3 +130,17 @@ def check_options(arms, *, horizon: int, workers: Optional[int], executor: str, 
     return names
 
 
+def checked_failing_step(store, run_id: str, from_step: Optional[int]) -> Optional[int]:
+    """The run's first non-finite step; a run that never failed needs --from-step, which must not be after it. Light:
+    the command asks it before torch is imported."""
+    from replaybisect.core.tags import failing_step as first_failing
+
+    failing_step = first_failing(store, run_id)
+    if failing_step is None and from_step is None:
+        raise ReplayError(
+            f"run {run_id} never failed (no non-finite loss or gradient norm recorded); "
+            "pass --from-step S to ablate it from step S anyway"
+        )
+    if failing_step is not None and from_step is not None and from_step > failing_step:
+        raise ReplayError(f"--from-step {from_step} is after the failing step {failing_step}; pass a step <= {failing_step}")
+    return failing_step

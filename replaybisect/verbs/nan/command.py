@@ -33,9 +33,11 @@ def nan(request: NanRequest, as_json: bool) -> None:
     from replaybisect.options import run_store
 
     store = run_store(request.tracking_uri, request.run_id)  # an unknown run is answered before torch is imported
-    from replaybisect.core.tags import step_tag
+    from replaybisect.core.tags import failing_step
+    from replaybisect.verbs.nan.request import target_step
 
-    step_tag(store.tags(request.run_id), "first_nonfinite_step", request.run_id)  # a damaged tag too (torch is not imported yet)
+    if request.step is None:  # a run that never failed, a damaged tag: one line before torch is imported
+        target_step(request.run_id, None, failing_step(store, request.run_id), store.tags(request.run_id), {}, {})
     from replaybisect.verbs.nan.ranked import answer
     from replaybisect.verbs.nan.report import print_rich, publish
 

@@ -28,6 +28,7 @@ from replaybisect.verbs.nan.divergence import LayerHistory, buffer_scaling, reco
 from replaybisect.verbs.nan.copies import StepResults, bits, fingerprint, on_copy, plain_run
 from replaybisect.verbs.nan.crash import classify_crash, name_rows, probe_crash
 from replaybisect.core.trend import history_fit
+from replaybisect.verbs.nan.request import target_step
 from replaybisect.verbs.nan.result import NanReport, headline
 from replaybisect.verbs.nan.suggest import never_cleared, suggest_arms, suggest_for_crash
 from replaybisect.verbs.nan.verdict import classify_step, judge_divergence
@@ -56,7 +57,7 @@ def find_nan(
     recorded = restore_mod.failing_step(store, run_id)
     losses = restore_mod.logged_losses(store, run_id)
     grad_norms = dict(store.metric_history(run_id, "grad_norm"))
-    target = _target_step(run_id, step, recorded, tags, losses, grad_norms)  # (rank 0's: the same on every rank)
+    target = target_step(run_id, step, recorded, tags, losses, grad_norms)  # (rank 0's: the same on every rank)
     cfg = restore_mod.run_config(store, run_id, trust)
     here = ranks.replaying_rank()  # replay nan --nproc: each rank compares its own logged losses
     own_losses = restore_mod.logged_losses(store, run_id, here[0]) if here is not None else losses
@@ -166,31 +167,6 @@ def find_nan(
     timings["total_s"] = time.perf_counter() - started
     report.timings = {k: round(v, 3) for k, v in timings.items()}
     return report
-
-
-def _target_step(run_id: str, step: int | None, recorded: int | None, tags: dict, losses: dict, grad_norms: dict) -> int:
-    if step is None:
-        if recorded is None:
-            if tags.get("status") == "nonfinite":
-                raise SnapshotError(
-                    f"run {run_id} stopped on a non-finite value but recorded no metrics or snapshots (recorder off); "
-                    "retrain with snapshot.enabled=true and snapshot.every > 0 to make it replayable"
-                )
-            raise ReplayError(
-                f"run {run_id} never went non-finite (every logged loss and grad_norm is finite); "
-                f"to read its curves run `replay diagnose --run-id {run_id}`"
-            )
-        return recorded
-    if step < 0:
-        raise ReplayError(f"--step {step} is negative; pass a step of run {run_id} (its first non-finite step is {recorded})")
-    logged = [v for v in (losses.get(step), grad_norms.get(step)) if v is not None]
-    last = max(list(losses) + list(grad_norms) + ([recorded] if recorded is not None else []), default=-1)
-    if step > last:
-        raise ReplayError(f"--step {step} is past the run's last step ({last}); pass a step the run reached")
-    if step != recorded and logged and all(math.isfinite(v) for v in logged):
-        where = f"its first non-finite step is {recorded}" if recorded is not None else "the run never went non-finite"
-        raise ReplayError(f"step {step} of run {run_id} was finite (loss {losses.get(step)}); nothing to diagnose there; {where}")
-    return step
 
 
 def _choose_snapshots(store: Store, run_id: str, target: int):

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
 from replaybisect import request as checks
 from replaybisect.core.config import MAX_PROCESSES
+from replaybisect.errors import ReplayError, SnapshotError
 from replaybisect.request import REQUIRED, Bound, option
 
 STEP = Bound("nan", ("--step",), low=0)
@@ -47,3 +49,30 @@ class NanRequest:
 
             torch_device = resolve_device(self.device, "--device")
         checks.setattrs(self, torch_device=torch_device, trusted=checks.trust_of(self.code_dirs, self.trust, self.run_id, self.allow_unsigned))
+
+
+def target_step(run_id: str, step: int | None, recorded: int | None, tags: dict, losses: dict, grad_norms: dict) -> int:
+    """The step `replay nan` examines: `step`, else the run's first non-finite step (`recorded`); a run that never
+    failed, or a step that was finite, is one line. Light: the command asks it before torch is imported."""
+    if step is None:
+        if recorded is None:
+            if tags.get("status") == "nonfinite":
+                raise SnapshotError(
+                    f"run {run_id} stopped on a non-finite value but recorded no metrics or snapshots (recorder off); "
+                    "retrain with snapshot.enabled=true and snapshot.every > 0 to make it replayable"
+                )
+            raise ReplayError(
+                f"run {run_id} never went non-finite (every logged loss and grad_norm is finite); "
+                f"to read its curves run `replay diagnose --run-id {run_id}`"
+            )
+        return recorded
+    if step < 0:
+        raise ReplayError(f"--step {step} is negative; pass a step of run {run_id} (its first non-finite step is {recorded})")
+    logged = [v for v in (losses.get(step), grad_norms.get(step)) if v is not None]
+    last = max(list(losses) + list(grad_norms) + ([recorded] if recorded is not None else []), default=-1)
+    if step > last:
+        raise ReplayError(f"--step {step} is past the run's last step ({last}); pass a step the run reached")
+    if step != recorded and logged and all(math.isfinite(v) for v in logged):
+        where = f"its first non-finite step is {recorded}" if recorded is not None else "the run never went non-finite"
+        raise ReplayError(f"step {step} of run {run_id} was finite (loss {losses.get(step)}); nothing to diagnose there; {where}")
+    return step
