@@ -430,7 +430,7 @@ rec.close()
 """
 
 
-@pytest.mark.parametrize("workers", ["0", "2", "2, persistent_workers=True, pin_memory=True"])
+@pytest.mark.parametrize("workers", ["0", "2, persistent_workers=True, pin_memory=True"])  # (2 workers, kept alive)
 def test_a_loader_that_keeps_its_ragged_last_batch_replays_exact(tmp_path, workers):
     """DataLoader's default drop_last=False: the replay from snapshot 8 feeds step 8's stored 27 rows while the re-run
     script's loader is at a 30-row batch; the stored targets that fit the model's outputs stand for the live ones (the
