@@ -60,6 +60,9 @@ def test_clear_regression_is_found_with_the_broken_commit_skipped(clear):
     # the endpoints were measured over 3 seeds; a commit that reproduces one of them needs one seed
     assert by_sha[shas[0]]["seeds"] == [0, 1, 2] and by_sha[shas[-1]]["seeds"] == [0, 1, 2]
     assert all(len(trial["seeds"]) == 1 for trial in report["trials"][1:-1])
+    # what the commit changed in the numbers: the first step's forward is the same, its update (a 10x smaller lr) not
+    numerics = report["numerics"]
+    assert numerics["same_op"] and numerics["index"] > 0 and numerics["bad"]["at"].startswith("torch/optim/"), numerics
 
 
 def test_clear_bisect_leaves_the_repository_untouched_and_records_runs(clear):

@@ -25,7 +25,7 @@ from typing import Any, Callable, Iterator, Optional, Protocol
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler, default_collate
 
-from replaybisect.core import user_step
+from replaybisect.core import op_trace, user_step
 from replaybisect.core.snapshot import like
 from replaybisect.core.state import copy_into, copy_state, load_state  # noqa: F401 (loop.copy_state, loop.load_state)
 from replaybisect.core.device import resolve_device
@@ -647,8 +647,9 @@ def take_step(state: TrainState, step: int, batch, hooks: LoopHooks, buffers: Bu
     carry_at_start = user_step.copied(state.carry, "carry") if state.user_loop else None
     step_started = time.perf_counter()
     try:
-        outcome = run_step(state, step, device_batch, observer=hooks.observer(step), defer_reads=getattr(hooks, "defers_reads", False),
-                           device_guard=getattr(hooks, "device_guard", None))
+        with op_trace.traced(step):  # (a bisect's numerics trial only)
+            outcome = run_step(state, step, device_batch, observer=hooks.observer(step),
+                               defer_reads=getattr(hooks, "defers_reads", False), device_guard=getattr(hooks, "device_guard", None))
     except Exception as error:  # a crash in the step is its failing step, kept as a non-finite one is, and goes on up
         _crashed(state, step, error, stored, hooks, buffers, carry_at_start)
         raise

@@ -48,14 +48,14 @@ import threading
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence
 
 from replaybisect.errors import GitError, ReplayError
 from replaybisect.verbs.bisect.gitops import PrivateClone, UserRepo, clean_git_env
 from replaybisect.verbs.bisect.trial_process import JobLauncher, Launcher, signal_group
 from replaybisect.verbs.bisect.results import Baseline, BisectAborted, BisectResult, SeedRun, Trial
 from replaybisect.verbs.bisect.runners import (CommandRunner, LAYER_METRICS, TRAIN_METRICS, TRIAL_THREADS,
-    TrainRunner, content_hash, store_outside_repo, output_tail, absolute_tracking_uri, is_train_metric, tail_mean)
+    TrainRunner, _last_line, content_hash, store_outside_repo, output_tail, absolute_tracking_uri, is_train_metric, tail_mean)
 from replaybisect.verbs.bisect.search import Search, endpoint_baseline, judge
 
 __all__ = ["BisectResult", "Trial", "SeedRun", "bisect", "Search", "Baseline", "judge", "endpoint_baseline", "BisectAborted"]
@@ -158,16 +158,7 @@ class _Bisector:
     def _execute(self, sha: str, seed: int, worktree: Path) -> SeedRun:
         if self.cancelled.is_set():
             raise _Cancelled()
-        if self.checked_out.get(worktree) != sha:
-            self.clone.checkout(worktree, sha)
-            self.checked_out[worktree] = sha
-        env = clean_git_env()  # a bisect started from a git hook must not point the trial's git at the user's repo
-        env["PYTHONPATH"] = os.pathsep.join([str(worktree)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
-        # One intra-op thread per trial unless the user says otherwise: the workers are the parallelism, and
-        # every trial (and every cached one) runs with the same thread count, so results stay comparable.
-        env.setdefault("OMP_NUM_THREADS", TRIAL_THREADS)
-        env.update({"PYTHONDONTWRITEBYTECODE": "1", "REPLAYBISECT_SHA": sha, "REPLAYBISECT_SEED": str(seed),
-                    "REPLAYBISECT_WORKTREE": str(worktree), "MLFLOW_TRACKING_URI": self.store.uri})
+        env = self.trial_env(worktree, sha, seed)
         started = time.monotonic()
         for _ in range(1 + CRASH_RETRIES):
             # A session of its own: Ctrl-C reaches the bisect only, which stops its trials itself (cancel()).
@@ -191,6 +182,46 @@ class _Bisector:
         run.seconds = time.monotonic() - started
         self._record(sha, run, cacheable, stdout, stderr, returncode)
         return run
+
+    def trial_env(self, worktree: Path, sha: str, seed: int) -> dict[str, str]:
+        """`sha` checked out in `worktree`, and the environment a trial of it runs with."""
+        if self.checked_out.get(worktree) != sha:
+            self.clone.checkout(worktree, sha)
+            self.checked_out[worktree] = sha
+        env = clean_git_env()  # a bisect started from a git hook must not point the trial's git at the user's repo
+        env["PYTHONPATH"] = os.pathsep.join([str(worktree)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+        # One intra-op thread per trial unless the user says otherwise: the workers are the parallelism, and
+        # every trial (and every cached one) runs with the same thread count, so results stay comparable.
+        env.setdefault("OMP_NUM_THREADS", TRIAL_THREADS)
+        env.update({"PYTHONDONTWRITEBYTECODE": "1", "REPLAYBISECT_SHA": sha, "REPLAYBISECT_SEED": str(seed),
+                    "REPLAYBISECT_WORKTREE": str(worktree), "MLFLOW_TRACKING_URI": self.store.uri})
+        return env
+
+    def numerics(self, good_sha: str, bad_sha: str) -> Optional[dict]:
+        """The first op of the first training step whose outputs differ between the last good commit and the first
+        bad one (each trained one step with seed 0, its ops traced: core/op_trace.py), or None when every op's
+        outputs are the same; a trace that could not be made is said in `error`."""
+        import json
+        import tempfile
+
+        from replaybisect.core import op_trace
+
+        traces = {}
+        with tempfile.TemporaryDirectory(prefix="replaybisect-numerics-") as folder:
+            for sha in (good_sha, bad_sha):
+                def job(worktree: Path, sha=sha):
+                    env = {**self.trial_env(worktree, sha, 0), op_trace.ENV: str(Path(folder) / f"{sha}.json")}
+                    command = [arg for arg in self.runner.command(worktree, 0, self.parent_run_id, sha)
+                               if not arg.startswith(("train.steps=", "snapshot."))]
+                    process = self.launcher.start([*command, "train.steps=1", "snapshot.enabled=false"], worktree, env)
+                    return process.communicate()
+                returncode, _, stderr = self._with_worktree(job)
+                trace = Path(folder) / f"{sha}.json"
+                if not trace.is_file():
+                    return {"error": f"{sha[:10]}'s first step could not be traced (exit {returncode}: {_last_line(stderr)})"}
+                traces[sha] = json.loads(trace.read_text(encoding="utf-8"))
+        found = op_trace.first_difference(traces[good_sha], traces[bad_sha])
+        return None if found is None else {**found, "ops": [len(traces[good_sha]), len(traces[bad_sha])]}
 
     def _record(self, sha: str, run: SeedRun, cacheable: bool, stdout: str, stderr: str, returncode: int) -> None:
         """Tag the trial's MLflow run (creating one when the trial made none) with its cache key and outcome."""
@@ -463,6 +494,11 @@ def bisect(
             candidates = [history[position] for position in search.candidates()]
             first_bad = candidates[0] if len(candidates) == 1 else None
             commit = clone.commit_info(first_bad) if first_bad else None
+            numerics = None
+            if first_bad is not None and runner.mode == "train":
+                last_good = history[history.index(first_bad) - 1]
+                emit("phase", text=f"tracing the first step's ops at {last_good[:10]} and {first_bad[:10]}: what the commit changed in the numbers")
+                numerics = bisector.numerics(last_good, first_bad)
         except KeyboardInterrupt:
             store.finish_run(parent_run_id, "interrupted", "KILLED")
             raise
@@ -478,6 +514,6 @@ def bisect(
         good=good_sha, bad=bad_sha, first_bad=first_bad, candidates=candidates, commit=commit, trials=trials,
         history_length=len(history), n_rounds=search.rounds, workers=workers, mode=runner.mode,
         metric_name=runner.metric, baseline=baseline, n_runs=bisector.n_runs, n_cached=bisector.n_cached,
-        seconds=time.monotonic() - started, run_id=parent_run_id, repo=str(user.path), tracking_uri=store.uri)
+        seconds=time.monotonic() - started, run_id=parent_run_id, repo=str(user.path), tracking_uri=store.uri, numerics=numerics)
     store.finish_run(parent_run_id, "ok")
     return result

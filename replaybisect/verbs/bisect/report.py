@@ -59,11 +59,29 @@ def render(result: "BisectResult", console) -> None:
         lines += [f"author: {plain(result.commit.author)}", f"date:   {plain(result.commit.date)}"]
         if result.commit.diffstat:
             lines += ["", plain(result.commit.diffstat)]
+    if numerics_line(result):
+        lines += ["", plain(numerics_line(result))]
     lines += ["", f"test: {plain(result.baseline.describe())}",
               f"{result.n_runs} runs trained, {result.n_cached} reused from earlier bisects, {result.seconds:.1f}s"]
     if result.run_id:
         lines.append(f"MLflow run {plain(result.run_id)} (bisect.md, bisect.png)")
     console.print(Panel("\n".join(lines), title="replay bisect", expand=False), soft_wrap=False)  # wrapped inside its box, not cut
+
+
+def numerics_line(result: "BisectResult") -> str:
+    """What the commit changed in the numbers: the first op of the first step whose outputs differ (or why not said)."""
+    found = result.numerics
+    if found is None:
+        return ("the commit's first training step computes the same numbers, op for op, as its parent's: the change "
+                "shows later (or in what the step does not compute)") if result.first_bad and result.mode == "train" else ""
+    if "error" in found:
+        return f"numerics not compared: {found['error']}"
+    good, bad = found.get("good") or {}, found.get("bad") or {}
+    where = bad.get("at") or good.get("at") or "the framework's own code"
+    if found["same_op"]:
+        return (f"first op whose outputs changed: {bad['op']} (op {found['index'] + 1} of {found['ops'][1]} in step 0) at {where}")
+    return (f"first op that changed: {good.get('op', 'nothing')} -> {bad.get('op', 'nothing')} (op {found['index'] + 1} of "
+            f"step 0) at {where}")
 
 
 def to_markdown(result: "BisectResult") -> str:
@@ -72,6 +90,8 @@ def to_markdown(result: "BisectResult") -> str:
         out += [f"- author: {result.commit.author}", f"- date: {result.commit.date}", ""]
         if result.commit.diffstat:
             out += ["```", result.commit.diffstat, "```", ""]
+    if numerics_line(result):
+        out += [numerics_line(result), ""]
     out += [f"- repository: `{result.repo}`",
             f"- history: {result.history_length} commits on BAD's first-parent chain; {result.n_trials} tried in "
             f"{result.n_rounds} rounds with {result.workers} worker{'s' * (result.workers > 1)}",

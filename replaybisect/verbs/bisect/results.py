@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Optional
+
 from dataclasses import dataclass, field
 
 from replaybisect.errors import ReplayError
@@ -111,6 +113,10 @@ class BisectResult:
     run_id: str | None = None  # the kind=bisect MLflow run
     repo: str = ""
     tracking_uri: str = ""  # the store holding run_id and the trials (where report.publish writes)
+    # the first op of the first step whose outputs the commit changed (core/op_trace.first_difference), with both
+    # sides: {index, good: {op, out, at}, bad: {...}, same_op, ops}; {"error": ...} when no trace could be made;
+    # None when the ops' outputs are the same (or the bisect ran --cmd)
+    numerics: Optional[dict] = None
 
     @property
     def n_trials(self) -> int:
@@ -168,6 +174,7 @@ class BisectResult:
             },
             "n_runs": self.n_runs,
             "n_cached": self.n_cached,
+            "numerics": self.numerics,
             "seconds": round(self.seconds, 3),
             "run_id": self.run_id,
             "repo": self.repo,
