@@ -211,9 +211,9 @@ class _Bisector:
             for sha in (good_sha, bad_sha):
                 def job(worktree: Path, sha=sha):
                     env = {**self.trial_env(worktree, sha, 0), op_trace.ENV: str(Path(folder) / f"{sha}.json")}
-                    command = [arg for arg in self.runner.command(worktree, 0, self.parent_run_id, sha)
-                               if not arg.startswith(("train.steps=", "snapshot."))]
-                    process = self.launcher.start([*command, "train.steps=1", "snapshot.enabled=false"], worktree, env)
+                    store_uri = f"sqlite:///{Path(folder) / 'numerics.db'}"  # not the bisect's: no trial is recorded
+                    env["MLFLOW_TRACKING_URI"] = store_uri
+                    process = self.launcher.start(self.runner.one_step_command(worktree, store_uri), worktree, env)
                     return process.communicate()
                 returncode, _, stderr = self._with_worktree(job)
                 trace = Path(folder) / f"{sha}.json"

@@ -86,6 +86,13 @@ class TrainRunner:
             command.append(f"train.steps={self.steps}")
         return command + self.overrides
 
+    def one_step_command(self, worktree: Path, tracking_uri: str) -> list[str]:
+        """The commit's first step alone, seed 0, recorded in a store of its own (not a trial: nothing cached, no run
+        under the bisect): what `Bisector.numerics` traces."""
+        return [sys.executable, "-m", "replaybisect", "train", "--config-dir", str(worktree / self.config_dir),
+                "--config-name", self.config_name, "--json", "--tracking-uri", tracking_uri, "seed=0",
+                *self.overrides, "train.steps=1", "snapshot.enabled=false"]
+
     def interpret(self, store, returncode: int, stdout: str, stderr: str, seed: int) -> tuple[SeedRun, bool]:
         """(the run, whether the result may be cached)."""
         report = _parse_json(stdout)
