@@ -430,8 +430,7 @@ rec.close()
 """
 
 
-@pytest.mark.parametrize("workers", ["0", "2, persistent_workers=True, pin_memory=True"])  # (2 workers, kept alive)
-def test_a_loader_that_keeps_its_ragged_last_batch_replays_exact(tmp_path, workers):
+def test_a_loader_that_keeps_its_ragged_last_batch_replays_exact(tmp_path):
     """DataLoader's default drop_last=False: the replay from snapshot 8 feeds step 8's stored 27 rows while the re-run
     script's loader is at a 30-row batch; the stored targets that fit the model's outputs stand for the live ones (the
     replay ended with 'Expected input batch_size (27) to match target batch_size (30)' before). With loader workers,
@@ -439,7 +438,7 @@ def test_a_loader_that_keeps_its_ragged_last_batch_replays_exact(tmp_path, worke
     replay ended before its first step: 'DataLoader worker exited unexpectedly'); persistent workers and pinned
     memory too."""
     workspace = Workspace(tmp_path)
-    (tmp_path / "train.py").write_text(RAGGED.replace("WORKERS", workers))
+    (tmp_path / "train.py").write_text(RAGGED.replace("WORKERS", "2, persistent_workers=True, pin_memory=True"))
     done = _train(workspace, tmp_path)
     assert "loss is nan at step 10" in done.stderr, done.stderr[-2000:]
     result = Workspace(tmp_path).replay("nan", "--run-id", _run_id(done), "--json", "--no-child-run", env=workspace.env())

@@ -31,9 +31,7 @@ rec.close()
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     workspace = Workspace(tmp_path_factory.mktemp("profile"))
-    result = workspace.replay("train", "train.steps=12", "snapshot.every=5", "--json")
-    assert result.returncode == 0, result.stderr
-    return workspace, result.json()["run_id"]
+    return workspace, workspace.train_here("train.steps=12", "snapshot.every=5")["run_id"]
 
 
 def test_a_recorded_step_is_profiled_exact_with_its_ops_modules_and_trace(trained):

