@@ -118,10 +118,12 @@ def test_a_diagnosis_names_its_layer_and_a_check_its_detail_as_they_are(monkeypa
     checks = [Check("act.dead", "warn", 0.5, f"module {MARKUP}: half its units never fire")]
     report = SimpleNamespace(checked_run_id=None, checks=checks, counts=lambda: {"pass": 0, "warn": 1, "fail": 0, "skip": 0},
                              status="warn", seconds=1.0, lr_range=None, warnings=[f"note {MARKUP}"],
-                             find=lambda name: None, configured_lr=None, run_id="def", tracking_uri="sqlite:////tmp/[bold]x/mlflow.db")
+                             find=lambda name: None, configured_lr=None, run_id="def", tracking_uri="sqlite:////tmp/[bold]x/mlflow.db",
+                             artifacts=["check.md", "check.json"])
     console, printed = _console()
     monkeypatch.setattr(check_report, "console", console)
     check_report.print_check_report(report)
     text = printed.getvalue()
     assert f"module {MARKUP}: half its units never fire" in text and f"note: note {MARKUP}" in text
     assert "sqlite:////tmp/[bold]x/mlflow.db" in text
+    assert "check run def (check.md);" in text  # the files it recorded: no LR plot when the LR test did not run

@@ -86,7 +86,8 @@ def print_check_report(report) -> None:
         console.print(f"  [yellow]note:[/yellow] {plain(warning)}")
     for hint in _next_steps(report):
         console.print(f"  next: {plain(hint)}")
-    console.print(f"  check run {plain(report.run_id)} (check.md, lr_range.png); view: {plain(mlflow_ui_hint(report.tracking_uri))}")
+    shown = ", ".join(name for name in report.artifacts if name.endswith((".md", ".png"))) or "check.md"
+    console.print(f"  check run {plain(report.run_id)} ({plain(shown)}); view: {plain(mlflow_ui_hint(report.tracking_uri))}")
 
 
 def check_markdown(report) -> str:
