@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
+from replaybisect.core import faults
 from replaybisect.core.tags import failing_step  # noqa: F401  (restore.failing_step, as before)
 from replaybisect.core import config as config_mod
 from replaybisect.core import provenance
@@ -267,6 +268,7 @@ def restore(
     """Rebuild model, optimizer, scheduler, scaler, RNG streams and data position from the newest good
     snapshot at or before `step` (the latest one when None). `cfg` replaces the run's config (ablations):
     objects are built from it, state comes from the snapshot."""
+    faults.arm()  # (a test's fault injector: a replay flips what its environment asks, as recording did)
     from replaybisect.core import loop
     from replaybisect.core.state import apply
 

@@ -7,7 +7,8 @@ flipped at a chosen step, where the step's moments are (core/step_watch.py), wha
 `what`: loss (the value backpropagated and logged; the gradients are unchanged) or grad (the largest element of the
 first parameter's gradient, before the gradient norm and the update: the run goes on from a corrupted update).
 `device`: flip only while this process's device label (REPLAYBISECT_DEVICE_LABEL, else the host name) is this one: a
-persistent fault of one device. Unset: nothing happens (one look at the environment per step)."""
+persistent fault of one device. Read when a run starts recording or replaying; unset, a step's only cost is one
+check of a module global."""
 
 from __future__ import annotations
 
@@ -54,17 +55,15 @@ def _parse(text: str) -> Fault:
     return fault
 
 
-_PARSED: dict[str, Fault] = {}
+_FAULT: Optional[Fault] = None  # what arm() read: the step's moments look at this global only
 
 
-def _fault() -> Optional[Fault]:
-    """The fault the environment asks for now (read at each step, parsed once per value: a test may set it)."""
+def arm() -> None:
+    """Read the fault the environment asks for, as a run starts recording or replaying (RunSession.open,
+    restore.restore): a test may set it between runs; the training step itself never reads the environment."""
+    global _FAULT
     text = os.environ.get(ENV)
-    if not text:
-        return None
-    if text not in _PARSED:
-        _PARSED[text] = _parse(text)
-    return _PARSED[text]
+    _FAULT = _parse(text) if text else None
 
 
 def flip(tensor: torch.Tensor, bit: int, largest: bool = False) -> None:
@@ -78,13 +77,13 @@ def flip(tensor: torch.Tensor, bit: int, largest: bool = False) -> None:
 
 
 def at_loss(step: int, loss: torch.Tensor) -> None:
-    fault = _fault()
+    fault = _FAULT
     if fault is not None and fault.applies(step, "loss"):
         flip(loss, fault.bit)
 
 
 def at_gradients(step: int, params) -> None:
-    fault = _fault()
+    fault = _FAULT
     if fault is not None and fault.applies(step, "grad"):
         grads = [p.grad for p in params if p.grad is not None]
         if grads:

@@ -69,16 +69,22 @@ class _Recorder(TorchDispatchMode):
         return out
 
 
-@contextlib.contextmanager
-def traced(step: int) -> Iterator[None]:
-    """Trace the step's ops into $REPLAYBISECT_OP_TRACE when it is set and `step` is the traced one."""
+_UNTRACED = contextlib.nullcontext()  # every other step: no context made, nothing read
+
+
+def traced(step: int):
+    """A context tracing the step's ops into $REPLAYBISECT_OP_TRACE when it is set and `step` is the traced one."""
     if _TARGET is None or step != TRACED_STEP:
-        yield
-        return
+        return _UNTRACED
+    return _written(_TARGET)
+
+
+@contextlib.contextmanager
+def _written(target: str) -> Iterator[None]:
     recorder = _Recorder()
     with recorder:
         yield
-    with open(_TARGET, "w", encoding="utf-8") as file:
+    with open(target, "w", encoding="utf-8") as file:
         json.dump(recorder.ops, file)
 
 

@@ -11,6 +11,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
+from replaybisect.core import faults
 from replaybisect.core.faults import device_label
 from replaybisect.core import config as config_mod
 from replaybisect.core import provenance
@@ -45,6 +46,7 @@ class RunSession:
         from replaybisect.core.rng import isolated_rng
 
         key = provenance.signing_key(create=True)  # a key that cannot be used is said before any run is created
+        faults.arm()  # (a test's fault injector: nothing unless it is set)
         all_tags = {TAG + key: value for key, value in code_version(code_folder).items()}
         all_tags[TAG + "code_dir"] = str(code_folder)
         all_tags[TAG + DEVICE_LABEL] = device_label()  # which machine made the numbers (replay verify's verdict)
@@ -65,6 +67,7 @@ class RunSession:
         """Record into a run another logger opened (the Trainer's MLflowCallback): tagged as `open` tags a new run.
         Its own params stay as they are (write_config adds only new keys)."""
         key = provenance.signing_key(create=True)
+        faults.arm()
         all_tags = {TAG + key: value for key, value in code_version(code_folder).items()}
         all_tags.update({TAG + "code_dir": str(code_folder), TAG + DEVICE_LABEL: device_label(), TAG + "kind": "train",
                          TAG + "status": "running", **(tags or {})})
