@@ -18,7 +18,7 @@ import math
 import os
 from dataclasses import MISSING, Field, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Optional, Sequence, Union
 
 from replaybisect.core.arguments import run_id, shown, tracking_uri  # (one home: the Recorder checks with them too)
 from replaybisect.errors import ReplayError
@@ -293,3 +293,33 @@ def config_folder(value: Any, name: str = "config_dir") -> Optional[Path]:
     """A config folder given as str or pathlib.Path (None: the built-in example), as a Path."""
     folder = path(value, name, optional=True)
     return Path(folder) if folder is not None else None
+
+
+@dataclass(frozen=True)
+class ReplayRequest:
+    """What every verb that replays a recorded run is asked (nan, profile, memory, verify): the run, the device to
+    replay on (default: the run's train.device), whether the report is recorded as a child run, where the store is,
+    and which of the stored config's `_target_`s may be built. A verb's request adds its own fields after these, and
+    may declare one of these again for its own help text."""
+
+    run_id: str = option(REQUIRED, "--run-id", help="The run to replay (see `replay runs`).")
+    device: Optional[str] = option(None, "--device", help="Replay on this device (default: the run's train.device).")
+    publish: bool = option(True, "--no-child-run", negated=True, help="Do not record the report as a child run.")
+    tracking_uri: Optional[str] = tracking_uri_option()
+    code_dirs: Sequence[str] = code_dirs_option()
+    trust: Sequence[str] = trust_option()
+    allow_unsigned: Optional[str] = allow_unsigned_option()  # this run's id: replayed without a signature that verifies
+    # built from the fields above when the request is: the trust decision, the device (a torch.device, or None)
+    trusted: Any = field(init=False, repr=False, compare=False)
+    torch_device: Any = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        setattrs(self, tracking_uri=tracking_uri(self.tracking_uri), run_id=run_id(self.run_id),
+                 device=text(self.device, "device", optional=True), publish=flag(self.publish, "publish"),
+                 code_dirs=paths(self.code_dirs, "code_dirs"), trust=strings(self.trust, "trust", what="module prefixes"))
+        torch_device = None
+        if self.device:  # a device this machine lacks is bad input before the store is opened (imports torch)
+            from replaybisect.core.device import resolve_device
+
+            torch_device = resolve_device(self.device, "--device")
+        setattrs(self, torch_device=torch_device, trusted=trust_of(self.code_dirs, self.trust, self.run_id, self.allow_unsigned))

@@ -2,44 +2,28 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from dataclasses import dataclass
+from typing import Optional
 
 from replaybisect import request as checks
-from replaybisect.request import REQUIRED, Bound, option
+from replaybisect.request import REQUIRED, Bound, ReplayRequest, option
 
 STEP = Bound("profile", ("--step",), low=0)
 STEPS = Bound("profile", ("--steps",), low=1, high=100)
 
 
 @dataclass(frozen=True)
-class ProfileRequest:
-    """The run, the step to profile (default: its slowest recorded step) and how many steps from there, the device
-    to replay on, where the store is, and which of the stored config's `_target_`s may be built."""
+class ProfileRequest(ReplayRequest):
+    """A recorded run (ReplayRequest), the step to profile (default: its slowest recorded step) and how many steps
+    from there."""
 
     run_id: str = option(REQUIRED, "--run-id", help="The run to profile (see `replay runs`).")
+    publish: bool = option(True, "--no-child-run", negated=True, help="Do not record the report and the trace as a child run.")
     step: Optional[int] = option(None, bound=STEP, help="Profile from this step (default: the run's slowest recorded "
                                  "step, by its logged step_time).")
     steps: int = option(3, bound=STEPS, help="How many recorded steps to profile, from --step.")
-    device: Optional[str] = option(None, "--device", help="Replay on this device (default: the run's train.device).")
-    publish: bool = option(True, "--no-child-run", negated=True, help="Do not record the report and the trace as a child run.")
-    tracking_uri: Optional[str] = checks.tracking_uri_option()
-    code_dirs: Sequence[str] = checks.code_dirs_option()
-    trust: Sequence[str] = checks.trust_option()
-    allow_unsigned: Optional[str] = checks.allow_unsigned_option()  # this run's id: replayed without a signature that verifies
-    trusted: Any = field(init=False, repr=False, compare=False)
-    torch_device: Any = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        checks.setattrs(
-            self, tracking_uri=checks.tracking_uri(self.tracking_uri), run_id=checks.run_id(self.run_id),
-            step=checks.integer(self.step, "step", STEP, optional=True), steps=checks.integer(self.steps, "steps", STEPS),
-            device=checks.text(self.device, "device", optional=True), publish=checks.flag(self.publish, "publish"),
-            code_dirs=checks.paths(self.code_dirs, "code_dirs"), trust=checks.strings(self.trust, "trust", what="module prefixes"),
-        )
-        torch_device = None
-        if self.device:  # a device this machine lacks is bad input before the store is opened (imports torch)
-            from replaybisect.core.device import resolve_device
-
-            torch_device = resolve_device(self.device, "--device")
-        checks.setattrs(self, torch_device=torch_device, trusted=checks.trust_of(self.code_dirs, self.trust, self.run_id, self.allow_unsigned))
+        super().__post_init__()
+        checks.setattrs(self, step=checks.integer(self.step, "step", STEP, optional=True),
+                        steps=checks.integer(self.steps, "steps", STEPS))
