@@ -124,6 +124,17 @@ def _cli_type(hint: Any, default: Any) -> Any:
     return Optional[base] if optional else base
 
 
+def finish(report, *, store, publishing: bool, publish: Callable, render: Callable[[Any], None], as_json: bool) -> None:
+    """A replaying verb's ending: its report recorded as a child run (`publish(store, report)`) unless --no-child-run,
+    then printed: one JSON object, or `render(report)`."""
+    if publishing:
+        publish(store, report)
+    if as_json:
+        print_json(report.to_json())
+    else:
+        render(report)
+
+
 # ---- the store line: "store: /abs/mlflow.db (why)" on stderr before whatever the command prints first ------
 _store_line: Optional[str] = None  # announced, not printed yet: bad input found before any output stays one line
 

@@ -156,3 +156,20 @@ def print_runs(summaries, location) -> None:
     for row in rows:
         table.add_row(*(str(cell) if cell is not None else "-" for cell in row))
     print_table(table)
+
+
+def publish_child(store, parent_run_id: str, kind: str, run_name: str, write, tags: dict | None = None) -> str:
+    """A child run (`kind`) of the examined run holding the files `write(child_run_id, folder)` puts in a temporary
+    folder; finished ok, or crashed (FAILED) when making or logging them fails. Returns its id."""
+    import tempfile
+
+    child = store.create_run(kind, run_name=run_name, parent_run_id=parent_run_id, tags=tags)
+    try:
+        with tempfile.TemporaryDirectory(prefix=f"replaybisect-{kind}-") as folder:
+            write(child, Path(folder))
+            store.log_artifacts(child, folder)
+    except BaseException:
+        store.finish_run(child, "crashed", "FAILED")
+        raise
+    store.finish_run(child, "ok")
+    return child

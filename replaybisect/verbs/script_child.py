@@ -144,17 +144,23 @@ def _redirect_saves_under(protected: list[str], elsewhere: Path) -> None:
 
 
 # ---- the verbs a script's run can be replayed by -----------------------------------------------------------
-def _nan(job: dict[str, Any], log: Callable[[str], None]) -> Any:
+def _opened(job: dict[str, Any]):
+    """What every job reads the run with: the store (read once), the device asked for (None: the run's), the trust."""
     from replaybisect.core.device import resolve_device
-    from replaybisect.core.jsonutil import to_jsonable
     from replaybisect.core.trust import Trust
     from replaybisect.store import open_store
+
+    device = job["arguments"].get("device")
+    return (open_store(job["tracking_uri"], create=False, read_once=True),
+            resolve_device(device, "--device") if device else None, Trust.from_json(job["trust"]))
+
+
+def _nan(job: dict[str, Any], log: Callable[[str], None]) -> Any:
+    from replaybisect.core.jsonutil import to_jsonable
     from replaybisect.verbs.nan.engine import find_nan
 
-    arguments = job["arguments"]
-    device = resolve_device(arguments["device"], "--device") if arguments.get("device") else None
-    store = open_store(job["tracking_uri"], create=False)
-    report = find_nan(store, job["run_id"], arguments.get("step"), device=device, trust=Trust.from_json(job["trust"]), log=log)
+    store, device, trust = _opened(job)
+    report = find_nan(store, job["run_id"], job["arguments"].get("step"), device=device, trust=trust, log=log)
     return to_jsonable(report)  # every field, whole (to_json shortens the histories), for NanReport.from_json
 
 
@@ -165,56 +171,40 @@ def _arm(job: dict[str, Any], log: Callable[[str], None]) -> Any:
 
 
 def _check(job: dict[str, Any], log: Callable[[str], None]) -> Any:
-    from replaybisect.core.trust import Trust
-    from replaybisect.store import open_store
     from replaybisect.verbs.check.engine import CheckOptions, check
 
+    store, _, trust = _opened(job)
     arguments = job["arguments"]
-    store = open_store(job["tracking_uri"], create=False)
     report = check(store, run_id=job["run_id"], step=arguments.get("step"), options=CheckOptions(**arguments["options"]),
-                   trust=Trust.from_json(job["trust"]), progress=log)
+                   trust=trust, progress=log)
     return report.to_full_json()
 
 
 def _profile(job: dict[str, Any], log: Callable[[str], None]) -> Any:
-    from replaybisect.core.device import resolve_device
-    from replaybisect.core.trust import Trust
-    from replaybisect.store import open_store
     from replaybisect.verbs.profile.engine import profile
 
+    store, device, trust = _opened(job)
     arguments = job["arguments"]
-    device = resolve_device(arguments["device"], "--device") if arguments.get("device") else None
-    store = open_store(job["tracking_uri"], create=False)
-    report = profile(store, job["run_id"], arguments.get("step"), steps=arguments["steps"], device=device,
-                     trust=Trust.from_json(job["trust"]), trace_folder=Path(arguments["trace_folder"]), log=log)
-    return report.to_json()
+    return profile(store, job["run_id"], arguments.get("step"), steps=arguments["steps"], device=device, trust=trust,
+                   trace_folder=Path(arguments["trace_folder"]), log=log).to_json()
 
 
 def _memory(job: dict[str, Any], log: Callable[[str], None]) -> Any:
-    from replaybisect.core.device import resolve_device
-    from replaybisect.core.trust import Trust
-    from replaybisect.store import open_store
     from replaybisect.verbs.memory.engine import memory
 
+    store, device, trust = _opened(job)
     arguments = job["arguments"]
-    device = resolve_device(arguments["device"], "--device") if arguments.get("device") else None
-    store = open_store(job["tracking_uri"], create=False)
-    report = memory(store, job["run_id"], arguments.get("step"), steps=arguments["steps"], device=device,
-                    trust=Trust.from_json(job["trust"]), log=log)
-    return report.to_json()
+    return memory(store, job["run_id"], arguments.get("step"), steps=arguments["steps"], device=device, trust=trust,
+                  log=log).to_json()
 
 
 def _verify(job: dict[str, Any], log: Callable[[str], None]) -> Any:
     from replaybisect import restore as restore_mod
-    from replaybisect.core.device import resolve_device
-    from replaybisect.core.trust import Trust
-    from replaybisect.store import open_store
     from replaybisect.verbs.verify.engine import replay_segment
 
+    store, device, trust = _opened(job)
     arguments = job["arguments"]
-    device = resolve_device(arguments["device"], "--device") if arguments.get("device") else None
-    store = open_store(job["tracking_uri"], create=False)
-    cfg = restore_mod.run_config(store, job["run_id"], Trust.from_json(job["trust"]))
+    cfg = restore_mod.run_config(store, job["run_id"], trust)
     replayed = replay_segment(store, job["run_id"], cfg, device, arguments["snapshot"], arguments["end"])
     return {key: {str(step): value for step, value in values.items()} for key, values in replayed.items()}
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from replaybisect.options import JSON_OUTPUT, print_json, request_command, stderr_console
+from replaybisect.options import JSON_OUTPUT, finish, request_command, stderr_console
 from replaybisect.verbs.memory.request import MemoryRequest
 
 
@@ -27,12 +27,7 @@ def memory(request: MemoryRequest, as_json: bool) -> None:
 
     report = run_memory(store, request.run_id, request.step, steps=request.steps, device=request.torch_device,
                         trust=request.trusted, log=progress_log(stderr_console()))
-    if request.publish:
-        publish(store, report)
-    if as_json:
-        print_json(report.to_json())
-    else:
-        print_report(report)
+    finish(report, store=store, publishing=request.publish, publish=publish, render=print_report, as_json=as_json)
 
 
 def register(app: typer.Typer) -> None:

@@ -3,11 +3,10 @@ published as a child run of the examined run with memory.md and memory.json."""
 
 from __future__ import annotations
 
-import tempfile
 from pathlib import Path
 
 from replaybisect.core.jsonutil import strict_json
-from replaybisect.report import console, plain
+from replaybisect.report import console, plain, publish_child
 from replaybisect.verbs.memory.engine import MemoryReport
 
 MARKDOWN, JSON_FILE = "memory.md", "memory.json"
@@ -58,17 +57,12 @@ def print_report(report: MemoryReport) -> None:
 
 def publish(store, report: MemoryReport) -> str:
     """A child run of the examined run (kind=memory) with memory.md and memory.json; returns its id."""
-    child = store.create_run("memory", run_name=f"{headline(report)} · memory", parent_run_id=report.run_id)
-    try:
-        with tempfile.TemporaryDirectory(prefix="replaybisect-memory-") as folder:
-            folder = Path(folder)
-            report.report_run_id = child
-            (folder / MARKDOWN).write_text(to_markdown(report), encoding="utf-8")
-            (folder / JSON_FILE).write_text(strict_json(report.to_json(), indent=2), encoding="utf-8")
-            store.log_artifacts(child, folder)
-    except BaseException:
-        store.finish_run(child, "crashed", "FAILED")
-        raise
-    store.finish_run(child, "ok")
+    child = publish_child(store, report.run_id, "memory", f"{headline(report)} · memory", lambda child, folder: _write(report, child, folder))
     store.record_answer(report.run_id, "memory", headline(report), child, report=to_markdown(report))
     return child
+
+
+def _write(report: MemoryReport, child: str, folder: Path) -> None:
+    report.report_run_id = child
+    (folder / MARKDOWN).write_text(to_markdown(report), encoding="utf-8")
+    (folder / JSON_FILE).write_text(strict_json(report.to_json(), indent=2), encoding="utf-8")

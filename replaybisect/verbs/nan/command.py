@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from replaybisect.options import JSON_OUTPUT, print_json, request_command, stderr_console
+from replaybisect.options import JSON_OUTPUT, finish, request_command, stderr_console
 from replaybisect.verbs.nan.request import NanRequest
 
 
@@ -42,12 +42,8 @@ def nan(request: NanRequest, as_json: bool) -> None:
     from replaybisect.verbs.nan.report import print_rich, publish
 
     report = answer(store, request, log=progress_log(stderr_console()))
-    if request.publish:
-        publish(store, report)
-    if as_json:
-        print_json(report.to_json())
-    else:
-        print_rich(report, store.uri)
+    finish(report, store=store, publishing=request.publish, publish=publish, render=lambda report: print_rich(report, store.uri),
+           as_json=as_json)
 
 
 def progress_log(console):

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import typer
 
-from replaybisect.options import JSON_OUTPUT, print_json, request_command, stderr_console
+from replaybisect.options import JSON_OUTPUT, finish, request_command, stderr_console
 from replaybisect.verbs.profile.request import ProfileRequest
 
 
@@ -33,12 +33,7 @@ def profile(request: ProfileRequest, as_json: bool) -> None:
     with tempfile.TemporaryDirectory(prefix="replaybisect-profile-") as folder:
         report = run_profile(store, request.run_id, request.step, steps=request.steps, device=request.torch_device,
                              trust=request.trusted, trace_folder=Path(folder), log=progress_log(stderr_console()))
-        if request.publish:
-            publish(store, report)
-    if as_json:
-        print_json(report.to_json())
-    else:
-        print_report(report)
+        finish(report, store=store, publishing=request.publish, publish=publish, render=print_report, as_json=as_json)
 
 
 def register(app: typer.Typer) -> None:

@@ -4,11 +4,10 @@ published as a child run of the profiled run with profile.md, profile.json and t
 from __future__ import annotations
 
 import shutil
-import tempfile
 from pathlib import Path
 
 from replaybisect.core.jsonutil import strict_json
-from replaybisect.report import console, plain
+from replaybisect.report import console, plain, publish_child
 from replaybisect.verbs.profile.engine import TRACE, ProfileReport
 
 MARKDOWN, JSON_FILE = "profile.md", "profile.json"
@@ -87,19 +86,14 @@ def print_report(report: ProfileReport) -> None:
 
 def publish(store, report: ProfileReport) -> str:
     """A child run of the profiled run (kind=profile) with profile.md, profile.json and the trace; returns its id."""
-    child = store.create_run("profile", run_name=f"{headline(report)} · profile", parent_run_id=report.run_id)
-    try:
-        with tempfile.TemporaryDirectory(prefix="replaybisect-profile-") as folder:
-            folder = Path(folder)
-            if report.trace:
-                shutil.copyfile(report.trace, folder / TRACE)
-            report.report_run_id = child
-            (folder / MARKDOWN).write_text(to_markdown(report), encoding="utf-8")
-            (folder / JSON_FILE).write_text(strict_json(report.to_json(), indent=2), encoding="utf-8")
-            store.log_artifacts(child, folder)
-    except BaseException:
-        store.finish_run(child, "crashed", "FAILED")
-        raise
-    store.finish_run(child, "ok")
+    child = publish_child(store, report.run_id, "profile", f"{headline(report)} · profile", lambda child, folder: _write(report, child, folder))
     store.describe(child, headline(report))
     return child
+
+
+def _write(report: ProfileReport, child: str, folder: Path) -> None:
+    if report.trace:
+        shutil.copyfile(report.trace, folder / TRACE)
+    report.report_run_id = child
+    (folder / MARKDOWN).write_text(to_markdown(report), encoding="utf-8")
+    (folder / JSON_FILE).write_text(strict_json(report.to_json(), indent=2), encoding="utf-8")

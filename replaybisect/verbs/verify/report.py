@@ -3,11 +3,10 @@ the verified run with verify.md and verify.json, its verdict tagged on the run (
 
 from __future__ import annotations
 
-import tempfile
 from pathlib import Path
 
 from replaybisect.core.jsonutil import strict_json
-from replaybisect.report import console, plain
+from replaybisect.report import console, plain, publish_child
 from replaybisect.verbs.verify.engine import VerifyReport
 
 MARKDOWN, JSON_FILE = "verify.md", "verify.json"
@@ -45,19 +44,14 @@ def print_report(report: VerifyReport) -> None:
 
 def publish(store, report: VerifyReport) -> str:
     """A child run of the verified run (kind=verify) with verify.md and verify.json; its verdict tagged on the run."""
-    child = store.create_run("verify", run_name=f"{headline(report)} · verify", parent_run_id=report.run_id,
-                             tags={"replaybisect.verify": report.verdict})
-    try:
-        with tempfile.TemporaryDirectory(prefix="replaybisect-verify-") as folder:
-            folder = Path(folder)
-            report.report_run_id = child
-            (folder / MARKDOWN).write_text(to_markdown(report), encoding="utf-8")
-            (folder / JSON_FILE).write_text(strict_json(report.to_json(), indent=2), encoding="utf-8")
-            store.log_artifacts(child, folder)
-    except BaseException:
-        store.finish_run(child, "crashed", "FAILED")
-        raise
-    store.finish_run(child, "ok")
+    child = publish_child(store, report.run_id, "verify", f"{headline(report)} · verify", lambda child, folder: _write(report, child, folder),
+                          tags={"replaybisect.verify": report.verdict})
     store.set_tags(report.run_id, {"verify": report.verdict})
     store.record_answer(report.run_id, "verify", f"{headline(report)}: {report.sentence}", child, report=to_markdown(report))
     return child
+
+
+def _write(report: VerifyReport, child: str, folder: Path) -> None:
+    report.report_run_id = child
+    (folder / MARKDOWN).write_text(to_markdown(report), encoding="utf-8")
+    (folder / JSON_FILE).write_text(strict_json(report.to_json(), indent=2), encoding="utf-8")
