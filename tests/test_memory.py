@@ -102,3 +102,11 @@ def test_replay_memory_names_what_the_loop_keeps_and_the_line_that_adds_to_it(tm
     assert all(holder["keeps_graph"] and holder["per_step"] >= 1 and "loss.item()" in holder["fix"] for holder in report["holders"])
     answer = workspace.store().tags(run_id)["answer.memory"]
     assert answer.startswith("`losses` grows") if holders else answer.startswith("nothing the loop names grows")
+
+
+def test_too_few_steps_to_tell_growth_is_one_line_exit_2(tmp_path):
+    """Growth is told over three steps at least: --steps 2 is refused by the command's parser, nothing recorded."""
+    workspace = Workspace(tmp_path)
+    result = workspace.replay("memory", "--run-id", "0123456789abcdef0123456789abcdef", "--steps", "2")
+    assert result.returncode == 2 and "Invalid value for '--steps'" in result.stderr and "Traceback" not in result.stderr
+    assert not (tmp_path / "mlflow.db").exists()

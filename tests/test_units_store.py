@@ -173,7 +173,11 @@ def test_a_store_that_reads_once_asks_the_server_for_a_run_once_until_it_writes_
     assert asked == [run_id]
     reading.set_tags(run_id, {"status": "ok"})  # our own write: read again
     assert reading.tags(run_id)["status"] == "ok" and asked == [run_id, run_id]
-    store.get_run(run_id), store.get_run(run_id)  # a store that does not read once (the watcher's) always asks
+    asked_fresh = []
+    fresh_original = store.client.get_run
+    monkeypatch.setattr(store.client, "get_run", lambda rid: asked_fresh.append(rid) or fresh_original(rid))
+    store.get_run(run_id), store.get_run(run_id)
+    assert asked_fresh == [run_id, run_id]  # a store that does not read once (the watcher's) always asks
 
 
 @pytest.mark.parametrize("verb, said", [("nan", "never went non-finite"), ("ablate", "never failed")])

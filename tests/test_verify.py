@@ -85,3 +85,21 @@ def test_bad_steps_are_one_line(workspace, clean, monkeypatch, steps, said):
 
     with pytest.raises(rb.ReplayError, match=said):
         _verified(workspace, monkeypatch, clean, steps)
+
+
+def test_a_snapshot_that_does_not_verify_leaves_its_interval_uncompared_and_says_so(workspace, monkeypatch):
+    """A corrupt snapshot (a flipped byte: its hash no longer matches) is not replayed from; the other intervals are
+    compared, and the report says which steps were not."""
+    run_id = _recorded(workspace, monkeypatch)
+    tensors = workspace.store().local_artifact_dir(run_id) / "snapshots" / "step-000010" / "tensors.safetensors"
+    data = bytearray(tensors.read_bytes())
+    data[-1] ^= 0xFF
+    tensors.write_bytes(bytes(data))
+    report = _verified(workspace, monkeypatch, run_id)
+    assert report.verdict == "exact" and report.steps_compared == 15
+    assert [segment["differences"] for segment in report.segments] == [0, 0, None, 0]
+    assert any("steps 10..14 not compared" in warning for warning in report.warnings), report.warnings
+    import replaybisect as rb
+
+    with pytest.raises(rb.ReplayError, match="no snapshot covering steps 12..13 verifies"):  # only that interval
+        _verified(workspace, monkeypatch, run_id, "12:14")

@@ -50,6 +50,7 @@ class VerifyReport:
     recorded_on: Optional[str] = None
     replayed_on: str = ""
     second_replay: Optional[str] = None  # same | differs: the first differing segment replayed again here
+    code_changes: list[str] = field(default_factory=list)  # the run's own modules changed since it was recorded
     warnings: list[str] = field(default_factory=list)
     report_run_id: Optional[str] = None
 
@@ -83,11 +84,16 @@ def verify(store: Store, run_id: str, start: Optional[int] = None, end: Optional
     segments = _segments(store, run_id, start, end)
     report = VerifyReport(run_id=run_id, start=segments[0][1], end=end, steps_compared=0, segments=[],
                           recorded_on=tags.get(DEVICE_LABEL), replayed_on=device_label(),
-                          warnings=restore_mod.code_changes(tags, cfg))
+                          code_changes=restore_mod.code_changes(tags, cfg))
     first_differing = None
     for snapshot, seg_start, seg_end in segments:
         log(f"replaying steps {seg_start}..{seg_end - 1} from snapshot {snapshot}")
-        replayed = _replay_segment(store, run_id, cfg, trust, device, snapshot, seg_end, log)
+        try:
+            replayed = _replay_segment(store, run_id, cfg, trust, device, snapshot, seg_end, log)
+        except SnapshotError as error:  # a snapshot that does not verify: its interval is not compared, said
+            report.warnings.append(f"{error}; steps {seg_start}..{seg_end - 1} not compared")
+            report.segments.append({"snapshot": snapshot, "start": seg_start, "end": seg_end, "differences": None})
+            continue
         found = _differences(replayed, losses, grad_norms, seg_start)
         report.steps_compared += sum(1 for step in replayed["losses"] if step >= seg_start)
         report.segments.append({"snapshot": snapshot, "start": seg_start, "end": seg_end, "differences": len(found)})
@@ -99,6 +105,9 @@ def verify(store: Store, run_id: str, start: Optional[int] = None, end: Optional
         log(f"replaying from snapshot {snapshot} again: is the difference this machine's own?")
         again = _replay_segment(store, run_id, cfg, trust, device, snapshot, seg_end, log)
         report.second_replay = "same" if _same(again, replayed) else "differs"
+    if not report.steps_compared:
+        raise SnapshotError(f"run {run_id}: no snapshot covering steps {start}..{end - 1} verifies ({report.warnings[0]}); "
+                            "nothing could be compared")
     report.verdict, report.sentence = _verdict(report)
     return report
 
@@ -165,8 +174,8 @@ def _verdict(report: VerifyReport) -> tuple[str, str]:
     after = "; the steps after it differ too (the state went on from it)" if later else "; only that step differs"
     if report.second_replay == "differs":
         return "nondeterministic", f"{where}, and two replays here of the same state and batch differ from each other: a nondeterministic op or this machine's hardware"
-    if report.warnings:
-        return "code", f"{where}{after}: the run's code changed since it was recorded ({report.warnings[0]})"
+    if report.code_changes:
+        return "code", f"{where}{after}: the run's code changed since it was recorded ({report.code_changes[0]})"
     if report.recorded_on is not None and report.recorded_on == report.replayed_on:
         return "transient", (f"{where}{after}: the machine that recorded it ({report.recorded_on}) does not reproduce it "
                              "from its own state and batch, and two replays here agree: a fault while recording (a "

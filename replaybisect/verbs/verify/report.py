@@ -26,7 +26,7 @@ def lines_of(report: VerifyReport) -> list[str]:
         out += [f"  {d.step}  {d.metric}  {d.logged!r}  {d.replayed!r}  {d.relative:.3g}" for d in report.differences[:10]]
     if report.second_replay is not None:
         out.append(f"a second replay here of the first differing interval: {report.second_replay}")
-    return out + [f"warning: {warning}" for warning in report.warnings]
+    return out + [f"warning: {warning}" for warning in report.code_changes + report.warnings]
 
 
 def to_markdown(report: VerifyReport) -> str:
