@@ -73,6 +73,16 @@ def test_the_script_as_written_takes_three_lines_and_trains_the_same(project):
     (folder / "plain.py").unlink()
 
 
+def test_replay_verify_replays_a_scripts_intervals_up_to_its_nan_bit_for_bit(project, diverged):
+    """Each snapshot interval is replayed inside the script, run again; the failing step's NaN loss comes back from the
+    script's process as JSON text (it ended verify with a TypeError) and is compared as the NaN it is."""
+    workspace, folder = project
+    result = workspace.replay("verify", "--run-id", diverged, "--steps", "5:10", "--json", "--no-child-run")
+    assert result.returncode == 0, result.stderr[-2000:]
+    report = result.json()
+    assert (report["verdict"], report["steps_compared"], report["differences"]) == ("exact", 5, []), report
+
+
 def test_replay_nan_runs_the_scripts_loop_exactly_and_writes_nothing_in_its_folder(project, diverged):
     workspace, folder = project
     before = _tree(folder)

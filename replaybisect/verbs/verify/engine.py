@@ -20,6 +20,7 @@ from typing import Any, Callable, Optional
 
 from replaybisect import restore as restore_mod
 from replaybisect.core import reentry
+from replaybisect.core.jsonutil import from_jsonable
 from replaybisect.core.faults import device_label
 from replaybisect.errors import ReplayError, SnapshotError
 from replaybisect.store import Store
@@ -133,7 +134,7 @@ def _replay_segment(store, run_id, cfg, trust, device, snapshot: int, end: int, 
         from replaybisect.script_replay import run_in_script
 
         arguments = {"snapshot": snapshot, "end": end, "device": str(device) if device is not None else None}
-        result = run_in_script("verify", store, run_id, cfg, trust, arguments, log)
+        result = from_jsonable(run_in_script("verify", store, run_id, cfg, trust, arguments, log))  # (a NaN loss came as text)
         return {key: {int(step): value for step, value in values.items()} for key, values in result.items()}
     return replay_segment(store, run_id, cfg, device, snapshot, end)
 
