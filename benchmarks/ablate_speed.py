@@ -34,7 +34,7 @@ def _import_worker_modules(_index: int = 0) -> float:
     import torch  # noqa: F401
 
     import replaybisect.core.loop  # noqa: F401
-    import replaybisect.restore  # noqa: F401
+    import replaybisect.replay.restore  # noqa: F401
 
     return time.perf_counter() - started
 

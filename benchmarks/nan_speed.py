@@ -41,7 +41,7 @@ def main() -> None:
     from replaybisect.verbs.nan import engine as nan
     from replaybisect.verbs.nan import anomaly, step_probe
     from replaybisect.verbs.nan.report import publish
-    from replaybisect import restore as restore_mod
+    from replaybisect.replay import restore as restore_mod
     from replaybisect.core.rng import capture_raw
     from replaybisect.store import open_store
     from replaybisect.verbs.train.engine import train

@@ -49,7 +49,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="rb-signature-") as folder:
         os.chdir(folder)
         os.environ["XDG_CONFIG_HOME"] = str(Path(folder) / "config")
-        from replaybisect import restore
+        from replaybisect.replay import restore
         from replaybisect.core import config as config_mod
         from replaybisect.core import provenance
         from replaybisect.record.session import RunSession

@@ -97,7 +97,7 @@ snapshot: {every: 50, layer_stats_every: 50}
 
 def child(folder: str, workers: int, work: str, steps: int, batch_size: int, sleep_ms: float) -> None:
     from replaybisect.core import config
-    from replaybisect.restore import logged_losses
+    from replaybisect.replay.restore import logged_losses
     from replaybisect.store import open_store
     from replaybisect.verbs.train.engine import train
 

@@ -4,6 +4,7 @@ Recorded runs name `replaybisect.hf.build` and `replaybisect.hf.hf_step` as thei
 (replaybisect's registry): this module keeps those names.
 """
 
-from replaybisect.record.hf import ReplayCallback, build, hf_step
+from replaybisect.record.hf import ReplayCallback
+from replaybisect.replay.hf import build, hf_step
 
 __all__ = ["ReplayCallback", "build", "hf_step"]

@@ -4,6 +4,7 @@ Recorded runs name `replaybisect.lightning.build` and `replaybisect.lightning.li
 step functions (replaybisect's registry): this module keeps those names.
 """
 
-from replaybisect.record.lightning import ReplayCallback, build, lightning_step
+from replaybisect.record.lightning import ReplayCallback
+from replaybisect.replay.lightning import build, lightning_step
 
 __all__ = ["ReplayCallback", "build", "lightning_step"]

@@ -177,7 +177,7 @@ def test_a_code_dir_tag_with_a_nul_is_one_line(failed, tag):
 def test_a_5000_character_code_dir_tag_is_one_short_line(failed, tag, tmp_path, monkeypatch):
     from replaybisect.core.trust import Trust
     from replaybisect.errors import ReplayError
-    from replaybisect.restore import run_config
+    from replaybisect.replay.restore import run_config
 
     tag("replaybisect.code_dir", str(EXAMPLES / "nan_forward") + "/x" * 2500)
     monkeypatch.chdir(tmp_path)

@@ -66,7 +66,7 @@ def _published(ws: Workspace, run_id: str, table: str) -> tuple[dict, str]:
 
 def test_a_diverged_run_is_checked_at_its_last_snapshot_before_the_growth(ws, diverged):
     from replaybisect.core.growth import growth_onset
-    from replaybisect.restore import snapshot_steps
+    from replaybisect.replay.restore import snapshot_steps
 
     store = ws.store()
     losses = store.metric_history(diverged, "loss")

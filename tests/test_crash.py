@@ -34,7 +34,8 @@ def crashed(tmp_path_factory) -> tuple[Workspace, Path, str, subprocess.Complete
 
 def test_a_step_that_raises_is_recorded_as_the_failing_step(crashed):
     from replaybisect.core import snapshot as fmt
-    from replaybisect.restore import failing_step, load_snapshot
+    from replaybisect.core.tags import failing_step
+    from replaybisect.replay.restore import load_snapshot
 
     workspace, folder, run_id, done = crashed
     assert done.returncode == 1 and "IndexError: index 4 is out of bounds" in done.stderr

@@ -73,7 +73,7 @@ def test_the_run_is_marked_failed_with_its_losses(full_disk_run):
 
 def test_nothing_partial_is_left_and_earlier_snapshots_still_load(full_disk_run):
     from replaybisect.core import snapshot as fmt
-    from replaybisect.restore import newest_good_snapshot
+    from replaybisect.replay.restore import newest_good_snapshot
 
     _, store, result, artifacts = full_disk_run
     (run,) = store.search_runs("")

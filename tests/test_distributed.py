@@ -158,7 +158,7 @@ def test_a_killed_rank_is_named_on_the_failed_run(shared):
     tags = store.tags(run_id)
     assert tags["failed_ranks"] == "1" and "killed" in tags["failure"]
     assert "5" in tags["snapshot_steps"].split(",")  # what was recorded before stays, and replays
-    from replaybisect import restore as restore_mod
+    from replaybisect.replay import restore as restore_mod
 
     with in_folder(shared.path):
         restored = restore_mod.restore(store, run_id, snapshot=restore_mod.load_snapshot(store, run_id, 5))

@@ -179,7 +179,7 @@ def test_a_fused_run_found_at_a_flush_stops_at_the_failing_steps_state_as_one_ha
     same losses, the same snapshot before step 20 bit for bit: parameters, moments, step counts, the lr and the
     schedule put back), and it replays exactly."""
     import replaybisect as rb
-    from replaybisect.restore import load_snapshot, snapshot_steps
+    from replaybisect.replay.restore import load_snapshot, snapshot_steps
     from replaybisect.store import open_store
 
     at_once, uri_at_once = _nan_forward_run(tmp_path, "at_once", False, monkeypatch)
@@ -373,7 +373,7 @@ def _fused_recorder_run(tmp_path, name: str, on_device: bool, monkeypatch) -> tu
 
 
 def test_a_recorder_step_with_a_fused_optimizer_reads_nothing_and_stops_at_the_failing_steps_state(tmp_path, monkeypatch):
-    from replaybisect.restore import load_snapshot
+    from replaybisect.replay.restore import load_snapshot
 
     at_once, raised_at_once, stop_at_once, _ = _fused_recorder_run(tmp_path, "at_once", False, monkeypatch)
     later, raised_later, stop_later, reads = _fused_recorder_run(tmp_path, "later", True, monkeypatch)

@@ -66,7 +66,7 @@ def test_the_script_as_written_takes_three_lines_and_trains_the_same(project):
     assert plain.returncode == 0 and recorded.returncode == 0, recorded.stderr[-2000:]
     losses = [line for line in plain.stdout.splitlines() if line.startswith(("iter ", "step "))]
     assert len(losses) == 15 and losses == [line for line in recorded.stdout.splitlines() if line.startswith(("iter ", "step "))]
-    from replaybisect.restore import run_config
+    from replaybisect.replay.restore import run_config
 
     cfg = run_config(workspace.store(), _run_id(recorded))
     assert cfg.train.script.path == str(folder / "train.py") and cfg.train.step_fn is None and cfg.train.build is None
@@ -183,7 +183,7 @@ def _status(workspace: Workspace, run_id: str) -> str:
 
 def test_low_precision_is_noted_when_autocast_is_entered_before_the_models_call(project, hand_softmax):
     """The loop enters `with ctx:` before calling the model: the run's precision is still bf16, at its first step."""
-    from replaybisect.restore import run_config
+    from replaybisect.replay.restore import run_config
 
     workspace, _ = project
     assert run_config(workspace.store(), hand_softmax).train.precision == "bf16"

@@ -62,7 +62,7 @@ def _replay_in(workspace, folder: Path, *args: str) -> dict:
 
 
 def _assert_replays_exactly(store, run_id: str, from_steps) -> dict[int, float]:
-    from replaybisect.restore import logged_losses, replay, restore
+    from replaybisect.replay.restore import logged_losses, replay, restore
 
     logged = logged_losses(store, run_id)
     end = max(logged) + 1
@@ -105,7 +105,7 @@ def test_lightning_planted_overflow_nan_and_ablate(recorded):
 def test_lightning_bf16_clipping_accumulation_replays_exactly(recorded):
     """bf16-mixed autocast, gradient_clip_val, accumulate_grad_batches=3 (an epoch of 16 batches ends in a group of
     one), dropout, a per-step scheduler, a shuffling DataLoader whose items draw noise from the global RNG."""
-    from replaybisect.restore import run_config
+    from replaybisect.replay.restore import run_config
     from replaybisect.verbs.check.engine import CheckOptions, check as run_checks
 
     workspace, folder, run_ids, _ = recorded
@@ -129,7 +129,7 @@ def test_batches_skipped_by_training_step_returning_none_replay_exactly(recorded
     import torch
 
     from replaybisect.core.state import live_tensors
-    from replaybisect.restore import replay, restore
+    from replaybisect.replay.restore import replay, restore
 
     workspace, _, run_ids, _ = recorded
     run_id = run_ids["skip"]  # bf16: fp32 takes the same path
@@ -209,7 +209,7 @@ def test_a_module_without_saved_hparams_is_refused(tmp_path, monkeypatch):
 
 
 def test_a_crash_ends_the_run_failed_and_keeps_what_was_recorded(tmp_path, monkeypatch):
-    from replaybisect.restore import logged_losses
+    from replaybisect.replay.restore import logged_losses
     from replaybisect.store import open_store
 
     (tmp_path / "crashing_model.py").write_text(

@@ -24,7 +24,7 @@ from replaybisect.core import config as config_mod
 from replaybisect.core import loop
 from replaybisect.core.rng import capture_raw, restore_raw
 from replaybisect.verbs.nan import anomaly as anomaly_probe, step_probe
-from replaybisect.restore import ReplayHooks
+from replaybisect.replay.restore import ReplayHooks
 
 TINY = ["model.hidden=16", "train.batch_size=16", "train.steps=20", "train.device=cpu", "train.num_threads=1"]
 

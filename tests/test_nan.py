@@ -273,7 +273,7 @@ def test_probes_never_change_state_or_rng(runs):
     from replaybisect.core.rng import capture_raw, to_json
     from replaybisect.verbs.nan import engine as nan
     from replaybisect.verbs.nan import anomaly, step_probe
-    from replaybisect import restore as restore_mod
+    from replaybisect.replay import restore as restore_mod
 
     workspace, trained, _ = runs
     restored = restore_mod.restore(workspace.store(), trained["backward"].run_id, step=10)

@@ -26,7 +26,7 @@ def recorded(tmp_path_factory) -> tuple[Workspace, Path, str]:
 
 
 def test_the_run_names_the_script_and_no_functions(recorded):
-    from replaybisect.restore import run_config
+    from replaybisect.replay.restore import run_config
 
     workspace, project, run_id = recorded
     cfg = run_config(workspace.store(), run_id)
@@ -205,7 +205,7 @@ def test_a_stored_script_that_is_not_the_users_own_is_refused(tmp_path):
 
     from replaybisect.core.trust import Trust
     from replaybisect.errors import ReplayError, UntrustedConfig
-    from replaybisect.script_replay import admitted_script
+    from replaybisect.replay.script import admitted_script
 
     project, other = tmp_path / "project", tmp_path / "other"
     (project / "pkg").mkdir(parents=True)
@@ -257,7 +257,7 @@ def test_recorded_variables_set_only_the_scalars_the_step_reads():
 
 def test_a_hydra_app_replays_with_its_outputs_kept_out_of_the_project(recorded, monkeypatch):
     """Its folder holds a hydra/ folder of notes: a name the preloaded server imported, so the script runs again in a
-    fresh interpreter (script_replay), not forked from the server; the replay is the same."""
+    fresh interpreter (replay/script.py), not forked from the server; the replay is the same."""
     import replaybisect as rb
     from replaybisect.core.processes import shadows_preloaded
 
@@ -279,7 +279,7 @@ def test_a_lightning_script_that_trains_at_import_replays_in_itself(recorded, mo
     lightning_logs/ in the working folder. The replay runs the script again with its Trainers quiet (no logger,
     no checkpoints) and takes the module over as training starts."""
     import replaybisect as rb
-    from replaybisect.restore import run_config
+    from replaybisect.replay.restore import run_config
 
     workspace, _, _ = recorded
     project, run_id = record_script(workspace, "lightning-project", "lightning_script.py", "0.3", expect="loss is inf at step 17")

@@ -266,7 +266,7 @@ def loads_and_applies(folder: Path, cfg) -> bool:
 
 
 def check_promise(run, area: str, corruption) -> None:
-    from replaybisect.restore import logged_losses, replay, restore
+    from replaybisect.replay.restore import logged_losses, replay, restore
 
     store, run_id, cfg, root = run
     description, corrupt = corruption

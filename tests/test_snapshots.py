@@ -19,7 +19,7 @@ import torch
 from conftest import EXAMPLES, FAST, REPLAY, Workspace
 from replaybisect.errors import SnapshotError
 from replaybisect.core import snapshot as fmt
-from replaybisect.restore import logged_losses, newest_good_snapshot, replay, restore
+from replaybisect.replay.restore import logged_losses, newest_good_snapshot, replay, restore
 
 MAX_KILL_TRIALS = 30  # kills until one lands mid-write (in practice one of the first few does)
 MIN_KILL_TRIALS = 3  # each trial is a `replay train` start-up (seconds of CPU); 3 random moments and one mid-write

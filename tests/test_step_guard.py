@@ -155,7 +155,7 @@ def test_a_disabled_scaler_still_stops_a_nan_gradient_before_the_update(nan_run)
 
 
 def test_replays_with_a_disabled_scaler_are_exact(nan_run):
-    from replaybisect.restore import logged_losses, replay, restore
+    from replaybisect.replay.restore import logged_losses, replay, restore
 
     workspace, result = nan_run
     store = workspace.store()
@@ -176,7 +176,7 @@ def test_replay_nan_names_the_backward_at_the_planted_step(nan_run):
 
 
 def test_a_norm_overflow_of_finite_gradients_trains_as_plain_pytorch(overflow_run):
-    from replaybisect.restore import logged_losses, replay, restore
+    from replaybisect.replay.restore import logged_losses, replay, restore
 
     workspace, result = overflow_run
     assert result["returncode"] == 0, result["stderr"]

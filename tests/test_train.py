@@ -95,7 +95,7 @@ def test_runs_lists_the_run(trained):
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
 def test_replay_from_every_snapshot_reproduces_every_loss_exactly(shared, precision):
     """Dropout, a scheduler and interleaved validation: replaying from any snapshot gives == losses."""
-    from replaybisect.restore import logged_losses, replay, restore
+    from replaybisect.replay.restore import logged_losses, replay, restore
 
     run_id = _train_here(shared, *FAST, f"train.precision={precision}", "scheduler=cosine", "model.dropout=0.2",
                          "train.val_every=7").run_id
@@ -112,7 +112,7 @@ def test_replay_from_every_snapshot_reproduces_every_loss_exactly(shared, precis
 
 def test_two_runs_of_one_config_log_identical_losses(workspace):
     """One by the installed command, one in this process: the same config gives the same losses either way."""
-    from replaybisect.restore import logged_losses
+    from replaybisect.replay.restore import logged_losses
 
     first = workspace.train(*FAST, "model.dropout=0.3")
     second = _train_here(workspace, *FAST, "model.dropout=0.3").to_json()
@@ -236,7 +236,7 @@ def test_planted_nan_stops_with_exit_3_tags_and_emergency_snapshot(workspace):
     # forward had already updated BatchNorm's running statistics in place when the step halted
     assert all(torch.isfinite(t).all() for name, t in emergency.tensors.items() if name.startswith("model/"))
     from replaybisect.core.state import live_tensors
-    from replaybisect.restore import replay, restore
+    from replaybisect.replay.restore import replay, restore
 
     restored = restore(store, result["run_id"], failing - 1)
     replay(restored, failing)
@@ -307,7 +307,7 @@ def test_ctrl_c_marks_the_run_killed_and_keeps_its_verified_snapshots(workspace)
     import time
 
     from conftest import REPLAY
-    from replaybisect.restore import newest_good_snapshot
+    from replaybisect.replay.restore import newest_good_snapshot
 
     store = workspace.store()  # create the SQLite store first: two processes migrating one new file collide
     process = subprocess.Popen(

@@ -20,7 +20,7 @@ import yaml
 
 import conftest
 from conftest import Workspace, assert_one_line_error
-from replaybisect import restore as restore_mod
+from replaybisect.replay import restore as restore_mod
 from replaybisect.errors import ReplayError
 from replaybisect.core.trust import BUILTIN_PREFIXES, CODE_DIR_ENV, TRUST_ENV, Trust, UntrustedConfig
 

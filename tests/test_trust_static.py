@@ -21,7 +21,7 @@ import yaml
 
 import conftest
 from conftest import EXAMPLES, Workspace, assert_one_line_error
-from replaybisect import restore as restore_mod
+from replaybisect.replay import restore as restore_mod
 from replaybisect.core import bindings
 from replaybisect.core.trust import BUILTIN_PREFIXES, CODE_DIR_ENV, TRUST_ENV, Trust, admit
 from replaybisect.errors import ConfigError, UntrustedConfig

@@ -60,7 +60,7 @@ def _record_in_process(workspace, folder: Path, monkeypatch, capsys, *args, scri
 def test_own_loop_replays_every_loss_exactly(shared, monkeypatch, capsys, precision):
     """Dropout, micro-batches, a scheduler the recorder steps, a GradScaler, and batches drawn from the global RNG
     between steps: replaying from every snapshot gives == losses."""
-    from replaybisect.restore import logged_losses, replay, restore, run_config
+    from replaybisect.replay.restore import logged_losses, replay, restore, run_config
 
     folder = _project(shared, HERE / "user_loop")
     run_id, printed = _record_in_process(shared, folder, monkeypatch, capsys, precision, 30, -1)
@@ -79,7 +79,7 @@ def test_own_loop_replays_every_loss_exactly(shared, monkeypatch, capsys, precis
 def test_an_lr_the_loop_sets_between_steps_is_replayed(shared, monkeypatch, capsys):
     """nanoGPT's way: no scheduler, the loop sets each step's lr (warmup, then decay) before calling the step.
     The recorder stores each step's lr with its batch and a replay sets it again: every loss is reproduced."""
-    from replaybisect.restore import logged_losses, replay, restore
+    from replaybisect.replay.restore import logged_losses, replay, restore
 
     folder = _project(shared, HERE / "user_loop")
     run_id, _ = _record_in_process(shared, folder, monkeypatch, capsys, "fp32", 30, -1, "loop")
@@ -97,7 +97,7 @@ def test_state_carried_between_steps_is_replayed_and_recomputed_by_each_arm(shar
     instead of replaying the recorded ones, so lr x0.1 fixes the overflow that plain PyTorch at that lr avoids
     (fed the recorded, exploding states, the arm would overflow too)."""
     from replaybisect.core.trust import Trust
-    from replaybisect.restore import logged_losses, replay, restore
+    from replaybisect.replay.restore import logged_losses, replay, restore
     from replaybisect.verbs.ablate.engine import ablate
     from replaybisect.verbs.nan.engine import find_nan
 
@@ -251,7 +251,7 @@ def _train_here(workspace, *overrides: str) -> str:
     pytest.param(("optim._target_=torch.optim.LBFGS", "~optim.weight_decay", "optim.lr=0.5", "+optim.max_iter=3"), id="lbfgs"),
 ])
 def test_builtin_step_variants_replay_exactly(shared, overrides):
-    from replaybisect.restore import logged_losses, replay, restore
+    from replaybisect.replay.restore import logged_losses, replay, restore
 
     run_id = _train_here(shared, "train.steps=20", *overrides)
     store = shared.store()
@@ -266,7 +266,7 @@ def test_builtin_step_variants_replay_exactly(shared, overrides):
 def test_accumulation_keeps_the_batch_and_the_mean_loss(shared):
     """accumulate=K splits each step's batch in K micro-batches: same data, same mean loss up to rounding
     (dropout off: its masks differ in shape)."""
-    from replaybisect.restore import logged_losses
+    from replaybisect.replay.restore import logged_losses
 
     store = shared.store()
     plain = logged_losses(store, _train_here(shared, "train.steps=1", "model.dropout=0"))

@@ -154,7 +154,7 @@ def project(workspace):
 
 
 def test_workers_run_replays_exactly_from_batches_built_without_workers(workspace, project):
-    from replaybisect.restore import logged_losses, replay, restore
+    from replaybisect.replay.restore import logged_losses, replay, restore
 
     # batches are not kept: the replay rebuilds every batch in-process (0 workers), with dropout drawing meanwhile
     result = workspace.train_here("train.num_workers=2", "snapshot.keep_batches=false", config_dir=project)

@@ -2,7 +2,7 @@
 `build`. A replay cannot import such a script (it trains when run) nor rebuild its objects, so it re-enters it:
 the script runs again in a child process, as the run recorded it (interpreter, command line, working folder), and
 its `Recorder`, finding itself in a replay, hands the live objects over at the loop's first `rec.step` instead of
-training. The replay (script_replay.py starts it, verbs/script_child.py runs inside the script) then loads the snapshot into those objects and drives the step function
+training. The replay (replay/script.py starts it, verbs/script_child.py runs inside the script) then loads the snapshot into those objects and drives the step function
 itself on the stored batches, learning rates and carry; copies for probes are saved and put back in place.
 
 This module is what both sides share: what a recording notes about the script (`script_entry`), the hand-over

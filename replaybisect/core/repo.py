@@ -115,7 +115,7 @@ def changed_sources(tag_value: Optional[str], modules: list[str]) -> list[str]:
     """What a replay should say about the run's own modules: each one whose file changed, or that is not found, since
     the run was recorded. `modules`: the modules the replay imports, named by the admitted config (never names read
     from the tag alone: finding a dotted module imports its package). (A re-entered script is never today's code: a
-    changed one is refused, script_replay.admitted_script.) A replay runs today's code, so a replay that no longer reproduces the run may be explained by
+    changed one is refused, replay.script.admitted_script.) A replay runs today's code, so a replay that no longer reproduces the run may be explained by
     one of these."""
     import importlib.util
     import json

@@ -23,119 +23,24 @@ ends FAILED and its last snapshot is the state before the failing step.
 
 from __future__ import annotations
 
-import contextlib
 import inspect
-import math
 import sys
 import time
-from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
 from transformers import Trainer, TrainerCallback
 
 from replaybisect.core import reentry
-from replaybisect.core.config import OnNonfinite
-from replaybisect.core.step_watch import StepOutcome, StepWatch
 from replaybisect.errors import ConfigError
+from replaybisect.record.recorder import _watch_unclosed, function_target, one_line_failures, open_session, own_sources, replay_config
+from replaybisect.record.trainer_steps import RecordingCallback, TrainerRecording
+from replaybisect.replay.hf import HF_BATCHES, HF_POSITIONS, _model_config, hf_step
 from replaybisect.store import end_fluent_run
-from replaybisect.record.recorder import (_checked_arguments, _watch_unclosed, function_target, loop_data_started, nonfinite_step,
-                                          one_line_failures, open_session, own_sources, replay_config)
 
 STEP_TARGET = "replaybisect.hf.hf_step"
 BUILD_TARGET = "replaybisect.hf.build"
-HF_BATCHES, HF_POSITIONS = "hf_batches", "hf_positions"  # a step's record: the model's keyword arguments per batch
-AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
-ATTENTION = ("eager", "sdpa", None)  # implementations a replay builds (others load kernels from the Hub)
 METRIC_PREFIX = "trainer/"
-
-
-# ---- replay: the objects and the step, without a Trainer ----------------------------------------------------
-def build(config) -> dict[str, Any]:
-    """The model from its class and config on the recorded device, the optimizer over the recorded parameter
-    groups, the Trainer's schedule, and fp16's GradScaler."""
-    from omegaconf import OmegaConf
-    from transformers import get_scheduler
-
-    from replaybisect.core.config import instantiate
-
-    model_class = instantiate(config.model, "the model")
-    model_class = getattr(model_class, "func", model_class)  # a partial of the class
-    model_config = model_class.config_class.from_dict(_model_config(config.model_config))
-    device = torch.device(config.trainer.device)
-    model = model_class(model_config).to(device)
-    named = dict(model.named_parameters())
-    optimizer_class = getattr(instantiate(config.optimizer["class"], "the optimizer"), "func", None)
-    groups = [{**OmegaConf.to_container(group.settings), "params": [named[name] for name in group.params]}
-              for group in config.optimizer.groups]
-    optimizer = optimizer_class(groups)
-    schedule = config.scheduler
-    scheduler = get_scheduler(schedule.name, optimizer, num_warmup_steps=schedule.warmup_steps,
-                              num_training_steps=schedule.training_steps,
-                              scheduler_specific_kwargs=OmegaConf.to_container(schedule.kwargs) if schedule.kwargs else None)
-    scaler = torch.amp.GradScaler(device.type) if config.trainer.precision == "fp16" else None
-    return {"model": model, "optimizer": optimizer, "scheduler": scheduler, "scaler": scaler}
-
-
-def _model_config(stored) -> dict:
-    """The model's config as plain data, with attention implementations this replay builds itself (at any depth:
-    a composite model's sub-configs name their own)."""
-    from omegaconf import OmegaConf
-
-    values = OmegaConf.to_container(stored, resolve=True)
-    _check_attention(values)
-    return values
-
-
-def _check_attention(node) -> None:
-    if isinstance(node, dict):
-        for key, value in node.items():
-            if key in ("attn_implementation", "_attn_implementation") and value not in ATTENTION:
-                raise ConfigError(f"the model's config asks for attention {value!r}; a replay builds eager or sdpa attention "
-                                  "only (others load code from the Hub)")
-            _check_attention(value)
-    elif isinstance(node, list):
-        for value in node:
-            _check_attention(value)
-
-
-def hf_step(model, optimizer, scheduler, scaler, batch, config):
-    """One optimizer step of the Trainer: each accumulated batch through the model under the precision's autocast,
-    its loss divided as the Trainer divided it, backward; then the clip at max_grad_norm, the update, and the
-    scheduler unless fp16 skipped the update.
-    Returns the sum of the backpropagated losses, which is what the Trainer adds up for its logged loss."""
-    from replaybisect.core.rng import restore_stored
-
-    settings = config.trainer
-    device = torch.device(settings.device)
-    dtype = AUTOCAST.get(settings.precision)
-    total = None
-    for inputs, position in zip(batch[HF_BATCHES], batch[HF_POSITIONS]):
-        if position["rng"] is not None:  # a later accumulated batch: the RNG state it started with
-            restore_stored(position["rng"], device)
-        with torch.autocast(device.type, dtype=dtype) if dtype is not None else contextlib.nullcontext():
-            outputs = model(**inputs)
-        loss = outputs["loss"] if isinstance(outputs, dict) else outputs[0]
-        if position["divisor"] != 1:
-            loss = loss / position["divisor"]
-        (scaler.scale(loss) if scaler is not None else loss).backward()
-        total = loss.detach() if total is None else total + loss.detach()
-    if scaler is not None:
-        scaler.unscale_(optimizer)
-    if settings.max_grad_norm > 0:  # (the recorder sees the gradients as this clip starts, as it did in the Trainer)
-        # model.parameters(), as the Trainer passes them: the total norm sums the parameters' norms in this order
-        torch.nn.utils.clip_grad_norm_(model.parameters(), settings.max_grad_norm)
-    skipped = False
-    if scaler is not None:
-        scale = scaler.get_scale()
-        scaler.step(optimizer)
-        scaler.update()
-        skipped = scaler.get_scale() < scale
-    else:
-        optimizer.step()
-    if scheduler is not None and not skipped:
-        scheduler.step()
-    return total
 
 
 # ---- recording: what the Trainer runs, as the config a replay needs ---------------------------------------
@@ -244,80 +149,20 @@ class _PrefixedMetrics:
         return self._mlflow.log_metrics({METRIC_PREFIX + key: value for key, value in metrics.items()}, *args, **kwargs)
 
 
-class ReplayCallback(TrainerCallback):
-    """Records the Trainer's run to MLflow so it can be replayed bit for bit (`replay nan --run-id ...`).
-
-    tracking_uri: the store when the Trainer logs to no MLflow run of its own (default: $MLFLOW_TRACKING_URI, else
-    ./mlflow.db). snapshot_every: a snapshot (model, optimizer, scheduler, scaler, RNG) every N optimizer steps, with
-    every batch in between. layer_stats_every: per-layer statistics every N steps. on_nonfinite: "stop"
-    (trainer.train raises NonFiniteStep) or "continue".
-    """
-
-    def __init__(self, *, tracking_uri: Optional[str] = None, experiment: Optional[str] = None, run_name: Optional[str] = None,
-                 snapshot_every: int = 100, layer_stats_every: int = 50, on_nonfinite: OnNonfinite = "stop"):
-        _checked_arguments(tracking_uri, experiment, run_name, None, snapshot_every, layer_stats_every, None, on_nonfinite)
-        self.tracking_uri, self.experiment, self.run_name = tracking_uri, experiment, run_name
-        self.snapshot_every, self.layer_stats_every, self.on_nonfinite = snapshot_every, layer_stats_every, on_nonfinite
-        self.run_id: Optional[str] = None
-        self.steps_taken = 0
-        self.first_nonfinite_step: Optional[int] = None
-        self._session = None
-        self._step: Optional[_StepInProgress] = None
-        self._undo: list = []  # what on_train_begin installed, undone at the end
+class ReplayCallback(RecordingCallback, TrainerCallback):
+    """Records the Trainer's run to MLflow so it can be replayed bit for bit (`replay nan --run-id ...`); its
+    arguments are RecordingCallback's (record/trainer_steps.py). tracking_uri is the store when the Trainer logs to
+    no MLflow run of its own."""
 
     # ---- the run ------------------------------------------------------------------------------------------
     def on_train_begin(self, args, state, control, model=None, optimizer=None, lr_scheduler=None, **kwargs):
-        from omegaconf import OmegaConf
-
-        from replaybisect.core.loop import BufferGuard, TrainState
-
         if reentry.replaying():
             raise ConfigError("a replay of a Trainer run needs no Trainer: run `replay nan --run-id ...` on the recorded run")
         one_line_failures()  # a refusal below, or the NonFiniteStep later, ends the script with its one line
-        trainer = _the_trainer()
-        settings = _trainer_settings(trainer, model)
-        torch_optimizer = getattr(trainer.optimizer, "optimizer", trainer.optimizer)  # accelerate's wrapper's
-        scheduler = getattr(trainer.lr_scheduler, "scheduler", trainer.lr_scheduler)
-        model_target, folder, name = _model_target(model)
-        user = {"model": model_target, "model_config": _model_config(OmegaConf.create(model.config.to_dict())),
-                "optimizer": _optimizer_record(torch_optimizer, model), "scheduler": _scheduler_record(trainer),
-                "trainer": settings}
-        self.cfg = replay_config(step_target=STEP_TARGET, build_target=BUILD_TARGET, config=user, seed=torch.initial_seed(),
-                                 precision=settings["precision"], snapshot_every=self.snapshot_every,
-                                 layer_stats_every=self.layer_stats_every, on_nonfinite=self.on_nonfinite,
-                                 steps=int(trainer.state.max_steps) or None)
-        self.state = TrainState(cfg=self.cfg, model=model, optimizer=torch_optimizer, scheduler=scheduler,
-                                scaler=getattr(trainer.accelerator, "scaler", None), loss_fn=None, step_fn=hf_step,
-                                device=next(model.parameters()).device, precision=settings["precision"],
-                                clip_grad_norm=None, user_loop=True, user_config=OmegaConf.create(user))
-        self._buffers = BufferGuard(model)
-        self.steps_taken, self.first_nonfinite_step, self._last_step_end = 0, None, None
-        tags = {"replaybisect.loop": "user", "replaybisect.trainer": "transformers", **own_sources(type(model))}
-        self._session = self._open_run(trainer, folder, tags, name)
-        self.run_id = self._session.run_id
-        with self._session.failure_ends_run():
-            self._session.write_config(self.cfg)
-            self._hooks = self._session.start_recording(self.cfg, self.state, {"seed": int(self.cfg.seed)}, runs_steps=False)
-        self._trainer = trainer
-        self._watch(trainer, model, torch_optimizer)
+        self._trainer = _the_trainer()
+        self.recording = _start_recording(self, self._trainer, model)
+        self._watch(self._trainer, model, self.recording.state.optimizer)
         _watch_unclosed(self)  # a train() that an exception ends: the run FAILED at exit, not left RUNNING
-
-    def _open_run(self, trainer: Trainer, folder, tags: dict, name: str):
-        """The MLflowCallback's run when it opened one (its metrics moved under trainer/), else a run of our own."""
-        from replaybisect.record.session import RunSession
-        from replaybisect.store import open_store
-
-        opened = _mlflow_run(trainer)
-        if opened is None:
-            return open_session(self.tracking_uri, self.experiment, folder, tags, self.run_name or f"train {name} (transformers)")
-        run_id, uri, callback = opened
-        original = callback._ml_flow
-        callback._ml_flow = _PrefixedMetrics(original)
-        self._undo.append(lambda: setattr(callback, "_ml_flow", original))
-        session = RunSession.attach(open_store(uri), run_id, code_folder=folder, tags=tags)
-        print(f"replaybisect: recording into the Trainer's MLflow run {run_id} at {session.store.uri}", file=sys.stderr)
-        one_line_failures()
-        return session
 
     def _watch(self, trainer: Trainer, model, torch_optimizer) -> None:
         """The step's moments at the Trainer's own calls: the model's training calls (each accumulated batch), the
@@ -344,50 +189,17 @@ class ReplayCallback(TrainerCallback):
                  model.register_forward_hook(self._after_forward),
                  register_optimizer_step_post_hook(lambda opt, *_: self._step.watch.updated()
                                                    if self._step is not None and opt is torch_optimizer else None)]
-        self._undo += [hook.remove for hook in hooks]
-        self._undo.append(lambda: (vars(accelerator).pop("backward", None), vars(accelerator).pop("clip_grad_norm_", None)))
-
-    @property
-    def _open(self) -> bool:
-        return self._session is not None and not self._session.ended
+        self.recording.undo += [hook.remove for hook in hooks]
+        self.recording.undo.append(lambda: (vars(accelerator).pop("backward", None), vars(accelerator).pop("clip_grad_norm_", None)))
 
     def on_train_end(self, args, state, control, **kwargs):
         self.close()
 
-    def close(self) -> None:
-        """Every pending write done, the run FINISHED (or FAILED after a non-finite step)."""
-        if self._open:
-            self._unwatch()
-            self._session.finish()
-
-    def _fail(self, error: BaseException) -> None:
-        """An exception ended train() (Ctrl-C: KILLED, else FAILED); what was recorded stays."""
-        if self._open:
-            self._unwatch()
-            self._session.fail(error)
-            end_fluent_run(self.run_id, "KILLED" if isinstance(error, KeyboardInterrupt) else "FAILED")
-
-    def _unwatch(self) -> None:
-        while self._undo:
-            self._undo.pop()()
-        if self._step is not None:
-            self._step.watch.close_forward()
-            self._step = None
-
     # ---- one step --------------------------------------------------------------------------------------------
     def on_step_begin(self, args, state, control, **kwargs):
         """An optimizer step begins (the Trainer calls this before its first accumulated batch)."""
-        from replaybisect.core import loop
-
-        if not self._open:
-            return
-        step = self.steps_taken
-        called = time.perf_counter()
-        loop.open_step(step, self.state, self._hooks, self._buffers)
-        outcome = StepOutcome(step=step, loss=math.nan, lr=float(self.state.optimizer.param_groups[0]["lr"]))
-        watch = StepWatch(self.state, outcome, self._hooks.observer(step), on_fault=self._nonfinite)
-        now = time.perf_counter()
-        self._step = _StepInProgress(watch=watch, started=now, data_started=loop_data_started(self._last_step_end, called, now))
+        if self._open:
+            self.recording.begin_step(time.perf_counter())
 
     def _before_forward(self, model, args, kwargs):
         """A training call of the model: one accumulated batch, its keyword arguments and the RNG state it starts with."""
@@ -399,95 +211,97 @@ class ReplayCallback(TrainerCallback):
         if args:
             self._fail_now(ConfigError("the model was called with positional arguments; the Trainer calls it with keywords "
                                        "(model(**inputs)), which is what ReplayCallback records"))
-        packed = user_step.pack(dict(kwargs), self.state.device)
-        if step.rng is None:
-            step.rng = packed[user_step.RECORD_RNG]
-        step.batches.append(packed[user_step.RECORD_BATCH])
-        step.positions.append({"rng": packed[user_step.RECORD_RNG] if len(step.batches) > 1 else None, "divisor": 1})
+        step.add(user_step.pack(dict(kwargs), self.recording.state.device), {"divisor": 1})
         step.watch.open_forward()
         return None
 
     def _after_forward(self, model, args, output):
         if self._step is not None and model.training and torch.is_grad_enabled():
-            loss = output["loss"] if isinstance(output, dict) else output[0]
-            self._step.forward_loss = loss
+            self._step.loss = output["loss"] if isinstance(output, dict) else output[0]  # the model's, as returned
 
     def _backward(self, loss: torch.Tensor) -> None:
         """The loss the Trainer backpropagates: the model's, or divided by the accumulation steps."""
         step = self._step
         if step is None or not step.positions:
             return
-        step.positions[-1]["divisor"] = self._divisor(loss, step.forward_loss, step.batches[-1])
-        step.forward_loss = None
+        step.positions[-1]["divisor"] = _divisor(self._trainer, loss, step.loss, step.batches[-1], self._fail_now)
+        step.loss = None
         step.watch.loss(loss)
-
-    def _divisor(self, backpropagated: torch.Tensor, returned: Optional[torch.Tensor], inputs: dict) -> int:
-        """What the Trainer divided the model's loss by before its backward: told by the values, and where a
-        non-finite loss cannot tell, by the Trainer's own rule (training_step: `loss_is_scaled_for_ga`)."""
-        trainer = self._trainer
-        divides = trainer.current_gradient_accumulation_steps
-        if returned is not None and bool(torch.isfinite(returned).all()):
-            if backpropagated is returned or torch.equal(backpropagated, returned):
-                return 1
-            if torch.equal(backpropagated, returned / divides):
-                return int(divides)
-            self._fail_now(ConfigError("the Trainer changed the model's loss before its backward in a way ReplayCallback "
-                                       "cannot repeat (not the model's loss, nor it divided by gradient_accumulation_steps)"))
-        scaled = getattr(trainer, "loss_is_scaled_for_ga", None)
-        if scaled is None:
-            scaled = bool(trainer.model_accepts_loss_kwargs and inputs.get("num_items_in_batch") is not None)
-        return 1 if scaled else int(divides)
 
     def on_step_end(self, args, state, control, **kwargs):
         """After the update and the scheduler: the step is recorded."""
-        step, self._step = self._step, None
-        if step is None:
-            return
-        outcome = step.watch.outcome
-        outcome.loss = step.watch.loss_so_far()
-        step.watch.settle()
-        ended = time.perf_counter()
-        self._hooks.after_step(outcome, step.record(), ended - step.started, step.started - step.data_started)
-        self.steps_taken = outcome.step + 1
-        self._last_step_end = time.perf_counter()  # after the recorder's own flush of the step
-
-    def _nonfinite(self) -> None:
-        """The step watch's fault: the state is still the one before this step. Stop: record it, end the run FAILED
-        and raise; continue: go on as the Trainer goes on."""
-        step = self._step
-        outcome = step.watch.outcome
-        if self.first_nonfinite_step is None:
-            self.first_nonfinite_step = outcome.step
-        if self._buffers.ask_as_before_step(lambda: self._hooks.on_nonfinite(outcome, step.record())):
-            return
-        self._step = None
-        step.watch.close_forward()
-        self._hooks.after_step(outcome, step.record(), time.perf_counter() - step.started, 0.0)
-        self._unwatch()
-        self._session.finish()
-        end_fluent_run(self.run_id, "FAILED")
-        raise nonfinite_step(outcome, self.run_id)
+        if self._step is not None:
+            self.recording.end_step(self._step.watch.loss_so_far())
 
     def _fail_now(self, error: BaseException) -> None:
         self._fail(error)
         raise error
 
 
-@dataclass
-class _StepInProgress:
-    """The optimizer step the Trainer is in: its accumulated batches and their positions, the RNG state it started
-    with, its watch."""
+def _start_recording(callback: ReplayCallback, trainer: Trainer, model) -> TrainerRecording:
+    """The Trainer's run as a replay rebuilds it (its config and state), opened (the MLflowCallback's run when it
+    opened one) and recording."""
+    from omegaconf import OmegaConf
 
-    watch: StepWatch
-    started: float
-    data_started: float
-    batches: list = field(default_factory=list)
-    positions: list = field(default_factory=list)
-    rng: Optional[dict] = None
-    forward_loss: Optional[torch.Tensor] = None
+    from replaybisect.core.loop import TrainState
 
-    def record(self) -> dict:
-        from replaybisect.core import user_step
+    settings = _trainer_settings(trainer, model)
+    torch_optimizer = getattr(trainer.optimizer, "optimizer", trainer.optimizer)  # accelerate's wrapper's
+    scheduler = getattr(trainer.lr_scheduler, "scheduler", trainer.lr_scheduler)
+    model_target, folder, name = _model_target(model)
+    user = {"model": model_target, "model_config": _model_config(OmegaConf.create(model.config.to_dict())),
+            "optimizer": _optimizer_record(torch_optimizer, model), "scheduler": _scheduler_record(trainer),
+            "trainer": settings}
+    cfg = replay_config(step_target=STEP_TARGET, build_target=BUILD_TARGET, config=user, seed=torch.initial_seed(),
+                        precision=settings["precision"], snapshot_every=callback.snapshot_every,
+                        layer_stats_every=callback.layer_stats_every, on_nonfinite=callback.on_nonfinite,
+                        steps=int(trainer.state.max_steps) or None)
+    state = TrainState(cfg=cfg, model=model, optimizer=torch_optimizer, scheduler=scheduler,
+                       scaler=getattr(trainer.accelerator, "scaler", None), loss_fn=None, step_fn=hf_step,
+                       device=next(model.parameters()).device, precision=settings["precision"],
+                       clip_grad_norm=None, user_loop=True, user_config=OmegaConf.create(user))
+    tags = {"replaybisect.loop": "user", "replaybisect.trainer": "transformers", **own_sources(type(model))}
+    session, undo = _open_run(callback, trainer, folder, tags, name)
+    with session.failure_ends_run():
+        session.write_config(cfg)
+        hooks = session.start_recording(cfg, state, {"seed": int(cfg.seed)}, runs_steps=False)
+    recording = TrainerRecording(session, cfg, state, hooks, (HF_BATCHES, HF_POSITIONS),
+                                 ended=lambda status: end_fluent_run(session.run_id, status))
+    recording.undo += undo
+    return recording
 
-        return {user_step.RECORD_BATCH: {HF_BATCHES: list(self.batches), HF_POSITIONS: list(self.positions)},
-                user_step.RECORD_RNG: self.rng}
+
+def _open_run(callback: ReplayCallback, trainer: Trainer, folder, tags: dict, name: str):
+    """(session, what to undo at the end): the MLflowCallback's run when it opened one (its metrics moved under
+    trainer/), else a run of our own."""
+    from replaybisect.record.session import RunSession
+    from replaybisect.store import open_store
+
+    opened = _mlflow_run(trainer)
+    if opened is None:
+        return open_session(callback.tracking_uri, callback.experiment, folder, tags,
+                            callback.run_name or f"train {name} (transformers)"), []
+    run_id, uri, mlflow_callback = opened
+    original = mlflow_callback._ml_flow
+    mlflow_callback._ml_flow = _PrefixedMetrics(original)
+    session = RunSession.attach(open_store(uri), run_id, code_folder=folder, tags=tags)
+    print(f"replaybisect: recording into the Trainer's MLflow run {run_id} at {session.store.uri}", file=sys.stderr)
+    one_line_failures()
+    return session, [lambda: setattr(mlflow_callback, "_ml_flow", original)]
+
+
+def _divisor(trainer: Trainer, backpropagated: torch.Tensor, returned: Optional[torch.Tensor], inputs: dict, fail) -> int:
+    """What the Trainer divided the model's loss by before its backward: told by the values, and where a non-finite
+    loss cannot tell, by the Trainer's own rule (training_step: `loss_is_scaled_for_ga`)."""
+    divides = trainer.current_gradient_accumulation_steps
+    if returned is not None and bool(torch.isfinite(returned).all()):
+        if backpropagated is returned or torch.equal(backpropagated, returned):
+            return 1
+        if torch.equal(backpropagated, returned / divides):
+            return int(divides)
+        fail(ConfigError("the Trainer changed the model's loss before its backward in a way ReplayCallback cannot "
+                         "repeat (not the model's loss, nor it divided by gradient_accumulation_steps)"))
+    scaled = getattr(trainer, "loss_is_scaled_for_ga", None)
+    if scaled is None:
+        scaled = bool(trainer.model_accepts_loss_kwargs and inputs.get("num_items_in_batch") is not None)
+    return 1 if scaled else int(divides)

@@ -1,4 +1,4 @@
-"""The child side of a script's replay (replaybisect/script_replay.py starts it): a process forked from the
+"""The child side of a script's replay (replaybisect/replay/script.py starts it): a process forked from the
 preloaded server (core/processes.py) running `forked_main`, or, where the script's folder would shadow a preloaded
 library, `python -m replaybisect.verbs.script_child JOB`. It runs the user's script as `python script.py ARGS` would,
 with writes into the user's folders refused; the script's Recorder hands its objects over at the first `rec.step`
@@ -199,7 +199,7 @@ def _memory(job: dict[str, Any], log: Callable[[str], None]) -> Any:
 
 
 def _verify(job: dict[str, Any], log: Callable[[str], None]) -> Any:
-    from replaybisect import restore as restore_mod
+    from replaybisect.replay import restore as restore_mod
     from replaybisect.verbs.verify.engine import replay_segment
 
     store, device, trust = _opened(job)

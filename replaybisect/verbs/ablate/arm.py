@@ -155,7 +155,7 @@ def _by_step(values: dict[int, float]) -> dict[str, float]:
 
 def _replay_arm(spec: dict[str, Any], on_step: Optional[Callable[[int], None]] = None) -> dict[str, Any]:
     """Replay one arm from its snapshot to the horizon; reads the store, writes nothing."""
-    from replaybisect import restore as restore_mod
+    from replaybisect.replay import restore as restore_mod
     from replaybisect.core.inline_step import LoopEnded
     from replaybisect.store import open_store
 

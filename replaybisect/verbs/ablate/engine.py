@@ -50,11 +50,11 @@ ARM_STEP = "arm step "  # a script's arm reports each replayed step on its progr
 
 def _run_in_scripts(specs: list[dict], store, run_id: str, cfg, trust: Trust, workers: int,
                     progress: Optional[ProgressFn]) -> dict[str, dict]:
-    """A run recorded from a script: each arm runs the script again and replays inside it (script_replay, the
+    """A run recorded from a script: each arm runs the script again and replays inside it (replay/script.py, the
     script's own objects in a process of their own), `workers` scripts at a time."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from replaybisect.script_replay import run_in_script, stop_all
+    from replaybisect.replay.script import run_in_script, stop_all
 
     def one(spec: dict) -> dict:
         arm = spec["arm"]
@@ -95,7 +95,7 @@ def _baseline_outcome(raw: dict, plan: ArmPlan) -> tuple[ArmOutcome, bool, Optio
 
 def _keep_warnings(plan: ArmPlan, raw: dict) -> None:
     """An arm's warnings in the ablation's, each once (every arm meets the same damaged snapshot)."""
-    from replaybisect.restore import add_warning
+    from replaybisect.replay.restore import add_warning
 
     for warning in raw.get("warnings", []):
         add_warning(plan.warnings, warning)
@@ -259,7 +259,7 @@ class _Runner:
 
 def _reproduced(losses: dict[int, float], logged: dict[int, float], failing_step: Optional[int]) -> str:
     """The baseline's losses against the recorded ones, before the failure (exact | close | diverged)."""
-    from replaybisect.restore import CLOSE_RELATIVE, relative_error, same_loss
+    from replaybisect.replay.restore import CLOSE_RELATIVE, relative_error, same_loss
 
     compared = [(logged[s], v) for s, v in losses.items() if s in logged and (failing_step is None or s < failing_step)]
     if not compared:

@@ -47,7 +47,7 @@ def _absolute_uri(uri: str) -> str:
 
 def _choose_snapshot(store, run_id: str, failing_step: Optional[int], from_step: Optional[int], onset: Optional[int],
                      warnings: list[str]):
-    from replaybisect import restore as restore_mod
+    from replaybisect.replay import restore as restore_mod
 
     if from_step is not None:
         return restore_mod.newest_good_snapshot(store, run_id, from_step, warnings), from_step
@@ -121,7 +121,7 @@ def _suggested_arms(specs: list[ArmSpec], grad_norms: list[float]) -> list[ArmSp
 def plan_arms(store, run_id: str, specs: list[ArmSpec], from_step: Optional[int], horizon: int, trust: Trust,
                patch_path: Optional[Path] = None):
     """(the arms' plan, the snapshot they start from)."""
-    from replaybisect import restore as restore_mod
+    from replaybisect.replay import restore as restore_mod
 
     cfg = restore_mod.run_config(store, run_id, trust)  # RunNotFound first
     if patch_path is not None and cfg.train.get("script") is not None:  # before the patch is read, let alone imported

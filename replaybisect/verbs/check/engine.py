@@ -193,7 +193,7 @@ def check(
         if cfg_of_run.train.get("script") is not None and not reentry.replaying():  # checked inside the script, run again
             from dataclasses import asdict
 
-            from replaybisect.script_replay import run_in_script
+            from replaybisect.replay.script import run_in_script
 
             arguments = {"step": step, "options": asdict(options)}
             report = CheckReport.from_full_json(run_in_script("check", store, run_id, cfg_of_run, trust, arguments,
@@ -222,7 +222,7 @@ def check(
 
 def _recorded_config(store, run_id: str, trust):
     """The config of a run the checks can read (refused in one line otherwise), admitted as `trust` says."""
-    from replaybisect import restore as restore_mod
+    from replaybisect.replay import restore as restore_mod
 
     if store is None:
         raise ReplayError(f"checking run {run_id} needs the store it was recorded in")
@@ -243,7 +243,7 @@ def _recorded_config(store, run_id: str, trust):
 
 def _recorded_context(store, run_id: str, step: Optional[int], options: CheckOptions, cfg):
     """A recorded run rebuilt for the checklist: (context, snapshot step or None, why that snapshot, warnings)."""
-    from replaybisect import restore as restore_mod
+    from replaybisect.replay import restore as restore_mod
     from replaybisect.core import ranks
     from replaybisect.verbs.check import recorded
 

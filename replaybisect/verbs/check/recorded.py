@@ -7,7 +7,8 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
-from replaybisect import restore as restore_mod
+from replaybisect.replay import restore as restore_mod
+from replaybisect.core import tags
 from replaybisect.core.growth import growth_onset
 from replaybisect.errors import ReplayError
 
@@ -33,7 +34,7 @@ class PeakLr:
 def last_step(store, run_id: str) -> Optional[int]:
     """The run's last step: its last logged loss, or its failing step when later (a non-finite loss is logged too)."""
     steps = [step for step, _ in store.metric_history(run_id, "loss")]
-    failing = restore_mod.failing_step(store, run_id)
+    failing = tags.failing_step(store, run_id)
     candidates = steps + ([failing] if failing is not None else [])
     return max(candidates) if candidates else None
 
@@ -46,7 +47,7 @@ def choose_snapshot(store, run_id: str, requested: Optional[int]) -> SnapshotCho
     steps = restore_mod.snapshot_steps(store, run_id)
     if requested is not None:
         return _requested(store, run_id, steps, requested)
-    failing = restore_mod.failing_step(store, run_id)
+    failing = tags.failing_step(store, run_id)
     if not steps:
         return SnapshotChoice(None, "the run has no snapshots: its config at initialization", failing)
     if failing is None:
@@ -81,7 +82,7 @@ def _requested(store, run_id: str, steps: list[int], requested: int) -> Snapshot
         raise ReplayError(f"run {run_id} has no snapshot at or before step {requested}: {held}")
     chosen = at_or_before[-1]
     reason = f"the snapshot at --step {requested}" if chosen == requested else f"the newest snapshot at or before --step {requested}"
-    return SnapshotChoice(chosen, reason, restore_mod.failing_step(store, run_id))
+    return SnapshotChoice(chosen, reason, tags.failing_step(store, run_id))
 
 
 def _listed(steps: list[int]) -> str:

@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from replaybisect import restore as restore_mod
+from replaybisect.replay import restore as restore_mod
 from replaybisect.core import reentry
 from replaybisect.errors import SnapshotError
 from replaybisect.store import Store
@@ -74,7 +74,7 @@ def memory(store: Store, run_id: str, step: Optional[int] = None, *, steps: int 
     log = log or (lambda message: None)
     cfg = restore_mod.run_config(store, run_id, trust)
     if cfg.train.get("script") is not None and not reentry.replaying():  # a script's loop: watched inside the script
-        from replaybisect.script_replay import run_in_script
+        from replaybisect.replay.script import run_in_script
 
         arguments = {"step": step, "steps": steps, "device": str(device) if device is not None else None}
         return MemoryReport.from_json(run_in_script("memory", store, run_id, cfg, trust, arguments, log))

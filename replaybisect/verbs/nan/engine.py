@@ -21,8 +21,9 @@ import time
 from typing import Any, Callable, Optional
 
 from replaybisect.errors import ReplayError, SnapshotError
-from replaybisect import restore as restore_mod
+from replaybisect.replay import restore as restore_mod
 from replaybisect.core import reentry
+from replaybisect.core.tags import failing_step
 from replaybisect.store import Store
 from replaybisect.verbs.nan.divergence import LayerHistory, buffer_scaling, recorded_layer_series
 from replaybisect.verbs.nan.copies import StepResults, bits, fingerprint, on_copy, plain_run
@@ -54,7 +55,7 @@ def find_nan(
     timings: dict[str, float] = {}
     started = time.perf_counter()
     tags = store.tags(run_id)  # RunNotFound: one line, exit 2
-    recorded = restore_mod.failing_step(store, run_id)
+    recorded = failing_step(store, run_id)
     losses = restore_mod.logged_losses(store, run_id)
     grad_norms = dict(store.metric_history(run_id, "grad_norm"))
     target = target_step(run_id, step, recorded, tags, losses, grad_norms)  # (rank 0's: the same on every rank)
@@ -62,7 +63,7 @@ def find_nan(
     here = ranks.replaying_rank()  # replay nan --nproc: each rank compares its own logged losses
     own_losses = restore_mod.logged_losses(store, run_id, here[0]) if here is not None else losses
     if cfg.train.get("script") is not None and not reentry.replaying():  # a script's run: diagnosed inside the script
-        from replaybisect.script_replay import run_in_script
+        from replaybisect.replay.script import run_in_script
 
         arguments = {"step": step, "device": str(device) if device is not None else None}
         return NanReport.from_json(run_in_script("nan", store, run_id, cfg, trust, arguments, log))

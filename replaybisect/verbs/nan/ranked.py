@@ -61,7 +61,7 @@ def answer(store, request, log: Optional[Callable[[str], None]] = None):
 
     if request.nproc is None:
         return find_nan(store, request.run_id, request.step, device=request.torch_device, trust=request.trusted, log=log)
-    from replaybisect.restore import run_config
+    from replaybisect.replay.restore import run_config
 
     check_nproc(run_config(store, request.run_id, request.trusted), request.run_id, request.nproc, request.device)
     return find_nan_on_ranks(store, request.run_id, request.step, request.nproc, code_dirs=request.code_dirs,

@@ -9,7 +9,7 @@ import math
 from typing import Any, Optional
 
 from replaybisect.errors import SnapshotError
-from replaybisect import restore as restore_mod
+from replaybisect.replay import restore as restore_mod
 from replaybisect.verbs.nan.divergence import LayerHistory, decide, moderate_fault
 from replaybisect.verbs.nan.copies import StepResults, on_copy
 from replaybisect.core.trend import fmt

@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Optional
 
-from replaybisect import restore as restore_mod
+from replaybisect.replay import restore as restore_mod
 from replaybisect.core import reentry
 from replaybisect.core.jsonutil import from_jsonable
 from replaybisect.core.faults import device_label
@@ -131,7 +131,7 @@ def _segments(store: Store, run_id: str, start: int, end: int) -> list[tuple[int
 def _replay_segment(store, run_id, cfg, trust, device, snapshot: int, end: int, log) -> dict[str, dict[int, float]]:
     """The losses and gradient norms of the steps snapshot..end-1 replayed from that snapshot."""
     if cfg.train.get("script") is not None and not reentry.replaying():  # a script's run: replayed inside the script
-        from replaybisect.script_replay import run_in_script
+        from replaybisect.replay.script import run_in_script
 
         arguments = {"snapshot": snapshot, "end": end, "device": str(device) if device is not None else None}
         result = from_jsonable(run_in_script("verify", store, run_id, cfg, trust, arguments, log))  # (a NaN loss came as text)

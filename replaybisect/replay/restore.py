@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
 from replaybisect.core import faults
-from replaybisect.core.tags import failing_step  # noqa: F401  (restore.failing_step, as before)
 from replaybisect.core import config as config_mod
 from replaybisect.core import provenance
 from replaybisect.errors import ConfigError, ReplayError, SnapshotError
@@ -49,7 +48,7 @@ def run_config(store: Store, run_id: str, trust: Optional[Trust] = None):
     artifacts = store.local_artifact_dir(run_id)  # <root>/<experiment>/<run>/artifacts: never a code folder
     artifact_root = artifacts.parents[2] if artifacts else None
     if cfg.train.get("script") is not None:  # a script's run: its file and command line, before anything is imported
-        from replaybisect.script_replay import admitted_script
+        from replaybisect.replay.script import admitted_script
 
         admitted_script(cfg, trust, run_id, artifact_root, tags)
     admit(cfg, trust, code_dir, source=f"run {run_id}", artifact_root=artifact_root)
