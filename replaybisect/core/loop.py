@@ -405,10 +405,31 @@ def build_data(cfg) -> tuple[BatchSource, Any]:
 
 # ---- one step --------------------------------------------------------------------------------
 def autocast(state: TrainState):
-    dtype = AUTOCAST_DTYPES[state.precision]
+    return autocast_region(state.device.type, state.precision)
+
+
+def autocast_region(device_type: str, precision: str):
+    dtype = AUTOCAST_DTYPES[precision]
     if dtype is None:
         return contextlib.nullcontext()
-    return torch.autocast(device_type=state.device.type, dtype=dtype)
+    return torch.autocast(device_type=device_type, dtype=dtype)
+
+
+def forward_backward(model, micro_batches: list, step_fn, loss_fn, *, device_type: str, precision: str, scaler=None,
+                     on_forward: Optional[Callable[[], None]] = None,
+                     on_loss: Optional[Callable[[torch.Tensor, torch.Tensor], None]] = None) -> None:
+    """The built-in step's forward and backward, written once (the step, its closure, a DDP rank's step): each
+    micro-batch's loss under the precision's autocast, divided over the micro-batches, backpropagated (fp16: scaled).
+    `on_forward` runs as each forward begins, `on_loss(loss, part)` before each backward."""
+    for micro_batch in micro_batches:
+        if on_forward is not None:
+            on_forward()
+        with autocast_region(device_type, precision):
+            loss = step_fn(model, micro_batch, loss_fn)
+        part = loss / len(micro_batches) if len(micro_batches) > 1 else loss
+        if on_loss is not None:
+            on_loss(loss, part)
+        (scaler.scale(part) if scaler is not None else part).backward()
 
 
 def to_device(batch, device: torch.device):
@@ -471,13 +492,8 @@ def _builtin_step(state: TrainState, watch: StepWatch, batch) -> None:
 
     # 1. forward, loss and backward, per micro-batch; fp16 scales the loss and unscales the gradients
     micro_batches = split_batch(batch, state.accumulate)
-    for micro_batch in micro_batches:
-        watch.open_forward()
-        with autocast(state):
-            loss = state.step_fn(model, micro_batch, state.loss_fn)
-        part = loss / len(micro_batches) if len(micro_batches) > 1 else loss
-        watch.loss(loss, part)
-        (scaler.scale(part) if scaler else part).backward()
+    forward_backward(model, micro_batches, state.step_fn, state.loss_fn, device_type=state.device.type,
+                     precision=state.precision, scaler=scaler or None, on_forward=watch.open_forward, on_loss=watch.loss)
     outcome.loss = watch.running_loss if watch.defer_reads else watch.loss_so_far()
     if scaler:
         watch.judge_losses()  # (deferred reads: a halt comes before the unscale, which a halted step must not make)
@@ -505,13 +521,12 @@ def _closure(state: TrainState, micro_batches: list):
     The step's first evaluation (above) is what is logged and observed; the closure's are the optimizer's own."""
     def closure():
         state.optimizer.zero_grad(set_to_none=True)
-        total = None
-        for micro_batch in micro_batches:
-            with autocast(state):
-                loss = state.step_fn(state.model, micro_batch, state.loss_fn)
-            part = loss / len(micro_batches) if len(micro_batches) > 1 else loss
-            part.backward()
-            total = part.detach() if total is None else total + part.detach()
+        parts = []
+        forward_backward(state.model, micro_batches, state.step_fn, state.loss_fn, device_type=state.device.type,
+                         precision=state.precision, on_loss=lambda loss, part: parts.append(part.detach()))
+        total = parts[0]
+        for part in parts[1:]:
+            total = total + part
         return total
 
     return closure

@@ -11,7 +11,6 @@ is the composed config, so `replay nan`, `ablate` and `check --run-id` rebuild i
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import sys
@@ -90,15 +89,8 @@ def train_step(model, optimizer, scaler, batch, config) -> None:
     from replaybisect.core import loop
 
     settings = step_settings(config)
-    device = next(model.parameters()).device
-    dtype = loop.AUTOCAST_DTYPES[settings.precision]
-    micro_batches = loop.split_batch(batch, settings.accumulate)
-    for micro_batch in micro_batches:
-        region = torch.autocast(device_type=device.type, dtype=dtype) if dtype is not None else contextlib.nullcontext()
-        with region:
-            loss = settings.step_fn(model, micro_batch, settings.loss_fn)
-        part = loss / len(micro_batches) if len(micro_batches) > 1 else loss
-        (scaler.scale(part) if scaler is not None else part).backward()
+    loop.forward_backward(model, loop.split_batch(batch, settings.accumulate), settings.step_fn, settings.loss_fn,
+                          device_type=next(model.parameters()).device.type, precision=settings.precision, scaler=scaler)
     if scaler is not None:
         scaler.step(optimizer)
         scaler.update()
