@@ -21,7 +21,7 @@ import secrets
 import stat
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping, Optional
+from typing import Mapping
 
 from replaybisect.errors import ReplayError, UntrustedConfig
 

@@ -28,8 +28,8 @@ from replaybisect.core.jobs import JobSettings
 from replaybisect.verbs.ablate.request import DEFAULT_HORIZON, AblateRequest, check_options, parse_arms
 from replaybisect.verbs.ablate.arm import run_arm
 from replaybisect.verbs.ablate.executors import ProgressFn, run_here, run_local, run_submitit, local_pool
-from replaybisect.verbs.ablate.outcome import (AblationResult, ArmOutcome, BLOWUP_FACTOR, FINAL_WINDOW,
-    finish_outcome, conclusion_text, divergence_onset, judge_arm, judge_baseline, last_step_of)
+from replaybisect.verbs.ablate.outcome import (AblationResult, ArmOutcome, BLOWUP_FACTOR, finish_outcome,
+    conclusion_text, divergence_onset, judge_arm, judge_baseline)
 from replaybisect.verbs.ablate.plan import ArmPlan, arm_specs, auto_workers, plan_arms
 
 __all__ = ["ablate", "run_arm", "judge_arm", "judge_baseline", "conclusion_text", "divergence_onset", "parse_arms",

@@ -34,7 +34,7 @@ def _rows(result) -> list[tuple[Any, ...]]:
 
 
 def _definitions(result) -> str:
-    from replaybisect.verbs.ablate.engine import BLOWUP_FACTOR, FINAL_WINDOW
+    from replaybisect.verbs.ablate.outcome import BLOWUP_FACTOR, FINAL_WINDOW
 
     reference = (
         f"the loss blows up when the mean of an arm's last {FINAL_WINDOW} losses exceeds {BLOWUP_FACTOR:g}x the "
@@ -63,7 +63,7 @@ def _header(result) -> str:
 def last_step_run(result) -> int:
     """The last step the arms that stayed finite ran: the horizon's end, or sooner where a script's own loop ended
     first (an arm that failed stopped at its failure, which says nothing of the loop's end)."""
-    from replaybisect.verbs.ablate.engine import last_step_of
+    from replaybisect.verbs.ablate.outcome import last_step_of
 
     finite = [arm for arm in (result.baseline, *result.arms) if arm.first_nonfinite_step is None and arm.losses and not arm.error]
     return max((last_step_of(arm, result.end_step) for arm in finite), default=result.end_step - 1)

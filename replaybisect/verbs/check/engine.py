@@ -31,7 +31,7 @@ from replaybisect.verbs.check.context import (Check, CheckContext, CheckOptions,
 from replaybisect.verbs.check.probes import first_line
 from replaybisect.verbs.check import checks_data, checks_model, checks_training  # noqa: F401  (each registers its checks)
 
-__all__ = ["Check", "CheckContext", "CheckOptions", "CheckReport", "REGISTRY", "check", "register_check", "run_checks"]
+__all__ = ["Check", "CheckContext", "CheckOptions", "CheckReport", "REGISTRY", "check", "loss_floor", "register_check", "run_checks"]
 
 
 # ---- running the checklist ----------------------------------------------------------------------------------------

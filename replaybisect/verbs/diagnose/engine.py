@@ -19,10 +19,10 @@ from replaybisect.errors import ReplayError
 from replaybisect.store import Store
 from replaybisect.verbs.diagnose.curves import Curves, Series, load_curves
 from replaybisect.verbs.diagnose.findings import (DETECTORS, Diagnosis, Finding, Skip, initial_loss, loss_levels,
-    rounded, detector, rolling_median)
+    rounded, detector)
 from replaybisect.verbs.diagnose import detect_failures, detect_gradients, detect_learning, detect_loop  # noqa: F401  (each registers its detectors)
 
-__all__ = ["Finding", "Diagnosis", "Curves", "DETECTORS", "detector", "diagnose", "load_curves", "analyse"]
+__all__ = ["Finding", "Diagnosis", "Curves", "Series", "DETECTORS", "detector", "diagnose", "load_curves", "analyse"]
 
 
 # ---- the analysis ----------------------------------------------------------------------------------------
