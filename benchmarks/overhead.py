@@ -1,0 +1,327 @@
+"""The recorder's cost on every recording path, measured to about 1%: plain and recorded training of the same model
+interleaved in one process, block by block (ABBA: the order flips every pair), so that drift in the machine's speed
+(other processes, frequency, the allocator's state) lands on both sides of each pair.
+
+    python benchmarks/overhead.py [--paths train,recorder,inline,ddp,lightning,hf] [--pairs 20] [--block 100]
+
+Each path runs in its own process, with one thread (torch.set_num_threads(1), OMP_NUM_THREADS=1) and glibc's heap
+trimming off (MALLOC_TRIM_THRESHOLD_ and MALLOC_MMAP_THRESHOLD_ at 256 MiB: otherwise a loop that frees every batch
+pays page faults that one keeping a few tensors alive does not, which alone moved these ratios by up to 20%). In
+it, two copies of the model train: one plain, one recorded with the path's defaults (metrics every step, a snapshot
+every 100 steps with every batch in between, layer statistics every 50). A block is `--block` steps of one copy;
+a recorded block's time includes waiting for the recorder's background writes it started, so none of its work
+spills into the next plain block. Each pair gives a ratio recorded/plain; printed: the median ratio and its 95%
+interval (bootstrap over pairs, 2,000 resamples), the plain step time, and the spread of the pairs.
+
+- train: `replay train`'s built-in loop (a 5.2M-parameter MLP, AdamW, batch 64): recorded against the same loop
+  with no recorder (snapshot.enabled=false).
+- recorder: examples/own_loop/gpt_loop.py's GPT (width 128, 4 layers, 4 micro-batches, AdamW, bf16 autocast),
+  `rec.step(batch)` with its step function against calling the step function.
+- inline: the same loop calling its step itself, the Recorder watching (its optimizer hooks stay installed for the
+  recorder's life, so the plain blocks pay their identity check too: a cost this path does not count).
+- ddp: the `recorder` path with the model wrapped in DistributedDataParallel in a one-process gloo group.
+- lightning: the GPT as a LightningModule (bf16-mixed, 4 accumulated batches, clip 5), `trainer.fit` with and
+  without ReplayCallback; a block is one fit of block + 1 steps, timed from its second step to its last (and the
+  writes pending then): the run's start and end are one-off costs, left out as the other paths' are. Its step-0
+  snapshot is the block's one snapshot: the default rate (one per 100 steps) at `--block 100`.
+- hf: a GPT-2 from GPT2Config (width 128, 4 layers, context 64, batch 8, accumulation 2), `Trainer.train()` with and
+  without ReplayCallback, timed as lightning's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable
+
+HERE = Path(__file__).resolve().parent
+EXAMPLE = HERE.parent / "examples" / "own_loop"
+PATHS = ("train", "recorder", "inline", "ddp", "lightning", "hf")
+PINNED = {"MALLOC_TRIM_THRESHOLD_": str(2**28), "MALLOC_MMAP_THRESHOLD_": str(2**28), "OMP_NUM_THREADS": "1",
+          "MKL_NUM_THREADS": "1"}
+
+
+# ---- the measurement: plain and recorded blocks, interleaved ----------------------------------------------------
+def interleaved(plain: Callable[[], float], recorded: Callable[[], float], pairs: int) -> list[tuple[float, float]]:
+    """(plain seconds, recorded seconds) per pair, after one discarded pair of warm-up; the order flips each pair."""
+    plain(), recorded()
+    measured = []
+    for pair in range(pairs):
+        if pair % 2 == 0:
+            a = plain()
+            b = recorded()
+        else:
+            b = recorded()
+            a = plain()
+        measured.append((a, b))
+    return measured
+
+
+def median_interval(ratios: list[float], resamples: int = 2000, seed: int = 0) -> tuple[float, float, float]:
+    """The median ratio and a 95% bootstrap interval for it."""
+    rng = random.Random(seed)
+    medians = sorted(statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(resamples))
+    return statistics.median(ratios), medians[int(0.025 * resamples)], medians[int(0.975 * resamples) - 1]
+
+
+def timed_steps(step: Callable[[object], object], batches: list, block: int, drain: Callable[[], None] = lambda: None):
+    """A block function: `block` steps over the batches (cycled), then `drain` (the recorder's pending writes)."""
+    position = [0]
+
+    def run() -> float:
+        started = time.perf_counter()
+        for _ in range(block):
+            step(batches[position[0] % len(batches)])
+            position[0] += 1
+        drain()
+        return time.perf_counter() - started
+
+    return run
+
+
+def writes_done(hooks) -> Callable[[], None]:
+    """Waits until the recorder's single writer thread has done everything queued so far."""
+    return lambda: hooks._worker.submit(lambda: None).result()
+
+
+# ---- the paths ---------------------------------------------------------------------------------------------------
+def gpt_setup(folder: str, wrap_ddp: bool = False):
+    import torch
+    from omegaconf import OmegaConf
+
+    sys.path[:0] = [str(EXAMPLE), str(HERE)]
+    import gpt_loop
+
+    cfg = OmegaConf.merge(OmegaConf.load(EXAMPLE / "config.yaml"),
+                          {"lr": 1e-3, "d": 128, "layers": 4, "heads": 4, "T": 64, "micro_batch": 8})
+    generator = torch.Generator().manual_seed(0)
+    batches = [gpt_loop.get_batch(cfg, generator) for _ in range(64)]
+    os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{folder}/mlflow.db"
+    if wrap_ddp:
+        import ddp_overhead
+
+        return cfg, batches, ddp_overhead.build, ddp_overhead.train_step
+    return cfg, batches, gpt_loop.build, gpt_loop.train_step
+
+
+def path_recorder(folder: str, block: int, wrap_ddp: bool = False):
+    import replaybisect
+
+    cfg, batches, build, train_step = gpt_setup(folder, wrap_ddp)
+    plain_model, plain_optimizer = build(cfg)
+    model, optimizer = build(cfg)
+    rec = replaybisect.Recorder(model, optimizer, step_fn=train_step, build=build, config=cfg)
+    plain = timed_steps(lambda batch: train_step(plain_model, plain_optimizer, batch), batches, block)
+    return plain, timed_steps(rec.step, batches, block, writes_done(rec._hooks)), rec.close
+
+
+def path_inline(folder: str, block: int):
+    import replaybisect
+
+    cfg, batches, build, train_step = gpt_setup(folder)
+    plain_model, plain_optimizer = build(cfg)
+    model, optimizer = build(cfg)
+    rec = replaybisect.Recorder(model, optimizer, config=cfg)
+    plain = timed_steps(lambda batch: train_step(plain_model, plain_optimizer, batch), batches, block)
+    recorded = timed_steps(lambda batch: train_step(model, optimizer, batch), batches, block, writes_done(rec._hooks))
+    return plain, recorded, rec.close
+
+
+def path_ddp(folder: str, block: int):
+    import torch
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29500 + os.getpid() % 1000))
+    torch.distributed.init_process_group("gloo", rank=0, world_size=1)
+    return path_recorder(folder, block, wrap_ddp=True)
+
+
+def path_train(folder: str, block: int):
+    from replaybisect.core import config, loop
+    from replaybisect.record.hooks import NullHooks
+    from replaybisect.record.session import RunSession
+    from replaybisect.store import open_store
+
+    overrides = ["model.hidden=1600", "model.depth=3", "model.dropout=0.0", "train.steps=100000", "train.batch_size=64",
+                 "train.val_every=0", "snapshot.every=100", "snapshot.layer_stats_every=50"]
+    cfg = config.compose(None, "config", overrides)
+    plain_state, state = loop.build_state(cfg), loop.build_state(cfg)
+    source, _ = loop.build_data(cfg)
+    session = RunSession.open(open_store(f"sqlite:///{folder}/mlflow.db"), code_folder=Path(folder))
+    session.write_config(cfg)
+    reader = loop.read_ahead(source, 0)
+    batches = reader.__enter__()
+    hooks = session.start_recording(cfg, state, {"seed": cfg.seed, "batch_size": cfg.train.batch_size,
+                                                 "dataset_len": len(source.dataset)})
+    done = {"plain": 0, "recorded": 0}
+
+    def block_of(name: str, run_state, run_hooks, drain=lambda: None):
+        def run() -> float:
+            started = time.perf_counter()
+            loop.train_loop(run_state, batches, done[name], done[name] + block, run_hooks)
+            done[name] += block
+            drain()
+            return time.perf_counter() - started
+        return run
+
+    def close():
+        session.close_hooks()
+        session.finish()
+        reader.__exit__(None, None, None)
+
+    return block_of("plain", plain_state, NullHooks()), block_of("recorded", state, hooks, writes_done(hooks)), close
+
+
+def path_lightning(folder: str, block: int):
+    import lightning as L
+    import torch
+
+    from replaybisect.lightning import ReplayCallback
+
+    cfg, batches, _, _ = gpt_setup(folder)
+    import gpt_loop
+
+    class GptModule(L.LightningModule):
+        def __init__(self, d: int = 128, layers: int = 4):
+            super().__init__()
+            self.save_hyperparameters()
+            self.model, _ = gpt_loop.build(cfg)
+
+        def training_step(self, batch):
+            x, y = batch
+            return self.model(x, y)
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    samples = [(x[i], y[i]) for batch in batches for x, y in batch for i in range(x.shape[0])]
+    loader = torch.utils.data.DataLoader(samples, batch_size=cfg.micro_batch, shuffle=False)  # 4 accumulated a step
+    modules = {"plain": GptModule(), "recorded": GptModule()}
+    return (fitted(modules["plain"], loader, block, recorded=False, ReplayCallback=ReplayCallback),
+            fitted(modules["recorded"], loader, block, recorded=True, ReplayCallback=ReplayCallback), lambda: None)
+
+
+def fitted(module, loader, block: int, *, recorded: bool, ReplayCallback):
+    import lightning as L
+
+    class Clock(L.Callback):
+        def __init__(self, drain):
+            self.drain = drain
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if trainer.global_step == 1 and not hasattr(self, "started"):
+                self.started = time.perf_counter()
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if trainer.global_step == block + 1 and not hasattr(self, "seconds"):
+                self.drain()
+                self.seconds = time.perf_counter() - self.started
+
+    def run() -> float:
+        callback = ReplayCallback()
+        clock = Clock(lambda: writes_done(callback.recording.hooks)() if recorded else None)
+        callbacks = [callback, clock] if recorded else [clock]
+        trainer = L.Trainer(max_steps=block + 1, accelerator="cpu", devices=1, precision="bf16-mixed", accumulate_grad_batches=4,
+                            gradient_clip_val=5.0, logger=False, enable_checkpointing=False,
+                            enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks)
+        trainer.fit(module, loader)
+        return clock.seconds
+
+    return run
+
+
+def path_hf(folder: str, block: int):
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
+
+    from replaybisect.hf import ReplayCallback
+
+    os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{folder}/mlflow.db"
+    config = GPT2Config(n_embd=128, n_layer=4, n_head=4, n_positions=64, vocab_size=256)
+    generator = torch.Generator().manual_seed(0)
+    data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 256, (512, 64), generator=generator)]
+
+    class Clock(TrainerCallback):
+        def __init__(self, drain):
+            self.drain = drain
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            if state.global_step == 1:
+                self.started = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == block + 1:
+                self.drain()
+                self.seconds = time.perf_counter() - self.started
+
+    def block_of(model, recorded: bool):
+        def run() -> float:
+            callback = ReplayCallback()
+            clock = Clock(lambda: writes_done(callback.recording.hooks)() if recorded else None)
+            args = TrainingArguments(output_dir=f"{folder}/out", max_steps=block + 1, per_device_train_batch_size=8,
+                                     gradient_accumulation_steps=2, learning_rate=1e-3, max_grad_norm=1.0, report_to="none",
+                                     save_strategy="no", logging_strategy="no", use_cpu=True, disable_tqdm=True,
+                                     dataloader_num_workers=0)
+            callbacks = [callback, clock] if recorded else [clock]
+            Trainer(model=model, args=args, train_dataset=data, callbacks=callbacks).train()
+            return clock.seconds
+        return run
+
+    torch.manual_seed(0)
+    plain_model, model = GPT2LMHeadModel(config), GPT2LMHeadModel(config)
+    return block_of(plain_model, False), block_of(model, True), lambda: None
+
+
+def child(path: str, pairs: int, block: int) -> None:
+    import torch
+
+    torch.set_num_threads(1)
+    with tempfile.TemporaryDirectory() as folder:
+        setups = {"train": path_train, "recorder": path_recorder, "inline": path_inline, "ddp": path_ddp,
+                  "lightning": path_lightning, "hf": path_hf}
+        plain, recorded, close = setups[path](folder, block)
+        measured = interleaved(plain, recorded, pairs)
+        close()
+    print("RESULT " + json.dumps({"path": path, "pairs": measured, "block": block}))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--paths", default=",".join(PATHS))
+    parser.add_argument("--pairs", type=int, default=20)
+    parser.add_argument("--block", type=int, default=100, help="steps per block (a trainer's block: one fit of block + 1 steps)")
+    parser.add_argument("--child")
+    args = parser.parse_args()
+    if args.child:
+        child(args.child, args.pairs, args.block)
+        return
+    paths = [path.strip() for path in args.paths.split(",") if path.strip()]
+    unknown = sorted(set(paths) - set(PATHS))
+    if unknown:
+        parser.error(f"unknown path {', '.join(unknown)}: choose from {', '.join(PATHS)}")
+    print(f"{args.pairs} pairs of {args.block}-step blocks per path, interleaved ABBA; 1 thread; heap trimming off")
+    print(f"{'path':<10} {'plain ms/step':>13} {'recorded/plain':>15} {'95% interval':>17} {'pairs: min..max':>17}")
+    for path in paths:
+        done = subprocess.run([sys.executable, __file__, "--child", path, "--pairs", str(args.pairs), "--block", str(args.block)],
+                              capture_output=True, text=True, env={**os.environ, **PINNED})
+        line = next((line for line in done.stdout.splitlines() if line.startswith("RESULT ")), None)
+        if done.returncode != 0 or line is None:
+            print(f"{path:<10} failed (exit {done.returncode}): {done.stderr.strip().splitlines()[-1:] or ''}")
+            continue
+        measured = json.loads(line[len("RESULT "):])["pairs"]
+        ratios = [recorded / plain for plain, recorded in measured]
+        median, low, high = median_interval(ratios)
+        step_ms = statistics.median(plain for plain, _ in measured) / args.block * 1e3
+        print(f"{path:<10} {step_ms:>13.1f} {median:>15.3f} {f'[{low:.3f}, {high:.3f}]':>17} "
+              f"{f'{min(ratios):.3f}..{max(ratios):.3f}':>17}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
