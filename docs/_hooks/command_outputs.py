@@ -3,7 +3,7 @@
 say they find) and the examples the pages show (in a temp folder, with the installed `replay`), and writes each output
 between its page's markers
 `<!-- output: NAME -->` and `<!-- /output -->`; with `--check` it writes nothing and exits 1 naming each page whose
-output differs from what a run prints now (tests/test_docs.py runs it so). Run ids, folders and timings are
+output differs from what a run prints now (tests/e2e/test_docs.py runs it so). Run ids, folders and timings are
 normalised, so a page changes only when what the command says changes."""
 
 from __future__ import annotations

@@ -8,20 +8,18 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-import conftest
-from conftest import Workspace, as_printed, assert_one_line_error
+from tests import helpers
+from tests.helpers import Workspace, as_printed, assert_one_line_error
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 ALL_ARMS = ["lr", "clip", "precision", "warmup", "eps", "skip-batch", "skip-rows", "zero-grad", "seed"]
 
 
 def train_example(ws: Workspace, name: str, *overrides: str, env: dict[str, str] | None = None):
     """Train examples/NAME/config.yaml recorded to the workspace's store; returns the TrainResult."""
-    return conftest.train_example(ws.store(), name, *overrides, env=env)
+    return helpers.train_example(ws.store(), name, *overrides, env=env)
 
 
 def ablate(ws: Workspace, run_id: str, arms: str, *extra: str) -> dict:

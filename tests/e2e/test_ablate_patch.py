@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-import conftest
-from conftest import EXAMPLES, Workspace, assert_one_line_error
+from tests import helpers
+from tests.helpers import EXAMPLES, Workspace, assert_one_line_error
 
 PLANT = EXAMPLES / "nan_forward" / "planted_forward.py"
 OVERFLOWING = "weights = torch.exp(x / self.temperature)  # the bug: no x.max() subtracted first"
@@ -39,7 +39,7 @@ GatedMLP = ClampedInput
 @pytest.fixture(scope="module")
 def failed(tmp_path_factory):
     ws = Workspace(tmp_path_factory.mktemp("patch"))
-    run = conftest.train_example(ws.store(), "nan_forward", "model.decay=0.3", "snapshot.every=2", "snapshot.layer_stats_every=0")
+    run = helpers.train_example(ws.store(), "nan_forward", "model.decay=0.3", "snapshot.every=2", "snapshot.layer_stats_every=0")
     assert run.status == "nonfinite" and run.first_nonfinite_step == 3, run
     return ws, run
 

@@ -8,8 +8,8 @@ import math
 
 import pytest
 
-import conftest
-from conftest import Workspace, assert_one_line_error
+from tests import helpers
+from tests.helpers import Workspace, assert_one_line_error
 
 HORIZON = "8"
 
@@ -17,7 +17,7 @@ HORIZON = "8"
 @pytest.fixture(scope="module")
 def exploded(tmp_path_factory):
     ws = Workspace(tmp_path_factory.mktemp("lr_values"))
-    run = conftest.train_example(ws.store(), "ablate_lr_explosion", "train.steps=60")
+    run = helpers.train_example(ws.store(), "ablate_lr_explosion", "train.steps=60")
     assert run.status == "nonfinite", run
     return ws, run
 

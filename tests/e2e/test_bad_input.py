@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import EXAMPLES, Workspace, assert_one_line_error, sign_as_recorder, train_example
+from tests.helpers import EXAMPLES, TESTS, Workspace, assert_one_line_error, sign_as_recorder, train_example
 
 try:
     import lightning
@@ -343,7 +343,7 @@ def test_lightning_ddp_spawn_is_refused_at_fit_start_in_one_line(tmp_path, monke
     from replaybisect.lightning import ReplayCallback
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
-    monkeypatch.syspath_prepend(str(Path(__file__).parent / "lightning_model"))
+    monkeypatch.syspath_prepend(str(TESTS / "lightning_model"))
     import lit_model
 
     trainer = L.Trainer(max_steps=2, accelerator="cpu", devices=2, strategy="ddp_spawn", callbacks=[ReplayCallback()],

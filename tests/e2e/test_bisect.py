@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import REPLAY, Workspace
+from tests.helpers import REPLAY, ROOT, Workspace
 
 from replaybisect.verbs.bisect.engine import (
     SeedRun,
@@ -27,7 +27,6 @@ from replaybisect.verbs.bisect.engine import (
     tail_mean,
 )
 
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def _load_demo():

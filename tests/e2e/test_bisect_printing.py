@@ -5,7 +5,7 @@ found and `--json` stays one JSON object."""
 from __future__ import annotations
 
 import pytest
-from conftest import Workspace
+from tests.helpers import Workspace
 from test_bisect import demo, repo_fingerprint
 
 pytestmark = pytest.mark.slow

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import REPLAY, Workspace
+from tests.helpers import REPLAY, Workspace
 from test_bisect import _error_line, _make_it_a_used_repository, _worktrees_left, demo, repo_fingerprint
 
 pytestmark = pytest.mark.slow

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import Workspace, as_printed, assert_one_line_error
+from tests.helpers import EXAMPLES, Workspace, as_printed, assert_one_line_error
 
-PLANTS = Path(__file__).resolve().parents[1] / "examples" / "check_pathologies"
+PLANTS = EXAMPLES / "check_pathologies"
 # Small sweeps keep each check to a few seconds; one intra-op thread because the tests share 2 cores.
 SMALL = ("--overfit-steps", "80", "--lr-steps", "40", "train.num_threads=1")
 
@@ -149,7 +149,7 @@ def test_a_loss_that_turns_non_finite_whatever_the_lr_is_not_blamed_on_the_lr(sh
     the same steps at its lowest lr stop too, so it suggests no lr and points at `replay nan` instead."""
     import replaybisect as rb
 
-    from conftest import EXAMPLES
+    from tests.helpers import EXAMPLES
 
     report = rb.check(["train.num_threads=1"], config_dir=EXAMPLES / "nan_forward", lr_steps=40,
                       tracking_uri=shared.tracking_uri)

@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from conftest import EXAMPLES, Workspace, as_printed, assert_one_line_error, train_example
+from tests.helpers import EXAMPLES, Workspace, as_printed, assert_one_line_error, train_example
 
 PLANTS = EXAMPLES / "check_pathologies"
 SMALL = ("--overfit-steps", "80", "--lr-steps", "40")

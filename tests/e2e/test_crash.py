@@ -12,9 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import Workspace
+from tests.helpers import TESTS, Workspace
 
-HERE = Path(__file__).resolve().parent
 
 
 @pytest.fixture(scope="module")
@@ -23,7 +22,7 @@ def crashed(tmp_path_factory) -> tuple[Workspace, Path, str, subprocess.Complete
     workspace = Workspace(tmp_path_factory.mktemp("crash"))
     folder = workspace.path / "project"
     folder.mkdir()
-    shutil.copy(HERE / "user_loop" / "crash_loop.py", folder)
+    shutil.copy(TESTS / "user_loop" / "crash_loop.py", folder)
     done = subprocess.run([sys.executable, "crash_loop.py", "12", "6"], cwd=folder, env=workspace.env(), capture_output=True,
                           text=True, timeout=300)
     found = re.search(r"recording run ([0-9a-f]{32})", done.stderr)
@@ -102,7 +101,7 @@ def _train_crashing(workspace: Workspace, module: str, config: str) -> tuple[str
     """`replay train --config-dir project` of tests/crash_models/MODULE.py: the run id and the stderr lines."""
     project = workspace.path / module
     project.mkdir()
-    shutil.copy(HERE / "crash_models" / f"{module}.py", project)
+    shutil.copy(TESTS / "crash_models" / f"{module}.py", project)
     (project / "config.yaml").write_text(config)
     result = workspace.replay("train", "--config-dir", str(project))
     assert result.returncode == 1, result.stdout + result.stderr

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import Workspace
+from tests.helpers import TESTS, Workspace
 
-SCRIPT = Path(__file__).resolve().parent / "user_loop" / "vae_script.py"
+SCRIPT = TESTS / "user_loop" / "vae_script.py"
 BLANK = 100  # the data set index of the all-zero image: with --seed 1 it is row 8 of step 7's batch
 
 

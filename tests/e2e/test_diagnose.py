@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import json
 import subprocess
-from pathlib import Path
 
 import pytest
 
-from conftest import REPLAY, Workspace, assert_one_line_error, in_folder
+from tests.helpers import REPLAY, ROOT, Workspace, assert_one_line_error, in_folder
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "diagnose_pathologies"
+EXAMPLES = ROOT / "examples" / "diagnose_pathologies"
 COMMON = ("train.num_threads=1", "snapshot.every=100")
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import Workspace, outcome_lines
+from tests.helpers import Workspace, outcome_lines
 
 
 def _mount_small_fs(folder: Path, scratch: Path, size: str = "2M") -> str | None:

@@ -16,17 +16,16 @@ from pathlib import Path
 
 import pytest
 
-from conftest import Workspace, in_folder
+from tests.helpers import EXAMPLES, TESTS, Workspace, in_folder
 
-HERE = Path(__file__).resolve().parent
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone"]
 
 
 @pytest.fixture(scope="module")
 def shared(tmp_path_factory) -> Workspace:
     workspace = Workspace(tmp_path_factory.mktemp("ddp"))
-    shutil.copy(HERE / "user_loop" / "ddp_loop.py", workspace.path)
-    shutil.copy(HERE / "user_loop" / "lightning_ddp.py", workspace.path)
+    shutil.copy(TESTS / "user_loop" / "ddp_loop.py", workspace.path)
+    shutil.copy(TESTS / "user_loop" / "lightning_ddp.py", workspace.path)
     return workspace
 
 
@@ -271,7 +270,7 @@ def test_a_killed_rank_0_is_named_by_the_rank_that_survives_it(shared):
 def _lr_explosion_config(workspace: Workspace) -> Path:
     folder = workspace.path / "lr_explosion"
     if not folder.is_dir():
-        shutil.copytree(HERE.parent / "examples" / "ablate_lr_explosion", folder)
+        shutil.copytree(EXAMPLES / "ablate_lr_explosion", folder)
     return folder
 
 

@@ -1,7 +1,7 @@
 """A learning rate too high, the most common failure there is: `replay nan` calls it a divergence (the climb, the
 layer whose norms climbed first, next `replay ablate lr,clip`, no op blamed) on runs from `replay train`, a user's
-own loop and Lightning; `replay diagnose` uses the same words. Op-level faults keep their op (tests/test_nan.py,
-tests/test_zoo.py); here, a climb driven by a buffer that scales itself is not a divergence."""
+own loop and Lightning; `replay diagnose` uses the same words. Op-level faults keep their op (tests/e2e/test_nan.py,
+tests/e2e/test_zoo.py); here, a climb driven by a buffer that scales itself is not a divergence."""
 
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPLAY, Workspace, as_printed, train_example
+from tests.helpers import REPLAY, TESTS, Workspace, as_printed, train_example
 
-HERE = Path(__file__).resolve().parent / "diverging"
+HERE = TESTS / "diverging"
 OP_ADVICE = ("eps", "log-space", "op named", "fix the op", "subtract the max", "clamp")
 
 

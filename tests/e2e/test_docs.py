@@ -9,7 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests.helpers import ROOT
+
 LINK = re.compile(r"\]\(([^)#\s]+)(#[^)]*)?\)")
 
 
@@ -61,5 +62,5 @@ def test_the_whole_scripts_the_pages_show_are_the_ones_the_tests_run():
     for page in (ROOT / "docs").rglob("*.md"):
         included |= set(re.findall(r'--8<-- "([^"]+)"', page.read_text(encoding="utf-8")))
     assert {"tests/user_loop/gan_script.py", "tests/user_loop/lightning_script.py", "tests/user_loop/vae_script.py"} <= included
-    tests = " ".join(path.read_text(encoding="utf-8") for path in (ROOT / "tests").glob("test_*.py"))
+    tests = " ".join(path.read_text(encoding="utf-8") for path in (ROOT / "tests").rglob("test_*.py"))
     assert [path for path in included if Path(path).name not in tests] == []

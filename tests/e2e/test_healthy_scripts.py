@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import Workspace, in_folder
+from tests.helpers import TESTS, Workspace, in_folder
 
-HERE = Path(__file__).resolve().parent / "user_loop"
+HERE = TESTS / "user_loop"
 
 # script: (arguments, how its printed losses read, how many steps it logs)
 SCRIPTS = {

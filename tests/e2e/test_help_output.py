@@ -8,7 +8,7 @@ import subprocess
 
 import pytest
 
-from conftest import REPLAY
+from tests.helpers import REPLAY
 
 EXAMPLES = {
     "train": [

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import Workspace, as_printed, in_folder
+from tests.helpers import TESTS, Workspace, as_printed, in_folder
 
-SCRIPT = Path(__file__).resolve().parent / "user_loop" / "hf_trainer.py"
+SCRIPT = TESTS / "user_loop" / "hf_trainer.py"
 ACCELERATE_SCRIPT = SCRIPT.with_name("accelerate_loop.py")  # the same model in a loop written with accelerate
 
 

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import Workspace
+from tests.helpers import TESTS, Workspace
 
-SCRIPT = Path(__file__).resolve().parent / "user_loop" / "inline_script.py"
+SCRIPT = TESTS / "user_loop" / "inline_script.py"
 MNIST_SCRIPT = SCRIPT.with_name("mnist_script.py")  # pytorch/examples mnist/main.py: a StepLR made after the recorder
 WLM_SCRIPT = SCRIPT.with_name("wlm_script.py")  # word_language_model's main.py shape: updates by hand, carries its hidden state
 DIVERGING = ("--optim=sgd", "--learning_rate=30", "--max_iters=40", "--eval_interval=4")  # NaN at step 9; snapshots every 5 steps

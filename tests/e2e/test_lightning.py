@@ -18,10 +18,9 @@ import pytest
 
 pytest.importorskip("lightning")
 
-from conftest import Workspace  # noqa: E402
+from tests.helpers import TESTS, Workspace  # noqa: E402
 
-HERE = Path(__file__).resolve().parent
-MODEL = HERE / "lightning_model"
+MODEL = TESTS / "lightning_model"
 
 
 def _trusting(folder: Path):

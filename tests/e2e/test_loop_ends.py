@@ -7,7 +7,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from conftest import Workspace
+from tests.helpers import Workspace
 
 HEAD = """\
 import torch, replaybisect

@@ -11,12 +11,11 @@ import shlex
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 from rich.console import Console
 
-from conftest import Workspace
+from tests.helpers import TESTS, Workspace
 
 MARKUP = "[/x] [red]FAKE[/red] [/dim]"  # an unmatched closing tag (MarkupError), a style, and the end of our dim
 
@@ -32,7 +31,7 @@ def test_replay_nan_prints_a_scripts_stored_args_as_they_are(workspace):
     again literally, answers and exits 0 (it crashed with a MarkupError traceback)."""
     project = workspace.path / "project"
     project.mkdir()
-    shutil.copy(Path(__file__).resolve().parent / "user_loop" / "script_loop.py", project / "train.py")
+    shutil.copy(TESTS / "user_loop" / "script_loop.py", project / "train.py")
     args = ["--optim=sgd", "--learning_rate=30", "--max_iters=30", "--eval_interval=4", f"--softmax={MARKUP}"]  # not `hand`
     done = subprocess.run([sys.executable, "train.py", *args], cwd=project, env=workspace.env(), capture_output=True,
                           text=True, timeout=300)

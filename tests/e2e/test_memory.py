@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from conftest import Workspace
+from tests.helpers import Workspace
 
 LOOP = """\
 import sys, torch, replaybisect

@@ -11,18 +11,15 @@ from __future__ import annotations
 import json
 import sys
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import pytest
 
-import conftest
-from conftest import CliResult, Workspace, as_printed, assert_one_line_error
-
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+from tests import helpers
+from tests.helpers import CliResult, EXAMPLES, Workspace, as_printed, assert_one_line_error
 
 
 def _train(store, example: str, *overrides: str, env: dict | None = None):
-    return conftest.train_example(store, example, *overrides, env=env)
+    return helpers.train_example(store, example, *overrides, env=env)
 
 
 @pytest.fixture(scope="module")

@@ -6,8 +6,8 @@ from __future__ import annotations
 import shlex
 import shutil
 
-import conftest
-from conftest import EXAMPLES, Workspace
+from tests import helpers
+from tests.helpers import EXAMPLES, Workspace
 
 OVERFLOWING = "weights = torch.exp(x / self.temperature)  # the bug: no x.max() subtracted first"
 MAX_SUBTRACTED = "scaled = x / self.temperature\n        weights = torch.exp(scaled - scaled.max(-1, keepdim=True).values)"
@@ -20,7 +20,7 @@ def test_the_proposed_fix_is_proven_by_the_proposed_command(tmp_path):
     ws = Workspace(tmp_path)
     project = tmp_path / "nan_forward"
     shutil.copytree(EXAMPLES / "nan_forward", project)
-    run = conftest.train_example(ws.store(), "nan_forward", "model.decay=0.3", "snapshot.every=2", "snapshot.layer_stats_every=0")
+    run = helpers.train_example(ws.store(), "nan_forward", "model.decay=0.3", "snapshot.every=2", "snapshot.layer_stats_every=0")
     assert run.status == "nonfinite"
     report = find_nan(ws.store(), run.run_id, trust=Trust.from_user([EXAMPLES]))
     assert (report.category, report.op) == ("forward", "torch.exp")

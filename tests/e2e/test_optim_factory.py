@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import json
 import shutil
-from pathlib import Path
 
-from conftest import Workspace
+from tests.helpers import TESTS, Workspace
 
-EXAMPLE = Path(__file__).resolve().parent / "printing_model"
+EXAMPLE = TESTS / "printing_model"
 
 
 def test_a_factory_that_takes_the_model_builds_its_groups(monkeypatch):

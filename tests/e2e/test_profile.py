@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from conftest import Workspace, in_folder
+from tests.helpers import Workspace, in_folder
 
 SCRIPT = """\
 import torch, replaybisect

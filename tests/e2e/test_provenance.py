@@ -21,7 +21,7 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import STORED_RUN_VERBS, Workspace, assert_one_line_error, folder_tree, record_script, sign_as_recorder
+from tests.helpers import STORED_RUN_VERBS, Workspace, assert_one_line_error, folder_tree, record_script, sign_as_recorder
 from replaybisect.core import provenance
 from replaybisect.core.provenance import KEY_ENV, KEY_FILE_ENV, SIGNED_TAGS, Key, UnsignedRun
 from replaybisect.errors import ReplayError, UntrustedConfig

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from conftest import REPLAY  # noqa: F401  (the installed command, run by workspace.replay)
+from tests.helpers import REPLAY  # noqa: F401  (the installed command, run by workspace.replay)
 from watch_servers import ALLOW_ROOT
 from replaybisect.verbs.runs.engine import triage_answer
 

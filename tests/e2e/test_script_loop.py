@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import Workspace, folder_tree, record_script
+from tests.helpers import Workspace, folder_tree, record_script
 
 DIVERGING = ("--optim=sgd", "--learning_rate=30", "--max_iters=30", "--eval_interval=4")  # NaN at step 9; snapshots every 5 steps
 

@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import Workspace
+from tests.helpers import TESTS, Workspace
 
-SCRIPT = Path(__file__).resolve().parent / "user_loop" / "gan_script.py"
+SCRIPT = TESTS / "user_loop" / "gan_script.py"
 BLANK = 70  # the data set index of the all-zero image: with --manualSeed 1 it is row 6 of step 8's batch
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import EXAMPLES, REPLAY, Workspace, outcome_lines
+from tests.helpers import EXAMPLES, REPLAY, Workspace, outcome_lines, train_in_process, wait_until
 
 SLOW_RUN = ("train.steps=1000000", "train.batch_size=32", "train.val_every=0", "model.hidden=32", "snapshot.layer_stats_every=0")
 NO_COUNT_FLUSH = "snapshot.metrics_flush_every=1000000"  # only the time rule (or the stop) can flush metrics
@@ -32,16 +32,17 @@ def _start(workspace: Workspace, *overrides: str) -> subprocess.Popen:
 
 
 def _wait_for(condition, process: subprocess.Popen, what: str, timeout: float = 90):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
+    def met():
         value = condition()
-        if value:
-            return value
-        if process.poll() is not None:
+        if not value and process.poll() is not None:
             pytest.fail(f"replay train ended (exit {process.returncode}) before {what}:\n{process.stderr.read()}")
-        time.sleep(0.1)
-    process.kill()
-    pytest.fail(f"no {what} within {timeout} s")
+        return value
+
+    value = wait_until(met, timeout=timeout, interval=0.1)
+    if not value:
+        process.kill()
+        pytest.fail(f"no {what} within {timeout} s")
+    return value
 
 
 def _only_run(store):
@@ -117,9 +118,7 @@ def test_sigkill_leaves_the_loss_curve_up_to_the_last_seconds(sigkilled):
 
 
 def test_next_start_removes_only_dead_writers_temp_files(sigkilled):
-    from replaybisect.core import config as config_mod
     from replaybisect.core import snapshot as fmt
-    from replaybisect.verbs.train.engine import train
 
     workspace, store, run, _ = sigkilled
     root = store.local_artifact_dir(run.info.run_id) / fmt.SNAPSHOTS
@@ -137,8 +136,7 @@ def test_next_start_removes_only_dead_writers_temp_files(sigkilled):
     hours_ago = time.time() - 2 * 3600
     os.utime(planted["other host, old"], (hours_ago, hours_ago))
 
-    cfg = config_mod.compose(None, "config", ["train.steps=2", "snapshot.every=0", "train.val_every=0", "model.hidden=16"])
-    train(cfg, store)
+    train_in_process(store, "train.steps=2", "snapshot.every=0", "train.val_every=0", "model.hidden=16")
 
     left = {name for name, path in planted.items() if path.exists()}
     assert left == {"live writer here", "other host, fresh", "dead writer, old name"}
@@ -188,9 +186,14 @@ def test_ctrl_c_with_dataloader_workers_stops_in_one_line_and_leaves_no_worker(w
     assert len(lines) == 1 and "interrupted" in lines[0] and "Traceback" not in stderr, stderr
     run = _only_run(store)
     assert run.info.run_name == name and run.info.status == "KILLED"
-    time.sleep(0.5)
-    survivors = [pid for pid in os.listdir("/proc") if pid.isdigit() and name in _cmdline(pid)]
-    assert survivors == [], survivors
+
+    def survivors():
+        return [pid for pid in os.listdir("/proc") if pid.isdigit() and name in _cmdline(pid)]
+
+    # the workers end with the run: gone within 0.5 s of it (no longer, or an orphan's own watchdog would end it)
+    wait_until(lambda: not survivors(), timeout=0.5)
+    left = survivors()
+    assert left == [], left
 
 
 def _cmdline(pid: str) -> str:

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import EXAMPLES, FAST, REPLAY, Workspace
+from tests.helpers import EXAMPLES, FAST, REPLAY, Workspace
 from replaybisect.errors import SnapshotError
 from replaybisect.core import snapshot as fmt
 from replaybisect.replay.restore import logged_losses, newest_good_snapshot, replay, restore
@@ -201,7 +201,7 @@ def test_train_against_a_real_mlflow_server_and_replay_from_it(tmp_path, mlflow_
 @pytest.fixture(scope="module")
 def failed_run(tmp_path_factory):
     """examples/nan_forward recorded once (snapshots at 0, 5, ..., 20; non-finite at step 20): (workspace, run id)."""
-    from conftest import train_example
+    from tests.helpers import train_example
 
     workspace = Workspace(tmp_path_factory.mktemp("damaged"))
     result = train_example(workspace.store(), "nan_forward")

@@ -19,7 +19,7 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import Workspace
+from tests.helpers import Workspace
 from replaybisect.core import config as config_mod
 from replaybisect.core import guard, loop
 

@@ -8,7 +8,7 @@ import json
 import os
 import re
 
-from conftest import REPLAY, CliResult, assert_one_line_error
+from tests.helpers import REPLAY, CliResult, assert_one_line_error
 
 import subprocess
 

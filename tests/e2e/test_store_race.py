@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import subprocess
 
-from conftest import REPLAY, Workspace
+from tests.helpers import REPLAY, Workspace
 
 TINY = ("train.steps=2", "train.batch_size=8", "snapshot.every=0", "snapshot.layer_stats_every=0", "train.val_every=0", "model.hidden=16")
 ROUNDS, CREATORS = 3, 3  # without the lock the race was lost in 3 rounds of 3

@@ -28,7 +28,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from conftest import REPLAY, CliResult, Workspace, assert_one_line_error, outcome_lines
+from tests.helpers import REPLAY, CliResult, Workspace, assert_one_line_error, outcome_lines
 
 BASE = ("train.steps=2", "snapshot.every=0", "snapshot.layer_stats_every=0", "train.val_every=0")
 TINY = (*BASE, "train.batch_size=8", "model.hidden=8")

@@ -11,14 +11,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import FAST, assert_one_line_error
+from tests.helpers import FAST, assert_one_line_error, train_in_process
 from replaybisect.core import snapshot as fmt
 
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     """One built-in run shared by the read-back tests."""
-    from conftest import Workspace
+    from tests.helpers import Workspace
 
     workspace = Workspace(tmp_path_factory.mktemp("trained"))
     result = workspace.train(*FAST, "scheduler=cosine")
@@ -28,7 +28,7 @@ def trained(tmp_path_factory):
 @pytest.fixture(scope="module")
 def shared(tmp_path_factory):
     """One workspace (one SQLite store) for the runs trained in this process: each test reads its own run by id."""
-    from conftest import Workspace
+    from tests.helpers import Workspace
 
     return Workspace(tmp_path_factory.mktemp("in-process"))
 
@@ -36,11 +36,7 @@ def shared(tmp_path_factory):
 def _train_here(workspace, *overrides: str, config_dir: Path | None = None):
     """`replay train OVERRIDES` in this process (what the command runs, without its start-up): the TrainResult.
     `replay train` itself runs end to end in the other tests of this module."""
-    from replaybisect.core import config as config_mod
-    from replaybisect.verbs.train.engine import train
-
-    cfg = config_mod.compose(config_dir, "config", list(overrides))
-    return train(cfg, workspace.store(), code_folder=config_dir or workspace.path)
+    return train_in_process(workspace.store(), *overrides, config_dir=config_dir, code_folder=config_dir or workspace.path)
 
 
 def test_run_is_readable_with_plain_mlflow(trained):
@@ -304,9 +300,8 @@ def test_help_does_not_import_torch_or_mlflow():
 
 def test_ctrl_c_marks_the_run_killed_and_keeps_its_verified_snapshots(workspace):
     import signal
-    import time
 
-    from conftest import REPLAY
+    from tests.helpers import REPLAY, wait_until
     from replaybisect.replay.restore import newest_good_snapshot
 
     store = workspace.store()  # create the SQLite store first: two processes migrating one new file collide
@@ -314,9 +309,8 @@ def test_ctrl_c_marks_the_run_killed_and_keeps_its_verified_snapshots(workspace)
         [REPLAY, "train", "train.steps=100000", "snapshot.every=5", "train.val_every=0"],
         cwd=workspace.path, env=workspace.env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
-    deadline = time.time() + 120
-    while time.time() < deadline and not any(r.data.tags.get("replaybisect.snapshot_steps") for r in store.search_runs("")):
-        time.sleep(0.1)
+    wait_until(lambda: any(r.data.tags.get("replaybisect.snapshot_steps") for r in store.search_runs("")),
+               timeout=120, interval=0.1)
     process.send_signal(signal.SIGINT)
     _, stderr = process.communicate(timeout=60)
     assert process.returncode == 130 and "interrupted" in stderr and "Traceback" not in stderr

@@ -8,7 +8,7 @@ import re
 import subprocess
 import sys
 
-from conftest import Workspace
+from tests.helpers import Workspace
 
 LEFT_IN_EVAL = """\
 import sys, torch, replaybisect

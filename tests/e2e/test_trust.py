@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-import conftest
-from conftest import Workspace, assert_one_line_error
+from tests import helpers
+from tests.helpers import Workspace, assert_one_line_error
 from replaybisect.replay import restore as restore_mod
 from replaybisect.errors import ReplayError
 from replaybisect.core.trust import BUILTIN_PREFIXES, CODE_DIR_ENV, TRUST_ENV, Trust, UntrustedConfig
@@ -54,7 +54,7 @@ class Scene:
         self.workspace = Workspace(root / "elsewhere")  # where the user runs `replay`: holds the store, no code
         self.workspace.path.mkdir()
         self.store = self.workspace.store()
-        self.run_id = conftest.train_example(
+        self.run_id = helpers.train_example(
             self.store, "nan_optimizer", "train.steps=12", "snapshot.every=4", "model.hidden=16", "train.val_every=0"
         ).run_id
         self.original = self.store.read_artifact_text(self.run_id, "config.yaml")
@@ -80,7 +80,7 @@ class Scene:
     def sign(self) -> None:
         """Sign the stored config as it is now: these tests are of the wall behind the signature, which holds for a
         run the user vouched for (--allow-unsigned) or whose signer was fooled (test_provenance.py: the signature)."""
-        conftest.sign_as_recorder(self.store, self.run_id)
+        helpers.sign_as_recorder(self.store, self.run_id)
 
     def children(self) -> int:
         return len(self.store.child_runs(self.run_id))
@@ -114,7 +114,7 @@ def untrusted(scene) -> Trust:
 
 
 # ---- end to end: every verb that rebuilds a stored config refuses the attacker's module ------------------------
-VERBS = conftest.STORED_RUN_VERBS
+VERBS = helpers.STORED_RUN_VERBS
 
 
 @pytest.mark.parametrize("verb", sorted(VERBS))

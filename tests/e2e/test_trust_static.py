@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-import conftest
-from conftest import EXAMPLES, Workspace, assert_one_line_error
+from tests import helpers
+from tests.helpers import EXAMPLES, Workspace, assert_one_line_error
 from replaybisect.replay import restore as restore_mod
 from replaybisect.core import bindings
 from replaybisect.core.trust import BUILTIN_PREFIXES, CODE_DIR_ENV, TRUST_ENV, Trust, admit
@@ -273,7 +273,7 @@ def recorded(tmp_path_factory):
     ws = Workspace(root / "work")
     ws.path.mkdir()
     store = ws.store()
-    run_id = conftest.train_example(store, "nan_optimizer", "train.steps=12", "snapshot.every=4", "model.hidden=16").run_id
+    run_id = helpers.train_example(store, "nan_optimizer", "train.steps=12", "snapshot.every=4", "model.hidden=16").run_id
     return ws, store, run_id, project
 
 
@@ -282,7 +282,7 @@ def _tamper(store, run_id: str, model: dict, code_dir: Path) -> None:
     config["model"] = model
     store.log_text(run_id, yaml.safe_dump(config), "config.yaml")
     store.set_tags(run_id, {"code_dir": str(code_dir)})
-    sign = getattr(conftest, "sign_as_recorder", None)  # signed as it is now: these are the checks behind the signature
+    sign = getattr(helpers, "sign_as_recorder", None)  # signed as it is now: these are the checks behind the signature
     if sign is not None:
         sign(store, run_id)
 

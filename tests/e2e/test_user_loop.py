@@ -13,9 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import EXAMPLES, FAST, Workspace
+from tests.helpers import EXAMPLES, FAST, TESTS, Workspace, train_in_process
 
-HERE = Path(__file__).resolve().parent
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +61,7 @@ def test_own_loop_replays_every_loss_exactly(shared, monkeypatch, capsys, precis
     between steps: replaying from every snapshot gives == losses."""
     from replaybisect.replay.restore import logged_losses, replay, restore, run_config
 
-    folder = _project(shared, HERE / "user_loop")
+    folder = _project(shared, TESTS / "user_loop")
     run_id, printed = _record_in_process(shared, folder, monkeypatch, capsys, precision, 30, -1)
     assert printed.count("loss ") == 30  # the user's prints stay theirs
     store = shared.store()
@@ -81,7 +80,7 @@ def test_an_lr_the_loop_sets_between_steps_is_replayed(shared, monkeypatch, caps
     The recorder stores each step's lr with its batch and a replay sets it again: every loss is reproduced."""
     from replaybisect.replay.restore import logged_losses, replay, restore
 
-    folder = _project(shared, HERE / "user_loop")
+    folder = _project(shared, TESTS / "user_loop")
     run_id, _ = _record_in_process(shared, folder, monkeypatch, capsys, "fp32", 30, -1, "loop")
     store = shared.store()
     logged = logged_losses(store, run_id)
@@ -101,7 +100,7 @@ def test_state_carried_between_steps_is_replayed_and_recomputed_by_each_arm(shar
     from replaybisect.verbs.ablate.engine import ablate
     from replaybisect.verbs.nan.engine import find_nan
 
-    folder = _project(shared, HERE / "user_loop")
+    folder = _project(shared, TESTS / "user_loop")
     healthy, _ = _record_in_process(shared, folder, monkeypatch, capsys, 0.5, 20, script="rnn_loop")
     store = shared.store()
     logged = logged_losses(store, healthy)
@@ -121,7 +120,7 @@ def test_state_carried_between_steps_is_replayed_and_recomputed_by_each_arm(shar
 @pytest.fixture(scope="module")
 def planted(shared) -> tuple[Path, str, subprocess.CompletedProcess]:
     """`python tiny_loop.py` with a NaN planted at its 27th call (step 13): the folder, the run id, the process."""
-    folder = _project(shared, HERE / "user_loop")
+    folder = _project(shared, TESTS / "user_loop")
     return folder, *_record(shared, folder, "tiny_loop.py", "fp32", "30", "27", expect_failure=True)
 
 
@@ -207,7 +206,7 @@ def test_recorder_refuses_what_a_replay_could_not_import(tmp_path, monkeypatch):
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.raises(ConfigError, match="module-level function"):
         replaybisect.Recorder(model, optimizer, step_fn=lambda model, batch: 0, build=lambda c: None)
-    sys.path.insert(0, str(HERE / "user_loop"))
+    sys.path.insert(0, str(TESTS / "user_loop"))
     try:
         import tiny_loop
 
@@ -219,7 +218,7 @@ def test_recorder_refuses_what_a_replay_could_not_import(tmp_path, monkeypatch):
         with pytest.raises(ConfigError, match="not one replaybisect can pass"):
             replaybisect.Recorder(model, optimizer, step_fn=tiny_loop.main, build=tiny_loop.build)
     finally:
-        sys.path.remove(str(HERE / "user_loop"))
+        sys.path.remove(str(TESTS / "user_loop"))
     assert not (tmp_path / "mlflow.db").exists()  # refused before any run exists
 
 
@@ -239,11 +238,7 @@ def test_a_script_that_trains_on_import_is_refused(workspace):
 
 def _train_here(workspace, *overrides: str) -> str:
     """`replay train` in this process (what the CLI does, without its start-up): the run id."""
-    from replaybisect.core import config as config_mod
-    from replaybisect.verbs.train.engine import train
-
-    cfg = config_mod.compose(None, "config", [*FAST, *overrides])
-    return train(cfg, workspace.store(), code_folder=workspace.path).run_id
+    return train_in_process(workspace.store(), *FAST, *overrides, code_folder=workspace.path).run_id
 
 
 @pytest.mark.parametrize("overrides", [
@@ -277,7 +272,7 @@ def test_accumulation_keeps_the_batch_and_the_mean_loss(shared):
 def test_check_on_an_own_loop_run(shared):
     """`replay check --run-id` on a run from the user's loop: the overfit test and the gradient probes run the
     user's step (the loss floor is assumed 0: the loss is theirs)."""
-    folder = _project(shared, HERE / "user_loop")
+    folder = _project(shared, TESTS / "user_loop")
     run_id, _ = _record(shared, folder, "tiny_loop.py", "fp32", "12")
     report = _replay_in(shared, folder, "check", "--run-id", run_id, "--json", "--only", "overfit.one_batch,grad.missing,data.finite")
     statuses = {check["name"]: check for check in report["checks"]}

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import json
 import shutil
-from pathlib import Path
 
 import pytest
 
-from conftest import Workspace
+from tests.helpers import TESTS, Workspace
 
-EXAMPLE = Path(__file__).resolve().parent / "printing_model"
+EXAMPLE = TESTS / "printing_model"
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import Workspace, in_folder
+from tests.helpers import Workspace, in_folder
 
 STEPS = ("train.steps=20", "snapshot.every=5")
 FAULT, LABEL = "REPLAYBISECT_INJECT_FAULT", "REPLAYBISECT_DEVICE_LABEL"

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import EXAMPLES, REPLAY, CliResult, in_folder
+from tests.helpers import EXAMPLES, REPLAY, CliResult, in_folder, wait_until
 import watch_servers
 
 pytestmark = pytest.mark.slow
@@ -304,13 +304,14 @@ def test_two_watchers_triage_each_run_once_and_a_failed_triage_is_not_retried(te
 
 
 def _wait_for_tag(team, run_id: str, key: str, value: str, process: subprocess.Popen, timeout: float = 120) -> None:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
+    def tagged() -> bool:
         if tags_of(team, run_id).get(key) == value:
-            return
+            return True
         assert process.poll() is None, process.communicate()
-        time.sleep(0.2)
-    pytest.fail(f"{key} never became {value!r}: {tags_of(team, run_id)}")
+        return False
+
+    if not wait_until(tagged, timeout=timeout, interval=0.2):
+        pytest.fail(f"{key} never became {value!r}: {tags_of(team, run_id)}")
 
 
 def _processes_working_in(folders: list[Path]) -> list[int]:
@@ -365,7 +366,7 @@ def test_sigterm_releases_sigkill_leaves_a_lease_and_the_next_watcher_resumes(te
     tags = tags_of(team, run_id)
     assert tags["replaybisect.triage"] == "running" and tags["replaybisect.triage.attempts"] == "1"  # a release is no attempt
     assert tags["replaybisect.triage.nan"].startswith(FORWARD_FOUND)
-    time.sleep(1)
+    wait_until(lambda: _processes_working_in(left) == [], timeout=1)  # until the child is gone: within 1 s
     assert _processes_working_in(left) == []  # the triage child died with its watcher
 
     # 3. while the lease lasts nobody takes it (a watcher in this process: no seconds of start-up that could outlast

@@ -1,6 +1,6 @@
 """`replay watch --executor submitit`: each triage step a job, through submitit's local executor (the jobs are real
 subprocesses, as on SLURM they are real allocations). One test walks the three cases in turn, sharing its runs. A SQLite store holds the failed runs (the team server's path is
-tests/test_watch.py's); the watchers are the installed command."""
+tests/e2e/test_watch.py's); the watchers are the installed command."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from conftest import EXAMPLES, REPLAY, Workspace, in_folder
+from tests.helpers import EXAMPLES, REPLAY, Workspace, in_folder
 from watch_servers import ALLOW_ROOT
 
 pytestmark = pytest.mark.slow

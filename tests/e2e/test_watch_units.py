@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import EXAMPLES, REPLAY, assert_one_line_error, sign_as_recorder, train_example
+from tests.helpers import EXAMPLES, REPLAY, ROOT, assert_one_line_error, sign_as_recorder, train_example
 from watch_servers import ALLOW_ROOT
 from replaybisect.core.jobs import JobSettings
 from replaybisect.errors import ReplayError
@@ -29,7 +29,6 @@ from replaybisect.verbs.watch.steps import failure_reason
 from replaybisect.verbs.watch.answer import ablate_args, conclude, step_lines
 from replaybisect.verbs.watch.report import EventLog, markdown, notification, post_json
 
-ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.parametrize("args, fragment", [

@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import shutil
 import sys
-from pathlib import Path
 
 import pytest
 
-from conftest import Workspace
+from tests.helpers import EXAMPLES, ROOT, TESTS, Workspace, train_in_process
 
-ZOO = Path(__file__).resolve().parent / "zoo"
+ZOO = TESTS / "zoo"
 
 # name: (config, overrides). Healthy models first; failing plants stop early, so they cost a few steps each.
 RUNS = {
@@ -42,9 +41,6 @@ FAILING = ("handwritten_softmax", "fp16_attention", "layernorm_overflow", "nan_r
 @pytest.fixture(scope="module")
 def zoo(tmp_path_factory):
     """Every zoo run trained once: (workspace, project folder, {name: TrainResult})."""
-    from replaybisect.core import config as config_mod
-    from replaybisect.verbs.train.engine import train
-
     workspace = Workspace(tmp_path_factory.mktemp("zoo"))
     project = workspace.path / "zoo"  # inside the suite's trusted temp folder (conftest)
     shutil.copytree(ZOO, project, ignore=shutil.ignore_patterns("__pycache__"))
@@ -54,8 +50,7 @@ def zoo(tmp_path_factory):
         # only the failing runs are replayed (nan, ablate); the others are diagnosed from their logged curves, which
         # snapshots do not change: they write none (24 snapshots a run, half of its time on a busy machine)
         snapshots = () if name in FAILING else ("snapshot.every=0",)
-        cfg = config_mod.compose(project, config, [*overrides, *snapshots])
-        trained[name] = train(cfg, store, code_folder=project)
+        trained[name] = train_in_process(store, *overrides, *snapshots, config_dir=project, config_name=config)
     for name, result in trained.items():
         assert result.status == ("nonfinite" if name in FAILING else "ok"), (name, result)
     return workspace, project, trained
@@ -190,15 +185,12 @@ def test_tied_weights_belong_to_one_module():
 def test_step0_failure_is_reproduced_from_the_config(tmp_path):
     """No snapshot before step 0: rebuild the state from the config, compare it with the step-0 snapshot bit for bit,
     run step 0 from both: `reproduced: exact`, not `unchecked`."""
-    import conftest
-    from replaybisect.core import config as config_mod
     from replaybisect.core.trust import Trust
     from replaybisect.verbs.nan.engine import find_nan
-    from replaybisect.verbs.train.engine import train
 
     store = Workspace(tmp_path).store()
-    folder = conftest.EXAMPLES / "diagnose_pathologies"
-    run = train(config_mod.compose(folder, "nan_init", ["train.steps=3"]), store, code_folder=folder)
+    folder = EXAMPLES / "diagnose_pathologies"
+    run = train_in_process(store, "train.steps=3", config_dir=folder, config_name="nan_init")
     assert run.status == "nonfinite" and run.first_nonfinite_step == 0
     report = find_nan(store, run.run_id, trust=Trust.from_user([folder]))
     assert report.reproduced == "exact", report.evidence[0]
@@ -209,7 +201,7 @@ def test_step0_failure_is_reproduced_from_the_config(tmp_path):
 # ---- citations ---------------------------------------------------------------------------------------------------
 def test_reports_cite_public_sources_only():
     """Reports and the code they come from cite public sources, never the team's internal notes."""
-    package = Path(__file__).resolve().parents[1] / "replaybisect"
+    package = ROOT / "replaybisect"
     internal = [f"{path.relative_to(package)}:{number}" for path in package.rglob("*.py")
                 for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
                 if "field-notes" in line.lower() or "field notes" in line.lower()]

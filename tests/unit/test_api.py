@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 import replaybisect as rb
+from tests.helpers import EXAMPLES
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "nan_forward"
+EXAMPLE = EXAMPLES / "nan_forward"
 
 
 def test_import_is_light_and_exports_what_it_documents():

@@ -6,7 +6,6 @@ from __future__ import annotations
 import copy
 import math
 import random
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -17,8 +16,9 @@ from replaybisect.core import loop
 from replaybisect.verbs.check import engine as K
 from replaybisect.core.thresholds import IMBALANCE_WARN
 from replaybisect.verbs.check import lr_finder
+from tests.helpers import EXAMPLES
 
-PLANTS = Path(__file__).resolve().parents[1] / "examples" / "check_pathologies"
+PLANTS = EXAMPLES / "check_pathologies"
 SMALL = K.CheckOptions(overfit_steps=60, lr_steps=40)
 
 

@@ -8,15 +8,14 @@ from __future__ import annotations
 
 import math
 import traceback
-from pathlib import Path
 
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from conftest import EXAMPLES
+from tests.helpers import EXAMPLES, ROOT
 
-OURS = str(Path(__file__).resolve().parents[1] / "replaybisect")
+OURS = str(ROOT / "replaybisect")
 
 
 PLUMBING = ("torch/_tensor.py", "torch/utils/_python_dispatch.py", "torch/_ops.py", "torch/overrides.py", "torch/_jit_internal.py",
@@ -133,7 +132,7 @@ def test_an_fp16_run_that_goes_on_past_a_nan_loss_takes_the_step_again(tmp_path)
     """The guard's read comes before the GradScaler unscales: the halted step leaves the scaler as it was, so with
     on_nonfinite=continue the step is taken again (a second unscale_ in one step would raise)."""
     import replaybisect as rb
-    from conftest import in_folder
+    from tests.helpers import in_folder
 
     with in_folder(tmp_path):
         result = rb.train(["train.steps=14", "train.precision=fp16", "snapshot.on_nonfinite=continue"],
@@ -160,7 +159,7 @@ def _nan_forward_run(tmp_path, name: str, on_device: bool, monkeypatch, steps: i
     metrics flushed every 8: the failure is found at the flush after step 23, three skipped steps later, inside the
     interval of the snapshot at step 18."""
     import replaybisect as rb
-    from conftest import in_folder
+    from tests.helpers import in_folder
     from replaybisect.record.device_guard import DeviceGuard
 
     if not on_device:

@@ -8,7 +8,9 @@ from pathlib import Path
 
 import pytest
 
-PACKAGE = Path(__file__).resolve().parents[1] / "replaybisect"
+from tests.helpers import ROOT
+
+PACKAGE = ROOT / "replaybisect"
 NAME = PACKAGE.name
 
 

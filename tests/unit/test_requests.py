@@ -3,10 +3,10 @@ refused by `replaybisect.VERB(...)` too, in the same words.
 
 Each case runs the command in this process (replaybisect.cli, as `replay` runs it: the line it prints, exit 2) and
 the function, in an empty folder with no store: the function's ReplayError must be the command's line, word for
-word, and neither may create anything. The command-line cases are test_cli_errors.py's (USAGE, CONFIG), so a case
-added there needs its Python counterpart here (or a reason it has none); the rest are the checks the command.py
-files made before the requests did. No training: the few cases that import torch (a device, a check name, a config)
-do it once.
+word, and neither may create anything. The command-line cases are cli_cases.py's (USAGE, CONFIG; e2e/test_cli_errors.py
+runs them through `replay`), so a case added there needs its Python counterpart here (or a reason it has none); the
+rest are the checks the command.py files made before the requests did. No training: the few cases that import torch
+(a device, a check name, a config) do it once.
 """
 
 from __future__ import annotations
@@ -21,11 +21,11 @@ import pytest
 
 import replaybisect as rb
 from replaybisect.cli import app as APP
-from test_cli_errors import BROKEN_YAML, CONFIG, USAGE
+from tests.cli_cases import BROKEN_YAML, CONFIG, USAGE
 
 RUN = "0123456789abcdef"  # no such run: every case is refused before a store is looked up
 
-# test_cli_errors.USAGE id -> the same input through the Python API: the same words
+# cli_cases.USAGE id -> the same input through the Python API: the same words
 SAME = {
     "nan-negative-step": lambda: rb.find_nan(RUN, step=-1),
     "ablate-horizon-huge": lambda: rb.ablate(RUN, ["lr"], horizon=10_000_001),
@@ -174,7 +174,7 @@ def _refusal(call) -> str:
 
 def test_every_command_line_case_has_its_python_counterpart():
     ids = [i for i, _, _ in USAGE]
-    assert sorted(ids) == sorted([*SAME, *KIND, *NO_FUNCTION]), "a test_cli_errors.USAGE case needs a counterpart here"
+    assert sorted(ids) == sorted([*SAME, *KIND, *NO_FUNCTION]), "a cli_cases.USAGE case needs a counterpart here"
     assert not set(SAME) & set(KIND) and not set(SAME) & set(NO_FUNCTION) and not set(KIND) & set(NO_FUNCTION)
 
 

@@ -4,12 +4,12 @@ One tiny run is trained in-process (snapshots at steps 0, 4 and 8). Each example
 snapshot, then checks the promise: loading raises nothing but SnapshotError (no other exception, no segfault, no
 hang), and restoring puts the corrupt copy where the newest snapshot was and gets the previous good snapshot (step 4,
 replayed exactly) unless the change left a snapshot that still loads and applies. The counts of cases tried and of
-cases that met the promise are printed per area (run with -s to see them).
+cases that met the promise are printed per area (run with -s to see them). `replay nan` on a tampered run:
+e2e/test_snapshot_tampered.py.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import pickle
@@ -25,8 +25,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import conftest
-from conftest import Workspace, assert_one_line_error
+from tests.helpers import Workspace, resign
 from replaybisect.errors import SnapshotError
 from replaybisect.core import snapshot as fmt
 
@@ -54,14 +53,6 @@ def run(tmp_path_factory):
 
 
 # ---- corruptions: each takes the folder (a copy of the newest snapshot) and changes it -------------------------
-def resign(folder: Path, name: str) -> None:
-    """Re-sign a changed file in the manifest, as someone with write access could: the parser must then catch it."""
-    manifest = json.loads((folder / fmt.MANIFEST).read_text())
-    payload = (folder / name).read_bytes()
-    manifest["files"][name] = {"size": len(payload), "sha256": hashlib.sha256(payload).hexdigest()}
-    (folder / fmt.MANIFEST).write_text(json.dumps(manifest))
-
-
 FILES = [fmt.TENSORS, fmt.BATCHES, fmt.STATE, fmt.MANIFEST]
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8),
@@ -344,31 +335,3 @@ def test_a_symlinked_snapshot_folder_is_refused(run, tmp_path):
     with pytest.raises(SnapshotError, match="symlink"):
         fmt.load(link)
 
-
-# ---- end to end: `replay nan` on a run whose snapshots were tampered with -------------------------------------------
-@pytest.fixture(scope="module")
-def failing_run(tmp_path_factory):
-    """nan_backward failing at step 10, snapshots at 0, 4, 8 (and the emergency one at 10)."""
-    workspace = Workspace(tmp_path_factory.mktemp("fuzz-cli"))
-    result = conftest.train_example(workspace.store(), "nan_backward", "model.eps_steps=10", "train.steps=16",
-                                    "snapshot.every=4")
-    assert result.status == "nonfinite" and result.first_nonfinite_step == 10
-    return workspace, result.run_id, workspace.store().local_artifact_dir(result.run_id) / fmt.SNAPSHOTS
-
-
-def test_replay_nan_reports_a_tampered_snapshot_and_uses_an_earlier_one_then_fails_when_none_is_usable(failing_run):
-    workspace, run_id, root = failing_run
-    # a re-signed batches file whose header runs past its end: checksums pass, parsing does not
-    batches = root / fmt.folder_name(8) / fmt.BATCHES
-    batches.write_bytes((10**9).to_bytes(8, "little") + batches.read_bytes()[8:])
-    resign(batches.parent, fmt.BATCHES)
-    report = workspace.answer_here("find_nan", run_id)  # the refusal below through the CLI
-    assert report["snapshot_step"] == 4 and report["reproduced"] == "exact"
-    assert any("step-000008" in w and fmt.BATCHES in w for w in report["warnings"]), report["warnings"]
-
-    for step in (0, 4, 10):
-        state = root / fmt.folder_name(step) / fmt.STATE
-        state.write_text(state.read_text().replace('"num_threads": ', '"num_threads": 1000'))
-        resign(state.parent, fmt.STATE)
-    none_usable = workspace.replay("nan", "--run-id", run_id, "--json", "--no-child-run")
-    assert_one_line_error(none_usable, "verif", "num_threads")
