@@ -40,8 +40,8 @@ def cpu_seconds(pid: int) -> float:
 
 
 def crashing_project(folder: Path) -> Path:
-    sys.path.insert(0, str(ROOT / "tests"))
-    import test_watch  # noqa: E402  (pytest is importable wherever the tests run)
+    sys.path.insert(0, str(ROOT))
+    from tests.e2e import test_watch  # noqa: E402  (pytest is importable wherever the tests run)
 
     (folder / "crash").mkdir(parents=True)
     (folder / "crash" / "crashing.py").write_text(test_watch.CRASHING_MODEL)

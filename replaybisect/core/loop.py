@@ -25,7 +25,7 @@ from typing import Any, Callable, Iterator, Optional, Protocol
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler, default_collate
 
-from replaybisect.core import op_trace, user_step
+from replaybisect.core import oom, op_trace, user_step
 from replaybisect.core.snapshot import like
 from replaybisect.core.state import copy_into, copy_state, load_state  # noqa: F401 (loop.copy_state, loop.load_state)
 from replaybisect.core.device import resolve_device
@@ -690,6 +690,8 @@ def _crashed(state: TrainState, step: int, error: Exception, stored, hooks: Loop
     on_exception = getattr(hooks, "on_exception", None)
     if on_exception is None or isinstance(error, ReplayError):  # (the recorder's own refusals are no crash of the step)
         return
+    if oom.is_out_of_memory(error):  # the step's finished frames let go of its activations: recording it needs memory
+        traceback.clear_frames(error.__traceback__)
     updated = bool(getattr(getattr(error, "replaybisect_outcome", None), "updated", False))
     if not updated:
         buffers.restore()

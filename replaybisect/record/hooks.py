@@ -28,7 +28,7 @@ from replaybisect.core.layer_stats import LayerStats
 from replaybisect.core.loop import TrainState
 from replaybisect.core.step_watch import StepOutcome, carried_gradients
 from replaybisect.core.user_step import ManualUpdate
-from replaybisect.core import ranks
+from replaybisect.core import oom, ranks
 from replaybisect.core import snapshot as fmt
 from replaybisect.core.state import iter_live_tensors, state_json
 from replaybisect.store import Store
@@ -144,6 +144,8 @@ class RecordingHooks:
         frame = raised_at(error)
         tags = {"failing_step": step, "failure": "exception", "error_type": type(error).__name__,
                 "error": error_message(error), **({"error_frame": frame[:500]} if frame else {})}
+        if oom.is_out_of_memory(error):  # with the cap and what the process held: `replay memory` runs it under both
+            tags.update(oom.failure_tags(error, self.state.device))
         self.store.set_tags(self.run_id, tags)
         with contextlib.suppress(Exception):  # the run's end names the step and the next command (session.mark_ended)
             error.replaybisect_failing_step = step

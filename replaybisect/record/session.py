@@ -190,5 +190,8 @@ def crash_note(error: BaseException, run_id: str) -> str:
     step = getattr(error, "replaybisect_failing_step", None)
     if step is None:
         return f"replaybisect: run {run_id} ended as crashed (FAILED); what it recorded is kept"
-    return (f"replaybisect: step {step} raised {type(error).__name__}; run {run_id} ended as crashed (FAILED) with the "
-            f"state before step {step} and its batch kept; replay it with: replay nan --run-id {run_id}")
+    from replaybisect.core.oom import is_out_of_memory
+
+    what, verb = ("ran out of memory", "memory") if is_out_of_memory(error) else (f"raised {type(error).__name__}", "nan")
+    return (f"replaybisect: step {step} {what}; run {run_id} ended as crashed (FAILED) with the state before step {step} "
+            f"and its batch kept; replay it with: replay {verb} --run-id {run_id}")

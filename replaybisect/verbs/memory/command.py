@@ -1,4 +1,4 @@
-"""`replay memory --run-id X`: what keeps the run's memory growing, named from a replay."""
+"""`replay memory --run-id X`: what keeps the run's memory growing, or where a step that ran out of memory put it."""
 
 from __future__ import annotations
 
@@ -13,6 +13,10 @@ def memory(request: MemoryRequest, as_json: bool) -> None:
     tensors each step (each holding its step's autograd graph, when it does), or a tensor whose autograd graph gains
     nodes each step (a running sum of losses); with the line that adds to it and the fix. The process's growth per
     step is measured too. `replay diagnose` says when memory grows; this says what holds it.
+
+    On a run whose step ran out of memory: that step replayed under the memory profiler (its peak by kind, the
+    activations each module saved, the largest tensors and their line), the bytes a sample adds, and a batch size
+    that fits the recorded cap, proven by running the step at that size under the cap (on CPU: RLIMIT_AS).
 
     \b
         replay memory --run-id 3f2a...
@@ -32,4 +36,4 @@ def memory(request: MemoryRequest, as_json: bool) -> None:
 
 def register(app: typer.Typer) -> None:
     command = request_command(MemoryRequest, memory, extras=[JSON_OUTPUT])
-    app.command("memory", short_help="What keeps the run's memory growing, named from a replay.")(command)
+    app.command("memory", short_help="What keeps the run's memory growing, or what fits after it ran out.")(command)

@@ -21,9 +21,10 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from replaybisect.replay import restore as restore_mod
-from replaybisect.core import reentry
+from replaybisect.core import oom, reentry
 from replaybisect.errors import SnapshotError
 from replaybisect.store import Store
+from replaybisect.verbs.memory.oom import OutOfMemory, analyse
 
 GRAPH_NODES_LIMIT = 200_000  # nodes walked in one autograd graph (a graph that grows a step is found long before)
 OUR_PACKAGE = "replaybisect"
@@ -52,19 +53,22 @@ class MemoryReport:
     losses: str  # the watched steps' losses against the logged ones: exact | close | diverged | unchecked
     rss_per_step: Optional[float]  # bytes the process grew a step while the steps ran (Linux: /proc/self/statm)
     holders: list[Holder] = field(default_factory=list)
+    out_of_memory: Optional[OutOfMemory] = None  # the failing step ran out of memory: where it went, what fits
     warnings: list[str] = field(default_factory=list)
     report_run_id: Optional[str] = None
 
     @property
     def found(self) -> bool:
-        return bool(self.holders)
+        return bool(self.holders) or self.out_of_memory is not None
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> "MemoryReport":
-        return cls(**{**data, "holders": [Holder(**holder) for holder in data.get("holders", [])]})
+        failed = data.get("out_of_memory")
+        return cls(**{**data, "holders": [Holder(**holder) for holder in data.get("holders", [])],
+                      "out_of_memory": OutOfMemory(**failed) if failed else None})
 
 
 def memory(store: Store, run_id: str, step: Optional[int] = None, *, steps: int = 4, device=None, trust=None,
@@ -79,6 +83,9 @@ def memory(store: Store, run_id: str, step: Optional[int] = None, *, steps: int 
         arguments = {"step": step, "steps": steps, "device": str(device) if device is not None else None}
         return MemoryReport.from_json(run_in_script("memory", store, run_id, cfg, trust, arguments, log))
     losses = restore_mod.logged_losses(store, run_id)
+    tags = store.tags(run_id)
+    if tags.get("failure_kind") == oom.KIND:
+        return _out_of_memory(store, run_id, cfg, tags, losses, device, log)
     if not losses:
         raise SnapshotError(f"run {run_id} logged no steps: nothing to replay")
     last = max(losses)
@@ -93,6 +100,31 @@ def memory(store: Store, run_id: str, step: Optional[int] = None, *, steps: int 
         report = MemoryReport(run_id=run_id, step=restored.snapshot.step, steps=count, snapshot_step=restored.snapshot.step,
                               losses="unchecked", rss_per_step=None, warnings=warnings)
         _watch(restored, report, losses)
+    for warning in restored.warnings:
+        restore_mod.add_warning(report.warnings, warning)
+    return report
+
+
+def _out_of_memory(store: Store, run_id: str, cfg, tags: dict[str, str], logged: dict[int, float], device,
+                   log: Callable[[str], None]) -> MemoryReport:
+    """The step that ran out of memory, reached by replaying the recorded steps before it from their snapshot, then
+    examined (oom.analyse)."""
+    from replaybisect.core import loop
+    from replaybisect.core.tags import failing_step
+
+    failing = failing_step(store, run_id)
+    warnings: list[str] = []
+    snapshot = restore_mod.newest_good_snapshot(store, run_id, failing, warnings)
+    log(f"restoring snapshot {snapshot.step}, replaying steps {snapshot.step}..{failing - 1}")
+    restored = restore_mod.restore(store, run_id, cfg=cfg, device=device, snapshot=snapshot)
+    report = MemoryReport(run_id=run_id, step=snapshot.step, steps=failing - snapshot.step, snapshot_step=snapshot.step,
+                          losses="unchecked", rss_per_step=None, warnings=warnings)
+    with restore_mod.stored_batch_errors(restored):
+        state, replayed = restored.state, {}
+        for step in range(snapshot.step, failing):
+            replayed[step] = loop.run_step(state, step, loop.to_device(restored.batch(step), state.device)).loss
+        report.losses = restore_mod.losses_verdict(replayed, logged) if replayed else "unchecked"
+        report.out_of_memory = analyse(state, failing, restored.batch(failing), tags, log)
     for warning in restored.warnings:
         restore_mod.add_warning(report.warnings, warning)
     return report

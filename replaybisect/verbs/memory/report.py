@@ -20,6 +20,11 @@ def _bytes(value: float) -> str:
 
 
 def headline(report: MemoryReport) -> str:
+    failed = report.out_of_memory
+    if failed is not None:
+        top = f"; {failed.modules[0][0]} saves the most activations" if failed.modules else ""
+        fits = f"; batch size {failed.fits} fits{' (proven under the cap)' if failed.proven else ''}" if failed.fits else ""
+        return f"step {failed.step} ran out of memory at batch size {failed.rows}{top}{fits}"
     if not report.holders:
         return "nothing the loop names grows across steps"
     holder = report.holders[0]
@@ -30,7 +35,9 @@ def headline(report: MemoryReport) -> str:
 def lines_of(report: MemoryReport) -> list[str]:
     grew = f"; the process grew {_bytes(report.rss_per_step)} a step" if report.rss_per_step else ""
     out = [f"steps {report.step}..{report.step + report.steps - 1} replayed from snapshot {report.snapshot_step} "
-           f"(losses {report.losses}){grew}"]
+           f"(losses {report.losses}){grew}" if report.steps else f"the state before step {report.step} restored from its snapshot"]
+    if report.out_of_memory is not None:
+        return out + oom_lines(report.out_of_memory) + [f"warning: {warning}" for warning in report.warnings]
     if not report.holders:
         out.append("nothing the loop's code names (its globals, its frames' locals, its model's attributes) gains tensors "
                    "or autograd nodes from step to step")
@@ -41,6 +48,26 @@ def lines_of(report: MemoryReport) -> list[str]:
             out.append(f"   {holder.line}")
         out.append(f"   fix: {holder.fix}")
     return out + [f"warning: {warning}" for warning in report.warnings]
+
+
+def oom_lines(failed) -> list[str]:
+    cap = f" under a cap of {_bytes(failed.cap)}, {_bytes(failed.headroom)} of it left for the step" if failed.headroom else ""
+    out = [f"step {failed.step} ({failed.rows} samples) ran out of memory{cap}; replayed without the cap its own tensors "
+           f"peak at {_bytes(failed.peak)}: " + ", ".join(f"{kind} {_bytes(size)}" for kind, size in
+                                                         sorted(failed.at_peak.items(), key=lambda item: -item[1]))]
+    if failed.per_sample:
+        out.append(f"each sample adds {_bytes(failed.per_sample)} to that peak")
+    if failed.modules:
+        out.append("activations saved for the backward, by module: " +
+                   ", ".join(f"{name} {_bytes(size)}" for name, size in failed.modules))
+    for tensor in failed.tensors:
+        line = f" made at {tensor['line']}" if tensor.get("line") else ""
+        out.append(f"  {tensor['dtype']}{tensor['shape']} {_bytes(tensor['bytes'])} saved by {tensor['module']}{line}")
+    if failed.detail:
+        out.append(failed.detail)
+    if failed.suggestion:
+        out.append(f"next: {failed.suggestion}")
+    return out
 
 
 def to_markdown(report: MemoryReport) -> str:

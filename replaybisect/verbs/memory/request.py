@@ -17,7 +17,8 @@ class MemoryRequest(ReplayRequest):
     """A recorded run (ReplayRequest), the snapshot to replay from (at or before `step`; default: the newest with
     `steps` recorded steps after it) and how many steps to watch."""
 
-    run_id: str = option(REQUIRED, "--run-id", help="The run whose memory grew (see `replay diagnose`'s memory-leak).")
+    run_id: str = option(REQUIRED, "--run-id", help="The run whose memory grew (see `replay diagnose`'s memory-leak) "
+                         "or whose step ran out of memory.")
     step: Optional[int] = option(None, bound=STEP, help="Replay from the snapshot at or before this step (default: the "
                                  "newest with --steps recorded steps after it).")
     steps: int = option(4, bound=STEPS, help="How many recorded steps to watch (at least 3: growth is told over steps).")
