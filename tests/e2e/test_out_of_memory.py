@@ -52,3 +52,15 @@ def test_replay_memory_names_the_module_and_a_batch_size_proven_to_fit_under_the
     printed = workspace.replay("memory", "--run-id", run_id, "--no-child-run")
     assert "step 6 ran out of memory at batch size 16384" in printed.stdout
     assert f"batch size {failed['fits']} fits (proven under the cap)" in printed.stdout
+
+
+def test_nan_and_diagnose_send_the_out_of_memory_step_to_replay_memory(ran_out):
+    workspace, run_id, _ = ran_out
+    nan = workspace.replay("nan", "--run-id", run_id, "--json", "--no-child-run")
+    assert nan.returncode == 0, nan.stderr
+    report = nan.json()
+    assert report["category"] == "out-of-memory" and report["failing_step"] == 6  # not "transient": no cap holds it here
+    assert report["suggestion"].startswith(f"replay memory --run-id {run_id}")
+    diagnosis = workspace.replay("diagnose", "--run-id", run_id, "--json")
+    [crash] = [finding for finding in diagnosis.json()["findings"] if finding["pattern"] == "exception"]
+    assert "step 6 ran out of memory" in crash["summary"] and crash["next"] == f"replay memory --run-id {run_id}"

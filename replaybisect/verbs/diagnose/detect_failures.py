@@ -34,6 +34,11 @@ def detect_exception(curves: Curves) -> list[Finding]:
     where = f" at {os.path.basename(frame.split(' in ', 1)[0])}" if frame else ""
     evidence = {"failing_step": step, "error_type": tags.get("error_type"), "error": tags.get("error"), "frame": frame,
                 "finite_steps_before": int(np.sum(curves.get("loss").steps < step)) if step is not None else None}
+    if tags.get("failure_kind") == "out_of_memory":  # where the memory went and what fits: replay memory's answer
+        return [Finding("exception", f"step {step} ran out of memory{where}: the run crashed there (the state before the "
+                        "step and its batch are kept)", evidence, command_for("memory", curves), step=step,
+                        source="the recorder keeps a step that ran out of memory with the cap it had; replay memory "
+                               "replays it under the memory profiler and proves a batch size that fits")]
     return [Finding("exception", f"step {step} raised {raised}{where}: the run crashed there (the state before the step "
                     "and its batch are kept)", evidence, command_for("nan", curves), step=step,
                     source="the recorder keeps a step that raised as it keeps a non-finite one; replay nan reproduces it")]

@@ -104,6 +104,14 @@ def classify_crash(report: NanReport, results: _CrashResults, tags: dict) -> Non
     }
     if not all(results.isolation.values()):
         report.warnings.append(f"probe isolation check failed: {results.isolation} (please report this)")
+    if tags.get("failure_kind") == "out_of_memory":  # (it runs through here, where no cap holds it)
+        report.category, report.phase = "out-of-memory", "step"
+        report.evidence.append(f"step {t} ran out of memory in the recorded run ({recorded}); replayed here without "
+                               "the run's memory cap it " + ("raised " + results.error if results.error else "runs through"))
+        report.arms, report.ablate_command = [], None
+        report.suggestion = (f"replay memory --run-id {report.run_id}: where the step's memory went, by module, and a "
+                             "batch size that fits the cap, proven under it")
+        return
     if results.error is None:
         report.category, report.phase = "transient", "none"
         report.evidence.append(f"step {t} raised {recorded} in the recorded run but runs through on replay from the same "

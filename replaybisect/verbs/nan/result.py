@@ -8,7 +8,8 @@ from typing import Any, Optional
 
 from replaybisect.core.trend import HISTORY_WINDOW, HistoryFit
 
-CATEGORIES = ("divergence", "data", "forward", "loss", "backward", "optimizer", "corrupt-state", "transient", "exception")
+CATEGORIES = ("divergence", "data", "forward", "loss", "backward", "optimizer", "corrupt-state", "transient", "exception",
+              "out-of-memory")
 FAULTS = ("forward", "loss", "backward", "optimizer")  # verdicts a divergence can stand behind (the op met runaway values)
 ARMS = ("lr", "clip", "precision", "warmup", "eps", "skip-batch", "skip-rows", "seed", "zero-grad")  # `replay ablate` arm names
 
@@ -117,6 +118,8 @@ def headline(report: NanReport) -> str:
         if report.exception is not None:
             return f"transient at step {t}: raised {report.exception['recorded']} in the run, runs through on replay"
         return f"transient at step {t}: non-finite in the run, finite on replay from the same state and batch"
+    if category == "out-of-memory":
+        return f"out-of-memory at step {t}: the step ran out of memory under the run's cap (replay memory says what fits)"
     if category == "exception":
         crash = report.exception or {}
         line = f" at {line_of(crash.get('frame'))}" if crash.get("frame") else ""
