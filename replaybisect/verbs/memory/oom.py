@@ -81,8 +81,9 @@ def _profiled(state, step: int, batch, failing: Optional[int]) -> _Profile:
 
     from replaybisect.core import loop
 
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if state.device.type == "cuda" else [])
     with loop.state_copy(state) as copy, _saved_activations(copy.model) as (saved, big):
-        with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True) as prof:
+        with profile(activities=activities, profile_memory=True, record_shapes=True, with_stack=True) as prof:
             loop.run_step(copy, step, loop.to_device(batch, copy.device), halt_on_nonfinite=False)
     return _Profile(*_timeline(prof._memory_profile(), failing), saved, big)
 
@@ -181,8 +182,8 @@ def _fit(found: OutOfMemory, state, batch, log: Callable[[str], None]) -> None:
         found.detail = f"even one sample needs more than the {_mb(found.headroom)} the step had under the cap"
         return
     size = min(size, found.rows - 1)
-    if oom.address_space() is None:
-        found.fits, found.detail = size, "estimated from the profile (this platform has no address-space limit to prove it under)"
+    if oom.address_space() is None or state.device.type != "cpu":
+        found.fits, found.detail = size, "estimated from the profile (proven under a cap on CPU only, with RLIMIT_AS)"
         return
     found.reproduced = _runs_under_cap(state, found.step, batch, found.headroom) is False
     for _ in range(4):
