@@ -247,14 +247,17 @@ def memory(request: MemoryRequest) -> "MemoryReport":
     return report
 
 
-@front_door(VerifyRequest, positional=("run_id",))
+@front_door(VerifyRequest, positional=("run_id",), aliases=SUBMITIT)
 def verify(request: VerifyRequest) -> "VerifyReport":
     """Is the recording what this code computes here (as `replay verify`)? Recorded steps (`steps`: "A:B") replayed
-    from their snapshots and compared bit for bit: exact | transient | device | code | nondeterministic."""
+    from their snapshots and compared bit for bit: exact | transient | device | hardware | recorder | code |
+    nondeterministic. `cross_check=True` replays a difference this machine reproduces once more on another machine, as
+    a submitit job (`submitit` holds the job options by name, as for ablate)."""
     from replaybisect.verbs.verify.engine import verify as run_verify
 
     store = _run_store(request.tracking_uri, request.run_id)
-    report = run_verify(store, request.run_id, request.start, request.end, device=request.torch_device, trust=request.trusted)
+    report = run_verify(store, request.run_id, request.start, request.end, device=request.torch_device, trust=request.trusted,
+                        cross_check=request.jobs if request.cross_check else None)
     if request.publish:
         from replaybisect.verbs.verify.report import publish as publish_report
 

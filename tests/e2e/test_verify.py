@@ -103,3 +103,31 @@ def test_a_snapshot_that_does_not_verify_leaves_its_interval_uncompared_and_says
 
     with pytest.raises(rb.ReplayError, match="no snapshot covering steps 12..13 verifies"):  # only that interval
         _verified(workspace, monkeypatch, run_id, "12:14")
+
+
+def _cross_checked(workspace: Workspace, monkeypatch, run_id: str, **env: str):
+    """Verified on this machine, a difference replayed again by a submitit job (its local executor: another process
+    here, which does not inherit this machine's label, so its own is the host's)."""
+    import replaybisect as rb
+
+    with monkeypatch.context() as patch, in_folder(workspace.path):
+        for name, value in env.items():
+            patch.setenv(name, value)
+        return rb.verify(run_id, steps="5:10", tracking_uri=workspace.tracking_uri, publish=False, cross_check=True,
+                         submitit={"cluster": "local", "executor_folder": str(workspace.path / "jobs")})
+
+
+def test_a_device_that_computes_a_step_wrong_is_named_when_another_machine_reproduces_the_recording(workspace, monkeypatch):
+    fault = {FAULT: "step=7,what=loss,bit=20,device=gpuA"}  # gpuA's fault; the run was recorded on a good gpuB
+    run_id = _recorded(workspace, monkeypatch, **fault, **{LABEL: "gpuB"})
+    report = _cross_checked(workspace, monkeypatch, run_id, **fault, **{LABEL: "gpuA"})
+    assert report.verdict == "hardware" and report.elsewhere["verdict"] == "exact"
+    assert report.elsewhere["label"] not in ("gpuA", "gpuB") and "this machine (gpuA)" in report.sentence
+
+
+def test_a_recording_that_two_other_machines_agree_against_is_the_recorders(workspace, monkeypatch):
+    fault = {FAULT: "step=7,what=loss,bit=20,device=gpuA"}  # recorded on the faulty gpuA, verified on gpuB and a job
+    run_id = _recorded(workspace, monkeypatch, **fault, **{LABEL: "gpuA"})
+    report = _cross_checked(workspace, monkeypatch, run_id, **fault, **{LABEL: "gpuB"})
+    assert report.verdict == "recorder" and report.elsewhere["verdict"] == "device"
+    assert report.elsewhere["first"]["step"] == 7 and "(gpuA) computed it differently" in report.sentence

@@ -9,6 +9,10 @@ gradient slightly wrong far more often than as a NaN):
   state and batch, and two replays here agree with each other: a fault while recording (a flipped bit), not the code;
 - device: this machine reproducibly computes a step differently from the machine that recorded it (another device
   label): verify there too; the machine whose replays agree with its recording computes its own numbers;
+- hardware (--cross-check): this machine reproducibly computes a step differently, and another machine (a submitit
+  job) reproduces the recording bit for bit: this machine's device;
+- recorder (--cross-check): this machine and another agree with each other, not with the recording: the machine that
+  recorded it computed it differently (its hardware, or a fault while recording);
 - code: the run's code changed since it was recorded (the difference is the change's);
 - nondeterministic: two replays here of the same state and batch differ from each other.
 """
@@ -24,8 +28,9 @@ from replaybisect.core.jsonutil import from_jsonable
 from replaybisect.core.faults import device_label
 from replaybisect.errors import ReplayError, SnapshotError
 from replaybisect.store import Store
+from replaybisect.verbs.verify import elsewhere
 
-VERDICTS = ("exact", "transient", "device", "code", "nondeterministic")
+VERDICTS = ("exact", "transient", "device", "hardware", "recorder", "code", "nondeterministic")
 DEVICE_LABEL = "device_label"  # the tag the recording machine's label is kept in (record/session.py)
 
 
@@ -51,6 +56,7 @@ class VerifyReport:
     recorded_on: Optional[str] = None
     replayed_on: str = ""
     second_replay: Optional[str] = None  # same | differs: the first differing segment replayed again here
+    elsewhere: Optional[dict] = None  # --cross-check: the other machine's label, verdict and first difference
     code_changes: list[str] = field(default_factory=list)  # the run's own modules changed since it was recorded
     warnings: list[str] = field(default_factory=list)
     report_run_id: Optional[str] = None
@@ -68,8 +74,9 @@ class VerifyReport:
 
 
 def verify(store: Store, run_id: str, start: Optional[int] = None, end: Optional[int] = None, *, device=None, trust=None,
-           log: Optional[Callable[[str], None]] = None) -> VerifyReport:
-    """Replay the recorded steps start..end-1 (default: the whole run) from their snapshots and compare."""
+           cross_check=None, log: Optional[Callable[[str], None]] = None) -> VerifyReport:
+    """Replay the recorded steps start..end-1 (default: the whole run) from their snapshots and compare. `cross_check`
+    (JobSettings): a difference this machine reproduces is replayed once more as a job on another machine."""
     log = log or (lambda message: None)
     tags = store.tags(run_id)
     cfg = restore_mod.run_config(store, run_id, trust)
@@ -106,6 +113,10 @@ def verify(store: Store, run_id: str, start: Optional[int] = None, end: Optional
         log(f"replaying from snapshot {snapshot} again: is the difference this machine's own?")
         again = _replay_segment(store, run_id, cfg, trust, device, snapshot, seg_end, log)
         report.second_replay = "same" if _same(again, replayed) else "differs"
+        if cross_check is not None and report.second_replay == "same" and not report.code_changes and \
+                report.recorded_on != report.replayed_on:
+            log(f"replaying steps {snapshot}..{seg_end - 1} on another machine: a submitit job")
+            report.elsewhere = elsewhere.replayed_elsewhere(store, run_id, snapshot, seg_end, trust, device, cross_check)
     if not report.steps_compared:
         raise SnapshotError(f"run {run_id}: no snapshot covering steps {start}..{end - 1} verifies ({report.warnings[0]}); "
                             "nothing could be compared")
@@ -177,6 +188,15 @@ def _verdict(report: VerifyReport) -> tuple[str, str]:
         return "nondeterministic", f"{where}, and two replays here of the same state and batch differ from each other: a nondeterministic op or this machine's hardware"
     if report.code_changes:
         return "code", f"{where}{after}: the run's code changed since it was recorded ({report.code_changes[0]})"
+    other = report.elsewhere
+    if other is not None and other["label"] != report.replayed_on:
+        if other["verdict"] == "exact":
+            return "hardware", (f"{where}{after}: this machine ({report.replayed_on}) computes it so on every replay, and "
+                                f"another ({other['label']}) reproduces the recording bit for bit: this machine's hardware")
+        if other.get("first") is not None and restore_mod.same_loss(other["first"]["replayed"], first.replayed):
+            return "recorder", (f"{where}{after}: this machine ({report.replayed_on}) and another ({other['label']}) both "
+                                f"compute it so: the machine that recorded it ({report.recorded_on or 'not recorded'}) "
+                                "computed it differently, its hardware or a fault while recording")
     if report.recorded_on is not None and report.recorded_on == report.replayed_on:
         return "transient", (f"{where}{after}: the machine that recorded it ({report.recorded_on}) does not reproduce it "
                              "from its own state and batch, and two replays here agree: a fault while recording (a "

@@ -26,6 +26,11 @@ def lines_of(report: VerifyReport) -> list[str]:
         out += [f"  {d.step}  {d.metric}  {d.logged!r}  {d.replayed!r}  {d.relative:.3g}" for d in report.differences[:10]]
     if report.second_replay is not None:
         out.append(f"a second replay here of the first differing interval: {report.second_replay}")
+    other = report.elsewhere
+    if other is not None:
+        first = other.get("first")
+        seen = f"first difference at step {first['step']}: {first['replayed']!r}" if first else "no difference"
+        out.append(f"on another machine ({other['label']}, job {other['job']}): {other['verdict']} ({seen})")
     return out + [f"warning: {warning}" for warning in report.code_changes + report.warnings]
 
 

@@ -6,8 +6,9 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from replaybisect import request as checks
+from replaybisect.core.jobs import JobSettings
 from replaybisect.errors import ReplayError
-from replaybisect.request import REQUIRED, ReplayRequest, option
+from replaybisect.request import REQUIRED, ReplayRequest, option, option_group
 
 
 @dataclass(frozen=True)
@@ -17,6 +18,10 @@ class VerifyRequest(ReplayRequest):
     run_id: str = option(REQUIRED, "--run-id", help="The run to verify (see `replay runs`).")
     steps: Optional[str] = option(None, "--steps", metavar="A:B", help="Verify the recorded steps A..B-1 (A: or :B "
                                   "too; default: every step of the run), each replayed from its snapshot.")
+    cross_check: bool = option(False, "--cross-check", help="When this machine computes a step differently from the "
+                               "one that recorded it, replay it once more on another machine, as a submitit job (SLURM "
+                               "when sbatch exists, else submitit's local executor), to say whose hardware it is.")
+    jobs: Optional[JobSettings] = option_group(JobSettings)  # where the cross-check's job runs (the API's `submitit={...}`)
     start: Optional[int] = field(init=False, repr=False, compare=False)  # from `steps`
     end: Optional[int] = field(init=False, repr=False, compare=False)
 
@@ -24,7 +29,13 @@ class VerifyRequest(ReplayRequest):
         super().__post_init__()
         steps = checks.text(self.steps, "steps", optional=True)
         start, end = _span(steps)
-        checks.setattrs(self, steps=steps, start=start, end=end)
+        checks.setattrs(self, steps=steps, start=start, end=end, cross_check=checks.flag(self.cross_check, "cross_check"))
+        if self.jobs is not None and not isinstance(self.jobs, JobSettings):
+            raise ReplayError(f"jobs={self.jobs!r:.60} is not a JobSettings; pass the options as submitit={{...}}")
+        if self.jobs is not None:
+            self.jobs.in_range("verify")
+        if self.cross_check:
+            checks.setattrs(self, jobs=(self.jobs or JobSettings()).checked("verify"))
 
 
 def _span(steps: Optional[str]) -> tuple[Optional[int], Optional[int]]:
