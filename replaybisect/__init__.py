@@ -257,7 +257,7 @@ def verify(request: VerifyRequest) -> "VerifyReport":
 
     store = _run_store(request.tracking_uri, request.run_id)
     report = run_verify(store, request.run_id, request.start, request.end, device=request.torch_device, trust=request.trusted,
-                        cross_check=request.jobs if request.cross_check else None)
+                        sample=request.sample, cross_check=request.jobs if request.cross_check else None)
     if request.publish:
         from replaybisect.verbs.verify.report import publish as publish_report
 

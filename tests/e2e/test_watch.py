@@ -430,3 +430,29 @@ def test_an_outage_mid_triage_is_waited_out_not_a_verdict(team, monkeypatch):
     tags = tags_of(team, run_id)
     assert tags["replaybisect.triage"] == "done" and tags["replaybisect.triage.attempts"] == "1", tags
     assert tags["replaybisect.triage.summary"].startswith("failed run: ")
+
+
+def test_audit_verifies_finished_runs_once_and_tags_the_one_a_replay_does_not_reproduce(team, project):
+    """--audit: each finished run has a sample of its steps replayed (here all of them); a run whose step 7 loss had a
+    bit flipped while it was recorded is found transient there, and said; the clean run is exact, tagged, not notified."""
+    from unittest import mock
+
+    experiment = "watch-audit"
+    (clean,) = train_runs(team, project, experiment, [None])
+    with mock.patch.dict(os.environ, {"REPLAYBISECT_INJECT_FAULT": "step=7,what=loss,bit=20"}):
+        (flipped,) = train_runs(team, project, experiment, [None])
+    receiver = Receiver()
+    try:
+        result = run_watch(team, project, experiment, "--once", "--audit", "1000", "--notify-url", receiver.url)
+    finally:
+        receiver.close()
+    assert result.returncode == 0, result.stderr
+    done = {event["run_id"]: event["result"] for event in events(result.stdout) if event["event"] == "done"}
+    assert set(done) == {clean, flipped} and done[clean]["steps"] == ["verify"]
+    assert done[clean]["verdict"] == "exact" and done[clean]["summary"].startswith("audit: exact over ")
+    assert (done[flipped]["verdict"], done[flipped]["summary"]) == ("transient", "audit: transient at step 7")
+    assert done[flipped]["next_command"] == f"replay verify --run-id {flipped} --cross-check"
+    assert tags_of(team, flipped)["replaybisect.triage.verify"] == "transient"
+    assert [posted["run_id"] for posted in receiver.received] == [flipped]  # an exact audit is no news
+    again = run_watch(team, project, experiment, "--once", "--audit", "1000")  # audited once
+    assert not [event for event in events(again.stdout) if event["event"] == "done"]

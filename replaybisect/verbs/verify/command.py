@@ -30,7 +30,7 @@ def verify(request: VerifyRequest, as_json: bool) -> None:
     from replaybisect.verbs.verify.report import print_report, publish
 
     report = run_verify(store, request.run_id, request.start, request.end, device=request.torch_device,
-                        trust=request.trusted, cross_check=request.jobs if request.cross_check else None,
+                        trust=request.trusted, sample=request.sample, cross_check=request.jobs if request.cross_check else None,
                         log=progress_log(stderr_console()))
     finish(report, store=store, publishing=request.publish, publish=publish, render=print_report, as_json=as_json)
 

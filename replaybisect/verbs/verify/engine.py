@@ -19,6 +19,7 @@ gradient slightly wrong far more often than as a NaN):
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Optional
 
@@ -57,6 +58,7 @@ class VerifyReport:
     replayed_on: str = ""
     second_replay: Optional[str] = None  # same | differs: the first differing segment replayed again here
     elsewhere: Optional[dict] = None  # --cross-check: the other machine's label, verdict and first difference
+    sample: Optional[float] = None  # --sample: steps per thousand, from the intervals in `segments`
     code_changes: list[str] = field(default_factory=list)  # the run's own modules changed since it was recorded
     warnings: list[str] = field(default_factory=list)
     report_run_id: Optional[str] = None
@@ -74,9 +76,10 @@ class VerifyReport:
 
 
 def verify(store: Store, run_id: str, start: Optional[int] = None, end: Optional[int] = None, *, device=None, trust=None,
-           cross_check=None, log: Optional[Callable[[str], None]] = None) -> VerifyReport:
-    """Replay the recorded steps start..end-1 (default: the whole run) from their snapshots and compare. `cross_check`
-    (JobSettings): a difference this machine reproduces is replayed once more as a job on another machine."""
+           sample: Optional[float] = None, cross_check=None, log: Optional[Callable[[str], None]] = None) -> VerifyReport:
+    """Replay the recorded steps start..end-1 (default: the whole run) from their snapshots and compare. `sample`: at
+    least this many steps per thousand instead, from snapshot intervals drawn at random (seeded by the run's id).
+    `cross_check` (JobSettings): a difference this machine reproduces is replayed once more as a job on another machine."""
     log = log or (lambda message: None)
     tags = store.tags(run_id)
     cfg = restore_mod.run_config(store, run_id, trust)
@@ -90,9 +93,11 @@ def verify(store: Store, run_id: str, start: Optional[int] = None, end: Optional
         raise ReplayError(f"--steps {start}:{end} holds no step run {run_id} logged (steps 0..{max(losses)}); pass "
                           f"e.g. --steps 0:{max(losses) + 1}")
     segments = _segments(store, run_id, start, end)
+    if sample is not None:
+        segments = _sampled(segments, run_id, math.ceil((end - start) * sample / 1000))
     report = VerifyReport(run_id=run_id, start=segments[0][1], end=end, steps_compared=0, segments=[],
                           recorded_on=tags.get(DEVICE_LABEL), replayed_on=device_label(),
-                          code_changes=restore_mod.code_changes(tags, cfg))
+                          code_changes=restore_mod.code_changes(tags, cfg), sample=sample)
     first_differing = None
     for snapshot, seg_start, seg_end in segments:
         log(f"replaying steps {seg_start}..{seg_end - 1} from snapshot {snapshot}")
@@ -139,6 +144,20 @@ def _segments(store: Store, run_id: str, start: int, end: int) -> list[tuple[int
     return [(s, max(s, start), min(starts[i + 1] if i + 1 < len(starts) else end, end)) for i, s in enumerate(starts)]
 
 
+def _sampled(segments: list[tuple[int, int, int]], run_id: str, wanted: int) -> list[tuple[int, int, int]]:
+    """Snapshot intervals drawn at random (the same for the same run), each compared from its snapshot on, until
+    `wanted` steps are; in step order."""
+    import random
+
+    chosen = []
+    for snapshot, first, end in random.Random(run_id).sample(segments, len(segments)):
+        if wanted <= 0:
+            break
+        chosen.append((snapshot, first, min(end, first + wanted)))
+        wanted -= chosen[-1][2] - first
+    return sorted(chosen)
+
+
 def _replay_segment(store, run_id, cfg, trust, device, snapshot: int, end: int, log) -> dict[str, dict[int, float]]:
     """The losses and gradient norms of the steps snapshot..end-1 replayed from that snapshot."""
     if cfg.train.get("script") is not None and not reentry.replaying():  # a script's run: replayed inside the script
@@ -176,6 +195,8 @@ def _same(a: dict, b: dict) -> bool:
 
 def _verdict(report: VerifyReport) -> tuple[str, str]:
     span = f"steps {report.start}..{report.end - 1}"
+    if report.sample is not None:
+        span = "the sampled steps " + ", ".join(f"{part['start']}..{part['end'] - 1}" for part in report.segments)
     first = report.first
     if first is None:
         return "exact", (f"every logged loss and gradient norm of {span} is reproduced bit for bit ({report.steps_compared} "

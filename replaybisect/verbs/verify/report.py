@@ -18,7 +18,9 @@ def headline(report: VerifyReport) -> str:
 
 
 def lines_of(report: VerifyReport) -> list[str]:
-    out = [f"steps {report.start}..{report.end - 1} replayed from {len(report.segments)} snapshot"
+    span = f"steps {report.start}..{report.end - 1}" if report.sample is None else \
+        f"a sample of {report.sample:g} steps per thousand"
+    out = [f"{span} replayed from {len(report.segments)} snapshot"
            f"{'s' if len(report.segments) != 1 else ''} on {report.replayed_on} (recorded on {report.recorded_on or 'an unknown machine'}): "
            f"{report.steps_compared} steps compared", report.sentence]
     if report.differences:

@@ -8,7 +8,10 @@ from typing import Optional
 from replaybisect import request as checks
 from replaybisect.core.jobs import JobSettings
 from replaybisect.errors import ReplayError
-from replaybisect.request import REQUIRED, ReplayRequest, option, option_group
+from replaybisect.request import REQUIRED, Bound, ReplayRequest, option, option_group
+
+
+SAMPLE = Bound("verify", ("--sample",), low=0.001, high=1000)
 
 
 @dataclass(frozen=True)
@@ -18,6 +21,9 @@ class VerifyRequest(ReplayRequest):
     run_id: str = option(REQUIRED, "--run-id", help="The run to verify (see `replay runs`).")
     steps: Optional[str] = option(None, "--steps", metavar="A:B", help="Verify the recorded steps A..B-1 (A: or :B "
                                   "too; default: every step of the run), each replayed from its snapshot.")
+    sample: Optional[float] = option(None, "--sample", metavar="PER_1000", bound=SAMPLE,
+                                     help="Verify a sample of the run: at least this many recorded steps per thousand "
+                                     "(e.g. 5), from snapshot intervals drawn at random (the same for the same run).")
     cross_check: bool = option(False, "--cross-check", help="When this machine computes a step differently from the "
                                "one that recorded it, replay it once more on another machine, as a submitit job (SLURM "
                                "when sbatch exists, else submitit's local executor), to say whose hardware it is.")
@@ -29,7 +35,12 @@ class VerifyRequest(ReplayRequest):
         super().__post_init__()
         steps = checks.text(self.steps, "steps", optional=True)
         start, end = _span(steps)
-        checks.setattrs(self, steps=steps, start=start, end=end, cross_check=checks.flag(self.cross_check, "cross_check"))
+        checks.setattrs(self, steps=steps, start=start, end=end, cross_check=checks.flag(self.cross_check, "cross_check"),
+                        sample=checks.number(self.sample, "sample", SAMPLE, optional=True))
+        if self.sample is not None and self.sample != self.sample:
+            raise ReplayError("--sample nan is not a number of steps per thousand; pass e.g. --sample 5")
+        if self.sample is not None and steps is not None:
+            raise ReplayError("--sample and --steps both choose the steps to verify; pass one of them")
         if self.jobs is not None and not isinstance(self.jobs, JobSettings):
             raise ReplayError(f"jobs={self.jobs!r:.60} is not a JobSettings; pass the options as submitit={{...}}")
         if self.jobs is not None:

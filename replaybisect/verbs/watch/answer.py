@@ -51,6 +51,12 @@ def step_lines(step: str, result: dict[str, Any]) -> dict[str, str]:
         return _nan_lines(result)
     if step == "ablate":
         return _ablate_lines(result)
+    if step == "verify":
+        first = (result.get("differences") or [None])[0]
+        return {key("verify"): tag_line(result.get("verdict") or ""),
+                key("verify", "step"): str(first["step"]) if first else "",
+                key("verify", "evidence"): tag_line(result.get("sentence") or ""),
+                key("verify", "steps"): str(result.get("steps_compared") or 0)}
     findings = result.get("findings") or []
     return {key("diagnose"): tag_line(result.get("verdict") or ""),
             key("diagnose", "next"): _command_part(findings[0].get("next") or "") if findings else "",
@@ -178,6 +184,12 @@ def conclude(failure: str, run_id: str, lines: dict[str, str], run_name: str, ru
         to_prove = "" if fix else lines.get(key("nan", "prove"), "")
         return Conclusion(lines.get(key("nan", "category"), ""), summary, _first_useful(candidates, ran, run_id), evidence, fix_line,
                           to_prove, _nonfinite_headline(lines))
+    if failure == "audit":
+        verdict, at = lines.get(key("verify"), ""), lines.get(key("verify", "step"), "")
+        where = f" at step {at}" if at else f" over {lines.get(key('verify', 'steps'), '0')} sampled steps"
+        next_command = "" if verdict == "exact" else f"replay verify --run-id {run_id} --cross-check"
+        return Conclusion(verdict, f"audit: {verdict}{where}", next_command, [lines.get(key("verify", "evidence"), "")], "",
+                          headline=f"audit: {verdict}{where}")
     verdict = lines.get(key("diagnose"), "")
     return Conclusion(verdict, f"{failure} run: {verdict}",
                       _first_useful([lines.get(key("diagnose", "next"), "")], ran, run_id), evidence_of(lines), "",

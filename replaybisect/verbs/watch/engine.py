@@ -87,11 +87,11 @@ def failure_of(run) -> Optional[str]:
         return "failed"
     if run.info.status == "KILLED":
         return "killed"
-    return None
+    return "audit" if run.info.status == "FINISHED" else None  # (found only with --audit: a sample replayed)
 
 
 def plan_for(failure: str) -> list[str]:
-    return ["nan", "ablate"] if failure == "nonfinite" else ["diagnose"]
+    return {"nonfinite": ["nan", "ablate"], "audit": ["verify"]}.get(failure, ["diagnose"])
 
 
 def run_url(options: WatchOptions, experiment_id: str, run_id: str) -> Optional[str]:
@@ -207,6 +207,8 @@ class Watcher:
         train = f"tags.`{TAG}kind` = 'train'"
         untriaged = [f"{train} and attributes.status = '{status}'" for status in FAILED_STATUSES]  # no IN for status
         untriaged.append(f"{train} and tags.`{TAG}status` = 'nonfinite'")  # also a run that went on (on_nonfinite=continue)
+        if self.options.audit:  # and every finished run, once: a sample of its steps verified
+            untriaged.append(f"{train} and attributes.status = 'FINISHED'")
         found = [run for query in untriaged for run in search_runs_without_tag(self.store, experiment_ids, query, TAG + TRIAGE)]
         found += search_all_runs(self.store, experiment_ids, f"{train} and tags.`{TAG}{TRIAGE}` = 'running'")
         runs = {run.info.run_id: run for run in found}

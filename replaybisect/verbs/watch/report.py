@@ -43,7 +43,8 @@ class EventLog:
 
     def __call__(self, event: Event) -> None:
         self.write(event)
-        if event.result is not None and self.notify_url:
+        quiet = event.result is not None and event.result.failure == "audit" and event.result.verdict == "exact"
+        if event.result is not None and self.notify_url and not quiet:  # (an audit that found nothing is no news)
             with self._lock:
                 if self._sender is None:
                     self._sender = threading.Thread(target=self._send_queued, name="replay-watch-notify", daemon=True)

@@ -40,6 +40,9 @@ class WatchOptions:
                             "where triage runs on a GPU: CUDA reserves far more than it uses).")
     horizon: int = option(200, bound=Bound("watch", ("--horizon",), low=1, high=MAX_STEPS),
                           help="ablate: steps replayed past the failing step.")
+    audit: float = option(0.0, "--audit", metavar="PER_1000", help="Also verify each finished run once: this many of its "
+                          "recorded steps per thousand (e.g. 5), replayed and compared bit for bit (replay verify --sample); "
+                          "a run a replay does not reproduce is tagged and reported. 0: off.")
     grace: float = option(20.0, "--grace", help="On SIGTERM: seconds running triages may take to finish before their claims are released.")
     code_dirs: Sequence[str] = checks.code_dirs_option()
     trust_prefixes: Sequence[str] = checks.trust_option()
@@ -58,6 +61,8 @@ class WatchOptions:
                 raise ReplayError(f"{name} {value} must be a number of seconds from {low:g} to {high:g}")
         if self.settle * 2 >= self.lease:
             raise ReplayError(f"--settle {self.settle} must be under half of --lease {self.lease}")
+        if not (isinstance(self.audit, (int, float)) and math.isfinite(self.audit) and 0 <= self.audit <= 1000):
+            raise ReplayError(f"--audit {self.audit} must be a number of steps per thousand from 0 (off) to 1000")
         if not 1 <= self.workers <= 64:
             raise ReplayError(f"--workers {self.workers} must be between 1 and 64")
         if self.memory_mb < 0 or 0 < self.memory_mb < 512:

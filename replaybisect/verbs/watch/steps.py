@@ -159,6 +159,8 @@ class TriageSteps:
             return ["nan", *common, *trust]
         if step == "ablate":
             return ["ablate", *ablate_args(lines), *common, "--horizon", str(self.options.horizon), *trust]
+        if step == "verify":  # an audit: the triage's own report is the run's record of it
+            return ["verify", "--sample", f"{self.options.audit:g}", "--no-child-run", *common, *trust]
         return ["diagnose", *common]
 
 
