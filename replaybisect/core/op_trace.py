@@ -99,3 +99,20 @@ def first_difference(good: list[dict[str, Any]], bad: list[dict[str, Any]]) -> O
         return {"index": index, "good": good[index] if index < len(good) else None, "bad": bad[index] if index < len(bad) else None,
                 "same_op": False}
     return None
+
+
+def aligned(good: list[dict[str, Any]], bad: list[dict[str, Any]], around: int = 25) -> list[dict[str, Any]]:
+    """The two traces side by side, aligned by op name (difflib: an op the commit added or removed leaves a gap on one
+    side), cut to `around` rows before and after the first row that differs; each row {"good", "bad", "same"}."""
+    import difflib
+
+    matcher = difflib.SequenceMatcher(None, [op["op"] for op in good], [op["op"] for op in bad], autojunk=False)
+    rows: list[dict[str, Any]] = []
+    for tag, good_start, good_end, bad_start, bad_end in matcher.get_opcodes():
+        for offset in range(max(good_end - good_start, bad_end - bad_start)):
+            before = good[good_start + offset] if good_start + offset < good_end else None
+            after = bad[bad_start + offset] if bad_start + offset < bad_end else None
+            rows.append({"good": before, "bad": after,
+                         "same": tag == "equal" and before is not None and after is not None and before["out"] == after["out"]})
+    first = next((index for index, row in enumerate(rows) if not row["same"]), None)
+    return [] if first is None else rows[max(0, first - around): first + around]

@@ -63,6 +63,9 @@ def test_clear_regression_is_found_with_the_broken_commit_skipped(clear):
     # what the commit changed in the numbers: the first step's forward is the same, its update (a 10x smaller lr) not
     numerics = report["numerics"]
     assert numerics["same_op"] and numerics["index"] > 0 and numerics["bad"]["at"].startswith("torch/optim/"), numerics
+    assert numerics["commits"] == [shas[REGRESSION_AT - 1], shas[REGRESSION_AT]]
+    differing = [row for row in numerics["rows"] if not row["same"]]  # the two steps side by side, around that op
+    assert differing[0]["good"] == numerics["good"] and differing[0]["bad"] == numerics["bad"]
 
 
 def test_clear_bisect_leaves_the_repository_untouched_and_records_runs(clear):
@@ -73,6 +76,8 @@ def test_clear_bisect_leaves_the_repository_untouched_and_records_runs(clear):
     parent = store.get_run(report["run_id"])
     assert parent.data.tags["replaybisect.kind"] == "bisect"
     assert parent.data.tags["replaybisect.bisect_first_bad"] == shas[REGRESSION_AT]
+    page = store.read_artifact_text(report["run_id"], "ops.html")  # the ops side by side, in the MLflow UI
+    assert "(last good)" in page and page.count("<tr class=differs>") >= 1 and report["numerics"]["bad"]["op"] in page
     # every trial is a child run: the `replay train` runs, and a record of the commit that could not build
     assert _trial_count(store, report["run_id"]) == report["n_runs"]
     trained = store.get_run(report["trials"][0]["run_id"])

@@ -221,7 +221,10 @@ class _Bisector:
                     return {"error": f"{sha[:10]}'s first step could not be traced (exit {returncode}: {_last_line(stderr)})"}
                 traces[sha] = json.loads(trace.read_text(encoding="utf-8"))
         found = op_trace.first_difference(traces[good_sha], traces[bad_sha])
-        return None if found is None else {**found, "ops": [len(traces[good_sha]), len(traces[bad_sha])]}
+        if found is None:
+            return None
+        return {**found, "ops": [len(traces[good_sha]), len(traces[bad_sha])], "commits": [good_sha, bad_sha],
+                "rows": op_trace.aligned(traces[good_sha], traces[bad_sha])}  # (ops.html: the two steps side by side)
 
     def _record(self, sha: str, run: SeedRun, cacheable: bool, stdout: str, stderr: str, returncode: int) -> None:
         """Tag the trial's MLflow run (creating one when the trial made none) with its cache key and outcome."""

@@ -153,8 +153,35 @@ def publish(store, result: "BisectResult") -> None:
         store.log_figure(run_id, figure, "bisect.png")
     finally:
         close_figure(figure)
+    if result.numerics and result.numerics.get("rows"):
+        store.log_text(run_id, ops_html(result), "ops.html")
     store.set_tags(run_id, summary_tags(result))
     store.describe(run_id, headline(result))
+
+
+def ops_html(result: "BisectResult") -> str:
+    """The first training step's ops in the last good commit and the first bad one, side by side around the first
+    that differs (its output's digest, the line that called it): a page the MLflow UI shows as the run's artifact."""
+    from html import escape
+
+    def cell(op) -> str:
+        if op is None:
+            return "<td class=gap colspan=3>(no op here)</td>"
+        return f"<td><code>{escape(op['op'])}</code></td><td><code>{escape(op['out'])}</code></td><td><code>{escape(op.get('at') or '')}</code></td>"
+
+    rows = "\n".join(f"<tr class={'same' if row['same'] else 'differs'}>{cell(row['good'])}{cell(row['bad'])}</tr>"
+                      for row in result.numerics["rows"])
+    good, bad = (escape(sha[:10]) for sha in result.numerics["commits"])
+    return f"""<!doctype html><meta charset=utf-8><title>replay bisect: ops of step 0</title>
+<style>body{{font-family:sans-serif}} table{{border-collapse:collapse;font-size:13px}} td,th{{padding:2px 8px;border-bottom:1px solid #ddd;text-align:left}}
+tr.differs td{{background:#fde2e2}} td.gap{{color:#999;font-style:italic}}</style>
+<h3>{escape(numerics_line(result))}</h3>
+<p>Step 0 of each commit, traced op by op (the output's digest, the line that called it), aligned by op name; red: the
+outputs differ, or an op only one side has.</p>
+<table><tr><th colspan=3>{good} (last good)</th><th colspan=3>{bad} (first bad)</th></tr>
+<tr><th>op</th><th>output</th><th>called at</th><th>op</th><th>output</th><th>called at</th></tr>
+{rows}</table>
+"""
 
 
 def summary_tags(result: "BisectResult") -> dict:

@@ -114,7 +114,8 @@ class BisectResult:
     repo: str = ""
     tracking_uri: str = ""  # the store holding run_id and the trials (where report.publish writes)
     # the first op of the first step whose outputs the commit changed (core/op_trace.first_difference), with both
-    # sides: {index, good: {op, out, at}, bad: {...}, same_op, ops}; {"error": ...} when no trace could be made;
+    # sides: {index, good: {op, out, at}, bad: {...}, same_op, ops, commits, rows: the two steps' ops aligned around
+    # it (core/op_trace.aligned), rendered as ops.html}; {"error": ...} when no trace could be made;
     # None when the ops' outputs are the same (or the bisect ran --cmd)
     numerics: Optional[dict] = None
 
