@@ -132,8 +132,6 @@ class RecordingHooks:
         step is (the state before it and its batch, tags failing_step, failure=exception, error_type, error,
         error_frame). `updated`: it raised after its optimizer update, so only its batch is kept (a replay reaches
         it from the last snapshot). The run's end (FAILED, crashed) is the session's."""
-        from replaybisect.frames import error_message, raised_at
-
         if self.device_guard is not None and self.device_guard.pending:
             self._flush_metrics()  # an earlier step found non-finite at this flush is the failure
         if self.halted or self.crashed_step is not None:
@@ -141,12 +139,7 @@ class RecordingHooks:
         self.crashed_step = step
         grads = carried_gradients(self.state.model, self.state.params) if self.state.user_loop else None  # (raised before its backward)
         self._keep_failing_step(step, batch, "exception", state_intact=not updated, grads=grads)
-        frame = raised_at(error)
-        tags = {"failing_step": step, "failure": "exception", "error_type": type(error).__name__,
-                "error": error_message(error), **({"error_frame": frame[:500]} if frame else {})}
-        if oom.is_out_of_memory(error):  # with the cap and what the process held: `replay memory` runs it under both
-            tags.update(oom.failure_tags(error, self.state.device))
-        self.store.set_tags(self.run_id, tags)
+        self.store.set_tags(self.run_id, crash_tags(step, error, self.state.device))
         with contextlib.suppress(Exception):  # the run's end names the step and the next command (session.mark_ended)
             error.replaybisect_failing_step = step
             error.replaybisect_run_id = self.run_id
@@ -375,6 +368,17 @@ def _copy_to_host(state, buffers: dict[str, torch.Tensor]) -> dict[str, torch.Te
         buffer.copy_(tensor.detach(), non_blocking=tensor.is_cuda)
         host[name] = buffer
     return host
+
+
+def crash_tags(step: int, error: BaseException, device: torch.device) -> dict[str, Any]:
+    """The run's tags for a step that raised: where, what, the user's frame; for one that ran out of memory also the cap
+    and what the process held (`replay memory` runs the step under both)."""
+    from replaybisect.frames import error_message, raised_at
+
+    frame = raised_at(error)
+    tags = {"failing_step": step, "failure": "exception", "error_type": type(error).__name__,
+            "error": error_message(error), **({"error_frame": frame[:500]} if frame else {})}
+    return {**tags, **oom.failure_tags(error, device)} if oom.is_out_of_memory(error) else tags
 
 
 def _write_state_files(folder: Path, host: dict[str, torch.Tensor], saved_state: dict, copied=None) -> dict[str, dict]:

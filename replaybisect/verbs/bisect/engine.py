@@ -48,15 +48,16 @@ import threading
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from pathlib import Path
-from typing import Callable, Optional, Sequence
+from typing import Callable, Sequence
 
 from replaybisect.errors import GitError, ReplayError
 from replaybisect.verbs.bisect.gitops import PrivateClone, UserRepo, clean_git_env
 from replaybisect.verbs.bisect.trial_process import JobLauncher, Launcher, signal_group
 from replaybisect.verbs.bisect.results import Baseline, BisectAborted, BisectResult, SeedRun, Trial
 from replaybisect.verbs.bisect.runners import (CommandRunner, LAYER_METRICS, TRAIN_METRICS, TRIAL_THREADS,
-    TrainRunner, _last_line, content_hash, store_outside_repo, output_tail, absolute_tracking_uri, is_train_metric, tail_mean)
+    TrainRunner, content_hash, store_outside_repo, output_tail, absolute_tracking_uri, is_train_metric, tail_mean)
 from replaybisect.verbs.bisect.search import Search, endpoint_baseline, judge
+from replaybisect.verbs.bisect.numerics import first_changed_op
 
 __all__ = ["BisectResult", "Trial", "SeedRun", "bisect", "Search", "Baseline", "judge", "endpoint_baseline", "BisectAborted"]
 CRASH_RETRIES = 1  # a trial that crashed (exit 1) or was killed runs once more before its commit is skipped
@@ -197,35 +198,6 @@ class _Bisector:
                     "REPLAYBISECT_WORKTREE": str(worktree), "MLFLOW_TRACKING_URI": self.store.uri})
         return env
 
-    def numerics(self, good_sha: str, bad_sha: str) -> Optional[dict]:
-        """The first op of the first training step whose outputs differ between the last good commit and the first
-        bad one (each trained one step with seed 0, its ops traced: core/op_trace.py), or None when every op's
-        outputs are the same; a trace that could not be made is said in `error`."""
-        import json
-        import tempfile
-
-        from replaybisect.core import op_trace
-
-        traces = {}
-        with tempfile.TemporaryDirectory(prefix="replaybisect-numerics-") as folder:
-            for sha in (good_sha, bad_sha):
-                def job(worktree: Path, sha=sha):
-                    env = {**self.trial_env(worktree, sha, 0), op_trace.ENV: str(Path(folder) / f"{sha}.json")}
-                    store_uri = f"sqlite:///{Path(folder) / 'numerics.db'}"  # not the bisect's: no trial is recorded
-                    env["MLFLOW_TRACKING_URI"] = store_uri
-                    process = self.launcher.start(self.runner.one_step_command(worktree, store_uri), worktree, env)
-                    return process.communicate()
-                returncode, _, stderr = self._with_worktree(job)
-                trace = Path(folder) / f"{sha}.json"
-                if not trace.is_file():
-                    return {"error": f"{sha[:10]}'s first step could not be traced (exit {returncode}: {_last_line(stderr)})"}
-                traces[sha] = json.loads(trace.read_text(encoding="utf-8"))
-        found = op_trace.first_difference(traces[good_sha], traces[bad_sha])
-        if found is None:
-            return None
-        return {**found, "ops": [len(traces[good_sha]), len(traces[bad_sha])], "commits": [good_sha, bad_sha],
-                "rows": op_trace.aligned(traces[good_sha], traces[bad_sha])}  # (ops.html: the two steps side by side)
-
     def _record(self, sha: str, run: SeedRun, cacheable: bool, stdout: str, stderr: str, returncode: int) -> None:
         """Tag the trial's MLflow run (creating one when the trial made none) with its cache key and outcome."""
         if run.run_id is None:
@@ -246,7 +218,7 @@ class _Bisector:
         self.store.set_tags(run.run_id, tags)
 
     # ---- worker jobs -------------------------------------------------------------------
-    def _with_worktree(self, job: Callable[[Path], object]):
+    def with_worktree(self, job: Callable[[Path], object]):
         worktree = self.free_worktrees.get()
         try:
             return job(worktree)
@@ -262,7 +234,7 @@ class _Bisector:
                 self.stop_endpoint.add(sha)
             return run
 
-        return self._with_worktree(job)
+        return self.with_worktree(job)
 
     def _candidate_job(self, sha: str, baseline: Baseline) -> tuple[str, list[SeedRun], float | None, float | None, str]:
         def job(worktree: Path):
@@ -283,7 +255,7 @@ class _Bisector:
             verdict, z, p, note = judge(baseline, runs, len(runs))
             return verdict or "skip", runs, z, p, note or "no seed could be paired with the endpoints"
 
-        return self._with_worktree(job)
+        return self.with_worktree(job)
 
     def _seed_order(self, baseline: Baseline) -> list[int]:
         if baseline.mode == "cmd":
@@ -501,7 +473,7 @@ def bisect(
             if first_bad is not None and runner.mode == "train":
                 last_good = history[history.index(first_bad) - 1]
                 emit("phase", text=f"tracing the first step's ops at {last_good[:10]} and {first_bad[:10]}: what the commit changed in the numbers")
-                numerics = bisector.numerics(last_good, first_bad)
+                numerics = first_changed_op(bisector, last_good, first_bad)
         except KeyboardInterrupt:
             store.finish_run(parent_run_id, "interrupted", "KILLED")
             raise
