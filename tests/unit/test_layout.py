@@ -132,3 +132,24 @@ def test_functions_in_the_recording_wing_are_short():
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno + 1 > 80:
                 long.append(f"{path.name}:{node.name} ({node.end_lineno - node.lineno + 1} lines)")
     assert long == [], long
+
+
+def test_no_file_over_800_lines_and_no_class_over_300():
+    """One file, one job: a module that outgrows 800 lines or a class 300 is split by what it does."""
+    too_long = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        text = path.read_text(encoding="utf-8")
+        if len(text.splitlines()) > 800:
+            too_long.append(f"{path.relative_to(PACKAGE)} ({len(text.splitlines())} lines)")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > 300:
+                too_long.append(f"{path.relative_to(PACKAGE)}:{node.name} ({node.end_lineno - node.lineno + 1} lines)")
+    assert too_long == [], too_long
+
+
+def test_each_trainer_callback_is_a_thin_adapter():
+    """Both ReplayCallbacks adapt record/trainer_steps.py's core to their trainer's hooks, in under 120 lines each."""
+    for name in ("lightning.py", "hf.py"):
+        tree = ast.parse((PACKAGE / "record" / name).read_text(encoding="utf-8"))
+        [callback] = [node for node in tree.body if isinstance(node, ast.ClassDef) and node.name == "ReplayCallback"]
+        assert callback.end_lineno - callback.lineno + 1 < 120, (name, callback.end_lineno - callback.lineno + 1)
