@@ -192,6 +192,8 @@ def crash_note(error: BaseException, run_id: str) -> str:
         return f"replaybisect: run {run_id} ended as crashed (FAILED); what it recorded is kept"
     from replaybisect.core.oom import is_out_of_memory
 
-    what, verb = ("ran out of memory", "memory") if is_out_of_memory(error) else (f"raised {type(error).__name__}", "nan")
+    what, verb = (f"raised {type(error).__name__}", "nan")
+    if is_out_of_memory(error):  # (replay memory sends a step that asks for more than any machine has to replay nan)
+        what, verb = f"ran out of memory ({type(error).__name__})", "memory"
     return (f"replaybisect: step {step} {what}; run {run_id} ended as crashed (FAILED) with the state before step {step} "
             f"and its batch kept; replay it with: replay {verb} --run-id {run_id}")

@@ -115,7 +115,12 @@ def test_a_step_out_of_memory_in_the_model_is_replayed_to_its_op_and_batch(tmp_p
     script stopping 'while its loop ran the replay's steps')."""
     workspace = Workspace(tmp_path)
     done, run_id, _ = _run(workspace, OUT_OF_MEMORY)
-    assert "step 6 raised RuntimeError" in done.stderr and "can't allocate memory" in done.stderr
+    assert "step 6 ran out of memory (RuntimeError)" in done.stderr and "can't allocate memory" in done.stderr
+    memory = workspace.replay("memory", "--run-id", run_id, "--json", "--no-child-run")  # no batch size fits: nan's case
+    assert memory.returncode == 0, memory.stderr
+    failed = memory.json()["out_of_memory"]
+    assert "runs out of memory here too, with no cap" in failed["detail"] and failed["fits"] is None
+    assert failed["suggestion"].startswith(f"replay nan --run-id {run_id}")
     result = workspace.replay("nan", "--run-id", run_id, "--json", "--no-child-run")
     assert result.returncode == 0, result.stderr
     report = result.json()

@@ -28,7 +28,7 @@ def ran_out(tmp_path_factory) -> tuple[Workspace, str, subprocess.CompletedProce
 def test_the_step_that_ran_out_of_memory_is_the_failing_step_with_its_cap(ran_out):
     workspace, run_id, done = ran_out
     assert done.returncode == 1 and done.stdout.count("loss") == 6  # steps 0..5 trained
-    assert f"step 6 ran out of memory; run {run_id} ended as crashed (FAILED)" in done.stderr
+    assert f"step 6 ran out of memory (RuntimeError); run {run_id} ended as crashed (FAILED)" in done.stderr
     assert f"replay it with: replay memory --run-id {run_id}" in done.stderr
     tags = workspace.store().tags(run_id)
     assert tags["failing_step"] == "6" and tags["failure_kind"] == "out_of_memory"

@@ -124,7 +124,7 @@ def _out_of_memory(store: Store, run_id: str, cfg, tags: dict[str, str], logged:
         for step in range(snapshot.step, failing):
             replayed[step] = loop.run_step(state, step, loop.to_device(restored.batch(step), state.device)).loss
         report.losses = restore_mod.losses_verdict(replayed, logged) if replayed else "unchecked"
-        report.out_of_memory = analyse(state, failing, restored.batch(failing), tags, log)
+        report.out_of_memory = analyse(state, run_id, failing, restored.batch(failing), tags, log)
     for warning in restored.warnings:
         restore_mod.add_warning(report.warnings, warning)
     return report

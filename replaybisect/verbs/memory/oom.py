@@ -42,7 +42,7 @@ class OutOfMemory:
     suggestion: str = ""
 
 
-def analyse(state, step: int, batch, tags: dict[str, str], log: Callable[[str], None]) -> OutOfMemory:
+def analyse(state, run_id: str, step: int, batch, tags: dict[str, str], log: Callable[[str], None]) -> OutOfMemory:
     """The failing step (`batch` as stored) replayed on copies of `state`, which stays the state before it."""
     from replaybisect.core import user_step
     from replaybisect.verbs.check.batches import batch_size_of, samples_of
@@ -50,7 +50,15 @@ def analyse(state, step: int, batch, tags: dict[str, str], log: Callable[[str], 
     rows = batch_size_of(user_step.data_of(user_step.unpack(batch)[0]))
     found = OutOfMemory(step=step, rows=rows, cap=_int_tag(tags, "memory_limit"))
     log(f"replaying step {step} ({rows} samples) under the memory profiler")
-    full = _profiled(state, step, batch, _int_tag(tags, "failed_allocation"))
+    try:
+        full = _profiled(state, step, batch, _int_tag(tags, "failed_allocation"))
+    except Exception as error:  # noqa: BLE001 - out of memory with no cap at all: the step, not the machine
+        if not oom.is_out_of_memory(error):
+            raise
+        found.detail = (f"the step runs out of memory here too, with no cap ({type(error).__name__}: "
+                        f"{str(error).splitlines()[0][:160]}): it asks for more than this machine has, whatever the batch size")
+        found.suggestion = f"replay nan --run-id {run_id}: the op that asked for it, its line and the batch's values"
+        return found
     found.peak, found.at_peak = full.peak, full.at_peak
     found.modules = [[name, size] for name, size in full.saved.most_common(SHOWN)]
     found.tensors = sorted(full.big, key=lambda item: -item["bytes"])[:SHOWN]

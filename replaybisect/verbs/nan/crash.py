@@ -104,10 +104,10 @@ def classify_crash(report: NanReport, results: _CrashResults, tags: dict) -> Non
     }
     if not all(results.isolation.values()):
         report.warnings.append(f"probe isolation check failed: {results.isolation} (please report this)")
-    if tags.get("failure_kind") == "out_of_memory":  # (it runs through here, where no cap holds it)
+    if tags.get("failure_kind") == "out_of_memory" and results.error is None:  # the run's cap, not the step, made it fail
         report.category, report.phase = "out-of-memory", "step"
         report.evidence.append(f"step {t} ran out of memory in the recorded run ({recorded}); replayed here without "
-                               "the run's memory cap it " + ("raised " + results.error if results.error else "runs through"))
+                               "the run's memory cap it runs through")
         report.arms, report.ablate_command = [], None
         report.suggestion = (f"replay memory --run-id {report.run_id}: where the step's memory went, by module, and a "
                              "batch size that fits the cap, proven under it")
