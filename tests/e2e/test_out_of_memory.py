@@ -33,7 +33,7 @@ def test_the_step_that_ran_out_of_memory_is_the_failing_step_with_its_cap(ran_ou
     tags = workspace.store().tags(run_id)
     assert tags["failing_step"] == "6" and tags["failure_kind"] == "out_of_memory"
     assert int(tags["memory_limit"]) > int(tags["memory_at_failure"]) > 0
-    assert int(tags["failed_allocation"]) == 16384 * 2048 * 4  # the first wide activation of the big batch
+    assert int(tags["failed_allocation"]) == 16384 * 1024 * 4  # the first wide activation of the big batch
 
 
 def test_replay_memory_names_the_module_and_a_batch_size_proven_to_fit_under_the_cap(ran_out):
@@ -42,16 +42,16 @@ def test_replay_memory_names_the_module_and_a_batch_size_proven_to_fit_under_the
     assert result.returncode == 0, result.stderr
     failed = result.json()["out_of_memory"]
     assert failed["step"] == 6 and failed["rows"] == 16384
-    assert failed["at_peak"]["activations"] > 3 * 128 * 2**20  # three ReLU outputs of 128 MiB, and more
-    assert failed["modules"][0][0].endswith("(ReLU)") and failed["modules"][0][1] == 128 * 2**20
+    assert failed["at_peak"]["activations"] > 3 * 64 * 2**20  # three ReLU outputs of 64 MiB, and more
+    assert failed["modules"][0][0].endswith("(ReLU)") and failed["modules"][0][1] == 64 * 2**20
     assert all(tensor["line"].startswith("oom_loop.py:") for tensor in failed["tensors"])
     assert 0 < failed["per_sample"] < 64 * 2**10
     assert failed["reproduced"] is True and failed["proven"] is True  # the recorded batch fails under the cap, this one runs
     assert 8 <= failed["fits"] < 16384 and failed["fits"] * failed["per_sample"] < failed["headroom"]
     assert f"train with batch size {failed['fits']}" in failed["suggestion"]
-    printed = workspace.replay("memory", "--run-id", run_id, "--no-child-run")
-    assert "step 6 ran out of memory at batch size 16384" in printed.stdout
-    assert f"batch size {failed['fits']} fits (proven under the cap)" in printed.stdout
+    printed = workspace.store().read_artifact_text(result.json()["report_run_id"], "memory.md")  # as printed, in the child run
+    assert "step 6 ran out of memory at batch size 16384" in printed and "step 6 (16384 samples) ran out of memory under a cap" in printed
+    assert f"step 6 at batch size {failed['fits']} ran under the same cap" in printed
 
 
 def test_nan_and_diagnose_send_the_out_of_memory_step_to_replay_memory(ran_out):

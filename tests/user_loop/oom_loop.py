@@ -8,7 +8,7 @@ import torch
 
 import replaybisect
 
-WIDTH = 2048
+WIDTH = 1024
 
 
 def build(cfg):
@@ -39,7 +39,7 @@ if __name__ == "__main__":
     rec = replaybisect.Recorder(model, optimizer, step_fn=train_step, build=build, config={"width": WIDTH}, snapshot_every=4)
     with open("/proc/self/statm") as statm:
         size = int(statm.read().split()[0]) * resource.getpagesize()
-    cap = size + int(sys.argv[1]) * 2**20 if len(sys.argv) > 1 else size + 400 * 2**20
+    cap = size + int(sys.argv[1]) * 2**20 if len(sys.argv) > 1 else size + 200 * 2**20
     resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
     for batch in batches():
         print("loss", float(rec.step(batch)))

@@ -71,7 +71,7 @@ def oom_lines(failed) -> list[str]:
 
 
 def to_markdown(report: MemoryReport) -> str:
-    return f"# replay memory: run {report.run_id}\n\n" + "\n".join(lines_of(report)) + "\n"
+    return f"# replay memory: run {report.run_id}\n\n**{headline(report)}**\n\n" + "\n".join(lines_of(report)) + "\n"
 
 
 def print_report(report: MemoryReport) -> None:
