@@ -158,6 +158,21 @@ def print_runs(summaries, location) -> None:
     print_table(table)
 
 
+def print_answer(verb: str, run_id: str, headline: str, lines: list[str], child: str | None, files: tuple[str, ...],
+                 style: str | None = None) -> None:
+    """A replaying verb's answer as printed: its headline, its lines, and the child run that holds its files."""
+    shown = f"[{style}]{plain(headline)}[/]" if style else plain(headline)
+    console.print(f"[bold]replay {verb}[/] run {run_id}: {shown}")
+    for line in lines:
+        console.print(f"  {plain(line)}")
+    if child:
+        console.print(f"  report: child run {child} ({', '.join(files)})")
+
+
+def answer_markdown(verb: str, run_id: str, headline: str, lines: list[str]) -> str:
+    return f"# replay {verb}: run {run_id}\n\n**{headline}**\n\n" + "\n".join(lines) + "\n"
+
+
 def publish_child(store, parent_run_id: str, kind: str, run_name: str, write, tags: dict | None = None) -> str:
     """A child run (`kind`) of the examined run holding the files `write(child_run_id, folder)` puts in a temporary
     folder; finished ok, or crashed (FAILED) when making or logging them fails. Returns its id."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from replaybisect.core.jsonutil import strict_json
-from replaybisect.report import console, plain, publish_child
+from replaybisect.report import answer_markdown, print_answer, publish_child
 from replaybisect.verbs.memory.engine import MemoryReport
 
 MARKDOWN, JSON_FILE = "memory.md", "memory.json"
@@ -71,15 +71,11 @@ def oom_lines(failed) -> list[str]:
 
 
 def to_markdown(report: MemoryReport) -> str:
-    return f"# replay memory: run {report.run_id}\n\n**{headline(report)}**\n\n" + "\n".join(lines_of(report)) + "\n"
+    return answer_markdown("memory", report.run_id, headline(report), lines_of(report))
 
 
 def print_report(report: MemoryReport) -> None:
-    console.print(f"[bold]replay memory[/] run {report.run_id}: {plain(headline(report))}")
-    for line in lines_of(report):
-        console.print(f"  {plain(line)}")
-    if report.report_run_id:
-        console.print(f"  report: child run {report.report_run_id} ({MARKDOWN}, {JSON_FILE})")
+    print_answer("memory", report.run_id, headline(report), lines_of(report), report.report_run_id, (MARKDOWN, JSON_FILE))
 
 
 def publish(store, report: MemoryReport) -> str:

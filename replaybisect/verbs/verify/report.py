@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from replaybisect.core.jsonutil import strict_json
-from replaybisect.report import console, plain, publish_child
+from replaybisect.report import answer_markdown, print_answer, publish_child
 from replaybisect.verbs.verify.engine import VerifyReport
 
 MARKDOWN, JSON_FILE = "verify.md", "verify.json"
@@ -37,16 +37,12 @@ def lines_of(report: VerifyReport) -> list[str]:
 
 
 def to_markdown(report: VerifyReport) -> str:
-    return f"# replay verify: run {report.run_id}\n\n**{headline(report)}**\n\n" + "\n".join(lines_of(report)) + "\n"
+    return answer_markdown("verify", report.run_id, headline(report), lines_of(report))
 
 
 def print_report(report: VerifyReport) -> None:
-    style = "green" if report.verdict == "exact" else "red"
-    console.print(f"[bold]replay verify[/] run {report.run_id}: [{style}]{plain(headline(report))}[/]")
-    for line in lines_of(report):
-        console.print(f"  {plain(line)}")
-    if report.report_run_id:
-        console.print(f"  report: child run {report.report_run_id} ({MARKDOWN}, {JSON_FILE})")
+    print_answer("verify", report.run_id, headline(report), lines_of(report), report.report_run_id, (MARKDOWN, JSON_FILE),
+                 style="green" if report.verdict == "exact" else "red")
 
 
 def publish(store, report: VerifyReport) -> str:
