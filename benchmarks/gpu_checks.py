@@ -8,7 +8,9 @@
 2. host syncs per recorded step (gpu_syncs.py);
 3. the recorder's overhead, recorded/plain step time, with the metrics read every 1, 10 and 50 steps
    (recorder_overhead.py, `replay train`'s loop on the GPU);
-4. the snapshot stall against state size, 21 MB to 1 GB (snapshot_stall.py).
+4. the snapshot stall against state size, 21 MB to 1 GB (snapshot_stall.py);
+5. `replay verify` over a 100-step run on the device, fp32/bf16/fp16, deterministic algorithms off and on
+   (gpu_verify.py: `exact` expected).
 
 Each part's output is printed as it comes and kept in `--out` (JSON). Exit status 1 when a replay was not exact
 or a part failed.
@@ -30,7 +32,9 @@ HERE = Path(__file__).resolve().parent
 def parts(on_cpu: bool, repeats: int) -> list[tuple[str, list[str]]]:
     overhead = [(f"recorder overhead, metrics read every {flush}",
                  ["recorder_overhead.py", "--steps", "200", "--repeats", str(repeats), "--flush", str(flush)]) for flush in (1, 10, 50)]
+    verify = ["gpu_verify.py"] + (["--device", "cpu", "--steps", "30"] if on_cpu else [])
     return ([] if on_cpu else [("replay exactness, built-in loop", ["gpu_replay.py"])]) + [
+        ("replay verify over a recorded run", verify),
         ("replay exactness, Recorder-style step", ["gpu_user_loop.py"]),
         ("host syncs per step", ["gpu_syncs.py"]),
         *overhead,
