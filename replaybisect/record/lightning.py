@@ -101,10 +101,9 @@ class ReplayCallback(RecordingCallback, Callback):
     """Records the Trainer's run to MLflow so it can be replayed bit for bit (`replay nan --run-id ...`); its
     arguments are RecordingCallback's (record/trainer_steps.py)."""
 
-    def __init__(self, **settings):
-        super().__init__(**settings)
+    def _constructed(self) -> None:
         self._takes_batch_idx = False
-        if reentry.replaying():
+        if reentry.replaying():  # a replay running the script again: its Trainers log and checkpoint nothing
             _quiet_trainers()
 
     # A strategy that trains in new processes (ddp_spawn, or any spawn/forkserver launcher) pickles the Trainer,

@@ -165,6 +165,10 @@ class RecordingCallback:
         self.tracking_uri, self.experiment, self.run_name = tracking_uri, experiment, run_name
         self.snapshot_every, self.layer_stats_every, self.on_nonfinite = snapshot_every, layer_stats_every, on_nonfinite
         self.recording: Optional[TrainerRecording] = None
+        self._constructed()
+
+    def _constructed(self) -> None:
+        """What a trainer's callback sets up beyond the shared settings (its signature stays this one)."""
 
     @property
     def run_id(self) -> Optional[str]:
