@@ -36,4 +36,4 @@ def memory(request: MemoryRequest, as_json: bool) -> None:
 
 def register(app: typer.Typer) -> None:
     command = request_command(MemoryRequest, memory, extras=[JSON_OUTPUT])
-    app.command("memory", short_help="What keeps the run's memory growing, or what fits after it ran out.")(command)
+    app.command("memory", short_help="What holds growing memory; after an OOM, what fits.")(command)
