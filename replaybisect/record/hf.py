@@ -10,12 +10,9 @@ with the batches, and a config a replay rebuilds from. When the Trainer's own `M
 goes into the run it opened (one run); its metrics, averaged over `logging_steps` and with non-finite losses
 filtered out, are kept there under `trainer/` (`trainer/loss`), beside the exact per-step `loss`.
 
-A replay needs no Trainer. `build` makes the model from its class (a `transformers` model class or your own, trusted
-like any `_target_`) and its config, the optimizer over the same parameter groups as the Trainer made them, and the
-schedule with `transformers.get_scheduler` as the Trainer called it. `hf_step` does one optimizer step as
-`Trainer.training_step` and its loop do it numerically: each accumulated batch (the keyword arguments the model was
-called with, `num_items_in_batch` included) under the mixed precision's autocast, the loss divided as the Trainer
-divided it, backward (scaled for fp16), the clip at `max_grad_norm`, the optimizer and scheduler steps.
+A replay needs no Trainer (replay/hf.py builds the model, optimizer and schedule as the Trainer made them, and
+repeats its step numerically). The step's bookkeeping is record/trainer_steps.py's, shared with the Lightning
+callback; this file adapts it to the Trainer's calls and records the Trainer's settings.
 
 A non-finite loss or gradient stops training before the update: `trainer.train()` raises NonFiniteStep, the run
 ends FAILED and its last snapshot is the state before the failing step.
