@@ -133,7 +133,8 @@ def _rich_line(event: Event) -> str:
 def notification(result: TriageResult) -> dict[str, Any]:
     """Slack and Mattermost incoming webhooks show `text`; the other fields are for machines reading the hook."""
     name = f"{result.run_name} ({result.run_id})" if result.run_name else result.run_id
-    lines = [f"replay watch: {result.failure} run {name}: {result.summary}"]
+    lines = [f"replay watch: {result.failure} run {name}: {result.summary}" if result.failure != "audit" else
+             f"replay watch: {result.summary.replace('audit: ', 'audit of run ' + name + ': ', 1)}"]
     if result.next_command:
         lines.append(f"next: `{result.next_command}`")
     if result.run_url:
