@@ -32,10 +32,19 @@ def failed_allocation(error: BaseException) -> Optional[int]:
 
 
 def address_space() -> Optional[int]:
-    """This process's virtual size (what RLIMIT_AS caps), from /proc/self/statm; None where there is none."""
+    """This process's virtual size (what RLIMIT_AS caps); None where /proc/self/statm is not."""
+    return _statm(0)
+
+
+def resident() -> Optional[int]:
+    """This process's resident set size; None where /proc/self/statm is not."""
+    return _statm(1)
+
+
+def _statm(field: int) -> Optional[int]:
     try:
         with open("/proc/self/statm", "rb") as statm:
-            return int(statm.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+            return int(statm.read().split()[field]) * os.sysconf("SC_PAGE_SIZE")
     except (OSError, IndexError, ValueError):
         return None
 

@@ -476,12 +476,8 @@ def memory_points(device: torch.device) -> list[tuple[str, float]]:
     if device.type == "cuda":
         return [("memory/allocated", float(torch.cuda.memory_allocated(device))),
                 ("memory/peak", float(torch.cuda.max_memory_allocated(device)))]
-    try:
-        with open("/proc/self/statm", "rb") as statm:
-            resident_pages = int(statm.read().split()[1])
-    except (OSError, IndexError, ValueError):
-        return []
-    return [("memory/rss", float(resident_pages * os.sysconf("SC_PAGE_SIZE")))]
+    size = oom.resident()
+    return [] if size is None else [("memory/rss", float(size))]
 
 
 def read_points(points: list[tuple[str, Any, int]]) -> list[tuple[str, float, int]]:

@@ -138,7 +138,7 @@ def _watch(restored, report: MemoryReport, logged: dict[int, float]) -> None:
     state = restored.state
     counts: dict[tuple, list] = {}  # (name, where, file) -> the measure at each step's end (None: not there)
     values: dict[tuple, Any] = {}
-    rss = [_rss()]
+    rss = [_resident()]
     replayed = {}
     for index in range(report.steps):
         step = report.step + index
@@ -152,7 +152,7 @@ def _watch(restored, report: MemoryReport, logged: dict[int, float]) -> None:
                 values[name] = value
         for series in counts.values():  # a name gone at this step's end
             series += [None] * (index + 1 - len(series))
-        rss.append(_rss())
+        rss.append(_resident())
     report.losses = restore_mod.losses_verdict(replayed, logged)
     if all(value is not None for value in rss) and len(rss) > 2:
         deltas = sorted(b - a for a, b in zip(rss[1:], rss[2:]))  # the first step pays for warm-up
@@ -281,9 +281,6 @@ def _fix(name: str, kind: str, keeps_graph: bool) -> str:
     return f"keep numbers (`.item()`) or CPU copies (`.cpu()`) in `{name}`, or clear it each step"
 
 
-def _rss() -> Optional[float]:
-    try:
-        with open("/proc/self/statm", "rb") as statm:
-            return float(int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE"))
-    except (OSError, IndexError, ValueError):
-        return None
+def _resident() -> Optional[float]:
+    size = oom.resident()
+    return None if size is None else float(size)
