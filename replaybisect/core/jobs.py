@@ -96,7 +96,7 @@ class JobSettings:
         """submitit's executor for jobs named `name`, with these settings."""
         import submitit
 
-        executor = submitit.AutoExecutor(folder=str(Path(self.folder).expanduser() / "%j"), cluster=self.resolved_cluster)
+        executor = submitit.AutoExecutor(folder=str(private_folder(self.folder) / "%j"), cluster=self.resolved_cluster)
         parameters: dict[str, Any] = {"name": name, "timeout_min": self.time_min}
         if parallelism:
             parameters["slurm_array_parallelism"] = parallelism
@@ -169,6 +169,19 @@ def _check_folder(folder: str) -> None:
     if existing is not None and not existing.is_dir():
         where = "" if existing == path else f": {existing}"
         raise ReplayError(f"--executor-folder {folder[:200]}{where} is a file, not a folder; pass a folder for submitit's job files")
+    if path.is_dir() and path.stat().st_mode & 0o077:
+        raise ReplayError(f"--executor-folder {path} is open to other users; submitit hands each job's result back through "
+                          f"a pickle there, which this process loads, and the jobs carry its environment: make it private "
+                          f"(chmod 700 {path}) or pass another folder")
+
+
+def private_folder(folder: str) -> Path:
+    """The job folder, made private to this user where it does not exist yet (checked as _check_folder checks it)."""
+    path = Path(folder).expanduser().absolute()
+    if not path.is_dir():
+        path.mkdir(mode=0o700, parents=True)
+    _check_folder(str(path))
+    return path
 
 
 # ---- a command as a job ---------------------------------------------------------------------------------------

@@ -82,19 +82,14 @@ class WatchOptions:
     def check_jobs(self) -> None:
         """With --executor submitit: the job settings, and a job folder only this user can write (submitit hands each
         job's result back through a pickle there, which this watcher loads)."""
-        from replaybisect.core.jobs import EXECUTORS, JobSettings
+        from replaybisect.core.jobs import EXECUTORS, JobSettings, private_folder
 
         if self.executor not in EXECUTORS:
             raise ReplayError(f"--executor {str(self.executor)[:80]!r} is not one of {', '.join(EXECUTORS)}")
         if self.executor != "submitit":
             return
         self.jobs = (self.jobs or JobSettings()).checked("watch")
-        folder = os.path.expanduser(self.jobs.folder)
-        if not os.path.isdir(folder):
-            os.makedirs(folder, mode=0o700)
-        if os.stat(folder).st_mode & 0o077:
-            raise ReplayError(f"--executor-folder {folder} is open to other users; the watcher loads its jobs' results from "
-                              f"there and the jobs carry its environment: make it private (chmod 700 {folder}) or pass another folder")
+        private_folder(self.jobs.folder)  # (made here, at the start, where the watcher's jobs will write)
 
     def check_trust(self) -> None:
         """The folders and prefixes the triage children will be given (options and environment), checked as they
