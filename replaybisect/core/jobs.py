@@ -115,6 +115,14 @@ class JobSettings:
         return executor
 
 
+def given_settings(value: Any, verb: str) -> Optional[JobSettings]:
+    """A request's job settings as given (None: none), or one line for something that is no JobSettings or holds a
+    number out of its range."""
+    if value is not None and not isinstance(value, JobSettings):
+        raise ReplayError(f"jobs={value!r:.60} is not a JobSettings; pass the options as submitit={{...}}")
+    return value.in_range(verb) if value is not None else None
+
+
 def settings_from(values: dict) -> JobSettings:
     """JobSettings from the Python API's `submitit={...}` (names as SETTINGS), checked by the request that takes them."""
     if not isinstance(values, dict) or not all(isinstance(key, str) for key in values):

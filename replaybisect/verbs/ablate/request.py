@@ -11,7 +11,7 @@ from typing import Any, Literal, Optional, Sequence, Union, get_args
 from replaybisect import request as checks
 from replaybisect.errors import ReplayError
 from replaybisect.request import MAX_STEPS, MAX_WORKERS, Bound, argument, option, option_group
-from replaybisect.core.jobs import JobSettings
+from replaybisect.core.jobs import JobSettings, given_settings
 from replaybisect.verbs.ablate import interventions
 from replaybisect.verbs.ablate.interventions import ArmSpec
 
@@ -73,10 +73,7 @@ class AblateRequest:
         specs = check_options(self.arm_list, horizon=self.horizon, workers=self.workers, executor=self.executor,
                               from_step=self.from_step, patch=self.patch, sweep=self.sweep)
         checks.setattrs(self, specs=specs)  # the arms as checked once: what the engine runs
-        if self.jobs is not None and not isinstance(self.jobs, JobSettings):
-            raise ReplayError(f"jobs={self.jobs!r:.60} is not a JobSettings; pass the options as submitit={{...}}")
-        if self.jobs is not None:
-            self.jobs.in_range("ablate")
+        given_settings(self.jobs, "ablate")
         if self.executor == "submitit" or self.jobs is not None and self.jobs.cluster is not None:
             # checked: one line for a setting that cannot work, before any run is read
             checks.setattrs(self, jobs=(self.jobs or JobSettings()).checked("ablate"))

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from replaybisect import request as checks
-from replaybisect.core.jobs import JobSettings
+from replaybisect.core.jobs import JobSettings, given_settings
 from replaybisect.errors import ReplayError
 from replaybisect.request import REQUIRED, Bound, ReplayRequest, option, option_group
 
@@ -41,10 +41,7 @@ class VerifyRequest(ReplayRequest):
             raise ReplayError("--sample nan is not a number of steps per thousand; pass e.g. --sample 5")
         if self.sample is not None and steps is not None:
             raise ReplayError("--sample and --steps both choose the steps to verify; pass one of them")
-        if self.jobs is not None and not isinstance(self.jobs, JobSettings):
-            raise ReplayError(f"jobs={self.jobs!r:.60} is not a JobSettings; pass the options as submitit={{...}}")
-        if self.jobs is not None:
-            self.jobs.in_range("verify")
+        given_settings(self.jobs, "verify")
         if self.cross_check:
             checks.setattrs(self, jobs=(self.jobs or JobSettings()).checked("verify"))
 
