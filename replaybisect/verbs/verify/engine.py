@@ -214,7 +214,9 @@ def _verdict(report: VerifyReport) -> tuple[str, str]:
         if other["verdict"] == "exact":
             return "hardware", (f"{where}{after}: this machine ({report.replayed_on}) computes it so on every replay, and "
                                 f"another ({other['label']}) reproduces the recording bit for bit: this machine's hardware")
-        if other.get("first") is not None and restore_mod.same_loss(other["first"]["replayed"], first.replayed):
+        theirs = other.get("first")
+        if theirs is not None and (theirs["step"], theirs["metric"]) == (first.step, first.metric) and \
+                restore_mod.same_loss(theirs["replayed"], first.replayed):
             return "recorder", (f"{where}{after}: this machine ({report.replayed_on}) and another ({other['label']}) both "
                                 f"compute it so: the machine that recorded it ({report.recorded_on or 'not recorded'}) "
                                 "computed it differently, its hardware or a fault while recording")
