@@ -55,6 +55,11 @@ def analyse(state, run_id: str, step: int, batch, tags: dict[str, str], log: Cal
     except Exception as error:  # noqa: BLE001 - out of memory with no cap at all: the step, not the machine
         if not oom.is_out_of_memory(error):
             raise
+        capped = oom.address_space_cap()
+        if capped is not None:  # (a script replayed in its own process may set RLIMIT_AS again as it starts)
+            found.detail = (f"the step runs out of memory here too, under this process's own cap of {capped} bytes "
+                            "(ulimit -v, or the script's setrlimit): replay it where nothing caps it to measure it")
+            return found
         found.detail = (f"the step runs out of memory here too, with no cap ({type(error).__name__}: "
                         f"{str(error).splitlines()[0][:160]}): it asks for more than this machine has, whatever the batch size")
         found.suggestion = f"replay nan --run-id {run_id}: the op that asked for it, its line and the batch's values"
@@ -180,9 +185,14 @@ def _user_line() -> Optional[str]:
 def _fit(found: OutOfMemory, state, batch, log: Callable[[str], None]) -> None:
     from replaybisect.verbs.check.batches import samples_of
 
-    if found.headroom is None or found.per_sample is None or found.per_sample <= 0:
-        found.detail = ("the run recorded no memory cap (RLIMIT_AS) with the failure, so no batch size can be proven to "
-                        "fit it" if found.cap is None else "the step's memory does not grow with its batch: no batch size fits")
+    if found.headroom is None:
+        found.detail = "the run recorded no memory cap (RLIMIT_AS) with the failure, so no batch size can be proven to fit it"
+        return
+    if found.per_sample is None:
+        found.detail = "the step's batch cannot be cut into samples (its tensors differ in their first dimension): no smaller batch was tried"
+        return
+    if found.per_sample <= 0:
+        found.detail = "the step's memory does not grow with its batch: no batch size fits"
         return
     fixed = found.peak - found.per_sample * found.rows
     size = _rounded(math.floor((MARGIN * found.headroom - fixed) / found.per_sample))
@@ -194,6 +204,7 @@ def _fit(found: OutOfMemory, state, batch, log: Callable[[str], None]) -> None:
         found.fits, found.detail = size, "estimated from the profile (proven under a cap on CPU only, with RLIMIT_AS)"
         return
     found.reproduced = _runs_under_cap(state, found.step, batch, found.headroom) is False
+    estimate = size
     for _ in range(4):
         log(f"step {found.step} at {size} samples under the recorded cap")
         if _runs_under_cap(state, found.step, samples_of(batch, size), found.headroom):
@@ -205,7 +216,7 @@ def _fit(found: OutOfMemory, state, batch, log: Callable[[str], None]) -> None:
         size = _rounded(size * 3 // 4)
         if size < 1:
             break
-    found.detail = "no batch size tried ran under the cap here; the estimate from the profile is " + str(size)
+    found.detail = f"no batch size tried ran under the cap here (from {estimate} down); the profile's estimate is {estimate}"
 
 
 def _runs_under_cap(state, step: int, batch, headroom: float) -> Optional[bool]:
