@@ -113,7 +113,10 @@ def print_train_result(result) -> None:
     console.print(f"[bold]run[/bold] {plain(result.run_id)}  status [{status_style}]{plain(result.status)}[/{status_style}]")
     console.print(f"  steps completed {result.steps_completed}   final loss {fmt_number(result.final_loss)}")
     if result.snapshot_steps:
-        console.print(f"  snapshots at steps {', '.join(str(s) for s in result.snapshot_steps)}")
+        steps = result.snapshot_steps
+        shown = ", ".join(str(s) for s in steps) if len(steps) <= 12 else \
+            f"{', '.join(str(s) for s in steps[:3])}, ..., {', '.join(str(s) for s in steps[-3:])} ({len(steps)} snapshots)"
+        console.print(f"  snapshots at steps {shown}")
     if result.status == "nonfinite":
         failure = f"  [red]non-finite {plain(result.nonfinite_what)} at step {result.first_nonfinite_step}[/red]; "
         if result.first_nonfinite_step in result.snapshot_steps:

@@ -31,7 +31,7 @@ from replaybisect.core.user_step import ManualUpdate
 from replaybisect.core import oom, ranks
 from replaybisect.core import snapshot as fmt
 from replaybisect.core.state import iter_live_tensors, state_json
-from replaybisect.store import Store
+from replaybisect.store import OLD_SERVER_TAG_VALUE, Store
 
 def _lower_priority() -> None:
     """The writer yields the CPU to the training threads (Linux: nice is per thread)."""
@@ -262,7 +262,7 @@ class RecordingHooks:
                 shutil.rmtree(folder, ignore_errors=True)
         self._written_steps.append(opened["step"])
         with _disk_full_named("tags", self.store.uri, in_store=True):
-            self.store.set_tags(self.run_id, {"snapshot_steps": ",".join(str(s) for s in sorted(set(self._written_steps)))})
+            self.store.set_tags(self.run_id, {"snapshot_steps": steps_tag(sorted(set(self._written_steps)))})
 
     # ---- metrics and the background worker -------------------------------------------------------
     def _flush_metrics(self) -> None:
@@ -368,6 +368,19 @@ def _copy_to_host(state, buffers: dict[str, torch.Tensor]) -> dict[str, torch.Te
         buffer.copy_(tensor.detach(), non_blocking=tensor.is_cuda)
         host[name] = buffer
     return host
+
+
+def steps_tag(steps: list[int]) -> str:
+    """The run's snapshot_steps tag: the newest steps that fit a tag value every MLflow server keeps. A long run's
+    thousands of snapshots would pass the limit (MLflow cuts a value at 8000 characters, older servers refuse one over
+    5000); replays list the snapshots themselves, and `replay runs` shows the last few."""
+    kept, length = [], -1
+    for step in reversed(steps):
+        length += len(str(step)) + 1
+        if length > OLD_SERVER_TAG_VALUE:
+            break
+        kept.append(step)
+    return ",".join(str(step) for step in reversed(kept))
 
 
 def crash_tags(step: int, error: BaseException, device: torch.device) -> dict[str, Any]:

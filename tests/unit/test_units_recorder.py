@@ -336,3 +336,17 @@ def test_own_sources_hashes_the_module_of_each_function_and_class(tmp_path, monk
     tag = own_sources(module.train_step, module.Net)
     digest = hashlib.sha256((tmp_path / "rb_own_step.py").read_bytes()).hexdigest()
     assert json.loads(tag["replaybisect.source_sha256"]) == {"rb_own_step": digest}
+
+
+def test_the_snapshot_steps_tag_keeps_the_newest_that_fit_a_tag_every_server_keeps():
+    """A run with thousands of snapshots (a long run, snapshot.every=100): the tag holds the newest steps within the
+    limit older MLflow servers accept, the newest one last; a short run's holds them all."""
+    from replaybisect.record.hooks import steps_tag
+    from replaybisect.store import OLD_SERVER_TAG_VALUE
+
+    many = list(range(0, 5_000_000, 100))
+    tag = steps_tag(many)
+    assert len(tag) <= OLD_SERVER_TAG_VALUE and tag.endswith(",4999900")
+    kept = [int(step) for step in tag.split(",")]
+    assert kept == many[-len(kept):] and len(kept) > 400
+    assert steps_tag([0, 100, 200]) == "0,100,200" and steps_tag([]) == ""
