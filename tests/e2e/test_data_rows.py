@@ -33,9 +33,7 @@ def blank_image(tmp_path_factory) -> tuple[Workspace, Path, str]:
 
 def test_replay_nan_names_the_row_and_proposes_dropping_it(blank_image):
     workspace, folder, run_id = blank_image
-    result = Workspace(folder).replay("nan", "--run-id", run_id, "--json", "--no-child-run", env=workspace.env())
-    assert result.returncode == 0, result.stderr
-    report = result.json()
+    report = workspace.answer_here("find_nan", run_id, folder=folder)  # `replay nan --json --no-child-run`, in this process
     assert (report["reproduced"], report["category"], report["op"]) == ("exact", "loss", "Tensor.div")
     assert report["source"].startswith(f"{folder / 'main.py'}:") and "in loss_function: BCE = BCE / x.sum(1)" in report["source"]
     assert report["rows"] == {"rows": [8], "of": 16, "dataset_rows": None}
@@ -46,9 +44,7 @@ def test_replay_nan_names_the_row_and_proposes_dropping_it(blank_image):
 
 def test_dropping_the_row_fixes_the_failure_and_dropping_another_does_not(blank_image):
     workspace, folder, run_id = blank_image
-    result = Workspace(folder).replay("ablate", "skip-rows=8,skip-rows=3", "--run-id", run_id, "--json", env=workspace.env())
-    assert result.returncode == 0, result.stderr
-    data = result.json()
+    data = workspace.answer_here("ablate", run_id, folder=folder, arms="skip-rows=8,skip-rows=3")  # as `replay ablate --json`
     assert data["baseline"]["verdict"] == "fails-again"
     assert {arm["name"]: arm["verdict"] for arm in data["arms"]} == {"skip-rows=8": "fixes", "skip-rows=3": "no-effect"}
 
@@ -58,11 +54,20 @@ def test_dropping_the_row_fixes_the_failure_and_dropping_another_does_not(blank_
     ("skip-rows=99", "skip-rows=99: step 7's batch has 16 rows (0..15); pass the rows replay nan named"),
 ])
 def test_rows_no_batch_has_are_one_line_exit_2_and_nothing_recorded(blank_image, arm, message):
+    """The first as the command prints it; the second through the API, which raises the same one-line error (exit 2)
+    that `replay ablate` prints (the two doors build one request: tests/unit/test_requests.py)."""
     workspace, folder, run_id = blank_image
     runs_before = len(workspace.store().search_runs())
-    result = Workspace(folder).replay("ablate", arm, "--run-id", run_id, env=workspace.env())
-    assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr
-    assert len(result.stderr.strip().splitlines()) <= 2  # (the store line, then the one error line)
+    if arm == "skip-rows=a":
+        result = Workspace(folder).replay("ablate", arm, "--run-id", run_id, env=workspace.env())
+        assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr
+        assert len(result.stderr.strip().splitlines()) <= 2  # (the store line, then the one error line)
+    else:
+        from replaybisect.errors import ReplayError
+
+        with pytest.raises(ReplayError) as refused:
+            workspace.answer_here("ablate", run_id, folder=folder, arms=arm)
+        assert refused.value.exit_code == 2 and message in str(refused.value) and "\n" not in str(refused.value)
     assert len(workspace.store().search_runs()) == runs_before
 
 
@@ -88,9 +93,7 @@ def test_a_script_as_written_whose_loss_raises_on_a_nan_is_replayed_to_the_op_an
     workspace, folder, run_id = crashed
     tags = workspace.store().tags(run_id)
     assert (tags["failure"], tags["failing_step"], tags["error_type"]) == ("exception", "7", "RuntimeError")
-    result = Workspace(folder).replay("nan", "--run-id", run_id, "--json", "--no-child-run", env=workspace.env())
-    assert result.returncode == 0, result.stderr
-    report = result.json()
+    report = workspace.answer_here("find_nan", run_id, folder=folder)  # `replay nan --json --no-child-run`, in this process
     assert (report["reproduced"], report["category"], report["op"]) == ("exact", "exception", "Tensor.div")
     assert report["exception"]["replayed"] == "RuntimeError: all elements of input should be between 0 and 1"
     assert report["exception"]["as_recorded"] and report["exception"]["op"] == "torch.nn.functional.binary_cross_entropy"
@@ -101,9 +104,7 @@ def test_a_script_as_written_whose_loss_raises_on_a_nan_is_replayed_to_the_op_an
 
 def test_ablate_takes_the_crash_as_the_failure(crashed):
     workspace, folder, run_id = crashed
-    result = Workspace(folder).replay("ablate", "skip-rows=8,lr", "--run-id", run_id, "--json", env=workspace.env())
-    assert result.returncode == 0, result.stderr
-    data = result.json()
+    data = workspace.answer_here("ablate", run_id, folder=folder, arms="skip-rows=8,lr")  # as `replay ablate --json`
     assert (data["baseline"]["verdict"], data["baseline"]["reason"]) == ("fails-again", "raised an exception at step 7, as recorded")
     assert {arm["name"]: arm["verdict"] for arm in data["arms"]} == {"skip-rows=8": "fixes", "lr": "no-effect"}
 
