@@ -74,12 +74,13 @@ def test_a_model_left_in_eval_mode_trains_as_without_the_recorder_and_is_named(t
     assert recorded.returncode == 0 and recorded.stdout == plain.stdout, (recorded.stderr[-2000:], plain.stdout)
     run_id = re.search(r"recording run ([0-9a-f]{32})", recorded.stderr).group(1)
     assert workspace.store().tags(run_id)["eval_mode_step"] == "6"
-    result = workspace.replay("diagnose", "--run-id", run_id, "--json")
-    finding = next(f for f in result.json()["findings"] if f["pattern"] == "model-in-eval")
+    findings = workspace.answer_here("diagnose", run_id)["findings"]  # what `replay diagnose --json` prints, in this process
+    finding = next(f for f in findings if f["pattern"] == "model-in-eval")
     assert finding["step"] == 6 and "dropout is off" in finding["summary"] and "model.train()" in finding["next"]
     # the replay sets the recorded modes: from snapshot 8 (eval mode) the checks' steps see dropout off, as the run did
-    check = workspace.replay("check", "--run-id", run_id, "--json", "--only", "grad.missing")
-    assert check.returncode == 0, check.stderr
+    # (`replay check --only grad.missing` through the API: it raises where the command would exit 2)
+    check = workspace.answer_here("check", run_id, only="grad.missing")
+    assert [item["name"] for item in check["checks"]] == ["grad.missing"], check
 
 
 def test_a_frozen_batch_norm_replays_exact(tmp_path):
@@ -89,9 +90,7 @@ def test_a_frozen_batch_norm_replays_exact(tmp_path):
     done = _run(workspace, FROZEN_BN)
     assert "NonFiniteStep: loss is nan at step 9" in done.stderr, done.stderr[-2000:]
     run_id = re.search(r"recording run ([0-9a-f]{32})", done.stderr).group(1)
-    result = workspace.replay("nan", "--run-id", run_id, "--json", "--no-child-run")
-    assert result.returncode == 0, result.stderr
-    report = result.json()
+    report = workspace.answer_here("find_nan", run_id)  # `replay nan --json --no-child-run`, in this process
     assert (report["snapshot_step"], report["reproduced"], report["category"]) == (8, "exact", "data")
 
 
@@ -116,12 +115,12 @@ def test_parameters_in_no_optimizer_are_named(tmp_path):
     workspace = Workspace(tmp_path)
     done = _run(workspace, NOT_OPTIMIZED)
     run_id = re.search(r"recording run ([0-9a-f]{32})", done.stderr).group(1)
-    result = workspace.replay("diagnose", "--run-id", run_id, "--json")
-    finding = next(f for f in result.json()["findings"] if f["pattern"] == "not-optimized")
+    findings = workspace.answer_here("diagnose", run_id)["findings"]  # what `replay diagnose --json` prints, in this process
+    finding = next(f for f in findings if f["pattern"] == "not-optimized")
     assert finding["evidence"]["parameters"] == ["3.weight", "3.bias"] and finding["layer"] == "3"
     assert finding["summary"].startswith("3.weight, 3.bias get gradients but are in no optimizer")
     # a healthy loop of the same shape is not flagged (nor trained in eval mode)
     done = _run(workspace, NOT_OPTIMIZED.replace("model.append(torch.nn.Linear(1, 1))", "pass"))
     run_id = re.search(r"recording run ([0-9a-f]{32})", done.stderr).group(1)
-    patterns = {f["pattern"] for f in workspace.replay("diagnose", "--run-id", run_id, "--json").json()["findings"]}
+    patterns = {f["pattern"] for f in workspace.answer_here("diagnose", run_id)["findings"]}
     assert not patterns & {"not-optimized", "model-in-eval", "gradients-not-zeroed"}
