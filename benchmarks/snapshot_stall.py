@@ -1,20 +1,19 @@
-"""Snapshot stall against state size: what a snapshot costs the training step, from 21 MB to 1 GB of state.
+"""What a snapshot costs the training steps, from 21 MB to 1 GB of state, measured interleaved.
 
-A snapshot has two phases (record/hooks.py, CheckFreq's split): the step copies every tensor of the state into
-preallocated host buffers (pinned on a GPU) and goes on; one background thread serialises and writes them. The step
-pays for the copy, and, while the write runs, for whatever the writer takes from it (CPU time, memory bandwidth).
+A snapshot has two phases (record/hooks.py, CheckFreq's split): the step copies every tensor of the state into one
+preallocated host image of the file (pinned on a GPU) and goes on; one background thread hashes the image and writes
+it (O_DIRECT where the file system takes it, so the kernel does not copy it through the page cache). The steps pay
+for the copy and for whatever the writer takes from them while it runs (CPU time, memory bandwidth).
 
-For each state size (the built-in MLP's parameters with AdamW's two moments: 12 bytes a parameter) the same training
-runs twice in one process, without snapshots and with one every `--every` steps, on a real SQLite store:
-- wait: the step waits for the previous snapshot's write first (one in flight, its host buffers are reused);
-- copy: then copies the state into the host buffers (its bandwidth, against this machine's memcpy: one large
-  `copy_`);
-- interference: what the background write takes from the steps while it runs (CPU time, memory bandwidth):
-  (recorded steps' time - plain steps' time) / snapshots, step time as the run logs it (the copy is not in it);
-- the stall, their sum, against the plain step's time and the interval between snapshots.
-The first snapshot of a run also allocates the host buffers; its copy is reported apart.
+For each state size (`replay train`'s MLP with AdamW's two moments: 12 bytes a parameter) one recorded run trains in
+one process, on a real SQLite store, in blocks of `--every` steps. Blocks with a snapshot at their first step and
+blocks without one alternate (ABBA: the order flips every pair), on the same model and data, so that drift in the
+machine's speed lands on both sides of each pair. A block's time includes waiting, at its end, for the writes it
+started. The stall of a snapshot is (block with - block without); its share of the interval is that over the block
+without, printed as the median over pairs with a 95% bootstrap interval (benchmarks/overhead.py's). Also printed:
+the copy (the recorder's own timing), its bandwidth against this machine's memcpy, and the wait for a previous write.
 
-    python benchmarks/snapshot_stall.py [--sizes 21,100,300,1000] [--steps 50] [--every 16] [--threads 2]
+    python benchmarks/snapshot_stall.py [--sizes 21,100,300,1000] [--every 100] [--pairs 8] [--threads 2] [--dir FOLDER]
 """
 
 from __future__ import annotations
@@ -22,12 +21,15 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
+HERE = Path(__file__).resolve().parent
 ADAMW_BYTES_PER_PARAM = 12  # fp32 weight + exp_avg + exp_avg_sq
 DEPTH = 3
 
@@ -53,78 +55,95 @@ def hidden_for(megabytes: float) -> int:
     return max(16, round(math.sqrt(megabytes * 1e6 / ADAMW_BYTES_PER_PARAM / (DEPTH - 1))))
 
 
-def child(megabytes: float, steps: int, every: int, threads: int, folder: str) -> None:
+def child(megabytes: float, every: int, pairs: int, threads: int, folder: str) -> None:
     import torch
 
-    from replaybisect.core import config
-    from replaybisect.core.state import live_tensors
-    from replaybisect.record import hooks as hooks_module
+    sys.path.insert(0, str(HERE))
+    from overhead import interleaved, writes_done
+    from replaybisect.core import config, loop
+    from replaybisect.record.session import RunSession
     from replaybisect.store import open_store
-    from replaybisect.verbs.train.engine import train
 
     torch.set_num_threads(threads)
-    kept = {}
-    original_close = hooks_module.RecordingHooks.close
+    overrides = [f"model.hidden={hidden_for(megabytes)}", f"model.depth={DEPTH}", "model.dropout=0.0", "train.steps=10000000",
+                 "train.batch_size=64", "train.val_every=0", f"snapshot.every={every}", "snapshot.layer_stats_every=0"]
+    cfg = config.compose(None, "config", overrides)
+    state = loop.build_state(cfg)
+    source, _ = loop.build_data(cfg)
+    session = RunSession.open(open_store(f"sqlite:///{folder}/mlflow.db"), code_folder=Path(folder))
+    session.write_config(cfg)
+    reader = loop.read_ahead(source, 0)
+    batches = reader.__enter__()
+    hooks = session.start_recording(cfg, state, {"seed": cfg.seed, "batch_size": cfg.train.batch_size,
+                                                 "dataset_len": len(source.dataset)})
+    drain = writes_done(hooks)
+    done = [0]
 
-    def close_and_keep(self):  # the recorder's own copy timings and the state it copied
-        original_close(self)
-        kept["blocking"] = self.snapshot_blocking
-        kept["state_bytes"] = sum(t.numel() * t.element_size() for t in live_tensors(self.state).values())
+    def block(snapshot: bool):
+        def run() -> float:
+            hooks.snapshot_every = every if snapshot else 0  # a snapshot as the block's first step opens, or none
+            started = time.perf_counter()
+            loop.train_loop(state, batches, done[0], done[0] + every, hooks)
+            drain()
+            done[0] += every
+            return time.perf_counter() - started
+        return run
 
-    hooks_module.RecordingHooks.close = close_and_keep
-    model = [f"model.hidden={hidden_for(megabytes)}", f"model.depth={DEPTH}", "model.dropout=0.0"]
-    common = model + [f"train.steps={steps}", "train.batch_size=64", "train.val_every=0", "snapshot.layer_stats_every=0"]
-    seconds = {}
-    for mode in ("plain", "plain", "snapshots"):  # the first plain run warms the allocator and the caches
-        store = open_store(f"sqlite:///{folder}/{mode}.db")
-        overrides = common + (["snapshot.every=100000"] if mode == "plain" else [f"snapshot.every={every}"])
-        cfg = config.compose(None, "config", overrides)
-        result = train(cfg, store)
-        seconds[mode] = [value for _, value in sorted(store.metric_history(result.run_id, "step_time"))]
-    print(json.dumps({"megabytes": megabytes, "state_bytes": kept["state_bytes"], "blocking": kept["blocking"],
-                      "plain": seconds["plain"], "snapshots": seconds["snapshots"]}))
+    measured = interleaved(block(False), block(True), pairs)
+    blocking = hooks.snapshot_blocking[1:]  # the first (warm-up) also allocated the host image
+    state_bytes = blocking[0][2]
+    session.close_hooks()
+    session.finish()
+    reader.__exit__(None, None, None)
+    print("RESULT " + json.dumps({"megabytes": megabytes, "state_bytes": state_bytes, "pairs": measured,
+                                  "copy": [seconds - waited for _, seconds, _, waited in blocking],
+                                  "wait": [waited for _, _, _, waited in blocking]}))
 
 
 def report(measured: dict, every: int, bandwidth: float) -> None:
-    plain, recorded, snapshots = measured["plain"], measured["snapshots"], measured["blocking"]
-    later = snapshots[1:] or snapshots  # the first also allocates the host buffers
-    plain_step = statistics.median(plain)
-    interference = max(0.0, (sum(recorded[1:]) - sum(plain[1:])) / max(1, len(later)))  # step 0 left out (warm-up)
-    wait = statistics.median(waited for _, _, _, waited in later)
-    copy = statistics.median(seconds - waited for _, seconds, _, waited in later)
-    first_copy = snapshots[0][1] - snapshots[0][3]
-    stall = wait + copy + interference
-    size = measured["state_bytes"]
-    print(f"{size / 1e6:6.0f} MB | plain step {plain_step * 1e3:6.1f} ms | wait {wait * 1e3:6.1f} ms | copy {copy * 1e3:6.1f} ms "
-          f"({size / copy / 1e9:4.1f} GB/s = {size / copy / 1e9 / bandwidth:4.0%} of memcpy; first {first_copy * 1e3:.0f} ms) | "
-          f"interference {interference * 1e3:6.1f} ms | stall {stall * 1e3:6.1f} ms = {stall / plain_step:4.2f} plain steps, "
-          f"{stall / plain_step / every:5.1%} of {every} steps")
+    from overhead import median_interval
+
+    without = [a for a, _ in measured["pairs"]]
+    shares = [(b - a) / a for a, b in measured["pairs"]]
+    median, low, high = median_interval(shares)
+    stall = statistics.median(b - a for a, b in measured["pairs"])
+    step = statistics.median(without) / every
+    copy, wait, size = statistics.median(measured["copy"]), statistics.median(measured["wait"]), measured["state_bytes"]
+    print(f"{size / 1e6:6.0f} MB | step {step * 1e3:6.1f} ms | copy {copy * 1e3:6.1f} ms ({size / copy / 1e9:4.1f} GB/s, "
+          f"{size / copy / 1e9 / bandwidth:3.0%} of memcpy) | wait {wait * 1e3:5.1f} ms | stall {stall * 1e3:6.1f} ms = "
+          f"{stall / step:4.2f} steps = {median:5.1%} of {every} steps [{low:5.1%}, {high:5.1%}]", flush=True)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", default="21,100,300,1000", help="state sizes in MB")
-    parser.add_argument("--steps", type=int, default=50)
-    parser.add_argument("--every", type=int, default=16, help="snapshot.every of the recorded run")
+    parser.add_argument("--every", type=int, default=100, help="snapshot.every: the block length")
+    parser.add_argument("--pairs", type=int, default=8)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--dir", help="where the runs' store is made (default: the system's temp folder)")
     parser.add_argument("--child", type=float)
     parser.add_argument("--folder")
     args = parser.parse_args()
     if args.child:
-        child(args.child, args.steps, args.every, args.threads, args.folder)
+        child(args.child, args.every, args.pairs, args.threads, args.folder)
         return
+
+    sys.path.insert(0, str(HERE))
+    from overhead import PINNED
 
     bandwidth = memory_bandwidth()
     print(f"memcpy bandwidth of this machine: {bandwidth:.1f} GB/s (one 1 GiB copy_, best of 5)")
-    print(f"MLP of depth {DEPTH}, AdamW, batch 64, {args.steps} steps, a snapshot every {args.every}, {args.threads} threads")
+    print(f"MLP of depth {DEPTH}, AdamW, batch 64, {args.threads} threads; {args.pairs} pairs of {args.every}-step blocks, "
+          f"with and without a snapshot, interleaved ABBA")
     for megabytes in (float(size) for size in args.sizes.split(",")):
-        with tempfile.TemporaryDirectory() as folder:
-            done = subprocess.run([sys.executable, __file__, "--child", str(megabytes), "--steps", str(args.steps),
-                                   "--every", str(args.every), "--threads", str(args.threads), "--folder", folder],
-                                  capture_output=True, text=True)
-            if done.returncode != 0:
+        with tempfile.TemporaryDirectory(dir=args.dir) as folder:
+            done = subprocess.run([sys.executable, __file__, "--child", str(megabytes), "--every", str(args.every),
+                                   "--pairs", str(args.pairs), "--threads", str(args.threads), "--folder", folder],
+                                  capture_output=True, text=True, env={**os.environ, **PINNED, "OMP_NUM_THREADS": str(args.threads)})
+            line = next((line for line in done.stdout.splitlines() if line.startswith("RESULT ")), None)
+            if done.returncode != 0 or line is None:
                 sys.exit(done.stderr)
-            report(json.loads(done.stdout.strip().splitlines()[-1]), args.every, bandwidth)
+            report(json.loads(line[len("RESULT "):]), args.every, bandwidth)
 
 
 if __name__ == "__main__":

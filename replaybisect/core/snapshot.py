@@ -11,6 +11,7 @@ snapshots/step-000400/
 from __future__ import annotations
 
 import collections
+import errno
 import functools
 import hashlib
 import json
@@ -168,6 +169,93 @@ def write_tensors_atomic(path: Path, tensors: dict[str, torch.Tensor], metadata:
         handle.flush()
         os.fsync(handle.fileno())
     return {"size": 8 + len(header_bytes) + offset, "sha256": digest.hexdigest()}
+
+
+PAGE = 4096  # O_DIRECT's alignment of memory, file offset and length (the logical block size is at most this)
+DIRECT_CHUNK = 64 * 2**20  # one write() stays far below Linux's 2 GiB cap
+
+
+class TensorsImage:
+    """A safetensors file laid out in one page-aligned host buffer: its header, padded with spaces to a page, then
+    every tensor's bytes. A snapshot copies the state into `views` and the writer writes the buffer as it is, with
+    O_DIRECT where the file system takes it: the bytes go from this buffer to the disk without the page cache, whose
+    copying in `write()` cost the training threads 2.7 ms of step time per MB on 2 cores (benchmarks/snapshot_stall.py).
+    Tensors are placed by element size, largest first, so each view is aligned for its dtype."""
+
+    def __init__(self, layout: tuple[tuple[str, tuple[int, ...], torch.dtype], ...], pin: bool = False):
+        self.layout = layout
+        header: dict[str, Any] = {}
+        offset = 0
+        for name, shape, dtype in layout:
+            size = math.prod(shape) * dtype.itemsize
+            header[name] = {"dtype": SAFETENSORS_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + size]}
+            offset += size
+        header_bytes = json.dumps(header, separators=(",", ":")).encode("utf-8")
+        head = 8 + len(header_bytes)
+        header_bytes += b" " * (-head % PAGE)  # trailing spaces: the format allows them
+        self.data_start = 8 + len(header_bytes)
+        self.data_bytes = offset
+        self.size = self.data_start + offset
+        allocated = self.size + (-self.size % PAGE)
+        raw = torch.empty(allocated + PAGE, dtype=torch.uint8, pin_memory=pin)
+        start = -raw.data_ptr() % PAGE
+        self.buffer = raw[start:start + allocated]
+        head_bytes = len(header_bytes).to_bytes(8, "little") + header_bytes
+        self.buffer[:self.data_start].copy_(torch.frombuffer(bytearray(head_bytes), dtype=torch.uint8))
+        self.buffer[self.size:].zero_()
+        self.views: dict[str, torch.Tensor] = {}
+        for name, shape, dtype in layout:
+            begin, end = (self.data_start + bound for bound in header[name]["data_offsets"])
+            self.views[name] = self.buffer[begin:end].view(dtype).view(shape)
+
+    @staticmethod
+    def layout_of(tensors: list[tuple[str, torch.Tensor]]) -> tuple | None:
+        """The layout of these (name, tensor) pairs, largest element first; None where a dtype has no safetensors name
+        this writer knows (such a state is written by `encode_tensors`)."""
+        if any(tensor.dtype not in SAFETENSORS_DTYPES for _, tensor in tensors):
+            return None
+        ordered = sorted(tensors, key=lambda item: (-item[1].dtype.itemsize, item[0]))
+        return tuple((name, tuple(tensor.shape), tensor.dtype) for name, tensor in ordered)
+
+    def write_atomic(self, path: Path) -> dict[str, Any]:
+        """The file at `path` (temp name, fsync, rename), written straight from the buffer where O_DIRECT works here,
+        else through the page cache."""
+        data = memoryview(self.buffer.numpy())
+        digest = hashlib.sha256(data[:self.size]).hexdigest()
+        with _atomic_temp(path) as temp:
+            if not _write_direct(temp, data, self.size):
+                with open(temp, "wb") as handle:
+                    handle.write(data[:self.size])
+                    handle.flush()
+                    os.fsync(handle.fileno())
+        return {"size": self.size, "sha256": digest}
+
+
+def _write_direct(path: Path, data: memoryview, size: int) -> bool:
+    """Write `data` (page-aligned, a whole number of pages) to `path` with O_DIRECT, cut to `size` and fsynced; False
+    where the file system refuses O_DIRECT (tmpfs, some network and FUSE file systems), with nothing left to undo."""
+    flag = getattr(os, "O_DIRECT", 0)
+    if not flag:
+        return False
+    try:
+        descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | flag, 0o666)
+    except OSError as error:
+        if error.errno == errno.EINVAL:
+            return False
+        raise
+    try:
+        written = 0
+        while written < len(data):
+            written += os.write(descriptor, data[written:written + DIRECT_CHUNK])
+        os.ftruncate(descriptor, size)
+        os.fsync(descriptor)
+    except OSError as error:
+        if error.errno == errno.EINVAL:  # opened, but this write's alignment is not the device's: written again
+            return False
+        raise
+    finally:
+        os.close(descriptor)
+    return True
 
 
 def fsync_dir(folder: Path) -> None:

@@ -32,12 +32,17 @@ def live_tensors(state, grads: bool = False) -> dict[str, torch.Tensor]:
 def iter_live_tensors(state) -> Iterator[tuple[str, torch.Tensor]]:
     """live_tensors one at a time. A sharded tensor (fully_shard) is gathered whole as it comes: every rank of the job
     iterates at the same point, and each may drop a tensor before the next is gathered."""
-    for name, value in state.model.state_dict().items():
-        yield f"model/{name}", whole(value)
+    for name, value in state_entries(state):
+        yield name, whole(value)
+
+
+def state_entries(state) -> list[tuple[str, torch.Tensor]]:
+    """The state's tensors by snapshot name, a shard as it is (not gathered): its name, shape and dtype are the whole
+    tensor's."""
+    entries = [(f"model/{name}", value) for name, value in state.model.state_dict().items()]
     for index, param_state in state.optimizer.state_dict()["state"].items():
-        for key, value in param_state.items():
-            if torch.is_tensor(value):
-                yield f"optim/{index}/{key}", whole(value)
+        entries.extend((f"optim/{index}/{key}", value) for key, value in param_state.items() if torch.is_tensor(value))
+    return entries
 
 
 def state_json(state, step: int, rng_raw: dict, data_position: dict, reason: str) -> dict[str, Any]:

@@ -30,7 +30,8 @@ from replaybisect.core.step_watch import StepOutcome, carried_gradients
 from replaybisect.core.user_step import ManualUpdate
 from replaybisect.core import oom, ranks
 from replaybisect.core import snapshot as fmt
-from replaybisect.core.state import iter_live_tensors, state_json
+from replaybisect.core.shards import whole
+from replaybisect.core.state import state_entries, state_json
 from replaybisect.store import OLD_SERVER_TAG_VALUE, Store
 
 def _lower_priority() -> None:
@@ -84,7 +85,7 @@ class RecordingHooks:
         self._writer_failure: BaseException | None = None  # the first background failure, raised on the next step
         self._created_folders: list[Path] = []  # removed at close unless their manifest is written
         self._buffers_job: Future | None = None  # the write that reads the host buffers
-        self._host_buffers: dict[str, torch.Tensor] = {}
+        self._host: fmt.TensorsImage | dict[str, torch.Tensor] | None = None  # the host copy, reused (_copy_to_host)
         self._open_snapshot: dict[str, Any] | None = None  # the snapshot whose batches are still arriving
         self._rng_at_start: dict | None = None
         self._stats: LayerStats | None = None
@@ -207,11 +208,11 @@ class RecordingHooks:
         if self._buffers_job is not None:
             self._buffers_job.result()  # one in flight: the host buffers are about to be reused
         waited = time.perf_counter() - started
-        host = _copy_to_host(self.state, self._host_buffers)
+        host = self._host = _copy_to_host(self.state, self._host)
         copied = _copies_done(self.state.device)  # on a GPU the step does not wait: the writer does, before it reads
         saved_state = state_json(self.state, step, rng_raw, {**self.data_position, "step": step}, reason)
         blocking = time.perf_counter() - started
-        self.snapshot_blocking.append((step, blocking, sum(b.numel() * b.element_size() for b in host.values()), waited))
+        self.snapshot_blocking.append((step, blocking, _host_bytes(host), waited))
         self.metrics.append(("snapshot_blocking_time", blocking, step))
         folder = self._folder(step)
         self._buffers_job = self._submit(_write_state_files, folder, host, saved_state, copied)
@@ -357,17 +358,30 @@ def _tag_not_optimized(store, run_id: str, state) -> None:
         store.set_tags(run_id, {"not_optimized": shown})
 
 
-def _copy_to_host(state, buffers: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Every tensor of the state copied into its host buffer (kept from snapshot to snapshot: pinned on a GPU)."""
-    host = {}
-    for name, tensor in iter_live_tensors(state):  # a shard gathered whole one tensor at a time
+def _copy_to_host(state, held: fmt.TensorsImage | dict | None) -> fmt.TensorsImage | dict[str, torch.Tensor]:
+    """Every tensor of the state copied into host memory kept from snapshot to snapshot (pinned on a GPU): the file
+    image the writer writes as it is, or, for a dtype it cannot lay out, one buffer per tensor."""
+    entries = state_entries(state)
+    pin = any(value.is_cuda for _, value in entries)
+    layout = fmt.TensorsImage.layout_of(entries)
+    if layout is None:
+        return _copy_to_buffers(entries, held if isinstance(held, dict) else {})
+    image = held if isinstance(held, fmt.TensorsImage) and held.layout == layout else fmt.TensorsImage(layout, pin)
+    for name, value in entries:  # a shard gathered whole one tensor at a time
+        tensor = whole(value)
+        image.views[name].copy_(tensor.detach(), non_blocking=tensor.is_cuda)
+    return image
+
+
+def _copy_to_buffers(entries, buffers: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    for name, value in entries:
+        tensor = whole(value)
         buffer = buffers.get(name)
         if buffer is None or buffer.shape != tensor.shape or buffer.dtype != tensor.dtype:
             buffer = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=tensor.is_cuda)
             buffers[name] = buffer
         buffer.copy_(tensor.detach(), non_blocking=tensor.is_cuda)
-        host[name] = buffer
-    return host
+    return buffers
 
 
 def steps_tag(steps: list[int]) -> str:
@@ -394,14 +408,21 @@ def crash_tags(step: int, error: BaseException, device: torch.device) -> dict[st
     return {**tags, **oom.failure_tags(error, device)} if oom.is_out_of_memory(error) else tags
 
 
-def _write_state_files(folder: Path, host: dict[str, torch.Tensor], saved_state: dict, copied=None) -> dict[str, dict]:
+def _write_state_files(folder: Path, host, saved_state: dict, copied=None) -> dict[str, dict]:
     if copied is not None:
         copied.synchronize()  # the device's copies into the host buffers have landed
     with _disk_full_named(f"snapshot {folder.name}", folder.parent):
+        tensors_file = folder / fmt.TENSORS
         return {
-            fmt.TENSORS: fmt.write_tensors_atomic(folder / fmt.TENSORS, host),
+            fmt.TENSORS: host.write_atomic(tensors_file) if isinstance(host, fmt.TensorsImage) else fmt.write_tensors_atomic(tensors_file, host),
             fmt.STATE: fmt.write_atomic(folder / fmt.STATE, fmt.encode_json(saved_state)),
         }
+
+
+def _host_bytes(host) -> int:
+    if isinstance(host, fmt.TensorsImage):
+        return host.data_bytes
+    return sum(buffer.numel() * buffer.element_size() for buffer in host.values())
 
 
 def _remove_incomplete_snapshots(folders: list[Path]) -> None:

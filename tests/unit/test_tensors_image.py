@@ -1,0 +1,81 @@
+"""The snapshot's tensors file written from one page-aligned host image (core/snapshot.TensorsImage): the same
+tensors read back through the safetensors library and the project's own layout check, with O_DIRECT where the file
+system takes it and through the page cache where it does not (tmpfs)."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load
+
+from replaybisect.core import snapshot as fmt
+
+TENSORS = {
+    "model/weight": torch.randn(33, 17),
+    "model/half": torch.randn(5, 3).half(),
+    "model/bf": torch.randn(7).bfloat16(),
+    "model/double": torch.randn(3, 2, dtype=torch.float64),
+    "model/count": torch.tensor(3, dtype=torch.int64),
+    "model/mask": torch.tensor([True, False, True]),
+    "model/bytes": torch.arange(11, dtype=torch.uint8),
+    "model/empty": torch.empty(0, 4),
+    "optim/0/step": torch.tensor(12.0),
+    "optim/0/exp_avg": torch.randn(33, 17),
+}
+
+
+def write_image(path: Path) -> dict:
+    entries = list(TENSORS.items())
+    image = fmt.TensorsImage(fmt.TensorsImage.layout_of(entries))
+    for name, tensor in entries:
+        image.views[name].copy_(tensor)
+    return image.write_atomic(path)
+
+
+def assert_same_tensors(path: Path, entry: dict) -> None:
+    payload = path.read_bytes()
+    assert entry == {"size": len(payload), "sha256": hashlib.sha256(payload).hexdigest()}
+    fmt.safetensors_layout(payload)  # the layout check snapshots are loaded through
+    loaded = load(payload)
+    assert set(loaded) == set(TENSORS)
+    for name, tensor in TENSORS.items():
+        assert loaded[name].dtype == tensor.dtype and loaded[name].shape == tensor.shape
+        assert torch.equal(loaded[name].reshape(-1).view(torch.uint8), tensor.reshape(-1).view(torch.uint8)), name
+
+
+def test_image_written_to_disk_reads_back(tmp_path):
+    entry = write_image(tmp_path / fmt.TENSORS)
+    assert_same_tensors(tmp_path / fmt.TENSORS, entry)
+    header_length = int.from_bytes((tmp_path / fmt.TENSORS).read_bytes()[:8], "little")
+    assert (8 + header_length) % fmt.PAGE == 0  # the data starts on a page: O_DIRECT writes the image as it is
+    assert [p.name for p in tmp_path.iterdir()] == [fmt.TENSORS]  # no temp left
+
+
+@pytest.mark.skipif(not Path("/dev/shm").is_dir(), reason="no tmpfs at /dev/shm")
+def test_image_on_a_file_system_without_direct_io(tmp_path):
+    """tmpfs refuses O_DIRECT: the same file is written through the page cache."""
+    folder = Path("/dev/shm") / tmp_path.name
+    folder.mkdir()
+    try:
+        entry = write_image(folder / fmt.TENSORS)
+        assert_same_tensors(folder / fmt.TENSORS, entry)
+        assert entry == write_image(tmp_path / fmt.TENSORS)  # byte for byte what the direct write gave
+    finally:
+        for path in folder.iterdir():
+            path.unlink()
+        folder.rmdir()
+
+
+def test_views_are_aligned_and_reused_only_for_the_same_layout():
+    entries = list(TENSORS.items())
+    layout = fmt.TensorsImage.layout_of(entries)
+    image = fmt.TensorsImage(layout)
+    assert image.buffer.data_ptr() % fmt.PAGE == 0 and image.buffer.numel() % fmt.PAGE == 0
+    for name, view in image.views.items():
+        assert view.data_ptr() % view.element_size() == 0, name
+    grown = [(name, torch.zeros(40, 17) if name == "model/weight" else tensor) for name, tensor in entries]
+    assert fmt.TensorsImage.layout_of(grown) != layout
+    assert fmt.TensorsImage.layout_of([("model/z", torch.zeros(2, dtype=torch.complex64))]) is None
