@@ -57,9 +57,7 @@ def test_nan_replays_the_crash_from_a_snapshot_and_names_the_discriminator(gan):
     workspace, folder, run_id = gan
     tags = workspace.store().tags(run_id)
     assert (tags["failure"], tags["failing_step"], tags["optimizers"]) == ("exception", "8", "G,D")
-    result = Workspace(folder).replay("nan", "--run-id", run_id, "--json", "--no-child-run", env=workspace.env())
-    assert result.returncode == 0, result.stderr
-    report = result.json()
+    report = workspace.answer_here("find_nan", run_id, folder=folder)  # `replay nan --json --no-child-run`, in this process
     # replayed from snapshot 4 through steps 4..7 with both Adams' moments: exact, and the state at step 8 bit-identical
     assert (report["snapshot_step"], report["reproduced"]) == (4, "exact")
     assert (report["category"], report["phase"], report["module"], report["op"]) == ("exception", "forward", "D", "Tensor.div")
@@ -71,10 +69,7 @@ def test_nan_replays_the_crash_from_a_snapshot_and_names_the_discriminator(gan):
 
 def test_ablate_proves_the_row_and_changes_one_optimizer(gan):
     workspace, folder, run_id = gan
-    result = Workspace(folder).replay("ablate", "skip-rows=6,lr[D],lr[G]=x0.5", "--run-id", run_id, "--json",
-                                      env=workspace.env())
-    assert result.returncode == 0, result.stderr
-    data = result.json()
+    data = workspace.answer_here("ablate", run_id, folder=folder, arms="skip-rows=6,lr[D],lr[G]=x0.5")  # as `replay ablate --json`
     assert data["baseline"]["verdict"] == "fails-again"
     arms = {arm["name"]: arm for arm in data["arms"]}
     assert {name: arm["verdict"] for name, arm in arms.items()} == {"skip-rows=6": "fixes", "lr[D]": "no-effect",
@@ -91,18 +86,27 @@ def test_ablate_proves_the_row_and_changes_one_optimizer(gan):
     ("lr[D", "arm 'lr[D': name one optimizer in brackets, as the run was recorded with it (lr[D]=x0.1)"),
 ])
 def test_an_optimizer_the_run_has_not_is_one_line_exit_2(gan, arm, message):
+    """The first as `replay ablate` prints it; the others through the API, which raises the same one-line error (exit
+    2) the command prints (the two doors build one request: tests/unit/test_requests.py)."""
     workspace, folder, run_id = gan
     runs_before = len(workspace.store().search_runs())
-    result = Workspace(folder).replay("ablate", arm, "--run-id", run_id, env=workspace.env())
-    assert result.returncode == 2 and message.format(run=run_id) in result.stderr and "Traceback" not in result.stderr
+    if arm == "lr[E]":
+        result = Workspace(folder).replay("ablate", arm, "--run-id", run_id, env=workspace.env())
+        assert result.returncode == 2 and message.format(run=run_id) in result.stderr and "Traceback" not in result.stderr
+    else:
+        from replaybisect.errors import ReplayError
+
+        with pytest.raises(ReplayError) as refused:
+            workspace.answer_here("ablate", run_id, folder=folder, arms=arm)
+        line = str(refused.value)
+        assert refused.value.exit_code == 2 and message.format(run=run_id) in line and "\n" not in line
     assert len(workspace.store().search_runs()) == runs_before
 
 
 def test_diagnose_and_runs_name_the_crash(gan):
     workspace, folder, run_id = gan
-    result = Workspace(folder).replay("diagnose", "--run-id", run_id, "--json", env=workspace.env())
-    assert result.returncode == 0, result.stderr
-    exception = next(f for f in result.json()["findings"] if f["pattern"] == "exception")
+    findings = workspace.answer_here("diagnose", run_id, folder=folder)["findings"]  # `replay diagnose --json`, in this process
+    exception = next(f for f in findings if f["pattern"] == "exception")
     assert exception["summary"].startswith("step 8 raised RuntimeError: all elements of input should be between 0 and 1")
     assert exception["next"] == f"replay nan --run-id {run_id}"
     # the user's frame: the loss that raised, in the loop (not torch's, nor the recorder's mode around the op)
@@ -157,9 +161,7 @@ def test_the_step_function_form_records_both_optimizers(tmp_path):
                           text=True, timeout=300)
     run_id = re.search(r"recording run ([0-9a-f]{32})", done.stderr).group(1)
     assert "step 7 raised RuntimeError" in done.stderr, done.stderr[-2000:]
-    result = workspace.replay("nan", "--run-id", run_id, "--json", "--no-child-run")
-    assert result.returncode == 0, result.stderr
-    report = result.json()
+    report = workspace.answer_here("find_nan", run_id)  # `replay nan --json --no-child-run`, in this process
     assert (report["snapshot_step"], report["reproduced"], report["op"]) == (6, "exact", "Tensor.div")
     assert report["rows"]["rows"] == [2]
 
