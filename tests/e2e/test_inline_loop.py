@@ -77,9 +77,7 @@ def test_replay_verify_replays_a_scripts_intervals_up_to_its_nan_bit_for_bit(pro
     """Each snapshot interval is replayed inside the script, run again; the failing step's NaN loss comes back from the
     script's process as JSON text (it ended verify with a TypeError) and is compared as the NaN it is."""
     workspace, folder = project
-    result = workspace.replay("verify", "--run-id", diverged, "--steps", "5:10", "--json", "--no-child-run")
-    assert result.returncode == 0, result.stderr[-2000:]
-    report = result.json()
+    report = workspace.answer_here("verify", diverged, steps="5:10")  # `replay verify --json --no-child-run`, in this process
     assert (report["verdict"], report["steps_compared"], report["differences"]) == ("exact", 5, []), report
 
 
@@ -451,8 +449,6 @@ def test_a_loader_that_keeps_its_ragged_last_batch_replays_exact(tmp_path):
     (tmp_path / "train.py").write_text(RAGGED.replace("WORKERS", "2, persistent_workers=True, pin_memory=True"))
     done = _train(workspace, tmp_path)
     assert "loss is nan at step 10" in done.stderr, done.stderr[-2000:]
-    result = Workspace(tmp_path).replay("nan", "--run-id", _run_id(done), "--json", "--no-child-run", env=workspace.env())
-    assert result.returncode == 0, result.stderr
-    report = result.json()
+    report = workspace.answer_here("find_nan", _run_id(done))  # `replay nan --json --no-child-run` here, in this process
     assert (report["snapshot_step"], report["reproduced"], report["category"]) == (8, "exact", "data")
     assert report["batch"][0]["rows"] == [3]
