@@ -268,10 +268,8 @@ def test_once_triages_the_failed_runs_and_leaves_the_healthy_one_alone(team, pro
     assert message["next_command"] and message["next_command"] in message["text"]
     assert message["run_url"].startswith(f"{team.tracking_uri}/#/experiments/") and message["run_url"].endswith(f"/runs/{forward}")
 
-    # a second --once finds nothing to do
-    again = run_watch(team, project, experiment, "--once")
-    assert again.returncode == 0, again.stderr
-    assert [event["event"] for event in events(again.stdout)] == ["start", "stop"]
+    # a second --once finds nothing to do (a watcher in this process: nothing between its start and its stop)
+    assert _watch_once_here(team, experiment, lease=120) == []
     status = subprocess.run([REPLAY, "watch", "--status", "--json", "--tracking-uri", team.tracking_uri, "--experiment", experiment],
                             cwd=project, env=env_for(team, experiment), capture_output=True, text=True, timeout=120)
     assert json.loads(status.stdout) | {"tracking_uri": None} == {"tracking_uri": None, "waiting": 0, "running": [], "done": 3, "failed": 0, "untrusted": 0}
@@ -298,8 +296,10 @@ def test_two_watchers_triage_each_run_once_and_a_failed_triage_is_not_retried(te
     reason = tags["replaybisect.triage.reason"]
     assert reason.startswith("nan: exit 2: ") and "planted_forward" in reason and "\n" not in reason
 
-    again = run_watch(team, project, experiment, "--once", env=untrusting)
-    assert [event["event"] for event in events(again.stdout)] == ["start", "stop"]  # failed stays failed
+    from unittest import mock
+
+    with mock.patch.dict(os.environ, {"REPLAYBISECT_CODE_DIR": ""}):  # as untrusting, a watcher in this process
+        assert _watch_once_here(team, experiment, lease=120) == []  # failed stays failed: nothing between start and stop
     assert tags_of(team, untrusted)["replaybisect.triage.attempts"] == "1"
 
 
@@ -326,14 +326,15 @@ def _processes_working_in(folders: list[Path]) -> list[int]:
     return found
 
 
-def _watch_once_here(team, experiment: str, lease: float) -> list[tuple[str, str]]:
-    """`replay watch --once` in this process: the events it logged between its start and its stop."""
+def _watch_once_here(team, experiment: str, lease: float, **fields) -> list[tuple[str, str]]:
+    """`replay watch --once` in this process (WatchOptions `fields` beside these): the events it logged between its
+    start and its stop."""
     from replaybisect.store import open_store
     from replaybisect.verbs.watch.engine import Watcher, WatchOptions
 
     logged = []
     options = WatchOptions(tracking_uri=team.tracking_uri, experiments=[experiment], settle=0.5, lease=lease, horizon=5,
-                           allow_root=bool(watch_servers.ALLOW_ROOT))
+                           allow_root=bool(watch_servers.ALLOW_ROOT), **fields)
     Watcher(open_store(team.tracking_uri), options, on_event=lambda event: logged.append((event.kind, event.message))).run(once=True)
     return [entry for entry in logged if entry[0] not in ("start", "stop")]
 
@@ -454,5 +455,5 @@ def test_audit_verifies_finished_runs_once_and_tags_the_one_a_replay_does_not_re
     assert done[flipped]["next_command"] == f"replay verify --run-id {flipped} --cross-check"
     assert tags_of(team, flipped)["replaybisect.triage.verify"] == "transient"
     assert [posted["run_id"] for posted in receiver.received] == [flipped]  # an exact audit is no news
-    again = run_watch(team, project, experiment, "--once", "--audit", "1000")  # audited once
-    assert not [event for event in events(again.stdout) if event["event"] == "done"]
+    again = _watch_once_here(team, experiment, lease=120, audit=1000)  # audited once (a watcher in this process)
+    assert not [kind for kind, _ in again if kind == "done"], again
