@@ -469,7 +469,8 @@ def test_sigterm_at_any_moment_of_a_triage_exits_within_the_grace_and_the_notify
     store = workspace.store()
     run_id = _crashed_run(store)
     grace, notify_timeout = 1, 1
-    watcher = subprocess.Popen([REPLAY, "watch", *ALLOW_ROOT, "--json", "--settle", "8", "--lease", "60", "--grace", str(grace),
+    settle = "8" if moment == "start" else "0.2"  # long only where the SIGTERM is to find it sleeping out --settle
+    watcher = subprocess.Popen([REPLAY, "watch", *ALLOW_ROOT, "--json", "--settle", settle, "--lease", "60", "--grace", str(grace),
                                 "--notify-timeout", str(notify_timeout)], cwd=workspace.path, env=workspace.env(),
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     for line in watcher.stdout:
@@ -506,10 +507,21 @@ def test_a_watcher_frozen_past_its_lease_loses_the_run_and_writes_nothing(worksp
         summary = store.tags(run_id)["triage.summary"]
     finally:
         frozen.send_signal(signal.SIGCONT)
-    time.sleep(3)  # it wakes: its diagnose child's answer or its next lease renewal finds the claim taken
+    # it wakes: its diagnose child's answer or its next lease renewal finds the claim taken (read until it says so,
+    # at most 60 s: the timer ends a watcher that never does, and the assertion below names what it logged instead)
+    woken = []
+    stop = threading.Timer(60, frozen.send_signal, (signal.SIGTERM,))
+    stop.start()
+    try:
+        for line in frozen.stdout:
+            woken.append(json.loads(line)["event"])
+            if woken[-1] == "lost":
+                break
+    finally:
+        stop.cancel()
     frozen.send_signal(signal.SIGTERM)
     stdout, _ = frozen.communicate(timeout=60)
-    woken = [e["event"] for e in _events(stdout)]
+    woken += [e["event"] for e in _events(stdout)]
     assert "lost" in woken and "done" not in woken, woken
     assert store.tags(run_id)["triage.summary"] == summary and store.tags(run_id)["triage.attempts"] == "2"
 
