@@ -70,8 +70,8 @@ def test_a_step_function_recorder_never_closed_ends_finished_with_whole_snapshot
     store = workspace.store()
     assert store.get_run(run_id).info.status == "FINISHED" and len(losses) == 5
     assert store.tags(run_id)["snapshot_steps"] == "0,2,4"  # each with its manifest: written whole before exit
-    result = workspace.replay("check", "--run-id", run_id, "--json", "--only", "grad.missing")
-    assert result.returncode == 0 and result.json()["checks"][0]["status"] == "pass", result.stderr
+    check = workspace.answer_here("check", run_id, only="grad.missing")  # `replay check --json`, in this process
+    assert check["checks"][0]["status"] == "pass", check
 
 
 def test_an_fp64_loss_is_logged_as_the_step_made_it(tmp_path):
@@ -121,9 +121,7 @@ def test_a_step_out_of_memory_in_the_model_is_replayed_to_its_op_and_batch(tmp_p
     failed = memory.json()["out_of_memory"]
     assert "runs out of memory here too, with no cap" in failed["detail"] and failed["fits"] is None
     assert failed["suggestion"].startswith(f"replay nan --run-id {run_id}")
-    result = workspace.replay("nan", "--run-id", run_id, "--json", "--no-child-run")
-    assert result.returncode == 0, result.stderr
-    report = result.json()
+    report = workspace.answer_here("find_nan", run_id)  # `replay nan --json --no-child-run`, in this process
     assert (report["snapshot_step"], report["reproduced"], report["category"], report["phase"], report["op"]) == (
         4, "exact", "exception", "forward", "Tensor.repeat")
     assert report["exception"]["as_recorded"] and "return self.fc(x).repeat(1, int(lengths.max()))" in report["source"]

@@ -61,6 +61,6 @@ def test_nan_and_diagnose_send_the_out_of_memory_step_to_replay_memory(ran_out):
     report = nan.json()
     assert report["category"] == "out-of-memory" and report["failing_step"] == 6  # not "transient": no cap holds it here
     assert report["suggestion"].startswith(f"replay memory --run-id {run_id}")
-    diagnosis = workspace.replay("diagnose", "--run-id", run_id, "--json")
-    [crash] = [finding for finding in diagnosis.json()["findings"] if finding["pattern"] == "exception"]
+    diagnosis = workspace.answer_here("diagnose", run_id)  # `replay diagnose --json` (it reads the curves), in this process
+    [crash] = [finding for finding in diagnosis["findings"] if finding["pattern"] == "exception"]
     assert "step 6 ran out of memory" in crash["summary"] and crash["next"] == f"replay memory --run-id {run_id}"

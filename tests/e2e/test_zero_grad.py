@@ -50,9 +50,7 @@ def test_a_loop_that_never_zeroes_replays_exact_from_a_snapshot(never_zeroed):
     transient. Now the snapshot holds the gradients step 40 began with."""
     workspace, run_id = never_zeroed
     assert workspace.store().tags(run_id)["first_nonfinite_step"] == "44"
-    result = workspace.replay("nan", "--run-id", run_id, "--json", "--no-child-run")
-    assert result.returncode == 0, result.stderr
-    report = result.json()
+    report = workspace.answer_here("find_nan", run_id)  # `replay nan --json --no-child-run`, in this process
     assert (report["snapshot_step"], report["reproduced"], report["category"]) == (40, "exact", "divergence")
     # 4 parameters and the 4 gradients they carried into step 44, bit for bit
     assert report["state_match"] == "bit-identical (8 tensors and the RNG streams)"
@@ -62,9 +60,7 @@ def test_a_loop_that_never_zeroes_replays_exact_from_a_snapshot(never_zeroed):
 
 def test_diagnose_names_the_missing_zero_grad(never_zeroed):
     workspace, run_id = never_zeroed
-    result = workspace.replay("diagnose", "--run-id", run_id, "--json")
-    assert result.returncode == 0, result.stderr
-    first = result.json()["findings"][0]
+    first = workspace.answer_here("diagnose", run_id)["findings"][0]  # `replay diagnose --json`, in this process
     assert first["pattern"] == "gradients-not-zeroed" and first["evidence"]["carried_steps"] == 44
     assert "no optimizer.zero_grad()" in first["summary"] and first["evidence"]["grad_norm_late"] > 100 * first["evidence"]["grad_norm_early"]
     assert first["next"] == f"replay ablate zero-grad --run-id {run_id}"
@@ -121,10 +117,8 @@ def test_gradient_accumulation_over_steps_replays_exact_and_is_no_bug(tmp_path):
     plain = subprocess.run([sys.executable, "main.py", "plain"], cwd=tmp_path, env=workspace.env(), capture_output=True, text=True)
     # recording changes nothing it trains: the gradients carry over rec.step calls as they do without it
     assert recorded.stdout.splitlines() == plain.stdout.splitlines()[:10] and len(plain.stdout.splitlines()) == 12
-    result = workspace.replay("nan", "--run-id", run_id, "--json", "--no-child-run")
-    assert result.returncode == 0, result.stderr
-    report = result.json()
+    report = workspace.answer_here("find_nan", run_id)  # `replay nan --json --no-child-run`, in this process
     assert (report["snapshot_step"], report["reproduced"], report["failing_step"]) == (8, "exact", 10)
     assert not report["gradients_never_cleared"] and "zero-grad" not in report["arms"]
-    diagnosis = workspace.replay("diagnose", "--run-id", run_id, "--json")
-    assert "gradients-not-zeroed" not in {finding["pattern"] for finding in diagnosis.json()["findings"]}
+    diagnosis = workspace.answer_here("diagnose", run_id)
+    assert "gradients-not-zeroed" not in {finding["pattern"] for finding in diagnosis["findings"]}
