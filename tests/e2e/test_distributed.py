@@ -11,12 +11,11 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import EXAMPLES, TESTS, Workspace, in_folder
+from tests.helpers import EXAMPLES, TESTS, Workspace, in_folder, wait_until
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone"]
 
@@ -70,9 +69,7 @@ def test_a_nan_row_on_rank_1_is_named_with_its_rank_and_row(shared, job):
     config = (Path(store.local_artifact_dir(run_id)) / "config.yaml").read_text()
     assert "world_size: 2" in config and "backend: gloo" in config
 
-    result = shared.replay("nan", "--run-id", run_id, "--json")
-    assert result.returncode == 0, result.stderr
-    report = json.loads(result.stdout)
+    report = shared.answer_here("find_nan", run_id)  # `replay nan --json` (its command: the --nproc 2 test), in this process
     assert report["reproduced"] == "exact" and report["replay"]["ranks_compared"] == 2
     assert report["state_match"].startswith("bit-identical")
     assert report["category"] == "data" and report["failing_step"] == 12
@@ -149,9 +146,7 @@ def test_a_killed_rank_is_named_on_the_failed_run(shared):
     assert trainer.returncode != 0
     run_id = re.search(r"recording run ([0-9a-f]{32})", stderr).group(1)
     store = shared.store()
-    deadline = time.monotonic() + 30
-    while store.get_run(run_id).info.status == "RUNNING" and time.monotonic() < deadline:
-        time.sleep(0.5)
+    wait_until(lambda: store.get_run(run_id).info.status != "RUNNING", timeout=30)
     run = store.get_run(run_id)
     assert run.info.status == "FAILED", stderr[-3000:]
     tags = store.tags(run_id)
