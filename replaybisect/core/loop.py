@@ -216,6 +216,9 @@ class TrainState:
     # loop: user: an ablation arm's zero-grad: every replayed step starts with cleared gradients, whatever the
     # recorded loop did (a loop that never zeroes them, core/user_step.carries_gradients)
     clear_grads: bool = False
+    # loop: user: the next record to run was packed from this state just now (rec.step): its RNG streams and module
+    # modes are already this state's, so the step does not set them again (core/user_step._run_record); one step only
+    fresh_record: bool = False
 
     @property
     def params(self) -> list[torch.nn.Parameter]:

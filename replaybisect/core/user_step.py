@@ -47,8 +47,23 @@ LIGHTNING_BATCHES, LIGHTNING_POSITIONS = "batches", "lightning"
 
 
 # ---- the step function's arguments ------------------------------------------------------------------------
+_ARGUMENTS: dict[Callable, list[str]] = {}  # step_arguments by step function: read once, not at every step's three asks
+
+
 def step_arguments(step_fn: Callable) -> list[str]:
     """The names the step function takes; a required one we cannot give is a ConfigError."""
+    try:
+        return _ARGUMENTS[step_fn]
+    except (KeyError, TypeError):  # (TypeError: an unhashable callable object, read each time)
+        pass
+    names = _read_arguments(step_fn)
+    with contextlib.suppress(TypeError):
+        if len(_ARGUMENTS) < 64:
+            _ARGUMENTS[step_fn] = names
+    return names
+
+
+def _read_arguments(step_fn: Callable) -> list[str]:
     try:
         parameters = inspect.signature(step_fn).parameters.values()
     except (TypeError, ValueError):
@@ -625,14 +640,17 @@ def run(state, watch: StepWatch, record) -> None:
 def _run_record(state, watch: StepWatch, record) -> None:
     outcome = watch.outcome
     batch, stored_rng = unpack(record)
-    rng.restore_stored(stored_rng, state.device)
+    fresh, state.fresh_record = state.fresh_record, False
+    if not fresh:
+        rng.restore_stored(stored_rng, state.device)
     apply_recorded_lrs(record, state.optimizer)
     if state.live and not isinstance(state.step_fn, RemoteStep):  # a re-entered script: its own values as the recorded step read them
         apply_recorded_variables(record, state.step_fn)  # (a loop recorded as written sets them in its own thread: RemoteStep)
     outcome.lr = float(state.optimizer.param_groups[0]["lr"])  # the lr this step runs with (set again just above)
     if state.carry is None:  # a replay's first step: what the recorded step started with; later steps carry their own
         state.carry = recorded_carry(record)
-    set_modes(state.model, record.get(RECORD_EVAL) if _is_record(record) else None)
+    if not fresh:
+        set_modes(state.model, record.get(RECORD_EVAL) if _is_record(record) else None)
     if not carries_gradients(record, state):  # else it starts with what the loop left (the snapshot's, or the replay's own)
         state.optimizer.zero_grad(set_to_none=True)
     if isinstance(state.optimizer, ManualUpdate):

@@ -325,6 +325,7 @@ class Recorder:
                 self._ranked.opened(step, self.state)
                 stored = self._ranked.stored(step, record)
             data_started = loop_data_started(self._last_step_end, called, time.perf_counter())
+            self.state.fresh_record = True
             with self._noting_precision():
                 outcome, keep_going = loop.take_step(self.state, step, record, self._hooks, self._buffers, rng_at_start,
                                                      data_started, stored=stored)
@@ -334,6 +335,7 @@ class Recorder:
             self._stepped(outcome)
             self._last_step_end = time.perf_counter()  # after the recorder's own flush of the step
         except BaseException as error:
+            self.state.fresh_record = False
             failure = self._fail(error)
             if failure is not None:  # a full disk met outside the snapshot writer: its one line, as replay train says it
                 raise failure from error
