@@ -109,6 +109,7 @@ class StepWatch:
         self.on_loss: Optional[Callable[[], None]] = None  # set: called as each loss is about to be backpropagated
         self.running_loss: Optional[torch.Tensor] = None  # the sum of the losses backpropagated so far
         self.saw_gradients = False  # gradients() ran for this step
+        self.measured: Optional[tuple[list, torch.Tensor]] = None  # (gradients, their norm) as gradients() took them
         self._backpropagated = False  # a loss of this step was backpropagated
         self._gradients_of: set[int] = set()  # several optimizers (core/several.py): those whose gradients() ran
         self._forward = None
@@ -163,6 +164,7 @@ class StepWatch:
         faults.at_gradients(self.outcome.step, params)
         grads = guard.gradients(params)
         norm = guard.total_norm(grads)
+        self.measured = (grads, norm)
         still_scaled = getattr(optimizer or self.state.optimizer, "grad_scale", None)  # a fused optimizer a GradScaler
         if isinstance(still_scaled, torch.Tensor):  # steps unscales inside its step, after this moment (no read: on the device)
             norm = norm / still_scaled.to(norm.device)
@@ -181,7 +183,20 @@ class StepWatch:
             self._fault("grad_norm")
         if self.state.clip_grad_norm is not None and grads:  # an ablation arm's clip (a user's own clip came first)
             torch.nn.utils.clip_grads_with_norm_(params, self.state.clip_grad_norm, norm)
+            self.measured = None  # (the gradients changed)
         notify(self.observer, "before_update", self.state, self.outcome)
+
+    def norm_for_clip(self, parameters: list) -> Optional[torch.Tensor]:
+        """The 2-norm gradients() just took, where it is the one a clip of `parameters` would take (their gradients, the
+        same tensors in the same order, unscaled and unchanged since): the step's clip need not take it again."""
+        measured, self.measured = self.measured, None
+        if measured is None or getattr(self.state.optimizer, "grad_scale", None) is not None:
+            return None
+        grads, norm = measured
+        theirs = [param.grad for param in parameters if param.grad is not None]
+        if len(theirs) != len(grads) or any(mine is not their for mine, their in zip(grads, theirs)):
+            return None
+        return norm
 
     def judge_losses(self) -> None:
         """With deferred reads: read the flag of the losses backpropagated since the last judgement, before anything

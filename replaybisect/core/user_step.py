@@ -563,8 +563,14 @@ def watching(watch: StepWatch):
         # only a clip of the step's own parameters (another model's, a GAN's discriminator, is not its moment)
         owner = next((owners[id(param)] for param in parameters if id(param) in owners), None)
         if not manual and not watch.stopped and owner is not None:
+            measuring = not watch.saw_gradients and not joined
             with _kept_from_the_script(watch):
                 watch.gradients(owner if joined else None)  # the gradients before the clip: their norm, the non-finite rule, an arm's clip first
+            clip = _plain_clip(*args, **kwargs)
+            if measuring and clip is not None and (norm := watch.norm_for_clip(parameters)) is not None:
+                max_norm, foreach = clip
+                torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, norm, foreach)  # as clip_grad_norm_ does with it
+                return norm.clone()
         return original_clip(parameters, *args, **kwargs)
 
     def get_total_norm(tensors, *args, **kwargs):
@@ -615,6 +621,15 @@ def watching(watch: StepWatch):
         torch.amp.GradScaler.unscale_, torch.amp.GradScaler.step = original_unscale, original_scaler_step
         for handle in handles:
             handle.remove()
+
+
+def _plain_clip(max_norm=None, norm_type=2.0, error_if_nonfinite=False, foreach=None, **unknown):
+    """(max_norm, foreach) of a clip_grad_norm_ call that takes the 2-norm as the step watch does (foreach chosen by
+    torch, raising on nothing), else None: such a clip is get_total_norm then clip_grads_with_norm_, and the watch has
+    that norm already."""
+    if unknown or max_norm is None or error_if_nonfinite or foreach is not None or float(norm_type) != 2.0:
+        return None
+    return max_norm, foreach
 
 
 def _owner_of_gradients(tensors: list, owners: dict[int, Any]) -> Any:

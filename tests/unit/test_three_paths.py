@@ -191,3 +191,49 @@ def test_one_step_is_the_same_on_every_path(plant, tmp_path):
     assert_same(reference, recorder_path(plant, uri), "Recorder")
     assert_same(reference, lightning_path(plant, uri), "ReplayCallback")
     assert_same(reference, lightning_replay_path(plant), "lightning_step")
+
+
+CLIPS = {"2-norm": {"max_norm": 0.05}, "2-norm, foreach off": {"max_norm": 0.05, "foreach": False},
+         "1-norm": {"max_norm": 0.05, "norm_type": 1.0}, "inf-norm": {"max_norm": 0.05, "norm_type": "inf"}}
+NORMS: list[torch.Tensor] = []  # what the step's clip returned
+
+
+def clipping_step(model, optimizer, batch, config):
+    inputs, targets = batch
+    loss = F.mse_loss(model(inputs), targets)
+    loss.backward()
+    NORMS.append(torch.nn.utils.clip_grad_norm_(model.parameters(), **CLIPS[config["clip"]]))
+    optimizer.step()
+    return loss
+
+
+@pytest.mark.parametrize("clip", list(CLIPS))
+def test_a_recorded_step_clips_as_torch_does_and_takes_the_norm_once(clip, tmp_path):
+    """The step's own clip_grad_norm_: recorded, it returns torch's norm and clips to the same bits; where that norm is
+    the 2-norm the recorder took for the step's grad_norm, it is not taken a second time."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Norms(TorchDispatchMode):
+        taken = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Norms.taken += func.overloadpacket in (torch.ops.aten._foreach_norm, torch.ops.aten.linalg_vector_norm)
+            return func(*args, **(kwargs or {}))
+
+    plain_model, plain_optimizer = build({})
+    NORMS.clear()
+    torch.manual_seed(STEP_SEED)
+    clipping_step(plain_model, plain_optimizer, (X.clone(), Y.clone()), {"clip": clip})
+    model, optimizer = build({})
+    recorder = replaybisect.Recorder(model, optimizer, step_fn=clipping_step, build=build, config={"clip": clip},
+                                     tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}", layer_stats_every=0)
+    torch.manual_seed(STEP_SEED)
+    with Norms():
+        recorder.step((X.clone(), Y.clone()))
+    recorder.close()
+    plain_norm, recorded_norm = NORMS
+    assert torch.equal(recorded_norm, plain_norm)
+    for a, b in zip(plain_model.parameters(), model.parameters()):
+        assert torch.equal(a, b)
+    if clip == "2-norm":
+        assert Norms.taken == 2  # one norm (its per-tensor norms, then their norm), the recorder's and the clip's
