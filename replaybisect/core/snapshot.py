@@ -146,7 +146,7 @@ def write_tensors_atomic(path: Path, tensors: dict[str, torch.Tensor], metadata:
     released while bytes move (`safetensors.torch.save` builds the file as one bytes object first, which on
     2 cores costs the training step more than the write). The safetensors library reads it back."""
     if any(t.dtype not in SAFETENSORS_DTYPES for t in tensors.values()):
-        return write_atomic(path, encode_tensors(tensors, metadata))
+        return write_atomic(path, encode_tensors(_unshared(tensors), metadata))
     names = sorted(tensors)
     header: dict[str, Any] = {"__metadata__": metadata} if metadata else {}
     offset = 0
@@ -402,14 +402,31 @@ def unflatten_batch(step: int, tensors: dict[str, torch.Tensor], structure):
 
 
 def encode_batches(batches: dict[int, Any]) -> bytes:
+    """The batches file as bytes (sent between a job's processes: core/ranks.py)."""
+    tensors, metadata = _batch_tensors(batches)
+    return encode_tensors(_unshared(tensors), metadata)
+
+
+def write_batches_atomic(path: Path, batches: dict[int, Any]) -> dict[str, Any]:
+    """The batches file, streamed from each tensor's own memory (write_tensors_atomic): no copy of each tensor and of
+    the whole file made first, work the writer would do holding the GIL the training thread needs."""
+    tensors, metadata = _batch_tensors(batches)
+    return write_tensors_atomic(path, tensors, metadata)
+
+
+def _batch_tensors(batches: dict[int, Any]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     tensors: dict[str, torch.Tensor] = {}
     structure: dict[str, Any] = {}
     for step, batch in batches.items():
         named, shape = flatten_batch(step, batch)
-        # copies: micro-batches are often views of one tensor, and safetensors refuses tensors that share memory
-        tensors.update({key: value.detach().to("cpu", copy=True).contiguous() for key, value in named.items()})
+        tensors.update({key: value.detach().cpu() for key, value in named.items()})
         structure[str(step)] = shape
-    return encode_tensors(tensors, {"structure": json.dumps(structure)})
+    return tensors, {"structure": json.dumps(structure)}
+
+
+def _unshared(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Copies: micro-batches are often views of one tensor, and safetensors' encoder refuses tensors that share memory."""
+    return {name: tensor.to("cpu", copy=True).contiguous() for name, tensor in tensors.items()}
 
 
 # ---- reading ----------------------------------------------------------------------------------

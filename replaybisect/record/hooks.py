@@ -252,7 +252,7 @@ class RecordingHooks:
         folder: Path = opened["folder"]
         with _disk_full_named(f"snapshot {folder.name}", folder.parent):
             if opened["batches"]:
-                files[fmt.BATCHES] = fmt.write_atomic(folder / fmt.BATCHES, fmt.encode_batches(opened["batches"]))
+                files[fmt.BATCHES] = fmt.write_batches_atomic(folder / fmt.BATCHES, opened["batches"])
             if opened.get("grads"):
                 files[fmt.GRADS] = fmt.write_tensors_atomic(folder / fmt.GRADS, opened["grads"])
             fmt.write_manifest(folder, opened["step"], files)
