@@ -452,3 +452,4 @@ def test_a_loader_that_keeps_its_ragged_last_batch_replays_exact(tmp_path):
     report = workspace.answer_here("find_nan", _run_id(done))  # `replay nan --json --no-child-run` here, in this process
     assert (report["snapshot_step"], report["reproduced"], report["category"]) == (8, "exact", "data")
     assert report["batch"][0]["rows"] == [3]
+    assert report["batch"][0]["field"] == "model(arg 0)" and "(model(arg 0))" in report["headline"]  # as the loop called it

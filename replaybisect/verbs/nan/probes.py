@@ -191,9 +191,7 @@ def probe_batch(batch: Any, dataset_indices: Optional[list[int]] = None) -> list
                 findings.append(finding)
         return findings
     findings = []
-    roles = {"batch[0]": "batch[0] (inputs)", "batch[1]": "batch[1] (targets)"} if isinstance(batch, (tuple, list)) and len(batch) == 2 else {}
-    for name, tensor in tensors_in(batch, "batch"):
-        name = roles.get(name, name)
+    for name, tensor in batch_fields(user_step.data_of(user_step.unpack(batch)[0])):
         if not is_float(tensor) or all_finite(tensor):
             continue
         rows = nonfinite_rows(tensor) if tensor.dim() else [0]
@@ -208,6 +206,27 @@ def probe_batch(batch: Any, dataset_indices: Optional[list[int]] = None) -> list
             )
         )
     return findings
+
+
+def batch_fields(batch: Any) -> list[tuple[str, torch.Tensor]]:
+    """(name, tensor) for every tensor of a step's batch, named as the user's code sees it: batch[0] (inputs) of a
+    (inputs, targets) batch; a loop recorded as written: what it passed the model, model(arg 0) or model(ids=), and
+    the targets its loss met outside the model (loss target 0), "micro-batch N:" first where the step made several training calls."""
+    from replaybisect.core.inline_step import ARGS, KWARGS, OUTSIDE
+
+    if isinstance(batch, list) and batch and all(isinstance(call, dict) and ARGS in call for call in batch):
+        fields = []
+        for index, call in enumerate(batch):
+            where = f"micro-batch {index}: " if len(batch) > 1 else ""
+            for position, value in enumerate(call[ARGS]):
+                fields += tensors_in(value, f"{where}model(arg {position})")
+            for key, value in (call.get(KWARGS) or {}).items():
+                fields += tensors_in(value, f"{where}model({key}=)")
+            for position, value in enumerate(call.get(OUTSIDE) or []):
+                fields += tensors_in(value, f"{where}loss target {position}")
+        return fields
+    roles = {"batch[0]": "batch[0] (inputs)", "batch[1]": "batch[1] (targets)"} if isinstance(batch, (tuple, list)) and len(batch) == 2 else {}
+    return [(roles.get(name, name), tensor) for name, tensor in tensors_in(batch, "batch")]
 
 
 def nonfinite_rows(tensor: torch.Tensor, limit: Optional[int] = None) -> list[int]:
