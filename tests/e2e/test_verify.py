@@ -125,6 +125,20 @@ def test_a_device_that_computes_a_step_wrong_is_named_when_another_machine_repro
     assert report.elsewhere["label"] not in ("gpuA", "gpuB") and "this machine (gpuA)" in report.sentence
 
 
+def test_a_cross_check_whose_job_dies_keeps_this_machines_replays_and_says_why(workspace, monkeypatch, tmp_path):
+    """The other machine's job ends before it answers (here its Python dies at start, as on a lost node): the verdict
+    is the one this machine's replays give, and a warning names the job and its last line."""
+    fault = {FAULT: "step=7,what=loss,bit=20,device=gpuA"}
+    run_id = _recorded(workspace, monkeypatch, **fault, **{LABEL: "gpuB"})
+    lost = tmp_path / "lost-node"
+    lost.mkdir()
+    (lost / "sitecustomize.py").write_text(f"import os, sys\nif '{LABEL}' not in os.environ:\n    sys.exit('node lost')\n")
+    report = _cross_checked(workspace, monkeypatch, run_id, **fault, **{LABEL: "gpuA"}, PYTHONPATH=str(lost))
+    assert (report.verdict, report.elsewhere, report.steps_compared, report.second_replay) == ("device", None, 5, "same")
+    assert any("cross-check's job" in warning and "node lost" in warning and "this machine's replays alone" in warning
+               for warning in report.warnings), report.warnings
+
+
 def test_a_recording_that_two_other_machines_agree_against_is_the_recorders(workspace, monkeypatch):
     fault = {FAULT: "step=7,what=loss,bit=20,device=gpuA"}  # recorded on the faulty gpuA, verified on gpuB and a job
     run_id = _recorded(workspace, monkeypatch, **fault, **{LABEL: "gpuA"})

@@ -29,7 +29,11 @@ def replayed_elsewhere(store, run_id: str, snapshot: int, end: int, trust, devic
         env[CODE_DIR_ENV] = os.pathsep.join(str(root) for root in trust.roots)
         env[TRUST_ENV] = ",".join(prefix for prefix in trust.prefixes if prefix not in BUILTIN_PREFIXES)
         argv += [item for run in trust.unsigned for item in ("--allow-unsigned", run)]
-    job = jobs.submit_command(settings, f"replay-verify-{run_id[:8]}", argv, os.getcwd(), env)
+    try:
+        job = jobs.submit_command(settings, f"replay-verify-{run_id[:8]}", argv, os.getcwd(), env)
+    except Exception as error:  # noqa: BLE001 - sbatch refused it, the executor could not start: one line
+        lines = [line for line in str(error).strip().splitlines() if line.strip()]
+        raise ReplayError(f"the cross-check's job could not be submitted: {(lines[-1] if lines else type(error).__name__)[:300]}") from None
     status, stdout, stderr = job.communicate()
     answer = _json_answer(stdout)  # (a NaN comes as the text JSON spells it)
     if status != 0 or answer is None:
