@@ -548,7 +548,12 @@ def watching(watch: StepWatch):
                 optimizer.mark()
         return returned
 
+    nested: dict[int, int] = {}  # an optimizer's step calls in progress: a subclass's step calling its parent's is one
+
     def before_update(stepping, args, kwargs) -> None:
+        nested[id(stepping)] = nested.get(id(stepping), 0) + 1
+        if nested[id(stepping)] > 1:
+            return
         if id(stepping) in members and not manual:
             if not first_evaluation:
                 watch.gradients(stepping if joined else None)
@@ -584,6 +589,9 @@ def watching(watch: StepWatch):
         return original_total_norm(tensors, *args, **kwargs)
 
     def after_update(stepping, args, kwargs) -> None:
+        nested[id(stepping)] = nested.get(id(stepping), 1) - 1
+        if nested[id(stepping)] > 0:
+            return
         if id(stepping) in members:
             if watch.device_guard is not None:
                 watch.device_guard.disarm(optimizer)

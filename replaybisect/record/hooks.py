@@ -143,6 +143,7 @@ class RecordingHooks:
         self.store.set_tags(self.run_id, crash_tags(step, error, self.state.device))
         with contextlib.suppress(Exception):  # the run's end names the step and the next command (session.mark_ended)
             error.replaybisect_failing_step = step
+            error.replaybisect_state_kept = not updated  # (else a replay reaches the step from the last snapshot)
             error.replaybisect_run_id = self.run_id
 
     def _keep_failing_step(self, step: int, batch, reason: str, state_intact: bool = True, grads=None) -> None:

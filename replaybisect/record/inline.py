@@ -209,16 +209,23 @@ class InlineRecording:
     def crashed(self, error: BaseException) -> None:
         """An exception ended the loop inside a step, before its update (a loss that checks its input, an index out
         of range): that step is the run's failing step, kept as a non-finite one is (the state before it, its
-        micro-batches so far). One raised after the update (the loop's logging, its evaluation) is the run's crash only;
-        one raised after some of several optimizers updated keeps only the step's batch (reached from a snapshot)."""
+        micro-batches so far). One raised inside its update (the optimizer's step), or after some of several optimizers
+        updated, keeps only the step's batch (reached from a snapshot); one raised after the update (the loop's logging,
+        its evaluation) is the run's crash only."""
         current = self._open
-        if current is not None and self._update_reached(closing=True):  # a step the loop completed is logged
-            with contextlib.suppress(Exception):  # (the run's crash is `error`, whatever its logging meets)
-                self.close_step()
+        step_failed = isinstance(error, Exception) and not isinstance(error, (ReplayError, NonFiniteStep))
+        if current is not None and self._update_reached(closing=True):
+            if self._manual or current.update_ended is not None or not step_failed:  # a step the loop completed is logged
+                with contextlib.suppress(Exception):  # (the run's crash is `error`, whatever its logging meets)
+                    self.close_step()
+                return
+            # it raised inside its optimizer's step: its batch is kept, the state may be part-way through the update
+            self._open = None
+            self._targets.end()
+            current.hooks_on.close()
+            self.recorder._hooks.on_exception(current.step, error, current.record, updated=True)
             return
-        if current is None or not current.record[user_step.RECORD_BATCH]:
-            return
-        if not isinstance(error, Exception) or isinstance(error, (ReplayError, NonFiniteStep)):
+        if current is None or not current.record[user_step.RECORD_BATCH] or not step_failed:
             return
         self._stop_before_update()
         self.recorder._hooks.on_exception(current.step, error, current.record, updated=bool(current.stepped))

@@ -195,5 +195,7 @@ def crash_note(error: BaseException, run_id: str) -> str:
     what, verb = (f"raised {type(error).__name__}", "nan")
     if is_out_of_memory(error):  # (replay memory sends a step that asks for more than any machine has to replay nan)
         what, verb = f"ran out of memory ({type(error).__name__})", "memory"
-    return (f"replaybisect: step {step} {what}; run {run_id} ended as crashed (FAILED) with the state before step {step} "
-            f"and its batch kept; replay it with: replay {verb} --run-id {run_id}")
+    kept = f"the state before step {step} and its batch" if getattr(error, "replaybisect_state_kept", True) else \
+        f"step {step}'s batch (its update had begun: a replay reaches it from the last snapshot)"
+    return (f"replaybisect: step {step} {what}; run {run_id} ended as crashed (FAILED) with {kept} kept; replay it with: "
+            f"replay {verb} --run-id {run_id}")

@@ -67,7 +67,7 @@ def test_replay_nan_reproduces_the_exception_at_the_users_frame(crashed):
     assert crash["replayed"] == "IndexError: index 4 is out of bounds for dimension 0 with size 4" and crash["as_recorded"]
     assert crash["frame"].startswith(f"{folder / 'crash_loop.py'}:23 in train_step")
     assert crash["op"] == "Tensor.__getitem__" and "int64[16] range [0, 4]" in " ".join(crash["op_inputs"])
-    assert crash["batch"][1] == "batch[1]: int64[16] range [0, 4]" and crash["batch"][0].startswith("batch[0]: float32[16, 8]")
+    assert crash["batch"][1] == "batch[1] (targets): int64[16] range [0, 4]" and crash["batch"][0].startswith("batch[0] (inputs): float32[16, 8]")
     assert crash["nonfinite_before"] is None
     assert report["headline"].startswith("exception at step 6: IndexError: index 4 is out of bounds") and "crash_loop.py:23" in report["headline"]
     assert all(report["isolation"].values())
@@ -134,7 +134,7 @@ def test_replay_train_crash_is_replayed_and_named_by_runs_and_diagnose(trained):
     assert report["exception"]["as_recorded"] and report["exception"]["frame"].endswith(
         "bucket.py:17 in forward: return self.net(x) * self.scale[bucket]")
     assert report["exception"]["op"] == "Tensor.__getitem__" and report["exception"]["module"] == ""
-    assert "batch[0]: float32[32, 64]" in report["exception"]["batch"][0]
+    assert "batch[0] (inputs): float32[32, 64]" in report["exception"]["batch"][0]
 
     (summary,) = [run for run in recent_runs(trained.store()) if run.run_id == run_id]
     assert summary.status == "crashed"

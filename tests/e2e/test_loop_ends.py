@@ -45,6 +45,26 @@ rec.close()
 """
 
 
+CRASH_IN_UPDATE = HEAD.format(double="") + """\
+class Guarded(torch.optim.SGD):  # refuses an update that would move a weight by more than 1
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            if any(float(p.grad.abs().max()) * group["lr"] > 1 for p in group["params"] if p.grad is not None):
+                raise RuntimeError("update too large to apply")
+        return super().step(closure)
+optimizer = Guarded(model.parameters(), lr=0.1)
+rec = replaybisect.Recorder(model, optimizer, snapshot_every=4)
+for step in range(10):
+    x, y = torch.randn(8, 4), torch.randn(8, 1)
+    if step == 6:
+        x[2] = 1e4  # one outlier row
+    loss = torch.nn.functional.mse_loss(model(x), y)
+    optimizer.zero_grad(); loss.backward(); optimizer.step()
+rec.close()
+"""
+
+
 def _run(workspace: Workspace, script: str) -> tuple[subprocess.CompletedProcess, str, list[float]]:
     (workspace.path / "loop.py").write_text(script)
     done = subprocess.run([sys.executable, "loop.py"], cwd=workspace.path, env=workspace.env(), capture_output=True,
@@ -61,6 +81,23 @@ def test_a_crash_after_the_last_step_keeps_that_step(tmp_path):
     printed = [float(line) for line in done.stdout.split()]
     assert len(printed) == 5 and losses == printed  # (it logged 4: the last step was closed only by a next forward)
     assert workspace.store().get_run(run_id).info.status == "FAILED"
+
+
+def test_a_step_that_raises_inside_its_optimizers_step_is_the_failing_step(tmp_path):
+    """An exception raised inside the loop's own optimizer.step() (the update had begun, the state may be part-way
+    through it): the step is the run's failing step with its batch, the run's last line names it and `replay nan`;
+    the replay from snapshot 4 raises it again and names the line and the outlier the loop passed the model. The
+    optimizer subclasses SGD and calls its step after an SGD was made (HEAD), so torch runs the step hooks twice,
+    nested: the recorder's take it as one update (its layer statistics at step 0 crashed the run before)."""
+    workspace = Workspace(tmp_path)
+    done, run_id, _ = _run(workspace, CRASH_IN_UPDATE)
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("replaybisect: step 6 raised RuntimeError") and f"replay nan --run-id {run_id}" in last, done.stderr
+    assert "step 6's batch (its update had begun" in last
+    report = workspace.answer_here("find_nan", run_id)  # `replay nan --json --no-child-run`, in this process
+    assert (report["failing_step"], report["snapshot_step"], report["reproduced"], report["category"]) == (6, 4, "exact", "exception")
+    assert "update too large to apply" in report["headline"] and "loop.py:" in report["headline"]
+    assert any("model(arg 0): float32[8, 4]" in line for line in report["evidence"]), report["evidence"]
 
 
 def test_a_step_function_recorder_never_closed_ends_finished_with_whole_snapshots(tmp_path):

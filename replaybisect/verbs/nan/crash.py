@@ -52,7 +52,7 @@ def probe_crash(state, step, batch, rng_at_step, dataset_rows, log) -> _CrashRes
     live_before = fingerprint(state)
     rng_before = rng.to_json(rng.capture_raw())
     data = user_step.data_of(user_step.unpack(batch)[0]) if state.user_loop else batch
-    shapes = [f"{name}: {step_probe.value_brief(tensor)}" for name, tensor in probes.tensors_in(data, "batch")][:8]
+    shapes = [f"{name}: {step_probe.value_brief(tensor)}" for name, tensor in probes.batch_fields(data)][:8]
 
     def probed(copy):
         probe = step_probe.StepProbe(copy)
