@@ -143,16 +143,15 @@ def path_ddp(folder: str, block: int):
     return path_recorder(folder, block, wrap_ddp=True)
 
 
-def path_train(folder: str, block: int):
+def recorded_train(folder: str, overrides: list[str]):
+    """`replay train`'s loop recording into a SQLite store in `folder`, driven block by block: (cfg, its state, the
+    batches by step, the hooks, a function that ends the run)."""
     from replaybisect.core import config, loop
-    from replaybisect.record.hooks import NullHooks
     from replaybisect.record.session import RunSession
     from replaybisect.store import open_store
 
-    overrides = ["model.hidden=1600", "model.depth=3", "model.dropout=0.0", "train.steps=100000", "train.batch_size=64",
-                 "train.val_every=0", "snapshot.every=100", "snapshot.layer_stats_every=50"]
     cfg = config.compose(None, "config", overrides)
-    plain_state, state = loop.build_state(cfg), loop.build_state(cfg)
+    state = loop.build_state(cfg)
     source, _ = loop.build_data(cfg)
     session = RunSession.open(open_store(f"sqlite:///{folder}/mlflow.db"), code_folder=Path(folder))
     session.write_config(cfg)
@@ -160,6 +159,23 @@ def path_train(folder: str, block: int):
     batches = reader.__enter__()
     hooks = session.start_recording(cfg, state, {"seed": cfg.seed, "batch_size": cfg.train.batch_size,
                                                  "dataset_len": len(source.dataset)})
+
+    def close():
+        session.close_hooks()
+        session.finish()
+        reader.__exit__(None, None, None)
+
+    return cfg, state, batches, hooks, close
+
+
+def path_train(folder: str, block: int):
+    from replaybisect.core import loop
+    from replaybisect.record.hooks import NullHooks
+
+    overrides = ["model.hidden=1600", "model.depth=3", "model.dropout=0.0", "train.steps=100000", "train.batch_size=64",
+                 "train.val_every=0", "snapshot.every=100", "snapshot.layer_stats_every=50"]
+    cfg, state, batches, hooks, close = recorded_train(folder, overrides)
+    plain_state = loop.build_state(cfg)
     done = {"plain": 0, "recorded": 0}
 
     def block_of(name: str, run_state, run_hooks, drain=lambda: None):
@@ -170,11 +186,6 @@ def path_train(folder: str, block: int):
             drain()
             return time.perf_counter() - started
         return run
-
-    def close():
-        session.close_hooks()
-        session.finish()
-        reader.__exit__(None, None, None)
 
     return block_of("plain", plain_state, NullHooks()), block_of("recorded", state, hooks, writes_done(hooks)), close
 

@@ -59,23 +59,13 @@ def child(megabytes: float, every: int, pairs: int, threads: int, folder: str) -
     import torch
 
     sys.path.insert(0, str(HERE))
-    from overhead import interleaved, writes_done
-    from replaybisect.core import config, loop
-    from replaybisect.record.session import RunSession
-    from replaybisect.store import open_store
+    from overhead import interleaved, recorded_train, writes_done
+    from replaybisect.core import loop
 
     torch.set_num_threads(threads)
     overrides = [f"model.hidden={hidden_for(megabytes)}", f"model.depth={DEPTH}", "model.dropout=0.0", "train.steps=10000000",
                  "train.batch_size=64", "train.val_every=0", f"snapshot.every={every}", "snapshot.layer_stats_every=0"]
-    cfg = config.compose(None, "config", overrides)
-    state = loop.build_state(cfg)
-    source, _ = loop.build_data(cfg)
-    session = RunSession.open(open_store(f"sqlite:///{folder}/mlflow.db"), code_folder=Path(folder))
-    session.write_config(cfg)
-    reader = loop.read_ahead(source, 0)
-    batches = reader.__enter__()
-    hooks = session.start_recording(cfg, state, {"seed": cfg.seed, "batch_size": cfg.train.batch_size,
-                                                 "dataset_len": len(source.dataset)})
+    _, state, batches, hooks, close = recorded_train(folder, overrides)
     drain = writes_done(hooks)
     done = [0]
 
@@ -92,9 +82,7 @@ def child(megabytes: float, every: int, pairs: int, threads: int, folder: str) -
     measured = interleaved(block(False), block(True), pairs)
     blocking = hooks.snapshot_blocking[1:]  # the first (warm-up) also allocated the host image
     state_bytes = blocking[0][2]
-    session.close_hooks()
-    session.finish()
-    reader.__exit__(None, None, None)
+    close()
     print("RESULT " + json.dumps({"megabytes": megabytes, "state_bytes": state_bytes, "pairs": measured,
                                   "copy": [seconds - waited for _, seconds, _, waited in blocking],
                                   "wait": [waited for _, _, _, waited in blocking]}))
