@@ -60,17 +60,17 @@ def workspace(tmp_path) -> Workspace:
 # The order: each module's summed test time on a 2-core machine, longest first.
 LONGEST_FIRST = [
     "test_inline_loop.py", "test_distributed.py", "test_watch.py", "test_watch_units.py", "test_bisect_train.py",
-    "test_several.py", "test_data_rows.py", "test_memory.py", "test_provenance.py", "test_ablate.py",
-    "test_train_modes.py", "test_trust.py", "test_zero_grad.py", "test_script_loop.py", "test_docs.py",
-    "test_loop_ends.py", "test_healthy_scripts.py", "test_trust_static.py", "test_train.py", "test_out_of_memory.py",
-    "test_bisect.py", "test_watch_jobs.py", "test_user_loop.py", "test_snapshots.py", "test_divergence.py",
-    "test_signals.py", "test_hf.py", "test_cli_errors.py", "test_check.py", "test_bad_input.py", "test_nan.py",
-    "test_check_run_state.py", "test_step_guard.py", "test_verify.py", "test_diagnose.py", "test_store_safety.py",
-    "test_profile.py", "test_store_location.py", "test_user_stdout.py", "test_crash.py", "test_zoo.py",
-    "test_workers.py", "test_markup.py", "test_lightning.py", "test_bisect_printing.py", "test_processes.py",
-    "test_host_reads.py", "test_ablate_patch.py", "test_store_race.py", "test_snapshot_fuzz.py", "test_disk_full.py",
-    "test_runs.py", "test_optim_factory.py", "test_ablate_values.py", "test_nan_fix.py",
-    "test_refused_before_torch.py", "test_snapshot_tampered.py",
+    "test_provenance.py", "test_trust.py", "test_script_loop.py", "test_memory.py", "test_docs.py",
+    "test_user_loop.py", "test_train.py", "test_healthy_scripts.py", "test_ablate.py", "test_bisect.py",
+    "test_trust_static.py", "test_data_rows.py", "test_hf.py", "test_step_guard.py", "test_several.py",
+    "test_zero_grad.py", "test_signals.py", "test_train_modes.py", "test_loop_ends.py", "test_watch_jobs.py",
+    "test_out_of_memory.py", "test_cli_errors.py", "test_check.py", "test_diagnose.py", "test_snapshots.py",
+    "test_divergence.py", "test_check_run_state.py", "test_zoo.py", "test_verify.py", "test_crash.py",
+    "test_bad_input.py", "test_nan.py", "test_ablate_patch.py", "test_user_stdout.py", "test_store_safety.py",
+    "test_markup.py", "test_lightning.py", "test_workers.py", "test_profile.py", "test_bisect_printing.py",
+    "test_processes.py", "test_store_location.py", "test_host_reads.py", "test_runs.py", "test_store_race.py",
+    "test_ablate_values.py", "test_optim_factory.py", "test_disk_full.py", "test_snapshot_fuzz.py", "test_nan_fix.py",
+    "test_snapshot_tampered.py", "test_refused_before_torch.py",
 ]
 
 
