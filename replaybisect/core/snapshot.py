@@ -91,11 +91,16 @@ def _atomic_temp(path: Path):
 
 def write_atomic(path: Path, payload: bytes) -> dict[str, Any]:
     """Temp name, fsync, rename: a reader sees the whole file or none of it."""
-    with _atomic_temp(path) as temp, open(temp, "wb") as handle:
+    with _atomic_temp(path) as temp:
+        _write_synced(temp, payload)
+    return {"size": len(payload), "sha256": hashlib.sha256(payload).hexdigest()}
+
+
+def _write_synced(path: Path, payload) -> None:
+    with open(path, "wb") as handle:
         handle.write(payload)
         handle.flush()
         os.fsync(handle.fileno())
-    return {"size": len(payload), "sha256": hashlib.sha256(payload).hexdigest()}
 
 
 def _pid_alive(pid: int) -> bool:
@@ -148,27 +153,32 @@ def write_tensors_atomic(path: Path, tensors: dict[str, torch.Tensor], metadata:
     if any(t.dtype not in SAFETENSORS_DTYPES for t in tensors.values()):
         return write_atomic(path, encode_tensors(_unshared(tensors), metadata))
     names = sorted(tensors)
-    header: dict[str, Any] = {"__metadata__": metadata} if metadata else {}
-    offset = 0
-    for name in names:
-        tensor = tensors[name]
-        size = tensor.numel() * tensor.element_size()
-        header[name] = {"dtype": SAFETENSORS_DTYPES[tensor.dtype], "shape": list(tensor.shape), "data_offsets": [offset, offset + size]}
-        offset += size
-    header_bytes = json.dumps(header, separators=(",", ":")).encode("utf-8")
-    header_bytes += b" " * (-len(header_bytes) % 8)  # the format pads the header to 8 bytes
-    digest = hashlib.sha256()
+    head, _, data_bytes = _safetensors_head([(name, tuple(tensors[name].shape), tensors[name].dtype) for name in names], metadata)
+    digest = hashlib.sha256(head)
     with _atomic_temp(path) as temp, open(temp, "wb") as handle:
-        for chunk in (len(header_bytes).to_bytes(8, "little"), header_bytes):
-            handle.write(chunk)
-            digest.update(chunk)
+        handle.write(head)
         for name in names:
             data = memoryview(tensors[name].detach().contiguous().reshape(-1).view(torch.uint8).numpy())
             handle.write(data)
             digest.update(data)
         handle.flush()
         os.fsync(handle.fileno())
-    return {"size": 8 + len(header_bytes) + offset, "sha256": digest.hexdigest()}
+    return {"size": len(head) + data_bytes, "sha256": digest.hexdigest()}
+
+
+def _safetensors_head(layout, metadata: dict[str, str] | None = None, align: int = 8) -> tuple[bytes, dict[str, tuple[int, int]], int]:
+    """A safetensors file's head for tensors (name, shape, dtype) stored in this order: the 8-byte header length and the
+    JSON header, padded with spaces (the format allows them) so that the data starts at a multiple of `align`; each
+    tensor's byte range in the data; the data's size."""
+    header: dict[str, Any] = {"__metadata__": metadata} if metadata else {}
+    spans, offset = {}, 0
+    for name, shape, dtype in layout:
+        spans[name] = (offset, offset + math.prod(shape) * dtype.itemsize)
+        header[name] = {"dtype": SAFETENSORS_DTYPES[dtype], "shape": list(shape), "data_offsets": list(spans[name])}
+        offset = spans[name][1]
+    header_bytes = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    header_bytes += b" " * (-(8 + len(header_bytes)) % align)
+    return len(header_bytes).to_bytes(8, "little") + header_bytes, spans, offset
 
 
 PAGE = 4096  # O_DIRECT's alignment of memory, file offset and length (the logical block size is at most this)
@@ -184,29 +194,17 @@ class TensorsImage:
 
     def __init__(self, layout: tuple[tuple[str, tuple[int, ...], torch.dtype], ...], pin: bool = False):
         self.layout = layout
-        header: dict[str, Any] = {}
-        offset = 0
-        for name, shape, dtype in layout:
-            size = math.prod(shape) * dtype.itemsize
-            header[name] = {"dtype": SAFETENSORS_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + size]}
-            offset += size
-        header_bytes = json.dumps(header, separators=(",", ":")).encode("utf-8")
-        head = 8 + len(header_bytes)
-        header_bytes += b" " * (-head % PAGE)  # trailing spaces: the format allows them
-        self.data_start = 8 + len(header_bytes)
-        self.data_bytes = offset
-        self.size = self.data_start + offset
+        head, spans, self.data_bytes = _safetensors_head(layout, align=PAGE)
+        self.size = len(head) + self.data_bytes
         allocated = self.size + (-self.size % PAGE)
         raw = torch.empty(allocated + PAGE, dtype=torch.uint8, pin_memory=pin)
         start = -raw.data_ptr() % PAGE
         self.buffer = raw[start:start + allocated]
-        head_bytes = len(header_bytes).to_bytes(8, "little") + header_bytes
-        self.buffer[:self.data_start].copy_(torch.frombuffer(bytearray(head_bytes), dtype=torch.uint8))
+        self.buffer[:len(head)].copy_(torch.frombuffer(bytearray(head), dtype=torch.uint8))
         self.buffer[self.size:].zero_()
-        self.views: dict[str, torch.Tensor] = {}
-        for name, shape, dtype in layout:
-            begin, end = (self.data_start + bound for bound in header[name]["data_offsets"])
-            self.views[name] = self.buffer[begin:end].view(dtype).view(shape)
+        self.views: dict[str, torch.Tensor] = {
+            name: self.buffer[len(head) + spans[name][0]:len(head) + spans[name][1]].view(dtype).view(shape)
+            for name, shape, dtype in layout}
 
     @staticmethod
     def layout_of(tensors: list[tuple[str, torch.Tensor]]) -> tuple | None:
@@ -224,10 +222,7 @@ class TensorsImage:
         digest = hashlib.sha256(data[:self.size]).hexdigest()
         with _atomic_temp(path) as temp:
             if not _write_direct(temp, data, self.size):
-                with open(temp, "wb") as handle:
-                    handle.write(data[:self.size])
-                    handle.flush()
-                    os.fsync(handle.fileno())
+                _write_synced(temp, data[:self.size])
         return {"size": self.size, "sha256": digest}
 
 

@@ -79,3 +79,33 @@ def test_views_are_aligned_and_reused_only_for_the_same_layout():
     grown = [(name, torch.zeros(40, 17) if name == "model/weight" else tensor) for name, tensor in entries]
     assert fmt.TensorsImage.layout_of(grown) != layout
     assert fmt.TensorsImage.layout_of([("model/z", torch.zeros(2, dtype=torch.complex64))]) is None
+
+
+def test_where_the_file_system_takes_o_direct_the_image_is_written_with_it(tmp_path, monkeypatch):
+    """The direct write is what runs where O_DIRECT opens (else the test says why it cannot tell): it is not the
+    page-cache fallback that made the other tests pass."""
+    import os
+
+    if not getattr(os, "O_DIRECT", 0):
+        pytest.skip("no O_DIRECT on this platform")
+    try:
+        os.close(os.open(tmp_path / "probe", os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o600))
+    except OSError:
+        pytest.skip("this file system refuses O_DIRECT")
+    direct = []
+    real = fmt._write_direct
+    monkeypatch.setattr(fmt, "_write_direct", lambda *args: direct.append(real(*args)) or direct[-1])
+    assert_same_tensors(tmp_path / fmt.TENSORS, write_image(tmp_path / fmt.TENSORS))
+    assert direct == [True]
+
+
+def test_a_file_written_through_the_streaming_writer_is_the_same_file_as_before():
+    """write_tensors_atomic and the image share the header builder: the streamed file is still the 8-byte-aligned
+    header of the tensors in name order (the layout the snapshot fuzz and tamper tests rewrite files with)."""
+    import json
+
+    tensors = {"b": torch.ones(3), "a": torch.arange(5, dtype=torch.int64)}
+    head, spans, size = fmt._safetensors_head([(name, tuple(t.shape), t.dtype) for name, t in sorted(tensors.items())], {"k": "v"})
+    header = json.loads(head[8:])
+    assert len(head) % 8 == 0 and size == 52 and spans == {"a": (0, 40), "b": (40, 52)}
+    assert header["__metadata__"] == {"k": "v"} and header["a"] == {"dtype": "I64", "shape": [5], "data_offsets": [0, 40]}
