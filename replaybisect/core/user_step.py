@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import inspect
 import math
 import warnings
@@ -47,20 +48,13 @@ LIGHTNING_BATCHES, LIGHTNING_POSITIONS = "batches", "lightning"
 
 
 # ---- the step function's arguments ------------------------------------------------------------------------
-_ARGUMENTS: dict[Callable, list[str]] = {}  # step_arguments by step function: read once, not at every step's three asks
-
-
 def step_arguments(step_fn: Callable) -> list[str]:
-    """The names the step function takes; a required one we cannot give is a ConfigError."""
+    """The names the step function takes; a required one we cannot give is a ConfigError. Read once per function (a
+    step asks three times); an unhashable callable object is read each time."""
     try:
-        return _ARGUMENTS[step_fn]
-    except (KeyError, TypeError):  # (TypeError: an unhashable callable object, read each time)
-        pass
-    names = _read_arguments(step_fn)
-    with contextlib.suppress(TypeError):
-        if len(_ARGUMENTS) < 64:
-            _ARGUMENTS[step_fn] = names
-    return names
+        return _cached_arguments(step_fn)
+    except TypeError:
+        return _read_arguments(step_fn)
 
 
 def _read_arguments(step_fn: Callable) -> list[str]:
@@ -80,6 +74,9 @@ def _read_arguments(step_fn: Callable) -> list[str]:
     if "batch" not in names:
         raise ConfigError("step_fn takes no `batch` argument; write it as train_step(model, optimizer, batch, ...)")
     return names
+
+
+_cached_arguments = functools.lru_cache(maxsize=64)(_read_arguments)
 
 
 def call_step(state, batch, step: int):

@@ -237,3 +237,20 @@ def test_a_recorded_step_clips_as_torch_does_and_takes_the_norm_once(clip, tmp_p
         assert torch.equal(a, b)
     if clip == "2-norm":
         assert Norms.taken == 2  # one norm (its per-tensor norms, then their norm), the recorder's and the clip's
+
+
+def test_a_step_taken_again_after_a_non_finite_one_replays_exact(tmp_path):
+    """on_nonfinite="continue": rec.step's non-finite step 3 is taken again from the RNG state it began with (dropout
+    draws again), and the recorded losses replay bit for bit: `rec.step` does not set the RNG streams it just packed,
+    but the step taken again does."""
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    model, optimizer = build({})
+    recorder = replaybisect.Recorder(model, optimizer, step_fn=own_step, build=build, config={}, tracking_uri=uri,
+                                     snapshot_every=2, layer_stats_every=0, on_nonfinite="continue")
+    torch.manual_seed(STEP_SEED)
+    for step in range(6):
+        recorder.step(((BAD_X if step == 3 else X).clone(), Y.clone()))
+    recorder.close()
+    assert recorder.first_nonfinite_step == 3
+    report = replaybisect.verify(recorder.run_id, tracking_uri=uri, publish=False)
+    assert (report.verdict, report.steps_compared) == ("exact", 6), report.differences

@@ -350,3 +350,29 @@ def test_the_snapshot_steps_tag_keeps_the_newest_that_fit_a_tag_every_server_kee
     kept = [int(step) for step in tag.split(",")]
     assert kept == many[-len(kept):] and len(kept) > 400
     assert steps_tag([0, 100, 200]) == "0,100,200" and steps_tag([]) == ""
+
+
+def test_a_step_functions_arguments_are_read_for_functions_and_unhashable_callables_alike():
+    from replaybisect.core import user_step
+    from replaybisect.errors import ConfigError
+
+    class Step:  # a callable object with __eq__ and no __hash__: unhashable, read each time
+        __hash__ = None
+
+        def __eq__(self, other):
+            return isinstance(other, Step)
+
+        def __call__(self, model, batch, carry=None):
+            return batch
+
+    def step(model, optimizer, batch, *, scale=1.0):
+        return batch
+
+    def bad(model, batch, learning_rate):
+        return batch
+
+    assert user_step.step_arguments(Step()) == ["model", "batch", "carry"] == user_step.step_arguments(Step())
+    assert user_step.step_arguments(step) == ["model", "optimizer", "batch"] and user_step.takes_carry(Step())
+    for _ in range(2):  # a refusal is not cached away
+        with pytest.raises(ConfigError, match="'learning_rate' is not one replaybisect can pass"):
+            user_step.step_arguments(bad)
