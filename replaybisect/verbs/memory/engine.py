@@ -138,7 +138,7 @@ def _watch(restored, report: MemoryReport, logged: dict[int, float]) -> None:
     state = restored.state
     counts: dict[tuple, list] = {}  # (name, where, file) -> the measure at each step's end (None: not there)
     values: dict[tuple, Any] = {}
-    rss = [_resident()]
+    rss = [oom.resident()]
     replayed = {}
     for index in range(report.steps):
         step = report.step + index
@@ -152,7 +152,7 @@ def _watch(restored, report: MemoryReport, logged: dict[int, float]) -> None:
                 values[name] = value
         for series in counts.values():  # a name gone at this step's end
             series += [None] * (index + 1 - len(series))
-        rss.append(_resident())
+        rss.append(oom.resident())
     report.losses = restore_mod.losses_verdict(replayed, logged)
     if all(value is not None for value in rss) and len(rss) > 2:
         deltas = sorted(b - a for a, b in zip(rss[1:], rss[2:]))  # the first step pays for warm-up
@@ -279,8 +279,3 @@ def _fix(name: str, kind: str, keeps_graph: bool) -> str:
     if keeps_graph:
         return f"keep numbers in `{name}` (`loss.item()`), or `.detach()` what must stay a tensor: each element keeps its step's graph"
     return f"keep numbers (`.item()`) or CPU copies (`.cpu()`) in `{name}`, or clear it each step"
-
-
-def _resident() -> Optional[float]:
-    size = oom.resident()
-    return None if size is None else float(size)
