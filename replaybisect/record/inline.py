@@ -197,13 +197,14 @@ class InlineRecording:
         self._finish(current)
         self.recorder._stop(current.outcome)
 
-    def _stop_before_update(self) -> _OpenStep:
+    def _stop_before_update(self, undo_buffers: bool = True) -> _OpenStep:
         """The open step ends where it is, before its update: our watch off, the forward's buffer updates undone (the
-        state before the step is kept)."""
+        state before the step is kept; not `undo_buffers`: its update had begun, the state is past it)."""
         current, self._open = self._open, None
         self._targets.end()
         current.hooks_on.close()
-        self.recorder._buffers.restore()
+        if undo_buffers:
+            self.recorder._buffers.restore()
         return current
 
     def crashed(self, error: BaseException) -> None:
@@ -220,9 +221,7 @@ class InlineRecording:
                     self.close_step()
                 return
             # it raised inside its optimizer's step: its batch is kept, the state may be part-way through the update
-            self._open = None
-            self._targets.end()
-            current.hooks_on.close()
+            self._stop_before_update(undo_buffers=False)
             self.recorder._hooks.on_exception(current.step, error, current.record, updated=True)
             return
         if current is None or not current.record[user_step.RECORD_BATCH] or not step_failed:
