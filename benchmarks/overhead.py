@@ -2,30 +2,36 @@
 interleaved in one process, block by block (ABBA: the order flips every pair), so that drift in the machine's speed
 (other processes, frequency, the allocator's state) lands on both sides of each pair.
 
-    python benchmarks/overhead.py [--paths train,recorder,inline,ddp,lightning,hf] [--pairs 20] [--block 100]
+    python benchmarks/overhead.py [--paths control,train,recorder,inline,ddp,lightning,hf] [--pairs 20] [--block 100]
 
 Each path runs in its own process, with one thread (torch.set_num_threads(1), OMP_NUM_THREADS=1) and glibc's heap
 trimming off (MALLOC_TRIM_THRESHOLD_ and MALLOC_MMAP_THRESHOLD_ at 256 MiB: otherwise a loop that frees every batch
 pays page faults that one keeping a few tensors alive does not, which alone moved these ratios by up to 20%). In
-it, two copies of the model train: one plain, one recorded with the path's defaults (metrics every step, a snapshot
-every 100 steps with every batch in between, layer statistics every 50). A block is `--block` steps of one copy;
-a recorded block's time includes waiting for the recorder's background writes it started, so none of its work
-spills into the next plain block. Each pair gives a ratio recorded/plain; printed: the median ratio and its 95%
-interval (bootstrap over pairs, 2,000 resamples), the plain step time, and the spread of the pairs.
+it, the plain and the recorded blocks train the same parameters and optimizer state, the recorded ones with the
+path's defaults (metrics every step, a snapshot every 100 steps with every batch in between, layer statistics every
+50). Two copies of a model in one process train at speeds up to 2% apart, by where their tensors happen to lie in
+memory, and that bias is the same in every pair: no interval over pairs can see it. A block is `--block` steps; a
+recorded block's time includes waiting for the recorder's background writes it started, so none of its work spills
+into the next plain block. Each pair gives a ratio recorded/plain; printed: the median ratio and its 95% interval
+(bootstrap over pairs, 2,000 resamples), the plain step time, and the spread of the pairs.
 
+- control: the GPT below, plain against plain: what the benchmark reads when nothing differs.
 - train: `replay train`'s built-in loop (a 5.2M-parameter MLP, AdamW, batch 64): recorded against the same loop
-  with no recorder (snapshot.enabled=false).
+  and state with no recorder (NullHooks).
 - recorder: examples/own_loop/gpt_loop.py's GPT (width 128, 4 layers, 4 micro-batches, AdamW, bf16 autocast),
   `rec.step(batch)` with its step function against calling the step function.
-- inline: the same loop calling its step itself, the Recorder watching (its optimizer hooks stay installed for the
-  recorder's life, so the plain blocks pay their identity check too: a cost this path does not count).
+- inline: the same loop calling its step itself, the Recorder watching. The plain blocks train a shallow copy of the
+  model and of the optimizer (the same parameters, gradients and optimizer state; the recorder watches the objects
+  it was given), and each recorded block ends by closing the step the loop left open (else the plain block after
+  it would run inside it). The optimizer hooks stay installed for the recorder's life, so the plain blocks pay
+  their identity check too: a cost this path does not count.
 - ddp: the `recorder` path with the model wrapped in DistributedDataParallel in a one-process gloo group.
-- lightning: the GPT as a LightningModule (bf16-mixed, 4 accumulated batches, clip 5), `trainer.fit` with and
-  without ReplayCallback; a block is one fit of block + 1 steps, timed from its second step to its last (and the
-  writes pending then): the run's start and end are one-off costs, left out as the other paths' are. Its step-0
-  snapshot is the block's one snapshot: the default rate (one per 100 steps) at `--block 100`.
-- hf: a GPT-2 from GPT2Config (width 128, 4 layers, context 64, batch 8, accumulation 2), `Trainer.train()` with and
-  without ReplayCallback, timed as lightning's.
+- lightning: the GPT as a LightningModule (bf16-mixed, 4 accumulated batches, clip 5), `trainer.fit` of the same
+  module with and without ReplayCallback; a block is one fit of block + 1 steps, timed from its second step to its
+  last (and the writes pending then): the run's start and end are one-off costs, left out as the other paths' are.
+  Its step-0 snapshot is the block's one snapshot: the default rate (one per 100 steps) at `--block 100`.
+- hf: a GPT-2 from GPT2Config (width 128, 4 layers, context 64, batch 8, accumulation 2), `Trainer.train()` of the
+  same model with and without ReplayCallback, timed as lightning's.
 """
 
 from __future__ import annotations
@@ -44,7 +50,7 @@ from typing import Callable
 
 HERE = Path(__file__).resolve().parent
 EXAMPLE = HERE.parent / "examples" / "own_loop"
-PATHS = ("train", "recorder", "inline", "ddp", "lightning", "hf")
+PATHS = ("control", "train", "recorder", "inline", "ddp", "lightning", "hf")
 PINNED = {"MALLOC_TRIM_THRESHOLD_": str(2**28), "MALLOC_MMAP_THRESHOLD_": str(2**28), "OMP_NUM_THREADS": "1",
           "MKL_NUM_THREADS": "1"}
 
@@ -112,26 +118,39 @@ def gpt_setup(folder: str, wrap_ddp: bool = False):
     return cfg, batches, gpt_loop.build, gpt_loop.train_step
 
 
+def path_control(folder: str, block: int):
+    cfg, batches, build, train_step = gpt_setup(folder)
+    model, optimizer = build(cfg)
+    plain = timed_steps(lambda batch: train_step(model, optimizer, batch), batches, block)
+    return plain, timed_steps(lambda batch: train_step(model, optimizer, batch), batches, block), lambda: None
+
+
 def path_recorder(folder: str, block: int, wrap_ddp: bool = False):
     import replaybisect
 
     cfg, batches, build, train_step = gpt_setup(folder, wrap_ddp)
-    plain_model, plain_optimizer = build(cfg)
     model, optimizer = build(cfg)
     rec = replaybisect.Recorder(model, optimizer, step_fn=train_step, build=build, config=cfg)
-    plain = timed_steps(lambda batch: train_step(plain_model, plain_optimizer, batch), batches, block)
+    plain = timed_steps(lambda batch: train_step(model, optimizer, batch), batches, block)
     return plain, timed_steps(rec.step, batches, block, writes_done(rec._hooks)), rec.close
 
 
 def path_inline(folder: str, block: int):
+    import copy
+
     import replaybisect
 
     cfg, batches, build, train_step = gpt_setup(folder)
-    plain_model, plain_optimizer = build(cfg)
     model, optimizer = build(cfg)
+    twin_model, twin_optimizer = copy.copy(model), copy.copy(optimizer)  # (shallow: the same tensors, other objects)
     rec = replaybisect.Recorder(model, optimizer, config=cfg)
-    plain = timed_steps(lambda batch: train_step(plain_model, plain_optimizer, batch), batches, block)
-    recorded = timed_steps(lambda batch: train_step(model, optimizer, batch), batches, block, writes_done(rec._hooks))
+
+    def ended() -> None:
+        rec._inline.close_step()  # what the next block's first training call would do
+        writes_done(rec._hooks)()
+
+    plain = timed_steps(lambda batch: train_step(twin_model, twin_optimizer, batch), batches, block)
+    recorded = timed_steps(lambda batch: train_step(model, optimizer, batch), batches, block, ended)
     return plain, recorded, rec.close
 
 
@@ -175,19 +194,18 @@ def path_train(folder: str, block: int):
     overrides = ["model.hidden=1600", "model.depth=3", "model.dropout=0.0", "train.steps=100000", "train.batch_size=64",
                  "train.val_every=0", "snapshot.every=100", "snapshot.layer_stats_every=50"]
     cfg, state, batches, hooks, close = recorded_train(folder, overrides)
-    plain_state = loop.build_state(cfg)
-    done = {"plain": 0, "recorded": 0}
+    done = {"plain": 0, "recorded": 0}  # each side's own steps: the recorded run's are contiguous
 
-    def block_of(name: str, run_state, run_hooks, drain=lambda: None):
+    def block_of(name: str, run_hooks, drain=lambda: None):
         def run() -> float:
             started = time.perf_counter()
-            loop.train_loop(run_state, batches, done[name], done[name] + block, run_hooks)
+            loop.train_loop(state, batches, done[name], done[name] + block, run_hooks)
             done[name] += block
             drain()
             return time.perf_counter() - started
         return run
 
-    return block_of("plain", plain_state, NullHooks()), block_of("recorded", state, hooks, writes_done(hooks)), close
+    return block_of("plain", NullHooks()), block_of("recorded", hooks, writes_done(hooks)), close
 
 
 def path_lightning(folder: str, block: int):
@@ -214,9 +232,9 @@ def path_lightning(folder: str, block: int):
 
     samples = [(x[i], y[i]) for batch in batches for x, y in batch for i in range(x.shape[0])]
     loader = torch.utils.data.DataLoader(samples, batch_size=cfg.micro_batch, shuffle=False)  # 4 accumulated a step
-    modules = {"plain": GptModule(), "recorded": GptModule()}
-    return (fitted(modules["plain"], loader, block, recorded=False, ReplayCallback=ReplayCallback),
-            fitted(modules["recorded"], loader, block, recorded=True, ReplayCallback=ReplayCallback), lambda: None)
+    module = GptModule()
+    return (fitted(module, loader, block, recorded=False, ReplayCallback=ReplayCallback),
+            fitted(module, loader, block, recorded=True, ReplayCallback=ReplayCallback), lambda: None)
 
 
 def fitted(module, loader, block: int, *, recorded: bool, ReplayCallback):
@@ -286,8 +304,8 @@ def path_hf(folder: str, block: int):
         return run
 
     torch.manual_seed(0)
-    plain_model, model = GPT2LMHeadModel(config), GPT2LMHeadModel(config)
-    return block_of(plain_model, False), block_of(model, True), lambda: None
+    model = GPT2LMHeadModel(config)
+    return block_of(model, False), block_of(model, True), lambda: None
 
 
 def child(path: str, pairs: int, block: int) -> None:
@@ -295,7 +313,7 @@ def child(path: str, pairs: int, block: int) -> None:
 
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as folder:
-        setups = {"train": path_train, "recorder": path_recorder, "inline": path_inline, "ddp": path_ddp,
+        setups = {"control": path_control, "train": path_train, "recorder": path_recorder, "inline": path_inline, "ddp": path_ddp,
                   "lightning": path_lightning, "hf": path_hf}
         plain, recorded, close = setups[path](folder, block)
         measured = interleaved(plain, recorded, pairs)
