@@ -6,6 +6,7 @@ rebuild a run from the YAML that MLflow stores with it.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Optional, get_args
@@ -229,10 +230,20 @@ def _clip_words(text: str, longest: int = 80) -> str:
 
 
 def needs_closure(optimizer) -> bool:
-    """torch.optim.LBFGS and the like: `step(closure)` re-evaluates the loss, which the built-in step does not do."""
+    """torch.optim.LBFGS and the like: `step(closure)` re-evaluates the loss, which the built-in step does not do.
+    (Asked every step: the signature is read once per step function.)"""
+    step = optimizer.step
+    try:
+        return _closure_required(getattr(step, "__func__", step))
+    except TypeError:  # an unhashable callable: read each time
+        return _closure_required.__wrapped__(step)
+
+
+@functools.lru_cache(maxsize=64)
+def _closure_required(step) -> bool:
     import inspect
 
-    closure = inspect.signature(optimizer.step).parameters.get("closure")
+    closure = inspect.signature(step).parameters.get("closure")
     return closure is not None and closure.default is inspect.Parameter.empty
 
 

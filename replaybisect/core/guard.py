@@ -26,7 +26,35 @@ def gradients(params) -> list[torch.Tensor]:
 
 def total_norm(grads: list[torch.Tensor]) -> torch.Tensor:
     """The gradients' total 2-norm as clip_grad_norm_ computes it (inf when the sum of squares overflows)."""
-    return torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
+    return norms(grads)[0]
+
+
+def norms(grads: list[torch.Tensor]) -> tuple[torch.Tensor, Optional[list[torch.Tensor]]]:
+    """The total 2-norm, bit for bit as torch.nn.utils.get_total_norm takes it, and each gradient's own norm where
+    they are one foreach group (one device and dtype, the common case; else None): torch's total is then the norm of
+    those, stacked in the list's order, so a clip of the same gradients in another order can be had from them
+    (`norm_in_order`) without another pass over every gradient."""
+    from torch.utils._foreach_utils import _has_foreach_support
+
+    if not grads:
+        return torch.zeros(()), None
+    first = grads[0]
+    one_group = all(grad.device == first.device and grad.dtype == first.dtype for grad in grads)
+    if not (one_group and _has_foreach_support(grads, first.device)):
+        return torch.nn.utils.get_total_norm(grads), None
+    with torch.no_grad():
+        each = list(torch._foreach_norm(grads, 2.0))
+        return torch.linalg.vector_norm(torch.stack(each), 2.0), each
+
+
+def norm_in_order(grads: list[torch.Tensor], each: list[torch.Tensor], theirs: list[torch.Tensor]) -> Optional[torch.Tensor]:
+    """The total norm of `theirs` as get_total_norm would take it, from `each` (the norms of `grads`, from `norms`),
+    where `theirs` is `grads` in some order (the same tensors, each once); else None."""
+    by_id = {id(grad): norm for grad, norm in zip(grads, each)}
+    if len(theirs) != len(by_id) or len({id(grad) for grad in theirs}) != len(theirs) or any(id(grad) not in by_id for grad in theirs):
+        return None
+    with torch.no_grad():
+        return torch.linalg.vector_norm(torch.stack([by_id[id(grad)] for grad in theirs]), 2.0)
 
 
 def nonfinite_gradient(grads: list[torch.Tensor], norm: float, scaler: Optional[Any]) -> bool:

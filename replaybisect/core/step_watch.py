@@ -109,7 +109,8 @@ class StepWatch:
         self.on_loss: Optional[Callable[[], None]] = None  # set: called as each loss is about to be backpropagated
         self.running_loss: Optional[torch.Tensor] = None  # the sum of the losses backpropagated so far
         self.saw_gradients = False  # gradients() ran for this step
-        self.measured: Optional[tuple[list, torch.Tensor]] = None  # (gradients, their norm) as gradients() took them
+        # (gradients, their norm, each one's norm or None) as gradients() took them
+        self.measured: Optional[tuple[list, torch.Tensor, Optional[list]]] = None
         self._backpropagated = False  # a loss of this step was backpropagated
         self._gradients_of: set[int] = set()  # several optimizers (core/several.py): those whose gradients() ran
         self._forward = None
@@ -163,8 +164,8 @@ class StepWatch:
         params = self.state.params if optimizer is None else [p for group in optimizer.param_groups for p in group["params"]]
         faults.at_gradients(self.outcome.step, params)
         grads = guard.gradients(params)
-        norm = guard.total_norm(grads)
-        self.measured = (grads, norm)
+        norm, each = guard.norms(grads)
+        self.measured = (grads, norm, each)
         still_scaled = getattr(optimizer or self.state.optimizer, "grad_scale", None)  # a fused optimizer a GradScaler
         if isinstance(still_scaled, torch.Tensor):  # steps unscales inside its step, after this moment (no read: on the device)
             norm = norm / still_scaled.to(norm.device)
@@ -186,17 +187,17 @@ class StepWatch:
             self.measured = None  # (the gradients changed)
         notify(self.observer, "before_update", self.state, self.outcome)
 
-    def norm_for_clip(self, parameters: list) -> Optional[torch.Tensor]:
-        """The 2-norm gradients() just took, where it is the one a clip of `parameters` would take (their gradients, the
-        same tensors in the same order, unscaled and unchanged since): the step's clip need not take it again."""
+    def norm_of(self, theirs: list) -> Optional[torch.Tensor]:
+        """The 2-norm of the gradients `theirs`, from the one gradients() just took where they are the same tensors
+        (in any order: a model's parameters against an optimizer's groups), unscaled and unchanged since: the step's
+        clip need not take it again. None where it cannot be had so. Once: the clip changes them."""
         measured, self.measured = self.measured, None
         if measured is None or getattr(self.state.optimizer, "grad_scale", None) is not None:
             return None
-        grads, norm = measured
-        theirs = [param.grad for param in parameters if param.grad is not None]
-        if len(theirs) != len(grads) or any(mine is not their for mine, their in zip(grads, theirs)):
-            return None
-        return norm
+        grads, norm, each = measured
+        if len(theirs) == len(grads) and all(mine is their for mine, their in zip(grads, theirs)):
+            return norm
+        return guard.norm_in_order(grads, each, theirs) if each is not None else None
 
     def judge_losses(self) -> None:
         """With deferred reads: read the flag of the losses backpropagated since the last judgement, before anything

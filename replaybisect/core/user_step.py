@@ -569,7 +569,8 @@ def watching(watch: StepWatch):
             with _kept_from_the_script(watch):
                 watch.gradients(owner if joined else None)  # the gradients before the clip: their norm, the non-finite rule, an arm's clip first
             clip = _plain_clip(*args, **kwargs)
-            if measuring and clip is not None and (norm := watch.norm_for_clip(parameters)) is not None:
+            theirs = [param.grad for param in parameters if param.grad is not None]
+            if measuring and clip is not None and (norm := watch.norm_of(theirs)) is not None:
                 max_norm, foreach = clip
                 torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, norm, foreach)  # as clip_grad_norm_ does with it
                 return norm.clone()
@@ -583,6 +584,8 @@ def watching(watch: StepWatch):
             if (owner := _owner_of_gradients(tensors, owners)) is not None:
                 with _kept_from_the_script(watch):
                     watch.gradients(owner if joined else None)
+                if not joined and _plain_norm(*args, **kwargs) and (norm := watch.norm_of(tensors)) is not None:
+                    return norm.clone()
         return original_total_norm(tensors, *args, **kwargs)
 
     def after_update(stepping, args, kwargs) -> None:
@@ -628,13 +631,18 @@ def watching(watch: StepWatch):
             handle.remove()
 
 
-def _plain_clip(max_norm=None, norm_type=2.0, error_if_nonfinite=False, foreach=None, **unknown):
-    """(max_norm, foreach) of a clip_grad_norm_ call that takes the 2-norm as the step watch does (foreach chosen by
-    torch, raising on nothing), else None: such a clip is get_total_norm then clip_grads_with_norm_, and the watch has
-    that norm already."""
-    if unknown or max_norm is None or error_if_nonfinite or foreach is not None or float(norm_type) != 2.0:
+def _plain_clip(max_norm=None, *args, **kwargs):
+    """(max_norm, foreach) of a clip_grad_norm_ call that takes the 2-norm as the step watch does, else None: such a
+    clip is get_total_norm then clip_grads_with_norm_, and the watch has that norm already."""
+    if max_norm is None or not _plain_norm(*args, **kwargs):
         return None
-    return max_norm, foreach
+    return max_norm, None
+
+
+def _plain_norm(norm_type=2.0, error_if_nonfinite=False, foreach=None, **unknown) -> bool:
+    """Whether a norm (get_total_norm's, a clip's) is the 2-norm as the step watch takes it (foreach chosen by torch,
+    raising on nothing): the watch's norm is then the one it would take."""
+    return not unknown and not error_if_nonfinite and foreach is None and float(norm_type) == 2.0
 
 
 def _owner_of_gradients(tensors: list, owners: dict[int, Any]) -> Any:

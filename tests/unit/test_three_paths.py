@@ -194,7 +194,9 @@ def test_one_step_is_the_same_on_every_path(plant, tmp_path):
 
 
 CLIPS = {"2-norm": {"max_norm": 0.05}, "2-norm, foreach off": {"max_norm": 0.05, "foreach": False},
-         "1-norm": {"max_norm": 0.05, "norm_type": 1.0}, "inf-norm": {"max_norm": 0.05, "norm_type": "inf"}}
+         "1-norm": {"max_norm": 0.05, "norm_type": 1.0}, "inf-norm": {"max_norm": 0.05, "norm_type": "inf"},
+         "2-norm, parameters reversed": {"max_norm": 0.05}, "2-norm in two parts": {"max_norm": 0.05}}
+REUSED = {"2-norm": 2, "2-norm, parameters reversed": 3, "2-norm in two parts": 2}  # aten norms taken in all
 NORMS: list[torch.Tensor] = []  # what the step's clip returned
 
 
@@ -202,22 +204,29 @@ def clipping_step(model, optimizer, batch, config):
     inputs, targets = batch
     loss = F.mse_loss(model(inputs), targets)
     loss.backward()
-    NORMS.append(torch.nn.utils.clip_grad_norm_(model.parameters(), **CLIPS[config["clip"]]))
+    params = list(model.parameters())[::-1 if config["clip"] == "2-norm, parameters reversed" else 1]
+    if config["clip"] == "2-norm in two parts":  # accelerate's and torchtitan's clip
+        NORMS.append(torch.nn.utils.get_total_norm([param.grad for param in params]))
+        torch.nn.utils.clip_grads_with_norm_(params, 0.05, NORMS[-1])
+    else:
+        NORMS.append(torch.nn.utils.clip_grad_norm_(params, **CLIPS[config["clip"]]))
     optimizer.step()
     return loss
 
 
 @pytest.mark.parametrize("clip", list(CLIPS))
 def test_a_recorded_step_clips_as_torch_does_and_takes_the_norm_once(clip, tmp_path):
-    """The step's own clip_grad_norm_: recorded, it returns torch's norm and clips to the same bits; where that norm is
-    the 2-norm the recorder took for the step's grad_norm, it is not taken a second time."""
+    """The step's own clip: recorded, it returns torch's norm and clips to the same bits; where that norm is the 2-norm
+    the recorder took for the step's grad_norm (the same gradients, in any order), no gradient's norm is taken twice:
+    of its parameters in another order, only their stacked norms are."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Norms(TorchDispatchMode):
-        taken = 0
+        taken = each = 0
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             Norms.taken += func.overloadpacket in (torch.ops.aten._foreach_norm, torch.ops.aten.linalg_vector_norm)
+            Norms.each += func.overloadpacket is torch.ops.aten._foreach_norm
             return func(*args, **(kwargs or {}))
 
     plain_model, plain_optimizer = build({})
@@ -235,8 +244,32 @@ def test_a_recorded_step_clips_as_torch_does_and_takes_the_norm_once(clip, tmp_p
     assert torch.equal(recorded_norm, plain_norm)
     for a, b in zip(plain_model.parameters(), model.parameters()):
         assert torch.equal(a, b)
-    if clip == "2-norm":
-        assert Norms.taken == 2  # one norm (its per-tensor norms, then their norm), the recorder's and the clip's
+    if clip in REUSED:
+        assert (Norms.taken, Norms.each) == (REUSED[clip], 1)
+
+
+def test_the_norm_of_gradients_in_another_order_is_torchs():
+    """guard.norms takes torch's total norm bit for bit, and norm_in_order the one torch takes of the same gradients
+    in another order (summed in that order: not always the same bits); a list that is not the same tensors gets none."""
+    from replaybisect.core import guard
+
+    generator = torch.Generator().manual_seed(0)
+    grads = [torch.randn(*size, generator=generator) * scale for size in ((300,), (7, 5), (1,), (4096,), (33, 2))
+             for scale in (1e-3, 1.0, 1e3)]
+    total, each = guard.norms(grads)
+    assert torch.equal(total, torch.nn.utils.get_total_norm(grads))
+    orders_that_differ = 0
+    for seed in range(20):
+        order = torch.randperm(len(grads), generator=torch.Generator().manual_seed(seed)).tolist()
+        theirs = [grads[i] for i in order]
+        assert torch.equal(guard.norm_in_order(grads, each, theirs), torch.nn.utils.get_total_norm(theirs))
+        orders_that_differ += not torch.equal(total, torch.nn.utils.get_total_norm(theirs))
+    assert orders_that_differ  # (the list's own total would not do)
+    assert guard.norm_in_order(grads, each, grads[1:]) is None
+    assert guard.norm_in_order(grads, each, [grads[0], *grads[:-1]]) is None  # one twice, one left out
+    assert guard.norm_in_order(grads, each, [grads[0].clone(), *grads[1:]]) is None
+    assert guard.norms([grads[0], grads[1].double()])[1] is None  # two dtypes: torch's groups, not one stack
+    assert torch.equal(guard.norms([grads[0], grads[1].double()])[0], torch.nn.utils.get_total_norm([grads[0], grads[1].double()]))
 
 
 def test_a_step_taken_again_after_a_non_finite_one_replays_exact(tmp_path):
