@@ -2,7 +2,7 @@
 interleaved in one process, block by block (ABBA: the order flips every pair), so that drift in the machine's speed
 (other processes, frequency, the allocator's state) lands on both sides of each pair.
 
-    python benchmarks/overhead.py [--paths control,train,recorder,inline,ddp,lightning,hf] [--pairs 20] [--block 100]
+    python benchmarks/overhead.py [--paths control,train,recorder,inline,ddp,lightning,hf] [--steps 600]
 
 Each path runs in its own process, with one thread (torch.set_num_threads(1), OMP_NUM_THREADS=1) and glibc's heap
 trimming off (MALLOC_TRIM_THRESHOLD_ and MALLOC_MMAP_THRESHOLD_ at 256 MiB: otherwise a loop that frees every batch
@@ -10,10 +10,15 @@ pays page faults that one keeping a few tensors alive does not, which alone move
 it, the plain and the recorded blocks train the same parameters and optimizer state, the recorded ones with the
 path's defaults (metrics every step, a snapshot every 100 steps with every batch in between, layer statistics every
 50). Two copies of a model in one process train at speeds up to 2% apart, by where their tensors happen to lie in
-memory, and that bias is the same in every pair: no interval over pairs can see it. A block is `--block` steps; a
-recorded block's time includes waiting for the recorder's background writes it started, so none of its work spills
-into the next plain block. Each pair gives a ratio recorded/plain; printed: the median ratio and its 95% interval
-(bootstrap over pairs, 2,000 resamples), the plain step time, and the spread of the pairs.
+memory, and that bias is the same in every pair: no interval over pairs can see it.
+
+A step's time drifts over seconds on a shared machine (successive steps correlate at 0.6, steps 30 apart at 0.2), so
+the loops alternate every 10 steps; a trainer's block is one fit of 100 steps (its run starts with a snapshot: the
+default rate). A recorded block's time includes waiting for the recorder's background writes it started, so none of
+its work spills into the next plain block. The recorder's work comes in lumps (a flush every 50 steps, a snapshot
+every 100), so the figure is the ratio of the total times, recorded/plain, and its 95% interval a bootstrap over
+runs of consecutive pairs that hold 100 recorded steps each (2,000 resamples). Also printed: the plain step time, and
+the lowest and highest ratio of those runs.
 
 - control: the GPT below, plain against plain: what the benchmark reads when nothing differs.
 - train: `replay train`'s built-in loop (a 5.2M-parameter MLP, AdamW, batch 64): recorded against the same loop
@@ -29,7 +34,7 @@ into the next plain block. Each pair gives a ratio recorded/plain; printed: the 
 - lightning: the GPT as a LightningModule (bf16-mixed, 4 accumulated batches, clip 5), `trainer.fit` of the same
   module with and without ReplayCallback; a block is one fit of block + 1 steps, timed from its second step to its
   last (and the writes pending then): the run's start and end are one-off costs, left out as the other paths' are.
-  Its step-0 snapshot is the block's one snapshot: the default rate (one per 100 steps) at `--block 100`.
+  Its step-0 snapshot is the block's one snapshot: the default rate (one per 100 steps).
 - hf: a GPT-2 from GPT2Config (width 128, 4 layers, context 64, batch 8, accumulation 2), `Trainer.train()` of the
   same model with and without ReplayCallback, timed as lightning's.
 """
@@ -51,6 +56,8 @@ from typing import Callable
 HERE = Path(__file__).resolve().parent
 EXAMPLE = HERE.parent / "examples" / "own_loop"
 PATHS = ("control", "train", "recorder", "inline", "ddp", "lightning", "hf")
+TRAINERS = ("lightning", "hf")  # a block is one fit, with its run's start
+LOOP_BLOCK, TRAINER_BLOCK, CYCLE = 10, 100, 100  # steps: a loop's block, a trainer's, and the recorder's cycle
 PINNED = {"MALLOC_TRIM_THRESHOLD_": str(2**28), "MALLOC_MMAP_THRESHOLD_": str(2**28), "OMP_NUM_THREADS": "1",
           "MKL_NUM_THREADS": "1"}
 
@@ -72,10 +79,26 @@ def interleaved(plain: Callable[[], float], recorded: Callable[[], float], pairs
 
 
 def median_interval(ratios: list[float], resamples: int = 2000, seed: int = 0) -> tuple[float, float, float]:
-    """The median ratio and a 95% bootstrap interval for it."""
+    """The median ratio and a 95% bootstrap interval for it (blocks that are alike: benchmarks/snapshot_stall.py)."""
     rng = random.Random(seed)
     medians = sorted(statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(resamples))
     return statistics.median(ratios), medians[int(0.025 * resamples)], medians[int(0.975 * resamples) - 1]
+
+
+def ratio_interval(pairs: list[tuple[float, float]], run: int, resamples: int = 2000,
+                   seed: int = 0) -> tuple[float, float, float, list[float]]:
+    """Total recorded time over total plain time, a 95% bootstrap interval for it over runs of `run` consecutive pairs
+    (each holding whole cycles of the recorder's lumpy work, and the drift's correlation), and each run's ratio."""
+    runs = [pairs[start:start + run] for start in range(0, len(pairs), run)]
+    totals = [(sum(a for a, _ in chunk), sum(b for _, b in chunk)) for chunk in runs]
+    rng = random.Random(seed)
+    resampled = []
+    for _ in range(resamples):
+        drawn = rng.choices(totals, k=len(totals))
+        resampled.append(sum(b for _, b in drawn) / sum(a for a, _ in drawn))
+    resampled.sort()
+    ratio = sum(b for _, b in totals) / sum(a for a, _ in totals)
+    return ratio, resampled[int(0.025 * resamples)], resampled[int(0.975 * resamples) - 1], [b / a for a, b in totals]
 
 
 def timed_steps(step: Callable[[object], object], batches: list, block: int, drain: Callable[[], None] = lambda: None):
@@ -324,9 +347,10 @@ def child(path: str, pairs: int, block: int) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--paths", default=",".join(PATHS))
-    parser.add_argument("--pairs", type=int, default=20)
-    parser.add_argument("--block", type=int, default=100, help="steps per block (a trainer's block: one fit of block + 1 steps)")
+    parser.add_argument("--steps", type=int, default=600, help="recorded steps per path (as many plain ones)")
     parser.add_argument("--child")
+    parser.add_argument("--pairs", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--block", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         child(args.child, args.pairs, args.block)
@@ -335,21 +359,23 @@ def main() -> None:
     unknown = sorted(set(paths) - set(PATHS))
     if unknown:
         parser.error(f"unknown path {', '.join(unknown)}: choose from {', '.join(PATHS)}")
-    print(f"{args.pairs} pairs of {args.block}-step blocks per path, interleaved ABBA; 1 thread; heap trimming off")
-    print(f"{'path':<10} {'plain ms/step':>13} {'recorded/plain':>15} {'95% interval':>17} {'pairs: min..max':>17}")
+    print(f"{args.steps} recorded and {args.steps} plain steps per path, interleaved ABBA in blocks of {LOOP_BLOCK} steps "
+          f"(a trainer's: one fit of {TRAINER_BLOCK}); 1 thread; heap trimming off")
+    print(f"{'path':<10} {'plain ms/step':>13} {'recorded/plain':>15} {'95% interval':>17} {f'per {CYCLE} steps':>17}")
     for path in paths:
-        done = subprocess.run([sys.executable, __file__, "--child", path, "--pairs", str(args.pairs), "--block", str(args.block)],
+        block = TRAINER_BLOCK if path in TRAINERS else LOOP_BLOCK
+        pairs = max(1, args.steps // block)
+        done = subprocess.run([sys.executable, __file__, "--child", path, "--pairs", str(pairs), "--block", str(block)],
                               capture_output=True, text=True, env={**os.environ, **PINNED})
         line = next((line for line in done.stdout.splitlines() if line.startswith("RESULT ")), None)
         if done.returncode != 0 or line is None:
             print(f"{path:<10} failed (exit {done.returncode}): {done.stderr.strip().splitlines()[-1:] or ''}")
             continue
         measured = json.loads(line[len("RESULT "):])["pairs"]
-        ratios = [recorded / plain for plain, recorded in measured]
-        median, low, high = median_interval(ratios)
-        step_ms = statistics.median(plain for plain, _ in measured) / args.block * 1e3
-        print(f"{path:<10} {step_ms:>13.1f} {median:>15.3f} {f'[{low:.3f}, {high:.3f}]':>17} "
-              f"{f'{min(ratios):.3f}..{max(ratios):.3f}':>17}", flush=True)
+        ratio, low, high, runs = ratio_interval(measured, max(1, CYCLE // block))
+        step_ms = sum(plain for plain, _ in measured) / (len(measured) * block) * 1e3
+        print(f"{path:<10} {step_ms:>13.1f} {ratio:>15.3f} {f'[{low:.3f}, {high:.3f}]':>17} "
+              f"{f'{min(runs):.3f}..{max(runs):.3f}':>17}", flush=True)
 
 
 if __name__ == "__main__":
