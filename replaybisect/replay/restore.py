@@ -170,8 +170,8 @@ class Restored:
         its recorded batches the one it reused; None for a batch the run's data source built."""
         if step in self._stored_batches:
             return step
-        if isinstance(self._batch_source, _RecordedBatchesAgain):
-            return self._batch_source.recorded_step(step)
+        if self.cfg.train.loop == "user":  # (no data source to build: the recorded batches come again)
+            return self._data_source().recorded_step(step)
         return None
 
     def _check_stored_batch(self, step: int, batch) -> None:

@@ -43,10 +43,14 @@ def test_replay_nan_names_the_row_and_proposes_dropping_it(blank_image):
 
 
 def test_dropping_the_row_fixes_the_failure_and_dropping_another_does_not(blank_image):
+    """Past the recorded steps the replay serves the recorded batches again, in turn: the row (skip-rows) and the batch
+    (skip-batch) an arm drops are dropped wherever their batch comes again, or the arm would only delay the failure."""
     workspace, folder, run_id = blank_image
-    data = workspace.answer_here("ablate", run_id, folder=folder, arms="skip-rows=8,skip-rows=3")  # as `replay ablate --json`
+    data = workspace.answer_here("ablate", run_id, folder=folder, arms="skip-rows=8,skip-rows=3,skip-batch")  # as `replay ablate --json`
     assert data["baseline"]["verdict"] == "fails-again"
-    assert {arm["name"]: arm["verdict"] for arm in data["arms"]} == {"skip-rows=8": "fixes", "skip-rows=3": "no-effect"}
+    assert any("reuse the recorded batches" in warning for warning in data["warnings"]), data["warnings"]
+    assert {arm["name"]: arm["verdict"] for arm in data["arms"]} == {"skip-rows=8": "fixes", "skip-rows=3": "no-effect",
+                                                                     "skip-batch": "fixes"}
 
 
 @pytest.mark.parametrize("arm, message", [

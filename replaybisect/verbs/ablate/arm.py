@@ -136,12 +136,15 @@ def rows_fit(batch, step: int, rows: tuple[int, ...]) -> int:
     return size
 
 
-def _replay_suffix(state, batches, hooks, change: Change, start: int, end: int):
-    """Replay from the arms' start to the horizon, dropping skipped steps' batches; the stopping outcome or None."""
+def _replay_suffix(state, batches, hooks, change: Change, start: int, end: int, recorded_step: Callable[[int], Optional[int]]):
+    """Replay from the arms' start to the horizon, dropping skipped steps' batches, also where a replay past the
+    recorded steps serves such a batch again (an own loop's recorded batches, in turn: `recorded_step`); the stopping
+    outcome or None."""
     from replaybisect.core import loop
 
+    skipped = [at for at in range(start, end) if at in change.skip_steps or recorded_step(at) in change.skip_steps] if change.skip_steps else []
     segment_start = start
-    for cut in sorted(s for s in change.skip_steps if start <= s < end) + [end]:
+    for cut in skipped + [end]:
         stopped = loop.train_loop(state, batches, segment_start, cut, hooks)
         if stopped is not None:
             return stopped
@@ -185,7 +188,7 @@ def _replay_arm(spec: dict[str, Any], on_step: Optional[Callable[[int], None]] =
                     _apply_optimizer_changes(state, change, hooks)
                     batches = _arm_batches(change, restored, start)
                     try:
-                        stopped = _replay_suffix(state, batches, hooks, change, start, spec["end_step"])
+                        stopped = _replay_suffix(state, batches, hooks, change, start, spec["end_step"], restored.recorded_step)
                     except LoopEnded:  # a loop recorded as written ran out of iterations: the arm is judged on what it ran
                         restored.warnings.append(f"the script's own loop ended after step {max(hooks.losses, default=start)} "
                                                  "(its iterations count from the snapshot in a replay, each fed a recorded "
