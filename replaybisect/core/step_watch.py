@@ -101,6 +101,7 @@ class StepWatch:
         self.device_guard = device_guard if self.defer_reads and not isinstance(state.optimizer, several.Optimizers) else None
         self.verdict: Optional[torch.Tensor] = None  # with device_guard: [loss failed, gradients failed], on the device
         self._loss_failed: Optional[torch.Tensor] = None  # with defer_reads: a loss not judged yet was not finite
+        self._unjudged: list[torch.Tensor] = []  # with defer_reads: scalar losses not judged yet (their own copies)
         # a rank of a distributed job: a non-finite loss is not halted before its backward (the other ranks wait in
         # its all-reduce); after the backward every rank says whether its loss failed, and all halt if one did
         self.ranks_agree = ranks_agree
@@ -145,6 +146,9 @@ class StepWatch:
         share = (share.double() if share.dtype == torch.float64 else share.float()).sum()  # (fp64 stays fp64)
         self.running_loss = share if self.running_loss is None else self.running_loss + share
         if self.defer_reads:  # judged with the gradients, before the update: one read for both
+            if part is None and loss.numel() == 1 and (not self._unjudged or self._unjudged[0].device == share.device):
+                self._unjudged.append(share)  # (`share` is its value, in a tensor of its own: judged with the others)
+                return
             failed = ~torch.isfinite(loss.detach()).all()
             self._loss_failed = failed if self._loss_failed is None else self._loss_failed | failed
             return
@@ -204,7 +208,7 @@ class StepWatch:
         could change the state (a GradScaler's unscale or step: a halted step must leave the scaler as it was;
         another optimizer's update). With an enabled GradScaler this is the step's one read: its gradients need
         none (the scaler skips a non-finite step itself)."""
-        pending, self._loss_failed = self._loss_failed, None
+        pending = self._pending_loss_flag()
         if not self.defer_reads or pending is None or self.outcome.nonfinite is not None:
             return
         if bool(pending):
@@ -236,8 +240,18 @@ class StepWatch:
 
     def _take_loss_flag(self, device: torch.device) -> torch.Tensor:
         """The flag of the losses not judged yet (False when none), on `device`; they count as judged now."""
-        pending, self._loss_failed = self._loss_failed, None
+        pending = self._pending_loss_flag()
         return pending.to(device) if pending is not None else torch.zeros((), dtype=torch.bool, device=device)
+
+    def _pending_loss_flag(self) -> Optional[torch.Tensor]:
+        """Whether a loss not judged yet was not finite, on the device (None: there was none); they count as judged
+        now. The scalar losses are judged together, in one op."""
+        pending, self._loss_failed = self._loss_failed, None
+        scalars, self._unjudged = self._unjudged, []
+        if scalars:
+            failed = ~torch.isfinite(torch.stack(scalars)).all() if len(scalars) > 1 else ~torch.isfinite(scalars[0])
+            pending = failed if pending is None else pending | failed.to(pending.device)
+        return pending
 
     def backward_done(self) -> None:
         """A backward returned. A rank of a distributed job asks every rank whether its loss went non-finite (each
