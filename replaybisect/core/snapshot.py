@@ -14,6 +14,7 @@ import collections
 import errno
 import functools
 import hashlib
+import itertools
 import json
 import keyword
 import math
@@ -24,7 +25,7 @@ import socket
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Iterable, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -92,13 +93,15 @@ def _atomic_temp(path: Path):
 def write_atomic(path: Path, payload: bytes) -> dict[str, Any]:
     """Temp name, fsync, rename: a reader sees the whole file or none of it."""
     with _atomic_temp(path) as temp:
-        _write_synced(temp, payload)
+        _write_synced(temp, [payload])
     return {"size": len(payload), "sha256": hashlib.sha256(payload).hexdigest()}
 
 
-def _write_synced(path: Path, payload) -> None:
+def _write_synced(path: Path, chunks: Iterable) -> None:
+    """`chunks` (bytes-like) written to `path` in turn, then fsynced."""
     with open(path, "wb") as handle:
-        handle.write(payload)
+        for chunk in chunks:
+            handle.write(chunk)
         handle.flush()
         os.fsync(handle.fileno())
 
@@ -155,14 +158,15 @@ def write_tensors_atomic(path: Path, tensors: dict[str, torch.Tensor], metadata:
     names = sorted(tensors)
     head, _, data_bytes = _safetensors_head([(name, tuple(tensors[name].shape), tensors[name].dtype) for name in names], metadata)
     digest = hashlib.sha256(head)
-    with _atomic_temp(path) as temp, open(temp, "wb") as handle:
-        handle.write(head)
+
+    def hashed_data():
         for name in names:
             data = memoryview(tensors[name].detach().contiguous().reshape(-1).view(torch.uint8).numpy())
-            handle.write(data)
             digest.update(data)
-        handle.flush()
-        os.fsync(handle.fileno())
+            yield data
+
+    with _atomic_temp(path) as temp:
+        _write_synced(temp, itertools.chain([head], hashed_data()))
     return {"size": len(head) + data_bytes, "sha256": digest.hexdigest()}
 
 
@@ -222,7 +226,7 @@ class TensorsImage:
         digest = hashlib.sha256(data[:self.size]).hexdigest()
         with _atomic_temp(path) as temp:
             if not _write_direct(temp, data, self.size):
-                _write_synced(temp, data[:self.size])
+                _write_synced(temp, [data[:self.size]])
         return {"size": self.size, "sha256": digest}
 
 
