@@ -9,7 +9,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Optional, get_args
+from typing import Any, Callable, Literal, Optional, get_args
 
 from replaybisect.errors import ConfigError, UntrustedConfig
 
@@ -229,17 +229,27 @@ def _clip_words(text: str, longest: int = 80) -> str:
     return " ".join(word if len(word) <= longest else f"{word[:longest]}...({len(word)} chars)" for word in text.split())
 
 
+def once_per_callable(read: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """`read(target)` remembered per callable (a signature asked for at every step); an unhashable callable object is
+    read each time, and an error is never remembered."""
+    remembered = functools.lru_cache(maxsize=64)(read)
+
+    def cached(target):
+        try:
+            return remembered(target)
+        except TypeError:  # (unhashable)
+            return read(target)
+
+    return cached
+
+
 def needs_closure(optimizer) -> bool:
-    """torch.optim.LBFGS and the like: `step(closure)` re-evaluates the loss, which the built-in step does not do.
-    (Asked every step: the signature is read once per step function.)"""
+    """torch.optim.LBFGS and the like: `step(closure)` re-evaluates the loss, which the built-in step does not do."""
     step = optimizer.step
-    try:
-        return _closure_required(getattr(step, "__func__", step))
-    except TypeError:  # an unhashable callable: read each time
-        return _closure_required.__wrapped__(step)
+    return _closure_required(getattr(step, "__func__", step))
 
 
-@functools.lru_cache(maxsize=64)
+@once_per_callable
 def _closure_required(step) -> bool:
     import inspect
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import functools
 import inspect
 import math
 import warnings
@@ -28,7 +27,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from replaybisect.core.config import needs_closure
+from replaybisect.core.config import needs_closure, once_per_callable
 from replaybisect.core import rng, several
 from replaybisect.core.ranks import agreed
 from replaybisect.core.outside_model import names_read
@@ -48,16 +47,9 @@ LIGHTNING_BATCHES, LIGHTNING_POSITIONS = "batches", "lightning"
 
 
 # ---- the step function's arguments ------------------------------------------------------------------------
+@once_per_callable  # (a step asks three times)
 def step_arguments(step_fn: Callable) -> list[str]:
-    """The names the step function takes; a required one we cannot give is a ConfigError. Read once per function (a
-    step asks three times); an unhashable callable object is read each time."""
-    try:
-        return _cached_arguments(step_fn)
-    except TypeError:
-        return _read_arguments(step_fn)
-
-
-def _read_arguments(step_fn: Callable) -> list[str]:
+    """The names the step function takes; a required one we cannot give is a ConfigError."""
     try:
         parameters = inspect.signature(step_fn).parameters.values()
     except (TypeError, ValueError):
@@ -74,9 +66,6 @@ def _read_arguments(step_fn: Callable) -> list[str]:
     if "batch" not in names:
         raise ConfigError("step_fn takes no `batch` argument; write it as train_step(model, optimizer, batch, ...)")
     return names
-
-
-_cached_arguments = functools.lru_cache(maxsize=64)(_read_arguments)
 
 
 def call_step(state, batch, step: int):
@@ -568,11 +557,10 @@ def watching(watch: StepWatch):
             measuring = not watch.saw_gradients and not joined
             with _kept_from_the_script(watch):
                 watch.gradients(owner if joined else None)  # the gradients before the clip: their norm, the non-finite rule, an arm's clip first
-            clip = _plain_clip(*args, **kwargs)
-            theirs = [param.grad for param in parameters if param.grad is not None]
-            if measuring and clip is not None and (norm := watch.norm_of(theirs)) is not None:
-                max_norm, foreach = clip
-                torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, norm, foreach)  # as clip_grad_norm_ does with it
+            max_norm = _plain_clip(*args, **kwargs)
+            if measuring and max_norm is not None and \
+                    (norm := watch.norm_of([param.grad for param in parameters if param.grad is not None])) is not None:
+                torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, norm)  # as clip_grad_norm_ does with it
                 return norm.clone()
         return original_clip(parameters, *args, **kwargs)
 
@@ -632,11 +620,9 @@ def watching(watch: StepWatch):
 
 
 def _plain_clip(max_norm=None, *args, **kwargs):
-    """(max_norm, foreach) of a clip_grad_norm_ call that takes the 2-norm as the step watch does, else None: such a
-    clip is get_total_norm then clip_grads_with_norm_, and the watch has that norm already."""
-    if max_norm is None or not _plain_norm(*args, **kwargs):
-        return None
-    return max_norm, None
+    """The max_norm of a clip_grad_norm_ call that takes the 2-norm as the step watch does, else None: such a clip is
+    get_total_norm then clip_grads_with_norm_, and the watch has that norm already."""
+    return max_norm if max_norm is not None and _plain_norm(*args, **kwargs) else None
 
 
 def _plain_norm(norm_type=2.0, error_if_nonfinite=False, foreach=None, **unknown) -> bool:
