@@ -51,7 +51,7 @@ def norm_in_order(grads: list[torch.Tensor], each: list[torch.Tensor], theirs: l
     """The total norm of `theirs` as get_total_norm would take it, from `each` (the norms of `grads`, from `norms`),
     where `theirs` is `grads` in some order (the same tensors, each once); else None."""
     by_id = {id(grad): norm for grad, norm in zip(grads, each)}
-    if len(theirs) != len(by_id) or len({id(grad) for grad in theirs}) != len(theirs) or any(id(grad) not in by_id for grad in theirs):
+    if len(theirs) != len(by_id) or {id(grad) for grad in theirs} != by_id.keys():
         return None
     with torch.no_grad():
         return torch.linalg.vector_norm(torch.stack([by_id[id(grad)] for grad in theirs]), 2.0)

@@ -100,8 +100,8 @@ class StepWatch:
         # record/device_guard.py: the verdict is not read in the step at all; the optimizer skips on the device
         self.device_guard = device_guard if self.defer_reads and not isinstance(state.optimizer, several.Optimizers) else None
         self.verdict: Optional[torch.Tensor] = None  # with device_guard: [loss failed, gradients failed], on the device
-        self._loss_failed: Optional[torch.Tensor] = None  # with defer_reads: a loss not judged yet was not finite
-        self._unjudged: list[torch.Tensor] = []  # with defer_reads: scalar losses not judged yet (their own copies)
+        # with defer_reads: the losses not judged yet, each as a 0-dim tensor of its own, finite exactly when it is
+        self._unjudged: list[torch.Tensor] = []
         # a rank of a distributed job: a non-finite loss is not halted before its backward (the other ranks wait in
         # its all-reduce); after the backward every rank says whether its loss failed, and all halt if one did
         self.ranks_agree = ranks_agree
@@ -146,11 +146,8 @@ class StepWatch:
         share = (share.double() if share.dtype == torch.float64 else share.float()).sum()  # (fp64 stays fp64)
         self.running_loss = share if self.running_loss is None else self.running_loss + share
         if self.defer_reads:  # judged with the gradients, before the update: one read for both
-            if part is None and loss.numel() == 1 and (not self._unjudged or self._unjudged[0].device == share.device):
-                self._unjudged.append(share)  # (`share` is its value, in a tensor of its own: judged with the others)
-                return
-            failed = ~torch.isfinite(loss.detach()).all()
-            self._loss_failed = failed if self._loss_failed is None else self._loss_failed | failed
+            if loss.numel():  # (a scalar's `share` is its value, copied; else its largest magnitude: NaN or inf if one is)
+                self._unjudged.append(share if part is None and loss.numel() == 1 else loss.detach().abs().amax())
             return
         if self.outcome.nonfinite is None and not finite(loss):
             self._fault("loss")
@@ -244,14 +241,13 @@ class StepWatch:
         return pending.to(device) if pending is not None else torch.zeros((), dtype=torch.bool, device=device)
 
     def _pending_loss_flag(self) -> Optional[torch.Tensor]:
-        """Whether a loss not judged yet was not finite, on the device (None: there was none); they count as judged
-        now. The scalar losses are judged together, in one op."""
-        pending, self._loss_failed = self._loss_failed, None
-        scalars, self._unjudged = self._unjudged, []
-        if scalars:
-            failed = ~torch.isfinite(torch.stack(scalars)).all() if len(scalars) > 1 else ~torch.isfinite(scalars[0])
-            pending = failed if pending is None else pending | failed.to(pending.device)
-        return pending
+        """Whether a loss not judged yet was not finite, on the device (None: there was none), judged together in one
+        op; they count as judged now."""
+        losses, self._unjudged = self._unjudged, []
+        if not losses:
+            return None
+        device = losses[0].device
+        return ~torch.isfinite(torch.stack([loss.to(device) for loss in losses])).all()
 
     def backward_done(self) -> None:
         """A backward returned. A rank of a distributed job asks every rank whether its loss went non-finite (each

@@ -14,8 +14,9 @@ from replaybisect.core.step_watch import StepOutcome, StepWatch
 INF, NAN = math.inf, math.nan
 
 
-def judged(losses: list[torch.Tensor], after=lambda losses: None):
-    """The step's verdict after `losses` were backpropagated (and `after` ran on them), at its gradients."""
+def judged(losses: list[torch.Tensor], after=lambda losses: None, divided: bool = False):
+    """The step's verdict after `losses` were backpropagated (and `after` ran on them), at its gradients; `divided`:
+    each backpropagated as a share of it, divided by the count (the built-in step's micro-batches)."""
     model = torch.nn.Linear(2, 1)
     model(torch.ones(1, 2)).sum().backward()
     state = SimpleNamespace(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), scaler=None,
@@ -23,7 +24,7 @@ def judged(losses: list[torch.Tensor], after=lambda losses: None):
     outcome = StepOutcome(step=0)
     watch = StepWatch(state, outcome, defer_reads=True)
     for loss in losses:
-        watch.loss(loss)
+        watch.loss(loss, loss / len(losses) if divided else None)
     after(losses)
     watch.gradients()
     return outcome.nonfinite, outcome.loss
@@ -40,6 +41,12 @@ def judged(losses: list[torch.Tensor], after=lambda losses: None):
 ], ids=["finite", "nan-in-the-middle", "inf-fp64", "inf-bf16", "inf-element", "mixed-shapes", "finite-but-huge"])
 def test_the_losses_of_a_step_are_judged_together_and_each_on_its_own(losses, verdict):
     assert judged(losses)[0] == verdict
+
+
+def test_losses_backpropagated_as_shares_are_judged_on_the_losses():
+    assert judged([torch.tensor(1.0), torch.tensor(INF)], divided=True)[0] == "loss"
+    assert judged([torch.tensor(3e38), torch.tensor(3e38)], divided=True)[0] is None
+    assert judged([torch.tensor([]), torch.tensor(1.0)])[0] is None  # an empty loss has no value to fail
 
 
 def test_a_loss_the_loop_changes_after_its_backward_is_judged_as_it_was():
