@@ -8,6 +8,9 @@ while recording, or whenever a given device label is active):
 
 from __future__ import annotations
 
+import os
+import sys
+
 import pytest
 
 from tests.helpers import Workspace, in_folder
@@ -105,7 +108,7 @@ def test_a_snapshot_that_does_not_verify_leaves_its_interval_uncompared_and_says
         _verified(workspace, monkeypatch, run_id, "12:14")
 
 
-def _cross_checked(workspace: Workspace, monkeypatch, run_id: str, **env: str):
+def _cross_checked(workspace: Workspace, monkeypatch, run_id: str, cluster: str = "local", **env: str):
     """Verified on this machine, a difference replayed again by a submitit job (its local executor: another process
     here, which does not inherit this machine's label, so its own is the host's)."""
     import replaybisect as rb
@@ -114,7 +117,7 @@ def _cross_checked(workspace: Workspace, monkeypatch, run_id: str, **env: str):
         for name, value in env.items():
             patch.setenv(name, value)
         return rb.verify(run_id, steps="5:10", tracking_uri=workspace.tracking_uri, publish=False, cross_check=True,
-                         submitit={"cluster": "local", "executor_folder": str(workspace.path / "jobs")})
+                         submitit={"cluster": cluster, "executor_folder": str(workspace.path / "jobs")})
 
 
 def test_a_device_that_computes_a_step_wrong_is_named_when_another_machine_reproduces_the_recording(workspace, monkeypatch):
@@ -137,6 +140,22 @@ def test_a_cross_check_whose_job_dies_keeps_this_machines_replays_and_says_why(w
     assert (report.verdict, report.elsewhere, report.steps_compared, report.second_replay) == ("device", None, 5, "same")
     assert any("cross-check's job" in warning and "node lost" in warning and "this machine's replays alone" in warning
                for warning in report.warnings), report.warnings
+
+
+def test_a_cross_check_whose_job_cannot_be_submitted_keeps_this_machines_replays_and_says_why(workspace, monkeypatch, tmp_path):
+    """SLURM named where there is no sbatch (as on a login node whose PATH lacks it): one warning line, the verdict
+    from this machine's replays."""
+    fault = {FAULT: "step=7,what=loss,bit=20,device=gpuA"}
+    run_id = _recorded(workspace, monkeypatch, **fault, **{LABEL: "gpuB"})
+    no_slurm = tmp_path / "bin"
+    no_slurm.mkdir()
+    (no_slurm / "python").symlink_to(sys.executable)
+    report = _cross_checked(workspace, monkeypatch, run_id, cluster="slurm", **fault, **{LABEL: "gpuA"},
+                            PATH=f"{no_slurm}{os.pathsep}/usr/bin{os.pathsep}/bin")
+    assert (report.verdict, report.elsewhere, report.steps_compared) == ("device", None, 5)
+    (warning,) = [warning for warning in report.warnings if "cross-check's job" in warning]
+    assert warning.startswith("the cross-check's job could not be submitted: ") and "\n" not in warning, warning
+    assert "this machine's replays alone" in warning
 
 
 def test_a_recording_that_two_other_machines_agree_against_is_the_recorders(workspace, monkeypatch):
