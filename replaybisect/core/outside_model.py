@@ -33,7 +33,47 @@ GLOBAL = "global:"  # a stored number's key: "global:lr", as the step function f
 
 
 def tensors(value: Any) -> list[torch.Tensor]:
-    return [leaf for leaf in tree_flatten(value)[0] if isinstance(leaf, torch.Tensor)]
+    return [leaf for leaf in leaves(value) if isinstance(leaf, torch.Tensor)]
+
+
+_LEAF_TYPES = (torch.Tensor, torch.nn.Parameter, int, float, bool, str, type(None))
+
+
+def leaves(value: Any) -> list:
+    """`tree_flatten(value)[0]`: the same leaves in the same order (see plain_leaves)."""
+    found = plain_leaves(value)
+    return found if found is not None else tree_flatten(value)[0]
+
+
+def plain_leaves(value: Any) -> Optional[list]:
+    """`tree_flatten(value)[0]` walked directly where `value` is plain tuples, lists and dicts of tensors and numbers (a
+    training call's inputs and outputs, a stored record, an op's arguments: several times a step, where pytree's
+    general walk costs tens of microseconds); None for anything else (a namedtuple, an OrderedDict, a class registered
+    with pytree such as a ModelOutput), which pytree walks."""
+    found: list = []
+    return found if _plain_leaves(value, found) else None
+
+
+def _plain_leaves(value: Any, found: list) -> bool:
+    kind = type(value)
+    if kind is tuple or kind is list:
+        return all(_plain_leaves(item, found) for item in value)
+    if kind is dict:
+        return all(_plain_leaves(item, found) for item in value.values())
+    if kind in _LEAF_TYPES:
+        found.append(value)
+        return True
+    return False
+
+
+def _plain_map(function: Callable[[Any], Any], value: Any) -> Any:
+    """`tree_map(function, value)` for a `value` plain_leaves walks (the leaves in the same order)."""
+    kind = type(value)
+    if kind is tuple or kind is list:
+        return kind(_plain_map(function, item) for item in value)
+    if kind is dict:
+        return {key: _plain_map(function, item) for key, item in value.items()}
+    return function(value)
 
 
 # ---- targets ----------------------------------------------------------------------------------------------------
@@ -88,10 +128,14 @@ class LossInputs(TorchFunctionMode):
         kwargs = kwargs or {}
         if not self.active:
             return func(*args, **kwargs)
-        leaves, spec = tree_flatten((args, kwargs))
-        if not any(isinstance(leaf, torch.Tensor) and id(leaf) in self._derived for leaf in leaves):
+        plain = plain_leaves((args, kwargs))
+        if not any(isinstance(leaf, torch.Tensor) and id(leaf) in self._derived for leaf in (plain if plain is not None else leaves((args, kwargs)))):
             return func(*args, **kwargs)
-        args, kwargs = tree_unflatten([self._target(leaf) for leaf in leaves], spec)
+        if plain is not None:
+            args, kwargs = _plain_map(self._target, (args, kwargs))
+        else:
+            flat, spec = tree_flatten((args, kwargs))
+            args, kwargs = tree_unflatten([self._target(leaf) for leaf in flat], spec)
         try:
             result = func(*args, **kwargs)
         except Exception as error:
@@ -191,7 +235,7 @@ def carried_inputs(inputs: tuple, previous_outputs: list[torch.Tensor]) -> list[
     """Recording: which of a training call's input tensors are the previous call's outputs, repackaged (detached):
     [input leaf, output leaf] pairs, in the order tree_flatten gives them."""
     pairs = []
-    for leaf_index, leaf in enumerate(tree_flatten(inputs)[0]):
+    for leaf_index, leaf in enumerate(leaves(inputs)):
         if isinstance(leaf, torch.Tensor):
             match = next((index for index, output in enumerate(previous_outputs) if _aliases(leaf, output)), None)
             if match is not None:
