@@ -331,10 +331,13 @@ def path_hf(folder: str, block: int):
     return block_of(model, False), block_of(model, True), lambda: None
 
 
-def child(path: str, pairs: int, block: int) -> None:
+def child(path: str, pairs: int, block: int, handoff: float) -> None:
     import torch
 
+    from replaybisect.record import metrics_process
+
     torch.set_num_threads(1)
+    metrics_process.HANDOFF_SECONDS = handoff
     with tempfile.TemporaryDirectory() as folder:
         setups = {"control": path_control, "train": path_train, "recorder": path_recorder, "inline": path_inline, "ddp": path_ddp,
                   "lightning": path_lightning, "hf": path_hf}
@@ -348,12 +351,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--paths", default=",".join(PATHS))
     parser.add_argument("--steps", type=int, default=600, help="recorded steps per path (as many plain ones)")
+    parser.add_argument("--handoff", type=float, default=0.0,
+                        help="seconds of in-process metrics logging before the logger process takes over (default 0: a "
+                             "long run's steady state; the recorder's own default is "
+                             "replaybisect.record.metrics_process.HANDOFF_SECONDS)")
     parser.add_argument("--child")
     parser.add_argument("--pairs", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--block", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        child(args.child, args.pairs, args.block)
+        child(args.child, args.pairs, args.block, args.handoff)
         return
     paths = [path.strip() for path in args.paths.split(",") if path.strip()]
     unknown = sorted(set(paths) - set(PATHS))
@@ -365,7 +372,8 @@ def main() -> None:
     for path in paths:
         block = TRAINER_BLOCK if path in TRAINERS else LOOP_BLOCK
         pairs = max(1, args.steps // block)
-        done = subprocess.run([sys.executable, __file__, "--child", path, "--pairs", str(pairs), "--block", str(block)],
+        done = subprocess.run([sys.executable, __file__, "--child", path, "--pairs", str(pairs), "--block", str(block),
+                               "--handoff", str(args.handoff)],
                               capture_output=True, text=True, env={**os.environ, **PINNED})
         line = next((line for line in done.stdout.splitlines() if line.startswith("RESULT ")), None)
         if done.returncode != 0 or line is None:

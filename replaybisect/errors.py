@@ -56,6 +56,23 @@ def is_disk_full(error: BaseException) -> bool:
     return "database or disk is full" in str(error)
 
 
+@contextmanager
+def disk_full_named(what: str, where, in_store: bool = False):
+    """A full disk or quota becomes one line: what was being written, where, and what to do."""
+    try:
+        yield
+    except DiskFull:
+        raise
+    except Exception as error:
+        if not is_disk_full(error):
+            raise
+        if in_store:
+            message = f"no space left on device writing {what} to the tracking store {where}; free space or point the store elsewhere (--tracking-uri)"
+        else:
+            message = f"no space left on device writing {what} in {where}; free space, set snapshot.every higher or point the store elsewhere (--tracking-uri)"
+        raise DiskFull(message) from error
+
+
 class NonFiniteStep(RuntimeError):
     """A step's loss or gradient went non-finite and the run stopped before its update; what was recorded, the
     state before that step included, stays (`replay nan --run-id ...`). Raised by `Recorder.step`, the Lightning

@@ -16,19 +16,19 @@ import tempfile
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 import contextlib
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
 
-from replaybisect.errors import DiskFull, is_disk_full
+from replaybisect.errors import disk_full_named
 from replaybisect.record.device_guard import DeviceGuard, PendingStep
+from replaybisect.record.metrics_process import HandOff
 from replaybisect.core.layer_stats import LayerStats
 from replaybisect.core.loop import TrainState
 from replaybisect.core.step_watch import StepOutcome, carried_gradients
 from replaybisect.core.user_step import ManualUpdate
-from replaybisect.core import oom, ranks
+from replaybisect.core import oom, outside_model, ranks
 from replaybisect.core import snapshot as fmt
 from replaybisect.core.shards import whole
 from replaybisect.core.state import state_entries, state_json
@@ -80,6 +80,7 @@ class RecordingHooks:
         self.halted = False  # a flush found a failed step: the loop stops, nothing after it is recorded
         self.failed_outcome: Optional[StepOutcome] = None  # that step's outcome
 
+        self._logging = HandOff(store, run_id)  # the metric points: by the writer thread, then a process of their own
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="replaybisect-writer", initializer=_lower_priority)
         self._jobs: list[Future] = []
         self._writer_failure: BaseException | None = None  # the first background failure, raised on the next step
@@ -243,7 +244,7 @@ class RecordingHooks:
             for job in self._jobs:
                 job.result()
             shutil.rmtree(folder)
-        with _disk_full_named(f"snapshot {folder.name}", root):
+        with disk_full_named(f"snapshot {folder.name}", root):
             folder.mkdir(parents=True)
         self._created_folders.append(folder)
         return folder
@@ -251,7 +252,7 @@ class RecordingHooks:
     def _finish_snapshot(self, opened: dict[str, Any]) -> None:
         files = dict(opened["files_job"].result())
         folder: Path = opened["folder"]
-        with _disk_full_named(f"snapshot {folder.name}", folder.parent):
+        with disk_full_named(f"snapshot {folder.name}", folder.parent):
             if opened["batches"]:
                 files[fmt.BATCHES] = fmt.write_batches_atomic(folder / fmt.BATCHES, opened["batches"])
             if opened.get("grads"):
@@ -263,7 +264,7 @@ class RecordingHooks:
                     self.store.log_artifact(self.run_id, folder / name, target)
                 shutil.rmtree(folder, ignore_errors=True)
         self._written_steps.append(opened["step"])
-        with _disk_full_named("tags", self.store.uri, in_store=True):
+        with disk_full_named("tags", self.store.uri, in_store=True):
             self.store.set_tags(self.run_id, {"snapshot_steps": steps_tag(sorted(set(self._written_steps)))})
 
     # ---- metrics and the background worker -------------------------------------------------------
@@ -310,8 +311,8 @@ class RecordingHooks:
         return self._last_outcome.loss if self._last_outcome is not None else None
 
     def _log_metrics(self, points: list[tuple[str, float, int]]) -> None:
-        with _disk_full_named("metrics", self.store.uri, in_store=True):
-            self.store.log_metrics(self.run_id, points)
+        with disk_full_named("metrics", self.store.uri, in_store=True):
+            self._logging.log(points)
 
     def _submit(self, function, *args) -> Future:
         job = self._worker.submit(function, *args)
@@ -333,8 +334,10 @@ class RecordingHooks:
             self._flush_metrics()
             for job in self._jobs:
                 job.result()
+            self._logging.close()  # every point it was sent logged; its failure raised
         finally:
             self._worker.shutdown(wait=True)
+            self._logging.close(quiet=True)  # (after a failure above: ended, what it has logged)
             _remove_incomplete_snapshots(self._created_folders)
             if self._staging is not None:
                 shutil.rmtree(self._staging, ignore_errors=True)
@@ -412,7 +415,7 @@ def crash_tags(step: int, error: BaseException, device: torch.device) -> dict[st
 def _write_state_files(folder: Path, host, saved_state: dict, copied=None) -> dict[str, dict]:
     if copied is not None:
         copied.synchronize()  # the device's copies into the host buffers have landed
-    with _disk_full_named(f"snapshot {folder.name}", folder.parent):
+    with disk_full_named(f"snapshot {folder.name}", folder.parent):
         tensors_file = folder / fmt.TENSORS
         return {
             fmt.TENSORS: host.write_atomic(tensors_file) if isinstance(host, fmt.TensorsImage) else fmt.write_tensors_atomic(tensors_file, host),
@@ -433,21 +436,6 @@ def _remove_incomplete_snapshots(folders: list[Path]) -> None:
             shutil.rmtree(folder, ignore_errors=True)
 
 
-@contextmanager
-def _disk_full_named(what: str, where, in_store: bool = False) -> Any:
-    """A full disk or quota becomes one line: what was being written, where, and what to do."""
-    try:
-        yield
-    except DiskFull:
-        raise
-    except Exception as error:
-        if not is_disk_full(error):
-            raise
-        if in_store:
-            message = f"no space left on device writing {what} to the tracking store {where}; free space or point the store elsewhere (--tracking-uri)"
-        else:
-            message = f"no space left on device writing {what} in {where}; free space, set snapshot.every higher or point the store elsewhere (--tracking-uri)"
-        raise DiskFull(message) from error
 
 
 class NullHooks:
@@ -500,9 +488,7 @@ def _logged_when_halted(name: str, what: str) -> bool:
 
 def _nbytes(value: Any) -> int:
     """The bytes of the tensors in a stored batch (a record: its micro-batches, RNG states, carry)."""
-    from torch.utils._pytree import tree_leaves
-
-    return sum(leaf.nbytes for leaf in tree_leaves(value) if isinstance(leaf, torch.Tensor))
+    return sum(tensor.nbytes for tensor in outside_model.tensors(value))
 
 
 def memory_points(device: torch.device) -> list[tuple[str, float]]:

@@ -108,3 +108,28 @@ def test_a_full_tracking_store_is_one_line_too(tmp_path):
         assert run.info.status == "FAILED" and run.data.tags["replaybisect.failure"] == "disk-full"
     finally:
         subprocess.run(["umount", "-l", str(workspace.path)], capture_output=True)
+
+
+def test_a_full_tracking_store_met_by_the_metrics_logger_process_is_the_same_line(tmp_path, monkeypatch):
+    """A long run's points are logged by a process of its own (record/metrics_process.py): its full disk is the
+    recorder's one line, and the run is marked failed as above."""
+    import replaybisect as rb
+    from replaybisect.errors import DiskFull
+    from replaybisect.record import metrics_process
+
+    monkeypatch.setattr(metrics_process, "HANDOFF_SECONDS", 0.0)  # the logger process takes over after the first flush
+    workspace = Workspace(tmp_path / "store")
+    why_not = _mount_small_fs(workspace.path, tmp_path, size="1200K")
+    if why_not:
+        pytest.skip(f"no small file system can be mounted here (needs root): {why_not}")
+    try:
+        with pytest.raises(DiskFull) as raised:
+            rb.train(overrides=["train.steps=1000000", "snapshot.every=0", "snapshot.layer_stats_every=0", "train.val_every=0",
+                                "model.hidden=16", "snapshot.metrics_flush_every=20"],
+                     tracking_uri=workspace.tracking_uri)
+        assert str(raised.value).startswith("no space left on device writing metrics to the tracking store ")
+        assert "mlflow.db" in str(raised.value) and "\n" not in str(raised.value)
+        (run,) = workspace.store().search_runs("")
+        assert run.info.status == "FAILED" and run.data.tags["replaybisect.failure"] == "disk-full"
+    finally:
+        subprocess.run(["umount", "-l", str(workspace.path)], capture_output=True)
