@@ -20,6 +20,10 @@ every 100), so the figure is the ratio of the total times, recorded/plain, and i
 runs of consecutive pairs that hold 100 recorded steps each (2,000 resamples). Also printed: the plain step time, and
 the lowest and highest ratio of those runs.
 
+A loop path's run stands for a long one: its metric points go to the logger process from its second flush on
+(--handoff 0), as a run's do once their logging has cost 2 s in the training process (record/metrics_process.py).
+A trainer's block is a run of 100 steps of its own, which never gets that far: its points are logged in process.
+
 - control: the GPT below, plain against plain: what the benchmark reads when nothing differs.
 - train: `replay train`'s built-in loop (a 5.2M-parameter MLP, AdamW, batch 64): recorded against the same loop
   and state with no recorder (NullHooks).
@@ -337,7 +341,8 @@ def child(path: str, pairs: int, block: int, handoff: float) -> None:
     from replaybisect.record import metrics_process
 
     torch.set_num_threads(1)
-    metrics_process.HANDOFF_SECONDS = handoff
+    if path not in TRAINERS:  # one run, as long as a real one: its steady state (a trainer's block is a run of 100 steps)
+        metrics_process.HANDOFF_SECONDS = handoff
     with tempfile.TemporaryDirectory() as folder:
         setups = {"control": path_control, "train": path_train, "recorder": path_recorder, "inline": path_inline, "ddp": path_ddp,
                   "lightning": path_lightning, "hf": path_hf}
@@ -352,9 +357,9 @@ def main() -> None:
     parser.add_argument("--paths", default=",".join(PATHS))
     parser.add_argument("--steps", type=int, default=600, help="recorded steps per path (as many plain ones)")
     parser.add_argument("--handoff", type=float, default=0.0,
-                        help="seconds of in-process metrics logging before the logger process takes over (default 0: a "
-                             "long run's steady state; the recorder's own default is "
-                             "replaybisect.record.metrics_process.HANDOFF_SECONDS)")
+                        help="for the loops, seconds of in-process metrics logging before the logger process takes over "
+                             "(default 0: the steady state of a run long enough to hand off; a trainer's block is a run "
+                             "of its own, too short to, with the recorder's default, metrics_process.HANDOFF_SECONDS)")
     parser.add_argument("--child")
     parser.add_argument("--pairs", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--block", type=int, help=argparse.SUPPRESS)

@@ -97,11 +97,17 @@ def write_atomic(path: Path, payload: bytes) -> dict[str, Any]:
     return {"size": len(payload), "sha256": hashlib.sha256(payload).hexdigest()}
 
 
+WRITE_SLICE = 1 << 16  # bytes a write() through the page cache: a new file written 3.3 MB in 64 KiB writes took 1 ms of
+# CPU here, in writes of 128 KiB or more about 20 ms
+
+
 def _write_synced(path: Path, chunks: Iterable) -> None:
-    """`chunks` (bytes-like) written to `path` in turn, then fsynced."""
+    """`chunks` (bytes-like) written to `path` in turn, in slices of at most WRITE_SLICE, then fsynced."""
     with open(path, "wb") as handle:
         for chunk in chunks:
-            handle.write(chunk)
+            view = memoryview(chunk)
+            for start in range(0, len(view), WRITE_SLICE):
+                handle.write(view[start:start + WRITE_SLICE])
         handle.flush()
         os.fsync(handle.fileno())
 
@@ -149,25 +155,48 @@ SAFETENSORS_DTYPES = {
 }
 
 
+SMALL_TENSOR = 1 << 16  # bytes: smaller tensors of one dtype are written joined (a snapshot's batches: thousands of them)
+
+
 def write_tensors_atomic(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> dict[str, Any]:
     """A safetensors file streamed from the tensors' own memory: no whole-file copy in RAM and the GIL is
     released while bytes move (`safetensors.torch.save` builds the file as one bytes object first, which on
-    2 cores costs the training step more than the write). The safetensors library reads it back."""
+    2 cores costs the training step more than the write). A run of small tensors of one dtype is joined in one call
+    and written as one chunk: a write and a hash update per tensor, in Python, held the GIL the training thread needs
+    for ~15 ms per snapshot of 100 steps' batches. The safetensors library reads it back."""
     if any(t.dtype not in SAFETENSORS_DTYPES for t in tensors.values()):
         return write_atomic(path, encode_tensors(_unshared(tensors), metadata))
-    names = sorted(tensors)
-    head, _, data_bytes = _safetensors_head([(name, tuple(tensors[name].shape), tensors[name].dtype) for name in names], metadata)
+    # largest element first, each dtype's together (a run stays one chunk), by name within it
+    ordered = sorted(tensors.items(), key=lambda item: (-item[1].dtype.itemsize, SAFETENSORS_DTYPES[item[1].dtype], item[0]))
+    layout = [(name, tuple(tensor.shape), tensor.dtype) for name, tensor in ordered]
+    head, _, data_bytes = _safetensors_head(layout, metadata)
     digest = hashlib.sha256(head)
 
     def hashed_data():
-        for name in names:
-            data = memoryview(tensors[name].detach().contiguous().reshape(-1).view(torch.uint8).numpy())
+        for chunk in _chunks([tensors[name].detach() for name, _, _ in layout]):
+            data = memoryview(chunk.reshape(-1).view(torch.uint8).numpy())
             digest.update(data)
             yield data
 
     with _atomic_temp(path) as temp:
         _write_synced(temp, itertools.chain([head], hashed_data()))
     return {"size": len(head) + data_bytes, "sha256": digest.hexdigest()}
+
+
+def _chunks(tensors: list[torch.Tensor]):
+    """The tensors' bytes in order, as tensors: a large one as it is (contiguous), runs of small ones of one dtype
+    flattened together."""
+    run: list[torch.Tensor] = []
+    for tensor in tensors:
+        if run and (tensor.dtype != run[0].dtype or tensor.nbytes >= SMALL_TENSOR):
+            yield torch._utils._flatten_dense_tensors(run)
+            run = []
+        if tensor.nbytes >= SMALL_TENSOR:
+            yield tensor.contiguous()
+        else:
+            run.append(tensor)
+    if run:
+        yield torch._utils._flatten_dense_tensors(run)
 
 
 def _safetensors_head(layout, metadata: dict[str, str] | None = None, align: int = 8) -> tuple[bytes, dict[str, tuple[int, int]], int]:
