@@ -156,6 +156,7 @@ SAFETENSORS_DTYPES = {
 
 
 SMALL_TENSOR = 1 << 16  # bytes: smaller tensors of one dtype are written joined (a snapshot's batches: thousands of them)
+JOINED = 1 << 22  # bytes at most in one joined chunk (its copy)
 
 
 def write_tensors_atomic(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> dict[str, Any]:
@@ -185,16 +186,18 @@ def write_tensors_atomic(path: Path, tensors: dict[str, torch.Tensor], metadata:
 
 def _chunks(tensors: list[torch.Tensor]):
     """The tensors' bytes in order, as tensors: a large one as it is (contiguous), runs of small ones of one dtype
-    flattened together."""
+    flattened together (copied: at most JOINED bytes a run)."""
     run: list[torch.Tensor] = []
+    joined = 0
     for tensor in tensors:
-        if run and (tensor.dtype != run[0].dtype or tensor.nbytes >= SMALL_TENSOR):
+        if run and (tensor.dtype != run[0].dtype or tensor.nbytes >= SMALL_TENSOR or joined + tensor.nbytes > JOINED):
             yield torch._utils._flatten_dense_tensors(run)
-            run = []
+            run, joined = [], 0
         if tensor.nbytes >= SMALL_TENSOR:
             yield tensor.contiguous()
         else:
             run.append(tensor)
+            joined += tensor.nbytes
     if run:
         yield torch._utils._flatten_dense_tensors(run)
 
@@ -436,8 +439,9 @@ def encode_batches(batches: dict[int, Any]) -> bytes:
 
 
 def write_batches_atomic(path: Path, batches: dict[int, Any]) -> dict[str, Any]:
-    """The batches file, streamed from each tensor's own memory (write_tensors_atomic): no copy of each tensor and of
-    the whole file made first, work the writer would do holding the GIL the training thread needs."""
+    """The batches file, streamed (write_tensors_atomic): no copy of the whole file made first, and each run of small
+    tensors written as one chunk, not one write and hash update a tensor, work the writer would do holding the GIL the
+    training thread needs."""
     tensors, metadata = _batch_tensors(batches)
     return write_tensors_atomic(path, tensors, metadata)
 

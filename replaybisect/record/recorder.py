@@ -42,6 +42,7 @@ import atexit
 import contextlib
 import dataclasses
 import os
+import signal
 import sys
 import threading
 import time
@@ -54,7 +55,7 @@ import torch
 from replaybisect.core import ranks, reentry, several
 from replaybisect.record import ranked
 from replaybisect.core.config import PRECISIONS, OnNonfinite, Precision
-from replaybisect.errors import ConfigError, NonFiniteStep, ReplayError
+from replaybisect.errors import ConfigError, NonFiniteStep, ReplayError, Terminated
 
 
 # ---- naming the user's functions so a replay can import them -------------------------------------------------
@@ -416,6 +417,8 @@ class Recorder:
     def _fail(self, error: BaseException):
         """Ctrl-C / SIGTERM: KILLED; anything else FAILED; what was recorded stays. Returns the one-line DiskFull to
         raise instead of `error`, if it is one."""
+        if isinstance(error, Terminated):  # seen on its way up (a script's loop holds no sigterm_raises block to see it)
+            Terminated.pending = False
         try:
             if self._inline is not None:
                 self._inline.crashed(error)
@@ -565,6 +568,11 @@ def one_line_failures() -> None:
 
     def excepthook(kind, error, trace) -> None:
         _fail_unclosed(error)  # a loop's run left open by the exception that ended the script
+        if issubclass(kind, Terminated) and os.environ.get(FULL_ERROR) != "1":
+            # the script ends as SIGTERM ends a process (exit status 143), its run KILLED, in one line
+            print("replaybisect: terminated (SIGTERM); the run ended KILLED with what it recorded", file=sys.stderr, flush=True)
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
         if os.environ.get(FULL_ERROR) == "1" or not issubclass(kind, (NonFiniteStep, ReplayError)):
             previous(kind, error, trace)
         elif issubclass(kind, NonFiniteStep):

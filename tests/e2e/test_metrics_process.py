@@ -4,6 +4,7 @@ line or when its recorder is gone, even while a forked DataLoader worker holds i
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -71,6 +72,7 @@ def test_every_point_of_a_run_reaches_the_store_before_and_after_the_hand_off(tm
     assert logger is not None and logger._process.returncode == 0  # handed off, and ended at close
     store = open_store(f"sqlite:///{tmp_path / 'mlflow.db'}")
     assert store.metric_history(rec.run_id, "loss") == list(enumerate(losses))  # bit for bit, every step
+    assert len(store.client.get_metric_history(rec.run_id, "loss")) == STEPS  # each once
     for name in ("lr", "step_time", "data_time", "grad_norm"):
         assert [step for step, _ in store.metric_history(rec.run_id, name)] == list(range(STEPS)), name
 
@@ -79,10 +81,14 @@ def test_a_failure_in_the_logger_is_one_line_raised_by_the_recorder(tmp_path):
     uri, _ = _run(tmp_path)
     logger = metrics_process.MetricsProcess(uri, "0" * 32)  # no such run: MLflow refuses its points
     logger.log([("loss", 1.0, 0)])
-    with pytest.raises(RuntimeError) as raised:
+    assert _wait_gone(logger._process.pid, 60)
+    with pytest.raises(RuntimeError) as at_next_flush:  # the writer's next flush raises it (training stops at its next step)
+        logger.log([("loss", 1.0, 1)])
+    with pytest.raises(RuntimeError) as at_close:
         logger.close()
-    message = str(raised.value)
+    message = str(at_next_flush.value)
     assert message.startswith(f"logging metrics to {uri} failed: ") and "\n" not in message
+    assert str(at_close.value) == message
 
 
 SCRIPT = """
@@ -120,3 +126,50 @@ def test_the_logger_ends_with_its_recorder_while_a_forked_worker_holds_its_pipe(
         assert open_store(uri).metric_history(run_id, "loss") == [(0, 0.25), (1, 0.5)]
     finally:
         subprocess.run(["pkill", "-f", str(script)], capture_output=True)
+
+
+TERMINATED = """
+    import sys
+    import torch
+    import replaybisect
+    from replaybisect.record import metrics_process
+
+    metrics_process.HANDOFF_SECONDS = 0.0
+    model = torch.nn.Linear(4, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    rec = replaybisect.Recorder(model, optimizer, tracking_uri={uri!r})
+    said = False
+    for step in range(10**9):
+        loss = model(torch.randn(8, 4)).pow(2).mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        logging = rec._hooks._logging
+        if logging.process is not None and not said:
+            print(logging.process._process.pid, flush=True)
+            said = True
+"""
+
+
+def test_a_sigterm_to_every_process_of_the_job_ends_the_run_with_every_point_logged(tmp_path):
+    """A scheduler's SIGTERM reaches the logger too: it stays for its recorder, which ends the run and then it. The
+    script ends in one line, as SIGTERM ends a process (it printed "Error in sys.excepthook" and two tracebacks)."""
+    import signal
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent(TERMINATED.format(uri=uri)))
+    process = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    logger = int(process.stdout.readline())
+    time.sleep(1.0)  # a few more flushes' points on their way
+    os.kill(logger, signal.SIGTERM)
+    process.send_signal(signal.SIGTERM)
+    _, stderr = process.communicate(timeout=120)
+
+    assert process.returncode == -signal.SIGTERM and "Traceback" not in stderr, stderr  # ended as SIGTERM ends a process
+    assert stderr.splitlines()[-1] == "replaybisect: terminated (SIGTERM); the run ended KILLED with what it recorded"
+    assert _wait_gone(logger, 30)
+    (run,) = open_store(uri).search_runs("")
+    assert run.info.status == "KILLED", stderr
+    losses = open_store(uri).metric_history(run.info.run_id, "loss")
+    assert [step for step, _ in losses] == list(range(len(losses))) and len(losses) > 100

@@ -99,13 +99,27 @@ def test_where_the_file_system_takes_o_direct_the_image_is_written_with_it(tmp_p
     assert direct == [True]
 
 
-def test_a_file_written_through_the_streaming_writer_is_the_same_file_as_before():
-    """write_tensors_atomic and the image share the header builder: the streamed file is still the 8-byte-aligned
-    header of the tensors in name order (the layout the snapshot fuzz and tamper tests rewrite files with)."""
-    import json
+@pytest.mark.parametrize("joined", [1 << 22, 100], ids=["default", "runs cut at 100 bytes"])
+def test_the_streaming_writer_joins_small_tensors_and_the_file_loads_bit_for_bit(tmp_path, monkeypatch, joined):
+    """write_tensors_atomic writes runs of small tensors of one dtype as one chunk (JOINED bytes at most), largest
+    element first: the safetensors library and the snapshot reader's layout check read every tensor back as it was, and
+    the size and sha256 it returns are the file's."""
 
-    tensors = {"b": torch.ones(3), "a": torch.arange(5, dtype=torch.int64)}
-    head, spans, size = fmt._safetensors_head([(name, tuple(t.shape), t.dtype) for name, t in sorted(tensors.items())], {"k": "v"})
-    header = json.loads(head[8:])
-    assert len(head) % 8 == 0 and size == 52 and spans == {"a": (0, 40), "b": (40, 52)}
-    assert header["__metadata__"] == {"k": "v"} and header["a"] == {"dtype": "I64", "shape": [5], "data_offsets": [0, 40]}
+    from safetensors.torch import load_file
+
+    monkeypatch.setattr(fmt, "JOINED", joined)
+    generator = torch.Generator().manual_seed(0)
+    tensors = {f"{step}/{index}": torch.randint(0, 50, (8, 3), generator=generator) for step in range(20) for index in range(2)}
+    tensors |= {f"{step}/rng": torch.randint(0, 255, (17,), dtype=torch.uint8, generator=generator) for step in range(20)}
+    tensors |= {"big": torch.randn(40_000, generator=generator), "half": torch.randn(5, generator=generator).half(),
+                "flag": torch.tensor([True, False]), "scalar": torch.tensor(2.5, dtype=torch.float64),
+                "strided": torch.arange(12.0).reshape(3, 4).t()}
+    path = tmp_path / "b.safetensors"
+    written = fmt.write_tensors_atomic(path, tensors, {"k": "v"})
+    payload = path.read_bytes()
+    assert written == {"size": len(payload), "sha256": hashlib.sha256(payload).hexdigest()}
+    _, metadata = fmt.safetensors_layout(payload)
+    loaded = load_file(str(path))
+    assert metadata == {"k": "v"} and loaded.keys() == tensors.keys()
+    for name, tensor in tensors.items():
+        assert loaded[name].dtype == tensor.dtype and torch.equal(loaded[name], tensor), name
