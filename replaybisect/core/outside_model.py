@@ -129,12 +129,12 @@ class LossInputs(TorchFunctionMode):
         if not self.active:
             return func(*args, **kwargs)
         plain = plain_leaves((args, kwargs))
-        if not any(isinstance(leaf, torch.Tensor) and id(leaf) in self._derived for leaf in (plain if plain is not None else leaves((args, kwargs)))):
+        flat, spec = (plain, None) if plain is not None else tree_flatten((args, kwargs))
+        if not any(isinstance(leaf, torch.Tensor) and id(leaf) in self._derived for leaf in flat):
             return func(*args, **kwargs)
-        if plain is not None:
+        if spec is None:
             args, kwargs = _plain_map(self._target, (args, kwargs))
         else:
-            flat, spec = tree_flatten((args, kwargs))
             args, kwargs = tree_unflatten([self._target(leaf) for leaf in flat], spec)
         try:
             result = func(*args, **kwargs)
