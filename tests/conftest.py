@@ -68,9 +68,9 @@ LONGEST_FIRST = [
     "test_divergence.py", "test_check_run_state.py", "test_zoo.py", "test_verify.py", "test_crash.py",
     "test_bad_input.py", "test_nan.py", "test_ablate_patch.py", "test_user_stdout.py", "test_store_safety.py",
     "test_markup.py", "test_lightning.py", "test_workers.py", "test_profile.py", "test_bisect_printing.py",
-    "test_processes.py", "test_store_location.py", "test_host_reads.py", "test_runs.py", "test_store_race.py",
-    "test_ablate_values.py", "test_optim_factory.py", "test_disk_full.py", "test_snapshot_fuzz.py", "test_nan_fix.py",
-    "test_snapshot_tampered.py", "test_refused_before_torch.py",
+    "test_processes.py", "test_metrics_process.py", "test_store_location.py", "test_host_reads.py", "test_runs.py",
+    "test_store_race.py", "test_ablate_values.py", "test_optim_factory.py", "test_disk_full.py", "test_snapshot_fuzz.py",
+    "test_nan_fix.py", "test_snapshot_tampered.py", "test_refused_before_torch.py",
 ]
 
 
