@@ -12,7 +12,8 @@ JSON line on its reply pipe (its stdout as it starts; what a library prints goes
 recorder raises it as its own write would have been raised (a full disk: DiskFull). The END line, not the pipe's
 end, closes it: a DataLoader worker forked from the training process holds a copy of the pipe's write end as long
 as it lives. SIGINT, SIGTERM and SIGHUP are its recorder's to handle (a job's scheduler sends SIGTERM to every
-process): the recorder then ends it with the run, every point it was sent logged.
+process): the recorder then ends it with the run, every point it was sent logged. They are blocked from its start
+until it ignores them, so one sent to every process of the job as it starts is held, not its end.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import contextlib
 import json
 import os
 import select
+import signal
 import subprocess
 import sys
 import time
@@ -32,6 +34,7 @@ from replaybisect.errors import DiskFull
 HANDOFF_SECONDS = 2.0  # the in-process logging time after which the points go to the logger process
 END = "end"  # the line that ends the logger process, once it has logged every point before it
 PARENT_CHECK_SECONDS = 1.0  # how often an idle logger process looks whether its recorder is still there
+STOPPING = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # what a terminal or a job's scheduler sends to stop
 REPLY_WAIT_SECONDS = 5.0  # how long the recorder waits for an ended logger's reply (it was written before it exited)
 
 
@@ -43,12 +46,18 @@ class MetricsProcess:
         self._failure: Optional[Exception] = None  # what it said when it failed, read once
         package_root = str(Path(__file__).resolve().parents[2])  # this replaybisect, however the recorder imported it
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))}
-        self._process = subprocess.Popen(
-            # -P (Python 3.11+): not the working folder first on its path (a module of the user's there is not imported)
-            [sys.executable, *(["-P"] if sys.version_info >= (3, 11) else []), "-m", "replaybisect.record.metrics_process",
-             uri, run_id, str(os.getpid())],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env,
-            start_new_session=True)  # a Ctrl-C at the terminal is the recorder's to handle: it ends the logger itself
+        # the signals its recorder handles are blocked from its first instruction (a thread's mask is what a process it
+        # starts begins with) until it ignores them: one sent to every process of the job as it starts does not end it
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, STOPPING)
+        try:
+            self._process = subprocess.Popen(
+                # -P (Python 3.11+): not the working folder first on its path (a module of the user's there is not imported)
+                [sys.executable, *(["-P"] if sys.version_info >= (3, 11) else []), "-m",
+                 "replaybisect.record.metrics_process", uri, run_id, str(os.getpid())],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env,
+                start_new_session=True)  # a Ctrl-C at the terminal is the recorder's to handle: it ends the logger itself
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
 
     def log(self, points: list[tuple[str, float, int]]) -> None:
         """Send the points (on the recorder's writer thread: this waits only when the logger is a pipe's worth behind)."""
@@ -105,10 +114,9 @@ def _reply(pipe) -> dict:
 
 def _serve(uri: str, run_id: str, parent: int) -> int:
     """The logger process: log each line's points until END, or until the recorder's process is gone."""
-    import signal
-
-    for caught in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+    for caught in STOPPING:
         signal.signal(caught, signal.SIG_IGN)  # (its recorder ends it)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOPPING)  # (blocked since it started: see MetricsProcess)
     reply = os.fdopen(os.dup(1), "w")
     os.dup2(os.open(os.devnull, os.O_WRONLY), 1)  # what MLflow or a library prints: not the reply
     try:

@@ -91,6 +91,21 @@ def test_a_failure_in_the_logger_is_one_line_raised_by_the_recorder(tmp_path):
     assert str(at_close.value) == message
 
 
+def test_a_stop_signal_sent_as_the_logger_starts_does_not_end_it(tmp_path):
+    """A job's scheduler signals every process: one that reaches the logger before it ignores it (it was starting
+    Python) is held until then, so the recorder still ends it with every point logged."""
+    import signal
+
+    uri, run_id = _run(tmp_path)
+    logger = metrics_process.MetricsProcess(uri, run_id)
+    for stop in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        os.kill(logger._process.pid, stop)
+    logger.log([("loss", 0.25, 0)])
+    logger.close()
+    assert logger._process.returncode == 0
+    assert open_store(uri).metric_history(run_id, "loss") == [(0, 0.25)]
+
+
 SCRIPT = """
     import os, sys, time
     from replaybisect.record.metrics_process import MetricsProcess
