@@ -165,11 +165,9 @@ def write_tensors_atomic(path: Path, tensors: dict[str, torch.Tensor], metadata:
     2 cores costs the training step more than the write). A run of small tensors of one dtype is joined in one call
     and written as one chunk: a write and a hash update per tensor, in Python, held the GIL the training thread needs
     for ~15 ms per snapshot of 100 steps' batches. The safetensors library reads it back."""
-    if any(t.dtype not in SAFETENSORS_DTYPES for t in tensors.values()):
+    layout = TensorsImage.layout_of(list(tensors.items()))
+    if layout is None:
         return write_atomic(path, encode_tensors(_unshared(tensors), metadata))
-    # largest element first, each dtype's together (a run stays one chunk), by name within it
-    ordered = sorted(tensors.items(), key=lambda item: (-item[1].dtype.itemsize, SAFETENSORS_DTYPES[item[1].dtype], item[0]))
-    layout = [(name, tuple(tensor.shape), tensor.dtype) for name, tensor in ordered]
     head, _, data_bytes = _safetensors_head(layout, metadata)
     digest = hashlib.sha256(head)
 
@@ -244,11 +242,12 @@ class TensorsImage:
 
     @staticmethod
     def layout_of(tensors: list[tuple[str, torch.Tensor]]) -> tuple | None:
-        """The layout of these (name, tensor) pairs, largest element first; None where a dtype has no safetensors name
-        this writer knows (such a state is written by `encode_tensors`)."""
+        """The layout of these (name, tensor) pairs, largest element first (each aligned for its dtype), each dtype's
+        together (write_tensors_atomic joins a run of small ones), by name within it; None where a dtype has no
+        safetensors name this writer knows (such a state is written by `encode_tensors`)."""
         if any(tensor.dtype not in SAFETENSORS_DTYPES for _, tensor in tensors):
             return None
-        ordered = sorted(tensors, key=lambda item: (-item[1].dtype.itemsize, item[0]))
+        ordered = sorted(tensors, key=lambda item: (-item[1].dtype.itemsize, SAFETENSORS_DTYPES[item[1].dtype], item[0]))
         return tuple((name, tuple(tensor.shape), tensor.dtype) for name, tensor in ordered)
 
     def write_atomic(self, path: Path) -> dict[str, Any]:

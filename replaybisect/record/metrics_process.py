@@ -72,7 +72,10 @@ class MetricsProcess:
                                f"{self.uri}") from None
 
     def close(self, quiet: bool = False) -> None:
-        """Every point sent is logged when this returns; the logger's failure, if it had one, raised (not `quiet`)."""
+        """Every point sent is logged when this returns; the logger's failure, if it had one, raised (not `quiet`).
+        Once: a second call (the recorder's cleanup after a failure) does nothing."""
+        if self._process.stdout.closed:
+            return
         try:
             if self._process.poll() is None:
                 self._process.stdin.write(END + "\n")

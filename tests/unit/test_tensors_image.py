@@ -99,6 +99,18 @@ def test_where_the_file_system_takes_o_direct_the_image_is_written_with_it(tmp_p
     assert direct == [True]
 
 
+def test_the_header_builder_lays_tensors_out_in_the_order_given_8_byte_aligned():
+    """write_tensors_atomic and the image share the header builder: the 8-byte-aligned header of the tensors in the
+    order they are given (the layout the snapshot fuzz and tamper tests rewrite files with)."""
+    import json
+
+    tensors = {"b": torch.ones(3), "a": torch.arange(5, dtype=torch.int64)}
+    head, spans, size = fmt._safetensors_head([(name, tuple(t.shape), t.dtype) for name, t in sorted(tensors.items())], {"k": "v"})
+    header = json.loads(head[8:])
+    assert len(head) % 8 == 0 and size == 52 and spans == {"a": (0, 40), "b": (40, 52)}
+    assert header["__metadata__"] == {"k": "v"} and header["a"] == {"dtype": "I64", "shape": [5], "data_offsets": [0, 40]}
+
+
 @pytest.mark.parametrize("joined", [1 << 22, 100], ids=["default", "runs cut at 100 bytes"])
 def test_the_streaming_writer_joins_small_tensors_and_the_file_loads_bit_for_bit(tmp_path, monkeypatch, joined):
     """write_tensors_atomic writes runs of small tensors of one dtype as one chunk (JOINED bytes at most), largest
