@@ -105,11 +105,12 @@ class Optimizers(torch.optim.Optimizer):
         return _Handles([optimizer.register_step_post_hook(hook) for optimizer in self.members()])
 
     def state_dict(self) -> dict[str, Any]:
-        """One optimizer's layout: the groups in order, the parameters numbered across all of them."""
+        """One optimizer's layout: the groups in order, the parameters numbered across all of them (an entry a member
+        keeps under a key of its own: "<member's position>.<key>")."""
         state, groups, offset = {}, [], 0
-        for optimizer in self.members():
+        for position, optimizer in enumerate(self.members()):
             own = optimizer.state_dict()
-            state.update({index + offset: value for index, value in own["state"].items()})
+            state.update({_joined_key(key, offset, position): value for key, value in own["state"].items()})
             groups += [{**group, "params": [index + offset for index in group["params"]]} for group in own["param_groups"]]
             offset += sum(len(group["params"]) for group in optimizer.param_groups)
         return {"state": state, "param_groups": groups}
@@ -119,15 +120,27 @@ class Optimizers(torch.optim.Optimizer):
         if len(groups) != len(self.param_groups):
             raise ValueError(f"the state has {len(groups)} parameter groups, these optimizers {len(self.param_groups)}")
         offset = 0
-        for optimizer in self.members():
+        for position, optimizer in enumerate(self.members()):
             own_groups, groups = groups[:len(optimizer.param_groups)], groups[len(optimizer.param_groups):]
             count = sum(len(group["params"]) for group in optimizer.param_groups)
             own_state = {int(index) - offset: value for index, value in state_dict["state"].items()
-                         if offset <= int(index) < offset + count}
+                         if _numbered(index) and offset <= int(index) < offset + count}
+            own_state.update({key.partition(".")[2]: value for key, value in state_dict["state"].items()
+                              if not _numbered(key) and str(key).partition(".")[0] == str(position)})
             optimizer.load_state_dict({"state": own_state, "param_groups": [
                 {**group, "params": [index - offset for index in group["params"]]} for group in own_groups]})
             offset += count
         self.param_groups = [group for optimizer in self.members() for group in optimizer.param_groups]
+
+
+def _numbered(key) -> bool:
+    return isinstance(key, int) and not isinstance(key, bool) or isinstance(key, str) and key.isdigit()
+
+
+def _joined_key(key, offset: int, position: int):
+    """A member's state key in the joined state_dict: a parameter's index shifted past the members before it; an
+    entry of its own prefixed with its position."""
+    return key + offset if isinstance(key, int) and not isinstance(key, bool) else f"{position}.{key}"
 
 
 class _Handles:

@@ -469,7 +469,7 @@ SAFETENSORS_ITEM_SIZES = {
     "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E4M3FNUZ": 1, "F8_E5M2": 1, "F8_E5M2FNUZ": 1,
     "I16": 2, "U16": 2, "F16": 2, "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8, "C64": 8,
 }
-TENSOR_NAME = re.compile(r"^(model/.+|optim/\d{1,9}/.+)$")
+TENSOR_NAME = re.compile(r"^(model/.+|optim/\d{1,9}/.+|optim/own/.+)$")
 BATCH_STEP = re.compile(r"^\d{1,12}$")
 
 
@@ -647,7 +647,7 @@ def _load_safetensors(folder: Path, name: str, payload: bytes) -> tuple[dict[str
 def _check_tensor_names(folder: Path, tensors: dict[str, torch.Tensor]) -> None:
     for name in tensors:
         if not TENSOR_NAME.match(name):
-            raise _bad(folder, TENSORS, f"holds tensor {name[:60]!r}, which is neither model/... nor optim/<index>/...")
+            raise _bad(folder, TENSORS, f"holds tensor {name[:60]!r}, which is neither model/... nor optim/<index>/... nor optim/own/...")
 
 
 def _batches(folder: Path, step: int, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> dict[int, Any]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import platform
+import warnings
 from dataclasses import dataclass
 from typing import Annotated, Any, Callable, Iterator, Optional
 
@@ -40,8 +41,10 @@ def state_entries(state) -> list[tuple[str, torch.Tensor]]:
     """The state's tensors by snapshot name, a shard as it is (not gathered): its name, shape and dtype are the whole
     tensor's."""
     entries = [(f"model/{name}", value) for name, value in state.model.state_dict().items()]
-    for index, param_state in state.optimizer.state_dict()["state"].items():
+    optimizer_state = state.optimizer.state_dict()["state"]
+    for index, param_state in _per_parameter(optimizer_state).items():
         entries.extend((f"optim/{index}/{key}", value) for key, value in param_state.items() if torch.is_tensor(value))
+    entries.extend((f"{OWN_PREFIX}{key}", value) for key, value in own_entries(optimizer_state).items() if torch.is_tensor(value))
     return entries
 
 
@@ -49,13 +52,15 @@ def state_json(state, step: int, rng_raw: dict, data_position: dict, reason: str
     optimizer_state = state.optimizer.state_dict()
     scalars = {
         str(index): {key: _jsonable(value) for key, value in param_state.items() if not torch.is_tensor(value)}
-        for index, param_state in optimizer_state["state"].items()
+        for index, param_state in _per_parameter(optimizer_state["state"]).items()
     }
+    own = {key: _jsonable(value) for key, value in own_entries(optimizer_state["state"]).items() if not torch.is_tensor(value)}
     return {
         "step": step,
         "reason": reason,
         "rng": rng.to_json(rng_raw),
-        "optimizer": {"param_groups": _jsonable(optimizer_state["param_groups"]), "scalars": scalars},
+        # ("own" only where there is one: a snapshot without is readable by the versions before it)
+        "optimizer": {"param_groups": _jsonable(optimizer_state["param_groups"]), "scalars": scalars, **({"own": own} if own else {})},
         "scheduler": _jsonable(state.scheduler.state_dict()) if state.scheduler is not None else None,
         "scaler": _jsonable(state.scaler.state_dict()) if state.scaler is not None else None,
         "data": data_position,
@@ -71,6 +76,58 @@ def state_json(state, step: int, rng_raw: dict, data_position: dict, reason: str
     }
 
 
+# ---- an optimizer's own entries: what it keeps in optimizer.state under a key that is no parameter --------------
+OWN_PREFIX = "optim/own/"  # their tensors' names in a snapshot; their other values are state.json's optimizer.own
+_warned_unkept: set[str] = set()
+
+
+def _per_parameter(optimizer_state: dict) -> dict[int, dict]:
+    """The entries of an optimizer state_dict's "state" that belong to a parameter (its index: a dict of moments)."""
+    return {key: value for key, value in optimizer_state.items() if _of_parameter(key, value)}
+
+
+def _of_parameter(key: Any, value: Any) -> bool:
+    return isinstance(key, int) and not isinstance(key, bool) and isinstance(value, dict)
+
+
+def own_entries(optimizer_state: dict) -> dict[str, Any]:
+    """The optimizer's own entries (a step counter a custom optimizer keeps in `self.state["step"]`) that a snapshot
+    holds: under a name (a string that is not a number), a tensor or plain data (numbers, strings, and lists and
+    dicts of them). Any other is left out, with a warning once: a replay then starts without it."""
+    kept = {}
+    for key, value in optimizer_state.items():
+        if _of_parameter(key, value):
+            continue
+        if isinstance(key, str) and not key.isdigit() and (torch.is_tensor(value) or _plain_data(value)):
+            kept[key] = value
+        elif repr(key) not in _warned_unkept:
+            _warned_unkept.add(repr(key))
+            warnings.warn(f"replaybisect: your optimizer keeps {type(value).__name__} under optimizer.state[{key!r}], which a "
+                          "snapshot cannot hold (it keeps a tensor or plain numbers, strings, lists and dicts of them under a "
+                          "name): a replay starts without it and may differ; keep such state under a string key", stacklevel=2)
+    return kept
+
+
+def optimizer_tensors(optimizer) -> Iterator[tuple[Optional[torch.Tensor], str, torch.Tensor]]:
+    """Every tensor in optimizer.state: (its parameter, its key, the tensor) for a parameter's moments, (None, the
+    key, the tensor) for the optimizer's own entries."""
+    for key, value in optimizer.state.items():
+        if torch.is_tensor(key) and isinstance(value, dict):
+            yield from ((key, name, tensor) for name, tensor in value.items() if torch.is_tensor(tensor))
+        elif torch.is_tensor(value):
+            yield None, str(key), value
+
+
+def _plain_data(value: Any) -> bool:
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return True
+    if isinstance(value, (list, tuple)):
+        return all(_plain_data(item) for item in value)
+    if isinstance(value, dict):
+        return all(isinstance(key, str) and _plain_data(item) for key, item in value.items())
+    return False
+
+
 MAX_THREADS = 1024  # torch.set_num_threads crashes the process on absurd counts: bounded before it is called
 # Optimizer state tensors that always have their parameter's shape (Adam/AdamW, SGD, RMSprop, Adagrad, Adadelta, Rprop).
 PARAM_SHAPED = {"exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer", "square_avg", "grad_avg", "acc_delta",
@@ -82,6 +139,15 @@ class OptimizerJson(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
     param_groups: list[JsonObject]
     scalars: dict[Annotated[str, Field(pattern=r"^\d{1,9}$")], JsonObject]
+    own: dict[Annotated[str, Field(min_length=1, max_length=200)], Any] = {}  # own_entries that are not tensors
+
+    @field_validator("own")
+    @classmethod
+    def _named(cls, value: dict[str, Any]) -> dict[str, Any]:
+        numbered = next((key for key in value if key.isdigit()), None)
+        if numbered is not None:
+            raise ValueError(f"the optimizer's own entry {numbered!r} is numbered as a parameter is")
+        return value
 
 
 class DataPosition(BaseModel):
@@ -178,8 +244,11 @@ def _optimizer_state(optimizer, tensors: dict[str, torch.Tensor], saved: Optimiz
         raise SnapshotError("the snapshot's optimizer lists a parameter twice")
 
     per_param: dict[int, dict[str, Any]] = {int(index): dict(from_jsonable(s)) for index, s in saved.scalars.items()}
+    own: dict[str, Any] = {key: from_jsonable(value) for key, value in saved.own.items()}
     for name, value in tensors.items():
-        if name.startswith("optim/"):
+        if name.startswith(OWN_PREFIX):
+            own[name[len(OWN_PREFIX):]] = value
+        elif name.startswith("optim/"):
             _, index, key = name.split("/", 2)
             per_param.setdefault(int(index), {})[key] = value
     for index, param_state in per_param.items():
@@ -191,7 +260,7 @@ def _optimizer_state(optimizer, tensors: dict[str, torch.Tensor], saved: Optimiz
                 raise SnapshotError(f"the snapshot's optimizer state {key} of parameter {index} does not have the parameter's shape {tuple(param.shape)}")
             if not torch.is_tensor(value) and not (value is None or isinstance(value, (bool, int, float, str))):
                 raise SnapshotError(f"the snapshot's optimizer state {key} of parameter {index} is not a number")
-    return {"state": per_param, "param_groups": groups}
+    return {"state": {**per_param, **own}, "param_groups": groups}
 
 
 def apply(state, tensors: dict[str, torch.Tensor], saved: dict[str, Any]) -> None:

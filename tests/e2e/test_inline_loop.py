@@ -321,6 +321,42 @@ def test_a_float_the_loop_changes_between_steps_is_set_again_in_a_replay(tmp_pat
     assert report.reproduced == "exact" and report.snapshot_step > 0 and report.category == "divergence", report.headline
 
 
+def test_an_optimizer_keeping_state_of_its_own_is_recorded_and_replayed_exactly(tmp_path):
+    """A custom optimizer that keeps a step counter in optimizer.state["global_step"] (no parameter's entry) and makes
+    its lr from it: the run records (it crashed at its first snapshot after the first update), and `replay nan` from
+    the snapshot before the failure restores the counter, so the replayed losses are exact."""
+    import replaybisect as rb
+
+    workspace = Workspace(tmp_path)
+    (tmp_path / "warm.py").write_text(
+        "import torch, replaybisect\n"
+        "class WarmSGD(torch.optim.SGD):\n"
+        "    @torch.no_grad()\n"
+        "    def step(self, closure=None):\n"
+        "        self.state['global_step'] = self.state.get('global_step', 0) + 1\n"
+        "        for group in self.param_groups:\n"
+        "            group['lr'] = 0.05 * min(1.0, self.state['global_step'] / 20)\n"
+        "        return super().step(closure)\n"
+        "torch.manual_seed(0)\n"
+        "model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))\n"
+        "optimizer = WarmSGD(model.parameters(), lr=0.05, momentum=0.9)\n"
+        "rec = replaybisect.Recorder(model, optimizer, snapshot_every=5)\n"
+        "for step in range(30):\n"
+        "    x = torch.randn(16, 4)\n"
+        "    if step == 17:\n"
+        "        x[3, 1] = float('nan')\n"
+        "    loss = torch.nn.functional.mse_loss(model(x), x.sum(1, keepdim=True))\n"
+        "    optimizer.zero_grad()\n"
+        "    loss.backward()\n"
+        "    optimizer.step()\n")
+    done = _train(workspace, tmp_path, script="warm.py")
+    assert "loss is nan at step 17" in done.stderr and "Traceback" not in done.stderr, done.stderr[-2000:]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.chdir(tmp_path)
+        report = rb.find_nan(_run_id(done), tracking_uri=workspace.tracking_uri, publish=False)
+    assert (report.reproduced, report.snapshot_step, report.category) == ("exact", 15, "data"), report.headline
+
+
 def test_a_loop_updating_by_hand_replays_a_nan_gradient_and_is_told_it_cannot_accumulate(tmp_path):
     """A finite loss with NaN gradients (sqrt(0) in the loss) halts the replayed step inside its backward: the
     script's own update then runs on and is undone, and the replay is exact. Two backwards before an update by hand

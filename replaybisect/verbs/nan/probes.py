@@ -30,6 +30,7 @@ from typing import Any, Optional
 import torch
 
 from replaybisect.core import loop
+from replaybisect.core.state import optimizer_tensors
 from replaybisect.frames import is_ours, is_user_code
 
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep  # also when torch is not under site-packages (a source build)
@@ -257,11 +258,11 @@ def probe_state(state: "loop.TrainState") -> list[StateFinding]:
         if not all_finite(buffer):
             findings.append(StateFinding("buffer", name, owner_of(name), int(buffer.isnan().sum()), int(buffer.isinf().sum()), buffer.numel()))
     names = param_names(state)
-    for param, param_state in state.optimizer.state.items():
-        for key, value in param_state.items():
-            if torch.is_tensor(value) and not all_finite(value):
-                pname = names.get(id(param), "?")
-                findings.append(StateFinding("optimizer state", f"{pname}:{key}", owner_of(pname), int(value.isnan().sum()), int(value.isinf().sum()), value.numel()))
+    for param, key, value in optimizer_tensors(state.optimizer):
+        if not all_finite(value):
+            pname = names.get(id(param), "?") if param is not None else "optimizer.state"  # (an entry of its own)
+            findings.append(StateFinding("optimizer state", f"{pname}:{key}", owner_of(pname) if param is not None else "",
+                                         int(value.isnan().sum()), int(value.isinf().sum()), value.numel()))
     for index, group in enumerate(state.optimizer.param_groups):
         for key in ("lr", "eps", "weight_decay", "momentum"):
             value = group.get(key)
@@ -278,7 +279,7 @@ def probe_state(state: "loop.TrainState") -> list[StateFinding]:
 def finiteness(state: "loop.TrainState") -> bool:
     """True when parameters, buffers and optimizer tensors are all finite (one fused reduction per group)."""
     tensors = [t for t in state.model.parameters() if is_float(t)] + [t for t in state.model.buffers() if is_float(t)]
-    tensors += [v for s in state.optimizer.state.values() for v in s.values() if torch.is_tensor(v) and is_float(v)]
+    tensors += [value for _, _, value in optimizer_tensors(state.optimizer) if is_float(value)]
     if not tensors:
         return True
     # isfinite, not a norm: a norm of large finite values can overflow to Inf and look corrupt
