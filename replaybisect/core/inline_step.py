@@ -25,6 +25,7 @@ import torch
 from replaybisect.core import outside_model, several
 from replaybisect.core.rng import capture_raw, restore_raw
 from replaybisect.core.step_watch import StepHalted, StepWatch
+from replaybisect.core.reentry import WriteRefused
 from replaybisect.errors import ReplayError
 
 # a stored micro-batch: one training forward's arguments; the targets its loss met outside the model and which of its
@@ -243,6 +244,21 @@ class RemoteStep:
             self._complete(self._current)
         if self._started:
             threading.Event().wait()
+
+    def script_raised(self, error: BaseException) -> bool:
+        """The script's own code raised `error` inside a replayed step (after its first training call and before its
+        optimizer's update; updating by hand, before the next step's first call: the update, a check after the
+        backward): it is the step's, as the recording took it (record/inline.py crashed), and the engine gets it; a
+        replay asking for another step is told the loop ended. Whether it was taken (else it is the script's)."""
+        current = self._current
+        if current is None or not isinstance(error, Exception) or isinstance(error, (ReplayError, WriteRefused)):
+            return False
+        if current.reached_update and not self._manual:  # after its optimizer's update: the script's, as recorded
+            return False
+        self._failed(error)
+        self._ended, self._ended_after_halt = True, True
+        self._complete(current)
+        return True
 
     def _note_scaler_steps(self, scaler) -> None:
         """A GradScaler that skips an overflowing update never calls `optimizer.step()`: its `step` ends the step too.

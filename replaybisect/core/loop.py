@@ -695,9 +695,10 @@ def _crashed(state: TrainState, step: int, error: Exception, stored, hooks: Loop
         return
     if oom.is_out_of_memory(error):  # the step's finished frames let go of its activations: recording it needs memory
         traceback.clear_frames(error.__traceback__)
-    updated = bool(getattr(getattr(error, "replaybisect_outcome", None), "updated", False))
+    outcome = getattr(error, "replaybisect_outcome", None)
+    updated = bool(getattr(outcome, "updated", False))
     if not updated:
         buffers.restore()
         if state.user_loop:
             state.carry = carry_at_start
-    on_exception(step, error, stored, updated=updated)
+    on_exception(step, error, stored, updated=updated, outcome=outcome if isinstance(outcome, StepOutcome) else None)

@@ -92,6 +92,25 @@ def at_script_end(function: Callable[[], None]) -> None:
     _script_end = function
 
 
+class WriteRefused(PermissionError):
+    """A replay refused a write of the re-run script's into the user's folders (refuse_writes_under)."""
+
+
+_script_raised: Optional[Callable[[BaseException], bool]] = None  # the same, for an exception that ends the script
+
+
+def at_script_raise(function: Callable[[BaseException], bool]) -> None:
+    """A loop recorded as written: an exception its own code raises inside a replayed step (an update by hand, a
+    check between backward and update) is that step's (`function` returns whether it took it)."""
+    global _script_raised
+    _script_raised = function
+
+
+def script_raised(error: BaseException) -> bool:
+    """The re-entered script ended with `error`: whether a replayed step took it as its own (its replay goes on)."""
+    return _script_raised is not None and _script_raised(error)
+
+
 def script_ended() -> None:
     """The re-entered script ran to its end after the hand-over: tell its replay (which may then end the process)."""
     if _script_end is not None:
@@ -146,7 +165,7 @@ def refuse_writes_under(folders: list[Path]) -> None:
         for target in targets:
             refused = inside(target)
             if refused is not None:
-                raise PermissionError(f"replaybisect: a replay re-running this script writes nothing in your folders "
+                raise WriteRefused(f"replaybisect: a replay re-running this script writes nothing in your folders "
                                       f"(refused: {refused}); skip the write when replaybisect.replaying() is True")
 
     sys.addaudithook(audit)

@@ -40,14 +40,16 @@ class StepOutcome:
     updated: bool = False  # the optimizer applied an update
     scaler_skipped: bool = False  # fp16: the GradScaler skipped an overflowing step (normal)
     rank_losses: Optional[list] = None  # a distributed run's replayed step: each rank's loss (core/ranks.py)
-    # a user's loop: the gradients its first backward added to (the loop did not clear them), by parameter name
+    # a user's loop: the gradients its first backward added to (the loop did not clear them), by parameter name,
+    # taken when `backpropagated` (after it the live gradients are the step's own)
     carried_grads: Optional[dict] = None
+    backpropagated: bool = False
 
     def __init__(self, step: int, loss: Any = math.nan, grad_norm: Any = None, lr: float = 0.0, nonfinite: Optional[str] = None,
                  updated: bool = False, scaler_skipped: bool = False, rank_losses: Optional[list] = None):
         self.step, self.loss_value, self.grad_norm_value, self.lr = step, loss, grad_norm, lr
         self.nonfinite, self.updated, self.scaler_skipped, self.rank_losses = nonfinite, updated, scaler_skipped, rank_losses
-        self.carried_grads = None
+        self.carried_grads, self.backpropagated = None, False
 
     @property
     def loss(self) -> float:
@@ -138,7 +140,7 @@ class StepWatch:
         if self.on_loss is not None:
             self.on_loss()
         if not self._backpropagated:
-            self._backpropagated = True
+            self._backpropagated = self.outcome.backpropagated = True
             if self.state.user_loop:
                 self.outcome.carried_grads = carried_gradients(self.state.model, self.state.params)
         faults.at_loss(self.outcome.step, loss)  # (a test's fault injector: nothing unless it is set)

@@ -129,17 +129,22 @@ class RecordingHooks:
             )
         return not self.on_nonfinite_stop
 
-    def on_exception(self, step: int, error: BaseException, batch, updated: bool = False) -> None:
+    def on_exception(self, step: int, error: BaseException, batch, updated: bool = False,
+                     outcome: Optional[StepOutcome] = None) -> None:
         """Step `step` raised `error` (the loop raises it on): recorded as the run's failing step, as a non-finite
         step is (the state before it and its batch, tags failing_step, failure=exception, error_type, error,
         error_frame). `updated`: it raised after its optimizer update, so only its batch is kept (a replay reaches
-        it from the last snapshot). The run's end (FAILED, crashed) is the session's."""
+        it from the last snapshot). `outcome`: the step's, where it is known (after its first backward, the gradients
+        it began with are the ones taken then, not the live ones). The run's end (FAILED, crashed) is the session's."""
         if self.device_guard is not None and self.device_guard.pending:
             self._flush_metrics()  # an earlier step found non-finite at this flush is the failure
         if self.halted or self.crashed_step is not None:
             return
         self.crashed_step = step
-        grads = carried_gradients(self.state.model, self.state.params) if self.state.user_loop else None  # (raised before its backward)
+        if outcome is not None and outcome.backpropagated:
+            grads = outcome.carried_grads
+        else:  # (raised before its backward: the live gradients are the ones it began with)
+            grads = carried_gradients(self.state.model, self.state.params) if self.state.user_loop else None
         self._keep_failing_step(step, batch, "exception", state_intact=not updated, grads=grads)
         self.store.set_tags(self.run_id, crash_tags(step, error, self.state.device))
         with contextlib.suppress(Exception):  # the run's end names the step and the next command (session.mark_ended)

@@ -216,7 +216,12 @@ class InlineRecording:
         current = self._open
         step_failed = isinstance(error, Exception) and not isinstance(error, (ReplayError, NonFiniteStep))
         if current is not None and self._update_reached(closing=True):
-            if self._manual or current.update_ended is not None or not step_failed:  # a step the loop completed is logged
+            if self._manual and step_failed:  # raised after the one backward: before the update by hand, or in it
+                before = self.state.optimizer.untouched()  # (or after it: which one, nothing tells; its line does)
+                self._stop_before_update(undo_buffers=before)
+                self.recorder._hooks.on_exception(current.step, error, current.record, updated=not before, outcome=current.outcome)
+                return
+            if current.update_ended is not None or not step_failed:  # a step the loop completed is logged
                 with contextlib.suppress(Exception):  # (the run's crash is `error`, whatever its logging meets)
                     self.close_step()
                 return
@@ -227,7 +232,7 @@ class InlineRecording:
         if current is None or not current.record[user_step.RECORD_BATCH] or not step_failed:
             return
         self._stop_before_update()
-        self.recorder._hooks.on_exception(current.step, error, current.record, updated=bool(current.stepped))
+        self.recorder._hooks.on_exception(current.step, error, current.record, updated=bool(current.stepped), outcome=current.outcome)
 
     def _finish(self, current: _OpenStep) -> None:
         """The step logged: its time up to its update's end (a step closed at the next training call, or stopped

@@ -286,6 +286,7 @@ class Recorder:
                                       lambda: reentry.hand_over(self._handover), updates_by_hand=updates_by_hand)
             self._handover["step_fn"] = self._remote
             reentry.at_script_end(self._remote.script_done)  # a script without rec.close() ends its loop there
+            reentry.at_script_raise(self._remote.script_raised)
         self.run_id, self.store, self.steps_taken, self._last_outcome = reentry.replayed_run_id(), None, 0, None
 
     # ---- the loop ------------------------------------------------------------------------------------------

@@ -12,9 +12,10 @@ import json
 import os
 import runpy
 import sys
+import threading
 import traceback
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 from replaybisect.core import reentry
 from replaybisect.errors import ReplayError
@@ -45,16 +46,19 @@ def _serve(job: dict[str, Any], progress) -> None:
     _redirect_saves_under(job["protect"], Path(job["script"]["scratch"]) / "saved")
     reentry.set_takeover(lambda parts: _take_over(job, progress), job["run_id"])
     os.chdir(job["script"]["cwd"])  # only now: our own imports came from nowhere of the script's
-    failure, clean = _run_script(job["script"])
+    failure, clean, error = _run_script(job["script"])
+    if error is not None and reentry.taken_over() and reentry.script_raised(error):
+        threading.Event().wait()  # the replayed step raised it: the replay goes on in its thread, and ends the process
     if clean and reentry.taken_over():
         reentry.script_ended()  # a loop recorded as written ended without rec.close(): its replay is told so
     _finish(job, progress, {"ended": failure, "during_replay": reentry.taken_over()})
     os._exit(3)
 
 
-def _run_script(script: dict[str, Any]) -> tuple[str, bool]:
+def _run_script(script: dict[str, Any]) -> tuple[str, bool, Optional[BaseException]]:
     """Run the script as its run did; it returns only if the script ends without reaching `rec.step` (or, for a loop
-    recorded as written, ends its loop): why, and whether it ended cleanly (its end, or exit status 0)."""
+    recorded as written, ends its loop): why, whether it ended cleanly (its end, or exit status 0), and the exception
+    that ended it."""
     sys.argv = [script["path"], *script["args"]]
     if script.get("hydra"):  # Hydra writes its output folder before the script's first line: in the replay's temp folder
         sys.argv += reentry.hydra_overrides(Path(script["scratch"]) / "hydra")
@@ -66,10 +70,10 @@ def _run_script(script: dict[str, Any]) -> tuple[str, bool]:
             sys.path[0] = str(Path(script["path"]).parent)  # as `python script.py` does
             runpy.run_path(script["path"], run_name="__main__")
     except SystemExit as stop:
-        return f"it exited (status {stop.code})", stop.code in (0, None)
+        return f"it exited (status {stop.code})", stop.code in (0, None), None
     except BaseException as error:
-        return f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}", False
-    return "it ended", True
+        return f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}", False, error
+    return "it ended", True, None
 
 
 def _take_over(job: dict[str, Any], progress) -> None:

@@ -357,6 +357,51 @@ def test_an_optimizer_keeping_state_of_its_own_is_recorded_and_replayed_exactly(
     assert (report.reproduced, report.snapshot_step, report.category) == ("exact", 15, "data"), report.headline
 
 
+CRASH_AFTER_BACKWARD = (  # the loop's own code raises between the backward and the update, on the state (loss < 1 at step 9)
+    "import torch, replaybisect\n"
+    "torch.manual_seed(0)\n"
+    "model = torch.nn.Linear(4, 1)\n"
+    "optimizer = torch.optim.SGD(model.parameters(), lr=0.05) if {optimizer} else None\n"
+    "rec = replaybisect.Recorder(model, optimizer, snapshot_every=4)\n"
+    "for step in range(12):\n"
+    "    x = torch.randn(8, 4)\n"
+    "    model.zero_grad()\n"
+    "    loss = torch.nn.functional.mse_loss(model(x), x.sum(1, keepdim=True))\n"
+    "    loss.backward()\n"
+    "    if optimizer is not None:\n"
+    "        assert loss.item() >= 1.0, 'a loss under 1'\n"
+    "        optimizer.step()\n"
+    "        continue\n"
+    "    for index, p in enumerate(model.parameters()):\n"
+    "        if index == {raised_at} and loss.item() < 1.0:\n"
+    "            raise ValueError('a loss under 1')\n"
+    "        p.data.add_(p.grad, alpha=-0.05)\n")
+
+
+@pytest.mark.parametrize("optimizer, raised_at, kept", [
+    (False, 0, "the state before step 9"),  # updating by hand, before any parameter changed
+    (False, 1, "step 9's batch (its update had begun"),  # after the first parameter's update
+    (True, 0, "the state before step 9"),  # a check between backward and optimizer.step()
+], ids=["by-hand-before", "by-hand-midway", "optimizer"])
+def test_a_step_that_raises_after_its_backward_is_the_runs_failing_step_and_replays_its_crash(tmp_path, optimizer, raised_at, kept):
+    """An exception the loop's own code raises after the step's backward (in its update by hand, or a check before
+    optimizer.step()) makes that step the run's failing step, with the gradients it began with; `replay nan` runs the
+    script's loop to it, which raises it again: the step's crash, reproduced from the snapshot before it."""
+    import replaybisect as rb
+
+    workspace = Workspace(tmp_path)
+    (tmp_path / "crash.py").write_text(CRASH_AFTER_BACKWARD.format(optimizer=optimizer, raised_at=raised_at))
+    done = _train(workspace, tmp_path, script="crash.py")
+    assert f"step 9 raised {'AssertionError' if optimizer else 'ValueError'}" in done.stderr and kept in done.stderr, done.stderr[-2000:]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.chdir(tmp_path)
+        report = rb.find_nan(_run_id(done), tracking_uri=workspace.tracking_uri, publish=False)
+    assert (report.category, report.reproduced, report.snapshot_step) == ("exception", "exact", 8), report.headline
+    assert "a loss under 1" in report.headline and "crash.py" in report.headline, report.headline
+    if kept.startswith("the state"):
+        assert report.state_match.startswith("bit-identical"), report.state_match
+
+
 def test_a_loop_updating_by_hand_replays_a_nan_gradient_and_is_told_it_cannot_accumulate(tmp_path):
     """A finite loss with NaN gradients (sqrt(0) in the loss) halts the replayed step inside its backward: the
     script's own update then runs on and is undone, and the replay is exact. Two backwards before an update by hand
