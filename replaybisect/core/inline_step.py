@@ -253,8 +253,8 @@ class RemoteStep:
         current = self._current
         if current is None or not isinstance(error, Exception) or isinstance(error, (ReplayError, WriteRefused)):
             return False
-        if current.reached_update and not self._manual:  # after its optimizer's update: the script's, as recorded
-            return False
+        if current.halted or current.reached_update and not self._manual:  # the script's own: after the replay halted
+            return False  # the step (its code saw the NaN), or after its optimizer's update (as recorded)
         self._failed(error)
         self._ended, self._ended_after_halt = True, True
         self._complete(current)
