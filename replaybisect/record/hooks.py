@@ -129,8 +129,7 @@ class RecordingHooks:
             )
         return not self.on_nonfinite_stop
 
-    def on_exception(self, step: int, error: BaseException, batch, updated: bool = False,
-                     outcome: Optional[StepOutcome] = None) -> None:
+    def on_exception(self, step: int, error: BaseException, batch, updated: bool = False, outcome: Optional[StepOutcome] = None) -> None:
         """Step `step` raised `error` (the loop raises it on): recorded as the run's failing step, as a non-finite
         step is (the state before it and its batch, tags failing_step, failure=exception, error_type, error,
         error_frame). `updated`: it raised after its optimizer update, so only its batch is kept (a replay reaches
@@ -141,10 +140,7 @@ class RecordingHooks:
         if self.halted or self.crashed_step is not None:
             return
         self.crashed_step = step
-        if outcome is not None and outcome.backpropagated:
-            grads = outcome.carried_grads
-        else:  # (raised before its backward: the live gradients are the ones it began with)
-            grads = carried_gradients(self.state.model, self.state.params) if self.state.user_loop else None
+        grads = _gradients_begun_with(outcome, self.state)
         self._keep_failing_step(step, batch, "exception", state_intact=not updated, grads=grads)
         self.store.set_tags(self.run_id, crash_tags(step, error, self.state.device))
         with contextlib.suppress(Exception):  # the run's end names the step and the next command (session.mark_ended)
@@ -346,6 +342,14 @@ class RecordingHooks:
             _remove_incomplete_snapshots(self._created_folders)
             if self._staging is not None:
                 shutil.rmtree(self._staging, ignore_errors=True)
+
+def _gradients_begun_with(outcome: Optional[StepOutcome], state) -> Optional[dict]:
+    """The gradients a user's step that raised began with: taken at its first backward where it got that far, else the
+    live ones (none for the built-in step, which clears them)."""
+    if outcome is not None and outcome.backpropagated:
+        return outcome.carried_grads
+    return carried_gradients(state.model, state.params) if state.user_loop else None
+
 
 def _copies_done(device: torch.device):
     """A CUDA event after the step's copies into pinned host buffers (queued on the device's stream, so they read
