@@ -257,8 +257,8 @@ def _losses(done: subprocess.CompletedProcess) -> list[str]:
 def test_word_language_model_as_written_records_replays_and_its_lr_arm_fixes_what_plain_pytorch_fixes(tmp_path):
     """No optimizer (the update by hand), the hidden state repackaged each chunk, the loss taken outside the model,
     an evaluation and a checkpoint written with open() each epoch: three added lines; the replay is exact and
-    names the divergence; the lr arm (x0.01) recomputes its own hidden states and fixes it, as the script itself at a hundredth
-    of the lr trains through the arm's horizon."""
+    names the divergence; the lr arm (x0.01) recomputes its own hidden states and fixes it, as the script itself at
+    a hundredth of the lr trains through the arm's horizon."""
     import replaybisect as rb
 
     workspace = Workspace(tmp_path)
