@@ -13,6 +13,7 @@ goes on to the next request.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import queue
 import threading
@@ -107,6 +108,8 @@ class RemoteStep:
         self._started = False
         self._ended = False
         self._ended_after_halt = False  # the loop's last iteration ran a step the replay halted
+        self._ended_by_crash = False  # the loop ended as a replayed step raised (its model, its loss, the script's code)
+        self._replay_thread: Optional[threading.Thread] = None
         self._requests: "queue.Queue[_Request]" = queue.Queue()
         self._current: Optional[_Request] = None
         self._watch: Optional[StepWatch] = None
@@ -143,6 +146,9 @@ class RemoteStep:
         if not isinstance(batch, list) or not all(isinstance(item, dict) and ARGS in item for item in batch):
             raise ReplayError("a stored step of this run holds no model inputs (it was recorded with step_fn=); the "
                               "snapshot does not match this Recorder: re-record the run")
+        if self._ended and self._ended_by_crash:
+            raise LoopEnded("the script's loop ended as a replayed step raised (the run's crash, replayed): no step after "
+                            "it runs in this replay")
         if self._ended and self._ended_after_halt:
             raise LoopEnded("the script's loop ended (it reached rec.close()) right after a step the replay halted: its own "
                             "code after the step saw the halted step's values (a NaN loss, no gradients) and stopped; skip "
@@ -177,18 +183,15 @@ class RemoteStep:
             item = self._requests.get()
             if not isinstance(item, _Call):
                 return item
-            try:
-                item.fn()
-            except Exception as error:  # handed back to the engine's thread
-                item.error = error
-            item.done.set()
+            _run_here(item)
 
     def _inputs(self, model: Optional[str], live_args: tuple, live_kwargs: dict) -> tuple[tuple, dict]:
         """The stored inputs for this training forward (of several models: the next stored call of the one named
         `model`), taking the next request when a step is over."""
         if not self._started:
             self._started = True
-            threading.Thread(target=self._start, name="replaybisect-replay", daemon=True).start()
+            self._replay_thread = threading.Thread(target=self._start, name="replaybisect-replay", daemon=True)
+            self._replay_thread.start()
         self._targets.calling()
         current = self._current
         if current is not None and self._update_reached(current):
@@ -242,23 +245,39 @@ class RemoteStep:
                 self._current.error = LoopEnded("the script's loop ended (it reached rec.close()) in the middle of a step, "
                                                 "before its optimizer step")
             self._complete(self._current)
-        if self._started:
-            threading.Event().wait()
+        self.serve_until_replay_ends()
 
     def script_raised(self, error: BaseException) -> bool:
-        """The script's own code raised `error` inside a replayed step (after its first training call and before its
-        optimizer's update; updating by hand, before the next step's first call: the update, a check after the
-        backward): it is the step's, as the recording took it (record/inline.py crashed), and the engine gets it; a
-        replay asking for another step is told the loop ended. Whether it was taken (else it is the script's)."""
+        """The script's code raised `error` inside a replayed step (before its optimizer's update; updating by hand,
+        before the next step's first call): the step's, as recorded (record/inline.py crashed), or, where the step
+        had failed already (its loss raised), that first error ends it (_end_by_crash). Whether it was taken (else
+        it is the script's, returned at once)."""
         current = self._current
         if current is None or not isinstance(error, Exception) or isinstance(error, (ReplayError, WriteRefused)):
             return False
-        if current.halted or current.reached_update and not self._manual:  # the script's own: after the replay halted
-            return False  # the step (its code saw the NaN), or after its optimizer's update (as recorded)
-        self._failed(error)
-        self._ended, self._ended_after_halt = True, True
-        self._complete(current)
+        if current.error is None and (current.halted or current.reached_update and not self._manual):
+            return False  # the script's own: after the replay halted the step (its code saw the NaN), or after its
+        self._end_by_crash(current, error if current.error is None else None)  # optimizer's update (as recorded)
         return True
+
+    def _end_by_crash(self, current: _Request, error: Optional[Exception]) -> None:
+        """The replayed step `current` raised `error` (or an error of its own earlier): the engine gets it, the loop
+        is over, and this thread serves the replay until its end."""
+        if error is not None:
+            self._failed(error)
+        self._ended = self._ended_by_crash = True
+        self._complete(current)
+        self.serve_until_replay_ends()
+
+    def serve_until_replay_ends(self) -> None:
+        """The loop is over: the script's thread runs what the replay asks of it (a profiler's stop) until the replay
+        ends the process (returns where none started, or its thread is gone)."""
+        while self._replay_thread is not None and self._replay_thread.is_alive():
+            with contextlib.suppress(queue.Empty):
+                item = self._requests.get(timeout=1.0)
+                if not isinstance(item, _Call):  # (a step asked for after the loop ended)
+                    item.error = LoopEnded("the script's loop ended before the replay ran every step it needs")
+                _run_here(item)
 
     def _note_scaler_steps(self, scaler) -> None:
         """A GradScaler that skips an overflowing update never calls `optimizer.step()`: its `step` ends the step too.
@@ -319,13 +338,8 @@ class RemoteStep:
         gets the error as the step's. The script's own code after the call cannot go on without the model's outputs,
         so its thread waits here for the replay to end the process; a replay asking for another step is told so.
         Outside a step it is the script's."""
-        current = self._current
-        if current is None:
-            return
-        self._failed(error)
-        self._ended, self._ended_after_halt = True, True
-        self._complete(current)
-        threading.Event().wait()
+        if self._current is not None:
+            self._end_by_crash(self._current, error)
 
     def _raised_in_loss(self, error: Exception) -> torch.Tensor:
         """An op of the step's loss raised in the script's thread (a recorded crash replayed: a BCELoss refusing a
@@ -383,3 +397,13 @@ class RemoteStep:
 
         # a bound method, as `optimizer.step` is: an LR scheduler the script makes afterwards wraps it by its __func__
         optimizer.step = types.MethodType(lambda _optimizer, *args, **kwargs: step(*args, **kwargs), optimizer)
+
+
+def _run_here(item: "_Call | _Request") -> None:
+    """Run a _Call in this thread (its error handed back to the engine's), and tell the engine it is done."""
+    if isinstance(item, _Call):
+        try:
+            item.fn()
+        except Exception as error:
+            item.error = error
+    item.done.set()

@@ -96,19 +96,21 @@ class WriteRefused(PermissionError):
     """A replay refused a write of the re-run script's into the user's folders (refuse_writes_under)."""
 
 
-_script_raised: Optional[Callable[[BaseException], bool]] = None  # the same, for an exception that ends the script
+_script_raised: Optional[Callable[[BaseException], None]] = None  # the same, for an exception that ends the script
 
 
-def at_script_raise(function: Callable[[BaseException], bool]) -> None:
+def at_script_raise(function: Callable[[BaseException], None]) -> None:
     """A loop recorded as written: an exception its own code raises inside a replayed step (an update by hand, a
-    check between backward and update) is that step's (`function` returns whether it took it)."""
+    check between backward and update) is that step's (`function` takes it, and serves the replay until its end)."""
     global _script_raised
     _script_raised = function
 
 
-def script_raised(error: BaseException) -> bool:
-    """The re-entered script ended with `error`: whether a replayed step took it as its own (its replay goes on)."""
-    return _script_raised is not None and _script_raised(error)
+def script_raised(error: BaseException) -> None:
+    """The re-entered script ended with `error`: where a replayed step takes it as its own, the replay goes on in its
+    thread, and this returns when it is over (it ends the process) or gone; else at once."""
+    if _script_raised is not None:
+        _script_raised(error)
 
 
 def script_ended() -> None:

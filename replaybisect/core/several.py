@@ -139,8 +139,10 @@ def _numbered(key) -> bool:
 
 def _joined_key(key, offset: int, position: int):
     """A member's state key in the joined state_dict: a parameter's index shifted past the members before it; an
-    entry of its own prefixed with its position."""
-    return key + offset if isinstance(key, int) and not isinstance(key, bool) else f"{position}.{key}"
+    entry of its own named by a string, prefixed with its position."""
+    if isinstance(key, int) and not isinstance(key, bool):
+        return key + offset
+    return f"{position}.{key}" if isinstance(key, str) else key  # (another key: left out of a snapshot, with a warning)
 
 
 class _Handles:

@@ -469,7 +469,7 @@ SAFETENSORS_ITEM_SIZES = {
     "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E4M3FNUZ": 1, "F8_E5M2": 1, "F8_E5M2FNUZ": 1,
     "I16": 2, "U16": 2, "F16": 2, "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8, "C64": 8,
 }
-TENSOR_NAME = re.compile(r"^(model/.+|optim/\d{1,9}/.+|optim/own/.+)$")
+TENSOR_NAME = re.compile(r"^(model/.+|optim/\d{1,9}/.+|optim/own/(?!\d+\Z)[^\n]{1,200})\Z")
 BATCH_STEP = re.compile(r"^\d{1,12}$")
 
 

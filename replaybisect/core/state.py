@@ -98,7 +98,7 @@ def own_entries(optimizer_state: dict) -> dict[str, Any]:
     for key, value in optimizer_state.items():
         if _of_parameter(key, value):
             continue
-        if isinstance(key, str) and not key.isdigit() and (torch.is_tensor(value) or _plain_data(value)):
+        if storable_key(key) and (torch.is_tensor(value) or _plain_data(value)):
             kept[key] = value
         elif repr(key) not in _warned_unkept:
             _warned_unkept.add(repr(key))
@@ -108,14 +108,22 @@ def own_entries(optimizer_state: dict) -> dict[str, Any]:
     return kept
 
 
+def storable_key(key: Any) -> bool:
+    """A name an own entry is kept under: a string of one line, up to 200 characters, not a number (a parameter's)."""
+    return isinstance(key, str) and 0 < len(key) <= 200 and "\n" not in key and not key.isdigit()
+
+
 def optimizer_tensors(optimizer) -> Iterator[tuple[Optional[torch.Tensor], str, torch.Tensor]]:
     """Every tensor in optimizer.state: (its parameter, its key, the tensor) for a parameter's moments, (None, the
     key, the tensor) for the optimizer's own entries."""
-    for key, value in optimizer.state.items():
-        if torch.is_tensor(key) and isinstance(value, dict):
-            yield from ((key, name, tensor) for name, tensor in value.items() if torch.is_tensor(tensor))
-        elif torch.is_tensor(value):
-            yield None, str(key), value
+    from replaybisect.core import several
+
+    for member in several.members(optimizer):  # (several optimizers may each keep an entry of the same name)
+        for key, value in member.state.items():
+            if torch.is_tensor(key) and isinstance(value, dict):
+                yield from ((key, name, tensor) for name, tensor in value.items() if torch.is_tensor(tensor))
+            elif torch.is_tensor(value):
+                yield None, str(key), value
 
 
 def _plain_data(value: Any) -> bool:
@@ -144,9 +152,9 @@ class OptimizerJson(BaseModel):
     @field_validator("own")
     @classmethod
     def _named(cls, value: dict[str, Any]) -> dict[str, Any]:
-        numbered = next((key for key in value if key.isdigit()), None)
-        if numbered is not None:
-            raise ValueError(f"the optimizer's own entry {numbered!r} is numbered as a parameter is")
+        unnamed = next((key for key in value if not storable_key(key)), None)
+        if unnamed is not None:
+            raise ValueError(f"the optimizer's own entry {unnamed[:60]!r} is not named as a snapshot names one")
         return value
 
 
@@ -245,9 +253,10 @@ def _optimizer_state(optimizer, tensors: dict[str, torch.Tensor], saved: Optimiz
 
     per_param: dict[int, dict[str, Any]] = {int(index): dict(from_jsonable(s)) for index, s in saved.scalars.items()}
     own: dict[str, Any] = {key: from_jsonable(value) for key, value in saved.own.items()}
+    device = next((param.device for group in optimizer.param_groups for param in group["params"]), None)
     for name, value in tensors.items():
-        if name.startswith(OWN_PREFIX):
-            own[name[len(OWN_PREFIX):]] = value
+        if name.startswith(OWN_PREFIX):  # (on the parameters' device: torch's load moves only a parameter's moments)
+            own[name[len(OWN_PREFIX):]] = value.to(device) if device is not None else value
         elif name.startswith("optim/"):
             _, index, key = name.split("/", 2)
             per_param.setdefault(int(index), {})[key] = value

@@ -140,9 +140,10 @@ class StepWatch:
         if self.on_loss is not None:
             self.on_loss()
         if not self._backpropagated:
-            self._backpropagated = self.outcome.backpropagated = True
+            self._backpropagated = True
             if self.state.user_loop:
                 self.outcome.carried_grads = carried_gradients(self.state.model, self.state.params)
+            self.outcome.backpropagated = True  # (after: where the copy failed, the live gradients are still these)
         faults.at_loss(self.outcome.step, loss)  # (a test's fault injector: nothing unless it is set)
         self.close_forward()
         notify(self.observer, "after_forward", self.state, loss)

@@ -217,7 +217,7 @@ class InlineRecording:
         step_failed = isinstance(error, Exception) and not isinstance(error, (ReplayError, NonFiniteStep))
         if current is not None and self._update_reached(closing=True):
             if self._manual and step_failed:  # raised after the one backward: before the update by hand, or in it
-                before = self.state.optimizer.untouched()  # (or after it: which one, nothing tells; its line does)
+                before = _untouched(self.state.optimizer)  # (or after it: which one, nothing tells; its line does)
                 self._stop_before_update(undo_buffers=before)
                 self.recorder._hooks.on_exception(current.step, error, current.record, updated=not before, outcome=current.outcome)
                 return
@@ -227,7 +227,7 @@ class InlineRecording:
                 return
             # it raised inside its optimizer's step: its batch is kept, the state may be part-way through the update
             self._stop_before_update(undo_buffers=False)
-            self.recorder._hooks.on_exception(current.step, error, current.record, updated=True)
+            self.recorder._hooks.on_exception(current.step, error, current.record, updated=True, outcome=current.outcome)
             return
         if current is None or not current.record[user_step.RECORD_BATCH] or not step_failed:
             return
@@ -258,3 +258,11 @@ class InlineRecording:
         for undo in self._undo:
             undo()
         self._undo = []
+
+
+def _untouched(update: user_step.ManualUpdate) -> bool:
+    """Whether an update by hand had not begun (False where that cannot be told: a device that failed)."""
+    try:
+        return update.untouched()
+    except Exception:
+        return False

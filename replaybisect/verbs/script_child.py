@@ -12,7 +12,6 @@ import json
 import os
 import runpy
 import sys
-import threading
 import traceback
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -47,8 +46,8 @@ def _serve(job: dict[str, Any], progress) -> None:
     reentry.set_takeover(lambda parts: _take_over(job, progress), job["run_id"])
     os.chdir(job["script"]["cwd"])  # only now: our own imports came from nowhere of the script's
     failure, clean, error = _run_script(job["script"])
-    if error is not None and reentry.taken_over() and reentry.script_raised(error):
-        threading.Event().wait()  # the replayed step raised it: the replay goes on in its thread, and ends the process
+    if error is not None and reentry.taken_over():
+        reentry.script_raised(error)  # a replayed step's: this thread serves the replay until it ends the process
     if clean and reentry.taken_over():
         reentry.script_ended()  # a loop recorded as written ended without rec.close(): its replay is told so
     _finish(job, progress, {"ended": failure, "during_replay": reentry.taken_over()})

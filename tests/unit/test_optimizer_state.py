@@ -70,14 +70,29 @@ def test_an_optimizers_own_entries_are_kept_and_a_restored_optimizer_trains_on_b
     assert [key for param, key, _ in optimizer_tensors(restored.optimizer) if param is None] == ["scale"] * len(several.members(restored.optimizer))
 
 
-def test_an_entry_a_snapshot_cannot_hold_is_left_out_with_one_warning():
+@pytest.mark.parametrize("key, value", [("history", object()), ("", 1), ("7", torch.ones(())), ("a\nb", 1), (("a", 1), 1)],
+                         ids=["object", "empty", "number", "two-lines", "tuple"])
+def test_an_entry_a_snapshot_cannot_hold_is_left_out_with_one_warning(key, value):
     state = _state(lambda model: torch.optim.SGD(model.parameters(), lr=0.05))
     _train(state, 1)
-    state.optimizer.state["history"] = object()
-    with pytest.warns(UserWarning, match=r"optimizer.state\['history'\], which a snapshot cannot hold") as caught:
+    state.optimizer.state[key] = value
+    with pytest.warns(UserWarning, match=r"which a snapshot cannot hold") as caught:
         names = [name for name, _ in state_entries(state)]
         saved = state_json(state, 1, rng.capture_raw(), {"step": 1}, "periodic")
-    assert len(caught) == 1 and not any("history" in name for name in names) and "own" not in saved["optimizer"]
+    assert len(caught) == 1 and not any(name.startswith("optim/own/") for name in names) and "own" not in saved["optimizer"]
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # once per entry
         state_entries(state)
+
+
+def test_a_non_finite_own_tensor_of_any_of_several_optimizers_is_found():
+    """Two optimizers each keep a "scale": the second one's NaN is seen (a joined view would show the first one's)."""
+    from replaybisect.verbs.nan import probes
+
+    state = _state(lambda model: several.Optimizers({"first": WarmSGD(model[0].parameters(), lr=0.05),
+                                                     "last": WarmSGD(model[2].parameters(), lr=0.05)}))
+    _train(state, 1)
+    assert probes.finiteness(state)
+    state.optimizer.named["last"].state["scale"] = torch.tensor(float("nan"))
+    assert not probes.finiteness(state)
+    assert [finding.name for finding in probes.probe_state(state)] == ["optimizer.state:scale"]
