@@ -308,6 +308,33 @@ def test_tensors_that_do_not_fit_the_model_or_optimizer(run, corruption):
     check_promise(run, "tensor shapes", corruption)
 
 
+def _numbered_own_tensor(folder: Path) -> None:
+    from safetensors.torch import load
+
+    tensors = load((folder / fmt.TENSORS).read_bytes())
+    tensors["optim/own/12"] = torch.zeros(3)  # an optimizer's own entry named as parameter 12 is
+    fmt.write_tensors_atomic(folder / fmt.TENSORS, tensors)
+    resign(folder, fmt.TENSORS)
+
+
+def _numbered_own_value(folder: Path) -> None:
+    state = json.loads((folder / fmt.STATE).read_text())
+    state["optimizer"]["own"] = {"12": 1}
+    (folder / fmt.STATE).write_text(json.dumps(state))
+    resign(folder, fmt.STATE)
+
+
+@pytest.mark.parametrize("corruption", [("own tensor named as a parameter", _numbered_own_tensor),
+                                        ("own value named as a parameter", _numbered_own_value)], ids=["tensor", "value"])
+def test_an_optimizers_own_entry_under_a_parameters_number_is_refused(run, corruption):
+    """What a snapshot keeps of an optimizer's own state (optimizer.state["global_step"]) is named as no parameter is:
+    one named "12" could stand in for parameter 12's moments, so the snapshot is refused and the one before used."""
+    description, corrupt = corruption
+    with corrupted_copy(run[3], corrupt) as folder:
+        assert not loads_and_applies(folder, run[2]), description
+    check_promise(run, "optimizer own entries", corruption)  # (the one before it is restored, exact)
+
+
 @SETTINGS
 @given(corruption=file_edits())
 def test_symlinks_extra_files_fifos_and_deep_nesting(run, corruption):
