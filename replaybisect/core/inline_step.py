@@ -35,6 +35,15 @@ ARGS, KWARGS, OUTSIDE, CARRIED = "args", "kwargs", "outside", "carried"
 MODEL = "model"  # of several models (core/several.py): the name of the one called
 
 
+# why the script's loop ended, as a replay asking for another step is told (RemoteStep._ended_why)
+_TOO_FEW = ("the script's loop ended (it reached rec.close()) before the replay ran every step it needs; let the script "
+            "run more iterations (its own iteration limit counts from 0 again in a replay)")
+_AFTER_HALT = ("the script's loop ended (it reached rec.close()) right after a step the replay halted: its own code after "
+               "the step saw the halted step's values (a NaN loss, no gradients) and stopped; skip that check when "
+               "replaybisect.replaying() is True")
+_AFTER_CRASH = "the script's loop ended as a replayed step raised (the run's crash, replayed): no step after it runs in this replay"
+
+
 class LoopEnded(ReplayError):
     """The script's loop ended (it reached `rec.close()`) while the replay wanted another step."""
 
@@ -106,9 +115,7 @@ class RemoteStep:
                  updates_by_hand: bool = False):
         self._start = start  # hands the live objects to the replay (in a thread of its own), at the first forward
         self._started = False
-        self._ended = False
-        self._ended_after_halt = False  # the loop's last iteration ran a step the replay halted
-        self._ended_by_crash = False  # the loop ended as a replayed step raised (its model, its loss, the script's code)
+        self._ended_why: Optional[str] = None  # the loop is over: what a replay asking for another step is told
         self._replay_thread: Optional[threading.Thread] = None
         self._requests: "queue.Queue[_Request]" = queue.Queue()
         self._current: Optional[_Request] = None
@@ -129,7 +136,7 @@ class RemoteStep:
     @property
     def ended(self) -> bool:
         """The script's loop is over (rec.close(), or its model raised in a replayed step): no more steps run."""
-        return self._ended
+        return self._ended_why is not None
 
     def attach(self, watch: StepWatch, numbers: Any) -> None:
         """The watch of the step about to be asked for, and the floats the loop read as it was recorded (user_step.run).
@@ -146,16 +153,8 @@ class RemoteStep:
         if not isinstance(batch, list) or not all(isinstance(item, dict) and ARGS in item for item in batch):
             raise ReplayError("a stored step of this run holds no model inputs (it was recorded with step_fn=); the "
                               "snapshot does not match this Recorder: re-record the run")
-        if self._ended and self._ended_by_crash:
-            raise LoopEnded("the script's loop ended as a replayed step raised (the run's crash, replayed): no step after "
-                            "it runs in this replay")
-        if self._ended and self._ended_after_halt:
-            raise LoopEnded("the script's loop ended (it reached rec.close()) right after a step the replay halted: its own "
-                            "code after the step saw the halted step's values (a NaN loss, no gradients) and stopped; skip "
-                            "that check when replaybisect.replaying() is True")
-        if self._ended:
-            raise LoopEnded("the script's loop ended (it reached rec.close()) before the replay ran every step it needs; "
-                            "let the script run more iterations (its own iteration limit counts from 0 again in a replay)")
+        if self._ended_why is not None:
+            raise LoopEnded(self._ended_why)
         watch, self._watch = self._watch, None
         watch.close_forward()  # opened in this thread; the script's thread opens its own around its forwards
         request = _Request(batch, watch, self._numbers)
@@ -238,8 +237,7 @@ class RemoteStep:
         """The script's loop is over (`rec.close()`): the step in hand ends here, a replay asking for another is told
         so, and the script waits for the replay to end the process (its own exit would race the replay's result)."""
         self._targets.end()
-        self._ended = True
-        self._ended_after_halt = self._current is not None and self._current.halted
+        self._ended_why = _AFTER_HALT if self._current is not None and self._current.halted else _TOO_FEW
         if self._current is not None:
             if not self._update_reached(self._current) and self._current.error is None and not self._current.halted:
                 self._current.error = LoopEnded("the script's loop ended (it reached rec.close()) in the middle of a step, "
@@ -265,7 +263,7 @@ class RemoteStep:
         is over, and this thread serves the replay until its end."""
         if error is not None:
             self._failed(error)
-        self._ended = self._ended_by_crash = True
+        self._ended_why = _AFTER_CRASH
         self._complete(current)
         self.serve_until_replay_ends()
 
@@ -276,7 +274,7 @@ class RemoteStep:
             with contextlib.suppress(queue.Empty):
                 item = self._requests.get(timeout=1.0)
                 if not isinstance(item, _Call):  # (a step asked for after the loop ended)
-                    item.error = LoopEnded("the script's loop ended before the replay ran every step it needs")
+                    item.error = LoopEnded(self._ended_why or _TOO_FEW)
                 _run_here(item)
 
     def _note_scaler_steps(self, scaler) -> None:
