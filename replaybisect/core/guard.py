@@ -10,6 +10,7 @@ can overflow fp32 (its sum of squares does): that is no fault, and the step trai
 from __future__ import annotations
 
 import math
+import operator
 from typing import Any, Optional
 
 import torch
@@ -39,7 +40,7 @@ def norms(grads: list[torch.Tensor]) -> tuple[torch.Tensor, Optional[list[torch.
     if not grads:
         return torch.zeros(()), None
     first = grads[0]
-    one_group = all(grad.device == first.device and grad.dtype == first.dtype for grad in grads)
+    one_group = len(set(map(_DEVICE_AND_DTYPE, grads))) == 1
     if not (one_group and _has_foreach_support(grads, first.device)):
         return torch.nn.utils.get_total_norm(grads), None
     with torch.no_grad():
@@ -47,14 +48,18 @@ def norms(grads: list[torch.Tensor]) -> tuple[torch.Tensor, Optional[list[torch.
         return torch.linalg.vector_norm(torch.stack(each), 2.0), each
 
 
+_DEVICE_AND_DTYPE = operator.attrgetter("device", "dtype")
+
+
 def norm_in_order(grads: list[torch.Tensor], each: list[torch.Tensor], theirs: list[torch.Tensor]) -> Optional[torch.Tensor]:
     """The total norm of `theirs` as get_total_norm would take it, from `each` (the norms of `grads`, from `norms`),
     where `theirs` is `grads` in some order (the same tensors, each once); else None."""
-    by_id = {id(grad): norm for grad, norm in zip(grads, each)}
-    if len(theirs) != len(by_id) or {id(grad) for grad in theirs} != by_id.keys():
+    by_id = dict(zip(map(id, grads), each))  # (map: no Python loop over the gradients, every step)
+    their_ids = list(map(id, theirs))
+    if len(their_ids) != len(by_id) or set(their_ids) != by_id.keys():
         return None
     with torch.no_grad():
-        return torch.linalg.vector_norm(torch.stack([by_id[id(grad)] for grad in theirs]), 2.0)
+        return torch.linalg.vector_norm(torch.stack(list(map(by_id.__getitem__, their_ids))), 2.0)
 
 
 def nonfinite_gradient(grads: list[torch.Tensor], norm: float, scaler: Optional[Any]) -> bool:

@@ -124,6 +124,8 @@ class RemoteStep:
         self._optimizer, self._scaler = optimizer, scaler
         self._manual = updates_by_hand  # the optimizer is a user_step.ManualUpdate: the loop updates by hand
         self._stored_targets: list = []
+        # step -> (training calls the script's iteration made, calls the recording made), where they differed
+        self.calls_differ: dict[int, tuple[int, int]] = {}
         self._targets = outside_model.StepTargets(model, scaler, replaying=True, on_error=self._raised_in_loss)
         for name, member in several.named_models(model):
             intercept_training_calls(member, functools.partial(self._inputs, name), self._returned, self._raised_in_model)
@@ -300,6 +302,9 @@ class RemoteStep:
             setattr(scaler, name, idle_when_halted)
 
     def _complete(self, request: _Request) -> None:
+        made, stored = sum(request.forwards.values()), len(request.micro_batches)
+        if made != stored:  # (the script's loop decided otherwise than recorded; or an arm ran past a step stopped part-way)
+            self.calls_differ[request.watch.outcome.step] = (made, stored)
         self._targets.end()
         if request.rng_after is not None:
             restore_raw(request.rng_after)

@@ -55,11 +55,12 @@ def plain_leaves(value: Any) -> Optional[list]:
 
 
 def _plain_leaves(value: Any, found: list) -> bool:
-    kind = type(value)
-    if kind is tuple or kind is list:
-        return all(_plain_leaves(item, found) for item in value)
-    if kind is dict:
-        return all(_plain_leaves(item, found) for item in value.values())
+    kind = type(value)  # (loops, not all() over a generator: this runs some hundred times a step)
+    if kind is tuple or kind is list or kind is dict:
+        for item in (value.values() if kind is dict else value):
+            if not _plain_leaves(item, found):
+                return False
+        return True
     if kind in _LEAF_TYPES:
         found.append(value)
         return True
@@ -70,7 +71,7 @@ def _plain_map(function: Callable[[Any], Any], value: Any) -> Any:
     """`tree_map(function, value)` for a `value` plain_leaves walks (the leaves in the same order)."""
     kind = type(value)
     if kind is tuple or kind is list:
-        return kind(_plain_map(function, item) for item in value)
+        return kind([_plain_map(function, item) for item in value])
     if kind is dict:
         return {key: _plain_map(function, item) for key, item in value.items()}
     return function(value)

@@ -287,6 +287,11 @@ class StepWatch:
             self.on_fault()
 
 
+def holds_gradients(params) -> bool:
+    """Whether any parameter holds a gradient (on the host: no device read)."""
+    return any(param.grad is not None for param in params)
+
+
 def _joined(earlier, norm: torch.Tensor) -> torch.Tensor:
     """On the device: the norm of one optimizer's gradients joined to another's of the same step (None: the first)."""
     if earlier is None:
@@ -298,7 +303,7 @@ def carried_gradients(model: torch.nn.Module, params: list) -> Optional[dict[str
     """The gradients a step's first backward adds to, copied (None: none, the loop cleared them as it should): a loop
     that never zeroes them, or accumulates over several steps. A replay must start the step with them. (`params`,
     the optimizer's flat list, is checked first: naming the model's parameters walks its whole tree.)"""
-    if not any(param.grad is not None for param in params):
+    if not holds_gradients(params):
         return None
     grads = {name: param.grad.detach().clone() for name, param in model.named_parameters() if param.grad is not None}
     return grads or None

@@ -291,6 +291,13 @@ def apply_recorded_variables(record: Any, step_fn: Callable) -> None:
 
 def copied(value: Any, what: str = "batch") -> Any:
     """A detached copy of a batch or carry (`what`): tensors cloned, in the same containers."""
+    kind = type(value)  # (the common containers first: every micro-batch of every recorded step passes here)
+    if kind is torch.Tensor:
+        return value.detach().clone()
+    if kind is tuple or kind is list:
+        return kind([copied(item, what) for item in value])
+    if kind is dict:
+        return {key: copied(item, what) for key, item in value.items()}
     from replaybisect.core.snapshot import is_namedtuple, like, storable_namedtuple
 
     if isinstance(value, torch.Tensor):
@@ -476,19 +483,28 @@ def noting_precision(seen: list[str]):
 
 
 # ---- one step --------------------------------------------------------------------------------------------
-@contextlib.contextmanager
-def _kept_from_the_script(watch: StepWatch):
+class _KeptFromTheScript:
     """In an inline run's replay (`watch.on_error` set), what stops the step inside its backward stays out of the
-    script's code: a halt leaves the rest of its iteration idle, an error goes to the replay's engine."""
-    try:
-        yield
-    except StepHalted:
-        if watch.on_error is None:
-            raise
-    except Exception as error:
-        if watch.on_error is None:
-            raise
-        watch.on_error(error)
+    script's code: a halt leaves the rest of its iteration idle, an error goes to the replay's engine. (A class, not
+    a generator's context manager: it is entered at every backward of every recorded step.)"""
+
+    __slots__ = ("watch",)
+
+    def __init__(self, watch: StepWatch):
+        self.watch = watch
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind, error, traceback) -> bool:
+        if kind is None or self.watch.on_error is None:
+            return False
+        if issubclass(kind, StepHalted):
+            return True
+        if not issubclass(kind, Exception):
+            return False
+        self.watch.on_error(error)
+        return True
 
 
 @contextlib.contextmanager
@@ -514,7 +530,7 @@ def watching(watch: StepWatch):
         if watch.stopped:  # an inline run's replay halted this step: the rest of the script's iteration runs idle
             return None
         returned = None
-        with _kept_from_the_script(watch):
+        with _KeptFromTheScript(watch):
             try:
                 watch.loss(tensor)
                 returned = original_backward(tensor, *args, **kwargs)
@@ -525,7 +541,7 @@ def watching(watch: StepWatch):
                 if not watch.stopped:
                     watch.open_forward()
         if manual and not watch.stopped:  # no optimizer.step() to wait for: the user's update follows now
-            with _kept_from_the_script(watch):
+            with _KeptFromTheScript(watch):
                 if optimizer.marked():
                     raise ConfigError("your step backpropagates more than once and updates the parameters itself: with no "
                                       "optimizer, replaybisect sees the update after the one backward; accumulate into one "
@@ -546,7 +562,7 @@ def watching(watch: StepWatch):
             if watch.device_guard is not None:  # a fused optimizer skips a failed update on the device: no read
                 watch.device_guard.arm(optimizer, watch.verdict)
         elif not watch.stopped:  # another optimizer (a GAN's other half) updates: losses judged before it does
-            with _kept_from_the_script(watch):
+            with _KeptFromTheScript(watch):
                 watch.judge_losses()
 
     def clip_grad_norm_(parameters, *args, **kwargs):  # the step's own clip (accelerate's and Lightning's call it too)
@@ -555,7 +571,7 @@ def watching(watch: StepWatch):
         owner = next((owners[id(param)] for param in parameters if id(param) in owners), None)
         if not manual and not watch.stopped and owner is not None:
             measuring = not watch.saw_gradients and not joined
-            with _kept_from_the_script(watch):
+            with _KeptFromTheScript(watch):
                 watch.gradients(owner if joined else None)  # the gradients before the clip: their norm, the non-finite rule, an arm's clip first
             max_norm = _plain_clip(*args, **kwargs)
             if measuring and max_norm is not None and \
@@ -570,7 +586,7 @@ def watching(watch: StepWatch):
         if not (manual or watch.stopped or watch.saw_gradients and not joined):  # (the watch's own norm, every step,
             tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)  # passes straight on)
             if (owner := _owner_of_gradients(tensors, owners)) is not None:
-                with _kept_from_the_script(watch):
+                with _KeptFromTheScript(watch):
                     watch.gradients(owner if joined else None)
                 if not joined and _plain_norm(*args, **kwargs) and (norm := watch.norm_of(tensors)) is not None:
                     return norm.clone()
@@ -590,7 +606,7 @@ def watching(watch: StepWatch):
         with deferred reads the losses are judged before it changes anything, so a halted step leaves it as it was."""
         def method(scaler, *args, **kwargs):
             if scaler is watch.state.scaler and not watch.stopped:
-                with _kept_from_the_script(watch):
+                with _KeptFromTheScript(watch):
                     watch.judge_losses()
             return scaler_method(scaler, *args, **kwargs)
         return method
@@ -599,7 +615,10 @@ def watching(watch: StepWatch):
     original_unscale, original_scaler_step = torch.amp.GradScaler.unscale_, torch.amp.GradScaler.step
     # the optimizer of each of the step's parameters: a clip of other parameters (a model the step does not train)
     # is no moment of the step's
-    owners = {id(param): member for member in members.values() for group in member.param_groups for param in group["params"]}
+    owners = {}
+    for member in members.values():
+        for group in member.param_groups:
+            owners.update(dict.fromkeys(map(id, group["params"]), member))
     handles = [register_optimizer_step_pre_hook(before_update), register_optimizer_step_post_hook(after_update)]
     torch.Tensor.backward = backward
     torch.nn.utils.clip_grad_norm_, torch.nn.utils.get_total_norm = clip_grad_norm_, get_total_norm
@@ -718,11 +737,6 @@ def set_modes(model: torch.nn.Module, in_eval: Optional[list[str]]) -> None:
     in_eval = set(in_eval or ())
     for name, module in model.named_modules():
         module.training = name not in in_eval
-
-
-def holds_gradients(params) -> bool:
-    """Whether any parameter holds a gradient (on the host: no device read)."""
-    return any(param.grad is not None for param in params)
 
 
 def carries_gradients(record: Any, state) -> bool:

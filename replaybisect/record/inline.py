@@ -30,7 +30,7 @@ import torch
 from replaybisect.core import loop, outside_model, several, user_step
 from replaybisect.core.inline_step import CARRIED, OUTSIDE, intercept_training_calls, micro_batch
 from replaybisect.core.config import needs_closure
-from replaybisect.core.step_watch import StepOutcome, StepWatch
+from replaybisect.core.step_watch import StepOutcome, StepWatch, holds_gradients
 from replaybisect.errors import ConfigError, NonFiniteStep, ReplayError
 
 
@@ -163,7 +163,7 @@ class InlineRecording:
         rng_at_start = loop.open_step(step, state, recorder._hooks, recorder._buffers)
         # the lr the loop set for this step, and the floats its code reads (an lr it applies by hand)
         record = user_step.pack([], state.device, rng_at_start, state.optimizer, variables=outside_model.loop_numbers(frame),
-                                grads_carried=user_step.holds_gradients(state.params),
+                                grads_carried=holds_gradients(state.params),
                                 eval_modules=user_step.eval_modules(state.model))
         outcome = StepOutcome(step=step, loss=math.nan, lr=float(state.optimizer.param_groups[0]["lr"]))
         watch = StepWatch(state, outcome, recorder._hooks.observer(step), on_fault=self._halt)

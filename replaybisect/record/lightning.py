@@ -150,10 +150,12 @@ class ReplayCallback(RecordingCallback, Callback):
         if not self._open:
             return
         called = time.perf_counter()
-        packed = user_step.pack(batch, self.recording.state.device)  # a copy of the batch, and the RNG states it starts with
         position = {"batch_idx": int(batch_idx), "takes_batch_idx": self._takes_batch_idx,
                     "accumulate": int(trainer.accumulate_grad_batches), "scheduler_step": _scheduler_steps(trainer, batch_idx)}
         step = self._step or self.recording.begin_step(called)
+        # a copy of the batch, and the RNG states it starts with: the step's first batch starts where the step opened
+        # (nothing draws between them), a later one where the batch loop has brought them
+        packed = user_step.pack(batch, self.recording.state.device, None if step.batches else step.opened_rng)
         step.add(packed, position)
         step.watch.open_forward()
 

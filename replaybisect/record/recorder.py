@@ -53,6 +53,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from replaybisect.core import ranks, reentry, several
+from replaybisect.core.step_watch import holds_gradients
 from replaybisect.record import ranked
 from replaybisect.core.config import PRECISIONS, OnNonfinite, Precision
 from replaybisect.errors import ConfigError, NonFiniteStep, ReplayError, Terminated
@@ -317,7 +318,7 @@ class Recorder:
         try:
             rng_at_start = loop.open_step(step, self.state, self._hooks, self._buffers)
             # the step begins with cleared gradients, unless the last one made no update: it accumulates over rec.step calls
-            carried = not self._last_updated and user_step.holds_gradients(self.state.params)
+            carried = not self._last_updated and holds_gradients(self.state.params)
             record = user_step.pack(batch, self.state.device, rng_at_start, self.state.optimizer,
                                     self.state.carry if user_step.takes_carry(self.state.step_fn) else None,
                                     user_step.step_variables(self.state.step_fn) if self._settings["script"] else None,

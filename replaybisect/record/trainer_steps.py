@@ -27,6 +27,7 @@ class StepInProgress:
     batches: list = field(default_factory=list)
     positions: list = field(default_factory=list)
     rng: Optional[dict] = None
+    opened_rng: Optional[dict] = None  # the RNG streams as the step opened (core.rng.capture_raw's form)
     stepped: bool = False  # the optimizer step was reached
     loss: Optional[torch.Tensor] = None  # what the trainer's callback adds up for the step's loss, where it does
 
@@ -70,14 +71,15 @@ class TrainerRecording:
         from replaybisect.core import loop
 
         step = self.steps_taken
-        loop.open_step(step, self.state, self.hooks, self.buffers)
+        opened_rng = loop.open_step(step, self.state, self.hooks, self.buffers)
         if self.ranked is not None:
             self.ranked.opened(step, self.state)
         outcome = StepOutcome(step=step, loss=math.nan, lr=float(self.state.optimizer.param_groups[0]["lr"]))
         watch = StepWatch(self.state, outcome, self.hooks.observer(step), on_fault=self.nonfinite,
                           ranks_agree=self.state.ranks_agree, defer_reads=self.defer_reads)
         now = time.perf_counter()
-        self.step = StepInProgress(watch=watch, started=now, data_started=loop_data_started(self._last_step_end, called, now))
+        self.step = StepInProgress(watch=watch, started=now, data_started=loop_data_started(self._last_step_end, called, now),
+                                   opened_rng=opened_rng)
         return self.step
 
     def end_step(self, loss) -> None:

@@ -34,3 +34,28 @@ def test_a_stored_records_non_finite_row_is_named_without_its_bookkeeping():
                             rng.capture_raw())
     [finding] = probe_batch(record)
     assert (finding.field, finding.rows, finding.nan) == ("model(arg 0)", [2], 1)
+
+
+def test_a_step_of_many_non_finite_fields_names_a_few_in_order_and_counts_the_rest():
+    """A policy-gradient step (one training call per environment step, each return a loss target) whose reward was
+    NaN: every target holds it. The headline names the first three in the batch's order and the evidence ten; all
+    of them stay in the report's batch list (report.json)."""
+    from types import SimpleNamespace
+
+    from replaybisect.verbs.nan.result import NanReport, headline
+    from replaybisect.verbs.nan.verdict import _is_data
+
+    calls = [{**micro_batch((torch.zeros(1, 4),), {}), OUTSIDE: [], CARRIED: []} for _ in range(11)]
+    calls[-1][OUTSIDE] = [torch.tensor(float("nan")) for _ in range(12)]
+    findings = probe_batch(calls)
+    assert [finding.field for finding in findings] == [f"micro-batch 10: loss target {index}" for index in range(12)]
+    report = NanReport(run_id="r", failing_step=5, recorded_failing_step=5, snapshot_step=0, reproduced="exact",
+                       category="", phase="", module=None, op=None, source=None, evidence=[], suggestion="", arms=[],
+                       ablate_command=None)
+    assert _is_data(report, SimpleNamespace(batch=findings, probe=SimpleNamespace(first_nonfinite_output=None)), None)
+    report.batch = findings
+    assert headline(report) == ("data at step 5: the batch holds non-finite values (micro-batch 10: loss target 0, "
+                                "micro-batch 10: loss target 1, micro-batch 10: loss target 2 and 9 more)")
+    fields = [line for line in report.evidence if line.startswith("batch field")]
+    assert len(fields) == 10 and fields[-1].startswith("batch field micro-batch 10: loss target 9 ")
+    assert "... and 2 more batch fields hold non-finite values (report.json: batch)" in report.evidence

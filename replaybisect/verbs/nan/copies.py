@@ -30,6 +30,23 @@ class StepResults:
     probe: Any  # StepProbeResult
     anomaly: Any  # AnomalyFinding
     isolation: dict
+    isolation_warning: Optional[str] = None  # why the isolation check failed, where that is known (isolation_warning)
+
+
+def isolation_warning(isolation: dict, state, step: int) -> Optional[str]:
+    """What a report says when the probes' isolation check failed: for a loop recorded as written whose iteration made
+    another number of training calls than the recorded step, that; else the check's values."""
+    from replaybisect.core.inline_step import RemoteStep
+
+    if all(isolation.values()):
+        return None
+    calls = state.step_fn.calls_differ.get(step) if isinstance(state.step_fn, RemoteStep) else None
+    if calls is not None:
+        return (f"a repeat of step {step} made {calls[0]} training calls of the model where the recording made {calls[1]}: "
+                "the script's loop decides them from what a replay does not restore (an int counter such as an episode "
+                "number, an environment's state), so only the first replay of the step is the recorded one, and what the "
+                "probes after it found may be another step's")
+    return f"probe isolation check failed: {isolation} (please report this)"
 
 
 def on_copy(state, rng_at_step, function):

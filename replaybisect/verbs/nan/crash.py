@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from replaybisect.verbs.nan.copies import fingerprint, on_copy
+from replaybisect.verbs.nan.copies import fingerprint, isolation_warning, on_copy
 from replaybisect.verbs.nan.result import NanReport, line_of, shown_module
 from replaybisect.verbs.nan.suggest import rows_text
 
@@ -22,6 +22,7 @@ class _CrashResults:
     batch: list  # "name: dtype[shape] range" of each tensor of the batch
     batch_findings: list  # non-finite values in the batch
     isolation: dict
+    isolation_warning: Optional[str] = None  # copies.isolation_warning
 
 
 def _run_catching(step, batch):
@@ -82,7 +83,7 @@ def probe_crash(state, step, batch, rng_at_step, dataset_rows, log) -> _CrashRes
     if again is not None:  # (None: the script's loop ended with the step, which therefore ran once)
         isolation["step_repeatable"] = again == (error, frame)
     return _CrashResults(error, frame, probe, probe.finder.raised, probe.finder.found,
-                         shapes, probes.probe_batch(data, dataset_rows), isolation)
+                         shapes, probes.probe_batch(data, dataset_rows), isolation, isolation_warning(isolation, state, step))
 
 
 def classify_crash(report: NanReport, results: _CrashResults, tags: dict) -> None:
@@ -102,8 +103,8 @@ def classify_crash(report: NanReport, results: _CrashResults, tags: dict) -> Non
         "op_inputs": raised.inputs if raised else [], "batch": results.batch,
         "nonfinite_before": to_jsonable(first) if first is not None else None,
     }
-    if not all(results.isolation.values()):
-        report.warnings.append(f"probe isolation check failed: {results.isolation} (please report this)")
+    if results.isolation_warning:
+        report.warnings.append(results.isolation_warning)
     if tags.get("failure_kind") == "out_of_memory" and results.error is None:  # the run's cap, not the step, made it fail
         report.category, report.phase = "out-of-memory", "step"
         report.evidence.append(f"step {t} ran out of memory in the recorded run ({recorded}); replayed here without "

@@ -11,6 +11,7 @@ from replaybisect.core.trend import HISTORY_WINDOW, HistoryFit
 CATEGORIES = ("divergence", "data", "forward", "loss", "backward", "optimizer", "corrupt-state", "transient", "exception",
               "out-of-memory")
 FAULTS = ("forward", "loss", "backward", "optimizer")  # verdicts a divergence can stand behind (the op met runaway values)
+FIELDS_NAMED, FIELDS_SHOWN = 3, 10  # a data verdict's non-finite batch fields named in its headline, and in its evidence
 ARMS = ("lr", "clip", "precision", "warmup", "eps", "skip-batch", "skip-rows", "seed", "zero-grad")  # `replay ablate` arm names
 
 
@@ -131,8 +132,9 @@ def headline(report: NanReport) -> str:
             before = f", after {first['op']}" + (f" in {shown_module(first['module'])}" if first.get("module") is not None else "") + " made a non-finite value"
         return f"exception at step {t}: {crash.get('replayed')}{line}{by}{before}"
     if category == "data":
-        fields = ", ".join(sorted({finding.field for finding in report.batch})) or "a field"
-        return f"data at step {t}: the batch holds non-finite values ({fields})"
+        fields = list(dict.fromkeys(finding.field for finding in report.batch))  # (in the batch's order)
+        named = ", ".join(fields[:FIELDS_NAMED]) + (f" and {len(fields) - FIELDS_NAMED} more" if len(fields) > FIELDS_NAMED else "")
+        return f"data at step {t}: the batch holds non-finite values ({named or 'a field'})"
     if category == "corrupt-state":
         origin = f", made so at step {report.origin_step}" if report.origin_step is not None else ""
         return f"corrupt-state at step {t}: the state before the step was already non-finite{origin}" + (f" ({report.module})" if report.module else "")

@@ -13,7 +13,7 @@ from replaybisect.replay import restore as restore_mod
 from replaybisect.verbs.nan.divergence import LayerHistory, decide, moderate_fault
 from replaybisect.verbs.nan.copies import StepResults, on_copy
 from replaybisect.core.trend import fmt
-from replaybisect.verbs.nan.result import FAULTS, NanReport
+from replaybisect.verbs.nan.result import FAULTS, FIELDS_SHOWN, NanReport
 
 
 # ---- the verdict --------------------------------------------------------------------------------------------
@@ -56,8 +56,8 @@ def _record_probe_facts(report: NanReport, results: StepResults) -> None:
         "grad_norm": probe.grad_norm, "events": len(probe.grad_events),
     }
     report.update = to_jsonable(probe.update) if probe.update is not None else None
-    if not all(results.isolation.values()):
-        report.warnings.append(f"probe isolation check failed: {results.isolation} (please report this)")
+    if results.isolation_warning:
+        report.warnings.append(results.isolation_warning)
 
 
 def _is_transient(report: NanReport, results: StepResults, restored, run_id: str) -> bool:
@@ -105,10 +105,12 @@ def _is_data(report: NanReport, results: StepResults, model) -> bool:
     if not results.batch:
         return False
     report.category, report.phase = "data", "data"
-    for finding in results.batch:
+    for finding in results.batch[:FIELDS_SHOWN]:
         rows = finding.rows[:10]
         where = f"rows {rows}" + (f" (dataset rows {finding.dataset_rows[:10]})" if finding.dataset_rows else "")
         report.evidence.append(f"batch field {finding.field} {finding.shape} holds {finding.nan} NaN / {finding.inf} Inf in {where}")
+    if len(results.batch) > FIELDS_SHOWN:  # (a step of many training calls: every field is in report.json's batch)
+        report.evidence.append(f"... and {len(results.batch) - FIELDS_SHOWN} more batch fields hold non-finite values (report.json: batch)")
     first = results.probe.first_nonfinite_output
     if first is not None:
         report.module = display_module(first.module, model)

@@ -14,7 +14,10 @@ gradient slightly wrong far more often than as a NaN):
 - recorder (--cross-check): this machine and another agree with each other, not with the recording: the machine that
   recorded it computed it differently (its hardware, or a fault while recording);
 - code: the run's code changed since it was recorded (the difference is the change's);
-- nondeterministic: two replays here of the same state and batch differ from each other.
+- nondeterministic: two replays here of the same state and batch differ from each other;
+- loop: a loop recorded as written made another number of training calls in a differing step's replay than it made
+  recording it: its control flow hangs on what a replay does not restore (an episode counter, an environment), so
+  the replay is no evidence about the machine.
 """
 
 from __future__ import annotations
@@ -25,13 +28,15 @@ from typing import Any, Callable, Optional
 
 from replaybisect.replay import restore as restore_mod
 from replaybisect.core import reentry
+from replaybisect.core.inline_step import RemoteStep
 from replaybisect.core.jsonutil import from_jsonable
 from replaybisect.core.faults import device_label
 from replaybisect.errors import ReplayError, SnapshotError
 from replaybisect.store import Store
 from replaybisect.verbs.verify import elsewhere
 
-VERDICTS = ("exact", "transient", "device", "hardware", "recorder", "code", "nondeterministic")
+CALLS_DIFFER = "calls_differ"  # a replayed segment's steps whose training calls differed (RemoteStep.calls_differ)
+VERDICTS = ("exact", "transient", "device", "hardware", "recorder", "code", "nondeterministic", "loop")
 DEVICE_LABEL = "device_label"  # the tag the recording machine's label is kept in (record/session.py)
 
 
@@ -60,6 +65,8 @@ class VerifyReport:
     elsewhere: Optional[dict] = None  # --cross-check: the other machine's label, verdict and first difference
     sample: Optional[float] = None  # --sample: steps per thousand, from the intervals in `segments`
     code_changes: list[str] = field(default_factory=list)  # the run's own modules changed since it was recorded
+    # a loop recorded as written: steps whose replay made another number of training calls, [made, recorded]
+    calls_differ: dict[int, list[int]] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
     report_run_id: Optional[str] = None
 
@@ -72,7 +79,8 @@ class VerifyReport:
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> "VerifyReport":
-        return cls(**{**data, "differences": [Difference(**d) for d in data.get("differences", [])]})
+        return cls(**{**data, "differences": [Difference(**d) for d in data.get("differences", [])],
+                      "calls_differ": {int(step): calls for step, calls in data.get("calls_differ", {}).items()}})
 
 
 def verify(store: Store, run_id: str, start: Optional[int] = None, end: Optional[int] = None, *, device=None, trust=None,
@@ -103,6 +111,7 @@ def verify(store: Store, run_id: str, start: Optional[int] = None, end: Optional
         log(f"replaying steps {seg_start}..{seg_end - 1} from snapshot {snapshot}")
         try:
             replayed = _replay_segment(store, run_id, cfg, trust, device, snapshot, seg_end, log)
+            report.calls_differ.update(replayed.pop(CALLS_DIFFER, {}))
         except SnapshotError as error:  # a snapshot that does not verify: its interval is not compared, said
             report.warnings.append(f"{error}; steps {seg_start}..{seg_end - 1} not compared")
             report.segments.append({"snapshot": snapshot, "start": seg_start, "end": seg_end, "differences": None})
@@ -117,6 +126,7 @@ def verify(store: Store, run_id: str, start: Optional[int] = None, end: Optional
         snapshot, seg_end, replayed = first_differing
         log(f"replaying from snapshot {snapshot} again: is the difference this machine's own?")
         again = _replay_segment(store, run_id, cfg, trust, device, snapshot, seg_end, log)
+        again.pop(CALLS_DIFFER, None)
         report.second_replay = "same" if _same(again, replayed) else "differs"
         if cross_check is not None and report.second_replay == "same" and not report.code_changes and \
                 report.recorded_on != report.replayed_on:
@@ -177,7 +187,11 @@ def replay_segment(store, run_id, cfg, device, snapshot: int, end: int) -> dict[
     restored = restore_mod.restore(store, run_id, cfg=cfg, device=device, snapshot=restore_mod.load_snapshot(store, run_id, snapshot))
     with restore_mod.stored_batch_errors(restored):
         replayed = restore_mod.replay(restored, end, stop_on_nonfinite=False)
-    return {"losses": dict(replayed.losses), "grad_norms": {s: float(v) for s, v in replayed.grad_norms.items() if v is not None}}
+    answer = {"losses": dict(replayed.losses), "grad_norms": {s: float(v) for s, v in replayed.grad_norms.items() if v is not None}}
+    step_fn = restored.state.step_fn
+    if isinstance(step_fn, RemoteStep) and step_fn.calls_differ:  # (the script's iterations: see the "loop" verdict)
+        answer[CALLS_DIFFER] = {step: list(calls) for step, calls in step_fn.calls_differ.items() if snapshot <= step < end}
+    return answer
 
 
 def _differences(replayed: dict, losses: dict[int, float], grad_norms: dict[int, float], start: int) -> list[Difference]:
@@ -208,6 +222,13 @@ def _verdict(report: VerifyReport) -> tuple[str, str]:
              f"{first.replayed!r} ({first.relative:.2g} relative)")
     later = sum(1 for d in report.differences if d.step != first.step)
     after = "; the steps after it differ too (the state went on from it)" if later else "; only that step differs"
+    loop = report.calls_differ.get(first.step)
+    if loop is not None:
+        return "loop", (f"{where}: the script's loop made {loop[0]} training calls of the model in its replay where the "
+                        f"recording made {loop[1]}: what its loop does hangs on what a replay does not restore (an int "
+                        "counter such as an episode number, an environment's state), so this replay ran another step, and "
+                        "the difference says nothing of the machine (a replay from the run's first snapshot runs the loop "
+                        "as the recording did)")
     if report.second_replay == "differs":
         return "nondeterministic", f"{where}, and two replays here of the same state and batch differ from each other: a nondeterministic op or this machine's hardware"
     if report.code_changes:
