@@ -251,7 +251,7 @@ def memory(request: MemoryRequest) -> "MemoryReport":
 def verify(request: VerifyRequest) -> "VerifyReport":
     """Is the recording what this code computes here (as `replay verify`)? Recorded steps (`steps`: "A:B") replayed
     from their snapshots and compared bit for bit: exact | transient | device | hardware | recorder | code |
-    nondeterministic. `cross_check=True` replays a difference this machine reproduces once more on another machine, as
+    nondeterministic | loop. `cross_check=True` replays a difference this machine reproduces once more on another machine, as
     a submitit job (`submitit` holds the job options by name, as for ablate)."""
     from replaybisect.verbs.verify.engine import verify as run_verify
 

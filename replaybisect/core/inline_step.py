@@ -92,6 +92,7 @@ class _Request:
     reached_update: bool = False  # each of them stepped (optimizer.step(), or its GradScaler's step): the next forward is the next step's
     outputs: list = field(default_factory=list)  # the step's training calls' outputs so far, as a later call may take them
     halted: bool = False
+    calls_at_stop: Optional[int] = None  # training calls made when the step halted or failed (the rest run idle)
     error: Optional[Exception] = None  # raised by the step's backward or update in the script's thread
     rng_after: Optional[dict] = None  # the RNG streams where the step ended (its update, or its halt)
     done: threading.Event = field(default_factory=threading.Event)
@@ -124,7 +125,8 @@ class RemoteStep:
         self._optimizer, self._scaler = optimizer, scaler
         self._manual = updates_by_hand  # the optimizer is a user_step.ManualUpdate: the loop updates by hand
         self._stored_targets: list = []
-        # step -> (training calls the script's iteration made, calls the recording made), where they differed
+        # step -> (training calls the script's iteration made, calls the recording made), where they differed: the
+        # first replay of the step that differed
         self.calls_differ: dict[int, tuple[int, int]] = {}
         self._targets = outside_model.StepTargets(model, scaler, replaying=True, on_error=self._raised_in_loss)
         for name, member in several.named_models(model):
@@ -303,8 +305,11 @@ class RemoteStep:
 
     def _complete(self, request: _Request) -> None:
         made, stored = sum(request.forwards.values()), len(request.micro_batches)
-        if made != stored:  # (the script's loop decided otherwise than recorded; or an arm ran past a step stopped part-way)
-            self.calls_differ[request.watch.outcome.step] = (made, stored)
+        # the script's loop decided otherwise than recorded; a step that stopped counts the calls up to its stop (the
+        # recording of the run's failing step stored those; stopping earlier is a changed step's, an arm's)
+        stopped = request.calls_at_stop
+        if (made != stored) if stopped is None else (stopped > stored):
+            self.calls_differ.setdefault(request.watch.outcome.step, (made if stopped is None else stopped, stored))
         self._targets.end()
         if request.rng_after is not None:
             restore_raw(request.rng_after)
@@ -358,6 +363,8 @@ class RemoteStep:
         """No more of the step is applied. A loop that updates by hand still runs its update: on zero gradients where
         it has none, and undone when the iteration ends."""
         self._ended_here()
+        if request.calls_at_stop is None:
+            request.calls_at_stop = sum(request.forwards.values())
         request.halted = True
         request.watch.stopped = True
         if self._manual:

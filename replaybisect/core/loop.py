@@ -643,12 +643,12 @@ def train_loop(
     return None
 
 
-def open_step(step: int, state: TrainState, hooks: LoopHooks, buffers: BufferGuard) -> dict:
-    """A step's opening, on every recording path: the RNG state it starts with (returned), its buffers saved (a
-    halted step puts them back), the hooks told (a snapshot of the state before it may begin). A SIGTERM swallowed
-    since the last step (its handler ran in a finalizer) stops here."""
+def open_step(step: int, state: TrainState, hooks: LoopHooks, buffers: BufferGuard, rng_at_start: Optional[dict] = None) -> dict:
+    """A step's opening, on every recording path: the RNG state it starts with (returned; `rng_at_start`: taken by the
+    caller at this moment), its buffers saved (a halted step puts them back), the hooks told (a snapshot of the state
+    before it may begin). A SIGTERM swallowed since the last step (its handler ran in a finalizer) stops here."""
     raise_if_terminated()
-    rng_at_start = capture_raw()
+    rng_at_start = capture_raw() if rng_at_start is None else rng_at_start
     buffers.save()
     hooks.before_step(step, state, rng_at_start)
     return rng_at_start

@@ -146,16 +146,16 @@ class ReplayCallback(RecordingCallback, Callback):
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
         """A step begins with the first batch after an optimizer step; accumulated batches join it."""
         from replaybisect.core import user_step
+        from replaybisect.core.rng import capture_raw
 
         if not self._open:
             return
         called = time.perf_counter()
+        rng_at_start = capture_raw()  # the batch's, and the step's where it is the step's first (one capture)
+        packed = user_step.pack(batch, self.recording.state.device, rng_at_start)  # a copy of the batch, with it
         position = {"batch_idx": int(batch_idx), "takes_batch_idx": self._takes_batch_idx,
                     "accumulate": int(trainer.accumulate_grad_batches), "scheduler_step": _scheduler_steps(trainer, batch_idx)}
-        step = self._step or self.recording.begin_step(called)
-        # a copy of the batch, and the RNG states it starts with: the step's first batch starts where the step opened
-        # (nothing draws between them), a later one where the batch loop has brought them
-        packed = user_step.pack(batch, self.recording.state.device, None if step.batches else step.opened_rng)
+        step = self._step or self.recording.begin_step(called, rng_at_start)
         step.add(packed, position)
         step.watch.open_forward()
 

@@ -27,7 +27,6 @@ class StepInProgress:
     batches: list = field(default_factory=list)
     positions: list = field(default_factory=list)
     rng: Optional[dict] = None
-    opened_rng: Optional[dict] = None  # the RNG streams as the step opened (core.rng.capture_raw's form)
     stepped: bool = False  # the optimizer step was reached
     loss: Optional[torch.Tensor] = None  # what the trainer's callback adds up for the step's loss, where it does
 
@@ -65,21 +64,20 @@ class TrainerRecording:
         return not self.session.ended
 
     # ---- one step ---------------------------------------------------------------------------------------------
-    def begin_step(self, called: float) -> StepInProgress:
+    def begin_step(self, called: float, rng_at_start: Optional[dict] = None) -> StepInProgress:
         """An optimizer step begins (`called`: when the trainer handed it over; the time since the last step's end
-        is the step's wait for data)."""
+        is the step's wait for data; `rng_at_start`: the RNG streams captured then, where the caller has them)."""
         from replaybisect.core import loop
 
         step = self.steps_taken
-        opened_rng = loop.open_step(step, self.state, self.hooks, self.buffers)
+        loop.open_step(step, self.state, self.hooks, self.buffers, rng_at_start)
         if self.ranked is not None:
             self.ranked.opened(step, self.state)
         outcome = StepOutcome(step=step, loss=math.nan, lr=float(self.state.optimizer.param_groups[0]["lr"]))
         watch = StepWatch(self.state, outcome, self.hooks.observer(step), on_fault=self.nonfinite,
                           ranks_agree=self.state.ranks_agree, defer_reads=self.defer_reads)
         now = time.perf_counter()
-        self.step = StepInProgress(watch=watch, started=now, data_started=loop_data_started(self._last_step_end, called, now),
-                                   opened_rng=opened_rng)
+        self.step = StepInProgress(watch=watch, started=now, data_started=loop_data_started(self._last_step_end, called, now))
         return self.step
 
     def end_step(self, loss) -> None:

@@ -33,14 +33,26 @@ class StepResults:
     isolation_warning: Optional[str] = None  # why the isolation check failed, where that is known (isolation_warning)
 
 
-def isolation_warning(isolation: dict, state, step: int) -> Optional[str]:
-    """What a report says when the probes' isolation check failed: for a loop recorded as written whose iteration made
-    another number of training calls than the recorded step, that; else the check's values."""
+def calls_differ(state, step: int) -> Optional[tuple[int, int]]:
+    """A loop recorded as written: (training calls made, recorded) of the first replay of `step` whose iteration made
+    another number than the recording (core/inline_step.RemoteStep.calls_differ); None: none did, or no such loop."""
     from replaybisect.core.inline_step import RemoteStep
 
+    return state.step_fn.calls_differ.get(step) if isinstance(state.step_fn, RemoteStep) else None
+
+
+def isolation_warning(isolation: dict, state, step: int, plain_calls: Optional[tuple[int, int]] = None) -> Optional[str]:
+    """What a report says of its replays of the failing step: where the plain replay's iteration (`plain_calls`, taken
+    after it) made another number of training calls than the recording, that it ran another step; where the
+    probes' isolation check failed, that a later repeat did, or else the check's values."""
+    if plain_calls is not None:
+        return (f"the replay of step {step} made {plain_calls[0]} training calls of the model where the recording made "
+                f"{plain_calls[1]}: the script's loop decides them from what a replay does not restore (an int counter "
+                "such as an episode number, an environment's state), so the replay ran another step, and what it "
+                "found may be that step's (a replay from the run's first snapshot runs the loop as recorded)")
     if all(isolation.values()):
         return None
-    calls = state.step_fn.calls_differ.get(step) if isinstance(state.step_fn, RemoteStep) else None
+    calls = calls_differ(state, step)
     if calls is not None:
         return (f"a repeat of step {step} made {calls[0]} training calls of the model where the recording made {calls[1]}: "
                 "the script's loop decides them from what a replay does not restore (an int counter such as an episode "

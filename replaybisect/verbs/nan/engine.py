@@ -26,7 +26,7 @@ from replaybisect.core import reentry
 from replaybisect.core.tags import failing_step
 from replaybisect.store import Store
 from replaybisect.verbs.nan.divergence import LayerHistory, buffer_scaling, recorded_layer_series
-from replaybisect.verbs.nan.copies import StepResults, bits, fingerprint, isolation_warning, on_copy, plain_run
+from replaybisect.verbs.nan.copies import StepResults, bits, calls_differ, fingerprint, isolation_warning, on_copy, plain_run
 from replaybisect.verbs.nan.crash import classify_crash, name_rows, probe_crash
 from replaybisect.core.trend import history_fit
 from replaybisect.verbs.nan.request import target_step
@@ -351,6 +351,7 @@ def _probe_step(state, step, batch, rng_at_step, dataset_rows, log) -> StepResul
     rng_before = rng.to_json(rng.capture_raw())
     log(f"step {step}: plain replay")
     plain, plain_signature = on_copy(state, rng_at_step, plain_run(step, batch))
+    plain_calls = calls_differ(state, step)
     batch_findings = probes.probe_batch(batch, dataset_rows)
     state_findings = probes.probe_state(state)
     log(f"step {step}: probes (forward hooks, gradient hooks, update)")
@@ -364,4 +365,5 @@ def _probe_step(state, step, batch, rng_at_step, dataset_rows, log) -> StepResul
         "rng_unchanged": rng.to_json(rng.capture_raw()) == rng_before,
         "step_repeatable": again == plain_signature,
     }
-    return StepResults(plain, batch_findings, state_findings, probe, anomaly, isolation, isolation_warning(isolation, state, step))
+    return StepResults(plain, batch_findings, state_findings, probe, anomaly, isolation,
+                       isolation_warning(isolation, state, step, plain_calls))

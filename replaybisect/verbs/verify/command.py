@@ -14,7 +14,8 @@ def verify(request: VerifyRequest, as_json: bool) -> None:
     does not reproduce a step from its own state and batch: a fault while recording) | device (this machine
     reproducibly computes a step differently from the one that recorded it: verify there too) | hardware and recorder
     (--cross-check: another machine, a submitit job, reproduces the recording, or agrees with this one) | code (the
-    run's code changed since) | nondeterministic (two replays here differ). A differing interval is replayed twice to
+    run's code changed since) | nondeterministic (two replays here differ) | loop (a loop recorded as written made another
+    number of training calls in the step's replay than recorded: that replay ran another step). A differing interval is replayed twice to
     tell them apart. Exit status 0 with a verdict, whichever; 2 for bad input.
 
     \b

@@ -122,7 +122,7 @@ def verify(store: Store, run_id: str, start: Optional[int] = None, end: Optional
         report.differences += found[: max(0, 20 - len(report.differences))]
         if found and first_differing is None:
             first_differing = (snapshot, seg_end, replayed)
-    if first_differing is not None:
+    if first_differing is not None and _loop_diverged(report) is None:  # (a loop's other step: no replay tells more)
         snapshot, seg_end, replayed = first_differing
         log(f"replaying from snapshot {snapshot} again: is the difference this machine's own?")
         again = _replay_segment(store, run_id, cfg, trust, device, snapshot, seg_end, log)
@@ -210,6 +210,18 @@ def _same(a: dict, b: dict) -> bool:
     return all(a[key].keys() == b[key].keys() and all(restore_mod.same_loss(a[key][s], b[key][s]) for s in a[key]) for key in a)
 
 
+def _loop_diverged(report: VerifyReport) -> Optional[tuple[int, list[int]]]:
+    """A loop recorded as written whose replay ran another step at or before the first difference: the first step of
+    that difference's interval, from its snapshot on (replayed, compared or not), whose iteration made another
+    number of training calls than recorded, with (made, recorded); None where none did."""
+    first = report.first
+    if first is None:
+        return None
+    snapshot = max((part["snapshot"] for part in report.segments if part["snapshot"] <= first.step), default=first.step)
+    steps = [step for step in report.calls_differ if snapshot <= step <= first.step]
+    return (min(steps), report.calls_differ[min(steps)]) if steps else None
+
+
 def _verdict(report: VerifyReport) -> tuple[str, str]:
     span = f"steps {report.start}..{report.end - 1}"
     if report.sample is not None:
@@ -222,10 +234,12 @@ def _verdict(report: VerifyReport) -> tuple[str, str]:
              f"{first.replayed!r} ({first.relative:.2g} relative)")
     later = sum(1 for d in report.differences if d.step != first.step)
     after = "; the steps after it differ too (the state went on from it)" if later else "; only that step differs"
-    loop = report.calls_differ.get(first.step)
+    loop = _loop_diverged(report)
     if loop is not None:
-        return "loop", (f"{where}: the script's loop made {loop[0]} training calls of the model in its replay where the "
-                        f"recording made {loop[1]}: what its loop does hangs on what a replay does not restore (an int "
+        step, (made, recorded) = loop
+        at = "in its replay" if step == first.step else f"in its replay of step {step}, before it,"
+        return "loop", (f"{where}: the script's loop made {made} training calls of the model {at} where the "
+                        f"recording made {recorded}: what its loop does hangs on what a replay does not restore (an int "
                         "counter such as an episode number, an environment's state), so this replay ran another step, and "
                         "the difference says nothing of the machine (a replay from the run's first snapshot runs the loop "
                         "as the recording did)")
