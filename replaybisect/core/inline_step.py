@@ -44,6 +44,21 @@ _AFTER_HALT = ("the script's loop ended (it reached rec.close()) right after a s
 _AFTER_CRASH = "the script's loop ended as a replayed step raised (the run's crash, replayed): no step after it runs in this replay"
 
 
+# why a replayed step's training calls can differ from its recording's (RemoteStep.calls_differ), as reports say it
+CALLS_DECIDED = ("the script's loop decides them from what a replay does not restore (an int counter such as an episode "
+                 "number, an environment's state)")
+
+
+def calls_differing(made: int, stored: int, stopped: Optional[int]) -> Optional[tuple[int, int]]:
+    """(calls counted, calls recorded) where a replayed step's iteration decided otherwise than its recording; None where
+    it did not. A step that stopped (halted, failed: the rest of its iteration runs idle) counts its calls up to the
+    stop, and only more than recorded differ: the recording of the run's failing step stored those it reached before
+    the same stop, and stopping earlier is a changed step's (an arm's), not its loop's."""
+    if stopped is None:
+        return (made, stored) if made != stored else None
+    return (stopped, stored) if stopped > stored else None
+
+
 class LoopEnded(ReplayError):
     """The script's loop ended (it reached `rec.close()`) while the replay wanted another step."""
 
@@ -304,12 +319,9 @@ class RemoteStep:
             setattr(scaler, name, idle_when_halted)
 
     def _complete(self, request: _Request) -> None:
-        made, stored = sum(request.forwards.values()), len(request.micro_batches)
-        # the script's loop decided otherwise than recorded; a step that stopped counts the calls up to its stop (the
-        # recording of the run's failing step stored those; stopping earlier is a changed step's, an arm's)
-        stopped = request.calls_at_stop
-        if (made != stored) if stopped is None else (stopped > stored):
-            self.calls_differ.setdefault(request.watch.outcome.step, (made if stopped is None else stopped, stored))
+        differing = calls_differing(sum(request.forwards.values()), len(request.micro_batches), request.calls_at_stop)
+        if differing is not None:
+            self.calls_differ.setdefault(request.watch.outcome.step, differing)
         self._targets.end()
         if request.rng_after is not None:
             restore_raw(request.rng_after)

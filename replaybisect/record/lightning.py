@@ -25,7 +25,8 @@ from typing import Any, Optional
 import torch
 from lightning.pytorch import Callback
 
-from replaybisect.core import guard, ranks, reentry
+from replaybisect.core import guard, ranks, reentry, user_step
+from replaybisect.core.rng import capture_raw
 from replaybisect.core.user_step import LIGHTNING_BATCHES, LIGHTNING_POSITIONS
 from replaybisect.errors import ConfigError, NonFiniteStep
 from replaybisect.record.ranked import RankedSteps, run_of_this_rank
@@ -145,9 +146,6 @@ class ReplayCallback(RecordingCallback, Callback):
     # ---- one step: the step watch's moments, at Lightning's hooks -------------------------------------------
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
         """A step begins with the first batch after an optimizer step; accumulated batches join it."""
-        from replaybisect.core import user_step
-        from replaybisect.core.rng import capture_raw
-
         if not self._open:
             return
         called = time.perf_counter()

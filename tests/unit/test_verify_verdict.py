@@ -34,3 +34,15 @@ def test_a_report_round_trips_through_json_with_its_steps_as_numbers():
 
     again = VerifyReport.from_json(json.loads(json.dumps(report({7: [13, 19]}).to_json())))
     assert again.calls_differ == {7: [13, 19]} and _verdict(again)[0] == "loop"
+
+
+def test_a_replayed_step_differs_by_its_calls_and_a_stopped_one_by_those_before_its_stop():
+    """core/inline_step.calls_differing: what RemoteStep keeps as a step whose iteration decided otherwise."""
+    from replaybisect.core.inline_step import calls_differing
+
+    assert calls_differing(19, 19, None) is None
+    assert calls_differing(13, 19, None) == (13, 19) and calls_differing(25, 19, None) == (25, 19)
+    # the run's failing step, recorded up to its NaN at call 4 of 8: a replay halting there runs the other 4 idle
+    assert calls_differing(8, 4, stopped=4) is None
+    assert calls_differing(8, 4, stopped=3) is None  # (stopped earlier: an arm changed the step, not the loop)
+    assert calls_differing(30, 19, stopped=25) == (25, 19)  # more calls before its stop than were ever recorded

@@ -45,20 +45,20 @@ def isolation_warning(isolation: dict, state, step: int, plain_calls: Optional[t
     """What a report says of its replays of the failing step: where the plain replay's iteration (`plain_calls`, taken
     after it) made another number of training calls than the recording, that it ran another step; where the
     probes' isolation check failed, that a later repeat did, or else the check's values."""
-    if plain_calls is not None:
-        return (f"the replay of step {step} made {plain_calls[0]} training calls of the model where the recording made "
-                f"{plain_calls[1]}: the script's loop decides them from what a replay does not restore (an int counter "
-                "such as an episode number, an environment's state), so the replay ran another step, and what it "
-                "found may be that step's (a replay from the run's first snapshot runs the loop as recorded)")
-    if all(isolation.values()):
-        return None
-    calls = calls_differ(state, step)
-    if calls is not None:
-        return (f"a repeat of step {step} made {calls[0]} training calls of the model where the recording made {calls[1]}: "
-                "the script's loop decides them from what a replay does not restore (an int counter such as an episode "
-                "number, an environment's state), so only the first replay of the step is the recorded one, and what the "
-                "probes after it found may be another step's")
-    return f"probe isolation check failed: {isolation} (please report this)"
+    from replaybisect.core.inline_step import CALLS_DECIDED
+
+    calls, which = plain_calls, "the replay"
+    if calls is None:
+        if all(isolation.values()):
+            return None
+        calls, which = calls_differ(state, step), "a repeat"
+    if calls is None:
+        return f"probe isolation check failed: {isolation} (please report this)"
+    consequence = ("the replay ran another step, and what it found may be that step's (a replay from the run's first "
+                   "snapshot runs the loop as recorded)" if plain_calls is not None else
+                   "only the first replay of the step is the recorded one, and what the probes after it found may be another step's")
+    return (f"{which} of step {step} made {calls[0]} training calls of the model where the recording made {calls[1]}: "
+            f"{CALLS_DECIDED}, so {consequence}")
 
 
 def on_copy(state, rng_at_step, function):

@@ -28,7 +28,7 @@ from typing import Any, Callable, Optional
 
 from replaybisect.replay import restore as restore_mod
 from replaybisect.core import reentry
-from replaybisect.core.inline_step import RemoteStep
+from replaybisect.core.inline_step import CALLS_DECIDED, RemoteStep
 from replaybisect.core.jsonutil import from_jsonable
 from replaybisect.core.faults import device_label
 from replaybisect.errors import ReplayError, SnapshotError
@@ -239,8 +239,7 @@ def _verdict(report: VerifyReport) -> tuple[str, str]:
         step, (made, recorded) = loop
         at = "in its replay" if step == first.step else f"in its replay of step {step}, before it,"
         return "loop", (f"{where}: the script's loop made {made} training calls of the model {at} where the "
-                        f"recording made {recorded}: what its loop does hangs on what a replay does not restore (an int "
-                        "counter such as an episode number, an environment's state), so this replay ran another step, and "
+                        f"recording made {recorded}: {CALLS_DECIDED}, so this replay ran another step, and "
                         "the difference says nothing of the machine (a replay from the run's first snapshot runs the loop "
                         "as the recording did)")
     if report.second_replay == "differs":
