@@ -17,6 +17,7 @@ then calls `on_fault`: the built-in and the user's step raise StepHalted there, 
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -72,6 +73,7 @@ class StepOutcome:
         self.grad_norm_value = value
 
 
+_VERSION = operator.attrgetter("_version")  # a tensor's count of in-place changes
 ANOTHER_RANK = "loss on another rank"  # a distributed job's rank halted because another rank's loss went non-finite
 
 
@@ -115,7 +117,8 @@ class StepWatch:
         self.running_loss: Optional[torch.Tensor] = None  # the sum of the losses backpropagated so far
         self.saw_gradients = False  # gradients() ran for this step
         # (gradients, their norm, each one's norm or None) as gradients() took them
-        self.measured: Optional[tuple[list, torch.Tensor, Optional[list]]] = None
+        # gradients() took: the gradients, their total norm and each one's, and their versions (changed in place since: stale)
+        self.measured: Optional[tuple[list, torch.Tensor, Optional[list], list]] = None
         self._backpropagated = False  # a loss of this step was backpropagated
         self._gradients_of: set[int] = set()  # several optimizers (core/several.py): those whose gradients() ran
         self._forward = None
@@ -171,7 +174,7 @@ class StepWatch:
         faults.at_gradients(self.outcome.step, params)
         grads = guard.gradients(params)
         norm, each = guard.norms(grads)
-        self.measured = (grads, norm, each)
+        self.measured = (grads, norm, each, list(map(_VERSION, grads)))
         still_scaled = getattr(optimizer or self.state.optimizer, "grad_scale", None)  # a fused optimizer a GradScaler
         if isinstance(still_scaled, torch.Tensor):  # steps unscales inside its step, after this moment (no read: on the device)
             norm = norm / still_scaled.to(norm.device)
@@ -200,7 +203,9 @@ class StepWatch:
         measured, self.measured = self.measured, None
         if measured is None or getattr(self.state.optimizer, "grad_scale", None) is not None:
             return None
-        grads, norm, each = measured
+        grads, norm, each, versions = measured
+        if list(map(_VERSION, grads)) != versions:  # changed in place since (a user's hook, a GradScaler's unscale)
+            return None
         if len(theirs) == len(grads) and all(mine is their for mine, their in zip(grads, theirs)):
             return norm
         return guard.norm_in_order(grads, each, theirs) if each is not None else None

@@ -573,11 +573,8 @@ def watching(watch: StepWatch):
             measuring = not watch.saw_gradients and not joined
             with _KeptFromTheScript(watch):
                 watch.gradients(owner if joined else None)  # the gradients before the clip: their norm, the non-finite rule, an arm's clip first
-            max_norm = _plain_clip(*args, **kwargs)
-            if measuring and max_norm is not None and \
-                    (norm := watch.norm_of([param.grad for param in parameters if param.grad is not None])) is not None:
-                torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, norm)  # as clip_grad_norm_ does with it
-                return norm.clone()
+            if measuring and (norm := clipped_with_measured_norm(watch, parameters, args, kwargs)) is not None:
+                return norm
         return original_clip(parameters, *args, **kwargs)
 
     def get_total_norm(tensors, *args, **kwargs):
@@ -588,8 +585,8 @@ def watching(watch: StepWatch):
             if (owner := _owner_of_gradients(tensors, owners)) is not None:
                 with _KeptFromTheScript(watch):
                     watch.gradients(owner if joined else None)
-                if not joined and _plain_norm(*args, **kwargs) and (norm := watch.norm_of(tensors)) is not None:
-                    return norm.clone()
+                if not joined and (norm := measured_total_norm(watch, tensors, args, kwargs)) is not None:
+                    return norm
         return original_total_norm(tensors, *args, **kwargs)
 
     def after_update(stepping, args, kwargs) -> None:
@@ -636,6 +633,47 @@ def watching(watch: StepWatch):
         torch.amp.GradScaler.unscale_, torch.amp.GradScaler.step = original_unscale, original_scaler_step
         for handle in handles:
             handle.remove()
+
+
+def clipped_with_measured_norm(watch: StepWatch, parameters: list, args: tuple, kwargs: dict) -> Optional[torch.Tensor]:
+    """`clip_grad_norm_(parameters, *args, **kwargs)` done with the norm the watch just took of the same gradients (bit
+    for bit the one the clip would take), saving the clip's own pass over every gradient: its returned norm, or None
+    (nothing done) where the watch has no such norm or the clip is not of the 2-norm."""
+    max_norm = _plain_clip(*args, **kwargs)
+    if max_norm is None or (norm := watch.norm_of([param.grad for param in parameters if param.grad is not None])) is None:
+        return None
+    torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, norm)  # as clip_grad_norm_ does with it
+    return norm.clone()
+
+
+def measured_total_norm(watch: StepWatch, tensors: list, args: tuple, kwargs: dict) -> Optional[torch.Tensor]:
+    """`get_total_norm(tensors, *args, **kwargs)` as the norm the watch just took of the same gradients, or None."""
+    norm = watch.norm_of(tensors) if _plain_norm(*args, **kwargs) else None
+    return None if norm is None else norm.clone()
+
+
+@contextlib.contextmanager
+def clips_with_measured_norm(watch: StepWatch):
+    """A trainer's clip just after the step's gradients moment (Lightning's precision plugin, accelerate's clip): for
+    its duration torch's clip_grad_norm_ and get_total_norm take the norm the watch took of the same, unchanged
+    gradients instead of another pass over them; any other call of theirs passes through."""
+    original_clip, original_total_norm = torch.nn.utils.clip_grad_norm_, torch.nn.utils.get_total_norm
+
+    def clip_grad_norm_(parameters, *args, **kwargs):
+        parameters = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        norm = clipped_with_measured_norm(watch, parameters, args, kwargs)
+        return norm if norm is not None else original_clip(parameters, *args, **kwargs)
+
+    def get_total_norm(tensors, *args, **kwargs):
+        tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+        norm = measured_total_norm(watch, tensors, args, kwargs)
+        return norm if norm is not None else original_total_norm(tensors, *args, **kwargs)
+
+    torch.nn.utils.clip_grad_norm_, torch.nn.utils.get_total_norm = clip_grad_norm_, get_total_norm
+    try:
+        yield
+    finally:
+        torch.nn.utils.clip_grad_norm_, torch.nn.utils.get_total_norm = original_clip, original_total_norm
 
 
 def _plain_clip(max_norm=None, *args, **kwargs):

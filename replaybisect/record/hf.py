@@ -28,7 +28,7 @@ from typing import Any, Optional
 import torch
 from transformers import Trainer, TrainerCallback
 
-from replaybisect.core import reentry
+from replaybisect.core import reentry, user_step
 from replaybisect.errors import ConfigError
 from replaybisect.record.recorder import _watch_unclosed, function_target, one_line_failures, open_session, own_sources, replay_config
 from replaybisect.record.trainer_steps import RecordingCallback, TrainerRecording
@@ -177,9 +177,11 @@ class ReplayCallback(RecordingCallback, TrainerCallback):
             return result
 
         def watched_clip(parameters, max_norm, *args, **kwargs):
-            if self._step is not None:
-                self._step.watch.gradients()  # once per step: before the Trainer's clip (or its norm at max_norm inf)
-            return clip(parameters, max_norm, *args, **kwargs)
+            if self._step is None:
+                return clip(parameters, max_norm, *args, **kwargs)
+            self._step.watch.gradients()  # once per step: before the Trainer's clip (or its norm at max_norm inf)
+            with user_step.clips_with_measured_norm(self._step.watch):  # (not measured twice)
+                return clip(parameters, max_norm, *args, **kwargs)
 
         accelerator.backward, accelerator.clip_grad_norm_ = watched_backward, watched_clip
         hooks = [model.register_forward_pre_hook(self._before_forward, with_kwargs=True),
@@ -200,8 +202,6 @@ class ReplayCallback(RecordingCallback, TrainerCallback):
 
     def _before_forward(self, model, args, kwargs):
         """A training call of the model: one accumulated batch, its keyword arguments and the RNG state it starts with."""
-        from replaybisect.core import user_step
-
         step = self._step
         if step is None or not model.training or not torch.is_grad_enabled():
             return None

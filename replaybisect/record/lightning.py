@@ -134,6 +134,21 @@ class ReplayCallback(RecordingCallback, Callback):
         self._takes_batch_idx = _takes_batch_idx(pl_module)
         one_line_failures()  # (rank 0 has it from open_session; the other ranks end with one line too)
         self.recording.undo.append(register_optimizer_step_post_hook(self._after_update).remove)
+        self._clip_with_measured_norm(trainer.precision_plugin)
+
+    def _clip_with_measured_norm(self, plugin) -> None:
+        """The Trainer's clip follows the step's gradients moment (on_before_optimizer_step): it takes the norm the
+        watch took there (unless a hook changed the gradients since) instead of another pass over every gradient."""
+        clip = plugin.clip_grad_by_norm
+
+        def clip_grad_by_norm(optimizer, clip_val):
+            if self._step is None:
+                return clip(optimizer, clip_val)
+            with user_step.clips_with_measured_norm(self._step.watch):
+                return clip(optimizer, clip_val)
+
+        plugin.clip_grad_by_norm = clip_grad_by_norm
+        self.recording.undo.append(lambda: vars(plugin).pop("clip_grad_by_norm", None))
 
     def on_train_end(self, trainer, pl_module) -> None:
         self.close()

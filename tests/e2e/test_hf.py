@@ -109,3 +109,47 @@ def test_an_accelerate_loop_recorded_in_three_lines_replays_exact_and_its_plante
     report = shared.answer_here("find_nan", run_id)
     assert report["reproduced"] == "exact" and report["category"] == "forward" and report["op"] == "Tensor.div"
     assert "accelerate_loop.py:" in report["source"]
+
+
+def test_the_trainers_clip_takes_the_recorders_norm_and_clips_as_the_trainer_does(tmp_path, monkeypatch):
+    """The Trainer clips (accelerate's clip: get_total_norm, then clip_grads_with_norm_) just after the step's gradients
+    moment: recorded, it takes the norm the recorder took there, one pass over the gradients a step, and trains to
+    the same parameters as the Trainer alone."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
+
+    from replaybisect.hf import ReplayCallback
+
+    class Norms(TorchDispatchMode):
+        each = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Norms.each += func.overloadpacket is torch.ops.aten._foreach_norm
+            return func(*args, **(kwargs or {}))
+
+    class Counted(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            self.mode = Norms()
+            self.mode.__enter__()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.mode.__exit__(None, None, None)
+
+    monkeypatch.chdir(tmp_path)
+    ids = torch.randint(0, 32, (16, 8), generator=torch.Generator().manual_seed(0))
+    data = [{"input_ids": row, "labels": row} for row in ids]
+    trained = []
+    for recorded in (False, True):
+        torch.manual_seed(0)
+        model = GPT2LMHeadModel(GPT2Config(n_embd=16, n_layer=1, n_head=2, n_positions=8, vocab_size=32))
+        args = TrainingArguments(output_dir=str(tmp_path / "out"), max_steps=2, per_device_train_batch_size=4,
+                                 gradient_accumulation_steps=2, max_grad_norm=0.5, report_to="none", save_strategy="no",
+                                 use_cpu=True, disable_tqdm=True, dataloader_num_workers=0, seed=0)
+        callbacks = [ReplayCallback(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}", layer_stats_every=0)] if recorded else []
+        Norms.each = 0
+        Trainer(model=model, args=args, train_dataset=data, callbacks=callbacks + [Counted()]).train()
+        trained.append(([param.detach().clone() for param in model.parameters()], Norms.each))
+    (plain, plain_norms), (recorded, recorded_norms) = trained
+    assert all(torch.equal(a, b) for a, b in zip(plain, recorded))
+    assert plain_norms == recorded_norms == 2

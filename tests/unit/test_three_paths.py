@@ -248,6 +248,64 @@ def test_a_recorded_step_clips_as_torch_does_and_takes_the_norm_once(clip, tmp_p
         assert (Norms.taken, Norms.each) == (REUSED[clip], 1)
 
 
+class ClippedLitNet(LitNet):
+    """`halve`: its on_before_optimizer_step halves the gradients in place, after the recorder took their norm and
+    before Lightning clips them."""
+
+    def __init__(self, plant: str = "none", halve: bool = False):
+        super().__init__(plant)
+
+    def on_before_optimizer_step(self, optimizer):
+        if self.hparams.halve:
+            for param in self.parameters():
+                param.grad.mul_(0.5)
+
+
+def counted_norms():
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Norms(TorchDispatchMode):
+        each = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Norms.each += func.overloadpacket is torch.ops.aten._foreach_norm
+            return func(*args, **(kwargs or {}))
+
+    return Norms
+
+
+@pytest.mark.parametrize("halve", [False, True], ids=["clip-after-moment", "hook-changes-gradients"])
+def test_a_lightning_clip_takes_the_recorders_norm_and_clips_as_lightning_does(halve, tmp_path):
+    """Lightning clips just after the step's gradients moment: recorded, its clip takes the norm the recorder took
+    there (one pass over the gradients, not two) and leaves the parameters Lightning alone leaves; where a hook changed
+    the gradients in between, the clip takes their norm again."""
+    Norms = counted_norms()
+    trained = []
+    for recorded in (False, True):
+        module = ClippedLitNet(halve=halve)
+        callbacks = [StepSeed()] + ([ReplayCallback(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}", layer_stats_every=0)]
+                                    if recorded else [])
+
+        class Counted(L.Callback):
+            def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+                self.mode = Norms()
+                self.mode.__enter__()
+
+            def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+                self.mode.__exit__(None, None, None)
+
+        trainer = L.Trainer(max_steps=2, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                            enable_progress_bar=False, enable_model_summary=False, gradient_clip_val=0.05,
+                            callbacks=callbacks + [Counted()])
+        Norms.each = 0
+        trainer.fit(module, torch.utils.data.DataLoader(torch.utils.data.TensorDataset(X.clone(), Y.clone()), batch_size=8))
+        trained.append(([param.detach().clone() for param in module.parameters()], Norms.each))
+    (plain, plain_norms), (recorded, recorded_norms) = trained
+    assert all(torch.equal(a, b) for a, b in zip(plain, recorded))
+    assert plain_norms == 2  # Lightning's clip, each step
+    assert recorded_norms == (4 if halve else 2)  # the recorder's, reused by the clip unless the hook changed them
+
+
 def test_the_norm_of_gradients_in_another_order_is_torchs():
     """guard.norms takes torch's total norm bit for bit, and norm_in_order the one torch takes of the same gradients
     in another order (summed in that order: not always the same bits); a list that is not the same tensors gets none."""
