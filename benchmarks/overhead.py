@@ -2,7 +2,7 @@
 interleaved in one process, block by block (ABBA: the order flips every pair), so that drift in the machine's speed
 (other processes, frequency, the allocator's state) lands on both sides of each pair.
 
-    python benchmarks/overhead.py [--paths control,train,recorder,inline,ddp,lightning,hf] [--steps 600]
+    python benchmarks/overhead.py [--paths control,train,recorder,inline,ddp,lightning,hf] [--steps 600] [--precision fp32]
 
 Each path runs in its own process, with one thread (torch.set_num_threads(1), OMP_NUM_THREADS=1) and glibc's heap
 trimming off (MALLOC_TRIM_THRESHOLD_ and MALLOC_MMAP_THRESHOLD_ at 256 MiB: otherwise a loop that frees every batch
@@ -17,8 +17,13 @@ the loops alternate every 10 steps; a trainer's block is one fit of 100 steps (i
 default rate). A recorded block's time includes waiting for the recorder's background writes it started, so none of
 its work spills into the next plain block. The recorder's work comes in lumps (a flush every 50 steps, a snapshot
 every 100), so the figure is the ratio of the total times, recorded/plain, and its 95% interval a bootstrap over
-runs of consecutive pairs that hold 100 recorded steps each (2,000 resamples). Also printed: the plain step time, and
-the lowest and highest ratio of those runs.
+runs of consecutive pairs that hold 100 recorded steps each (2,000 resamples). Also printed: the plain step time, the
+time the recorder adds a step (recorded minus plain: the figure to compare across machines, whose step times differ),
+and the lowest and highest ratio of those runs.
+
+`--precision fp32` trains the GPT paths (recorder, inline, ddp, lightning, control) in fp32 instead of bf16 autocast: on
+a CPU that emulates bf16 matmuls (no AVX-512 BF16 or AMX) their bf16 step takes some ten times the fp32 one, which
+would hide the recorder. `replay train`'s MLP and the transformers GPT-2 train in fp32 either way.
 
 A loop path's run stands for a long one: its metric points go to the logger process from its second flush on
 (--handoff 0), as a run's do once their logging has cost 2 s in the training process (record/metrics_process.py).
@@ -126,11 +131,15 @@ def writes_done(hooks) -> Callable[[], None]:
 
 
 # ---- the paths ---------------------------------------------------------------------------------------------------
+PRECISION = {"precision": "bf16"}  # the GPT paths' (--precision)
+
+
 def gpt_setup(folder: str, wrap_ddp: bool = False):
     import torch
     from omegaconf import OmegaConf
 
     sys.path[:0] = [str(EXAMPLE), str(HERE)]
+    import fp32_step
     import gpt_loop
 
     cfg = OmegaConf.merge(OmegaConf.load(EXAMPLE / "config.yaml"),
@@ -138,11 +147,12 @@ def gpt_setup(folder: str, wrap_ddp: bool = False):
     generator = torch.Generator().manual_seed(0)
     batches = [gpt_loop.get_batch(cfg, generator) for _ in range(64)]
     os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{folder}/mlflow.db"
+    fp32 = PRECISION["precision"] == "fp32"
     if wrap_ddp:
         import ddp_overhead
 
-        return cfg, batches, ddp_overhead.build, ddp_overhead.train_step
-    return cfg, batches, gpt_loop.build, gpt_loop.train_step
+        return cfg, batches, ddp_overhead.build, fp32_step.train_step if fp32 else ddp_overhead.train_step
+    return cfg, batches, gpt_loop.build, fp32_step.train_step if fp32 else gpt_loop.train_step
 
 
 def path_control(folder: str, block: int):
@@ -284,7 +294,8 @@ def fitted(module, loader, block: int, *, recorded: bool, ReplayCallback):
         callback = ReplayCallback()
         clock = Clock(lambda: writes_done(callback.recording.hooks)() if recorded else None)
         callbacks = [callback, clock] if recorded else [clock]
-        trainer = L.Trainer(max_steps=block + 1, accelerator="cpu", devices=1, precision="bf16-mixed", accumulate_grad_batches=4,
+        trainer = L.Trainer(max_steps=block + 1, accelerator="cpu", devices=1, accumulate_grad_batches=4,
+                            precision="32-true" if PRECISION["precision"] == "fp32" else "bf16-mixed",
                             gradient_clip_val=5.0, logger=False, enable_checkpointing=False,
                             enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks)
         trainer.fit(module, loader)
@@ -335,12 +346,13 @@ def path_hf(folder: str, block: int):
     return block_of(model, False), block_of(model, True), lambda: None
 
 
-def child(path: str, pairs: int, block: int, handoff: float) -> None:
+def child(path: str, pairs: int, block: int, handoff: float, precision: str) -> None:
     import torch
 
     from replaybisect.record import metrics_process
 
     torch.set_num_threads(1)
+    PRECISION["precision"] = precision
     if path not in TRAINERS:  # one run, as long as a real one: its steady state (a trainer's block is a run of 100 steps)
         metrics_process.HANDOFF_SECONDS = handoff
     with tempfile.TemporaryDirectory() as folder:
@@ -360,25 +372,28 @@ def main() -> None:
                         help="for the loops, seconds of in-process metrics logging before the logger process takes over "
                              "(default 0: the steady state of a run long enough to hand off; a trainer's block is a run "
                              "of its own, too short to, with the recorder's default, metrics_process.HANDOFF_SECONDS)")
+    parser.add_argument("--precision", choices=("bf16", "fp32"), default="bf16",
+                        help="the GPT paths' precision (default bf16 autocast; fp32 where the CPU emulates bf16)")
     parser.add_argument("--child")
     parser.add_argument("--pairs", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--block", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        child(args.child, args.pairs, args.block, args.handoff)
+        child(args.child, args.pairs, args.block, args.handoff, args.precision)
         return
     paths = [path.strip() for path in args.paths.split(",") if path.strip()]
     unknown = sorted(set(paths) - set(PATHS))
     if unknown:
         parser.error(f"unknown path {', '.join(unknown)}: choose from {', '.join(PATHS)}")
     print(f"{args.steps} recorded and {args.steps} plain steps per path, interleaved ABBA in blocks of {LOOP_BLOCK} steps "
-          f"(a trainer's: one fit of {TRAINER_BLOCK}); 1 thread; heap trimming off")
-    print(f"{'path':<10} {'plain ms/step':>13} {'recorded/plain':>15} {'95% interval':>17} {f'per {CYCLE} steps':>17}")
+          f"(a trainer's: one fit of {TRAINER_BLOCK}); 1 thread; heap trimming off; the GPT in {args.precision}")
+    print(f"{'path':<10} {'plain ms/step':>13} {'+ms/step':>9} {'recorded/plain':>15} {'95% interval':>17} "
+          f"{f'per {CYCLE} steps':>17}")
     for path in paths:
         block = TRAINER_BLOCK if path in TRAINERS else LOOP_BLOCK
         pairs = max(1, args.steps // block)
         done = subprocess.run([sys.executable, __file__, "--child", path, "--pairs", str(pairs), "--block", str(block),
-                               "--handoff", str(args.handoff)],
+                               "--handoff", str(args.handoff), "--precision", args.precision],
                               capture_output=True, text=True, env={**os.environ, **PINNED})
         line = next((line for line in done.stdout.splitlines() if line.startswith("RESULT ")), None)
         if done.returncode != 0 or line is None:
@@ -387,7 +402,8 @@ def main() -> None:
         measured = json.loads(line[len("RESULT "):])["pairs"]
         ratio, low, high, runs = ratio_interval(measured, max(1, CYCLE // block))
         step_ms = sum(plain for plain, _ in measured) / (len(measured) * block) * 1e3
-        print(f"{path:<10} {step_ms:>13.1f} {ratio:>15.3f} {f'[{low:.3f}, {high:.3f}]':>17} "
+        added_ms = sum(recorded - plain for plain, recorded in measured) / (len(measured) * block) * 1e3
+        print(f"{path:<10} {step_ms:>13.1f} {added_ms:>9.2f} {ratio:>15.3f} {f'[{low:.3f}, {high:.3f}]':>17} "
               f"{f'{min(runs):.3f}..{max(runs):.3f}':>17}", flush=True)
 
 

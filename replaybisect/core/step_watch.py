@@ -116,8 +116,8 @@ class StepWatch:
         self.on_loss: Optional[Callable[[], None]] = None  # set: called as each loss is about to be backpropagated
         self.running_loss: Optional[torch.Tensor] = None  # the sum of the losses backpropagated so far
         self.saw_gradients = False  # gradients() ran for this step
-        # (gradients, their norm, each one's norm or None) as gradients() took them
-        # gradients() took: the gradients, their total norm and each one's, and their versions (changed in place since: stale)
+        # what gradients() took: the gradients, their total norm, each one's norm (or None), and their versions (a
+        # gradient changed in place since has another: the norm is stale)
         self.measured: Optional[tuple[list, torch.Tensor, Optional[list], list]] = None
         self._backpropagated = False  # a loss of this step was backpropagated
         self._gradients_of: set[int] = set()  # several optimizers (core/several.py): those whose gradients() ran
