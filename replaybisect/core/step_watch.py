@@ -116,8 +116,7 @@ class StepWatch:
         self.on_loss: Optional[Callable[[], None]] = None  # set: called as each loss is about to be backpropagated
         self.running_loss: Optional[torch.Tensor] = None  # the sum of the losses backpropagated so far
         self.saw_gradients = False  # gradients() ran for this step
-        # what gradients() took: the gradients, their total norm, each one's norm (or None), and their versions (a
-        # gradient changed in place since has another: the norm is stale)
+        # what gradients() took: the gradients, their total norm, each one's norm (or None), and their versions
         self.measured: Optional[tuple[list, torch.Tensor, Optional[list], list]] = None
         self._backpropagated = False  # a loss of this step was backpropagated
         self._gradients_of: set[int] = set()  # several optimizers (core/several.py): those whose gradients() ran
@@ -204,8 +203,8 @@ class StepWatch:
         if measured is None or getattr(self.state.optimizer, "grad_scale", None) is not None:
             return None
         grads, norm, each, versions = measured
-        if list(map(_VERSION, grads)) != versions:  # changed in place since (a user's hook, a GradScaler's unscale)
-            return None
+        if list(map(_VERSION, grads)) != versions:  # changed in place since by a tracked op (not through `.data`, nor by
+            return None  # a GradScaler's unscale: the callers reuse the norm only where nothing such runs in between)
         if len(theirs) == len(grads) and all(mine is their for mine, their in zip(grads, theirs)):
             return norm
         return guard.norm_in_order(grads, each, theirs) if each is not None else None

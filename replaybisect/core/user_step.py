@@ -653,10 +653,11 @@ def measured_total_norm(watch: StepWatch, tensors: list, args: tuple, kwargs: di
 
 
 @contextlib.contextmanager
-def clips_with_measured_norm(watch: StepWatch):
-    """A trainer's clip just after the step's gradients moment (Lightning's precision plugin, accelerate's clip): for
-    its duration torch's clip_grad_norm_ and get_total_norm take the norm the watch took of the same, unchanged
-    gradients instead of another pass over them; any other call of theirs passes through."""
+def reusing_measured_norm(watch: StepWatch):
+    """A trainer's clip just after the step's gradients moment, with nothing between that could change the gradients
+    (Lightning's precision plugin, accelerate's clip without a GradScaler): for its duration torch's clip_grad_norm_
+    and get_total_norm take the norm the watch took of the same gradients instead of another pass over them; any
+    other call of theirs passes through."""
     original_clip, original_total_norm = torch.nn.utils.clip_grad_norm_, torch.nn.utils.get_total_norm
 
     def clip_grad_norm_(parameters, *args, **kwargs):

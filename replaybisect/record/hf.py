@@ -28,7 +28,7 @@ from typing import Any, Optional
 import torch
 from transformers import Trainer, TrainerCallback
 
-from replaybisect.core import reentry, user_step
+from replaybisect.core import guard, reentry, user_step
 from replaybisect.errors import ConfigError
 from replaybisect.record.recorder import _watch_unclosed, function_target, one_line_failures, open_session, own_sources, replay_config
 from replaybisect.record.trainer_steps import RecordingCallback, TrainerRecording
@@ -180,7 +180,9 @@ class ReplayCallback(RecordingCallback, TrainerCallback):
             if self._step is None:
                 return clip(parameters, max_norm, *args, **kwargs)
             self._step.watch.gradients()  # once per step: before the Trainer's clip (or its norm at max_norm inf)
-            with user_step.clips_with_measured_norm(self._step.watch):  # (not measured twice)
+            if guard.scaler_enabled(self.recording.state.scaler):  # accelerate unscales inside its clip: a new norm
+                return clip(parameters, max_norm, *args, **kwargs)
+            with user_step.reusing_measured_norm(self._step.watch):  # (not measured twice)
                 return clip(parameters, max_norm, *args, **kwargs)
 
         accelerator.backward, accelerator.clip_grad_norm_ = watched_backward, watched_clip

@@ -134,21 +134,24 @@ class ReplayCallback(RecordingCallback, Callback):
         self._takes_batch_idx = _takes_batch_idx(pl_module)
         one_line_failures()  # (rank 0 has it from open_session; the other ranks end with one line too)
         self.recording.undo.append(register_optimizer_step_post_hook(self._after_update).remove)
-        self._clip_with_measured_norm(trainer.precision_plugin)
+        if _clip_follows_moment(trainer, pl_module, self):
+            self._clip_with_measured_norm(trainer.precision_plugin)
 
     def _clip_with_measured_norm(self, plugin) -> None:
-        """The Trainer's clip follows the step's gradients moment (on_before_optimizer_step): it takes the norm the
-        watch took there (unless a hook changed the gradients since) instead of another pass over every gradient."""
+        """The Trainer's clip follows the step's gradients moment (on_before_optimizer_step) with nothing of the
+        user's in between: it takes the norm the watch took there instead of another pass over every gradient."""
         clip = plugin.clip_grad_by_norm
+        own = vars(plugin).get("clip_grad_by_norm")  # (an instance attribute already there is put back at the end)
 
         def clip_grad_by_norm(optimizer, clip_val):
             if self._step is None:
                 return clip(optimizer, clip_val)
-            with user_step.clips_with_measured_norm(self._step.watch):
+            with user_step.reusing_measured_norm(self._step.watch):
                 return clip(optimizer, clip_val)
 
         plugin.clip_grad_by_norm = clip_grad_by_norm
-        self.recording.undo.append(lambda: vars(plugin).pop("clip_grad_by_norm", None))
+        self.recording.undo.append(lambda: setattr(plugin, "clip_grad_by_norm", own) if own is not None
+                                   else vars(plugin).pop("clip_grad_by_norm", None))
 
     def on_train_end(self, trainer, pl_module) -> None:
         self.close()
@@ -291,6 +294,21 @@ def _how_replayed(module_class: type) -> tuple[dict, Optional[dict], Any, str]:
         script = reentry.script_entry()
         return {"class": module_class.__qualname__}, script, Path(script["path"]).parent, Path(script["path"]).stem
     return {"_target_": target, "_partial_": True}, None, folder, target.rsplit(".", 1)[0]
+
+
+def _clip_follows_moment(trainer, pl_module, callback: ReplayCallback) -> bool:
+    """Whether Lightning's own clip (its precision plugin's) follows this callback's on_before_optimizer_step (the
+    gradients moment) with nothing of the user's in between: no later callback's on_before_optimizer_step, nor the
+    module's own or its configure_gradient_clipping (any of them could change the gradients, through `.data` too,
+    which no version counter sees)."""
+    from lightning.pytorch.plugins.precision import Precision
+    from lightning.pytorch.utilities.model_helpers import is_overridden
+
+    later = trainer.callbacks[trainer.callbacks.index(callback) + 1:]
+    return type(trainer.precision_plugin).clip_grad_by_norm is Precision.clip_grad_by_norm and not (
+                any(is_overridden("on_before_optimizer_step", other, Callback) for other in later)
+                or is_overridden("on_before_optimizer_step", pl_module)
+                or is_overridden("configure_gradient_clipping", pl_module))
 
 
 def _takes_batch_idx(pl_module) -> bool:

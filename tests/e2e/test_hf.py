@@ -111,15 +111,27 @@ def test_an_accelerate_loop_recorded_in_three_lines_replays_exact_and_its_plante
     assert "accelerate_loop.py:" in report["source"]
 
 
-def test_the_trainers_clip_takes_the_recorders_norm_and_clips_as_the_trainer_does(tmp_path, monkeypatch):
+@pytest.mark.parametrize("scaled", [False, True], ids=["fp32", "fp16-gradscaler"])
+def test_the_trainers_clip_takes_the_recorders_norm_and_clips_as_the_trainer_does(scaled, tmp_path, monkeypatch):
     """The Trainer clips (accelerate's clip: get_total_norm, then clip_grads_with_norm_) just after the step's gradients
     moment: recorded, it takes the norm the recorder took there, one pass over the gradients a step, and trains to
-    the same parameters as the Trainer alone."""
+    the same parameters as the Trainer alone. With a GradScaler (fp16 on a GPU; here accelerate's own scaler made on
+    the CPU) accelerate unscales inside its clip, after that moment: the clip takes its own norm."""
+    import accelerate
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
     from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
 
     from replaybisect.hf import ReplayCallback
+
+    if scaled:
+        made = accelerate.Accelerator.__init__
+
+        def with_scaler(self, *args, **kwargs):
+            made(self, *args, **kwargs)
+            self.native_amp, self.scaler = True, torch.amp.GradScaler("cpu", init_scale=1024.0)
+
+        monkeypatch.setattr(accelerate.Accelerator, "__init__", with_scaler)
 
     class Norms(TorchDispatchMode):
         each = 0
@@ -145,11 +157,11 @@ def test_the_trainers_clip_takes_the_recorders_norm_and_clips_as_the_trainer_doe
         model = GPT2LMHeadModel(GPT2Config(n_embd=16, n_layer=1, n_head=2, n_positions=8, vocab_size=32))
         args = TrainingArguments(output_dir=str(tmp_path / "out"), max_steps=2, per_device_train_batch_size=4,
                                  gradient_accumulation_steps=2, max_grad_norm=0.5, report_to="none", save_strategy="no",
-                                 use_cpu=True, disable_tqdm=True, dataloader_num_workers=0, seed=0)
+                                 use_cpu=True, disable_tqdm=True, dataloader_num_workers=0, seed=0, fp16=scaled)
         callbacks = [ReplayCallback(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}", layer_stats_every=0)] if recorded else []
         Norms.each = 0
         Trainer(model=model, args=args, train_dataset=data, callbacks=callbacks + [Counted()]).train()
         trained.append(([param.detach().clone() for param in model.parameters()], Norms.each))
     (plain, plain_norms), (recorded, recorded_norms) = trained
     assert all(torch.equal(a, b) for a, b in zip(plain, recorded))
-    assert plain_norms == recorded_norms == 2
+    assert plain_norms == 2 and recorded_norms == (4 if scaled else 2)
