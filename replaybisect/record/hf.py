@@ -177,13 +177,12 @@ class ReplayCallback(RecordingCallback, TrainerCallback):
             return result
 
         def watched_clip(parameters, max_norm, *args, **kwargs):
-            if self._step is None:
-                return clip(parameters, max_norm, *args, **kwargs)
-            self._step.watch.gradients()  # once per step: before the Trainer's clip (or its norm at max_norm inf)
-            if guard.scaler_enabled(self.recording.state.scaler):  # accelerate unscales inside its clip: a new norm
-                return clip(parameters, max_norm, *args, **kwargs)
-            with user_step.reusing_measured_norm(self._step.watch):  # (not measured twice)
-                return clip(parameters, max_norm, *args, **kwargs)
+            if self._step is not None:
+                self._step.watch.gradients()  # once per step: before the Trainer's clip (or its norm at max_norm inf)
+                if not guard.scaler_enabled(self.recording.state.scaler):  # (accelerate unscales inside its clip)
+                    with user_step.reusing_measured_norm(self._step.watch):  # the norm not taken twice
+                        return clip(parameters, max_norm, *args, **kwargs)
+            return clip(parameters, max_norm, *args, **kwargs)
 
         accelerator.backward, accelerator.clip_grad_norm_ = watched_backward, watched_clip
         hooks = [model.register_forward_pre_hook(self._before_forward, with_kwargs=True),
