@@ -1,6 +1,6 @@
 """The recorder's cost on every recording path, measured to about 1%: plain and recorded training of the same model
-interleaved in one process, block by block (ABBA: the order flips every pair), so that drift in the machine's speed
-(other processes, frequency, the allocator's state) lands on both sides of each pair.
+interleaved in one process, step by step for a loop, fit by fit for a trainer (ABBA: the order flips every pair), so
+that drift in the machine's speed (other processes, frequency, the allocator's state) lands on both sides of each pair.
 
     python benchmarks/overhead.py [--paths control,train,recorder,inline,ddp,lightning,hf] [--steps 600] [--precision fp32]
 
@@ -12,10 +12,12 @@ path's defaults (metrics every step, a snapshot every 100 steps with every batch
 50). Two copies of a model in one process train at speeds up to 2% apart, by where their tensors happen to lie in
 memory, and that bias is the same in every pair: no interval over pairs can see it.
 
-A step's time drifts over seconds on a shared machine (successive steps correlate at 0.6, steps 30 apart at 0.2), so
-the loops alternate every 10 steps; a trainer's block is one fit of 100 steps (its run starts with a snapshot: the
-default rate). A recorded block's time includes waiting for the recorder's background writes it started, so none of
-its work spills into the next plain block. The recorder's work comes in lumps (a flush every 50 steps, a snapshot
+A step's time drifts over seconds on a shared machine (successive steps correlate at 0.5 to 0.6, steps 20 apart at
+0.2; blocks of the same 50 steps took 12.7 s and 10.4 s one after the other), so the loops alternate every step: with
+blocks of 10 steps the plain-against-plain control read 0.982 [0.970, 0.997] on such a machine, an interval that
+left out 1; step by step it read 0.999 [0.993, 1.007]. A trainer's block is one fit of 100 steps (its run starts with
+a snapshot: the default rate). A recorded block's time includes waiting for the recorder's background writes it
+started (where any are pending), so none of its work spills into the next plain block. The recorder's work comes in lumps (a flush every 50 steps, a snapshot
 every 100), so the figure is the ratio of the total times, recorded/plain, and its 95% interval a bootstrap over
 runs of consecutive pairs that hold 100 recorded steps each (2,000 resamples). Also printed: the plain step time, the
 time the recorder adds a step (recorded minus plain: the figure to compare across machines, whose step times differ),
@@ -66,7 +68,7 @@ HERE = Path(__file__).resolve().parent
 EXAMPLE = HERE.parent / "examples" / "own_loop"
 PATHS = ("control", "train", "recorder", "inline", "ddp", "lightning", "hf")
 TRAINERS = ("lightning", "hf")  # a block is one fit, with its run's start
-LOOP_BLOCK, TRAINER_BLOCK, CYCLE = 10, 100, 100  # steps: a loop's block, a trainer's, and the recorder's cycle
+LOOP_BLOCK, TRAINER_BLOCK, CYCLE = 1, 100, 100  # steps: a loop's block, a trainer's, and the recorder's cycle
 PINNED = {"MALLOC_TRIM_THRESHOLD_": str(2**28), "MALLOC_MMAP_THRESHOLD_": str(2**28), "OMP_NUM_THREADS": "1",
           "MKL_NUM_THREADS": "1"}
 
@@ -126,8 +128,12 @@ def timed_steps(step: Callable[[object], object], batches: list, block: int, dra
 
 
 def writes_done(hooks) -> Callable[[], None]:
-    """Waits until the recorder's single writer thread has done everything queued so far."""
-    return lambda: hooks._worker.submit(lambda: None).result()
+    """Waits until the recorder's single writer thread has done every job queued so far (no round trip to the thread
+    when none is pending: a step that queued nothing is timed as it ran)."""
+    def wait() -> None:
+        for job in list(hooks._jobs):
+            job.result()
+    return wait
 
 
 # ---- the paths ---------------------------------------------------------------------------------------------------
@@ -385,8 +391,8 @@ def main() -> None:
     unknown = sorted(set(paths) - set(PATHS))
     if unknown:
         parser.error(f"unknown path {', '.join(unknown)}: choose from {', '.join(PATHS)}")
-    print(f"{args.steps} recorded and {args.steps} plain steps per path, interleaved ABBA in blocks of {LOOP_BLOCK} steps "
-          f"(a trainer's: one fit of {TRAINER_BLOCK}); 1 thread; heap trimming off; the GPT in {args.precision}")
+    print(f"{args.steps} recorded and {args.steps} plain steps per path, interleaved ABBA step by step (a trainer's: "
+          f"fit by fit, {TRAINER_BLOCK} steps each); 1 thread; heap trimming off; the GPT in {args.precision}")
     print(f"{'path':<10} {'plain ms/step':>13} {'+ms/step':>9} {'recorded/plain':>15} {'95% interval':>17} "
           f"{f'per {CYCLE} steps':>17}")
     for path in paths:

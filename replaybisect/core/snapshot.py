@@ -5,7 +5,7 @@ snapshots/step-000400/
   batches.safetensors   the batches of steps 400.. (optional; written when the interval closes)
   grads.safetensors     the gradients step 400 began with, where the loop had not cleared them (optional)
   state.json            step, RNG streams, optimizer/scheduler/scaler state, data position, versions
-  MANIFEST.json         written LAST: files, sizes, sha256; no manifest = incomplete
+  MANIFEST.json         written LAST: files, sizes, BLAKE3 hashes (sha256 in older runs); no manifest = incomplete
 """
 
 from __future__ import annotations
@@ -27,8 +27,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Literal
 
+import blake3
 import torch
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from replaybisect.core.state import GRAD_PREFIX, check_state, schema_error
 from replaybisect.errors import SnapshotError
@@ -94,7 +95,13 @@ def write_atomic(path: Path, payload: bytes) -> dict[str, Any]:
     """Temp name, fsync, rename: a reader sees the whole file or none of it."""
     with _atomic_temp(path) as temp:
         _write_synced(temp, [payload])
-    return {"size": len(payload), "sha256": hashlib.sha256(payload).hexdigest()}
+    return _entry(len(payload), blake3.blake3(payload))
+
+
+def _entry(size: int, digest) -> dict[str, Any]:
+    """A file's manifest entry. New snapshots are hashed with BLAKE3: on the writer thread, a core the training threads
+    want, it takes 30 ms per 100 MB here against sha256's 67 (with the CPU's SHA extensions), and releases the GIL."""
+    return {"size": size, "blake3": digest.hexdigest()}
 
 
 WRITE_SLICE = 1 << 16  # bytes a write() through the page cache: a new file written 3.3 MB in 64 KiB writes took 1 ms of
@@ -169,7 +176,7 @@ def write_tensors_atomic(path: Path, tensors: dict[str, torch.Tensor], metadata:
     if layout is None:
         return write_atomic(path, encode_tensors(_unshared(tensors), metadata))
     head, _, data_bytes = _safetensors_head(layout, metadata)
-    digest = hashlib.sha256(head)
+    digest = blake3.blake3(head)
 
     def hashed_data():
         for chunk in _chunks([tensors[name].detach() for name, _, _ in layout]):
@@ -179,7 +186,7 @@ def write_tensors_atomic(path: Path, tensors: dict[str, torch.Tensor], metadata:
 
     with _atomic_temp(path) as temp:
         _write_synced(temp, itertools.chain([head], hashed_data()))
-    return {"size": len(head) + data_bytes, "sha256": digest.hexdigest()}
+    return _entry(len(head) + data_bytes, digest)
 
 
 def _chunks(tensors: list[torch.Tensor]):
@@ -254,11 +261,11 @@ class TensorsImage:
         """The file at `path` (temp name, fsync, rename), written straight from the buffer where O_DIRECT works here,
         else through the page cache."""
         data = memoryview(self.buffer.numpy())
-        digest = hashlib.sha256(data[:self.size]).hexdigest()
+        digest = blake3.blake3(data[:self.size])
         with _atomic_temp(path) as temp:
             if not _write_direct(temp, data, self.size):
                 _write_synced(temp, [data[:self.size]])
-        return {"size": self.size, "sha256": digest}
+        return _entry(self.size, digest)
 
 
 def _write_direct(path: Path, data: memoryview, size: int) -> bool:
@@ -474,9 +481,22 @@ BATCH_STEP = re.compile(r"^\d{1,12}$")
 
 
 class FileEntry(BaseModel):
+    """A file's size and hash: BLAKE3, or sha256 in a snapshot an earlier version wrote (exactly one)."""
     model_config = ConfigDict(extra="forbid", strict=True)
     size: int = Field(ge=0)
-    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+    blake3: str | None = Field(default=None, pattern=r"^[0-9a-f]{64}$")
+    sha256: str | None = Field(default=None, pattern=r"^[0-9a-f]{64}$")
+
+    @model_validator(mode="after")
+    def _one_hash(self) -> "FileEntry":
+        if (self.blake3 is None) == (self.sha256 is None):
+            raise ValueError("a file entry holds exactly one of blake3 and sha256")
+        return self
+
+    def matches(self, payload: bytes) -> bool:
+        if self.blake3 is not None:
+            return blake3.blake3(payload).hexdigest() == self.blake3
+        return hashlib.sha256(payload).hexdigest() == self.sha256
 
 
 class Manifest(BaseModel):
@@ -572,13 +592,13 @@ def read_verified(folder: Path, name: str, manifest: Manifest) -> bytes:
     if entry is None:
         raise _bad(folder, name, "is not in its manifest")
     payload = _read_plain_file(folder, name, expected_size=entry.size)
-    if hashlib.sha256(payload).hexdigest() != entry.sha256:
+    if not entry.matches(payload):
         raise _bad(folder, name, "fails verification (checksum mismatch: the file is corrupt)")
     return payload
 
 
 def verify(folder: Path) -> Manifest:
-    """Check the folder, the manifest and every file's size and sha256; return the manifest."""
+    """Check the folder, the manifest and every file's size and hash; return the manifest."""
     _check_folder(folder)
     manifest = read_manifest(folder)
     for name in manifest.files:

@@ -362,3 +362,44 @@ def test_a_symlinked_snapshot_folder_is_refused(run, tmp_path):
     with pytest.raises(SnapshotError, match="symlink"):
         fmt.load(link)
 
+
+
+def test_new_snapshots_are_hashed_with_blake3_and_those_of_earlier_versions_with_sha256_still_load(run, tmp_path):
+    """A snapshot written now lists a BLAKE3 hash for each file; the same folder with sha256 entries (what versions
+    before BLAKE3 wrote) loads to the same tensors and batches; an entry with both hashes or neither, or a file whose
+    bytes no longer match its BLAKE3 hash, is refused with SnapshotError."""
+    import hashlib
+
+    import blake3
+
+    _, _, _, root = run
+    written = tmp_path / fmt.folder_name(NEWEST)
+    shutil.copytree(root / fmt.folder_name(NEWEST), written)
+    manifest = json.loads((written / fmt.MANIFEST).read_text())
+    assert manifest["files"] and all(set(entry) == {"size", "blake3"} for entry in manifest["files"].values())
+    for name, entry in manifest["files"].items():
+        assert blake3.blake3((written / name).read_bytes()).hexdigest() == entry["blake3"]
+    now = fmt.load(written)
+
+    def with_entries(folder: Path, entry_of) -> Path:
+        changed = tmp_path / folder / fmt.folder_name(NEWEST)
+        shutil.copytree(written, changed)
+        files = {name: entry_of((changed / name).read_bytes()) for name in manifest["files"]}
+        (changed / fmt.MANIFEST).write_text(json.dumps({**manifest, "files": files}))
+        return changed
+
+    older = fmt.load(with_entries("older", lambda payload: {"size": len(payload), "sha256": hashlib.sha256(payload).hexdigest()}))
+    assert now.tensors.keys() == older.tensors.keys() and all(torch.equal(now.tensors[k], older.tensors[k]) for k in now.tensors)
+    assert now.state == older.state and now.batches.keys() == older.batches.keys()
+    both = with_entries("both", lambda payload: {"size": len(payload), "sha256": hashlib.sha256(payload).hexdigest(),
+                                                 "blake3": blake3.blake3(payload).hexdigest()})
+    neither = with_entries("neither", lambda payload: {"size": len(payload)})
+    for folder in (both, neither):
+        with pytest.raises(SnapshotError, match="exactly one of blake3 and sha256"):
+            fmt.load(folder)
+    flipped = with_entries("flipped", lambda payload: {"size": len(payload), "blake3": blake3.blake3(payload).hexdigest()})
+    tensors = bytearray((flipped / fmt.TENSORS).read_bytes())
+    tensors[-1] ^= 1
+    (flipped / fmt.TENSORS).write_bytes(bytes(tensors))
+    with pytest.raises(SnapshotError, match="checksum mismatch"):
+        fmt.load(flipped)

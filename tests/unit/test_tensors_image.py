@@ -4,9 +4,9 @@ system takes it and through the page cache where it does not (tmpfs)."""
 
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 
+import blake3
 import pytest
 import torch
 from safetensors.torch import load
@@ -37,7 +37,7 @@ def write_image(path: Path) -> dict:
 
 def assert_same_tensors(path: Path, entry: dict) -> None:
     payload = path.read_bytes()
-    assert entry == {"size": len(payload), "sha256": hashlib.sha256(payload).hexdigest()}
+    assert entry == {"size": len(payload), "blake3": blake3.blake3(payload).hexdigest()}
     fmt.safetensors_layout(payload)  # the layout check snapshots are loaded through
     loaded = load(payload)
     assert set(loaded) == set(TENSORS)
@@ -115,7 +115,7 @@ def test_the_header_builder_lays_tensors_out_in_the_order_given_8_byte_aligned()
 def test_the_streaming_writer_joins_small_tensors_and_the_file_loads_bit_for_bit(tmp_path, monkeypatch, joined):
     """write_tensors_atomic writes runs of small tensors of one dtype as one chunk (JOINED bytes at most), largest
     element first: the safetensors library and the snapshot reader's layout check read every tensor back as it was, and
-    the size and sha256 it returns are the file's."""
+    the size and BLAKE3 hash it returns are the file's."""
 
     from safetensors.torch import load_file
 
@@ -129,7 +129,7 @@ def test_the_streaming_writer_joins_small_tensors_and_the_file_loads_bit_for_bit
     path = tmp_path / "b.safetensors"
     written = fmt.write_tensors_atomic(path, tensors, {"k": "v"})
     payload = path.read_bytes()
-    assert written == {"size": len(payload), "sha256": hashlib.sha256(payload).hexdigest()}
+    assert written == {"size": len(payload), "blake3": blake3.blake3(payload).hexdigest()}
     _, metadata = fmt.safetensors_layout(payload)
     loaded = load_file(str(path))
     assert metadata == {"k": "v"} and loaded.keys() == tensors.keys()
