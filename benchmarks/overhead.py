@@ -15,13 +15,14 @@ memory, and that bias is the same in every pair: no interval over pairs can see 
 A step's time drifts over seconds on a shared machine (successive steps correlate at 0.5 to 0.6, steps 20 apart at
 0.2; blocks of the same 50 steps took 12.7 s and 10.4 s one after the other), so the loops alternate every step: with
 blocks of 10 steps the plain-against-plain control read 0.982 [0.970, 0.997] on such a machine, an interval that
-left out 1; step by step it read 0.999 [0.993, 1.007]. A trainer's block is one fit of 100 steps (its run starts with
+left out 1; step by step it read 1.000 [0.994, 1.006]. A trainer's block is one fit of 100 steps (its run starts with
 a snapshot: the default rate). A recorded block's time includes waiting for the recorder's background writes it
 started (where any are pending), so none of its work spills into the next plain block. The recorder's work comes in lumps (a flush every 50 steps, a snapshot
 every 100), so the figure is the ratio of the total times, recorded/plain, and its 95% interval a bootstrap over
 runs of consecutive pairs that hold 100 recorded steps each (2,000 resamples). Also printed: the plain step time, the
 time the recorder adds a step (recorded minus plain: the figure to compare across machines, whose step times differ),
-and the lowest and highest ratio of those runs.
+the part of it spent waiting for the recorder's writer thread (included: an upper bound), and the lowest and highest
+ratio of those runs.
 
 `--precision fp32` trains the GPT paths (recorder, inline, ddp, lightning, control) in fp32 instead of bf16 autocast: on
 a CPU that emulates bf16 matmuls (no AVX-512 BF16 or AMX) their bf16 step takes some ten times the fp32 one, which
@@ -77,6 +78,7 @@ PINNED = {"MALLOC_TRIM_THRESHOLD_": str(2**28), "MALLOC_MMAP_THRESHOLD_": str(2*
 def interleaved(plain: Callable[[], float], recorded: Callable[[], float], pairs: int) -> list[tuple[float, float]]:
     """(plain seconds, recorded seconds) per pair, after one discarded pair of warm-up; the order flips each pair."""
     plain(), recorded()
+    WAITED[0] = 0.0
     measured = []
     for pair in range(pairs):
         if pair % 2 == 0:
@@ -127,12 +129,19 @@ def timed_steps(step: Callable[[object], object], batches: list, block: int, dra
     return run
 
 
+WAITED = [0.0]  # seconds the recorded blocks spent waiting for the writer's jobs (after the warm-up pair)
+
+
 def writes_done(hooks) -> Callable[[], None]:
     """Waits until the recorder's single writer thread has done every job queued so far (no round trip to the thread
-    when none is pending: a step that queued nothing is timed as it ran)."""
+    when none is pending: a step that queued nothing is timed as it ran). The wait counts in the recorded time, an
+    upper bound: in a run, the job would go on beside the next steps (on a spare core, costing them the GIL it takes);
+    it is also summed in WAITED, printed on its own."""
     def wait() -> None:
+        started = time.perf_counter()
         for job in list(hooks._jobs):
             job.result()
+        WAITED[0] += time.perf_counter() - started
     return wait
 
 
@@ -367,7 +376,7 @@ def child(path: str, pairs: int, block: int, handoff: float, precision: str) -> 
         plain, recorded, close = setups[path](folder, block)
         measured = interleaved(plain, recorded, pairs)
         close()
-    print("RESULT " + json.dumps({"path": path, "pairs": measured, "block": block}))
+    print("RESULT " + json.dumps({"path": path, "pairs": measured, "block": block, "waited": WAITED[0]}))
 
 
 def main() -> None:
@@ -393,7 +402,7 @@ def main() -> None:
         parser.error(f"unknown path {', '.join(unknown)}: choose from {', '.join(PATHS)}")
     print(f"{args.steps} recorded and {args.steps} plain steps per path, interleaved ABBA step by step (a trainer's: "
           f"fit by fit, {TRAINER_BLOCK} steps each); 1 thread; heap trimming off; the GPT in {args.precision}")
-    print(f"{'path':<10} {'plain ms/step':>13} {'+ms/step':>9} {'recorded/plain':>15} {'95% interval':>17} "
+    print(f"{'path':<10} {'plain ms/step':>13} {'+ms/step':>9} {'(waiting)':>9} {'recorded/plain':>15} {'95% interval':>17} "
           f"{f'per {CYCLE} steps':>17}")
     for path in paths:
         block = TRAINER_BLOCK if path in TRAINERS else LOOP_BLOCK
@@ -405,11 +414,13 @@ def main() -> None:
         if done.returncode != 0 or line is None:
             print(f"{path:<10} failed (exit {done.returncode}): {done.stderr.strip().splitlines()[-1:] or ''}")
             continue
-        measured = json.loads(line[len("RESULT "):])["pairs"]
+        result = json.loads(line[len("RESULT "):])
+        measured = result["pairs"]
         ratio, low, high, runs = ratio_interval(measured, max(1, CYCLE // block))
         step_ms = sum(plain for plain, _ in measured) / (len(measured) * block) * 1e3
         added_ms = sum(recorded - plain for plain, recorded in measured) / (len(measured) * block) * 1e3
-        print(f"{path:<10} {step_ms:>13.1f} {added_ms:>9.2f} {ratio:>15.3f} {f'[{low:.3f}, {high:.3f}]':>17} "
+        waited_ms = result["waited"] / (len(measured) * block) * 1e3
+        print(f"{path:<10} {step_ms:>13.1f} {added_ms:>9.2f} {waited_ms:>9.2f} {ratio:>15.3f} {f'[{low:.3f}, {high:.3f}]':>17} "
               f"{f'{min(runs):.3f}..{max(runs):.3f}':>17}", flush=True)
 
 
