@@ -14,15 +14,15 @@ memory, and that bias is the same in every pair: no interval over pairs can see 
 
 A step's time drifts over seconds on a shared machine (successive steps correlate at 0.5 to 0.6, steps 20 apart at
 0.2; blocks of the same 50 steps took 12.7 s and 10.4 s one after the other), so the loops alternate every step: with
-blocks of 10 steps the plain-against-plain control read 0.982 [0.970, 0.997] on such a machine, an interval that
-left out 1; step by step it read 1.000 [0.994, 1.006]. A trainer's block is one fit of 100 steps (its run starts with
-a snapshot: the default rate). A recorded block's time includes waiting for the recorder's background writes it
-started (where any are pending), so none of its work spills into the next plain block. The recorder's work comes in lumps (a flush every 50 steps, a snapshot
-every 100), so the figure is the ratio of the total times, recorded/plain, and its 95% interval a bootstrap over
-runs of consecutive pairs that hold 100 recorded steps each (2,000 resamples). Also printed: the plain step time, the
-time the recorder adds a step (recorded minus plain: the figure to compare across machines, whose step times differ),
-the part of it spent waiting for the recorder's writer thread (included: an upper bound), and the lowest and highest
-ratio of those runs.
+blocks of 10 steps the plain-against-plain control read 0.982 [0.970, 0.997] on such a machine, an interval that left
+out 1; step by step it read 1.000 [0.994, 1.006]. A trainer's block is one fit of 100 steps (its run starts with a
+snapshot: the default rate). A recorded block's time includes waiting for the recorder's background writes it started
+(where any are pending), so none of its work spills into the next plain block. The recorder's work comes in lumps (a
+flush every 50 steps, a snapshot every 100), so the figure is the ratio of the total times, recorded/plain, and its
+95% interval a bootstrap over runs of consecutive pairs that hold 100 recorded steps each (2,000 resamples). Also
+printed: the plain step time, the time the recorder adds a step (recorded minus plain: the figure to compare across
+machines, whose step times differ), the part of it spent waiting for the recorder's writer thread (included: an upper
+bound), and the lowest and highest ratio of those runs.
 
 `--precision fp32` trains the GPT paths (recorder, inline, ddp, lightning, control) in fp32 instead of bf16 autocast: on
 a CPU that emulates bf16 matmuls (no AVX-512 BF16 or AMX) their bf16 step takes some ten times the fp32 one, which

@@ -134,13 +134,11 @@ def sign_as_recorder(store, run_id: str) -> None:
 def resign(folder: Path, name: str) -> None:
     """Re-sign a changed file of a snapshot folder in its manifest, as someone with write access could: the parser
     must then catch the change."""
-    import hashlib
-
     from replaybisect.core import snapshot as fmt
 
     manifest = json.loads((folder / fmt.MANIFEST).read_text())
     payload = (folder / name).read_bytes()
-    manifest["files"][name] = {"size": len(payload), "sha256": hashlib.sha256(payload).hexdigest()}
+    manifest["files"][name] = fmt.file_entry(payload)
     (folder / fmt.MANIFEST).write_text(json.dumps(manifest))
 
 

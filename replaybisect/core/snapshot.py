@@ -27,14 +27,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Literal
 
-import blake3
 import torch
+from blake3 import blake3 as _blake3
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from replaybisect.core.state import GRAD_PREFIX, check_state, schema_error
 from replaybisect.errors import SnapshotError
 
-FORMAT = "replaybisect-snapshot/1"
+FORMAT = "replaybisect-snapshot/2"  # what this version writes: each file's BLAKE3 hash in the manifest
+FORMAT_SHA256 = "replaybisect-snapshot/1"  # what versions before 2026-12-06 wrote (sha256): still read
 SNAPSHOTS = "snapshots"
 TENSORS = "tensors.safetensors"
 BATCHES = "batches.safetensors"
@@ -95,12 +96,18 @@ def write_atomic(path: Path, payload: bytes) -> dict[str, Any]:
     """Temp name, fsync, rename: a reader sees the whole file or none of it."""
     with _atomic_temp(path) as temp:
         _write_synced(temp, [payload])
-    return _entry(len(payload), blake3.blake3(payload))
+    return file_entry(payload)
 
 
-def _entry(size: int, digest) -> dict[str, Any]:
-    """A file's manifest entry. New snapshots are hashed with BLAKE3: on the writer thread, a core the training threads
-    want, it takes 30 ms per 100 MB here against sha256's 67 (with the CPU's SHA extensions), and releases the GIL."""
+def file_entry(payload: bytes) -> dict[str, Any]:
+    """The manifest entry of a file holding `payload`."""
+    return _entry_hashed(len(payload), _blake3(payload))
+
+
+def _entry_hashed(size: int, digest: _blake3) -> dict[str, Any]:
+    """A file's manifest entry from its size and the BLAKE3 hasher that saw its bytes. BLAKE3, not sha256: the writer
+    thread hashes every snapshot on a core the training threads want, 30 ms per 100 MB here against sha256's 67 (on a
+    CPU with the SHA extensions)."""
     return {"size": size, "blake3": digest.hexdigest()}
 
 
@@ -176,7 +183,7 @@ def write_tensors_atomic(path: Path, tensors: dict[str, torch.Tensor], metadata:
     if layout is None:
         return write_atomic(path, encode_tensors(_unshared(tensors), metadata))
     head, _, data_bytes = _safetensors_head(layout, metadata)
-    digest = blake3.blake3(head)
+    digest = _blake3(head)
 
     def hashed_data():
         for chunk in _chunks([tensors[name].detach() for name, _, _ in layout]):
@@ -186,7 +193,7 @@ def write_tensors_atomic(path: Path, tensors: dict[str, torch.Tensor], metadata:
 
     with _atomic_temp(path) as temp:
         _write_synced(temp, itertools.chain([head], hashed_data()))
-    return _entry(len(head) + data_bytes, digest)
+    return _entry_hashed(len(head) + data_bytes, digest)
 
 
 def _chunks(tensors: list[torch.Tensor]):
@@ -261,11 +268,11 @@ class TensorsImage:
         """The file at `path` (temp name, fsync, rename), written straight from the buffer where O_DIRECT works here,
         else through the page cache."""
         data = memoryview(self.buffer.numpy())
-        digest = blake3.blake3(data[:self.size])
+        digest = _blake3(data[:self.size])
         with _atomic_temp(path) as temp:
             if not _write_direct(temp, data, self.size):
                 _write_synced(temp, [data[:self.size]])
-        return _entry(self.size, digest)
+        return _entry_hashed(self.size, digest)
 
 
 def _write_direct(path: Path, data: memoryview, size: int) -> bool:
@@ -480,30 +487,44 @@ TENSOR_NAME = re.compile(r"^(model/.+|optim/\d{1,9}/.+|optim/own/(?!\d+\Z)[^\n]{
 BATCH_STEP = re.compile(r"^\d{1,12}$")
 
 
-class FileEntry(BaseModel):
-    """A file's size and hash: BLAKE3, or sha256 in a snapshot an earlier version wrote (exactly one)."""
+HEX_DIGEST = r"^[0-9a-f]{64}$"
+
+
+class Blake3Entry(BaseModel):
+    """A file of a snapshot of FORMAT: its size and BLAKE3 hash."""
     model_config = ConfigDict(extra="forbid", strict=True)
     size: int = Field(ge=0)
-    blake3: str | None = Field(default=None, pattern=r"^[0-9a-f]{64}$")
-    sha256: str | None = Field(default=None, pattern=r"^[0-9a-f]{64}$")
-
-    @model_validator(mode="after")
-    def _one_hash(self) -> "FileEntry":
-        if (self.blake3 is None) == (self.sha256 is None):
-            raise ValueError("a file entry holds exactly one of blake3 and sha256")
-        return self
+    blake3: str = Field(pattern=HEX_DIGEST)
 
     def matches(self, payload: bytes) -> bool:
-        if self.blake3 is not None:
-            return blake3.blake3(payload).hexdigest() == self.blake3
+        return _blake3(payload).hexdigest() == self.blake3
+
+
+class Sha256Entry(BaseModel):
+    """A file of a snapshot of FORMAT_SHA256: its size and sha256."""
+    model_config = ConfigDict(extra="forbid", strict=True)
+    size: int = Field(ge=0)
+    sha256: str = Field(pattern=HEX_DIGEST)
+
+    def matches(self, payload: bytes) -> bool:
         return hashlib.sha256(payload).hexdigest() == self.sha256
+
+
+ENTRY_OF_FORMAT = {FORMAT: (Blake3Entry, "BLAKE3"), FORMAT_SHA256: (Sha256Entry, "sha256")}  # its entries, its hash
 
 
 class Manifest(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
-    format: Literal[FORMAT]
+    format: Literal[FORMAT, FORMAT_SHA256]
     step: int = Field(ge=0)
-    files: dict[Literal[TENSORS, BATCHES, STATE, GRADS], FileEntry]
+    files: dict[Literal[TENSORS, BATCHES, STATE, GRADS], Blake3Entry | Sha256Entry]
+
+    @model_validator(mode="after")
+    def _hashed_as_its_format_says(self) -> "Manifest":
+        kind, hashed = ENTRY_OF_FORMAT[self.format]
+        if not all(isinstance(entry, kind) for entry in self.files.values()):
+            raise ValueError(f"a {self.format} manifest lists each file with its {hashed} hash, and only that")
+        return self
 
 
 @dataclass
@@ -575,7 +596,7 @@ def read_manifest(folder: Path) -> Manifest:
     try:
         manifest = Manifest.model_validate(data)
     except ValidationError as error:
-        raise _bad(folder, MANIFEST, f"is not a {FORMAT} manifest ({schema_error(error)})") from None
+        raise _bad(folder, MANIFEST, f"is not a {FORMAT} (or {FORMAT_SHA256}) manifest ({schema_error(error)})") from None
     for required in (TENSORS, STATE):
         if required not in manifest.files:
             raise _bad(folder, MANIFEST, f"does not list {required}")

@@ -13,7 +13,6 @@ it goes non-finite at step 3).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import re
 import shutil
@@ -198,7 +197,7 @@ def _rewrite_batches(snapshots: Path, change) -> None:
         payload = fmt.encode_batches({step: change(*batch) for step, batch in loaded.batches.items()})
         (folder / fmt.BATCHES).write_bytes(payload)
         manifest = json.loads((folder / fmt.MANIFEST).read_text())
-        manifest["files"][fmt.BATCHES] = {"size": len(payload), "sha256": hashlib.sha256(payload).hexdigest()}
+        manifest["files"][fmt.BATCHES] = fmt.file_entry(payload)
         (folder / fmt.MANIFEST).write_text(json.dumps(manifest))
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import pickle
@@ -126,7 +125,7 @@ def _rewrite_with_manifest(folder: Path, name: str, payload: bytes) -> None:
     """Replace one file and re-sign the manifest, as an attacker with write access could."""
     (folder / name).write_bytes(payload)
     manifest = json.loads((folder / fmt.MANIFEST).read_text())
-    manifest["files"][name] = {"size": len(payload), "sha256": hashlib.sha256(payload).hexdigest()}
+    manifest["files"][name] = fmt.file_entry(payload)
     (folder / fmt.MANIFEST).write_text(json.dumps(manifest))
 
 

@@ -363,43 +363,52 @@ def test_a_symlinked_snapshot_folder_is_refused(run, tmp_path):
         fmt.load(link)
 
 
-
 def test_new_snapshots_are_hashed_with_blake3_and_those_of_earlier_versions_with_sha256_still_load(run, tmp_path):
-    """A snapshot written now lists a BLAKE3 hash for each file; the same folder with sha256 entries (what versions
-    before BLAKE3 wrote) loads to the same tensors and batches; an entry with both hashes or neither, or a file whose
-    bytes no longer match its BLAKE3 hash, is refused with SnapshotError."""
+    """A snapshot written now is of format /2: a BLAKE3 hash for each file. The same folder as an earlier version wrote
+    it (format /1, sha256) loads to the same tensors, state and batches. Each format takes its own hash only: a /2
+    manifest with a sha256 entry, a /1 with a BLAKE3 one, an entry with both (or one of them null) or neither is refused,
+    and so is a file whose bytes no longer match its hash, under either."""
     import hashlib
 
     import blake3
 
     _, _, _, root = run
-    written = tmp_path / fmt.folder_name(NEWEST)
+    written = tmp_path / "now" / fmt.folder_name(NEWEST)
     shutil.copytree(root / fmt.folder_name(NEWEST), written)
     manifest = json.loads((written / fmt.MANIFEST).read_text())
+    assert manifest["format"] == fmt.FORMAT == "replaybisect-snapshot/2"
     assert manifest["files"] and all(set(entry) == {"size", "blake3"} for entry in manifest["files"].values())
     for name, entry in manifest["files"].items():
         assert blake3.blake3((written / name).read_bytes()).hexdigest() == entry["blake3"]
     now = fmt.load(written)
 
-    def with_entries(folder: Path, entry_of) -> Path:
-        changed = tmp_path / folder / fmt.folder_name(NEWEST)
+    def sha256(payload: bytes) -> dict:
+        return {"size": len(payload), "sha256": hashlib.sha256(payload).hexdigest()}
+
+    def with_manifest(case: str, format_: str, entry_of, flip: bool = False) -> Path:
+        changed = tmp_path / case / fmt.folder_name(NEWEST)
         shutil.copytree(written, changed)
         files = {name: entry_of((changed / name).read_bytes()) for name in manifest["files"]}
-        (changed / fmt.MANIFEST).write_text(json.dumps({**manifest, "files": files}))
+        (changed / fmt.MANIFEST).write_text(json.dumps({**manifest, "format": format_, "files": files}))
+        if flip:  # a byte of the tensors changed after its hash was taken
+            tensors = bytearray((changed / fmt.TENSORS).read_bytes())
+            tensors[-1] ^= 1
+            (changed / fmt.TENSORS).write_bytes(bytes(tensors))
         return changed
 
-    older = fmt.load(with_entries("older", lambda payload: {"size": len(payload), "sha256": hashlib.sha256(payload).hexdigest()}))
+    older = fmt.load(with_manifest("older", fmt.FORMAT_SHA256, sha256))
     assert now.tensors.keys() == older.tensors.keys() and all(torch.equal(now.tensors[k], older.tensors[k]) for k in now.tensors)
     assert now.state == older.state and now.batches.keys() == older.batches.keys()
-    both = with_entries("both", lambda payload: {"size": len(payload), "sha256": hashlib.sha256(payload).hexdigest(),
-                                                 "blake3": blake3.blake3(payload).hexdigest()})
-    neither = with_entries("neither", lambda payload: {"size": len(payload)})
-    for folder in (both, neither):
-        with pytest.raises(SnapshotError, match="exactly one of blake3 and sha256"):
+    refused = {
+        "sha256 under /2": with_manifest("sha256-in-2", fmt.FORMAT, sha256),
+        "BLAKE3 under /1": with_manifest("blake3-in-1", fmt.FORMAT_SHA256, fmt.file_entry),
+        "both": with_manifest("both", fmt.FORMAT, lambda payload: {**fmt.file_entry(payload), **sha256(payload)}),
+        "a null beside": with_manifest("null", fmt.FORMAT, lambda payload: {**fmt.file_entry(payload), "sha256": None}),
+        "neither": with_manifest("neither", fmt.FORMAT, lambda payload: {"size": len(payload)}),
+    }
+    for case, folder in refused.items():
+        with pytest.raises(SnapshotError, match="MANIFEST.json is not a replaybisect-snapshot/2"):
             fmt.load(folder)
-    flipped = with_entries("flipped", lambda payload: {"size": len(payload), "blake3": blake3.blake3(payload).hexdigest()})
-    tensors = bytearray((flipped / fmt.TENSORS).read_bytes())
-    tensors[-1] ^= 1
-    (flipped / fmt.TENSORS).write_bytes(bytes(tensors))
-    with pytest.raises(SnapshotError, match="checksum mismatch"):
-        fmt.load(flipped)
+    for format_, entry_of in ((fmt.FORMAT, fmt.file_entry), (fmt.FORMAT_SHA256, sha256)):
+        with pytest.raises(SnapshotError, match="checksum mismatch"):
+            fmt.load(with_manifest(f"flipped-{entry_of.__name__}", format_, entry_of, flip=True))
