@@ -1,6 +1,6 @@
 """The recorder's cost on every recording path, measured to about 1%: plain and recorded training of the same model
-interleaved in one process, step by step for a loop, fit by fit for a trainer (ABBA: the order flips every pair), so
-that drift in the machine's speed (other processes, frequency, the allocator's state) lands on both sides of each pair.
+interleaved in one process step by step (ABBA: the order flips every pair), so that drift in the machine's speed
+(other processes, frequency, the allocator's state) lands on both sides of each pair.
 
     python benchmarks/overhead.py [--paths control,train,recorder,inline,ddp,lightning,hf] [--steps 600] [--precision fp32]
 
@@ -15,9 +15,11 @@ memory, and that bias is the same in every pair: no interval over pairs can see 
 A step's time drifts over seconds on a shared machine (successive steps correlate at 0.5 to 0.6, steps 20 apart at
 0.2; blocks of the same 50 steps took 12.7 s and 10.4 s one after the other), so the loops alternate every step: with
 blocks of 10 steps the plain-against-plain control read 0.982 [0.970, 0.997] on such a machine, an interval that left
-out 1; step by step it read 1.000 [0.994, 1.006]. A trainer's block is one fit of 100 steps (its run starts with a
-snapshot: the default rate). A recorded block's time includes waiting for the recorder's background writes it started
-(where any are pending), so none of its work spills into the next plain block. The recorder's work comes in lumps (a
+out 1; step by step it read 1.000 [0.994, 1.006]. A trainer's fit cannot be stepped from outside, so its plain and
+recorded fits run in two threads that take turns a step at a time (`Turns`: only the thread whose turn it is runs;
+with whole fits of 100 steps as the blocks, the intervals were 5 to 6% wide). A recorded step's time includes
+waiting for the recorder's background writes it started (where any are pending), so none of its work spills into the
+next plain step. The recorder's work comes in lumps (a
 flush every 50 steps, a snapshot every 100), so the figure is the ratio of the total times, recorded/plain, and its
 95% interval a bootstrap over runs of consecutive pairs that hold 100 recorded steps each (2,000 resamples). Also
 printed: the plain step time, the time the recorder adds a step (recorded minus plain: the figure to compare across
@@ -28,9 +30,8 @@ bound), and the lowest and highest ratio of those runs.
 a CPU that emulates bf16 matmuls (no AVX-512 BF16 or AMX) their bf16 step takes some ten times the fp32 one, which
 would hide the recorder. `replay train`'s MLP and the transformers GPT-2 train in fp32 either way.
 
-A loop path's run stands for a long one: its metric points go to the logger process from its second flush on
+Each path's run stands for a long one: its metric points go to the logger process from its second flush on
 (--handoff 0), as a run's do once their logging has cost 2 s in the training process (record/metrics_process.py).
-A trainer's block is a run of 100 steps of its own, which never gets that far: its points are logged in process.
 
 - control: the GPT below, plain against plain: what the benchmark reads when nothing differs.
 - train: `replay train`'s built-in loop (a 5.2M-parameter MLP, AdamW, batch 64): recorded against the same loop
@@ -43,12 +44,16 @@ A trainer's block is a run of 100 steps of its own, which never gets that far: i
   it would run inside it). The optimizer hooks stay installed for the recorder's life, so the plain blocks pay
   their identity check too: a cost this path does not count.
 - ddp: the `recorder` path with the model wrapped in DistributedDataParallel in a one-process gloo group.
-- lightning: the GPT as a LightningModule (bf16-mixed, 4 accumulated batches, clip 5), `trainer.fit` of the same
-  module with and without ReplayCallback; a block is one fit of block + 1 steps, timed from its second step to its
-  last (and the writes pending then): the run's start and end are one-off costs, left out as the other paths' are.
-  Its step-0 snapshot is the block's one snapshot: the default rate (one per 100 steps).
-- hf: a GPT-2 from GPT2Config (width 128, 4 layers, context 64, batch 8, accumulation 2), `Trainer.train()` of the
-  same model with and without ReplayCallback, timed as lightning's.
+- lightning: the GPT as a LightningModule (bf16-mixed, 4 accumulated batches, clip 5), two `trainer.fit`s taking
+  turns, one with ReplayCallback. The plain fit trains a shallow copy of the module (the same submodules and
+  tensors, hooks of its own) and both take the same optimizer from configure_optimizers, so the two train the same
+  parameters and optimizer state, as the loops' blocks do. A turn runs from one optimizer step's end to the next's
+  (the data's fetch and every hook between included); each fit's start, first step and end are one-off costs,
+  left out as the loops' are. As for inline, the recorder's global optimizer hook sees the plain fit's updates
+  too (an identity check each).
+- hf: a GPT-2 from GPT2Config (width 128, 4 layers, context 64, batch 8, accumulation 2), two `Trainer.train()`s
+  taking turns as lightning's, one with ReplayCallback, the plain one on a shallow copy of the model, both given the
+  same optimizer (each Trainer makes its own schedule on it).
 """
 
 from __future__ import annotations
@@ -61,6 +66,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Callable
@@ -68,8 +74,9 @@ from typing import Callable
 HERE = Path(__file__).resolve().parent
 EXAMPLE = HERE.parent / "examples" / "own_loop"
 PATHS = ("control", "train", "recorder", "inline", "ddp", "lightning", "hf")
-TRAINERS = ("lightning", "hf")  # a block is one fit, with its run's start
-LOOP_BLOCK, TRAINER_BLOCK, CYCLE = 1, 100, 100  # steps: a loop's block, a trainer's, and the recorder's cycle
+TRAINERS = ("lightning", "hf")  # two fits taking turns (Turns)
+TRAINER_PAIRS = 2  # a trainer's path measures this many times --steps
+CYCLE = 100  # steps: the recorder's cycle (a snapshot every 100 steps), a run in the interval's bootstrap
 PINNED = {"MALLOC_TRIM_THRESHOLD_": str(2**28), "MALLOC_MMAP_THRESHOLD_": str(2**28), "OMP_NUM_THREADS": "1",
           "MKL_NUM_THREADS": "1"}
 
@@ -260,7 +267,79 @@ def path_train(folder: str, block: int):
     return block_of("plain", NullHooks()), block_of("recorded", hooks, writes_done(hooks)), close
 
 
-def path_lightning(folder: str, block: int):
+# ---- the trainers: two fits taking turns step by step ------------------------------------------------------
+class Turns:
+    """Two fits, plain and recorded, in two threads of this process, taking turns a step at a time in the order of
+    `interleaved` (ABBA, after a warm-up pair): a thread runs only while it holds the condition's lock, which it
+    gives up only at the end of a step (or of its fit), so the two never run at once, and each turn is one step of
+    its fit, timed from when its thread got the turn to when it hands it on (a recorded turn waits for the writer's
+    pending jobs first, as a loop's recorded step does). A fit's start and end, and the steps after the last turn,
+    are outside the turns: one-off costs, left out as the loops' are."""
+
+    def __init__(self, pairs: int):
+        self.order = [name for pair in range(pairs + 1)
+                      for name in (("plain", "recorded") if pair % 2 == 0 else ("recorded", "plain"))]
+        self.turn = 0
+        self.seconds: dict[str, list[float]] = {"plain": [], "recorded": []}
+        self.started: dict[str, float] = {}
+        self.condition = threading.Condition()
+        self.failed: list[BaseException] = []
+
+    def steps(self) -> int:
+        """The steps a fit takes: its first (before its first turn), one a turn, and one after its last."""
+        return len(self.order) // 2 + 2
+
+    def step_ended(self, name: str, drain: Callable[[], None] = lambda: None) -> None:
+        """Called by `name`'s fit at the end of each optimizer step (its thread holds the lock): ends its turn, if it
+        is in one, and waits for its next."""
+        if name in self.started:
+            drain()
+            self.seconds[name].append(time.perf_counter() - self.started.pop(name))
+            self.turn += 1
+            if self.turn == 2:
+                WAITED[0] = 0.0  # (the warm-up pair's waiting is not counted)
+            self.condition.notify_all()
+        self.condition.wait_for(lambda: self.turn >= len(self.order) or self.order[self.turn] == name)
+        if self.turn < len(self.order):
+            self.started[name] = time.perf_counter()
+
+    def run(self, fits: dict[str, Callable[[], None]]) -> list[tuple[float, float]]:
+        """Runs both fits, each in its own thread (neither the main one, so neither installs signal handlers); the
+        (plain, recorded) seconds of each pair after the warm-up one."""
+        def fit(run: Callable[[], None]) -> None:
+            with self.condition:
+                try:
+                    run()
+                except BaseException as error:
+                    self.failed.append(error)
+                finally:
+                    self.turn = len(self.order)  # the other fit runs to its end (at once where this one failed)
+                    self.condition.notify_all()
+
+        threads = [threading.Thread(target=fit, args=(fits[name],)) for name in ("plain", "recorded")]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        if self.failed:
+            raise self.failed[0]
+        return list(zip(self.seconds["plain"], self.seconds["recorded"]))[1:]
+
+
+def shared_twin(module):
+    """A second object of `module` with the same submodules, parameters and buffers (a shallow copy), but hooks of
+    its own: the plain fit trains the very tensors the recorded one does (two copies of a model train at speeds up
+    to 2% apart, by where their tensors lie), and the recorder's hooks on the model stay on the recorded one."""
+    import copy
+
+    twin = copy.copy(module)
+    for name, value in vars(module).items():
+        if "hooks" in name and isinstance(value, dict):
+            setattr(twin, name, type(value)(value))
+    return twin
+
+
+def path_lightning(folder: str, turns: Turns):
     import lightning as L
     import torch
 
@@ -280,46 +359,38 @@ def path_lightning(folder: str, block: int):
             return self.model(x, y)
 
         def configure_optimizers(self):
-            return torch.optim.AdamW(self.parameters(), lr=1e-3)
+            return optimizer  # one optimizer for both fits: the same state, as the loops' blocks share theirs
 
     samples = [(x[i], y[i]) for batch in batches for x, y in batch for i in range(x.shape[0])]
     loader = torch.utils.data.DataLoader(samples, batch_size=cfg.micro_batch, shuffle=False)  # 4 accumulated a step
     module = GptModule()
-    return (fitted(module, loader, block, recorded=False, ReplayCallback=ReplayCallback),
-            fitted(module, loader, block, recorded=True, ReplayCallback=ReplayCallback), lambda: None)
+    optimizer = torch.optim.AdamW(module.parameters(), lr=1e-3)
 
-
-def fitted(module, loader, block: int, *, recorded: bool, ReplayCallback):
-    import lightning as L
-
-    class Clock(L.Callback):
-        def __init__(self, drain):
-            self.drain = drain
-
-        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-            if trainer.global_step == 1 and not hasattr(self, "started"):
-                self.started = time.perf_counter()
+    class Handoff(L.Callback):
+        def __init__(self, name: str, drain=lambda: None):
+            self.name, self.drain, self.seen = name, drain, 0
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            if trainer.global_step == block + 1 and not hasattr(self, "seconds"):
-                self.drain()
-                self.seconds = time.perf_counter() - self.started
+            if trainer.global_step != self.seen:  # an optimizer step ended with this batch
+                self.seen = trainer.global_step
+                turns.step_ended(self.name, self.drain)
 
-    def run() -> float:
-        callback = ReplayCallback()
-        clock = Clock(lambda: writes_done(callback.recording.hooks)() if recorded else None)
-        callbacks = [callback, clock] if recorded else [clock]
-        trainer = L.Trainer(max_steps=block + 1, accelerator="cpu", devices=1, accumulate_grad_batches=4,
-                            precision="32-true" if PRECISION["precision"] == "fp32" else "bf16-mixed",
-                            gradient_clip_val=5.0, logger=False, enable_checkpointing=False,
-                            enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks)
-        trainer.fit(module, loader)
-        return clock.seconds
+    def fit(name: str, fitted_module, callbacks: list) -> Callable[[], None]:
+        def run() -> None:
+            trainer = L.Trainer(max_steps=turns.steps(), accelerator="cpu", devices=1, accumulate_grad_batches=4,
+                                precision="32-true" if PRECISION["precision"] == "fp32" else "bf16-mixed",
+                                gradient_clip_val=5.0, logger=False, enable_checkpointing=False,
+                                enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks)
+            trainer.fit(fitted_module, loader)
+        return run
 
-    return run
+    recorder = ReplayCallback()
+    drain = lambda: writes_done(recorder.recording.hooks)()  # noqa: E731 (the recording exists once the fit started)
+    return turns.run({"plain": fit("plain", shared_twin(module), [Handoff("plain")]),
+                      "recorded": fit("recorded", module, [recorder, Handoff("recorded", drain)])})
 
 
-def path_hf(folder: str, block: int):
+def path_hf(folder: str, turns: Turns):
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
 
@@ -328,86 +399,83 @@ def path_hf(folder: str, block: int):
     os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{folder}/mlflow.db"
     config = GPT2Config(n_embd=128, n_layer=4, n_head=4, n_positions=64, vocab_size=256)
     generator = torch.Generator().manual_seed(0)
-    data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 256, (512, 64), generator=generator)]
-
-    class Clock(TrainerCallback):
-        def __init__(self, drain):
-            self.drain = drain
-
-        def on_step_begin(self, args, state, control, **kwargs):
-            if state.global_step == 1:
-                self.started = time.perf_counter()
-
-        def on_step_end(self, args, state, control, **kwargs):
-            if state.global_step == block + 1:
-                self.drain()
-                self.seconds = time.perf_counter() - self.started
-
-    def block_of(model, recorded: bool):
-        def run() -> float:
-            callback = ReplayCallback()
-            clock = Clock(lambda: writes_done(callback.recording.hooks)() if recorded else None)
-            args = TrainingArguments(output_dir=f"{folder}/out", max_steps=block + 1, per_device_train_batch_size=8,
-                                     gradient_accumulation_steps=2, learning_rate=1e-3, max_grad_norm=1.0, report_to="none",
-                                     save_strategy="no", logging_strategy="no", use_cpu=True, disable_tqdm=True,
-                                     dataloader_num_workers=0)
-            callbacks = [callback, clock] if recorded else [clock]
-            Trainer(model=model, args=args, train_dataset=data, callbacks=callbacks).train()
-            return clock.seconds
-        return run
-
+    data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 256, (4096, 64), generator=generator)]
     torch.manual_seed(0)
     model = GPT2LMHeadModel(config)
-    return block_of(model, False), block_of(model, True), lambda: None
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)  # one for both fits, as the loops' blocks share theirs
+
+    class Handoff(TrainerCallback):
+        def __init__(self, name: str, drain=lambda: None):
+            self.name, self.drain = name, drain
+
+        def on_step_end(self, args, state, control, **kwargs):
+            turns.step_ended(self.name, self.drain)
+
+    def fit(name: str, fitted_model, callbacks: list) -> Callable[[], None]:
+        def run() -> None:
+            args = TrainingArguments(output_dir=f"{folder}/out-{name}", max_steps=turns.steps(),
+                                     per_device_train_batch_size=8, gradient_accumulation_steps=2, learning_rate=1e-3,
+                                     max_grad_norm=1.0, report_to="none", save_strategy="no", logging_strategy="no",
+                                     use_cpu=True, disable_tqdm=True, dataloader_num_workers=0)
+            Trainer(model=fitted_model, args=args, train_dataset=data, callbacks=callbacks,
+                    optimizers=(optimizer, None)).train()
+        return run
+
+    recorder = ReplayCallback()
+    drain = lambda: writes_done(recorder.recording.hooks)()  # noqa: E731
+    return turns.run({"plain": fit("plain", shared_twin(model), [Handoff("plain")]),
+                      "recorded": fit("recorded", model, [recorder, Handoff("recorded", drain)])})
 
 
-def child(path: str, pairs: int, block: int, handoff: float, precision: str) -> None:
+def child(path: str, pairs: int, handoff: float, precision: str) -> None:
     import torch
 
     from replaybisect.record import metrics_process
 
     torch.set_num_threads(1)
     PRECISION["precision"] = precision
-    if path not in TRAINERS:  # one run, as long as a real one: its steady state (a trainer's block is a run of 100 steps)
-        metrics_process.HANDOFF_SECONDS = handoff
+    metrics_process.HANDOFF_SECONDS = handoff  # one run, as long as a real one: its steady state
     with tempfile.TemporaryDirectory() as folder:
-        setups = {"control": path_control, "train": path_train, "recorder": path_recorder, "inline": path_inline, "ddp": path_ddp,
-                  "lightning": path_lightning, "hf": path_hf}
-        plain, recorded, close = setups[path](folder, block)
-        measured = interleaved(plain, recorded, pairs)
-        close()
-    print("RESULT " + json.dumps({"path": path, "pairs": measured, "block": block, "waited": WAITED[0]}))
+        if path in TRAINERS:
+            measured = {"lightning": path_lightning, "hf": path_hf}[path](folder, Turns(pairs))
+        else:
+            setups = {"control": path_control, "train": path_train, "recorder": path_recorder, "inline": path_inline,
+                      "ddp": path_ddp}
+            plain, recorded, close = setups[path](folder, 1)  # a block: one step
+            measured = interleaved(plain, recorded, pairs)
+            close()
+    print("RESULT " + json.dumps({"path": path, "pairs": measured, "waited": WAITED[0]}))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--paths", default=",".join(PATHS))
-    parser.add_argument("--steps", type=int, default=600, help="recorded steps per path (as many plain ones)")
+    parser.add_argument("--steps", type=int, default=600,
+                        help="recorded steps per loop path (as many plain ones); a trainer's path takes twice as many: "
+                             "its steps' times spread two to three times as much")
     parser.add_argument("--handoff", type=float, default=0.0,
-                        help="for the loops, seconds of in-process metrics logging before the logger process takes over "
-                             "(default 0: the steady state of a run long enough to hand off; a trainer's block is a run "
-                             "of its own, too short to, with the recorder's default, metrics_process.HANDOFF_SECONDS)")
+                        help="seconds of in-process metrics logging before the logger process takes over (default 0: the "
+                             "steady state of a run long enough to hand off; the recorder's default is "
+                             "metrics_process.HANDOFF_SECONDS)")
     parser.add_argument("--precision", choices=("bf16", "fp32"), default="bf16",
                         help="the GPT paths' precision (default bf16 autocast; fp32 where the CPU emulates bf16)")
     parser.add_argument("--child")
     parser.add_argument("--pairs", type=int, help=argparse.SUPPRESS)
-    parser.add_argument("--block", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        child(args.child, args.pairs, args.block, args.handoff, args.precision)
+        child(args.child, args.pairs, args.handoff, args.precision)
         return
     paths = [path.strip() for path in args.paths.split(",") if path.strip()]
     unknown = sorted(set(paths) - set(PATHS))
     if unknown:
         parser.error(f"unknown path {', '.join(unknown)}: choose from {', '.join(PATHS)}")
-    print(f"{args.steps} recorded and {args.steps} plain steps per path, interleaved ABBA step by step (a trainer's: "
-          f"fit by fit, {TRAINER_BLOCK} steps each); 1 thread; heap trimming off; the GPT in {args.precision}")
+    print(f"{args.steps} recorded and {args.steps} plain steps per loop path, {args.steps * TRAINER_PAIRS} per trainer, "
+          f"interleaved ABBA step by step; 1 thread; heap trimming off; the GPT in {args.precision}")
     print(f"{'path':<10} {'plain ms/step':>13} {'+ms/step':>9} {'(waiting)':>9} {'recorded/plain':>15} {'95% interval':>17} "
           f"{f'per {CYCLE} steps':>17}")
     for path in paths:
-        block = TRAINER_BLOCK if path in TRAINERS else LOOP_BLOCK
-        pairs = max(1, args.steps // block)
-        done = subprocess.run([sys.executable, __file__, "--child", path, "--pairs", str(pairs), "--block", str(block),
+        pairs = args.steps * (TRAINER_PAIRS if path in TRAINERS else 1)
+        done = subprocess.run([sys.executable, __file__, "--child", path, "--pairs", str(pairs),
                                "--handoff", str(args.handoff), "--precision", args.precision],
                               capture_output=True, text=True, env={**os.environ, **PINNED})
         line = next((line for line in done.stdout.splitlines() if line.startswith("RESULT ")), None)
@@ -416,10 +484,10 @@ def main() -> None:
             continue
         result = json.loads(line[len("RESULT "):])
         measured = result["pairs"]
-        ratio, low, high, runs = ratio_interval(measured, max(1, CYCLE // block))
-        step_ms = sum(plain for plain, _ in measured) / (len(measured) * block) * 1e3
-        added_ms = sum(recorded - plain for plain, recorded in measured) / (len(measured) * block) * 1e3
-        waited_ms = result["waited"] / (len(measured) * block) * 1e3
+        ratio, low, high, runs = ratio_interval(measured, CYCLE)
+        step_ms = sum(plain for plain, _ in measured) / len(measured) * 1e3
+        added_ms = sum(recorded - plain for plain, recorded in measured) / len(measured) * 1e3
+        waited_ms = result["waited"] / len(measured) * 1e3
         print(f"{path:<10} {step_ms:>13.1f} {added_ms:>9.2f} {waited_ms:>9.2f} {ratio:>15.3f} {f'[{low:.3f}, {high:.3f}]':>17} "
               f"{f'{min(runs):.3f}..{max(runs):.3f}':>17}", flush=True)
 
