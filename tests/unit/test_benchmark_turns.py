@@ -28,10 +28,15 @@ def fake_fit(turns, name: str, ran: list, running: list, fail_at: int = -1):
     return run
 
 
-def test_the_fits_take_turns_step_by_step_in_abba_order_one_at_a_time():
-    turns = overhead.Turns(pairs=5)
+@pytest.mark.parametrize("swapped", [False, True])
+def test_the_fits_take_turns_step_by_step_in_abba_order_one_at_a_time(swapped):
+    turns = overhead.Turns(pairs=5, swapped=swapped)
     ran, running = [], []
     pairs = turns.run({name: fake_fit(turns, name, ran, running) for name in ("plain", "recorded")})
+
+    assert ran[0] == ("recorded" if swapped else "plain", 0)  # swapped: the recorded fit starts first
+    assert turns.objects("built", "twin") == ({"plain": "built", "recorded": "twin"} if swapped
+                                              else {"plain": "twin", "recorded": "built"})
 
     assert len(pairs) == 5  # the warm-up pair left out
     assert all(recorded > plain > 0 for plain, recorded in pairs)  # each side's own step, timed
