@@ -3,6 +3,7 @@ interleaved in one process step by step (ABBA: the order flips every pair), so t
 (other processes, frequency, the allocator's state) lands on both sides of each pair.
 
     python benchmarks/overhead.py [--paths control,train,recorder,inline,ddp,lightning,hf] [--steps 600] [--precision fp32]
+    python benchmarks/overhead.py --paths lightning-control,hf-control --precision fp32   # the trainers' controls
 
 Each path runs in its own process, with one thread (torch.set_num_threads(1), OMP_NUM_THREADS=1) and glibc's heap
 trimming off (MALLOC_TRIM_THRESHOLD_ and MALLOC_MMAP_THRESHOLD_ at 256 MiB: otherwise a loop that frees every batch
@@ -17,7 +18,7 @@ A step's time drifts over seconds on a shared machine (successive steps correlat
 blocks of 10 steps the plain-against-plain control read 0.982 [0.970, 0.997] on such a machine, an interval that left
 out 1; step by step it read 1.000 [0.994, 1.006]. A trainer's fit cannot be stepped from outside, so its plain and
 recorded fits run in two threads that take turns a step at a time (`Turns`: only the thread whose turn it is runs;
-with whole fits of 100 steps as the blocks, the intervals were 5 to 6% wide). A recorded step's time includes
+with whole fits of 100 steps as the blocks, the intervals were +/-5 to 6%). A recorded step's time includes
 waiting for the recorder's background writes it started (where any are pending), so none of its work spills into the
 next plain step. The recorder's work comes in lumps (a
 flush every 50 steps, a snapshot every 100), so the figure is the ratio of the total times, recorded/plain, and its
@@ -50,9 +51,11 @@ Each path's run stands for a long one: its metric points go to the logger proces
   parameters and optimizer state, as the loops' blocks do. A turn runs from one optimizer step's end to the next's
   (the data's fetch and every hook between included); each fit's start, first step and end are one-off costs,
   left out as the loops' are. As for inline, the recorder's global optimizer hook sees the plain fit's updates
-  too (an identity check each). With no recorder on either fit, the second fit's steps took about 1% longer than
-  the first's, so half the pairs run with the recorded fit started second on the module as built, half with it
-  started first on the twin (`Turns.objects`), and the two halves' ratios are printed too.
+  too (a check each). With no recorder on either fit, the second fit read 1.009 and 1.010 against the first, with
+  intervals that hold 1, so half the pairs run with the recorded fit started second on the module as built, half
+  with it started first on the twin (`Turns.objects`), and the two halves' ratios are printed too.
+- lightning-control, hf-control (not in the default --paths): the trainers' fits as above, plain against plain
+  (the "recorded" fit given a callback that does nothing).
 - hf: a GPT-2 from GPT2Config (width 128, 4 layers, context 64, batch 8, accumulation 2), two `Trainer.train()`s
   taking turns as lightning's, one with ReplayCallback, the plain one on a shallow copy of the model, both given the
   same optimizer (each Trainer makes its own schedule on it).
@@ -75,8 +78,9 @@ from typing import Callable
 
 HERE = Path(__file__).resolve().parent
 EXAMPLE = HERE.parent / "examples" / "own_loop"
-PATHS = ("control", "train", "recorder", "inline", "ddp", "lightning", "hf")
-TRAINERS = ("lightning", "hf")  # two fits taking turns (Turns)
+PATHS = ("control", "train", "recorder", "inline", "ddp", "lightning", "hf", "lightning-control", "hf-control")
+DEFAULT_PATHS = PATHS[:7]
+TRAINERS = ("lightning", "hf", "lightning-control", "hf-control")  # two fits taking turns (Turns)
 TRAINER_PAIRS = 2  # a trainer's path measures this many times --steps
 CYCLE = 100  # steps: the recorder's cycle (a snapshot every 100 steps), a run in the interval's bootstrap
 PINNED = {"MALLOC_TRIM_THRESHOLD_": str(2**28), "MALLOC_MMAP_THRESHOLD_": str(2**28), "OMP_NUM_THREADS": "1",
@@ -271,13 +275,17 @@ def path_train(folder: str, block: int):
 
 
 # ---- the trainers: two fits taking turns step by step ------------------------------------------------------
+class Aborted(Exception):
+    """The other fit failed: this one stops at its next step's end (Turns.step_ended)."""
+
+
 class Turns:
-    """Two fits, plain and recorded, in two threads of this process, taking turns a step at a time in the order of
-    `interleaved` (ABBA, after a warm-up pair): a thread runs only while it holds the condition's lock, which it
-    gives up only at the end of a step (or of its fit), so the two never run at once, and each turn is one step of
-    its fit, timed from when its thread got the turn to when it hands it on (a recorded turn waits for the writer's
-    pending jobs first, as a loop's recorded step does). A fit's start and end, and the steps after the last turn,
-    are outside the turns: one-off costs, left out as the loops' are."""
+    """Two fits, plain and recorded, in two threads of this process, taking turns a step at a time (ABBA: plain and
+    recorded, then recorded and plain, after a warm-up pair): a thread runs only while it holds the condition's lock,
+    which it gives up only at the end of a step (or of its fit), so the two never run at once, and each turn is one
+    step of its fit, timed from when its thread got the turn to when it hands it on (a recorded turn waits for the
+    writer's pending jobs first, as a loop's recorded step does). A fit's start and end, and the steps after the last
+    turn, are outside the turns: one-off costs, left out as the loops' are."""
 
     def __init__(self, pairs: int, swapped: bool = False):
         self.swapped = swapped
@@ -288,12 +296,14 @@ class Turns:
         self.started: dict[str, float] = {}
         self.condition = threading.Condition()
         self.failed: list[BaseException] = []
+        self.waited_from = 0.0  # WAITED when the warm-up pair ended
+        self.waited = 0.0  # seconds the recorded turns after the warm-up pair waited for the writer
 
     def objects(self, built, twin) -> dict[str, object]:
         """Which fit trains the model as built and which its shallow twin (`shared_twin`), and so which of the two
-        starts first: swapped, the recorded fit takes the twin and starts first. In one process the second fit's
-        steps took about 1% longer than the first's with no recorder on either (Lightning, 600 pairs: 1.010
-        [0.998, 1.018]), so a trainer path runs half its pairs each way round."""
+        starts first: swapped, the recorded fit takes the twin and starts first. With no recorder on either fit
+        (Lightning), the second fit read 1.009 [0.989, 1.024] against the first over 300 pairs and 1.010 [0.998,
+        1.018] over 600: perhaps 1%, perhaps nothing; a trainer path runs half its pairs each way round."""
         return {"plain": built, "recorded": twin} if self.swapped else {"plain": twin, "recorded": built}
 
     def steps(self) -> int:
@@ -302,39 +312,52 @@ class Turns:
 
     def step_ended(self, name: str, drain: Callable[[], None] = lambda: None) -> None:
         """Called by `name`'s fit at the end of each optimizer step (its thread holds the lock): ends its turn, if it
-        is in one, and waits for its next."""
+        is in one, and waits for its next. Raises Aborted where the other fit failed."""
         if name in self.started:
             drain()
             self.seconds[name].append(time.perf_counter() - self.started.pop(name))
             self.turn += 1
             if self.turn == 2:
-                WAITED[0] = 0.0  # (the warm-up pair's waiting is not counted)
+                self.waited_from = WAITED[0]  # (the warm-up pair's waiting is not counted)
             self.condition.notify_all()
         self.condition.wait_for(lambda: self.turn >= len(self.order) or self.order[self.turn] == name)
+        if self.failed:
+            raise Aborted
         if self.turn < len(self.order):
             self.started[name] = time.perf_counter()
 
     def run(self, fits: dict[str, Callable[[], None]]) -> list[tuple[float, float]]:
-        """Runs both fits, each in its own thread (neither the main one, so neither installs signal handlers); the
-        (plain, recorded) seconds of each pair after the warm-up one."""
+        """Runs both fits, each in its own thread (neither the main one, so neither installs signal handlers), the
+        first (plain, or recorded where swapped) holding the lock before the other starts; the (plain, recorded)
+        seconds of each pair after the warm-up one. A fit that fails, or ends before its turns do, is an error."""
+        holding = threading.Event()
+
         def fit(run: Callable[[], None]) -> None:
             with self.condition:
+                holding.set()
                 try:
                     run()
                 except BaseException as error:
                     self.failed.append(error)
                 finally:
-                    self.turn = len(self.order)  # the other fit runs to its end (at once where this one failed)
+                    self.turn = len(self.order)  # the schedule is over: the other fit goes on to its end, or stops
                     self.condition.notify_all()
 
-        first = ("recorded", "plain") if self.swapped else ("plain", "recorded")
-        threads = [threading.Thread(target=fit, args=(fits[name],)) for name in first]
-        for thread in threads:
-            thread.start()
+        first, second = (fits["recorded"], fits["plain"]) if self.swapped else (fits["plain"], fits["recorded"])
+        threads = [threading.Thread(target=fit, args=(first,), daemon=True),
+                   threading.Thread(target=fit, args=(second,), daemon=True)]
+        threads[0].start()
+        holding.wait()
+        threads[1].start()
         for thread in threads:
             thread.join()
-        if self.failed:
-            raise self.failed[0]
+        failures = [error for error in self.failed if not isinstance(error, Aborted)]
+        if failures:
+            raise failures[0]
+        if any(len(times) != len(self.order) // 2 for times in self.seconds.values()):
+            raise RuntimeError(f"a fit ended before its turns did: {len(self.seconds['plain'])} plain and "
+                               f"{len(self.seconds['recorded'])} recorded steps of {len(self.order) // 2} each")
+        self.waited = WAITED[0] - self.waited_from
         return list(zip(self.seconds["plain"], self.seconds["recorded"]))[1:]
 
 
@@ -351,7 +374,7 @@ def shared_twin(module):
     return twin
 
 
-def path_lightning(folder: str, turns: Turns):
+def path_lightning(folder: str, turns: Turns, control: bool = False):
     import lightning as L
     import torch
 
@@ -396,14 +419,16 @@ def path_lightning(folder: str, turns: Turns):
             trainer.fit(fitted_module, loader)
         return run
 
-    recorder = ReplayCallback()
-    drain = lambda: writes_done(recorder.recording.hooks)()  # noqa: E731 (the recording exists once the fit started)
+    # the recorder before the handoff: its step is over when the plain fit runs, so its global optimizer hook, which
+    # the shared optimizer's plain updates reach too, does nothing there (a control: a callback that does nothing)
+    recorder = L.Callback() if control else ReplayCallback()
+    drain = (lambda: None) if control else lambda: writes_done(recorder.recording.hooks)()  # (once the fit started)
     trained = turns.objects(module, shared_twin(module))
     return turns.run({"plain": fit("plain", trained["plain"], [Handoff("plain")]),
                       "recorded": fit("recorded", trained["recorded"], [recorder, Handoff("recorded", drain)])})
 
 
-def path_hf(folder: str, turns: Turns):
+def path_hf(folder: str, turns: Turns, control: bool = False):
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
 
@@ -434,8 +459,8 @@ def path_hf(folder: str, turns: Turns):
                     optimizers=(optimizer, None)).train()
         return run
 
-    recorder = ReplayCallback()
-    drain = lambda: writes_done(recorder.recording.hooks)()  # noqa: E731
+    recorder = TrainerCallback() if control else ReplayCallback()  # before the handoff: as lightning's
+    drain = (lambda: None) if control else lambda: writes_done(recorder.recording.hooks)()
     trained = turns.objects(model, shared_twin(model))
     return turns.run({"plain": fit("plain", trained["plain"], [Handoff("plain")]),
                       "recorded": fit("recorded", trained["recorded"], [recorder, Handoff("recorded", drain)])})
@@ -451,10 +476,11 @@ def child(path: str, pairs: int, handoff: float, precision: str) -> None:
     metrics_process.HANDOFF_SECONDS = handoff  # one run, as long as a real one: its steady state
     with tempfile.TemporaryDirectory() as folder:
         if path in TRAINERS:
-            trainer = {"lightning": path_lightning, "hf": path_hf}[path]
-            halves = [trainer(folder, Turns(pairs // 2, swapped)) for swapped in (False, True)]
-            measured = halves[0] + halves[1]
-            RESULT_EXTRA["halves"] = len(halves[0])
+            trainer = {"lightning": path_lightning, "hf": path_hf}[path.removesuffix("-control")]
+            halves = [Turns(pairs // 2, swapped) for swapped in (False, True)]
+            measured = [pair for turns in halves for pair in trainer(folder, turns, path.endswith("-control"))]
+            RESULT_EXTRA["halves"] = pairs // 2
+            WAITED[0] = sum(turns.waited for turns in halves)
         else:
             setups = {"control": path_control, "train": path_train, "recorder": path_recorder, "inline": path_inline,
                       "ddp": path_ddp}
@@ -466,7 +492,7 @@ def child(path: str, pairs: int, handoff: float, precision: str) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--paths", default=",".join(PATHS))
+    parser.add_argument("--paths", default=",".join(DEFAULT_PATHS))
     parser.add_argument("--steps", type=int, default=600,
                         help="recorded steps per loop path (as many plain ones); a trainer's path takes twice as many: "
                              "its steps' times spread two to three times as much")
@@ -488,7 +514,7 @@ def main() -> None:
         parser.error(f"unknown path {', '.join(unknown)}: choose from {', '.join(PATHS)}")
     print(f"{args.steps} recorded and {args.steps} plain steps per loop path, {args.steps * TRAINER_PAIRS} per trainer, "
           f"interleaved ABBA step by step; 1 thread; heap trimming off; the GPT in {args.precision}")
-    print(f"{'path':<10} {'plain ms/step':>13} {'+ms/step':>9} {'(waiting)':>9} {'recorded/plain':>15} {'95% interval':>17} "
+    print(f"{'path':<17} {'plain ms/step':>13} {'+ms/step':>9} {'(waiting)':>9} {'recorded/plain':>15} {'95% interval':>17} "
           f"{f'per {CYCLE} steps':>17}")
     for path in paths:
         pairs = args.steps * (TRAINER_PAIRS if path in TRAINERS else 1)
@@ -497,7 +523,7 @@ def main() -> None:
                               capture_output=True, text=True, env={**os.environ, **PINNED})
         line = next((line for line in done.stdout.splitlines() if line.startswith("RESULT ")), None)
         if done.returncode != 0 or line is None:
-            print(f"{path:<10} failed (exit {done.returncode}): {done.stderr.strip().splitlines()[-1:] or ''}")
+            print(f"{path:<17} failed (exit {done.returncode}): {done.stderr.strip().splitlines()[-1:] or ''}")
             continue
         result = json.loads(line[len("RESULT "):])
         measured = result["pairs"]
@@ -505,11 +531,11 @@ def main() -> None:
         step_ms = sum(plain for plain, _ in measured) / len(measured) * 1e3
         added_ms = sum(recorded - plain for plain, recorded in measured) / len(measured) * 1e3
         waited_ms = result["waited"] / len(measured) * 1e3
-        print(f"{path:<10} {step_ms:>13.1f} {added_ms:>9.2f} {waited_ms:>9.2f} {ratio:>15.3f} {f'[{low:.3f}, {high:.3f}]':>17} "
+        print(f"{path:<17} {step_ms:>13.1f} {added_ms:>9.2f} {waited_ms:>9.2f} {ratio:>15.3f} {f'[{low:.3f}, {high:.3f}]':>17} "
               f"{f'{min(runs):.3f}..{max(runs):.3f}':>17}", flush=True)
         if "halves" in result:  # a trainer's: the recorded fit second, then first (Turns.objects)
             first, second = measured[:result["halves"]], measured[result["halves"]:]
-            print(f"{'':<10} recorded fit started second: {ratio_interval(first, CYCLE)[0]:.3f}, first: "
+            print(f"{'':<17} recorded fit started second: {ratio_interval(first, CYCLE)[0]:.3f}, first: "
                   f"{ratio_interval(second, CYCLE)[0]:.3f}", flush=True)
 
 
