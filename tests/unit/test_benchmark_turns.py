@@ -82,24 +82,16 @@ def test_the_fits_take_turns_step_by_step_in_abba_order_one_at_a_time(clock, swa
                                               else {"plain": "twin", "recorded": "built"})
 
 
-def test_a_fit_that_fails_stops_the_other_and_the_measurement_raises_its_error(clock):
+@pytest.mark.parametrize("ending, message", [({"fail_at": 3}, "the fit failed"),
+                                             ({"steps": 3}, "ended before its turns did")])
+def test_a_fit_that_fails_or_ends_early_stops_the_other_and_the_measurement_raises(clock, ending, message):
     turns = overhead.Turns(pairs=50)
     ran, running = [], []
     fits = {"plain": fake_fit(turns, "plain", clock, ran, running),
-            "recorded": fake_fit(turns, "recorded", clock, ran, running, fail_at=3)}
+            "recorded": fake_fit(turns, "recorded", clock, ran, running, **ending)}
 
     error = measured(turns, fits)
 
-    assert isinstance(error, RuntimeError) and "the fit failed" in str(error)
-    assert max(step for name, step in ran if name == "plain") <= 4  # stopped at its next step's end, not run out
-
-
-def test_a_fit_that_ends_before_its_turns_do_is_an_error(clock):
-    turns = overhead.Turns(pairs=5)
-    ran, running = [], []
-    fits = {"plain": fake_fit(turns, "plain", clock, ran, running),
-            "recorded": fake_fit(turns, "recorded", clock, ran, running, steps=3)}
-
-    error = measured(turns, fits)
-
-    assert isinstance(error, RuntimeError) and "ended before its turns did" in str(error)
+    assert isinstance(error, RuntimeError) and message in str(error)
+    if "fail_at" in ending:  # the other fit stopped at its next step's end, not run out
+        assert max(step for name, step in ran if name == "plain") <= 4
