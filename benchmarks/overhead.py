@@ -53,7 +53,9 @@ Each path's run stands for a long one: its metric points go to the logger proces
   left out as the loops' are. As for inline, the recorder's global optimizer hook sees the plain fit's updates
   too (a check each). With no recorder on either fit, the second fit read 1.009 and 1.010 against the first, with
   intervals that hold 1, so half the pairs run with the recorded fit started second on the module as built, half
-  with it started first on the twin (`Turns.objects`), and the two halves' ratios are printed too.
+  with it started first on the twin (`Turns.objects`). The transformers Trainer's ratio moved 2.5% from one process
+  to the next, which an interval over one process's pairs cannot show, so a trainer path runs in two processes,
+  and each one's ratio and its halves' are printed too.
 - lightning-control, hf-control (not in the default --paths): the trainers' fits as above, plain against plain
   (the "recorded" fit given a callback that does nothing).
 - hf: a GPT-2 from GPT2Config (width 128, 4 layers, context 64, batch 8, accumulation 2), two `Trainer.train()`s
@@ -82,6 +84,7 @@ PATHS = ("control", "train", "recorder", "inline", "ddp", "lightning", "hf", "li
 DEFAULT_PATHS = PATHS[:7]
 TRAINERS = ("lightning", "hf", "lightning-control", "hf-control")  # two fits taking turns (Turns)
 TRAINER_PAIRS = 2  # a trainer's path measures this many times --steps
+TRAINER_PROCESSES = 2  # in this many processes (the transformers Trainer's ratio moved 2.5% from one to the next)
 CYCLE = 100  # steps: the recorder's cycle (a snapshot every 100 steps), a run in the interval's bootstrap
 PINNED = {"MALLOC_TRIM_THRESHOLD_": str(2**28), "MALLOC_MMAP_THRESHOLD_": str(2**28), "OMP_NUM_THREADS": "1",
           "MKL_NUM_THREADS": "1"}
@@ -494,8 +497,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--paths", default=",".join(DEFAULT_PATHS))
     parser.add_argument("--steps", type=int, default=600,
-                        help="recorded steps per loop path (as many plain ones); a trainer's path takes twice as many: "
-                             "its steps' times spread two to three times as much")
+                        help="recorded steps per loop path (as many plain ones); a trainer's path takes twice as many "
+                             "(its steps' times spread two to three times as much), in two processes")
     parser.add_argument("--handoff", type=float, default=0.0,
                         help="seconds of in-process metrics logging before the logger process takes over (default 0: the "
                              "steady state of a run long enough to hand off; the recorder's default is "
@@ -517,26 +520,35 @@ def main() -> None:
     print(f"{'path':<17} {'plain ms/step':>13} {'+ms/step':>9} {'(waiting)':>9} {'recorded/plain':>15} {'95% interval':>17} "
           f"{f'per {CYCLE} steps':>17}")
     for path in paths:
-        pairs = args.steps * (TRAINER_PAIRS if path in TRAINERS else 1)
-        done = subprocess.run([sys.executable, __file__, "--child", path, "--pairs", str(pairs),
-                               "--handoff", str(args.handoff), "--precision", args.precision],
-                              capture_output=True, text=True, env={**os.environ, **PINNED})
-        line = next((line for line in done.stdout.splitlines() if line.startswith("RESULT ")), None)
-        if done.returncode != 0 or line is None:
-            print(f"{path:<17} failed (exit {done.returncode}): {done.stderr.strip().splitlines()[-1:] or ''}")
+        processes = TRAINER_PROCESSES if path in TRAINERS else 1
+        pairs = args.steps * (TRAINER_PAIRS if path in TRAINERS else 1) // processes
+        results = [measured_in_process(path, pairs, args) for _ in range(processes)]
+        if any(isinstance(result, str) for result in results):
+            print(f"{path:<17} failed: {next(result for result in results if isinstance(result, str))}")
             continue
-        result = json.loads(line[len("RESULT "):])
-        measured = result["pairs"]
+        measured = [pair for result in results for pair in result["pairs"]]
         ratio, low, high, runs = ratio_interval(measured, CYCLE)
         step_ms = sum(plain for plain, _ in measured) / len(measured) * 1e3
         added_ms = sum(recorded - plain for plain, recorded in measured) / len(measured) * 1e3
-        waited_ms = result["waited"] / len(measured) * 1e3
+        waited_ms = sum(result["waited"] for result in results) / len(measured) * 1e3
         print(f"{path:<17} {step_ms:>13.1f} {added_ms:>9.2f} {waited_ms:>9.2f} {ratio:>15.3f} {f'[{low:.3f}, {high:.3f}]':>17} "
               f"{f'{min(runs):.3f}..{max(runs):.3f}':>17}", flush=True)
-        if "halves" in result:  # a trainer's: the recorded fit second, then first (Turns.objects)
-            first, second = measured[:result["halves"]], measured[result["halves"]:]
-            print(f"{'':<17} recorded fit started second: {ratio_interval(first, CYCLE)[0]:.3f}, first: "
-                  f"{ratio_interval(second, CYCLE)[0]:.3f}", flush=True)
+        if path in TRAINERS:  # each process's ratio, and its halves': the recorded fit second, then first (Turns.objects)
+            each = [(ratio_interval(result["pairs"], CYCLE)[0], ratio_interval(result["pairs"][:result["halves"]], CYCLE)[0],
+                     ratio_interval(result["pairs"][result["halves"]:], CYCLE)[0]) for result in results]
+            print(f"{'':<17} each process (recorded fit second, first): "
+                  + "; ".join(f"{whole:.3f} ({second:.3f}, {first:.3f})" for whole, second, first in each), flush=True)
+
+
+def measured_in_process(path: str, pairs: int, args) -> dict | str:
+    """One child process's RESULT for `path`, or the line that says why it failed."""
+    done = subprocess.run([sys.executable, __file__, "--child", path, "--pairs", str(pairs),
+                           "--handoff", str(args.handoff), "--precision", args.precision],
+                          capture_output=True, text=True, env={**os.environ, **PINNED})
+    line = next((line for line in done.stdout.splitlines() if line.startswith("RESULT ")), None)
+    if done.returncode != 0 or line is None:
+        return f"exit {done.returncode}: {done.stderr.strip().splitlines()[-1:] or ''}"
+    return json.loads(line[len("RESULT "):])
 
 
 if __name__ == "__main__":
