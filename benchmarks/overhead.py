@@ -145,7 +145,6 @@ def timed_steps(step: Callable[[object], object], batches: list, block: int, dra
     return run
 
 
-RESULT_EXTRA: dict = {}  # a trainer path's: the pairs of its first half
 WAITED = [0.0]  # seconds the recorded blocks spent waiting for the writer's jobs (after the warm-up pair)
 
 
@@ -482,15 +481,15 @@ def child(path: str, pairs: int, handoff: float, precision: str) -> None:
             trainer = {"lightning": path_lightning, "hf": path_hf}[path.removesuffix("-control")]
             halves = [Turns(pairs // 2, swapped) for swapped in (False, True)]
             measured = [pair for turns in halves for pair in trainer(folder, turns, path.endswith("-control"))]
-            RESULT_EXTRA["halves"] = pairs // 2
-            WAITED[0] = sum(turns.waited for turns in halves)
+            result = {"waited": sum(turns.waited for turns in halves), "halves": pairs // 2}  # (the first half's pairs)
         else:
             setups = {"control": path_control, "train": path_train, "recorder": path_recorder, "inline": path_inline,
                       "ddp": path_ddp}
             plain, recorded, close = setups[path](folder, 1)  # a block: one step
             measured = interleaved(plain, recorded, pairs)
             close()
-    print("RESULT " + json.dumps({"path": path, "pairs": measured, "waited": WAITED[0], **RESULT_EXTRA}))
+            result = {"waited": WAITED[0]}
+    print("RESULT " + json.dumps({"path": path, "pairs": measured, **result}))
 
 
 def main() -> None:
