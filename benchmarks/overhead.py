@@ -16,9 +16,11 @@ memory, and that bias is the same in every pair: no interval over pairs can see 
 A step's time drifts over seconds on a shared machine (successive steps correlate at 0.5 to 0.6, steps 20 apart at
 0.2; blocks of the same 50 steps took 12.7 s and 10.4 s one after the other), so the loops alternate every step: with
 blocks of 10 steps the plain-against-plain control read 0.982 [0.970, 0.997] on such a machine, an interval that left
-out 1; step by step it read 1.000 [0.994, 1.006]. A trainer's fit cannot be stepped from outside, so its plain and
-recorded fits run in two threads that take turns a step at a time (`Turns`: only the thread whose turn it is runs;
-with whole fits of 100 steps as the blocks, the intervals were +/-5 to 6%). A recorded step's time includes
+out 1; step by step it read 1.000 [0.994, 1.006]. A trainer's fit cannot be stepped from outside, so its one fit
+alternates: the recorder records only the steps an ABBA schedule gives it (`Alternation`), and a callback after it
+times each step. (Two fits in two threads taking turns a step at a time, the design this replaced, read from 0.972 to
+1.048 in one process or another, with intervals that could not show it: each thread's speed depended on where its
+tensors lay, which one fit in one thread shares between both kinds of step.) A recorded step's time includes
 waiting for the recorder's background writes it started (where any are pending), so none of its work spills into the
 next plain step. The recorder's work comes in lumps (a
 flush every 50 steps, a snapshot every 100), so the figure is the ratio of the total times, recorded/plain, and its
@@ -45,22 +47,17 @@ Each path's run stands for a long one: its metric points go to the logger proces
   it would run inside it). The optimizer hooks stay installed for the recorder's life, so the plain blocks pay
   their identity check too: a cost this path does not count.
 - ddp: the `recorder` path with the model wrapped in DistributedDataParallel in a one-process gloo group.
-- lightning: the GPT as a LightningModule (bf16-mixed, 4 accumulated batches, clip 5), two `trainer.fit`s taking
-  turns, one with ReplayCallback. The plain fit trains a shallow copy of the module (the same submodules and
-  tensors, hooks of its own) and both take the same optimizer from configure_optimizers, so the two train the same
-  parameters and optimizer state, as the loops' blocks do. A turn runs from one optimizer step's end to the next's
-  (the data's fetch and every hook between included); each fit's start, first step and end are one-off costs,
-  left out as the loops' are. As for inline, the recorder's global optimizer hook sees the plain fit's updates
-  too (a check each). With no recorder on either fit, the second fit read 1.009 and 1.010 against the first, with
-  intervals that hold 1, so half the pairs run with the recorded fit started second on the module as built, half
-  with it started first on the twin (`Turns.objects`). The transformers Trainer's ratio moved 2.5% from one process
-  to the next, which an interval over one process's pairs cannot show, so a trainer path runs in two processes,
-  and each one's ratio and its halves' are printed too.
-- lightning-control, hf-control (not in the default --paths): the trainers' fits as above, plain against plain
-  (the "recorded" fit given a callback that does nothing).
-- hf: a GPT-2 from GPT2Config (width 128, 4 layers, context 64, batch 8, accumulation 2), two `Trainer.train()`s
-  taking turns as lightning's, one with ReplayCallback, the plain one on a shallow copy of the model, both given the
-  same optimizer (each Trainer makes its own schedule on it).
+- lightning: the GPT as a LightningModule (bf16-mixed, 4 accumulated batches, clip 5), one `trainer.fit` with
+  ReplayCallback recording every other step in ABBA order (on the others its hooks find no step of its open and do
+  nothing). A step runs from one optimizer step's end to the next's (the data's fetch and every hook between
+  included); the fit's start, first pair and end are one-off costs, left out as the loops' are. As for inline, the
+  recorder's global optimizer hook sees the plain steps' updates too (a check each): a cost this path does not
+  count. A trainer path runs in two processes and prints each one's ratio too.
+- lightning-control, hf-control (not in the default --paths): the trainers' fits as above with a callback that does
+  nothing in the recorder's place.
+- hf: a GPT-2 from GPT2Config (width 128, 4 layers, context 64, batch 8, accumulation 2), one `Trainer.train()`
+  with ReplayCallback recording every other step as lightning's does (on the others its model, backward and clip
+  hooks pass through).
 """
 
 from __future__ import annotations
@@ -73,18 +70,17 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Optional
 
 HERE = Path(__file__).resolve().parent
 EXAMPLE = HERE.parent / "examples" / "own_loop"
 PATHS = ("control", "train", "recorder", "inline", "ddp", "lightning", "hf", "lightning-control", "hf-control")
 DEFAULT_PATHS = PATHS[:7]
-TRAINERS = ("lightning", "hf", "lightning-control", "hf-control")  # two fits taking turns (Turns)
+TRAINERS = ("lightning", "hf", "lightning-control", "hf-control")  # one fit, its steps alternating (Alternation)
 TRAINER_PAIRS = 2  # a trainer's path measures this many times --steps
-TRAINER_PROCESSES = 2  # in this many processes (the transformers Trainer's ratio moved 2.5% from one to the next)
+TRAINER_PROCESSES = 2  # in this many processes, each one's ratio printed
 CYCLE = 100  # steps: the recorder's cycle (a snapshot every 100 steps), a run in the interval's bootstrap
 PINNED = {"MALLOC_TRIM_THRESHOLD_": str(2**28), "MALLOC_MMAP_THRESHOLD_": str(2**28), "OMP_NUM_THREADS": "1",
           "MKL_NUM_THREADS": "1"}
@@ -276,107 +272,57 @@ def path_train(folder: str, block: int):
     return block_of("plain", NullHooks()), block_of("recorded", hooks, writes_done(hooks)), close
 
 
-# ---- the trainers: two fits taking turns step by step ------------------------------------------------------
-class Aborted(Exception):
-    """The other fit failed: this one stops at its next step's end (Turns.step_ended)."""
+# ---- the trainers: one fit whose steps alternate plain and recorded ---------------------------------------------
+class Alternation:
+    """One fit whose optimizer steps alternate plain and recorded, ABBA after a warm-up pair (plain then recorded):
+    the recorder records the recorded steps only (`records`), and each step is timed from the previous step's end to
+    its own (the data's fetch and every hook in between; a recorded step's end waits for the writer's pending jobs
+    first, as a loop's recorded step does). One thread, one model and optimizer, one allocator state for both kinds
+    of step, as the loops' blocks have. The fit's first pair and its end are left out, as the loops' one-off costs
+    are."""
 
-
-class Turns:
-    """Two fits, plain and recorded, in two threads of this process, taking turns a step at a time (ABBA: plain and
-    recorded, then recorded and plain, after a warm-up pair): a thread runs only while it holds the condition's lock,
-    which it gives up only at the end of a step (or of its fit), so the two never run at once, and each turn is one
-    step of its fit, timed from when its thread got the turn to when it hands it on (a recorded turn waits for the
-    writer's pending jobs first, as a loop's recorded step does). A fit's start and end, and the steps after the last
-    turn, are outside the turns: one-off costs, left out as the loops' are."""
-
-    def __init__(self, pairs: int, swapped: bool = False):
-        self.swapped = swapped
-        self.order = [name for pair in range(pairs + 1)
-                      for name in (("plain", "recorded") if pair % 2 == 0 else ("recorded", "plain"))]
-        self.turn = 0
+    def __init__(self, pairs: int):
+        self.order = [kind for pair in range(pairs + 1)
+                      for kind in (("plain", "recorded") if pair % 2 == 0 else ("recorded", "plain"))]
         self.seconds: dict[str, list[float]] = {"plain": [], "recorded": []}
-        self.started: dict[str, float] = {}
-        self.condition = threading.Condition()
-        self.failed: list[BaseException] = []
-        self.waited_from = 0.0  # WAITED when the warm-up pair ended
-        self.waited = 0.0  # seconds the recorded turns after the warm-up pair waited for the writer
-
-    def objects(self, built, twin) -> dict[str, object]:
-        """Which fit trains the model as built and which its shallow twin (`shared_twin`), and so which of the two
-        starts first: swapped, the recorded fit takes the twin and starts first. With no recorder on either fit
-        (Lightning), the second fit read 1.009 [0.989, 1.024] against the first over 300 pairs and 1.010 [0.998,
-        1.018] over 600: perhaps 1%, perhaps nothing; a trainer path runs half its pairs each way round."""
-        return {"plain": built, "recorded": twin} if self.swapped else {"plain": twin, "recorded": built}
+        self.waited = 0.0  # seconds the recorded steps after the warm-up pair waited for the writer
+        self._ended: Optional[float] = None  # when the last step ended
+        self._waited_from = 0.0  # WAITED when the warm-up pair ended
 
     def steps(self) -> int:
-        """The steps a fit takes: its first (before its first turn), one a turn, and one after its last."""
-        return len(self.order) // 2 + 2
+        """The optimizer steps the fit takes."""
+        return len(self.order)
 
-    def step_ended(self, name: str, drain: Callable[[], None] = lambda: None) -> None:
-        """Called by `name`'s fit at the end of each optimizer step (its thread holds the lock): ends its turn, if it
-        is in one, and waits for its next. Raises Aborted where the other fit failed."""
-        if name in self.started:
+    def records(self, step: int) -> bool:
+        """Whether the recorder records optimizer step `step` (counted from 0, as the trainer's global step)."""
+        return step < len(self.order) and self.order[step] == "recorded"
+
+    def step_ended(self, step: int, drain: Callable[[], None] = lambda: None) -> None:
+        """Called at the end of optimizer step `step`, by a callback after the recorder's."""
+        if self.records(step):
             drain()
-            self.seconds[name].append(time.perf_counter() - self.started.pop(name))
-            self.turn += 1
-            if self.turn == 2:
-                self.waited_from = WAITED[0]  # (the warm-up pair's waiting is not counted)
-            self.condition.notify_all()
-        self.condition.wait_for(lambda: self.turn >= len(self.order) or self.order[self.turn] == name)
-        if self.failed:
-            raise Aborted
-        if self.turn < len(self.order):
-            self.started[name] = time.perf_counter()
+        now = time.perf_counter()
+        if step >= 2 and self._ended is not None:
+            self.seconds[self.order[step]].append(now - self._ended)
+        elif step == 1:
+            self._waited_from = WAITED[0]  # (the warm-up pair's waiting is not counted)
+        self._ended = now
 
-    def run(self, fits: dict[str, Callable[[], None]]) -> list[tuple[float, float]]:
-        """Runs both fits, each in its own thread (neither the main one, so neither installs signal handlers), the
-        first (plain, or recorded where swapped) holding the lock before the other starts; the (plain, recorded)
-        seconds of each pair after the warm-up one. A fit that fails, or ends before its turns do, is an error."""
-        holding = threading.Event()
-
-        def fit(run: Callable[[], None]) -> None:
-            with self.condition:
-                holding.set()
-                try:
-                    run()
-                except BaseException as error:
-                    self.failed.append(error)
-                finally:
-                    self.turn = len(self.order)  # the schedule is over: the other fit goes on to its end, or stops
-                    self.condition.notify_all()
-
-        first, second = (fits["recorded"], fits["plain"]) if self.swapped else (fits["plain"], fits["recorded"])
-        threads = [threading.Thread(target=fit, args=(first,), daemon=True),
-                   threading.Thread(target=fit, args=(second,), daemon=True)]
-        threads[0].start()
-        holding.wait()
-        threads[1].start()
-        for thread in threads:
-            thread.join()
-        failures = [error for error in self.failed if not isinstance(error, Aborted)]
-        if failures:
-            raise failures[0]
-        if any(len(times) != len(self.order) // 2 for times in self.seconds.values()):
-            raise RuntimeError(f"a fit ended before its turns did: {len(self.seconds['plain'])} plain and "
-                               f"{len(self.seconds['recorded'])} recorded steps of {len(self.order) // 2} each")
-        self.waited = WAITED[0] - self.waited_from
-        return list(zip(self.seconds["plain"], self.seconds["recorded"]))[1:]
+    def pairs(self, recorded: Optional[int] = None) -> list[tuple[float, float]]:
+        """The (plain, recorded) seconds of each pair after the warm-up one. A fit that ended before its steps did, or
+        a recorder that recorded other than its steps (`recorded`: the steps it took, where there is one), is an
+        error, not a measurement."""
+        if recorded is not None and recorded != self.order.count("recorded"):
+            raise RuntimeError(f"the recorder recorded {recorded} steps of the {self.order.count('recorded')} it was given")
+        done = {kind: len(times) for kind, times in self.seconds.items()}
+        if set(done.values()) != {len(self.order) // 2 - 1}:
+            raise RuntimeError(f"the fit ended before its steps did: {done['plain']} plain and {done['recorded']} "
+                               f"recorded steps timed of {len(self.order) // 2 - 1} each")
+        self.waited = WAITED[0] - self._waited_from
+        return list(zip(self.seconds["plain"], self.seconds["recorded"]))
 
 
-def shared_twin(module):
-    """A second object of `module` with the same submodules, parameters and buffers (a shallow copy), but hooks of
-    its own: the plain fit trains the very tensors the recorded one does (two copies of a model train at speeds up
-    to 2% apart, by where their tensors lie), and the recorder's hooks on the model stay on the recorded one."""
-    import copy
-
-    twin = copy.copy(module)
-    for name, value in vars(module).items():
-        if "hooks" in name and isinstance(value, dict):
-            setattr(twin, name, type(value)(value))
-    return twin
-
-
-def path_lightning(folder: str, turns: Turns, control: bool = False):
+def path_lightning(folder: str, alternation: Alternation, control: bool = False) -> list[tuple[float, float]]:
     import lightning as L
     import torch
 
@@ -396,41 +342,37 @@ def path_lightning(folder: str, turns: Turns, control: bool = False):
             return self.model(x, y)
 
         def configure_optimizers(self):
-            return optimizer  # one optimizer for both fits: the same state, as the loops' blocks share theirs
+            return torch.optim.AdamW(self.parameters(), lr=1e-3)
 
-    samples = [(x[i], y[i]) for batch in batches for x, y in batch for i in range(x.shape[0])]
-    loader = torch.utils.data.DataLoader(samples, batch_size=cfg.micro_batch, shuffle=False)  # 4 accumulated a step
-    module = GptModule()
-    optimizer = torch.optim.AdamW(module.parameters(), lr=1e-3)
+    class SomeSteps(ReplayCallback):
+        """The recorder, on the steps `alternation` gives it: its other hooks do nothing while no step of its is open."""
 
-    class Handoff(L.Callback):
-        def __init__(self, name: str, drain=lambda: None):
-            self.name, self.drain, self.seen = name, drain, 0
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
+            if alternation.records(trainer.global_step):
+                super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
+
+    class Clock(L.Callback):
+        def __init__(self, drain: Callable[[], None]):
+            self.drain, self.seen = drain, 0
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             if trainer.global_step != self.seen:  # an optimizer step ended with this batch
                 self.seen = trainer.global_step
-                turns.step_ended(self.name, self.drain)
+                alternation.step_ended(self.seen - 1, self.drain)
 
-    def fit(name: str, fitted_module, callbacks: list) -> Callable[[], None]:
-        def run() -> None:
-            trainer = L.Trainer(max_steps=turns.steps(), accelerator="cpu", devices=1, accumulate_grad_batches=4,
-                                precision="32-true" if PRECISION["precision"] == "fp32" else "bf16-mixed",
-                                gradient_clip_val=5.0, logger=False, enable_checkpointing=False,
-                                enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks)
-            trainer.fit(fitted_module, loader)
-        return run
-
-    # the recorder before the handoff: its step is over when the plain fit runs, so its global optimizer hook, which
-    # the shared optimizer's plain updates reach too, does nothing there (a control: a callback that does nothing)
-    recorder = L.Callback() if control else ReplayCallback()
+    samples = [(x[i], y[i]) for batch in batches for x, y in batch for i in range(x.shape[0])]
+    loader = torch.utils.data.DataLoader(samples, batch_size=cfg.micro_batch, shuffle=False)  # 4 accumulated a step
+    recorder = L.Callback() if control else SomeSteps()
     drain = (lambda: None) if control else lambda: writes_done(recorder.recording.hooks)()  # (once the fit started)
-    trained = turns.objects(module, shared_twin(module))
-    return turns.run({"plain": fit("plain", trained["plain"], [Handoff("plain")]),
-                      "recorded": fit("recorded", trained["recorded"], [recorder, Handoff("recorded", drain)])})
+    trainer = L.Trainer(max_steps=alternation.steps(), accelerator="cpu", devices=1, accumulate_grad_batches=4,
+                        precision="32-true" if PRECISION["precision"] == "fp32" else "bf16-mixed", gradient_clip_val=5.0,
+                        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        callbacks=[recorder, Clock(drain)])
+    trainer.fit(GptModule(), loader)
+    return alternation.pairs(None if control else recorder.steps_taken)
 
 
-def path_hf(folder: str, turns: Turns, control: bool = False):
+def path_hf(folder: str, alternation: Alternation, control: bool = False) -> list[tuple[float, float]]:
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
 
@@ -441,31 +383,30 @@ def path_hf(folder: str, turns: Turns, control: bool = False):
     generator = torch.Generator().manual_seed(0)
     data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 256, (4096, 64), generator=generator)]
     torch.manual_seed(0)
-    model = GPT2LMHeadModel(config)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)  # one for both fits, as the loops' blocks share theirs
 
-    class Handoff(TrainerCallback):
-        def __init__(self, name: str, drain=lambda: None):
-            self.name, self.drain = name, drain
+    class SomeSteps(ReplayCallback):
+        """The recorder, on the steps `alternation` gives it: its model, backward and clip hooks pass through while no
+        step of its is open."""
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            if alternation.records(state.global_step):
+                super().on_step_begin(args, state, control, **kwargs)
+
+    class Clock(TrainerCallback):
+        def __init__(self, drain: Callable[[], None]):
+            self.drain = drain
 
         def on_step_end(self, args, state, control, **kwargs):
-            turns.step_ended(self.name, self.drain)
+            alternation.step_ended(state.global_step - 1, self.drain)  # (the Trainer counted the step already)
 
-    def fit(name: str, fitted_model, callbacks: list) -> Callable[[], None]:
-        def run() -> None:
-            args = TrainingArguments(output_dir=f"{folder}/out-{name}", max_steps=turns.steps(),
-                                     per_device_train_batch_size=8, gradient_accumulation_steps=2, learning_rate=1e-3,
-                                     max_grad_norm=1.0, report_to="none", save_strategy="no", logging_strategy="no",
-                                     use_cpu=True, disable_tqdm=True, dataloader_num_workers=0)
-            Trainer(model=fitted_model, args=args, train_dataset=data, callbacks=callbacks,
-                    optimizers=(optimizer, None)).train()
-        return run
-
-    recorder = TrainerCallback() if control else ReplayCallback()  # before the handoff: as lightning's
+    recorder = TrainerCallback() if control else SomeSteps()
     drain = (lambda: None) if control else lambda: writes_done(recorder.recording.hooks)()
-    trained = turns.objects(model, shared_twin(model))
-    return turns.run({"plain": fit("plain", trained["plain"], [Handoff("plain")]),
-                      "recorded": fit("recorded", trained["recorded"], [recorder, Handoff("recorded", drain)])})
+    args = TrainingArguments(output_dir=f"{folder}/out", max_steps=alternation.steps(), per_device_train_batch_size=8,
+                             gradient_accumulation_steps=2, learning_rate=1e-3, max_grad_norm=1.0, report_to="none",
+                             save_strategy="no", logging_strategy="no", use_cpu=True, disable_tqdm=True,
+                             dataloader_num_workers=0)
+    Trainer(model=GPT2LMHeadModel(config), args=args, train_dataset=data, callbacks=[recorder, Clock(drain)]).train()
+    return alternation.pairs(None if control else recorder.steps_taken)
 
 
 def child(path: str, pairs: int, handoff: float, precision: str) -> None:
@@ -479,9 +420,9 @@ def child(path: str, pairs: int, handoff: float, precision: str) -> None:
     with tempfile.TemporaryDirectory() as folder:
         if path in TRAINERS:
             trainer = {"lightning": path_lightning, "hf": path_hf}[path.removesuffix("-control")]
-            halves = [Turns(pairs // 2, swapped) for swapped in (False, True)]
-            measured = [pair for turns in halves for pair in trainer(folder, turns, path.endswith("-control"))]
-            result = {"waited": sum(turns.waited for turns in halves), "halves": pairs // 2}  # (the first half's pairs)
+            alternation = Alternation(pairs)
+            measured = trainer(folder, alternation, path.endswith("-control"))
+            result = {"waited": alternation.waited}
         else:
             setups = {"control": path_control, "train": path_train, "recorder": path_recorder, "inline": path_inline,
                       "ddp": path_ddp}
@@ -532,11 +473,9 @@ def main() -> None:
         waited_ms = sum(result["waited"] for result in results) / len(measured) * 1e3
         print(f"{path:<17} {step_ms:>13.1f} {added_ms:>9.2f} {waited_ms:>9.2f} {ratio:>15.3f} {f'[{low:.3f}, {high:.3f}]':>17} "
               f"{f'{min(runs):.3f}..{max(runs):.3f}':>17}", flush=True)
-        if path in TRAINERS:  # each process's ratio, and its halves': the recorded fit second, then first (Turns.objects)
-            each = [(ratio_interval(result["pairs"], CYCLE)[0], ratio_interval(result["pairs"][:result["halves"]], CYCLE)[0],
-                     ratio_interval(result["pairs"][result["halves"]:], CYCLE)[0]) for result in results]
-            print(f"{'':<17} each process (recorded fit second, first): "
-                  + "; ".join(f"{whole:.3f} ({second:.3f}, {first:.3f})" for whole, second, first in each), flush=True)
+        if path in TRAINERS:  # each process's ratio
+            print(f"{'':<17} each process: " + "; ".join(f"{ratio_interval(result['pairs'], CYCLE)[0]:.3f}" for result in results),
+                  flush=True)
 
 
 def measured_in_process(path: str, pairs: int, args) -> dict | str:
