@@ -20,7 +20,7 @@ def capture_raw() -> dict[str, Any]:
         "numpy": np.random.get_state(),
         "torch": torch.get_rng_state(),
     }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
+    if torch.cuda.is_initialized():  # (initialized implies available; is_available() asks the driver each call)
         raw["cuda"] = torch.cuda.get_rng_state_all()
     return raw
 
