@@ -48,16 +48,18 @@ Each path's run stands for a long one: its metric points go to the logger proces
   their identity check too: a cost this path does not count.
 - ddp: the `recorder` path with the model wrapped in DistributedDataParallel in a one-process gloo group.
 - lightning: the GPT as a LightningModule (bf16-mixed, 4 accumulated batches, clip 5), one `trainer.fit` with
-  ReplayCallback recording every other step in ABBA order (on the others its hooks find no step of its open and do
-  nothing). A step runs from one optimizer step's end to the next's (the data's fetch and every hook between
+  ReplayCallback recording every other step in ABBA order (on the others its hooks find no step of its open and
+  pass through). A step runs from one optimizer step's end to the next's (the data's fetch and every hook between
   included); the fit's start, first pair and end are one-off costs, left out as the loops' are. As for inline, the
   recorder's global optimizer hook sees the plain steps' updates too (a check each): a cost this path does not
   count. A trainer path runs in two processes and prints each one's ratio too.
 - lightning-control, hf-control (not in the default --paths): the trainers' fits as above with a callback that does
   nothing in the recorder's place.
 - hf: a GPT-2 from GPT2Config (width 128, 4 layers, context 64, batch 8, accumulation 2), one `Trainer.train()`
-  with ReplayCallback recording every other step as lightning's does (on the others its model, backward and clip
-  hooks pass through).
+  with ReplayCallback recording every other step as lightning's does (on the others its model, backward, clip and
+  optimizer hooks pass through: a check each, a cost this path does not count). Both trainers' data last one epoch,
+  so no epoch's end falls in a timed step (it would fall on a plain one every time), and each step's end checks that
+  the recorder took exactly the steps the schedule gave it.
 """
 
 from __future__ import annotations
@@ -288,6 +290,7 @@ class Alternation:
         self.waited = 0.0  # seconds the recorded steps after the warm-up pair waited for the writer
         self._ended: Optional[float] = None  # when the last step ended
         self._waited_from = 0.0  # WAITED when the warm-up pair ended
+        self._given = 0  # steps the schedule gave the recorder so far
 
     def steps(self) -> int:
         """The optimizer steps the fit takes."""
@@ -297,11 +300,16 @@ class Alternation:
         """Whether the recorder records optimizer step `step` (counted from 0, as the trainer's global step)."""
         return step < len(self.order) and self.order[step] == "recorded"
 
-    def step_ended(self, step: int, drain: Callable[[], None] = lambda: None) -> None:
-        """Called at the end of optimizer step `step`, by a callback after the recorder's."""
+    def step_ended(self, step: int, drain: Callable[[], None] = lambda: None, recorded: Optional[int] = None) -> None:
+        """Called at the end of optimizer step `step`, by a callback after the recorder's; `recorded`: the steps the
+        recorder has taken so far, where there is one (a recorder gated on another step than this clock counts is an
+        error, not a measurement)."""
         if self.records(step):
             drain()
         now = time.perf_counter()
+        self._given += self.records(step)
+        if recorded is not None and recorded != self._given:
+            raise RuntimeError(f"the recorder took {recorded} steps by the end of step {step}, the schedule gave it {self._given}")
         if step >= 2 and self._ended is not None:
             self.seconds[self.order[step]].append(now - self._ended)
         elif step == 1:
@@ -358,9 +366,10 @@ def path_lightning(folder: str, alternation: Alternation, control: bool = False)
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             if trainer.global_step != self.seen:  # an optimizer step ended with this batch
                 self.seen = trainer.global_step
-                alternation.step_ended(self.seen - 1, self.drain)
+                alternation.step_ended(self.seen - 1, self.drain, None if control else recorder.steps_taken)
 
     samples = [(x[i], y[i]) for batch in batches for x, y in batch for i in range(x.shape[0])]
+    samples *= -(-alternation.steps() * 4 * cfg.micro_batch // len(samples))  # one epoch: no epoch's end in a timed step
     loader = torch.utils.data.DataLoader(samples, batch_size=cfg.micro_batch, shuffle=False)  # 4 accumulated a step
     recorder = L.Callback() if control else SomeSteps()
     drain = (lambda: None) if control else lambda: writes_done(recorder.recording.hooks)()  # (once the fit started)
@@ -381,7 +390,8 @@ def path_hf(folder: str, alternation: Alternation, control: bool = False) -> lis
     os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{folder}/mlflow.db"
     config = GPT2Config(n_embd=128, n_layer=4, n_head=4, n_positions=64, vocab_size=256)
     generator = torch.Generator().manual_seed(0)
-    data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 256, (4096, 64), generator=generator)]
+    rows = max(4096, alternation.steps() * 16)  # one epoch: no epoch's end in a timed step
+    data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 256, (rows, 64), generator=generator)]
     torch.manual_seed(0)
 
     class SomeSteps(ReplayCallback):
@@ -397,7 +407,8 @@ def path_hf(folder: str, alternation: Alternation, control: bool = False) -> lis
             self.drain = drain
 
         def on_step_end(self, args, state, control, **kwargs):
-            alternation.step_ended(state.global_step - 1, self.drain)  # (the Trainer counted the step already)
+            alternation.step_ended(state.global_step - 1, self.drain,  # (the Trainer counted the step already)
+                                   None if control else recorder.steps_taken)
 
     recorder = TrainerCallback() if control else SomeSteps()
     drain = (lambda: None) if control else lambda: writes_done(recorder.recording.hooks)()

@@ -69,3 +69,12 @@ def test_a_recorder_that_recorded_other_than_its_steps_is_an_error(clock):
     assert len(alternation.pairs(recorded=6)) == 5  # the warm-up pair's recorded step is one of its six
     with pytest.raises(RuntimeError, match="recorded 12 steps of the 6"):
         alternation.pairs(recorded=12)
+
+
+def test_a_recorder_gated_on_another_step_than_the_clock_counts_is_an_error(clock):
+    alternation = overhead.Alternation(pairs=5)
+    alternation.step_ended(0, recorded=0)  # plain: the recorder took none
+    alternation.step_ended(1, recorded=1)  # recorded: it took this one
+
+    with pytest.raises(RuntimeError, match="took 1 steps by the end of step 2, the schedule gave it 2"):
+        alternation.step_ended(2, recorded=1)  # recorded, but the recorder did not take it (a step off)
